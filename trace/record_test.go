@@ -1,0 +1,146 @@
+package trace
+
+import (
+	"encoding/json"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+const sampleStart = `{"Kind":1,"Flag":16,"SourceKind":1,"Timestamp":1731000000123456789,"Id":42,"MsptiObjectId":{"Pt":{"ProcessId":1234,"ThreadId":1234},"Ds":{"DeviceId":3,"StreamId":7}},"Name":"step 12","Domain":"default"}`
+
+func TestRecordCanonicalRoundTrip(t *testing.T) {
+	r, err := ParseRecord([]byte(sampleStart))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Record{Kind: 1, Flag: FlagDeviceStart, SourceKind: 1, Timestamp: 1731000000123456789, ID: 42,
+		ProcessID: 1234, ThreadID: 1234, DeviceID: 3, StreamID: 7, Name: "step 12", Domain: "default"}
+	if diff := cmp.Diff(want, r); diff != "" {
+		t.Fatalf("ParseRecord (-want +got):\n%s", diff)
+	}
+	if got := string(r.AppendJSON(nil)); got != sampleStart {
+		t.Fatalf("AppendJSON:\n got %s\nwant %s", got, sampleStart)
+	}
+}
+
+func TestRecordGenericShapes(t *testing.T) {
+	op := CommOp{OpName: "HcclAllReduce", GroupName: "tp<0>", Count: 4096, DataType: "fp16", StreamID: 3}
+	commName := string(op.AppendJSON(nil))
+	comm := Record{Kind: 1, Flag: FlagDeviceStart, SourceKind: 1, Timestamp: 5, ID: 9, Name: commName, Domain: DomainCommunication}
+	line := comm.AppendJSON(nil)
+	got, err := ParseRecord(line)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(comm, got); diff != "" {
+		t.Fatalf("escaped name round trip (-want +got):\n%s", diff)
+	}
+	// encoding/json must read what we write, field for field.
+	var generic map[string]any
+	if err := json.Unmarshal(line, &generic); err != nil {
+		t.Fatalf("encoding/json rejects %s: %v", line, err)
+	}
+	if generic["Name"] != commName {
+		t.Fatalf("encoding/json reads Name %q, want %q", generic["Name"], commName)
+	}
+	gotOp, err := ParseCommOp(got.Name)
+	if err != nil || gotOp != op {
+		t.Fatalf("ParseCommOp = %+v, %v; want %+v", gotOp, err, op)
+	}
+
+	// Another order, whitespace, -1 in the union half, an unknown field.
+	other := `{ "Id": 7, "Kind": 1, "Flag": 2, "Timestamp": 10, "Extra": [1,2],
+		"MsptiObjectId": {"Ds": {"DeviceId": -1, "StreamId": -1}, "Pt": {"ProcessId": 5, "ThreadId": 6}},
+		"Domain": "default", "Name": "forward" }`
+	got, err = ParseRecord([]byte(other))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Record{Kind: 1, Flag: FlagHostStart, Timestamp: 10, ID: 7, ProcessID: 5, ThreadID: 6,
+		DeviceID: 1<<32 - 1, StreamID: 1<<32 - 1, Name: "forward", Domain: "default"}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Fatalf("generic parse (-want +got):\n%s", diff)
+	}
+}
+
+func TestParseRecordErrors(t *testing.T) {
+	tests := []struct{ in, field string }{
+		{`garbage`, ""},
+		{`{"Kind":1,"Flag":16`, ""},
+		{`{"Flag":16,"Timestamp":1,"Id":1}`, "Kind"},
+		{`{"Kind":1,"Flag":16,"Id":1}`, "Timestamp"},
+		{`{"Kind":1,"Flag":16,"Timestamp":-5,"Id":1}`, "Timestamp"},
+		{`{"Kind":1,"Flag":16,"Timestamp":1.5,"Id":1}`, "Timestamp"},
+		{`{"Kind":1,"Flag":16,"Timestamp":1,"Id":1,"Name":3}`, "Name"},
+		{`{"Kind":1,"Flag":99999999999,"Timestamp":1,"Id":1}`, "Flag"},
+		{"\x00\x01\x02", ""},
+		{`{"Kind":1,"Flag":16,"Timestamp":1,"Id":1,"Name":"` + strings.Repeat("x", MaxLineBytes) + `"}`, ""},
+	}
+	for _, tt := range tests {
+		_, err := ParseRecord([]byte(tt.in))
+		var re *RecordError
+		if !errors.As(err, &re) || !errors.Is(err, ErrRecord) {
+			t.Errorf("ParseRecord(%.60q) = %v, want a *RecordError", tt.in, err)
+			continue
+		}
+		if re.Field != tt.field {
+			t.Errorf("ParseRecord(%.60q): field %q, want %q (%v)", tt.in, re.Field, tt.field, err)
+		}
+	}
+}
+
+func TestAppendJSONStringMatchesEncodingJSON(t *testing.T) {
+	for _, s := range []string{"", "plain", `q"uote\back`, "tab\tnl\ncr\r", "\x00\x1f", "<a&b>", "ünï©ødé", "bad\xffutf8", "\u2028\u2029"} {
+		want, _ := json.Marshal(s)
+		if got := AppendJSONString(nil, s); string(got) != string(want) {
+			t.Errorf("AppendJSONString(%q) = %s, want %s", s, got, want)
+		}
+	}
+}
+
+func TestParseCommOpForms(t *testing.T) {
+	for _, in := range []string{
+		`{"opName":"ncclAllReduce","groupName":"dp","count":"10","dataType":"bf16","streamId":"2"}`,
+		`{"opName":"ncclAllReduce","groupName":"dp","count":10,"dataType":"bf16","streamId":2,"extra":true}`,
+	} {
+		op, err := ParseCommOp(in)
+		want := CommOp{OpName: "ncclAllReduce", GroupName: "dp", Count: 10, DataType: "bf16", StreamID: 2}
+		if err != nil || op != want {
+			t.Errorf("ParseCommOp(%s) = %+v, %v", in, op, err)
+		}
+	}
+	for _, in := range []string{``, `step 3`, `{"groupName":"x"}`, `{"opName":"a","count":"x"}`} {
+		if _, err := ParseCommOp(in); !errors.Is(err, ErrRecord) {
+			t.Errorf("ParseCommOp(%q) = %v, want ErrRecord", in, err)
+		}
+	}
+}
+
+func FuzzParseRecord(f *testing.F) {
+	f.Add([]byte(sampleStart))
+	f.Add([]byte(`{"Kind":1,"Flag":32,"SourceKind":1,"Timestamp":1,"Id":1,"MsptiObjectId":{"Pt":{"ProcessId":1,"ThreadId":1},"Ds":{"DeviceId":0,"StreamId":0}},"Name":"{\"opName\":\"HcclSend\"}","Domain":"communication"}`))
+	f.Add([]byte(`{"Id":1,"Kind":1,"Flag":4,"Timestamp":3}`))
+	f.Add([]byte("{\"Kind\":1,\xff"))
+	f.Fuzz(func(t *testing.T, line []byte) {
+		r, err := ParseRecord(line)
+		if err != nil {
+			if !errors.Is(err, ErrRecord) {
+				t.Fatalf("error %v does not wrap ErrRecord", err)
+			}
+			return
+		}
+		out := r.AppendJSON(nil)
+		again, err := ParseRecord(out)
+		if err != nil {
+			t.Fatalf("re-parse of %s: %v", out, err)
+		}
+		// Invalid UTF-8 in names is replaced on write, so compare the rest.
+		again.Name, again.Domain, r.Name, r.Domain = "", "", "", ""
+		if again != r {
+			t.Fatalf("round trip changed the record: %+v != %+v", again, r)
+		}
+	})
+}
