@@ -1,0 +1,86 @@
+package ckpt
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+)
+
+// Committer learns that shards of a step are durable and commits the step
+// once every shard is. A step is never committed on the word of some of its
+// shards: that is how a trainer dying mid-save cannot get an empty step
+// committed. The control plane implements Committer across nodes (it
+// gathers ShardDurable from every node's owner, then has each node call
+// CommitStep); LocalCommitter implements it for one node.
+type Committer interface {
+	// ShardDurable reports that the shard m describes is durable: its data
+	// file and manifest are fsynced under their final names.
+	ShardDurable(ctx context.Context, m ShardManifest) error
+}
+
+// LocalCommitter commits steps whose every shard lies in one directory: a
+// single node, or a filesystem every node shares. It finds the shards of a
+// step by their manifests on disk, so it needs no memory of earlier calls
+// and a restarted process commits a step whose last shard it persists.
+// It is safe for concurrent use.
+type LocalCommitter struct {
+	Dir       string    // the disk tier
+	Retention Retention // applied after each commit
+	// OnCommit, if set, is called after each commit with the step manifest
+	// and the steps retention removed.
+	OnCommit func(m StepManifest, removed []int64)
+
+	mu sync.Mutex
+}
+
+// ShardDurable commits m.Step if the manifests of all its m.NumShards
+// shards are in the step directory and agree, and applies the retention.
+// It returns nil when shards are still missing.
+func (c *LocalCommitter) ShardDurable(ctx context.Context, m ShardManifest) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	stepDir := StepDir(c.Dir, m.Step)
+	if b, err := os.ReadFile(filepath.Join(stepDir, CommitFile)); err == nil {
+		// Committed already; a crash may have cut the commit short before
+		// the trackers, so bring them forward.
+		if t, err := readTracker(c.Dir); err == nil && t.Step >= m.Step {
+			return nil
+		}
+		if sm, err := ParseStepManifest(b); err == nil && sm.Step == m.Step {
+			return CommitStep(c.Dir, sm)
+		}
+	}
+	sm := StepManifest{Step: m.Step, Shards: make([]ShardRef, m.NumShards)}
+	for s := range m.NumShards {
+		name := filepath.Join(stepDir, ShardManifestFile(s))
+		b, err := os.ReadFile(name)
+		if errors.Is(err, os.ErrNotExist) {
+			return nil // not yet
+		}
+		if err != nil {
+			return fmt.Errorf("ckpt: commit step %d: %w", m.Step, err)
+		}
+		sh, err := ParseShardManifest(b)
+		if err != nil {
+			return fmt.Errorf("ckpt: commit step %d: %w", m.Step, withFile(err, name))
+		}
+		if sh.Step != m.Step || sh.Shard != s || sh.NumShards != m.NumShards {
+			return fmt.Errorf("ckpt: commit step %d: %s is for step %d shard %d of %d", m.Step, name, sh.Step, sh.Shard, sh.NumShards)
+		}
+		sm.Shards[s] = ShardRef{Shard: s, Size: sh.Size, ManifestCRC32C: CRC32C(b)}
+	}
+	if err := CommitStep(c.Dir, sm); err != nil {
+		return err
+	}
+	removed, err := ApplyRetention(c.Dir, c.Retention)
+	if c.OnCommit != nil {
+		c.OnCommit(sm, removed)
+	}
+	return err
+}

@@ -1,0 +1,418 @@
+package ckpt
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"github.com/faultline-ml/faultline/internal/atomicfile"
+)
+
+// StepDir is the directory of a step in the disk tier: dir/<step>.
+func StepDir(dir string, step int64) string {
+	return filepath.Join(dir, strconv.FormatInt(step, 10))
+}
+
+// parseStepName returns the step a directory name denotes: a canonical
+// non-negative decimal.
+func parseStepName(name string) (int64, bool) {
+	n, err := strconv.ParseInt(name, 10, 64)
+	if err != nil || n < 0 || strconv.FormatInt(n, 10) != name {
+		return 0, false
+	}
+	return n, true
+}
+
+// persistChunk is the unit of a write to disk.
+const persistChunk = 8 << 20
+
+func wrapNoSpace(err error) error {
+	if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
+		return fmt.Errorf("%w: %w", ErrNoSpace, err)
+	}
+	return err
+}
+
+// mkdirSynced creates dir (whose parent must exist) and makes its entry
+// durable.
+func mkdirSynced(dir string) error {
+	err := os.Mkdir(dir, 0o750)
+	if errors.Is(err, fs.ErrExist) {
+		return nil
+	}
+	if err != nil {
+		return wrapNoSpace(fmt.Errorf("ckpt: create step directory: %w", err))
+	}
+	return atomicfile.SyncDir(filepath.Dir(dir))
+}
+
+// persistHalf writes the step in half i of seg to dir as shard numShards:
+// the data file (CRC-checked while written, fsynced, renamed) and then its
+// manifest. A step already committed there is left alone.
+func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards int) (ShardManifest, error) {
+	shard := seg.hdr.Shard
+	var man ShardManifest
+	err := seg.read(i, true, func(m StepMeta, half []byte, valid func() error) error {
+		stepDir := StepDir(dir, m.Step)
+		if prev, ok := committedShard(stepDir, shard); ok {
+			man = prev
+			return nil
+		}
+		if err := mkdirSynced(stepDir); err != nil {
+			return err
+		}
+		name := filepath.Join(stepDir, ShardFile(shard))
+		f, err := atomicfile.Create(name, 0o640)
+		if err != nil {
+			return wrapNoSpace(err)
+		}
+		defer f.Abort()
+		man = ShardManifest{Step: m.Step, Shard: shard, NumShards: numShards, Blobs: make([]BlobEntry, 0, len(m.Blobs))}
+		for k, e := range m.Blobs {
+			data := half[e.Offset : e.Offset+e.Size]
+			var c uint32
+			for o := 0; o < len(data); o += persistChunk {
+				if err := ctx.Err(); err != nil {
+					return err
+				}
+				chunk := data[o:min(o+persistChunk, len(data))]
+				c = crc32.Update(c, castagnoli, chunk)
+				if _, err := f.Write(chunk); err != nil {
+					return wrapNoSpace(fmt.Errorf("ckpt: write %s: %w", name, err))
+				}
+			}
+			if c != e.CRC32C {
+				return crcMismatch(k, e, c)
+			}
+			man.Blobs = append(man.Blobs, BlobEntry{Name: e.Name, Offset: man.Size, Size: e.Size, CRC32C: c})
+			man.Size += e.Size
+		}
+		// What was written must be what the step held all along.
+		if err := valid(); err != nil {
+			return err
+		}
+		if err := f.Commit(); err != nil {
+			return wrapNoSpace(err)
+		}
+		b, err := man.Marshal()
+		if err != nil {
+			return err
+		}
+		return wrapNoSpace(atomicfile.WriteFile(filepath.Join(stepDir, ShardManifestFile(shard)), b, 0o640))
+	})
+	if err != nil {
+		return ShardManifest{}, err
+	}
+	return man, nil
+}
+
+// committedShard returns the manifest of shard in stepDir if the step is
+// committed and the manifest is the committed one.
+func committedShard(stepDir string, shard int) (ShardManifest, bool) {
+	b, err := os.ReadFile(filepath.Join(stepDir, CommitFile))
+	if err != nil {
+		return ShardManifest{}, false
+	}
+	sm, err := ParseStepManifest(b)
+	if err != nil || shard >= len(sm.Shards) {
+		return ShardManifest{}, false
+	}
+	mb, err := os.ReadFile(filepath.Join(stepDir, ShardManifestFile(shard)))
+	if err != nil || CRC32C(mb) != sm.Shards[shard].ManifestCRC32C {
+		return ShardManifest{}, false
+	}
+	m, err := ParseShardManifest(mb)
+	return m, err == nil
+}
+
+// ErrStale is returned by CommitStep for a step older than the one the
+// tracker names: trackers never move back.
+var ErrStale = errors.New("ckpt: step is older than the committed one")
+
+// CommitStep commits a step in dir once every shard of it is durable: it
+// writes the step's CommitFile, then the trackers (TrackerFile,
+// DLRoverTrackerFile, MegatronTrackerFile), each atomically. The step
+// directory must exist in dir; on a node that holds only some shards it
+// holds only theirs. A control plane that learns shard completion from
+// every node calls CommitStep on each; LocalCommitter calls it for one.
+func CommitStep(dir string, m StepManifest) error {
+	b, err := m.Marshal()
+	if err != nil {
+		return err
+	}
+	stepDir := StepDir(dir, m.Step)
+	if fi, err := os.Stat(stepDir); err != nil || !fi.IsDir() {
+		return fmt.Errorf("ckpt: commit step %d: step directory %s is missing", m.Step, stepDir)
+	}
+	if cur, err := readTracker(dir); err == nil && cur.Step > m.Step {
+		return fmt.Errorf("%w: commit step %d: %s names step %d", ErrStale, m.Step, filepath.Join(dir, TrackerFile), cur.Step)
+	}
+	if err := atomicfile.WriteFile(filepath.Join(stepDir, CommitFile), b, 0o640); err != nil {
+		return wrapNoSpace(err)
+	}
+	for _, t := range []struct {
+		name string
+		data []byte
+	}{
+		{TrackerFile, b},
+		{DLRoverTrackerFile, MarshalStepText(m.Step)},
+		{MegatronTrackerFile, MarshalStepText(m.Step)},
+	} {
+		if err := atomicfile.WriteFile(filepath.Join(dir, t.name), t.data, 0o640); err != nil {
+			return wrapNoSpace(err)
+		}
+	}
+	return nil
+}
+
+func readTracker(dir string) (StepManifest, error) {
+	name := filepath.Join(dir, TrackerFile)
+	b, err := os.ReadFile(name)
+	if err != nil {
+		return StepManifest{}, err
+	}
+	m, err := ParseStepManifest(b)
+	return m, withFile(err, name)
+}
+
+// Retention says which committed steps the disk tier keeps.
+type Retention struct {
+	// KeepLatest is how many of the newest committed steps are kept:
+	// 0 means 3, a negative value keeps every step.
+	KeepLatest int
+	// KeepEvery also keeps every step that is a multiple of it (say 1000
+	// for a long-lived history); 0 keeps none beyond KeepLatest.
+	KeepEvery int64
+}
+
+// stepDirs lists the step directories of dir (no symlinks), newest first,
+// with whether each is committed.
+func stepDirs(dir string) (steps []int64, committed map[int64]bool, err error) {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, nil, fmt.Errorf("ckpt: list %s: %w", dir, err)
+	}
+	committed = map[int64]bool{}
+	for _, e := range ents {
+		n, ok := parseStepName(e.Name())
+		if !ok || !e.IsDir() {
+			continue
+		}
+		steps = append(steps, n)
+		if _, err := os.Stat(filepath.Join(dir, e.Name(), CommitFile)); err == nil {
+			committed[n] = true
+		}
+	}
+	slices.Sort(steps)
+	slices.Reverse(steps)
+	return steps, committed, nil
+}
+
+// ApplyRetention removes from dir the committed steps r does not keep and
+// the uncommitted step directories older than the newest committed step
+// (persists that never completed). It never removes the step the tracker
+// names, nor anything that is not a step directory. It returns the steps
+// removed.
+func ApplyRetention(dir string, r Retention) ([]int64, error) {
+	keepLatest := r.KeepLatest
+	if keepLatest == 0 {
+		keepLatest = 3
+	}
+	steps, committed, err := stepDirs(dir)
+	if err != nil {
+		return nil, err
+	}
+	tracked := int64(-1)
+	if m, err := readTracker(dir); err == nil {
+		tracked = m.Step
+	}
+	var newest int64 = -1
+	for _, s := range steps {
+		if committed[s] {
+			newest = s
+			break
+		}
+	}
+	var removed []int64
+	var errs []error
+	kept := 0
+	for _, s := range steps {
+		keep := s == tracked || s >= newest
+		if committed[s] {
+			if keepLatest < 0 || kept < keepLatest {
+				keep = true
+			}
+			kept++
+			if r.KeepEvery > 0 && s%r.KeepEvery == 0 {
+				keep = true
+			}
+		}
+		if keep {
+			continue
+		}
+		// A step vanishes at once, by a rename, so that a crash in the
+		// middle of removing its files cannot leave a committed step with
+		// some of them gone.
+		if err := os.Rename(StepDir(dir, s), filepath.Join(dir, fmt.Sprintf("%s%d", removingPrefix, s))); err != nil {
+			errs = append(errs, fmt.Errorf("ckpt: retention: %w", err))
+			continue
+		}
+		removed = append(removed, s)
+	}
+	if len(removed) > 0 {
+		if err := atomicfile.SyncDir(dir); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	// Remove what this and any earlier, interrupted, pass set aside.
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		if _, ok := parseStepName(strings.TrimPrefix(e.Name(), removingPrefix)); ok && strings.HasPrefix(e.Name(), removingPrefix) && e.IsDir() {
+			if err := os.RemoveAll(filepath.Join(dir, e.Name())); err != nil {
+				errs = append(errs, fmt.Errorf("ckpt: retention: %w", err))
+			}
+		}
+	}
+	return removed, errors.Join(errs...)
+}
+
+// removingPrefix names a step directory that retention set aside.
+const removingPrefix = ".removing-"
+
+// loadDiskStep reads shard of a committed step and verifies it (see
+// checkDiskShard) and every blob's CRC.
+func loadDiskStep(dir string, step int64, shard int) (*Checkpoint, error) {
+	man, err := checkDiskShard(dir, step, shard)
+	if err != nil {
+		return nil, err
+	}
+	return readShardFile(filepath.Join(StepDir(dir, step), ShardFile(shard)), man)
+}
+
+// checkDiskShard verifies, for shard of a committed step: the step
+// manifest, the shard manifest's CRC against it, and the data file's size.
+func checkDiskShard(dir string, step int64, shard int) (ShardManifest, error) {
+	stepDir := StepDir(dir, step)
+	cname := filepath.Join(stepDir, CommitFile)
+	cb, err := os.ReadFile(cname)
+	if err != nil {
+		return ShardManifest{}, fmt.Errorf("step %d is not committed: %w", step, err)
+	}
+	sm, err := ParseStepManifest(cb)
+	if err != nil {
+		return ShardManifest{}, withFile(err, cname)
+	}
+	if sm.Step != step {
+		return ShardManifest{}, &FormatError{File: cname, Offset: -1, Field: "step", Msg: fmt.Sprintf("value %d in the directory of step %d", sm.Step, step)}
+	}
+	if shard >= len(sm.Shards) {
+		return ShardManifest{}, &FormatError{File: cname, Offset: -1, Field: "num_shards", Msg: fmt.Sprintf("value %d has no shard %d", len(sm.Shards), shard)}
+	}
+	ref := sm.Shards[shard]
+	mname := filepath.Join(stepDir, ShardManifestFile(shard))
+	mb, err := os.ReadFile(mname)
+	if err != nil {
+		return ShardManifest{}, err
+	}
+	if c := CRC32C(mb); c != ref.ManifestCRC32C {
+		return ShardManifest{}, &FormatError{File: mname, Offset: -1, Msg: fmt.Sprintf("CRC32C %#08x, %s says %#08x", c, CommitFile, ref.ManifestCRC32C)}
+	}
+	man, err := ParseShardManifest(mb)
+	if err != nil {
+		return ShardManifest{}, withFile(err, mname)
+	}
+	if man.Step != step || man.Shard != shard || man.Size != ref.Size {
+		return ShardManifest{}, &FormatError{File: mname, Offset: -1,
+			Msg: fmt.Sprintf("step %d shard %d size %d, want %d, %d, %d", man.Step, man.Shard, man.Size, step, shard, ref.Size)}
+	}
+	return man, nil
+}
+
+// readShardFile reads the blobs man describes from name, verifying sizes
+// and CRCs.
+func readShardFile(name string, man ShardManifest) (*Checkpoint, error) {
+	return scanShardFile(name, man, false)
+}
+
+// scanShardFile reads or, with verifyOnly, only checks the blobs of name.
+func scanShardFile(name string, man ShardManifest, verifyOnly bool) (*Checkpoint, error) {
+	f, err := os.Open(name)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if fi.Size() != man.Size {
+		return nil, &FormatError{File: name, Offset: -1, Field: "size", Msg: fmt.Sprintf("file is %d bytes, manifest says %d (truncated?)", fi.Size(), man.Size)}
+	}
+	ck := &Checkpoint{Step: man.Step, Blobs: make([]Blob, len(man.Blobs))}
+	for k, e := range man.Blobs {
+		var data []byte
+		if !verifyOnly {
+			data = make([]byte, e.Size)
+		}
+		h := crc32.New(castagnoli)
+		var err error
+		if verifyOnly {
+			_, err = io.Copy(h, io.NewSectionReader(f, e.Offset, e.Size))
+		} else if _, err = io.ReadFull(io.NewSectionReader(f, e.Offset, e.Size), data); err == nil {
+			h.Write(data)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("ckpt: read %s blob %q: %w", name, e.Name, err)
+		}
+		if c := h.Sum32(); c != e.CRC32C {
+			return nil, withFile(crcMismatch(k, e, c), name)
+		}
+		ck.Blobs[k] = Blob{Name: e.Name, Data: data}
+	}
+	return ck, nil
+}
+
+// LoadDisk returns shard of the newest committed step in dir whose every
+// check holds: the step the tracker names, or else the newest step with a
+// CommitFile. The reasons it passed over newer steps (a tracker naming a
+// missing step, a flipped bit) come back with it, or in the error, which
+// then wraps ErrNoStep.
+func LoadDisk(dir string, shard int) (*Checkpoint, []error, error) {
+	var why []error
+	tracked := int64(-1)
+	if m, err := readTracker(dir); err == nil {
+		tracked = m.Step
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		why = append(why, fmt.Errorf("tracker: %w", err))
+	}
+	steps, committed, err := stepDirs(dir)
+	if err != nil {
+		return nil, why, fmt.Errorf("%w: %w", ErrNoStep, err)
+	}
+	if tracked >= 0 && !committed[tracked] {
+		why = append(why, fmt.Errorf("%s names step %d, which is not committed in %s", TrackerFile, tracked, dir))
+	}
+	for _, s := range steps {
+		if !committed[s] {
+			continue
+		}
+		ck, err := loadDiskStep(dir, s, shard)
+		if err == nil {
+			return ck, why, nil
+		}
+		why = append(why, fmt.Errorf("step %d shard %d: %w", s, shard, err))
+	}
+	if len(why) == 0 {
+		why = append(why, fmt.Errorf("no committed step in %s", dir))
+	}
+	return nil, why, fmt.Errorf("%w on disk: %w", ErrNoStep, errors.Join(why...))
+}

@@ -1,0 +1,386 @@
+package ckpt
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// node is an owner of n shards with a writer on each.
+type node struct {
+	o  *Owner
+	ws []*Writer
+}
+
+func newNode(t *testing.T, cfg OwnerConfig, n int) *node {
+	t.Helper()
+	if cfg.ShmDir == "" {
+		cfg.ShmDir = shmDir(t)
+	}
+	if cfg.Shards == nil {
+		for s := range n {
+			cfg.Shards = append(cfg.Shards, s)
+		}
+	}
+	if cfg.Capacity == 0 {
+		cfg.Capacity = 1 << 20
+	}
+	o, err := NewOwner(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { o.Remove() })
+	nd := &node{o: o}
+	for _, s := range cfg.Shards {
+		w, err := NewWriter(WriterConfig{Path: o.SegmentPath(s)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { w.Close() })
+		nd.ws = append(nd.ws, w)
+	}
+	return nd
+}
+
+// shardBlobs are the blobs of shard s at step.
+func shardBlobs(s int, step int64) []Blob {
+	return []Blob{
+		{Name: "model", Data: bytes.Repeat([]byte{byte(s), byte(step)}, 4000+int(step))},
+		{Name: "optimizer", Data: bytes.Repeat([]byte{byte(step), byte(s), 1}, 2000)},
+	}
+}
+
+// saveAll saves step in every shard.
+func (nd *node) saveAll(t *testing.T, step int64) {
+	t.Helper()
+	for s, w := range nd.ws {
+		if err := w.Save(context.Background(), step, shardBlobs(s, step)...); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// persistAll saves step in every shard and persists it.
+func (nd *node) persistAll(t *testing.T, step int64) {
+	t.Helper()
+	nd.saveAll(t, step)
+	got, err := nd.o.PersistNewest(context.Background())
+	if err != nil || got != step {
+		t.Fatalf("PersistNewest = %d, %v; want %d", got, err, step)
+	}
+}
+
+func checkShard(t *testing.T, ck *Checkpoint, s int, step int64) {
+	t.Helper()
+	want := shardBlobs(s, step)
+	if ck.Step != step || !bytes.Equal(ck.Blob("model"), want[0].Data) || !bytes.Equal(ck.Blob("optimizer"), want[1].Data) {
+		t.Fatalf("shard %d: got step %d (%d model bytes), want step %d", s, ck.Step, len(ck.Blob("model")), step)
+	}
+}
+
+func readFile(t *testing.T, name string) string {
+	t.Helper()
+	b, err := os.ReadFile(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+func TestCommitOnlyWhenEveryShardIsDurable(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	nd := newNode(t, OwnerConfig{Dir: dir}, 2)
+	nd.saveAll(t, 10)
+	if _, err := nd.o.Persist(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, TrackerFile)); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("tracker written with one shard of two durable: %v", err)
+	}
+	if _, err := nd.o.Persist(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	if got := readFile(t, filepath.Join(dir, DLRoverTrackerFile)); got != "10" {
+		t.Fatalf("%s = %q", DLRoverTrackerFile, got)
+	}
+	if got := readFile(t, filepath.Join(dir, MegatronTrackerFile)); got != "10" {
+		t.Fatalf("%s = %q", MegatronTrackerFile, got)
+	}
+	tr, err := readTracker(dir)
+	if err != nil || tr.Step != 10 || len(tr.Shards) != 2 {
+		t.Fatalf("tracker = %+v, %v", tr, err)
+	}
+	var names []string
+	ents, _ := os.ReadDir(StepDir(dir, 10))
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	if want := []string{CommitFile, "shard-00000.bin", "shard-00000.json", "shard-00001.bin", "shard-00001.json"}; !slices.Equal(names, want) {
+		t.Fatalf("step directory holds %v, want %v", names, want)
+	}
+	for s := range 2 {
+		ck, why, err := LoadDisk(dir, s)
+		if err != nil || len(why) != 0 {
+			t.Fatalf("LoadDisk(%d) = %v, %v", s, why, err)
+		}
+		checkShard(t, ck, s, 10)
+	}
+	if err := Verify(dir); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestRunPersistsWhatWritersAsk(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	dir := t.TempDir()
+	commits := make(chan StepManifest, 4)
+	nd := newNode(t, OwnerConfig{Dir: dir, PollInterval: 5 * time.Millisecond,
+		OnCommit: func(m StepManifest) { commits <- m }}, 2)
+	done := make(chan error)
+	go func() { done <- nd.o.Run(ctx) }()
+
+	nd.saveAll(t, 7)
+	for _, w := range nd.ws {
+		if err := w.Persist(7); err != nil {
+			t.Fatal(err)
+		}
+	}
+	select {
+	case m := <-commits:
+		if m.Step != 7 {
+			t.Fatalf("committed step %d, want 7", m.Step)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("no commit within 30s")
+	}
+	if err := nd.ws[0].Persist(6); err == nil {
+		t.Fatal("Persist of a step that is not the newest succeeded")
+	}
+	nd.o.Close()
+	if err := <-done; err != nil {
+		t.Fatalf("Run after Close = %v, want nil", err)
+	}
+}
+
+func TestLoadPreference(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	nd := newNode(t, OwnerConfig{Dir: dir}, 2)
+	nd.persistAll(t, 10)
+	nd.saveAll(t, 12) // in memory only
+
+	ck, rep, err := nd.o.Load(ctx, 1)
+	if err != nil || rep.Tier != TierMemory {
+		t.Fatalf("Load = %s, %v; want memory", rep, err)
+	}
+	checkShard(t, ck, 1, 12)
+
+	// Shard 0 loses step 12 (a flipped bit) and shard 1 step 10 is
+	// overwritten by 13: no step is intact in both, so disk serves.
+	seg := nd.o.segs[0]
+	i := seg.newest()[0]
+	m, _ := seg.metaOK(i)
+	flipBit(t, seg.path, seg.halfBase(i)+m.Blobs[0].Offset)
+	if err := nd.ws[1].Save(ctx, 13, shardBlobs(1, 13)...); err != nil {
+		t.Fatal(err)
+	}
+	for s := range 2 {
+		ck, rep, err := nd.o.Load(ctx, s)
+		if err != nil || rep.Tier != TierDisk {
+			t.Fatalf("shard %d: Load = %s, %v; want disk", s, rep, err)
+		}
+		checkShard(t, ck, s, 10)
+		if len(rep.Refused) != 2 || rep.Refused[0].Tier != TierMemory || rep.Refused[1].Tier != TierReplica ||
+			!strings.Contains(rep.Refused[0].Error(), "no intact step in every local shard") {
+			t.Fatalf("shard %d: report %s", s, rep)
+		}
+		t.Logf("%s", rep)
+	}
+
+	// A given step: shard 0 still holds 10 in memory, shard 1 not.
+	ck, rep, err = nd.o.LoadStep(ctx, 0, 10)
+	if err != nil || rep.Tier != TierMemory {
+		t.Fatalf("LoadStep(0, 10) = %s, %v", rep, err)
+	}
+	checkShard(t, ck, 0, 10)
+	ck, rep, err = nd.o.LoadStep(ctx, 1, 10)
+	if err != nil || rep.Tier != TierDisk {
+		t.Fatalf("LoadStep(1, 10) = %s, %v", rep, err)
+	}
+	checkShard(t, ck, 1, 10)
+	if _, rep, err := nd.o.LoadStep(ctx, 0, 11); !errors.Is(err, ErrNoStep) || len(rep.Refused) != 3 {
+		t.Fatalf("LoadStep(11) = %s, %v; want ErrNoStep with three reasons", rep, err)
+	}
+}
+
+func TestTrackerNamesMissingStep(t *testing.T) {
+	dir := t.TempDir()
+	nd := newNode(t, OwnerConfig{Dir: dir}, 1)
+	nd.persistAll(t, 10)
+	nd.persistAll(t, 20)
+	if err := os.RemoveAll(StepDir(dir, 20)); err != nil {
+		t.Fatal(err)
+	}
+	ck, why, err := LoadDisk(dir, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkShard(t, ck, 0, 10)
+	if len(why) != 1 || !strings.Contains(why[0].Error(), "names step 20") {
+		t.Fatalf("reasons = %v", why)
+	}
+	err = Verify(dir)
+	if err == nil || !strings.Contains(err.Error(), DLRoverTrackerFile) || !strings.Contains(err.Error(), MegatronTrackerFile) {
+		t.Fatalf("Verify = %v, want every tracker reported", err)
+	}
+}
+
+func TestDamagedShardFiles(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		damage func(t *testing.T, data string)
+		want   string
+	}{
+		{"truncated", func(t *testing.T, data string) { os.Truncate(data, 100) }, "truncated"},
+		{"bit flip", func(t *testing.T, data string) { flipBit(t, data, 5000) }, "crc32c"},
+		{"manifest edited", func(t *testing.T, data string) {
+			m := strings.TrimSuffix(data, ".bin") + ".json"
+			b, _ := os.ReadFile(m)
+			os.WriteFile(m, bytes.Replace(b, []byte(`"step": 20`), []byte(`"step": 21`), 1), 0o640)
+		}, "says"},
+		{"manifest missing", func(t *testing.T, data string) { os.Remove(strings.TrimSuffix(data, ".bin") + ".json") }, "no such file"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			nd := newNode(t, OwnerConfig{Dir: dir}, 1)
+			nd.persistAll(t, 10)
+			nd.persistAll(t, 20)
+			tc.damage(t, filepath.Join(StepDir(dir, 20), ShardFile(0)))
+			ck, why, err := LoadDisk(dir, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkShard(t, ck, 0, 10)
+			if len(why) != 1 || !strings.Contains(why[0].Error(), tc.want) {
+				t.Fatalf("reasons = %v, want one naming %q", why, tc.want)
+			}
+			if err := Verify(dir); err == nil || !strings.Contains(err.Error(), "step 20 shard 0") {
+				t.Fatalf("Verify = %v", err)
+			}
+		})
+	}
+}
+
+// TestDiskFull persists into a 1 MiB tmpfs (root only).
+func TestDiskFull(t *testing.T) {
+	dir := t.TempDir()
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", dir).CombinedOutput(); err != nil {
+		t.Skipf("cannot mount a tmpfs (not root?): %v: %s", err, out)
+	}
+	t.Cleanup(func() { exec.Command("umount", dir).Run() })
+	nd := newNode(t, OwnerConfig{Dir: dir, Capacity: 4 << 20}, 1)
+	nd.persistAll(t, 1)
+	if err := nd.ws[0].Save(context.Background(), 2, Blob{Name: "model", Data: make([]byte, 2<<20)}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := nd.o.Persist(context.Background(), 0)
+	if !errors.Is(err, ErrNoSpace) {
+		t.Fatalf("Persist into a full disk = %v, want ErrNoSpace", err)
+	}
+	t.Logf("error as the operator sees it: %v", err)
+	if tr, err := readTracker(dir); err != nil || tr.Step != 1 {
+		t.Fatalf("tracker = %+v, %v; want step 1", tr, err)
+	}
+	ents, _ := os.ReadDir(StepDir(dir, 2))
+	if len(ents) != 0 {
+		t.Fatalf("step 2 holds %d files after a failed persist", len(ents))
+	}
+	ck, _, err := LoadDisk(dir, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkShard(t, ck, 0, 1)
+}
+
+func TestRetention(t *testing.T) {
+	dir := t.TempDir()
+	var removedAll []int64
+	lc := &LocalCommitter{Dir: dir, Retention: Retention{KeepLatest: 2, KeepEvery: 4},
+		OnCommit: func(_ StepManifest, removed []int64) { removedAll = append(removedAll, removed...) }}
+	nd := newNode(t, OwnerConfig{Dir: dir, Committer: lc}, 1)
+	for step := int64(1); step <= 6; step++ {
+		nd.persistAll(t, step)
+	}
+	// Leftovers of persists cut short: one older and one newer than the
+	// newest commit.
+	os.Mkdir(StepDir(dir, 3), 0o750)
+	os.Mkdir(StepDir(dir, 99), 0o750)
+	os.WriteFile(filepath.Join(dir, "notes.txt"), nil, 0o640)
+	for step := int64(7); step <= 10; step++ {
+		nd.persistAll(t, step)
+	}
+	steps, committed, err := stepDirs(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []int64{99, 10, 9, 8, 4}; !slices.Equal(steps, want) {
+		t.Fatalf("steps kept %v, want %v", steps, want)
+	}
+	if committed[99] {
+		t.Fatal("leftover 99 became committed")
+	}
+	if _, err := os.Stat(filepath.Join(dir, "notes.txt")); err != nil {
+		t.Fatal("retention removed a file that is not a step")
+	}
+	if !slices.Contains(removedAll, 3) {
+		t.Fatalf("removed %v", removedAll)
+	}
+}
+
+func TestCommitNeverMovesBack(t *testing.T) {
+	dir := t.TempDir()
+	nd := newNode(t, OwnerConfig{Dir: dir}, 1)
+	nd.persistAll(t, 5)
+	nd.persistAll(t, 6)
+	err := CommitStep(dir, StepManifest{Step: 5, Shards: []ShardRef{{0, 1, 1}}})
+	if !errors.Is(err, ErrStale) {
+		t.Fatalf("CommitStep of an older step = %v, want ErrStale", err)
+	}
+	if got := readFile(t, filepath.Join(dir, DLRoverTrackerFile)); got != "6" {
+		t.Fatalf("tracker moved to %q", got)
+	}
+}
+
+func TestPersistNewestNeedsAgreement(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	nd := newNode(t, OwnerConfig{Dir: dir}, 2)
+	nd.saveAll(t, 5)
+	// The trainer died between its shards: shard 0 holds 6, shard 1 not.
+	if err := nd.ws[0].Save(ctx, 6, shardBlobs(0, 6)...); err != nil {
+		t.Fatal(err)
+	}
+	step, err := nd.o.PersistNewest(ctx)
+	if err != nil || step != 5 {
+		t.Fatalf("PersistNewest = %d, %v; want 5", step, err)
+	}
+	// Now shard 0 holds 6 and 7, shard 1 only 5: no common step.
+	if err := nd.ws[0].Save(ctx, 7, shardBlobs(0, 7)...); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nd.o.PersistNewest(ctx); !errors.Is(err, ErrNoStep) {
+		t.Fatalf("PersistNewest without agreement = %v, want ErrNoStep", err)
+	}
+	if tr, err := readTracker(dir); err != nil || tr.Step != 5 {
+		t.Fatalf("tracker = %+v, %v", tr, err)
+	}
+}

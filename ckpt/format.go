@@ -1,0 +1,440 @@
+package ckpt
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"math"
+	"time"
+	"unicode/utf8"
+)
+
+// Constants of the shared-memory layout. See the FORMAT section of the
+// package documentation.
+const (
+	// Magic opens every segment.
+	Magic = "FLTCKPT\x00"
+	// Version is the layout version this package reads and writes.
+	Version = 1
+	// HeaderSize is the size of the segment header; half 0 starts here.
+	HeaderSize = 4096
+	// StepHeaderSize is the size of the fixed part of a half, before its
+	// blob table.
+	StepHeaderSize = 64
+	// EntrySize is the size of the fixed part of a blob table entry, before
+	// its name.
+	EntrySize = 24
+	// DataAlign is the alignment of blob data inside a half, as this
+	// package lays it out. Parsers accept any offset.
+	DataAlign = 64
+	// PageSize is the granularity of half sizes.
+	PageSize = 4096
+	// MaxNameLen bounds a blob name, in bytes.
+	MaxNameLen = 1024
+	// MaxBlobs bounds the blobs of one step.
+	MaxBlobs = 1 << 16
+)
+
+// Half states, the first word of each half.
+const (
+	StateEmpty    = 0 // never written
+	StateWriting  = 1 // a save is in progress or died; the half holds no step
+	StateComplete = 2 // the half holds the step its table describes
+)
+
+// FlagReplica marks a segment that holds a copy of a peer's shard.
+const FlagReplica = 1
+
+// Offsets of the live words that writers and readers touch with atomic
+// loads and stores. They are outside every checksum.
+const (
+	offActive     = 36 // segment header: u32
+	offPersistSeq = 40 // segment header: u64
+	offState      = 0  // half: u32
+	offPin        = 4  // half: u32
+	offGen        = 8  // half: u64
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// CRC32C returns the CRC-32 of b with the Castagnoli polynomial, the
+// checksum used everywhere in this package.
+func CRC32C(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
+
+// ErrCorrupt is wrapped by every error that reports bytes failing a check:
+// a bad magic, a field out of range, a checksum mismatch.
+var ErrCorrupt = errors.New("corrupt checkpoint data")
+
+// FormatError says which field of which file is wrong.
+type FormatError struct {
+	File   string // the file, "" when parsing bytes of unknown origin
+	Offset int64  // byte offset of the field, -1 for JSON documents
+	Field  string // the field, such as "half_size" or "blobs[2].crc32c"
+	Msg    string // what is wrong, with the value
+}
+
+func (e *FormatError) Error() string {
+	var b bytes.Buffer
+	b.WriteString("ckpt: ")
+	if e.File != "" {
+		b.WriteString(e.File)
+		b.WriteString(": ")
+	}
+	if e.Offset >= 0 {
+		fmt.Fprintf(&b, "offset %d: ", e.Offset)
+	}
+	if e.Field != "" {
+		fmt.Fprintf(&b, "field %s: ", e.Field)
+	}
+	b.WriteString(e.Msg)
+	return b.String()
+}
+
+// Unwrap lets errors.Is(err, ErrCorrupt) hold.
+func (e *FormatError) Unwrap() error { return ErrCorrupt }
+
+func formatErr(off int64, field, format string, args ...any) *FormatError {
+	return &FormatError{Offset: off, Field: field, Msg: fmt.Sprintf(format, args...)}
+}
+
+// withFile names the file in a *FormatError, and otherwise returns err.
+func withFile(err error, file string) error {
+	var fe *FormatError
+	if errors.As(err, &fe) && fe.File == "" {
+		c := *fe
+		c.File = file
+		return &c
+	}
+	return err
+}
+
+// SegmentHeader is the first 64 bytes of a segment.
+type SegmentHeader struct {
+	HalfSize int64  // bytes per half, a multiple of PageSize
+	Shard    int    // the shard the segment holds
+	Flags    uint32 // FlagReplica
+	// Live words, outside the checksum.
+	Active     uint32 // half of the newest completed save, 0 or 1
+	PersistSeq uint64 // seq of the save the writer asks the owner to persist, 0 for none
+}
+
+// Size is the size of the whole segment file.
+func (h SegmentHeader) Size() int64 { return HeaderSize + 2*h.HalfSize }
+
+// MarshalBinary encodes h in its 64-byte form.
+func (h SegmentHeader) MarshalBinary() ([]byte, error) {
+	if err := h.check(); err != nil {
+		return nil, err
+	}
+	b := make([]byte, 64)
+	copy(b, Magic)
+	le := binary.LittleEndian
+	le.PutUint32(b[8:], Version)
+	le.PutUint32(b[12:], HeaderSize)
+	le.PutUint64(b[16:], uint64(h.HalfSize))
+	le.PutUint32(b[24:], uint32(h.Shard))
+	le.PutUint32(b[28:], h.Flags)
+	le.PutUint32(b[32:], CRC32C(b[:32]))
+	le.PutUint32(b[offActive:], h.Active)
+	le.PutUint64(b[offPersistSeq:], h.PersistSeq)
+	return b, nil
+}
+
+// maxHalfSize keeps HeaderSize+2*HalfSize inside an int64 and a mapping.
+const maxHalfSize = 1 << 46
+
+func (h SegmentHeader) check() error {
+	switch {
+	case h.HalfSize < PageSize || h.HalfSize > maxHalfSize || h.HalfSize%PageSize != 0:
+		return formatErr(16, "half_size", "value %d is not a multiple of %d between %d and %d", h.HalfSize, PageSize, PageSize, int64(maxHalfSize))
+	case h.Shard < 0 || h.Shard > math.MaxInt32:
+		return formatErr(24, "shard", "value %d out of range", h.Shard)
+	case h.Flags&^FlagReplica != 0:
+		return formatErr(28, "flags", "unknown bits in %#x", h.Flags)
+	case h.Active > 1:
+		return formatErr(offActive, "active", "value %d is neither 0 nor 1", h.Active)
+	}
+	return nil
+}
+
+// ParseSegmentHeader decodes the first 64 bytes of b. Errors are
+// *FormatError and wrap ErrCorrupt.
+func ParseSegmentHeader(b []byte) (SegmentHeader, error) {
+	if len(b) < 64 {
+		return SegmentHeader{}, formatErr(0, "", "header of %d bytes, want 64", len(b))
+	}
+	if string(b[:8]) != Magic {
+		return SegmentHeader{}, formatErr(0, "magic", "value %q, want %q", b[:8], Magic)
+	}
+	le := binary.LittleEndian
+	if v := le.Uint32(b[8:]); v != Version {
+		return SegmentHeader{}, formatErr(8, "version", "value %d, want %d", v, Version)
+	}
+	if v := le.Uint32(b[12:]); v != HeaderSize {
+		return SegmentHeader{}, formatErr(12, "header_size", "value %d, want %d", v, HeaderSize)
+	}
+	if got, want := le.Uint32(b[32:]), CRC32C(b[:32]); got != want {
+		return SegmentHeader{}, formatErr(32, "header_crc32c", "value %#08x, computed %#08x", got, want)
+	}
+	for i := 48; i < 64; i++ {
+		if b[i] != 0 {
+			return SegmentHeader{}, formatErr(int64(i), "reserved", "byte %#02x is not zero", b[i])
+		}
+	}
+	hs := le.Uint64(b[16:])
+	h := SegmentHeader{
+		HalfSize:   int64(min(hs, math.MaxInt64)),
+		Shard:      int(le.Uint32(b[24:])),
+		Flags:      le.Uint32(b[28:]),
+		Active:     le.Uint32(b[offActive:]),
+		PersistSeq: le.Uint64(b[offPersistSeq:]),
+	}
+	if err := h.check(); err != nil {
+		return SegmentHeader{}, err
+	}
+	return h, nil
+}
+
+// BlobEntry describes one named blob: where its bytes are, how many, and
+// their CRC32C. In a half, Offset counts from the start of the half; in a
+// shard file, from the start of the file.
+type BlobEntry struct {
+	Name   string `json:"name"`
+	Offset int64  `json:"offset"`
+	Size   int64  `json:"size"`
+	CRC32C uint32 `json:"crc32c"`
+}
+
+// StepMeta is the checksummed part of a half: the step it holds and the
+// blob table. The live words (state, pin, gen) are not part of it.
+type StepMeta struct {
+	Seq   uint64    // save sequence number inside the segment
+	Step  int64     // training step
+	Time  time.Time // when the save began
+	Blobs []BlobEntry
+}
+
+// TableSize is the size in bytes of the blob table of m.
+func (m StepMeta) TableSize() int64 {
+	var n int64
+	for _, b := range m.Blobs {
+		n += entryLen(len(b.Name))
+	}
+	return n
+}
+
+// DataStart is the first offset in a half at which this package places
+// blob data: after the header and table, aligned to DataAlign.
+func (m StepMeta) DataStart() int64 { return alignUp(StepHeaderSize+m.TableSize(), DataAlign) }
+
+// End is the offset just past the last blob, or DataStart when there is
+// none: the bytes of a half that the step occupies.
+func (m StepMeta) End() int64 {
+	end := m.DataStart()
+	for _, b := range m.Blobs {
+		end = max(end, b.Offset+b.Size)
+	}
+	return end
+}
+
+// DataSize is the sum of the blob sizes.
+func (m StepMeta) DataSize() int64 {
+	var n int64
+	for _, b := range m.Blobs {
+		n += b.Size
+	}
+	return n
+}
+
+// Blob returns the entry named name.
+func (m StepMeta) Blob(name string) (BlobEntry, bool) {
+	for _, b := range m.Blobs {
+		if b.Name == name {
+			return b, true
+		}
+	}
+	return BlobEntry{}, false
+}
+
+func entryLen(nameLen int) int64 { return EntrySize + alignUp(int64(nameLen), 8) }
+
+func alignUp(n, a int64) int64 { return (n + a - 1) / a * a }
+
+// layoutStep returns the meta of a step made of blobs with these names and
+// sizes, each placed at the next DataAlign boundary. CRCs are left zero.
+func layoutStep(step int64, names []string, sizes []int64) StepMeta {
+	m := StepMeta{Step: step, Blobs: make([]BlobEntry, len(names))}
+	for i := range names {
+		m.Blobs[i] = BlobEntry{Name: names[i], Size: sizes[i]}
+	}
+	off := m.DataStart()
+	for i := range m.Blobs {
+		m.Blobs[i].Offset = off
+		off = alignUp(off+sizes[i], DataAlign)
+	}
+	return m
+}
+
+// MarshalBinary encodes m as the bytes of a half from its start through
+// the end of the table, with the live words zero. It fails if m would not
+// parse back.
+func (m StepMeta) MarshalBinary() ([]byte, error) {
+	if err := m.check(math.MaxInt64); err != nil {
+		return nil, err
+	}
+	b := make([]byte, StepHeaderSize+m.TableSize())
+	le := binary.LittleEndian
+	le.PutUint64(b[16:], m.Seq)
+	le.PutUint64(b[24:], uint64(m.Step))
+	le.PutUint64(b[32:], uint64(unixNano(m.Time)))
+	le.PutUint32(b[40:], uint32(len(m.Blobs)))
+	le.PutUint32(b[44:], uint32(len(b)-StepHeaderSize))
+	p := b[StepHeaderSize:]
+	for _, e := range m.Blobs {
+		le.PutUint64(p[0:], uint64(e.Offset))
+		le.PutUint64(p[8:], uint64(e.Size))
+		le.PutUint32(p[16:], e.CRC32C)
+		le.PutUint16(p[20:], uint16(len(e.Name)))
+		copy(p[EntrySize:], e.Name)
+		p = p[entryLen(len(e.Name)):]
+	}
+	le.PutUint32(b[60:], metaCRC(b))
+	return b, nil
+}
+
+func unixNano(t time.Time) int64 {
+	if t.IsZero() {
+		return 0
+	}
+	return t.UnixNano()
+}
+
+// metaCRC is the CRC32C of bytes [16,60) of a half followed by its table.
+func metaCRC(b []byte) uint32 {
+	c := crc32.Update(0, castagnoli, b[16:60])
+	return crc32.Update(c, castagnoli, b[StepHeaderSize:])
+}
+
+// check validates m against a half of halfSize bytes.
+func (m StepMeta) check(halfSize int64) error {
+	if m.Step < 0 {
+		return formatErr(24, "step", "value %d is negative", m.Step)
+	}
+	if len(m.Blobs) > MaxBlobs {
+		return formatErr(40, "nblobs", "value %d exceeds %d", len(m.Blobs), MaxBlobs)
+	}
+	if ts := m.TableSize(); ts > math.MaxUint32-StepHeaderSize {
+		return formatErr(44, "table_size", "value %d too large", ts)
+	}
+	seen := make(map[string]bool, len(m.Blobs))
+	end := StepHeaderSize + m.TableSize()
+	for i, e := range m.Blobs {
+		field := fmt.Sprintf("blobs[%d]", i)
+		if err := checkName(e.Name); err != nil {
+			return formatErr(-1, field+".name", "%v", err)
+		}
+		if seen[e.Name] {
+			return formatErr(-1, field+".name", "duplicate name %q", e.Name)
+		}
+		seen[e.Name] = true
+		switch {
+		case e.Size < 0 || e.Size > halfSize:
+			return formatErr(-1, field+".size", "value %d out of range [0,%d]", e.Size, halfSize)
+		case e.Offset < end:
+			return formatErr(-1, field+".offset", "value %d overlaps the table or the previous blob ending at %d", e.Offset, end)
+		case e.Offset > halfSize-e.Size:
+			return formatErr(-1, field+".offset", "blob [%d,+%d) runs past the half of %d bytes", e.Offset, e.Size, halfSize)
+		}
+		end = e.Offset + e.Size
+	}
+	return nil
+}
+
+func checkName(name string) error {
+	switch {
+	case name == "":
+		return errors.New("empty")
+	case len(name) > MaxNameLen:
+		return fmt.Errorf("%d bytes exceed %d", len(name), MaxNameLen)
+	case !utf8.ValidString(name):
+		return fmt.Errorf("%q is not UTF-8", name)
+	case bytes.IndexByte([]byte(name), 0) >= 0:
+		return fmt.Errorf("%q holds a NUL byte", name)
+	}
+	return nil
+}
+
+// ParseStepMeta decodes the header and blob table of a half from b, which
+// starts at the half and holds at least its header and table. halfSize
+// bounds the blob offsets. The live words are ignored; the meta checksum
+// is verified. Errors are *FormatError and wrap ErrCorrupt.
+func ParseStepMeta(b []byte, halfSize int64) (StepMeta, error) {
+	if len(b) < StepHeaderSize {
+		return StepMeta{}, formatErr(0, "", "half of %d bytes, want at least %d", len(b), StepHeaderSize)
+	}
+	le := binary.LittleEndian
+	nblobs := int64(le.Uint32(b[40:]))
+	tableSize := int64(le.Uint32(b[44:]))
+	if tableSize > int64(len(b))-StepHeaderSize || tableSize > halfSize-StepHeaderSize {
+		return StepMeta{}, formatErr(44, "table_size", "value %d runs past the half", tableSize)
+	}
+	if nblobs > MaxBlobs || nblobs*EntrySize > tableSize {
+		return StepMeta{}, formatErr(40, "nblobs", "value %d does not fit a table of %d bytes", nblobs, tableSize)
+	}
+	for i := 48; i < 60; i++ {
+		if b[i] != 0 {
+			return StepMeta{}, formatErr(int64(i), "reserved", "byte %#02x is not zero", b[i])
+		}
+	}
+	raw := b[:StepHeaderSize+tableSize]
+	if got, want := le.Uint32(b[60:]), metaCRC(raw); got != want {
+		return StepMeta{}, formatErr(60, "meta_crc32c", "value %#08x, computed %#08x", got, want)
+	}
+	m := StepMeta{
+		Seq:   le.Uint64(b[16:]),
+		Step:  int64(le.Uint64(b[24:])),
+		Blobs: make([]BlobEntry, 0, nblobs),
+	}
+	if ns := int64(le.Uint64(b[32:])); ns != 0 {
+		m.Time = time.Unix(0, ns)
+	}
+	p := raw[StepHeaderSize:]
+	off := int64(StepHeaderSize)
+	for i := range nblobs {
+		field := fmt.Sprintf("blobs[%d]", i)
+		if len(p) < EntrySize {
+			return StepMeta{}, formatErr(off, field, "entry runs past the table")
+		}
+		nameLen := int(le.Uint16(p[20:]))
+		if r := le.Uint16(p[22:]); r != 0 {
+			return StepMeta{}, formatErr(off+22, field+".reserved", "value %d is not zero", r)
+		}
+		n := entryLen(nameLen)
+		if n > int64(len(p)) {
+			return StepMeta{}, formatErr(off+20, field+".name_len", "value %d runs past the table", nameLen)
+		}
+		for _, c := range p[EntrySize+nameLen : n] {
+			if c != 0 {
+				return StepMeta{}, formatErr(off+EntrySize+int64(nameLen), field+".name", "padding is not zero")
+			}
+		}
+		e := BlobEntry{
+			Offset: int64(min(le.Uint64(p[0:]), math.MaxInt64)),
+			Size:   int64(min(le.Uint64(p[8:]), math.MaxInt64)),
+			CRC32C: le.Uint32(p[16:]),
+			Name:   string(p[EntrySize : EntrySize+nameLen]),
+		}
+		m.Blobs = append(m.Blobs, e)
+		p = p[n:]
+		off += n
+	}
+	if len(p) != 0 {
+		return StepMeta{}, formatErr(off, "table_size", "%d bytes left after %d entries", len(p), nblobs)
+	}
+	if err := m.check(halfSize); err != nil {
+		return StepMeta{}, err
+	}
+	return m, nil
+}

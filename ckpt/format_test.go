@@ -1,0 +1,399 @@
+package ckpt
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"hash/crc32"
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func TestSegmentHeaderRoundTrip(t *testing.T) {
+	h := SegmentHeader{HalfSize: 1 << 30, Shard: 7, Flags: FlagReplica, Active: 1, PersistSeq: 42}
+	b, err := h.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The layout is a contract: spot-check the documented offsets.
+	le := binary.LittleEndian
+	if string(b[:8]) != Magic || le.Uint32(b[8:]) != 1 || le.Uint32(b[12:]) != 4096 ||
+		le.Uint64(b[16:]) != 1<<30 || le.Uint32(b[24:]) != 7 || le.Uint32(b[28:]) != 1 ||
+		le.Uint32(b[32:]) != crc32.Checksum(b[:32], crc32.MakeTable(crc32.Castagnoli)) ||
+		le.Uint32(b[36:]) != 1 || le.Uint64(b[40:]) != 42 {
+		t.Fatalf("header bytes do not follow the documented layout: % x", b)
+	}
+	got, err := ParseSegmentHeader(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(h, got); diff != "" {
+		t.Fatalf("round trip (-want +got):\n%s", diff)
+	}
+	if h.Size() != 4096+2<<30 {
+		t.Fatalf("Size = %d", h.Size())
+	}
+}
+
+func TestParseSegmentHeaderRejects(t *testing.T) {
+	good, _ := SegmentHeader{HalfSize: 8192}.MarshalBinary()
+	mutate := func(f func(b []byte)) []byte {
+		b := bytes.Clone(good)
+		f(b)
+		return b
+	}
+	fixCRC := func(b []byte) { binary.LittleEndian.PutUint32(b[32:], CRC32C(b[:32])) }
+	for _, tc := range []struct {
+		name, field string
+		b           []byte
+	}{
+		{"short", "", good[:63]},
+		{"magic", "magic", mutate(func(b []byte) { b[0] = 'X' })},
+		{"version", "version", mutate(func(b []byte) { b[8] = 2; fixCRC(b) })},
+		{"header size", "header_size", mutate(func(b []byte) { b[13] = 0; fixCRC(b) })},
+		{"flipped bit", "header_crc32c", mutate(func(b []byte) { b[17] ^= 1 })},
+		{"half size", "half_size", mutate(func(b []byte) { b[16] = 1; fixCRC(b) })},
+		{"flags", "flags", mutate(func(b []byte) { b[28] = 4; fixCRC(b) })},
+		{"active", "active", mutate(func(b []byte) { b[36] = 2 })},
+		{"reserved", "reserved", mutate(func(b []byte) { b[50] = 1 })},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := ParseSegmentHeader(tc.b)
+			var fe *FormatError
+			if !errors.As(err, &fe) || !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("err = %v, want a *FormatError wrapping ErrCorrupt", err)
+			}
+			if fe.Field != tc.field {
+				t.Fatalf("field = %q, want %q (%v)", fe.Field, tc.field, err)
+			}
+		})
+	}
+}
+
+func sampleMeta() StepMeta {
+	m := layoutStep(1200, []string{"model", "optimizer.state", "ünïcode"}, []int64{1000, 0, 77})
+	m.Seq = 9
+	m.Time = time.Unix(1731000000, 123456789)
+	for i := range m.Blobs {
+		m.Blobs[i].CRC32C = uint32(0x1234567 * (i + 1))
+	}
+	return m
+}
+
+func TestStepMetaRoundTrip(t *testing.T) {
+	m := sampleMeta()
+	b, err := m.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if int64(len(b)) != StepHeaderSize+m.TableSize() {
+		t.Fatalf("len = %d, want %d", len(b), StepHeaderSize+m.TableSize())
+	}
+	le := binary.LittleEndian
+	if le.Uint64(b[16:]) != 9 || le.Uint64(b[24:]) != 1200 || le.Uint32(b[40:]) != 3 ||
+		le.Uint32(b[44:]) != uint32(m.TableSize()) || le.Uint64(b[64:]) != uint64(m.Blobs[0].Offset) ||
+		le.Uint64(b[72:]) != 1000 || le.Uint16(b[84:]) != 5 || string(b[88:93]) != "model" {
+		t.Fatalf("meta bytes do not follow the documented layout: % x", b[:96])
+	}
+	if m.Blobs[0].Offset%DataAlign != 0 || m.Blobs[0].Offset < StepHeaderSize+m.TableSize() {
+		t.Fatalf("first blob at %d", m.Blobs[0].Offset)
+	}
+	got, err := ParseStepMeta(b, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(m, got); diff != "" {
+		t.Fatalf("round trip (-want +got):\n%s", diff)
+	}
+}
+
+func TestParseStepMetaRejects(t *testing.T) {
+	good, _ := sampleMeta().MarshalBinary()
+	fixCRC := func(b []byte) { binary.LittleEndian.PutUint32(b[60:], metaCRC(b)) }
+	mutate := func(f func(b []byte)) []byte {
+		b := bytes.Clone(good)
+		f(b)
+		fixCRC(b)
+		return b
+	}
+	dup := sampleMeta()
+	dup.Blobs[1].Name = "model"
+	for _, tc := range []struct {
+		name, field string
+		b           []byte
+		half        int64
+	}{
+		{"short", "", good[:60], 1 << 20},
+		{"flipped bit", "meta_crc32c", func() []byte { b := bytes.Clone(good); b[70] ^= 4; return b }(), 1 << 20},
+		{"table past half", "table_size", mutate(func(b []byte) { binary.LittleEndian.PutUint32(b[44:], 1<<30) }), 1 << 20},
+		{"too many blobs", "nblobs", mutate(func(b []byte) { binary.LittleEndian.PutUint32(b[40:], 100) }), 1 << 20},
+		{"negative step", "step", mutate(func(b []byte) { b[31] = 0x80 }), 1 << 20},
+		{"blob past half", "blobs[0].offset", good, 1024},
+		{"overlap", "blobs[0].offset", mutate(func(b []byte) { binary.LittleEndian.PutUint64(b[64:], 8) }), 1 << 20},
+		{"name len", "blobs[0].name_len", mutate(func(b []byte) { binary.LittleEndian.PutUint16(b[84:], 999) }), 1 << 20},
+		{"reserved", "reserved", mutate(func(b []byte) { b[50] = 1 }), 1 << 20},
+		{"entry reserved", "blobs[0].reserved", mutate(func(b []byte) { b[86] = 1 }), 1 << 20},
+		{"padding", "blobs[0].name", mutate(func(b []byte) { b[93] = 'x' }), 1 << 20},
+		{"duplicate", "blobs[1].name", marshalUnchecked(dup), 1 << 20},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := ParseStepMeta(tc.b, tc.half)
+			var fe *FormatError
+			if !errors.As(err, &fe) || !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("err = %v, want a *FormatError wrapping ErrCorrupt", err)
+			}
+			if fe.Field != tc.field {
+				t.Fatalf("field = %q, want %q (%v)", fe.Field, tc.field, err)
+			}
+		})
+	}
+	if _, err := dup.MarshalBinary(); err == nil {
+		t.Fatal("MarshalBinary accepted duplicate names")
+	}
+}
+
+// marshalUnchecked encodes m without validating it, as a foreign writer
+// might.
+func marshalUnchecked(m StepMeta) []byte {
+	b := make([]byte, StepHeaderSize+m.TableSize())
+	le := binary.LittleEndian
+	le.PutUint64(b[16:], m.Seq)
+	le.PutUint64(b[24:], uint64(m.Step))
+	le.PutUint32(b[40:], uint32(len(m.Blobs)))
+	le.PutUint32(b[44:], uint32(len(b)-StepHeaderSize))
+	p := b[StepHeaderSize:]
+	for _, e := range m.Blobs {
+		le.PutUint64(p[0:], uint64(e.Offset))
+		le.PutUint64(p[8:], uint64(e.Size))
+		le.PutUint32(p[16:], e.CRC32C)
+		le.PutUint16(p[20:], uint16(len(e.Name)))
+		copy(p[EntrySize:], e.Name)
+		p = p[entryLen(len(e.Name)):]
+	}
+	le.PutUint32(b[60:], metaCRC(b))
+	return b
+}
+
+func TestShardManifestRoundTrip(t *testing.T) {
+	m := ShardManifest{Step: 100, Shard: 2, NumShards: 4, Size: 30, Blobs: []BlobEntry{
+		{Name: "model", Offset: 0, Size: 10, CRC32C: 1}, {Name: "optimizer", Offset: 10, Size: 20, CRC32C: 2}}}
+	b, err := m.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(b), `"file": "shard-00002.bin"`) {
+		t.Fatalf("manifest does not name its data file:\n%s", b)
+	}
+	got, err := ParseShardManifest(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(m, got); diff != "" {
+		t.Fatalf("round trip (-want +got):\n%s", diff)
+	}
+	for _, tc := range []struct{ name, doc, field string }{
+		{"unknown field", `{"version":1,"step":1,"shard":0,"num_shards":1,"file":"shard-00000.bin","size":0,"blobs":[],"x":1}`, ""},
+		{"version", `{"version":2,"step":1,"shard":0,"num_shards":1,"file":"shard-00000.bin","size":0,"blobs":[]}`, "version"},
+		{"path traversal", `{"version":1,"step":1,"shard":0,"num_shards":1,"file":"../../etc/passwd","size":0,"blobs":[]}`, "file"},
+		{"shard range", `{"version":1,"step":1,"shard":3,"num_shards":2,"file":"shard-00003.bin","size":0,"blobs":[]}`, "shard"},
+		{"gap", `{"version":1,"step":1,"shard":0,"num_shards":1,"file":"shard-00000.bin","size":9,"blobs":[{"name":"a","offset":1,"size":8,"crc32c":0}]}`, "blobs[0].offset"},
+		{"size", `{"version":1,"step":1,"shard":0,"num_shards":1,"file":"shard-00000.bin","size":9,"blobs":[{"name":"a","offset":0,"size":8,"crc32c":0}]}`, "size"},
+		{"wrong type", `{"version":1,"step":"1"}`, "step"},
+		{"trailing", `{"version":1,"step":1,"shard":0,"num_shards":1,"file":"shard-00000.bin","size":0,"blobs":[]} {}`, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := ParseShardManifest([]byte(tc.doc))
+			var fe *FormatError
+			if !errors.As(err, &fe) || fe.Field != tc.field {
+				t.Fatalf("err = %v, want a *FormatError on field %q", err, tc.field)
+			}
+		})
+	}
+}
+
+func TestStepManifestRoundTrip(t *testing.T) {
+	m := StepManifest{Step: 5, Shards: []ShardRef{{0, 10, 0xdeadbeef}, {1, 0, 7}}}
+	b, err := m.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := ParseStepManifest(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(m, got); diff != "" {
+		t.Fatalf("round trip (-want +got):\n%s", diff)
+	}
+	for _, doc := range []string{
+		`{"version":1,"step":5,"num_shards":3,"shards":[{"shard":0,"size":1,"manifest_crc32c":1}]}`,
+		`{"version":1,"step":5,"num_shards":1,"shards":[{"shard":1,"size":1,"manifest_crc32c":1}]}`,
+		`{"version":1,"step":5,"num_shards":0,"shards":[]}`,
+		`{"version":1,"step":-5,"num_shards":1,"shards":[{"shard":0,"size":1,"manifest_crc32c":1}]}`,
+	} {
+		if _, err := ParseStepManifest([]byte(doc)); !errors.Is(err, ErrCorrupt) {
+			t.Errorf("ParseStepManifest(%s) = %v, want ErrCorrupt", doc, err)
+		}
+	}
+}
+
+func TestStepText(t *testing.T) {
+	for _, in := range []string{"100", "100\n", " 7 "} {
+		n, err := ParseStepText([]byte(in))
+		if err != nil {
+			t.Fatalf("ParseStepText(%q): %v", in, err)
+		}
+		if m, _ := ParseStepText(MarshalStepText(n)); m != n {
+			t.Fatalf("round trip of %d gave %d", n, m)
+		}
+	}
+	for _, in := range []string{"", "-1", "release", "1e3"} {
+		if _, err := ParseStepText([]byte(in)); err == nil {
+			t.Errorf("ParseStepText(%q) succeeded", in)
+		}
+	}
+}
+
+func TestCRCCombine(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	buf := make([]byte, 1<<16)
+	for i := range buf {
+		buf[i] = byte(r.Uint32())
+	}
+	for range 200 {
+		n := r.IntN(len(buf))
+		cut := r.IntN(n + 1)
+		a, b := buf[:cut], buf[cut:n]
+		if got, want := crcCombine(CRC32C(a), CRC32C(b), int64(len(b))), CRC32C(buf[:n]); got != want {
+			t.Fatalf("combine at %d of %d = %#x, want %#x", cut, n, got, want)
+		}
+	}
+}
+
+func TestCopyCRCSplitsBlobs(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	sizes := []int{0, 9 << 20, 1, 5 << 20, 0, 3<<20 + 7}
+	var src, dst [][]byte
+	for _, n := range sizes {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = byte(r.Uint32())
+		}
+		src, dst = append(src, b), append(dst, make([]byte, n))
+	}
+	for _, workers := range []int{1, 2, 3, 7} {
+		crcs, err := copyCRC(dst, src, workers)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range src {
+			if crcs[i] != CRC32C(src[i]) || !bytes.Equal(dst[i], src[i]) {
+				t.Fatalf("workers %d blob %d: crc %#x want %#x, copy equal %v", workers, i, crcs[i], CRC32C(src[i]), bytes.Equal(dst[i], src[i]))
+			}
+		}
+	}
+}
+
+func FuzzParseSegmentHeader(f *testing.F) {
+	good, _ := SegmentHeader{HalfSize: 1 << 20, Shard: 3, Active: 1, PersistSeq: 5}.MarshalBinary()
+	f.Add(good)
+	f.Add(make([]byte, 64))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		h, err := ParseSegmentHeader(b)
+		if err != nil {
+			return
+		}
+		out, err := h.MarshalBinary()
+		if err != nil {
+			t.Fatalf("parsed header does not marshal: %v", err)
+		}
+		if !bytes.Equal(out, b[:64]) {
+			t.Fatalf("round trip changed the bytes:\n% x\n% x", b[:64], out)
+		}
+	})
+}
+
+func FuzzParseStepMeta(f *testing.F) {
+	good, _ := sampleMeta().MarshalBinary()
+	f.Add(good, int64(1<<20))
+	empty, _ := StepMeta{Step: 1}.MarshalBinary()
+	f.Add(empty, int64(4096))
+	f.Fuzz(func(t *testing.T, b []byte, half int64) {
+		m, err := ParseStepMeta(b, half)
+		if err != nil {
+			return
+		}
+		out, err := m.MarshalBinary()
+		if err != nil {
+			t.Fatalf("parsed meta does not marshal: %v", err)
+		}
+		if !bytes.Equal(out[16:], b[16:len(out)]) {
+			t.Fatalf("round trip changed the bytes")
+		}
+		if m.End() > half {
+			t.Fatalf("blobs end at %d past the half of %d", m.End(), half)
+		}
+	})
+}
+
+func FuzzParseShardManifest(f *testing.F) {
+	b, _ := ShardManifest{Step: 1, Shard: 0, NumShards: 2, Size: 3, Blobs: []BlobEntry{{Name: "m", Size: 3, CRC32C: 9}}}.Marshal()
+	f.Add(b)
+	f.Add([]byte(`{"version":1}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := ParseShardManifest(b)
+		if err != nil {
+			return
+		}
+		out, err := m.Marshal()
+		if err != nil {
+			t.Fatalf("parsed manifest does not marshal: %v", err)
+		}
+		m2, err := ParseShardManifest(out)
+		if err != nil {
+			t.Fatalf("marshalled manifest does not parse: %v\n%s", err, out)
+		}
+		if diff := cmp.Diff(m, m2); diff != "" {
+			t.Fatalf("round trip (-first +second):\n%s", diff)
+		}
+	})
+}
+
+func FuzzParseStepManifest(f *testing.F) {
+	b, _ := StepManifest{Step: 4, Shards: []ShardRef{{0, 1, 2}}}.Marshal()
+	f.Add(b)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := ParseStepManifest(b)
+		if err != nil {
+			return
+		}
+		out, err := m.Marshal()
+		if err != nil {
+			t.Fatalf("parsed manifest does not marshal: %v", err)
+		}
+		m2, err := ParseStepManifest(out)
+		if err != nil {
+			t.Fatalf("marshalled manifest does not parse: %v\n%s", err, out)
+		}
+		if diff := cmp.Diff(m, m2); diff != "" {
+			t.Fatalf("round trip (-first +second):\n%s", diff)
+		}
+	})
+}
+
+func FuzzParseStepText(f *testing.F) {
+	f.Add([]byte("100"))
+	f.Add([]byte("7\n"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		n, err := ParseStepText(b)
+		if err != nil {
+			return
+		}
+		if m, err := ParseStepText(MarshalStepText(n)); err != nil || m != n {
+			t.Fatalf("round trip of %d: %d, %v", n, m, err)
+		}
+	})
+}

@@ -1,0 +1,121 @@
+package ckpt
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// TestSaveSIGKILL kills a trainer process that saves in a loop at random
+// points, FAULTLINE_CKPT_TRIALS times (default 20; the full count
+// is 200), and checks after each kill that the owner loads a complete,
+// CRC-valid step, never a torn one, and never an older one than before.
+func TestSaveSIGKILL(t *testing.T) {
+	n := trials(20)
+	ctx := context.Background()
+	o, err := NewOwner(OwnerConfig{ShmDir: shmDir(t), Shards: []int{0}, Capacity: 2 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Remove()
+	tb := newTestBlobs(64 << 10)
+	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1))
+	last := int64(-1)
+	torn := 0
+	for trial := range n {
+		c, _ := startChild(t, "saver", "FAULTLINE_CKPT_SEGMENT="+o.SegmentPath(0), fmt.Sprint("FAULTLINE_CKPT_START=", last+1))
+		c.killAfter(r, 30*time.Millisecond)
+
+		rep, err := InspectSegment(o.SegmentPath(0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, h := range rep.Halves {
+			if h.State == StateWriting {
+				torn++
+			}
+			if h.Corrupt {
+				t.Fatalf("trial %d: a complete half fails its checks: %v", trial, h.Err)
+			}
+		}
+		ck, lr, err := o.Load(ctx, 0)
+		if errors.Is(err, ErrNoStep) && last < 0 {
+			continue // killed before its first save completed
+		}
+		if err != nil {
+			t.Fatalf("trial %d: %v", trial, err)
+		}
+		if lr.Tier != TierMemory {
+			t.Fatalf("trial %d: served by %s, want memory: %s", trial, lr.Tier, lr)
+		}
+		if err := tb.check(ck); err != nil {
+			t.Fatalf("trial %d: torn step loaded: %v", trial, err)
+		}
+		if ck.Step < last {
+			t.Fatalf("trial %d: loaded step %d after step %d: a saved step was lost", trial, ck.Step, last)
+		}
+		last = ck.Step
+	}
+	t.Logf("%d kills, %d during a save; newest step %d", n, torn, last)
+	if n >= 100 && torn == 0 {
+		t.Errorf("no kill landed during a save in %d trials", n)
+	}
+}
+
+// TestPersistSIGKILL kills an agent that persists two shards step after
+// step at random points, and checks that no tracker then names a step
+// that is not complete on disk, and that the committed step loads.
+func TestPersistSIGKILL(t *testing.T) {
+	n := max(trials(20)/4, 3)
+	shm, dir := shmDir(t), t.TempDir()
+	tb := newTestBlobs(32 << 10)
+	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 2))
+	last := int64(-1)
+	for trial := range n {
+		c, _ := startChild(t, "persister", "FAULTLINE_CKPT_SHM="+shm, "FAULTLINE_CKPT_DIR="+dir, fmt.Sprint("FAULTLINE_CKPT_START=", last+1))
+		c.killAfter(r, 150*time.Millisecond)
+
+		rep, err := InspectDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(rep.Problems) > 0 {
+			t.Fatalf("trial %d: %v", trial, errors.Join(rep.Problems...))
+		}
+		tracked, err := readTracker(dir)
+		if err != nil {
+			continue // killed before the first commit
+		}
+		for shard := range 2 {
+			ck, why, err := LoadDisk(dir, shard)
+			if err != nil {
+				t.Fatalf("trial %d: tracker names step %d but: %v", trial, tracked.Step, err)
+			}
+			if ck.Step < tracked.Step {
+				t.Fatalf("trial %d: loaded step %d, tracker names %d: %v", trial, ck.Step, tracked.Step, why)
+			}
+			if err := tb.check(ck); err != nil {
+				t.Fatalf("trial %d: %v", trial, err)
+			}
+		}
+		last = max(last, tracked.Step)
+	}
+	// The memory tier outlived the agent: a new one picks its segments up.
+	o, err := NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{0, 1}, Capacity: 4 << 20, Dir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Remove()
+	step, err := o.PersistNewest(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tr, err := readTracker(dir); err != nil || tr.Step != step {
+		t.Fatalf("after save on failure of step %d, tracker = %+v, %v", step, tr, err)
+	}
+	t.Logf("%d kills; last committed step before the final save %d; saved on failure step %d in %s", n, last, step, filepath.Base(dir))
+}

@@ -1,0 +1,103 @@
+package ckpt
+
+import (
+	"log/slog"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+)
+
+const instrumentation = "github.com/faultline-ml/faultline/ckpt"
+
+// writerMetrics are a Writer's collectors.
+type writerMetrics struct {
+	saveSeconds prometheus.Histogram
+	saveBytes   prometheus.Counter
+	saveSkipped prometheus.Counter
+}
+
+func newWriterMetrics(reg prometheus.Registerer) *writerMetrics {
+	f := promauto.With(reg) // nil: collectors that are never registered
+	return &writerMetrics{
+		saveSeconds: f.NewHistogram(prometheus.HistogramOpts{
+			Name:    "faultline_ckpt_save_blocking_seconds",
+			Help:    "Time a save into shared memory blocked the trainer.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16),
+		}),
+		saveBytes: f.NewCounter(prometheus.CounterOpts{
+			Name: "faultline_ckpt_save_bytes_total",
+			Help: "Bytes saved into shared memory.",
+		}),
+		saveSkipped: f.NewCounter(prometheus.CounterOpts{
+			Name: "faultline_ckpt_save_skipped_total",
+			Help: "Saves skipped because the owner was reading the target half.",
+		}),
+	}
+}
+
+// ownerMetrics are an Owner's collectors.
+type ownerMetrics struct {
+	persistSeconds  prometheus.Histogram
+	persistBytes    prometheus.Counter
+	persistFailures prometheus.Counter
+	commits         prometheus.Counter
+	crcFailures     prometheus.Counter
+	loads           *prometheus.CounterVec
+	replicaBytes    *prometheus.CounterVec
+	replicaFailures prometheus.Counter
+}
+
+func newOwnerMetrics(reg prometheus.Registerer) *ownerMetrics {
+	f := promauto.With(reg)
+	return &ownerMetrics{
+		persistSeconds: f.NewHistogram(prometheus.HistogramOpts{
+			Name:    "faultline_ckpt_persist_seconds",
+			Help:    "Time to persist one shard of a step to disk, fsync included.",
+			Buckets: prometheus.ExponentialBuckets(0.01, 2, 16),
+		}),
+		persistBytes: f.NewCounter(prometheus.CounterOpts{
+			Name: "faultline_ckpt_persist_bytes_total",
+			Help: "Bytes persisted to disk.",
+		}),
+		persistFailures: f.NewCounter(prometheus.CounterOpts{
+			Name: "faultline_ckpt_persist_failures_total",
+			Help: "Persists that failed (disk full, corrupt or superseded source).",
+		}),
+		commits: f.NewCounter(prometheus.CounterOpts{
+			Name: "faultline_ckpt_commits_total",
+			Help: "Steps committed on disk (trackers written).",
+		}),
+		crcFailures: f.NewCounter(prometheus.CounterOpts{
+			Name: "faultline_ckpt_crc_failures_total",
+			Help: "Blobs, manifests or headers whose checksum did not match.",
+		}),
+		loads: f.NewCounterVec(prometheus.CounterOpts{
+			Name: "faultline_ckpt_loads_total",
+			Help: "Loads by the tier that served them (memory, replica, disk, none).",
+		}, []string{"tier"}),
+		replicaBytes: f.NewCounterVec(prometheus.CounterOpts{
+			Name: "faultline_ckpt_replica_bytes_total",
+			Help: "Bytes of replicas sent to and received from peers.",
+		}, []string{"direction"}),
+		replicaFailures: f.NewCounter(prometheus.CounterOpts{
+			Name: "faultline_ckpt_replica_failures_total",
+			Help: "Replica transfers that failed.",
+		}),
+	}
+}
+
+func tracerOf(tp trace.TracerProvider) trace.Tracer {
+	if tp == nil {
+		tp = noop.NewTracerProvider()
+	}
+	return tp.Tracer(instrumentation)
+}
+
+func loggerOf(l *slog.Logger) *slog.Logger {
+	if l == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return l
+}

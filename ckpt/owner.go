@@ -1,0 +1,801 @@
+package ckpt
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"maps"
+	"net"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/sync/errgroup"
+)
+
+// OwnerConfig configures an Owner. The zero value of each field is a
+// documented default, except Shards and Capacity, which are required.
+type OwnerConfig struct {
+	// ShmDir holds the segments; default /dev/shm.
+	ShmDir string
+	// Name prefixes the segment files (SegmentPath); default
+	// "faultline-ckpt". Give each job on a node its own.
+	Name string
+	// Shards are the shards this node holds, one segment each (say, one per
+	// local rank).
+	Shards []int
+	// NumShards is the number of shards of the job; default the largest of
+	// Shards plus one.
+	NumShards int
+	// Capacity is the size of a half in bytes: the largest step of one
+	// shard, its blob table included. StepSize computes it. A segment
+	// takes 2*Capacity + 4 KiB of shared memory.
+	Capacity int64
+
+	// Dir is the disk tier; "" leaves steps in memory only.
+	Dir string
+	// Retention applies after each commit by the default committer.
+	Retention Retention
+	// Committer learns of durable shards; default a LocalCommitter on Dir.
+	Committer Committer
+	// OnCommit, if set, is called after the default committer commits.
+	OnCommit func(StepManifest)
+	// PollInterval is how often Run looks for persist requests and new
+	// saves to replicate; default 100ms.
+	PollInterval time.Duration
+	// Workers is the number of goroutines that copy a load; default
+	// GOMAXPROCS.
+	Workers int
+
+	// Node names this node among Peers.
+	Node string
+	// ListenAddr is the TCP address on which Run serves peers' replicas;
+	// "" serves none.
+	ListenAddr string
+	// Peers maps each node of the job to the address of its replica
+	// server. Empty: no replicas.
+	Peers map[string]string
+	// Domains maps nodes to failure domains (the ASW above them) so that
+	// replicas go to another domain; nil: any peer.
+	Domains map[string]string
+	// Replicas is the number of peers that receive each shard; default 1,
+	// negative for none.
+	Replicas int
+	// IOTimeout bounds a stalled replica transfer; default 30s.
+	IOTimeout time.Duration
+
+	Registerer     prometheus.Registerer // nil: metrics off
+	TracerProvider trace.TracerProvider  // nil: no spans
+	Logger         *slog.Logger          // nil: silent
+}
+
+// Validate reports the first invalid field.
+func (c OwnerConfig) Validate() error {
+	switch {
+	case len(c.Shards) == 0:
+		return errors.New("ckpt: OwnerConfig.Shards is empty")
+	case c.Capacity <= 0 || c.Capacity > maxHalfSize:
+		return fmt.Errorf("ckpt: OwnerConfig.Capacity is %d, want 1..%d", c.Capacity, int64(maxHalfSize))
+	case c.NumShards < 0 || c.NumShards > MaxShards:
+		return fmt.Errorf("ckpt: OwnerConfig.NumShards is %d, want 0..%d", c.NumShards, MaxShards)
+	case strings.ContainsRune(c.Name, '/'):
+		return fmt.Errorf("ckpt: OwnerConfig.Name %q holds a slash", c.Name)
+	case c.PollInterval < 0:
+		return fmt.Errorf("ckpt: OwnerConfig.PollInterval is %v, want >= 0", c.PollInterval)
+	case c.Workers < 0:
+		return fmt.Errorf("ckpt: OwnerConfig.Workers is %d, want >= 0", c.Workers)
+	case c.IOTimeout < 0:
+		return fmt.Errorf("ckpt: OwnerConfig.IOTimeout is %v, want >= 0", c.IOTimeout)
+	case len(c.Peers) > 0 && c.Node == "":
+		return errors.New("ckpt: OwnerConfig.Node is empty but Peers is set")
+	}
+	seen := map[int]bool{}
+	for i, s := range c.Shards {
+		if s < 0 || s >= MaxShards || (c.NumShards > 0 && s >= c.NumShards) {
+			return fmt.Errorf("ckpt: OwnerConfig.Shards[%d] is %d, want 0..%d", i, s, max(c.NumShards, MaxShards)-1)
+		}
+		if seen[s] {
+			return fmt.Errorf("ckpt: OwnerConfig.Shards[%d]: shard %d listed twice", i, s)
+		}
+		seen[s] = true
+	}
+	return nil
+}
+
+func (c OwnerConfig) withDefaults() OwnerConfig {
+	if c.ShmDir == "" {
+		c.ShmDir = "/dev/shm"
+	}
+	if c.Name == "" {
+		c.Name = "faultline-ckpt"
+	}
+	if c.NumShards == 0 {
+		c.NumShards = slices.Max(c.Shards) + 1
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = 100 * time.Millisecond
+	}
+	if c.Replicas == 0 {
+		c.Replicas = 1
+	}
+	if c.IOTimeout == 0 {
+		c.IOTimeout = 30 * time.Second
+	}
+	return c
+}
+
+// Owner is the node agent's side of the memory tier. It creates and keeps
+// one segment per local shard (so that a trainer's death loses nothing it
+// saved), persists steps to disk when writers ask or when the trainer dies,
+// copies them to peers, holds peers' copies, and loads by preference:
+// memory, then replica, then disk.
+type Owner struct {
+	cfg       OwnerConfig
+	segs      map[int]*segment
+	committer Committer
+	m         *ownerMetrics
+	tracer    trace.Tracer
+	log       *slog.Logger
+	ln        net.Listener
+
+	// ops is held for reading by every operation that touches a segment,
+	// and for writing by Close, which unmaps them.
+	ops     sync.RWMutex
+	closed  bool
+	closing chan struct{}
+	ran     atomic.Bool
+
+	mu       sync.Mutex
+	replicas map[int]*replicaSlot // peers' shards held here
+	conns    map[net.Conn]bool
+
+	persisting sync.Map // shard -> *sync.Mutex: one persist per shard at a time
+	verified   sync.Map // verifiedKey -> true: halves whose CRCs held
+}
+
+type replicaSlot struct {
+	mu  sync.Mutex // one transfer at a time
+	seg *segment
+}
+
+// NewOwner creates (or reopens, keeping their steps) the segments of
+// cfg.Shards and, if cfg.ListenAddr is set, listens for peers.
+func NewOwner(cfg OwnerConfig) (*Owner, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.withDefaults()
+	o := &Owner{
+		cfg:      cfg,
+		segs:     map[int]*segment{},
+		m:        newOwnerMetrics(cfg.Registerer),
+		tracer:   tracerOf(cfg.TracerProvider),
+		log:      loggerOf(cfg.Logger),
+		closing:  make(chan struct{}),
+		replicas: map[int]*replicaSlot{},
+		conns:    map[net.Conn]bool{},
+	}
+	o.committer = cfg.Committer
+	if o.committer == nil && cfg.Dir != "" {
+		o.committer = &LocalCommitter{Dir: cfg.Dir, Retention: cfg.Retention, OnCommit: o.onCommit}
+	}
+	if cfg.Dir != "" {
+		if err := os.MkdirAll(cfg.Dir, 0o750); err != nil {
+			return nil, fmt.Errorf("ckpt: disk tier: %w", err)
+		}
+	}
+	for _, s := range cfg.Shards {
+		seg, err := createSegment(SegmentPath(cfg.ShmDir, cfg.Name, s), s, 0, cfg.Capacity)
+		if err != nil {
+			o.unmapAll()
+			return nil, err
+		}
+		o.segs[s] = seg
+	}
+	if cfg.ListenAddr != "" {
+		ln, err := net.Listen("tcp", cfg.ListenAddr)
+		if err != nil {
+			o.unmapAll()
+			return nil, fmt.Errorf("ckpt: replica server: %w", err)
+		}
+		o.ln = ln
+	}
+	return o, nil
+}
+
+func (o *Owner) onCommit(m StepManifest, removed []int64) {
+	o.m.commits.Inc()
+	o.log.Info("ckpt: step committed", "step", m.Step, "shards", len(m.Shards), "dir", o.cfg.Dir, "retention_removed", removed)
+	if o.cfg.OnCommit != nil {
+		o.cfg.OnCommit(m)
+	}
+}
+
+// SegmentPath is the segment of a local shard, for its writer.
+func (o *Owner) SegmentPath(shard int) string { return SegmentPath(o.cfg.ShmDir, o.cfg.Name, shard) }
+
+// Addr is the address the replica server listens on, or nil.
+func (o *Owner) Addr() net.Addr {
+	if o.ln == nil {
+		return nil
+	}
+	return o.ln.Addr()
+}
+
+// acquire guards an operation against Close.
+func (o *Owner) acquire() error {
+	o.ops.RLock()
+	if o.closed {
+		o.ops.RUnlock()
+		return fmt.Errorf("ckpt: owner: %w", errClosed)
+	}
+	return nil
+}
+
+func (o *Owner) seg(shard int) (*segment, error) {
+	s, ok := o.segs[shard]
+	if !ok {
+		return nil, fmt.Errorf("ckpt: shard %d is not local (local: %v)", shard, o.cfg.Shards)
+	}
+	return s, nil
+}
+
+// Run serves until ctx is done or Close is called: it persists the steps
+// writers ask for, copies new saves to peers, and serves peers' replica
+// transfers. It returns nil after a Close, else ctx's error.
+func (o *Owner) Run(ctx context.Context) error {
+	if !o.ran.CompareAndSwap(false, true) {
+		return errors.New("ckpt: Owner.Run called twice")
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	defer func() {
+		cancel() // first, so that a connection accepted from now on is dropped
+		if o.ln != nil {
+			o.ln.Close()
+			o.closeConns()
+		}
+		wg.Wait()
+	}()
+	if o.ln != nil {
+		wg.Go(func() { o.serve(ctx, &wg) })
+	}
+
+	lastPersist := map[int]uint64{}
+	lastReplica := map[int]uint64{}
+	var busy sync.Map // "p3", "r3": a goroutine works on it
+	start := func(key string, f func()) {
+		if _, running := busy.LoadOrStore(key, true); running {
+			return
+		}
+		wg.Go(func() { defer busy.Delete(key); f() })
+	}
+	t := time.NewTicker(o.cfg.PollInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-o.closing:
+			return nil
+		case <-t.C:
+		}
+		if o.acquire() != nil {
+			return nil
+		}
+		for _, shard := range o.cfg.Shards {
+			seg := o.segs[shard]
+			if req := seg.persistSeq(); req != 0 && req != lastPersist[shard] && o.cfg.Dir != "" {
+				if _, running := busy.Load(fmt.Sprint("p", shard)); !running {
+					lastPersist[shard] = req
+					start(fmt.Sprint("p", shard), func() {
+						if _, err := o.Persist(ctx, shard); err != nil {
+							o.log.Error("ckpt: persist failed", "shard", shard, "err", err)
+						}
+					})
+				}
+			}
+			if len(o.cfg.Peers) > 0 && o.cfg.Replicas > 0 {
+				if c := seg.newest(); len(c) > 0 {
+					if seq := seg.seq(c[0]); seq != lastReplica[shard] {
+						if _, running := busy.Load(fmt.Sprint("r", shard)); !running {
+							lastReplica[shard] = seq
+							start(fmt.Sprint("r", shard), func() {
+								if err := o.Replicate(ctx, shard); err != nil {
+									o.log.Warn("ckpt: replication incomplete", "shard", shard, "err", err)
+								}
+							})
+						}
+					}
+				}
+			}
+		}
+		o.ops.RUnlock()
+	}
+}
+
+// Persist writes shard's newest intact step in memory to disk and tells
+// the committer. It returns the shard's manifest. It is what Run does when
+// a writer asks; call it directly to persist on a control-plane command.
+func (o *Owner) Persist(ctx context.Context, shard int) (ShardManifest, error) {
+	return o.persist(ctx, shard, -1)
+}
+
+func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardManifest, err error) {
+	if o.cfg.Dir == "" {
+		return ShardManifest{}, errors.New("ckpt: persist: OwnerConfig.Dir is empty")
+	}
+	if err := o.acquire(); err != nil {
+		return ShardManifest{}, err
+	}
+	defer o.ops.RUnlock()
+	seg, err := o.seg(shard)
+	if err != nil {
+		return ShardManifest{}, err
+	}
+	mu, _ := o.persisting.LoadOrStore(shard, &sync.Mutex{})
+	mu.(*sync.Mutex).Lock()
+	defer mu.(*sync.Mutex).Unlock()
+
+	ctx, span := o.tracer.Start(ctx, "ckpt.Persist", trace.WithAttributes(attribute.Int("ckpt.shard", shard)))
+	defer func() {
+		if err != nil {
+			o.m.persistFailures.Inc()
+			if errors.Is(err, ErrCorrupt) {
+				o.m.crcFailures.Inc()
+			}
+			span.RecordError(err)
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}()
+	start := time.Now()
+	var why []error
+	done := false
+	for _, i := range seg.newest() {
+		if m, ok := seg.metaOK(i); !ok || (step >= 0 && m.Step != step) {
+			continue
+		}
+		man, err = persistHalf(ctx, seg, i, o.cfg.Dir, o.cfg.NumShards)
+		if err == nil {
+			done = true
+			break
+		}
+		why = append(why, err)
+		if ctx.Err() != nil || errors.Is(err, ErrNoSpace) {
+			break
+		}
+	}
+	if !done {
+		if len(why) == 0 {
+			why = append(why, fmt.Errorf("no complete step %s", stepDesc(step)))
+		}
+		return ShardManifest{}, fmt.Errorf("ckpt: persist shard %d: %w", shard, errors.Join(why...))
+	}
+	span.SetAttributes(attribute.Int64("ckpt.step", man.Step), attribute.Int64("ckpt.bytes", man.Size))
+	o.m.persistSeconds.Observe(time.Since(start).Seconds())
+	o.m.persistBytes.Add(float64(man.Size))
+	o.log.Info("ckpt: shard persisted", "shard", shard, "step", man.Step, "bytes", man.Size, "took", time.Since(start))
+	if o.committer != nil {
+		if err := o.committer.ShardDurable(ctx, man); err != nil {
+			return man, fmt.Errorf("ckpt: commit step %d: %w", man.Step, err)
+		}
+	}
+	return man, nil
+}
+
+func stepDesc(step int64) string {
+	if step < 0 {
+		return "in memory"
+	}
+	return fmt.Sprintf("at step %d in memory", step)
+}
+
+// PersistNewest persists the newest step that every local shard holds
+// intact in memory (every CRC verified), all shards in parallel, and
+// returns it: what a node
+// agent calls when its trainer dies (save on failure). It returns an error
+// wrapping ErrNoStep when the shards agree on no step.
+func (o *Owner) PersistNewest(ctx context.Context) (int64, error) {
+	if err := o.acquire(); err != nil {
+		return -1, err
+	}
+	steps, _, err := o.intactSteps()
+	o.ops.RUnlock()
+	if err != nil {
+		return -1, err
+	}
+	step := steps[0]
+	g, ctx := errgroup.WithContext(ctx)
+	for _, s := range o.cfg.Shards {
+		g.Go(func() error {
+			_, err := o.persist(ctx, s, step)
+			return err
+		})
+	}
+	return step, g.Wait()
+}
+
+// memorySteps returns the steps shard's segment holds with a valid table,
+// newest save first.
+func memorySteps(seg *segment) []int64 {
+	var steps []int64
+	for _, i := range seg.newest() {
+		if m, ok := seg.metaOK(i); ok {
+			steps = append(steps, m.Step)
+		}
+	}
+	return steps
+}
+
+// intactSteps returns the steps every local shard holds intact in memory
+// (every CRC verified), newest first, or an error that says why there is
+// none. A half's verification is remembered until it is written again, so
+// that loading each of n shards does not read every shard n times.
+func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
+	var common []int64
+	var held []string
+	for k, shard := range o.cfg.Shards {
+		seg := o.segs[shard]
+		var steps []int64
+		var why []error
+		for i := range 2 {
+			m, ok := seg.metaOK(i)
+			if !ok {
+				if seg.state(i) != StateEmpty && seg.state(i) != StateWriting {
+					why = append(why, seg.whyNot(i))
+				}
+				continue
+			}
+			key := verifiedKey{shard, i, seg.gen(i), m.Seq}
+			if _, ok := o.verified.Load(key); !ok {
+				if err := verifyHalf(seg, i); err != nil {
+					if errors.Is(err, ErrCorrupt) {
+						o.m.crcFailures.Inc()
+					}
+					why = append(why, err)
+					continue
+				}
+				o.verified.Store(key, true)
+			}
+			steps = append(steps, m.Step)
+		}
+		for _, w := range why {
+			passed = append(passed, fmt.Errorf("memory shard %d: %w", shard, w))
+		}
+		held = append(held, fmt.Sprintf("shard %d holds %v", shard, steps))
+		if k == 0 {
+			common = steps
+			continue
+		}
+		common = slices.DeleteFunc(common, func(x int64) bool { return !slices.Contains(steps, x) })
+	}
+	if len(common) == 0 {
+		return nil, passed, fmt.Errorf("%w in every local shard: %s", ErrNoStep, strings.Join(held, "; "))
+	}
+	slices.Sort(common)
+	slices.Reverse(common)
+	return slices.Compact(common), passed, nil
+}
+
+// forget drops what is remembered of shard's verified halves.
+func (o *Owner) forget(shard int) {
+	o.verified.Range(func(k, _ any) bool {
+		if k.(verifiedKey).shard == shard {
+			o.verified.Delete(k)
+		}
+		return true
+	})
+}
+
+type verifiedKey struct {
+	shard, half int
+	gen, seq    uint64
+}
+
+// verifyHalf checks every CRC of half i without copying it.
+func verifyHalf(seg *segment, i int) error {
+	return seg.read(i, false, func(m StepMeta, half []byte, _ func() error) error {
+		src := make([][]byte, len(m.Blobs))
+		for k, e := range m.Blobs {
+			src[k] = half[e.Offset : e.Offset+e.Size]
+		}
+		crcs, err := copyCRC(nil, src, 0)
+		if err != nil {
+			return err
+		}
+		for k, e := range m.Blobs {
+			if crcs[k] != e.CRC32C {
+				return crcMismatch(k, e, crcs[k])
+			}
+		}
+		return nil
+	})
+}
+
+// Replicate copies shard's newest step to its peers (PickPeers). It
+// returns the errors of the peers that did not take it.
+func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
+	if err := o.acquire(); err != nil {
+		return err
+	}
+	defer o.ops.RUnlock()
+	seg, err := o.seg(shard)
+	if err != nil {
+		return err
+	}
+	peers := PickPeers(o.cfg.Node, slices.Collect(maps.Keys(o.cfg.Peers)), o.cfg.Domains, o.cfg.Replicas)
+	if len(peers) == 0 {
+		return errors.New("ckpt: replicate: no peers")
+	}
+	c := seg.newest()
+	if len(c) == 0 {
+		return fmt.Errorf("ckpt: replicate shard %d: %w in memory", shard, ErrNoStep)
+	}
+	ctx, span := o.tracer.Start(ctx, "ckpt.Replicate", trace.WithAttributes(attribute.Int("ckpt.shard", shard)))
+	defer span.End()
+	var errs []error
+	for _, p := range peers {
+		m, n, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (StepMeta, int64, error) {
+			return putReplica(conn, seg, c[0], o.cfg.IOTimeout)
+		})
+		o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
+		if err != nil {
+			o.m.replicaFailures.Inc()
+			errs = append(errs, fmt.Errorf("peer %s (%s): %w", p, o.cfg.Peers[p], err))
+			continue
+		}
+		o.log.Debug("ckpt: replica sent", "shard", shard, "step", m.Step, "peer", p, "bytes", n)
+	}
+	if err := errors.Join(errs...); err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+		return fmt.Errorf("ckpt: replicate shard %d: %w", shard, err)
+	}
+	return nil
+}
+
+// withConn dials addr and runs f with a connection that ctx closes.
+func (o *Owner) withConn(ctx context.Context, addr string, f func(net.Conn) (StepMeta, int64, error)) (StepMeta, int64, error) {
+	var d net.Dialer
+	d.Timeout = o.cfg.IOTimeout
+	conn, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return StepMeta{}, 0, err
+	}
+	defer conn.Close()
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	defer stop()
+	return f(conn)
+}
+
+// serve accepts peers until the listener closes.
+func (o *Owner) serve(ctx context.Context, wg *sync.WaitGroup) {
+	for {
+		conn, err := o.ln.Accept()
+		if err != nil {
+			return
+		}
+		o.mu.Lock()
+		o.conns[conn] = true
+		o.mu.Unlock()
+		if ctx.Err() != nil {
+			conn.Close()
+		}
+		wg.Go(func() {
+			defer func() {
+				o.mu.Lock()
+				delete(o.conns, conn)
+				o.mu.Unlock()
+				conn.Close()
+			}()
+			if err := o.handle(conn); err != nil {
+				o.log.Warn("ckpt: replica transfer failed", "peer", conn.RemoteAddr().String(), "err", err)
+			}
+		})
+	}
+}
+
+func (o *Owner) closeConns() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for c := range o.conns {
+		c.Close()
+	}
+}
+
+// handle serves one replica request.
+func (o *Owner) handle(conn net.Conn) error {
+	if err := o.acquire(); err != nil {
+		return err
+	}
+	defer o.ops.RUnlock()
+	c := deadlineConn{conn, o.cfg.IOTimeout}
+	br := bufio.NewReaderSize(c, 1<<20)
+	q, err := readReq(br)
+	if err != nil {
+		return err
+	}
+	slot := o.replicaSlot(q.shard)
+	slot.mu.Lock()
+	defer slot.mu.Unlock()
+	switch q.op {
+	case opPut:
+		m, err := o.receiveReplica(br, slot, q.shard, q.metaLen)
+		if err != nil {
+			o.m.replicaFailures.Inc()
+			if errors.Is(err, ErrCorrupt) {
+				o.m.crcFailures.Inc()
+			}
+			writeResp(c, err, nil)
+			return fmt.Errorf("receive shard %d: %w", q.shard, err)
+		}
+		o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
+		o.log.Debug("ckpt: replica received", "shard", q.shard, "step", m.Step, "bytes", m.DataSize())
+		return writeResp(c, nil, nil)
+	default: // opGet
+		seg, err := o.replicaSeg(slot, q.shard)
+		if err != nil {
+			writeResp(c, err, nil)
+			return err
+		}
+		for _, i := range seg.newest() {
+			if m, ok := seg.metaOK(i); !ok || (q.step >= 0 && m.Step != q.step) {
+				continue
+			}
+			bw := bufio.NewWriterSize(c, 1<<20)
+			_, n, err := sendHalf(bw, seg, i, func(metaLen int) []byte {
+				h := make([]byte, respSize)
+				binary.LittleEndian.PutUint32(h[4:], uint32(metaLen))
+				return h
+			})
+			if err == nil {
+				err = bw.Flush()
+			}
+			o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
+			return err
+		}
+		err = fmt.Errorf("%w of shard %d %s", errNoReplica, q.shard, stepDesc(q.step))
+		writeResp(c, err, nil)
+		return err
+	}
+}
+
+func (o *Owner) replicaSlot(shard int) *replicaSlot {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	s := o.replicas[shard]
+	if s == nil {
+		s = &replicaSlot{}
+		o.replicas[shard] = s
+	}
+	return s
+}
+
+// replicaSeg returns the segment holding the copy of a peer's shard, or
+// an error wrapping errNoReplica.
+func (o *Owner) replicaSeg(slot *replicaSlot, shard int) (*segment, error) {
+	if slot.seg != nil {
+		return slot.seg, nil
+	}
+	seg, err := openSegment(ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard), false)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("%w of shard %d here", errNoReplica, shard)
+	}
+	if err != nil {
+		return nil, err
+	}
+	slot.seg = seg
+	return seg, nil
+}
+
+// receiveReplica receives a peer's shard into its replica segment. A step
+// that does not fit goes into a new, larger segment that replaces the old
+// one only once the step is complete, so a transfer cut short never costs
+// the previous copy.
+func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, shard, metaLen int) (StepMeta, error) {
+	path := ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard)
+	next := path + ".next"
+	var fresh *segment
+	m, err := recvHalf(r, metaLen, func(need int64) (*segment, error) {
+		seg, err := o.replicaSeg(slot, shard)
+		if err == nil && seg.hdr.HalfSize >= need {
+			return seg, nil
+		}
+		if err != nil && !errors.Is(err, errNoReplica) {
+			o.log.Warn("ckpt: replacing unreadable replica segment", "path", path, "err", err)
+		}
+		os.Remove(next) // a leftover of an earlier cut transfer
+		fresh, err = createSegment(next, shard, FlagReplica, max(need, o.cfg.Capacity))
+		return fresh, err
+	})
+	if fresh == nil {
+		return m, err
+	}
+	if err == nil {
+		err = os.Rename(next, path)
+	}
+	if err != nil {
+		fresh.close()
+		os.Remove(next)
+		return m, err
+	}
+	if slot.seg != nil {
+		slot.seg.close()
+	}
+	fresh.path = path
+	slot.seg = fresh
+	return m, nil
+}
+
+// Close stops Run, waits for the operations in flight and unmaps the
+// segments. The steps stay in shared memory for the next owner; Remove
+// deletes them. Close is idempotent.
+func (o *Owner) Close() error {
+	o.mu.Lock()
+	select {
+	case <-o.closing:
+	default:
+		close(o.closing)
+	}
+	o.mu.Unlock()
+	if o.ln != nil {
+		o.ln.Close()
+	}
+	o.closeConns()
+	o.ops.Lock()
+	defer o.ops.Unlock()
+	if o.closed {
+		return nil
+	}
+	o.closed = true
+	return o.unmapAll()
+}
+
+func (o *Owner) unmapAll() error {
+	var errs []error
+	for _, s := range o.segs {
+		errs = append(errs, s.close())
+	}
+	o.mu.Lock()
+	for _, r := range o.replicas {
+		r.mu.Lock()
+		if r.seg != nil {
+			errs = append(errs, r.seg.close())
+		}
+		r.mu.Unlock()
+	}
+	o.mu.Unlock()
+	return errors.Join(errs...)
+}
+
+// Remove closes the owner and deletes its segments and the replicas it
+// holds from shared memory: what a node agent does when the job ends.
+func (o *Owner) Remove() error {
+	err := o.Close()
+	var errs []error
+	for _, s := range o.cfg.Shards {
+		if e := os.Remove(o.SegmentPath(s)); e != nil && !errors.Is(e, os.ErrNotExist) {
+			errs = append(errs, e)
+		}
+	}
+	o.mu.Lock()
+	for shard := range o.replicas {
+		if e := os.Remove(ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard)); e != nil && !errors.Is(e, os.ErrNotExist) {
+			errs = append(errs, e)
+		}
+	}
+	o.mu.Unlock()
+	return errors.Join(append([]error{err}, errs...)...)
+}

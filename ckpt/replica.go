@@ -1,0 +1,286 @@
+package ckpt
+
+import (
+	"bufio"
+	"cmp"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"net"
+	"slices"
+	"time"
+)
+
+// The replica protocol, over one TCP connection per transfer, little-endian:
+//
+//	request:  "FLRP" u8 version=1, u8 op (1 put, 2 get), u16 0,
+//	          u32 shard, u32 meta length (put) or 0, i64 step (get: -1 newest)
+//	put:      then the StepMeta bytes (MarshalBinary) and each blob's bytes
+//	          in table order
+//	response: u8 status (0 ok, 1 error), 3 bytes 0, u32 length, then the
+//	          error text, or for a get the StepMeta bytes and the blob bytes
+//
+// Both sides check the meta checksum and every blob's CRC32C as the bytes
+// arrive, and write into the inactive half of a segment, so a transfer cut
+// short leaves the previous copy intact.
+const (
+	replicaMagic   = "FLRP"
+	replicaVersion = 1
+	opPut          = 1
+	opGet          = 2
+	reqSize        = 24
+	respSize       = 8
+	maxMetaLen     = 64 << 20
+)
+
+type replicaReq struct {
+	op      byte
+	shard   int
+	metaLen int
+	step    int64
+}
+
+func (r replicaReq) marshal() []byte {
+	b := make([]byte, reqSize)
+	copy(b, replicaMagic)
+	b[4], b[5] = replicaVersion, r.op
+	binary.LittleEndian.PutUint32(b[8:], uint32(r.shard))
+	binary.LittleEndian.PutUint32(b[12:], uint32(r.metaLen))
+	binary.LittleEndian.PutUint64(b[16:], uint64(r.step))
+	return b
+}
+
+func readReq(r io.Reader) (replicaReq, error) {
+	b := make([]byte, reqSize)
+	if _, err := io.ReadFull(r, b); err != nil {
+		return replicaReq{}, err
+	}
+	if string(b[:4]) != replicaMagic || b[4] != replicaVersion || (b[5] != opPut && b[5] != opGet) {
+		return replicaReq{}, formatErr(0, "request", "bad magic, version or op % x", b[:6])
+	}
+	q := replicaReq{op: b[5], shard: int(binary.LittleEndian.Uint32(b[8:])),
+		metaLen: int(binary.LittleEndian.Uint32(b[12:])), step: int64(binary.LittleEndian.Uint64(b[16:]))}
+	if q.metaLen > maxMetaLen || q.shard > MaxShards {
+		return replicaReq{}, formatErr(8, "request", "shard %d or meta length %d out of range", q.shard, q.metaLen)
+	}
+	return q, nil
+}
+
+func writeResp(w io.Writer, err error, body []byte) error {
+	b := make([]byte, respSize)
+	if err != nil {
+		b[0] = 1
+		body = []byte(err.Error())
+	}
+	binary.LittleEndian.PutUint32(b[4:], uint32(len(body)))
+	if _, err := w.Write(b); err != nil {
+		return err
+	}
+	_, err = w.Write(body)
+	return err
+}
+
+// errPeer is an error the peer reported.
+type errPeer struct{ msg string }
+
+func (e *errPeer) Error() string { return "peer: " + e.msg }
+
+// readResp reads a response header; for an error it reads the text too.
+func readResp(r io.Reader) (int, error) {
+	b := make([]byte, respSize)
+	if _, err := io.ReadFull(r, b); err != nil {
+		return 0, err
+	}
+	n := binary.LittleEndian.Uint32(b[4:])
+	if n > maxMetaLen {
+		return 0, formatErr(4, "response length", "value %d out of range", n)
+	}
+	if b[0] != 0 {
+		msg := make([]byte, n)
+		if _, err := io.ReadFull(r, msg); err != nil {
+			return 0, err
+		}
+		return 0, &errPeer{string(msg)}
+	}
+	return int(n), nil
+}
+
+// deadlineConn renews the connection's deadline before each read and
+// write, so a transfer fails only when it stalls, however large it is.
+type deadlineConn struct {
+	net.Conn
+	timeout time.Duration
+}
+
+func (c deadlineConn) Read(p []byte) (int, error) {
+	c.Conn.SetReadDeadline(time.Now().Add(c.timeout))
+	return c.Conn.Read(p)
+}
+
+func (c deadlineConn) Write(p []byte) (int, error) {
+	c.Conn.SetWriteDeadline(time.Now().Add(c.timeout))
+	return c.Conn.Write(p)
+}
+
+// sendHalf writes the meta and blobs of half i of seg to w, pinned, and
+// verifies the CRCs of what it sent. head, if not nil, is written first
+// with the meta length.
+func sendHalf(w io.Writer, seg *segment, i int, head func(metaLen int) []byte) (StepMeta, int64, error) {
+	var sent int64
+	var meta StepMeta
+	err := seg.read(i, true, func(m StepMeta, half []byte, valid func() error) error {
+		meta = m
+		mb, err := m.MarshalBinary()
+		if err != nil {
+			return err
+		}
+		if _, err := w.Write(append(head(len(mb)), mb...)); err != nil {
+			return err
+		}
+		for k, e := range m.Blobs {
+			data := half[e.Offset : e.Offset+e.Size]
+			var c uint32
+			for o := 0; o < len(data); o += persistChunk {
+				chunk := data[o:min(o+persistChunk, len(data))]
+				c = crc32.Update(c, castagnoli, chunk)
+				if _, err := w.Write(chunk); err != nil {
+					return err
+				}
+				sent += int64(len(chunk))
+			}
+			if c != e.CRC32C {
+				return crcMismatch(k, e, c)
+			}
+		}
+		return valid()
+	})
+	return meta, sent, err
+}
+
+// recvHalf reads a meta of metaLen bytes and its blobs from r into a new
+// save of the segment that open returns (given the half size the step
+// needs), checking every CRC before the save completes.
+func recvHalf(r io.Reader, metaLen int, open func(need int64) (*segment, error)) (StepMeta, error) {
+	if metaLen < StepHeaderSize {
+		return StepMeta{}, formatErr(12, "meta length", "value %d is shorter than a step header", metaLen)
+	}
+	mb := make([]byte, metaLen)
+	if _, err := io.ReadFull(r, mb); err != nil {
+		return StepMeta{}, fmt.Errorf("read meta: %w", err)
+	}
+	m, err := ParseStepMeta(mb, maxHalfSize)
+	if err != nil {
+		return StepMeta{}, err
+	}
+	if int(StepHeaderSize+m.TableSize()) != metaLen {
+		return StepMeta{}, formatErr(44, "table_size", "meta of %d bytes holds a table of %d", metaLen, m.TableSize())
+	}
+	seg, err := open(m.End())
+	if err != nil {
+		return StepMeta{}, err
+	}
+	hw, err := seg.begin(m)
+	if err != nil {
+		return StepMeta{}, err
+	}
+	crcs := make([]uint32, len(m.Blobs))
+	for k := range m.Blobs {
+		dst := hw.blob(k)
+		for o := 0; o < len(dst); o += fuseChunk {
+			e := min(o+fuseChunk, len(dst))
+			if _, err := io.ReadFull(r, dst[o:e]); err != nil {
+				return StepMeta{}, fmt.Errorf("blob %q at byte %d of %d: %w", m.Blobs[k].Name, o, len(dst), err)
+			}
+			crcs[k] = crc32.Update(crcs[k], castagnoli, dst[o:e])
+		}
+		if crcs[k] != m.Blobs[k].CRC32C {
+			return StepMeta{}, crcMismatch(k, m.Blobs[k], crcs[k])
+		}
+	}
+	return m, hw.commit(crcs)
+}
+
+// putReplica sends half i of seg to the replica server at addr.
+func putReplica(conn net.Conn, seg *segment, i int, timeout time.Duration) (StepMeta, int64, error) {
+	c := deadlineConn{conn, timeout}
+	bw := bufio.NewWriterSize(c, 1<<20)
+	m, n, err := sendHalf(bw, seg, i, func(metaLen int) []byte {
+		return replicaReq{op: opPut, shard: seg.hdr.Shard, metaLen: metaLen}.marshal()
+	})
+	if err == nil {
+		err = bw.Flush()
+	}
+	if err != nil {
+		return m, n, err
+	}
+	if _, err := readResp(bufio.NewReader(c)); err != nil {
+		return m, n, err
+	}
+	return m, n, nil
+}
+
+// getReplica asks the server at conn for its copy of shard at step (-1:
+// newest) and writes it into the segment open returns.
+func getReplica(conn net.Conn, shard int, step int64, timeout time.Duration, open func(need int64) (*segment, error)) (StepMeta, error) {
+	c := deadlineConn{conn, timeout}
+	if _, err := c.Write(replicaReq{op: opGet, shard: shard, step: step}.marshal()); err != nil {
+		return StepMeta{}, err
+	}
+	br := bufio.NewReaderSize(c, 1<<20)
+	n, err := readResp(br)
+	if err != nil {
+		return StepMeta{}, err
+	}
+	m, err := recvHalf(br, n, open)
+	if err != nil {
+		return StepMeta{}, err
+	}
+	if m.Step != step && step >= 0 {
+		return StepMeta{}, fmt.Errorf("peer sent step %d, asked for %d", m.Step, step)
+	}
+	return m, nil
+}
+
+// errNoReplica is the server's answer when it holds no such copy.
+var errNoReplica = errors.New("no intact replica")
+
+// PickPeers chooses up to k nodes, other than self, to hold self's
+// replicas. Nodes in another failure domain (domain[node], such as the ASW
+// a node hangs under) come first, then nodes whose domain is unknown, then
+// nodes in self's domain, so a switch failure does not take a shard and
+// its copies together. Within each group, the choice starts after self in
+// sorted order and wraps around, which spreads replicas evenly when every
+// node picks this way. The result is deterministic, so a replaced node
+// with self's name asks the same peers.
+func PickPeers(self string, nodes []string, domain map[string]string, k int) []string {
+	all := slices.Clone(nodes)
+	slices.Sort(all)
+	all = slices.Compact(all)
+	// Rotate so that the nodes after self come first.
+	pos, _ := slices.BinarySearch(all, self)
+	ring := append(slices.Clone(all[pos:]), all[:pos]...)
+	mine, known := domain[self]
+	rank := func(n string) int {
+		d, ok := domain[n]
+		switch {
+		case !known || !ok:
+			return 1
+		case d != mine:
+			return 0
+		}
+		return 2
+	}
+	var cands []string
+	for _, n := range ring {
+		if n != self {
+			cands = append(cands, n)
+		}
+	}
+	slices.SortStableFunc(cands, func(a, b string) int { return cmp.Compare(rank(a), rank(b)) })
+	if k < len(cands) {
+		cands = cands[:max(k, 0)]
+	}
+	return cands
+}

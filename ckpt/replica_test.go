@@ -1,0 +1,374 @@
+package ckpt
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func TestPickPeers(t *testing.T) {
+	nodes := []string{"n0", "n1", "n2", "n3", "n4", "n5"}
+	asw := map[string]string{"n0": "A", "n1": "A", "n2": "A", "n3": "B", "n4": "B", "n5": "C"}
+	for _, tc := range []struct {
+		self string
+		dom  map[string]string
+		k    int
+		want []string
+	}{
+		{"n0", nil, 1, []string{"n1"}},
+		{"n5", nil, 2, []string{"n0", "n1"}},
+		{"n0", asw, 1, []string{"n3"}},
+		{"n0", asw, 2, []string{"n3", "n4"}},
+		{"n4", asw, 2, []string{"n5", "n0"}},
+		{"n0", asw, 4, []string{"n3", "n4", "n5", "n1"}},
+		{"n0", asw, 10, []string{"n3", "n4", "n5", "n1", "n2"}},
+		{"n0", map[string]string{"n0": "A", "n1": "A"}, 2, []string{"n2", "n3"}}, // unknown before same
+		{"x", asw, 1, []string{"n0"}}, // self not listed
+		{"n0", asw, 0, nil},
+	} {
+		got := PickPeers(tc.self, nodes, tc.dom, tc.k)
+		if !slices.Equal(got, tc.want) {
+			t.Errorf("PickPeers(%s, k=%d) = %v, want %v", tc.self, tc.k, got, tc.want)
+		}
+	}
+}
+
+func TestPickPeersProperties(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	for range 500 {
+		n := 1 + r.IntN(12)
+		var nodes []string
+		dom := map[string]string{}
+		for i := range n {
+			name := fmt.Sprintf("node-%02d", i)
+			nodes = append(nodes, name)
+			if r.IntN(5) > 0 {
+				dom[name] = fmt.Sprintf("asw-%d", r.IntN(3))
+			}
+		}
+		r.Shuffle(len(nodes), func(i, j int) { nodes[i], nodes[j] = nodes[j], nodes[i] })
+		self := nodes[r.IntN(n)]
+		k := r.IntN(4)
+		got := PickPeers(self, nodes, dom, k)
+		if len(got) != min(k, n-1) {
+			t.Fatalf("%d peers of %d nodes for k=%d", len(got), n, k)
+		}
+		seen := map[string]bool{}
+		others := 0
+		for _, p := range nodes {
+			if d, ok := dom[p]; ok && dom[self] != "" && d != dom[self] {
+				others++
+			}
+		}
+		for i, p := range got {
+			if p == self || seen[p] {
+				t.Fatalf("peers %v of %s repeat or hold self", got, self)
+			}
+			seen[p] = true
+			// While other-domain nodes remain, only they are picked.
+			if i < others {
+				if d, ok := dom[p]; !ok || d == dom[self] {
+					t.Fatalf("peer %s (%q) picked for %s (%q) while %d nodes sit in other domains: %v", p, d, self, dom[self], others, got)
+				}
+			}
+		}
+		if again := PickPeers(self, slices.Clone(nodes), dom, k); !slices.Equal(again, got) {
+			t.Fatalf("not deterministic: %v then %v", got, again)
+		}
+	}
+	// Spread: with no domains, each node is the first peer of exactly one.
+	var nodes []string
+	for i := range 9 {
+		nodes = append(nodes, fmt.Sprint("n", i))
+	}
+	picked := map[string]int{}
+	for _, self := range nodes {
+		picked[PickPeers(self, nodes, nil, 1)[0]]++
+	}
+	for _, n := range nodes {
+		if picked[n] != 1 {
+			t.Fatalf("picks %v are not spread evenly", picked)
+		}
+	}
+}
+
+// running starts o.Run and stops it at the end of the test.
+func running(t *testing.T, o *Owner) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- o.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+}
+
+func TestReplicaRestoresReplacedNode(t *testing.T) {
+	ctx := context.Background()
+	tb := newTestBlobs(100 << 10)
+	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, ListenAddr: "127.0.0.1:0"}, 1)
+	running(t, b.o)
+	peers := map[string]string{"a": "127.0.0.1:1", "b": b.o.Addr().String()}
+	domains := map[string]string{"a": "asw-1", "b": "asw-2"}
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Capacity: 4 << 20, Peers: peers, Domains: domains}, 1)
+	for step := int64(1); step <= 2; step++ {
+		if err := a.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
+			t.Fatal(err)
+		}
+		if err := a.o.Replicate(ctx, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Node a is replaced: its shared memory is gone.
+	a.ws[0].Close()
+	a.o.Remove()
+	a2 := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Capacity: 4 << 20, Peers: peers, Domains: domains}, 1)
+	ck, rep, err := a2.o.Load(ctx, 0)
+	if err != nil || rep.Tier != TierReplica {
+		t.Fatalf("Load = %s, %v; want replica", rep, err)
+	}
+	if err := tb.check(ck); err != nil || ck.Step != 2 {
+		t.Fatalf("step %d: %v", ck.Step, err)
+	}
+	t.Logf("%s", rep)
+	// The replica is back in local memory for the trainer.
+	if ck, err := a2.ws[0].Load(ctx); err != nil || ck.Step != 2 {
+		t.Fatalf("trainer's Load after restore = %v, %v", ck, err)
+	}
+	// A given step the peer does not hold.
+	if _, rep, err := a2.o.LoadStep(ctx, 0, 7); !errors.Is(err, ErrNoStep) || !strings.Contains(rep.String(), "no intact replica") {
+		t.Fatalf("LoadStep(7) = %s, %v", rep, err)
+	}
+}
+
+func TestRunReplicatesNewSaves(t *testing.T) {
+	ctx := context.Background()
+	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, ListenAddr: "127.0.0.1:0"}, 1)
+	running(t, b.o)
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, PollInterval: 5 * time.Millisecond,
+		Peers: map[string]string{"a": "", "b": b.o.Addr().String()}}, 1)
+	running(t, a.o)
+	if err := a.ws[0].Save(ctx, 3, blobs(3)...); err != nil {
+		t.Fatal(err)
+	}
+	// Wait for the copy to land on b, by asking b for it.
+	c := newNode(t, OwnerConfig{Node: "c", Shards: []int{0}, Peers: map[string]string{"c": "", "b": b.o.Addr().String()}}, 1)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, rep, err := c.o.LoadStep(ctx, 0, 3)
+		if err == nil && rep.Tier == TierReplica {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no replica of step 3 on b within 30s: %s", rep)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// proxy forwards TCP connections to target and calls cut once a
+// connection has carried more than after bytes toward it, then drops it:
+// a transfer killed halfway at a known point.
+type proxy struct {
+	ln     net.Listener
+	wg     sync.WaitGroup
+	cutAt  int64
+	cut    func()
+	target string
+	cuts   atomic.Int32
+}
+
+func startProxy(t *testing.T, target string, after int64, cut func()) *proxy {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &proxy{ln: ln, cutAt: after, cut: cut, target: target}
+	p.wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			p.wg.Go(func() { p.forward(c) })
+		}
+	})
+	t.Cleanup(func() {
+		ln.Close()
+		p.wg.Wait()
+	})
+	return p
+}
+
+func (p *proxy) forward(c net.Conn) {
+	defer c.Close()
+	u, err := net.Dial("tcp", p.target)
+	if err != nil {
+		return
+	}
+	defer u.Close()
+	p.wg.Go(func() { io.Copy(c, u); c.Close() })
+	var n int64
+	buf := make([]byte, 64<<10)
+	for {
+		k, err := c.Read(buf)
+		if k > 0 {
+			if n+int64(k) > p.cutAt {
+				u.Write(buf[:p.cutAt-n])
+				p.cuts.Add(1)
+				p.cut()
+				return
+			}
+			if _, err := u.Write(buf[:k]); err != nil {
+				return
+			}
+			n += int64(k)
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// childPeer is a node agent that holds replicas, until it is killed.
+func childPeer() error {
+	o, err := NewOwner(OwnerConfig{ShmDir: os.Getenv("FAULTLINE_CKPT_SHM"), Name: "peer", Node: "p",
+		Shards: []int{9}, Capacity: 4096, ListenAddr: "127.0.0.1:0"})
+	if err != nil {
+		return err
+	}
+	fmt.Println("ready", o.Addr())
+	return o.Run(context.Background())
+}
+
+// TestReplicaPeerKilledMidTransfer sends a shard to two peers; one is a
+// process SIGKILLed halfway through the transfer. The other keeps the
+// copy, and a replaced node restores from it.
+func TestReplicaPeerKilledMidTransfer(t *testing.T) {
+	ctx := context.Background()
+	tb := newTestBlobs(1 << 20) // ~13 MiB a step
+	shm := shmDir(t)
+	victim, addr := startChild(t, "peer", "FAULTLINE_CKPT_SHM="+shm)
+	px := startProxy(t, addr[0], 4<<20, victim.kill)
+	good := newNode(t, OwnerConfig{Node: "good", Shards: []int{1}, ListenAddr: "127.0.0.1:0"}, 1)
+	running(t, good.o)
+	peers := map[string]string{"a": "", "victim": px.ln.Addr().String(), "good": good.o.Addr().String()}
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Capacity: 16 << 20, Peers: peers, Replicas: 2}, 1)
+	if err := a.ws[0].Save(ctx, 4, tb.step(4)...); err != nil {
+		t.Fatal(err)
+	}
+	err := a.o.Replicate(ctx, 0)
+	if err == nil || !strings.Contains(err.Error(), "peer victim") || strings.Contains(err.Error(), "peer good") {
+		t.Fatalf("Replicate = %v, want an error for the killed peer only", err)
+	}
+	if px.cuts.Load() != 1 {
+		t.Fatalf("proxy cut %d transfers", px.cuts.Load())
+	}
+	t.Logf("sender saw: %v", err)
+
+	a.ws[0].Close()
+	a.o.Remove()
+	a2 := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Capacity: 16 << 20, Peers: peers, Replicas: 2}, 1)
+	ck, rep, err := a2.o.Load(ctx, 0)
+	if err != nil || rep.Tier != TierReplica {
+		t.Fatalf("Load = %s, %v", rep, err)
+	}
+	if err := tb.check(ck); err != nil || ck.Step != 4 {
+		t.Fatalf("step %d: %v", ck.Step, err)
+	}
+	t.Logf("%s", rep)
+}
+
+// childSender is a node agent that saves step 1, copies it to its peer,
+// says ready, then saves a larger step 2 and copies it: the test kills it
+// during that copy.
+func childSender() error {
+	ctx := context.Background()
+	o, err := NewOwner(OwnerConfig{ShmDir: os.Getenv("FAULTLINE_CKPT_SHM"), Name: "sender", Node: "s", Shards: []int{0},
+		Capacity: 16 << 20, Peers: map[string]string{"s": "", "b": os.Getenv("FAULTLINE_CKPT_PEER")}})
+	if err != nil {
+		return err
+	}
+	w, err := NewWriter(WriterConfig{Path: o.SegmentPath(0)})
+	if err != nil {
+		return err
+	}
+	small, large := newTestBlobs(10<<10), newTestBlobs(1<<20)
+	if err := w.Save(ctx, 1, small.step(1)...); err != nil {
+		return err
+	}
+	if err := o.Replicate(ctx, 0); err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	if err := w.Save(ctx, 2, large.step(2)...); err != nil {
+		return err
+	}
+	if err := o.Replicate(ctx, 0); err != nil {
+		return err
+	}
+	select {} // the test kills it before this
+}
+
+// TestReplicaSenderKilledMidTransfer kills the sending agent halfway
+// through a copy: the receiver reports it and keeps the previous copy,
+// whether the new step was going into its segment or into a larger one.
+func TestReplicaSenderKilledMidTransfer(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		capacity int64
+	}{{"in place", 16 << 20}, {"into a larger segment", 1 << 20}} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, Capacity: tc.capacity, ListenAddr: "127.0.0.1:0"}, 1)
+			running(t, b.o)
+			started := make(chan *child, 1) // the cut may come before startChild returns
+			px := startProxy(t, b.o.Addr().String(), 4<<20, func() {
+				c := <-started
+				started <- c
+				c.kill()
+			})
+			sender, _ := startChild(t, "sender", "FAULTLINE_CKPT_SHM="+shmDir(t), "FAULTLINE_CKPT_PEER="+px.ln.Addr().String())
+			started <- sender
+			<-sender.exited
+			if sender.cmd.ProcessState.Success() || px.cuts.Load() != 1 {
+				t.Fatalf("sender exited with %v after %d cuts", sender.cmd.ProcessState, px.cuts.Load())
+			}
+			// b holds step 1, intact.
+			c := newNode(t, OwnerConfig{Node: "c", Shards: []int{0}, Capacity: 16 << 20, Peers: map[string]string{"c": "", "b": b.o.Addr().String()}}, 1)
+			ck, rep, err := c.o.Load(ctx, 0)
+			if err != nil || rep.Tier != TierReplica {
+				t.Fatalf("Load = %s, %v", rep, err)
+			}
+			if err := newTestBlobs(10 << 10).check(ck); err != nil || ck.Step != 1 {
+				t.Fatalf("step %d: %v", ck.Step, err)
+			}
+			seg := ReplicaPath(b.o.cfg.ShmDir, b.o.cfg.Name, 0)
+			r, err := InspectSegment(seg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			states := []uint32{r.Halves[0].State, r.Halves[1].State}
+			if tc.capacity > 1<<20 && !slices.Contains(states, StateWriting) {
+				t.Fatalf("replica halves in states %v, want one cut short", states)
+			}
+			if _, err := os.Stat(seg + ".next"); !errors.Is(err, os.ErrNotExist) {
+				t.Fatalf("the larger segment of the cut transfer is left: %v", err)
+			}
+			if err := Verify("", seg); err != nil {
+				t.Fatalf("a cut transfer is no corruption: %v", err)
+			}
+		})
+	}
+}

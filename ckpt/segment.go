@@ -1,0 +1,432 @@
+package ckpt
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Errors callers branch on.
+var (
+	// ErrBusy is returned by a save whose target half is pinned by the
+	// owner (a persist or a replica copy is reading it). The save is
+	// skipped; the previous step stays in memory.
+	ErrBusy = errors.New("ckpt: target half is being persisted; save skipped")
+	// ErrTooLarge is returned by a save that does not fit in a half.
+	ErrTooLarge = errors.New("ckpt: step does not fit in the segment")
+	// ErrNoSpace is returned when shared memory or disk lacks the room.
+	ErrNoSpace = errors.New("ckpt: not enough space")
+	// ErrNoStep is returned when no tier holds an intact step.
+	ErrNoStep = errors.New("ckpt: no intact step")
+	// ErrSuperseded is returned by a reader whose half was overwritten by
+	// newer saves while it read; what it read is discarded.
+	ErrSuperseded = errors.New("ckpt: step overwritten while being read")
+)
+
+// SegmentPath is where an owner keeps shard's segment: dir/name-shard.
+func SegmentPath(dir, name string, shard int) string {
+	return filepath.Join(dir, fmt.Sprintf("%s-%d", name, shard))
+}
+
+// ReplicaPath is where an owner keeps the copy of a peer's shard.
+func ReplicaPath(dir, name string, shard int) string {
+	return filepath.Join(dir, fmt.Sprintf("%s-replica-%d", name, shard))
+}
+
+// segment is a mapped shared-memory file in the documented layout.
+type segment struct {
+	path string
+	mem  []byte
+	hdr  SegmentHeader // the immutable fields
+	ro   bool
+}
+
+// freeBytes returns the bytes available to an unprivileged writer in dir's
+// filesystem.
+func freeBytes(dir string) (int64, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return 0, fmt.Errorf("ckpt: statfs %s: %w", dir, err)
+	}
+	return int64(st.Bavail) * int64(st.Bsize), nil
+}
+
+// createSegment creates the segment at path with halves of at least
+// halfSize bytes, or opens it if it exists with the same shape, keeping
+// the steps it holds. It checks the free space first and reserves every
+// page with fallocate, so that a full /dev/shm is an error here rather
+// than a SIGBUS on a later write.
+func createSegment(path string, shard int, flags uint32, halfSize int64) (*segment, error) {
+	h := SegmentHeader{HalfSize: alignUp(max(halfSize, PageSize), PageSize), Shard: shard, Flags: flags}
+	s, err := openSegment(path, false)
+	if err == nil {
+		if s.hdr.HalfSize != h.HalfSize || s.hdr.Shard != shard || s.hdr.Flags != flags {
+			s.close()
+			return nil, fmt.Errorf("ckpt: segment %s exists with half size %d, shard %d, flags %d; want %d, %d, %d: remove it or keep its size",
+				path, s.hdr.HalfSize, s.hdr.Shard, s.hdr.Flags, h.HalfSize, shard, flags)
+		}
+		// Pins belong to the owner process; a new owner starts with none.
+		for i := range 2 {
+			atomic.StoreUint32(s.u32(s.halfBase(i)+offPin), 0)
+		}
+		return s, nil
+	}
+	if !errors.Is(err, fs.ErrNotExist) {
+		return nil, err
+	}
+	hb, err := h.MarshalBinary()
+	if err != nil {
+		return nil, err
+	}
+	dir := filepath.Dir(path)
+	free, err := freeBytes(dir)
+	if err != nil {
+		return nil, err
+	}
+	size := h.Size()
+	if size > free {
+		return nil, fmt.Errorf("%w: segment %s needs %d bytes (2 halves of %d), %s has %d free; enlarge it (mount -o remount,size=...) or lower the capacity",
+			ErrNoSpace, path, size, h.HalfSize, dir, free)
+	}
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
+	if err != nil {
+		return nil, fmt.Errorf("ckpt: create segment: %w", err)
+	}
+	tmp := f.Name()
+	fail := func(err error) (*segment, error) {
+		f.Close()
+		os.Remove(tmp)
+		return nil, err
+	}
+	if err := f.Chmod(0o600); err != nil {
+		return fail(fmt.Errorf("ckpt: chmod %s: %w", tmp, err))
+	}
+	if err := unix.Fallocate(int(f.Fd()), 0, 0, size); err != nil {
+		if errors.Is(err, unix.ENOSPC) {
+			err = ErrNoSpace
+		}
+		return fail(fmt.Errorf("ckpt: reserve %d bytes for segment %s in %s: %w", size, path, dir, err))
+	}
+	if _, err := f.WriteAt(hb, 0); err != nil {
+		return fail(fmt.Errorf("ckpt: write header of %s: %w", tmp, err))
+	}
+	if err := f.Close(); err != nil {
+		return fail(fmt.Errorf("ckpt: close %s: %w", tmp, err))
+	}
+	// Only a complete segment appears under its name.
+	if err := os.Link(tmp, path); err != nil {
+		os.Remove(tmp)
+		if errors.Is(err, fs.ErrExist) { // another owner won the race
+			return openSegment(path, false)
+		}
+		return nil, fmt.Errorf("ckpt: create segment %s: %w", path, err)
+	}
+	os.Remove(tmp)
+	return openSegment(path, false)
+}
+
+// openSegment maps an existing segment, read-write (with every page
+// faulted in, so that saves run at memory speed) or read-only.
+func openSegment(path string, readOnly bool) (*segment, error) {
+	flag, prot := os.O_RDWR, unix.PROT_READ|unix.PROT_WRITE
+	mflags := unix.MAP_SHARED | unix.MAP_POPULATE
+	if readOnly {
+		flag, prot, mflags = os.O_RDONLY, unix.PROT_READ, unix.MAP_SHARED
+	}
+	f, err := os.OpenFile(path, flag, 0)
+	if err != nil {
+		return nil, fmt.Errorf("ckpt: open segment: %w", err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("ckpt: stat segment: %w", err)
+	}
+	b := make([]byte, 64)
+	if _, err := f.ReadAt(b, 0); err != nil {
+		return nil, &FormatError{File: path, Offset: 0, Msg: fmt.Sprintf("file of %d bytes has no header", fi.Size())}
+	}
+	h, err := ParseSegmentHeader(b)
+	if err != nil {
+		return nil, withFile(err, path)
+	}
+	// A short file would fault on access: refuse it before mapping.
+	if fi.Size() != h.Size() {
+		return nil, &FormatError{File: path, Offset: -1, Field: "size",
+			Msg: fmt.Sprintf("file is %d bytes, header says %d (truncated?)", fi.Size(), h.Size())}
+	}
+	mem, err := unix.Mmap(int(f.Fd()), 0, int(h.Size()), prot, mflags)
+	if err != nil {
+		return nil, fmt.Errorf("ckpt: map segment %s: %w", path, err)
+	}
+	h.Active, h.PersistSeq = 0, 0 // live; read with atomics
+	return &segment{path: path, mem: mem, hdr: h, ro: readOnly}, nil
+}
+
+func (s *segment) close() error {
+	if s.mem == nil {
+		return nil
+	}
+	err := unix.Munmap(s.mem)
+	s.mem = nil
+	if err != nil {
+		return fmt.Errorf("ckpt: unmap %s: %w", s.path, err)
+	}
+	return nil
+}
+
+func (s *segment) u32(off int64) *uint32 { return (*uint32)(unsafe.Pointer(&s.mem[off])) }
+func (s *segment) u64(off int64) *uint64 { return (*uint64)(unsafe.Pointer(&s.mem[off])) }
+
+func (s *segment) halfBase(i int) int64 { return HeaderSize + int64(i)*s.hdr.HalfSize }
+
+func (s *segment) half(i int) []byte {
+	b := s.halfBase(i)
+	return s.mem[b : b+s.hdr.HalfSize : b+s.hdr.HalfSize]
+}
+
+func (s *segment) state(i int) uint32 { return atomic.LoadUint32(s.u32(s.halfBase(i) + offState)) }
+func (s *segment) gen(i int) uint64   { return atomic.LoadUint64(s.u64(s.halfBase(i) + offGen)) }
+func (s *segment) seq(i int) uint64 {
+	return atomic.LoadUint64(s.u64(s.halfBase(i) + 16))
+}
+
+func (s *segment) active() uint32     { return atomic.LoadUint32(s.u32(offActive)) }
+func (s *segment) persistSeq() uint64 { return atomic.LoadUint64(s.u64(offPersistSeq)) }
+
+// setPersistSeq asks the owner to persist the save with this seq.
+func (s *segment) setPersistSeq(seq uint64) { atomic.StoreUint64(s.u64(offPersistSeq), seq) }
+
+// metaOK says whether half i is complete with a valid meta checksum: cheap,
+// it does not read the data.
+func (s *segment) metaOK(i int) (StepMeta, bool) {
+	if s.state(i) != StateComplete {
+		return StepMeta{}, false
+	}
+	m, err := ParseStepMeta(s.half(i), s.hdr.HalfSize)
+	return m, err == nil
+}
+
+// halfWriter is a save in progress into one half.
+type halfWriter struct {
+	s    *segment
+	idx  int
+	meta StepMeta
+}
+
+// begin claims the half a save of meta goes to: the one that does not
+// hold the newest step. It never waits: a half pinned by the owner gives
+// ErrBusy. See the FORMAT section for the protocol.
+func (s *segment) begin(meta StepMeta) (*halfWriter, error) {
+	if s.ro {
+		return nil, fmt.Errorf("ckpt: segment %s is open read-only", s.path)
+	}
+	if err := meta.check(s.hdr.HalfSize); err != nil {
+		if end := meta.End(); end > s.hdr.HalfSize {
+			return nil, fmt.Errorf("%w: step %d needs %d bytes per half (%d of data in %d blobs), segment %s has %d",
+				ErrTooLarge, meta.Step, end, meta.DataSize(), len(meta.Blobs), s.path, s.hdr.HalfSize)
+		}
+		return nil, err
+	}
+	// Write over the half that does not hold the newest intact step, so
+	// that a crash mid-save leaves that step as it was.
+	idx := 1 - int(s.active()&1)
+	if c := s.newest(); len(c) > 0 {
+		idx = 1 - c[0]
+	}
+	base := s.halfBase(idx)
+	pin, state := s.u32(base+offPin), s.u32(base+offState)
+	if atomic.LoadUint32(pin) != 0 {
+		return nil, ErrBusy
+	}
+	prev := atomic.LoadUint32(state)
+	atomic.StoreUint32(state, StateWriting)
+	// A reader that pinned between the two loads has either seen the
+	// writing state or is seen here (both sides store, then load).
+	if atomic.LoadUint32(pin) != 0 {
+		atomic.StoreUint32(state, prev)
+		return nil, ErrBusy
+	}
+	atomic.AddUint64(s.u64(base+offGen), 1)
+	meta.Seq = max(s.seq(0), s.seq(1)) + 1
+	if meta.Time.IsZero() {
+		meta.Time = time.Now()
+	}
+	return &halfWriter{s: s, idx: idx, meta: meta}, nil
+}
+
+// blob returns the bytes of blob i in the half being written.
+func (w *halfWriter) blob(i int) []byte {
+	e := w.meta.Blobs[i]
+	return w.s.half(w.idx)[e.Offset : e.Offset+e.Size : e.Offset+e.Size]
+}
+
+// commit writes the table with these CRCs, marks the half complete and
+// makes it the active one.
+func (w *halfWriter) commit(crcs []uint32) error {
+	for i := range w.meta.Blobs {
+		w.meta.Blobs[i].CRC32C = crcs[i]
+	}
+	b, err := w.meta.MarshalBinary()
+	if err != nil {
+		return err
+	}
+	h := w.s.half(w.idx)
+	copy(h[16:len(b)], b[16:])
+	atomic.StoreUint32(w.s.u32(w.s.halfBase(w.idx)+offState), StateComplete)
+	atomic.StoreUint32(w.s.u32(offActive), uint32(w.idx))
+	return nil
+}
+
+// halfError says why one half did not yield a step.
+type halfError struct {
+	half int
+	err  error
+}
+
+func (e *halfError) Error() string { return fmt.Sprintf("half %d: %v", e.half, e.err) }
+func (e *halfError) Unwrap() error { return e.err }
+
+var errNotComplete = errors.New("holds no complete step")
+
+// read runs fn on half i if it holds a complete step, and checks
+// afterwards that no writer touched the half meanwhile (a sequence lock
+// on the gen word); fn may call valid to check it earlier, before it makes
+// what it read visible. With pin, it also pins the half so that a
+// conforming writer leaves it alone. fn must verify the CRCs of what it
+// reads.
+func (s *segment) read(i int, pin bool, fn func(m StepMeta, half []byte, valid func() error) error) error {
+	base := s.halfBase(i)
+	if pin {
+		p := s.u32(base + offPin)
+		atomic.AddUint32(p, 1)
+		defer atomic.AddUint32(p, ^uint32(0))
+	}
+	if s.state(i) != StateComplete {
+		return s.whyNot(i)
+	}
+	g := s.gen(i)
+	valid := func() error {
+		if s.state(i) != StateComplete || s.gen(i) != g {
+			return &halfError{i, ErrSuperseded}
+		}
+		return nil
+	}
+	half := s.half(i)
+	m, err := ParseStepMeta(half, s.hdr.HalfSize)
+	if err == nil {
+		err = fn(m, half, valid)
+	}
+	if verr := valid(); verr != nil {
+		return verr
+	}
+	var he *halfError
+	if err != nil && !errors.As(err, &he) && errors.Is(err, ErrCorrupt) {
+		// Name the half and the file of what failed a check.
+		return &halfError{i, withFile(err, s.path)}
+	}
+	return err
+}
+
+// whyNot says why half i is no candidate for loading, cheaply.
+func (s *segment) whyNot(i int) error {
+	switch st := s.state(i); st {
+	case StateComplete:
+	case StateWriting:
+		return &halfError{i, fmt.Errorf("%w (a save was in progress or died)", errNotComplete)}
+	case StateEmpty:
+		return &halfError{i, fmt.Errorf("%w (empty)", errNotComplete)}
+	default:
+		return &halfError{i, withFile(formatErr(s.halfBase(i)+offState, "state", "value %d is no known state", st), s.path)}
+	}
+	if _, err := ParseStepMeta(s.half(i), s.hdr.HalfSize); err != nil {
+		return &halfError{i, withFile(err, s.path)}
+	}
+	return nil
+}
+
+// load returns the newest step of the segment whose every CRC holds, and
+// why each half that did not serve was refused.
+func (s *segment) load(workers int) (*Checkpoint, []error) {
+	var why []error
+	cands := s.newest()
+	for i := range 2 {
+		if len(cands) == 2 || (len(cands) == 1 && cands[0] == i) {
+			continue
+		}
+		if err := s.whyNot(i); err != nil {
+			why = append(why, err)
+		}
+	}
+	for _, i := range cands {
+		ck, err := s.loadHalf(i, workers)
+		if err == nil {
+			return ck, why
+		}
+		why = append(why, err)
+	}
+	return nil, why
+}
+
+// newest returns the halves holding a complete step with a valid meta, the
+// newest save first.
+func (s *segment) newest() []int {
+	m0, ok0 := s.metaOK(0)
+	m1, ok1 := s.metaOK(1)
+	switch {
+	case ok0 && ok1 && m1.Seq > m0.Seq:
+		return []int{1, 0}
+	case ok0 && ok1:
+		return []int{0, 1}
+	case ok0:
+		return []int{0}
+	case ok1:
+		return []int{1}
+	}
+	return nil
+}
+
+// loadHalf copies the step of half i out, verifying every CRC.
+func (s *segment) loadHalf(i int, workers int) (*Checkpoint, error) {
+	var ck *Checkpoint
+	err := s.read(i, false, func(m StepMeta, half []byte, _ func() error) error {
+		c, err := copyOut(m, half, workers)
+		ck = c
+		return err
+	})
+	return ck, err
+}
+
+// copyOut copies the blobs of m out of half, verifying their CRCs.
+func copyOut(m StepMeta, half []byte, workers int) (*Checkpoint, error) {
+	src := make([][]byte, len(m.Blobs))
+	dst := make([][]byte, len(m.Blobs))
+	ck := &Checkpoint{Step: m.Step, Blobs: make([]Blob, len(m.Blobs))}
+	for k, e := range m.Blobs {
+		src[k] = half[e.Offset : e.Offset+e.Size]
+		dst[k] = make([]byte, e.Size)
+		ck.Blobs[k] = Blob{Name: e.Name, Data: dst[k]}
+	}
+	crcs, err := copyCRC(dst, src, workers)
+	if err != nil {
+		return nil, err
+	}
+	for k, e := range m.Blobs {
+		if crcs[k] != e.CRC32C {
+			return nil, crcMismatch(k, e, crcs[k])
+		}
+	}
+	return ck, nil
+}
+
+func crcMismatch(k int, e BlobEntry, got uint32) error {
+	return &FormatError{Offset: -1, Field: fmt.Sprintf("blobs[%d].crc32c", k),
+		Msg: fmt.Sprintf("blob %q of %d bytes: table says %#08x, data has %#08x", e.Name, e.Size, e.CRC32C, got)}
+}

@@ -1,0 +1,321 @@
+package ckpt
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+)
+
+// newPair returns an owner of shard 0 in a fresh shared-memory directory
+// and a writer on its segment.
+func newPair(t *testing.T, cfg OwnerConfig) (*Owner, *Writer) {
+	t.Helper()
+	if cfg.ShmDir == "" {
+		cfg.ShmDir = shmDir(t)
+	}
+	if cfg.Shards == nil {
+		cfg.Shards = []int{0}
+	}
+	if cfg.Capacity == 0 {
+		cfg.Capacity = 1 << 20
+	}
+	o, err := NewOwner(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { o.Remove() })
+	w, err := NewWriter(WriterConfig{Path: o.SegmentPath(cfg.Shards[0])})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.Close() })
+	return o, w
+}
+
+func blobs(step int64) []Blob {
+	return []Blob{
+		{Name: "model", Data: bytes.Repeat([]byte{byte(step)}, 1000+int(step))},
+		{Name: "optimizer", Data: bytes.Repeat([]byte{byte(step), 0xAA}, 3000)},
+	}
+}
+
+func TestSaveLoadDoubleBuffered(t *testing.T) {
+	ctx := context.Background()
+	_, w := newPair(t, OwnerConfig{})
+	if _, err := w.Load(ctx); !errors.Is(err, ErrNoStep) {
+		t.Fatalf("Load of an empty segment = %v, want ErrNoStep", err)
+	}
+	for step := int64(1); step <= 3; step++ {
+		if err := w.Save(ctx, step, blobs(step)...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ck, err := w.Load(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ck.Step != 3 || !bytes.Equal(ck.Blob("model"), blobs(3)[0].Data) || !bytes.Equal(ck.Blob("optimizer"), blobs(3)[1].Data) {
+		t.Fatalf("loaded step %d with %d model bytes", ck.Step, len(ck.Blob("model")))
+	}
+	rep, err := InspectSegment(w.cfg.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	steps := map[int64]bool{}
+	for _, h := range rep.Halves {
+		if h.Err != nil {
+			t.Fatalf("half: %v", h.Err)
+		}
+		steps[h.Meta.Step] = true
+	}
+	if !steps[2] || !steps[3] || rep.Halves[rep.NewestHalf].Meta.Step != 3 || rep.Header.Active != uint32(rep.NewestHalf) {
+		t.Fatalf("halves hold %v, newest half %d, active %d; want steps 2 and 3", steps, rep.NewestHalf, rep.Header.Active)
+	}
+}
+
+func TestSaveFromReaders(t *testing.T) {
+	ctx := context.Background()
+	_, w := newPair(t, OwnerConfig{})
+	data := bytes.Repeat([]byte("weights"), 50000)
+	err := w.SaveFrom(ctx, 9, Source{Name: "model", Size: int64(len(data)), R: bytes.NewReader(data)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ck, err := w.Load(ctx)
+	if err != nil || ck.Step != 9 || !bytes.Equal(ck.Blob("model"), data) {
+		t.Fatalf("Load = step %v, %v", ck, err)
+	}
+	// A short reader fails the save and leaves step 9.
+	err = w.SaveFrom(ctx, 10, Source{Name: "model", Size: 100, R: strings.NewReader("short")})
+	if err == nil {
+		t.Fatal("SaveFrom with a short reader succeeded")
+	}
+	if ck, err := w.Load(ctx); err != nil || ck.Step != 9 {
+		t.Fatalf("after a failed save, Load = %v, %v; want step 9", ck, err)
+	}
+}
+
+func TestSaveSkipsPinnedHalf(t *testing.T) {
+	ctx := context.Background()
+	o, w := newPair(t, OwnerConfig{})
+	for step := int64(1); step <= 2; step++ {
+		if err := w.Save(ctx, step, blobs(step)...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The owner pins the half that holds step 1, as a persist does.
+	seg := o.segs[0]
+	old := seg.newest()[1]
+	pin := seg.u32(seg.halfBase(old) + offPin)
+	atomic.AddUint32(pin, 1)
+	if err := w.Save(ctx, 3, blobs(3)...); !errors.Is(err, ErrBusy) {
+		t.Fatalf("Save over a pinned half = %v, want ErrBusy", err)
+	}
+	if ck, err := w.Load(ctx); err != nil || ck.Step != 2 {
+		t.Fatalf("Load = %v, %v; want step 2", ck, err)
+	}
+	atomic.AddUint32(pin, ^uint32(0))
+	if err := w.Save(ctx, 3, blobs(3)...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestSaveTooLarge(t *testing.T) {
+	_, w := newPair(t, OwnerConfig{Capacity: 8192})
+	err := w.Save(context.Background(), 1, Blob{Name: "model", Data: make([]byte, 9000)})
+	if !errors.Is(err, ErrTooLarge) || !strings.Contains(err.Error(), "8192") {
+		t.Fatalf("err = %v, want ErrTooLarge naming the half size", err)
+	}
+}
+
+func TestInterruptedSaveKeepsPrevious(t *testing.T) {
+	ctx := context.Background()
+	o, w := newPair(t, OwnerConfig{})
+	if err := w.Save(ctx, 1, blobs(1)...); err != nil {
+		t.Fatal(err)
+	}
+	// A save that dies after copying half of its data.
+	hw, err := o.segs[0].begin(layoutStep(2, []string{"model"}, []int64{5000}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(hw.blob(0), bytes.Repeat([]byte{7}, 2500))
+	ck, err := w.Load(ctx)
+	if err != nil || ck.Step != 1 {
+		t.Fatalf("Load = %v, %v; want step 1", ck, err)
+	}
+	if err := Verify("", w.cfg.Path); err != nil {
+		t.Fatalf("an interrupted save is no corruption: %v", err)
+	}
+}
+
+func TestBitFlipFallsBackToPreviousStep(t *testing.T) {
+	ctx := context.Background()
+	o, w := newPair(t, OwnerConfig{})
+	for step := int64(1); step <= 2; step++ {
+		if err := w.Save(ctx, step, blobs(step)...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Flip one bit of step 2's optimizer blob through the file, as a
+	// faulty DIMM or a stray writer would.
+	seg := o.segs[0]
+	i := seg.newest()[0]
+	m, _ := seg.metaOK(i)
+	e, _ := m.Blob("optimizer")
+	flipBit(t, w.cfg.Path, seg.halfBase(i)+e.Offset+100)
+
+	ck, rep, err := o.Load(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ck.Step != 1 || rep.Tier != TierMemory || len(rep.Notes) != 1 || !errors.Is(rep.Notes[0], ErrCorrupt) {
+		t.Fatalf("Load = step %d: %s; want step 1 from memory, step 2 passed over as corrupt", ck.Step, rep)
+	}
+	t.Logf("report: %s", rep)
+	wck, err := w.Load(ctx)
+	if err != nil || wck.Step != 1 {
+		t.Fatalf("writer Load = %v, %v; want step 1", wck, err)
+	}
+	err = Verify("", w.cfg.Path)
+	if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), `"optimizer"`) {
+		t.Fatalf("Verify = %v, want a CRC error naming the blob", err)
+	}
+}
+
+func flipBit(t *testing.T, path string, off int64) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b := make([]byte, 1)
+	if _, err := f.ReadAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+	b[0] ^= 0x10
+	if _, err := f.WriteAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestNotEnoughSharedMemory(t *testing.T) {
+	dir := shmDir(t)
+	_, err := NewOwner(OwnerConfig{ShmDir: dir, Shards: []int{0}, Capacity: 1 << 45})
+	if !errors.Is(err, ErrNoSpace) || !strings.Contains(err.Error(), dir) {
+		t.Fatalf("err = %v, want ErrNoSpace naming %s", err, dir)
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 0 {
+		t.Fatalf("left %d files behind", len(ents))
+	}
+}
+
+// TestSmallShmMount is the case DLRover dies of with SIGBUS: a 64 MB
+// /dev/shm (a container's default). It mounts one (root only).
+func TestSmallShmMount(t *testing.T) {
+	dir := t.TempDir()
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", dir).CombinedOutput(); err != nil {
+		t.Skipf("cannot mount a tmpfs (not root?): %v: %s", err, out)
+	}
+	t.Cleanup(func() { exec.Command("umount", dir).Run() })
+	_, err := NewOwner(OwnerConfig{ShmDir: dir, Shards: []int{0}, Capacity: 40 << 20})
+	if !errors.Is(err, ErrNoSpace) {
+		t.Fatalf("40 MiB halves in 64 MiB: err = %v, want ErrNoSpace", err)
+	}
+	t.Logf("error as the operator sees it: %v", err)
+	// What fits works, with every page reserved up front.
+	o, w := newPair(t, OwnerConfig{ShmDir: dir, Capacity: 30 << 20})
+	if err := w.Save(context.Background(), 1, Blob{Name: "model", Data: make([]byte, 29<<20)}); err != nil {
+		t.Fatal(err)
+	}
+	// A second owner's segment no longer fits.
+	if _, err := NewOwner(OwnerConfig{ShmDir: dir, Shards: []int{1}, Capacity: 4 << 20}); !errors.Is(err, ErrNoSpace) {
+		t.Fatalf("second segment: err = %v, want ErrNoSpace", err)
+	}
+	o.Remove()
+}
+
+func TestTruncatedSegment(t *testing.T) {
+	ctx := context.Background()
+	o, w := newPair(t, OwnerConfig{})
+	if err := w.Save(ctx, 1, blobs(1)...); err != nil {
+		t.Fatal(err)
+	}
+	path := o.SegmentPath(0)
+	if err := os.Truncate(path, HeaderSize+8192); err != nil {
+		t.Fatal(err)
+	}
+	// Mapped before the cut: a save faults, and says so instead of dying.
+	if err := w.Save(ctx, 2, Blob{Name: "model", Data: make([]byte, 500000)}); err == nil || !strings.Contains(err.Error(), "fault") {
+		t.Fatalf("save into a truncated segment = %v, want a memory fault error", err)
+	}
+	// Opened after the cut: refused before mapping.
+	if _, err := NewWriter(WriterConfig{Path: path}); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "truncated") {
+		t.Fatalf("NewWriter on a truncated segment = %v", err)
+	}
+	if err := Verify("", path); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("Verify = %v, want ErrCorrupt", err)
+	}
+}
+
+func TestOwnerRestartKeepsSteps(t *testing.T) {
+	ctx := context.Background()
+	shm := shmDir(t)
+	o, err := NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := NewWriter(WriterConfig{Path: o.SegmentPath(0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Save(ctx, 5, blobs(5)...); err != nil {
+		t.Fatal(err)
+	}
+	w.Close()
+	o.Close()
+	if _, err := NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: 2 << 20}); err == nil || !strings.Contains(err.Error(), "exists with half size") {
+		t.Fatalf("reopen with another capacity = %v, want an error", err)
+	}
+	o2, err := NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o2.Remove()
+	ck, rep, err := o2.Load(ctx, 0)
+	if err != nil || ck.Step != 5 || rep.Tier != TierMemory {
+		t.Fatalf("Load after restart = %v, %v, %v", ck, rep, err)
+	}
+	if _, err := os.Stat(filepath.Join(shm, "faultline-ckpt-0")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	for _, tc := range []struct {
+		cfg   OwnerConfig
+		field string
+	}{
+		{OwnerConfig{Capacity: 1}, "Shards"},
+		{OwnerConfig{Shards: []int{0}}, "Capacity"},
+		{OwnerConfig{Shards: []int{0, 0}, Capacity: 1}, "Shards[1]"},
+		{OwnerConfig{Shards: []int{4}, NumShards: 2, Capacity: 1}, "Shards[0]"},
+		{OwnerConfig{Shards: []int{0}, Capacity: 1, Name: "a/b"}, "Name"},
+		{OwnerConfig{Shards: []int{0}, Capacity: 1, Peers: map[string]string{"a": "x"}}, "Node"},
+		{OwnerConfig{Shards: []int{0}, Capacity: 1, PollInterval: -1}, "PollInterval"},
+	} {
+		if err := tc.cfg.Validate(); err == nil || !strings.Contains(err.Error(), tc.field) {
+			t.Errorf("Validate(%+v) = %v, want an error naming %s", tc.cfg, err, tc.field)
+		}
+	}
+	if err := (WriterConfig{}).Validate(); err == nil || !strings.Contains(err.Error(), "Path") {
+		t.Errorf("WriterConfig{}.Validate() = %v", err)
+	}
+}

@@ -1,0 +1,268 @@
+package ckpt
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"log/slog"
+	"runtime/debug"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Blob is a named byte string of a step: a model's weights, an
+// optimizer's state, the data loader's position.
+type Blob struct {
+	Name string
+	Data []byte
+}
+
+// Source is a named blob read from R, which must yield exactly Size bytes.
+type Source struct {
+	Name string
+	Size int64
+	R    io.Reader
+}
+
+// Checkpoint is one shard's state at one step.
+type Checkpoint struct {
+	Step  int64
+	Blobs []Blob
+}
+
+// Blob returns the data of the blob named name, or nil.
+func (c *Checkpoint) Blob(name string) []byte {
+	for _, b := range c.Blobs {
+		if b.Name == name {
+			return b.Data
+		}
+	}
+	return nil
+}
+
+// Size is the sum of the blob sizes.
+func (c *Checkpoint) Size() int64 {
+	var n int64
+	for _, b := range c.Blobs {
+		n += int64(len(b.Data))
+	}
+	return n
+}
+
+// WriterConfig configures a Writer. The zero value of each field but Path
+// is a documented default.
+type WriterConfig struct {
+	// Path is the shard's segment, created by the owner (see SegmentPath).
+	Path string
+	// Workers is the number of goroutines that copy a save; default
+	// GOMAXPROCS. The trainer waits for the copy, so it may as well use
+	// every core.
+	Workers int
+
+	Registerer     prometheus.Registerer // nil: metrics off
+	TracerProvider trace.TracerProvider  // nil: no spans
+	Logger         *slog.Logger          // nil: silent
+}
+
+// Validate reports the first invalid field.
+func (c WriterConfig) Validate() error {
+	switch {
+	case c.Path == "":
+		return errors.New("ckpt: WriterConfig.Path is empty")
+	case c.Workers < 0:
+		return fmt.Errorf("ckpt: WriterConfig.Workers is %d, want >= 0", c.Workers)
+	}
+	return nil
+}
+
+// Writer saves a trainer's shard into the shared-memory segment its owner
+// created. A save blocks only for the copy; persisting it to disk and
+// copying it to peers is the owner's work. Methods are safe for
+// concurrent use; saves are serialised.
+type Writer struct {
+	cfg    WriterConfig
+	seg    *segment
+	m      *writerMetrics
+	tracer trace.Tracer
+	log    *slog.Logger
+
+	mu sync.Mutex
+}
+
+// NewWriter maps the segment at cfg.Path.
+func NewWriter(cfg WriterConfig) (*Writer, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	seg, err := openSegment(cfg.Path, false)
+	if err != nil {
+		return nil, err
+	}
+	if seg.hdr.Flags&FlagReplica != 0 {
+		seg.close()
+		return nil, fmt.Errorf("ckpt: %s holds a peer's replica, not a shard to write", cfg.Path)
+	}
+	return &Writer{cfg: cfg, seg: seg, m: newWriterMetrics(cfg.Registerer),
+		tracer: tracerOf(cfg.TracerProvider), log: loggerOf(cfg.Logger)}, nil
+}
+
+// Shard is the shard the segment holds.
+func (w *Writer) Shard() int { return w.seg.hdr.Shard }
+
+// Capacity is the largest step, in bytes of a half (header, table and
+// data), that the segment holds.
+func (w *Writer) Capacity() int64 { return w.seg.hdr.HalfSize }
+
+// Save copies blobs into shared memory as the given step. When it returns
+// nil the step is complete in memory and survives the trainer's death; a
+// crash during Save leaves the previous step intact. It returns ErrBusy,
+// without copying, when the owner is still reading the only half it could
+// write, and ErrTooLarge when the step does not fit.
+func (w *Writer) Save(ctx context.Context, step int64, blobs ...Blob) error {
+	names := make([]string, len(blobs))
+	sizes := make([]int64, len(blobs))
+	for i, b := range blobs {
+		names[i], sizes[i] = b.Name, int64(len(b.Data))
+	}
+	return w.save(ctx, step, names, sizes, func(hw *halfWriter) ([]uint32, error) {
+		dst := make([][]byte, len(blobs))
+		src := make([][]byte, len(blobs))
+		for i, b := range blobs {
+			dst[i], src[i] = hw.blob(i), b.Data
+		}
+		return copyCRC(dst, src, w.cfg.Workers)
+	})
+}
+
+// SaveFrom is Save with blobs read from readers.
+func (w *Writer) SaveFrom(ctx context.Context, step int64, srcs ...Source) error {
+	names := make([]string, len(srcs))
+	sizes := make([]int64, len(srcs))
+	for i, s := range srcs {
+		names[i], sizes[i] = s.Name, s.Size
+		if s.Size < 0 {
+			return fmt.Errorf("ckpt: source %q: size %d is negative", s.Name, s.Size)
+		}
+	}
+	return w.save(ctx, step, names, sizes, func(hw *halfWriter) ([]uint32, error) {
+		crcs := make([]uint32, len(srcs))
+		for i, s := range srcs {
+			dst := hw.blob(i)
+			for o := 0; o < len(dst); o += fuseChunk {
+				e := min(o+fuseChunk, len(dst))
+				if _, err := io.ReadFull(s.R, dst[o:e]); err != nil {
+					return nil, fmt.Errorf("ckpt: read source %q at byte %d of %d: %w", s.Name, o, len(dst), err)
+				}
+				crcs[i] = crc32.Update(crcs[i], castagnoli, dst[o:e])
+			}
+		}
+		return crcs, nil
+	})
+}
+
+func (w *Writer) save(ctx context.Context, step int64, names []string, sizes []int64, fill func(*halfWriter) ([]uint32, error)) (err error) {
+	start := time.Now()
+	meta := layoutStep(step, names, sizes)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.seg == nil {
+		return fmt.Errorf("ckpt: save to %s: %w", w.cfg.Path, errClosed)
+	}
+	_, span := w.tracer.Start(ctx, "ckpt.Save", trace.WithAttributes(
+		attribute.Int64("ckpt.step", step), attribute.Int("ckpt.shard", w.seg.hdr.Shard),
+		attribute.Int64("ckpt.bytes", meta.DataSize())))
+	defer func() {
+		if err != nil {
+			span.RecordError(err)
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}()
+	// A segment file cut short under the mapping faults on access: make
+	// that an error of this save, not the death of the trainer.
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("ckpt: save to %s: %w", w.cfg.Path, asFault(r))
+		}
+	}()
+	hw, err := w.seg.begin(meta)
+	if errors.Is(err, ErrBusy) {
+		w.m.saveSkipped.Inc()
+		w.log.Warn("ckpt: save skipped, owner is reading the target half", "step", step, "segment", w.cfg.Path)
+	}
+	if err != nil {
+		return err
+	}
+	crcs, err := fill(hw)
+	if err != nil {
+		// The half stays in the writing state: it holds no step, and the
+		// other half keeps the previous one.
+		return err
+	}
+	if err := hw.commit(crcs); err != nil {
+		return err
+	}
+	w.m.saveSeconds.Observe(time.Since(start).Seconds())
+	w.m.saveBytes.Add(float64(meta.DataSize()))
+	return nil
+}
+
+var errClosed = errors.New("closed")
+
+// Persist asks the owner to write step to disk. The step must be the
+// newest one saved. The owner picks the request up asynchronously; the
+// trainer does not wait.
+func (w *Writer) Persist(step int64) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.seg == nil {
+		return fmt.Errorf("ckpt: persist in %s: %w", w.cfg.Path, errClosed)
+	}
+	c := w.seg.newest()
+	if len(c) == 0 {
+		return fmt.Errorf("ckpt: persist step %d: %w in %s", step, ErrNoStep, w.cfg.Path)
+	}
+	m, _ := w.seg.metaOK(c[0])
+	if m.Step != step {
+		return fmt.Errorf("ckpt: persist step %d: the newest step in %s is %d", step, w.cfg.Path, m.Step)
+	}
+	w.seg.setPersistSeq(m.Seq)
+	return nil
+}
+
+// Load returns the newest step in memory whose every CRC holds. Its error
+// wraps ErrNoStep and says why each half was refused.
+func (w *Writer) Load(ctx context.Context) (*Checkpoint, error) {
+	_, span := w.tracer.Start(ctx, "ckpt.LoadMemory")
+	defer span.End()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.seg == nil {
+		return nil, fmt.Errorf("ckpt: load from %s: %w", w.cfg.Path, errClosed)
+	}
+	ck, why := w.seg.load(w.cfg.Workers)
+	if ck == nil {
+		return nil, fmt.Errorf("%w in %s: %w", ErrNoStep, w.cfg.Path, errors.Join(why...))
+	}
+	return ck, nil
+}
+
+// Close unmaps the segment. The steps it holds stay in shared memory.
+func (w *Writer) Close() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.seg == nil {
+		return nil
+	}
+	err := w.seg.close()
+	w.seg = nil
+	return err
+}
