@@ -70,6 +70,13 @@ type Record struct {
 // AppendJSON appends the record's JSON form, without a newline, to dst. It
 // does not allocate when dst has room.
 func (r *Record) AppendJSON(dst []byte) []byte {
+	dst = r.appendHead(dst)
+	dst = AppendJSONString(dst, r.Name)
+	return r.appendTail(dst)
+}
+
+// appendHead appends the JSON form up to the Name's value.
+func (r *Record) appendHead(dst []byte) []byte {
 	dst = append(dst, `{"Kind":`...)
 	dst = strconv.AppendUint(dst, uint64(r.Kind), 10)
 	dst = append(dst, `,"Flag":`...)
@@ -88,8 +95,11 @@ func (r *Record) AppendJSON(dst []byte) []byte {
 	dst = strconv.AppendUint(dst, uint64(r.DeviceID), 10)
 	dst = append(dst, `,"StreamId":`...)
 	dst = strconv.AppendUint(dst, uint64(r.StreamID), 10)
-	dst = append(dst, `}},"Name":`...)
-	dst = AppendJSONString(dst, r.Name)
+	return append(dst, `}},"Name":`...)
+}
+
+// appendTail appends the JSON form after the Name's value.
+func (r *Record) appendTail(dst []byte) []byte {
 	dst = append(dst, `,"Domain":`...)
 	dst = AppendJSONString(dst, r.Domain)
 	return append(dst, '}')
@@ -132,15 +142,23 @@ func (e *RecordError) Unwrap() error { return ErrRecord }
 // shape is accepted too, with unknown fields ignored. Kind, Flag, Timestamp
 // and Id are required. Errors are *RecordError and wrap ErrRecord.
 func ParseRecord(line []byte) (Record, error) {
+	var r Record
+	err := parseRecordInto(line, &r)
+	return r, err
+}
+
+// parseRecordInto is ParseRecord into *r, which is undefined on error.
+func parseRecordInto(line []byte, r *Record) error {
 	line = bytes.TrimSpace(line)
 	if len(line) > MaxLineBytes {
-		return Record{}, &RecordError{Msg: fmt.Sprintf("line of %d bytes exceeds %d", len(line), MaxLineBytes)}
+		return &RecordError{Msg: fmt.Sprintf("line of %d bytes exceeds %d", len(line), MaxLineBytes)}
 	}
-	var r Record
-	if parseCanonical(line, &r) {
-		return r, nil
+	if parseCanonical(line, r) {
+		return nil
 	}
-	return parseGeneric(line)
+	v, err := parseGeneric(line)
+	*r = v
+	return err
 }
 
 // wireRecord is the generic (slow path) decoding target. Integers are
@@ -312,7 +330,7 @@ func (p *canonParser) str(s *string) bool {
 	if j >= len(p.b) || !utf8.Valid(p.b[p.i+1:j]) {
 		return false
 	}
-	*s = string(p.b[p.i+1 : j])
+	*s = intern(p.b[p.i+1 : j])
 	p.i = j + 1
 	return true
 }
@@ -368,4 +386,23 @@ func AppendJSONString(dst []byte, s string) []byte {
 	}
 	dst = append(dst, s[start:]...)
 	return append(dst, '"')
+}
+
+// intern returns the common names and domains without allocating.
+func intern(b []byte) string {
+	switch string(b) { // compared in place, not converted
+	case "":
+		return ""
+	case DomainDefault:
+		return DomainDefault
+	case DomainCommunication:
+		return DomainCommunication
+	case MarkerForward:
+		return MarkerForward
+	case MarkerDataLoader:
+		return MarkerDataLoader
+	case MarkerSaveCheckpoint:
+		return MarkerSaveCheckpoint
+	}
+	return string(b)
 }

@@ -1,0 +1,266 @@
+package trace
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// Errors a LineError may wrap besides a *RecordError.
+var (
+	ErrLineTooLong   = errors.New("line longer than MaxLineBytes")
+	ErrTruncatedLine = errors.New("incomplete last line of a finished file")
+)
+
+// LineError says which line of which file a reader skipped, and why.
+type LineError struct {
+	File string
+	Line int // 1-based
+	Err  error
+}
+
+func (e *LineError) Error() string { return fmt.Sprintf("%s:%d: %v", e.File, e.Line, e.Err) }
+
+// Unwrap returns the cause.
+func (e *LineError) Unwrap() error { return e.Err }
+
+// ReaderConfig configures a RankReader. The zero value is ready to use.
+type ReaderConfig struct {
+	BufferBytes int // bytes read per system call; default 256 KiB
+}
+
+// ReaderStats reports what a RankReader has read and skipped.
+type ReaderStats struct {
+	Records      uint64 // records passed to the callback
+	GarbageLines uint64 // lines skipped: not a record, binary, over-long, or cut short
+	LastGarbage  error  // the latest skipped line, a *LineError naming file and line
+	Bytes        uint64 // bytes consumed
+	Files        int    // record files opened
+	SkippedFiles int    // record files that vanished (aged away) or could not be opened
+	LastSkip     error  // why the latest file was skipped
+}
+
+// RankReader tails the record files of one rank folder: the digit-named
+// files in numeric name order, each by offset, moving to the next file once
+// a newer one exists. It follows no symlink and opens only regular files.
+// A RankReader is not safe for concurrent use.
+type RankReader struct {
+	dir   string
+	dirfd int
+	cfg   ReaderConfig
+
+	cur      string   // current file's name, "" before the first
+	f        *os.File // current file, nil between files
+	off      int64    // bytes of cur read so far, carry included
+	line     int      // complete lines of cur seen
+	buf      []byte
+	carry    []byte // the start of an unfinished line
+	skipping bool   // inside an over-long line, until its newline
+
+	rec   Record
+	stats ReaderStats
+}
+
+// OpenRankReader opens the rank folder dir (not a symlink) for tailing.
+func OpenRankReader(dir string, cfg ReaderConfig) (*RankReader, error) {
+	if cfg.BufferBytes <= 0 {
+		cfg.BufferBytes = 256 << 10
+	}
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
+			return nil, fmt.Errorf("trace: %s is not a folder (a symlink or a file): %w", dir, ErrPath)
+		}
+		return nil, fmt.Errorf("trace: open rank folder: %w", &os.PathError{Op: "open", Path: dir, Err: err})
+	}
+	return &RankReader{dir: dir, dirfd: fd, cfg: cfg, buf: make([]byte, cfg.BufferBytes)}, nil
+}
+
+// Read calls fn for each complete record written since the last call, in
+// file order, and returns nil once it has caught up. The *Record is valid
+// only during the call. A partial last line is kept for the next Read.
+// Lines that are not records are skipped and counted in Stats. If fn
+// returns an error, Read returns it at once; the next Read continues with
+// the following record.
+func (r *RankReader) Read(fn func(*Record) error) error {
+	if r.dirfd < 0 {
+		return fmt.Errorf("trace: read %s: %w", r.dir, os.ErrClosed)
+	}
+	for {
+		if r.f == nil {
+			next, err := r.nextFile()
+			if err != nil || next == "" {
+				return err
+			}
+			r.cur, r.off, r.line, r.carry, r.skipping = next, 0, 0, r.carry[:0], false
+			f, err := openFileAt(r.dirfd, r.dir, next)
+			if err != nil {
+				r.stats.SkippedFiles++
+				r.stats.LastSkip = err
+				continue
+			}
+			r.f = f
+			r.stats.Files++
+		}
+		if err := r.readToEOF(fn); err != nil {
+			return err
+		}
+		next, err := r.nextFile()
+		if err != nil || next == "" {
+			return err // caught up; the current file may still grow
+		}
+		// A newer file exists, so the writer has finished this one; what it
+		// wrote between our EOF and its switch is read now.
+		if err := r.readToEOF(fn); err != nil {
+			return err
+		}
+		if len(r.carry) > 0 || r.skipping {
+			if !r.skipping {
+				r.garbage(r.line+1, ErrTruncatedLine)
+			}
+			r.carry, r.skipping = r.carry[:0], false
+		}
+		r.f.Close()
+		r.f = nil
+	}
+}
+
+// nextFile returns the first record file after r.cur in name order, or "".
+func (r *RankReader) nextFile() (string, error) {
+	ents, err := listDir(r.dirfd, r.dir)
+	if err != nil {
+		return "", fmt.Errorf("trace: list %s: %w", r.dir, err)
+	}
+	next := ""
+	for _, e := range ents {
+		name := e.Name()
+		if !IsRecordFileName(name) || e.Type()&(os.ModeSymlink|os.ModeDir) != 0 {
+			continue
+		}
+		if (r.cur == "" || recordNameCmp(name, r.cur) > 0) && (next == "" || recordNameCmp(name, next) < 0) {
+			next = name
+		}
+	}
+	return next, nil
+}
+
+func (r *RankReader) readToEOF(fn func(*Record) error) error {
+	for {
+		n, err := r.f.ReadAt(r.buf, r.off)
+		if n == 0 && err == io.EOF {
+			return r.checkShrunk()
+		}
+		if n == 0 && err != nil {
+			// The data is gone; a vanished file reads to EOF, so this is rarer
+			// (EIO): move on as if the file had ended.
+			r.stats.SkippedFiles++
+			r.stats.LastSkip = fmt.Errorf("trace: read %s: %w", filepath.Join(r.dir, r.cur), err)
+			return nil
+		}
+		r.off += int64(n)
+		r.stats.Bytes += uint64(n)
+		if err := r.lines(r.buf[:n], fn); err != nil {
+			return err
+		}
+	}
+}
+
+// checkShrunk handles a file cut below what was read (a writer drops a
+// partial line after a failed write): the unfinished line shrinks with it.
+func (r *RankReader) checkShrunk() error {
+	fi, err := r.f.Stat()
+	if err != nil || fi.Size() >= r.off {
+		return nil
+	}
+	lost := r.off - fi.Size()
+	if int64(len(r.carry)) >= lost && !r.skipping {
+		r.carry = r.carry[:int64(len(r.carry))-lost]
+	} else {
+		r.carry, r.skipping = r.carry[:0], false
+	}
+	r.off = fi.Size()
+	return nil
+}
+
+// lines splits data into lines, joining the carry from the previous chunk.
+func (r *RankReader) lines(data []byte, fn func(*Record) error) error {
+	for len(data) > 0 {
+		i := bytes.IndexByte(data, '\n')
+		if i < 0 {
+			if r.skipping {
+				return nil
+			}
+			if len(r.carry)+len(data) > MaxLineBytes {
+				r.garbage(r.line+1, ErrLineTooLong)
+				r.carry, r.skipping = r.carry[:0], true
+				return nil
+			}
+			r.carry = append(r.carry, data...)
+			return nil
+		}
+		line := data[:i]
+		data = data[i+1:]
+		r.line++
+		if r.skipping {
+			r.skipping = false
+			continue
+		}
+		if len(r.carry) > 0 {
+			if len(r.carry)+len(line) > MaxLineBytes {
+				r.garbage(r.line, ErrLineTooLong)
+				r.carry = r.carry[:0]
+				continue
+			}
+			r.carry = append(r.carry, line...)
+			line = r.carry
+		}
+		err := r.record(line, fn)
+		r.carry = r.carry[:0]
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (r *RankReader) record(line []byte, fn func(*Record) error) error {
+	if len(line) > MaxLineBytes {
+		r.garbage(r.line, ErrLineTooLong)
+		return nil
+	}
+	if len(bytes.TrimSpace(line)) == 0 {
+		return nil // blank lines are not records, nor damage
+	}
+	if err := parseRecordInto(line, &r.rec); err != nil {
+		r.garbage(r.line, err)
+		return nil
+	}
+	r.stats.Records++
+	return fn(&r.rec)
+}
+
+func (r *RankReader) garbage(line int, err error) {
+	r.stats.GarbageLines++
+	r.stats.LastGarbage = &LineError{File: filepath.Join(r.dir, r.cur), Line: line, Err: err}
+}
+
+// Stats returns the reader's counters.
+func (r *RankReader) Stats() ReaderStats { return r.stats }
+
+// Close releases the reader's files. It is idempotent.
+func (r *RankReader) Close() error {
+	if r.f != nil {
+		r.f.Close()
+		r.f = nil
+	}
+	if r.dirfd >= 0 {
+		unix.Close(r.dirfd)
+		r.dirfd = -1
+	}
+	return nil
+}

@@ -1,0 +1,449 @@
+package trace
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Recorder defaults.
+const (
+	DefaultBufferRecords = 16384
+	pollMin              = 2 * time.Millisecond
+	pollMax              = 50 * time.Millisecond
+)
+
+// RecorderConfig configures a Recorder. The zero value records nothing
+// until SetSwitch turns kinds on, then writes rank 0 under DefaultRoot.
+type RecorderConfig struct {
+	Root          string        // default DefaultRoot
+	Job           string        // default ResolveJob(Root)
+	Rank          int           // global rank; must not be negative
+	MaxFileBytes  int64         // default 10 MiB
+	FlushInterval time.Duration // records reach the file at least this often; default 5 s
+	// BufferRecords bounds the records waiting for the writer goroutine,
+	// rounded up to a power of two; default 16384 (about 2.5 MiB). When it
+	// is full, new records are dropped and counted.
+	BufferRecords int
+	Switch        Switch                // initial switch; default all off
+	Registerer    prometheus.Registerer // nil: no metrics
+	Logger        *slog.Logger          // nil: discard
+}
+
+// Validate reports the first field that cannot be used.
+func (c RecorderConfig) Validate() error {
+	if err := c.writerConfig().Validate(); err != nil {
+		return err
+	}
+	switch {
+	case c.FlushInterval < 0:
+		return fmt.Errorf("trace: RecorderConfig.FlushInterval: %v is negative", c.FlushInterval)
+	case c.BufferRecords < 0:
+		return fmt.Errorf("trace: RecorderConfig.BufferRecords: %d is negative", c.BufferRecords)
+	case c.BufferRecords > 1<<24:
+		return fmt.Errorf("trace: RecorderConfig.BufferRecords: %d exceeds %d", c.BufferRecords, 1<<24)
+	}
+	return nil
+}
+
+// writerConfig is the config of the recorder's writer; its metrics are
+// the recorder's.
+func (c RecorderConfig) writerConfig() WriterConfig {
+	return WriterConfig{Root: c.Root, Job: c.Job, Rank: c.Rank, MaxFileBytes: c.MaxFileBytes, Logger: c.Logger}
+}
+
+// Bits of Recorder.bits above the kinds.
+const (
+	bitDomDefault = 1 << (numKinds + iota)
+	bitDomComm
+	bitOpen  = 1 << 31
+	kindMask = 1<<numKinds - 1
+)
+
+// Flags of each kind's records, as MindCluster writes them: phases that
+// launch device work mark "with device", host-only phases do not.
+var (
+	startFlags   = [numKinds]Flag{FlagDeviceStart, FlagDeviceStart, FlagHostStart, FlagHostStart, FlagDeviceStart}
+	endFlags     = [numKinds]Flag{FlagDeviceEnd, FlagDeviceEnd, FlagHostEnd, FlagHostEnd, FlagDeviceEnd}
+	instantFlags = [numKinds]Flag{FlagDeviceInstant, FlagDeviceInstant, FlagInstant, FlagInstant, FlagDeviceInstant}
+)
+
+// Recorder is the dotting hot path of a training process. Calls with a
+// kind switched off cost an atomic load and a branch. Calls with it on
+// take a timestamp and put an entry into a bounded lock-free ring with no
+// allocation and no lock; a goroutine owned by the Recorder encodes the
+// entries and hands them to a Writer. When that goroutine falls behind the
+// ring fills and records are dropped and counted; a caller never waits.
+//
+// All methods are safe for concurrent use. Ids are unique per Recorder
+// and, being offset by the start time in nanoseconds, across restarts of
+// a rank.
+type Recorder struct {
+	bits   atomic.Uint32 // kinds on, domains on, open
+	ring   *ring
+	idBase uint64
+	wall0  uint64    // unix ns at t0
+	t0     time.Time // carries the monotonic clock
+	pid    uint32
+
+	dropped [numDomains]atomic.Uint64 // ring full
+
+	w        *Writer
+	cfg      RecorderConfig
+	reqs     chan func(*Writer)
+	stop     chan struct{}
+	done     chan struct{}
+	swMu     sync.Mutex
+	stopOnce sync.Once
+	closeErr error
+}
+
+// NewRecorder starts a Recorder and the goroutine that writes its records.
+// The goroutine stops when ctx is done or Close is called; records after
+// that are dropped.
+func NewRecorder(ctx context.Context, cfg RecorderConfig) (*Recorder, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.FlushInterval == 0 {
+		cfg.FlushInterval = DefaultFlushInterval
+	}
+	if cfg.BufferRecords == 0 {
+		cfg.BufferRecords = DefaultBufferRecords
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	w, err := NewWriter(cfg.writerConfig())
+	if err != nil {
+		return nil, err
+	}
+	t0 := time.Now()
+	r := &Recorder{
+		ring:   newRing(cfg.BufferRecords),
+		idBase: uint64(t0.UnixNano()),
+		wall0:  uint64(t0.UnixNano()),
+		t0:     t0,
+		pid:    uint32(os.Getpid()),
+		w:      w,
+		cfg:    cfg,
+		reqs:   make(chan func(*Writer)),
+		stop:   make(chan struct{}),
+		done:   make(chan struct{}),
+	}
+	r.bits.Store(bitOpen | switchBits(cfg.Switch))
+	if cfg.Registerer != nil {
+		if err := cfg.Registerer.Register(newStatsCollector(w.c, &r.dropped, &r.bits)); err != nil {
+			return nil, fmt.Errorf("trace: register recorder metrics: %w", err)
+		}
+	}
+	go r.loop(ctx)
+	return r, nil
+}
+
+func switchBits(s Switch) uint32 {
+	b := s.Bits()
+	if s.DomainEnabled(DomainDefault) {
+		b |= bitDomDefault
+	}
+	if s.DomainEnabled(DomainCommunication) {
+		b |= bitDomComm
+	}
+	return b
+}
+
+// SetSwitch puts s in force; calls that start after it returns see it.
+// A range already started still records its end. After Close it does
+// nothing.
+func (r *Recorder) SetSwitch(s Switch) {
+	r.swMu.Lock()
+	defer r.swMu.Unlock()
+	if b := r.bits.Load(); b&bitOpen != 0 {
+		r.bits.Store(bitOpen | switchBits(s))
+		if b&kindMask != s.Bits() {
+			r.cfg.Logger.Info("trace: switch changed", "switch", s.String(), "rank", r.cfg.Rank)
+		}
+	}
+}
+
+// Switch returns the switch in force.
+func (r *Recorder) Switch() Switch { return SwitchFromBits(r.bits.Load() & kindMask) }
+
+// Enabled reports whether kind k is on, for callers that would otherwise
+// build a name or CommOp for nothing.
+func (r *Recorder) Enabled(k Kind) bool { return r.bits.Load()&kindBit(k) != 0 }
+
+func kindBit(k Kind) uint32 { return 1 << k & kindMask }
+
+func (r *Recorder) now() uint64 { return r.wall0 + uint64(time.Since(r.t0)) }
+
+// Span is a started range; End records its end. The zero Span, returned
+// while the kind is off, ends as a no-op; a Span whose start was dropped
+// counts its end as dropped too.
+type Span struct {
+	r           *Recorder
+	id          uint64
+	dev, stream uint32
+	kind        Kind
+}
+
+// ID returns the id that the start and end records share, 0 for a Span
+// whose start was not recorded.
+func (s Span) ID() uint64 { return s.id }
+
+// End records the end of the range.
+func (s Span) End() {
+	if s.r == nil {
+		return
+	}
+	if s.id == 0 {
+		s.r.dropped[domainOf(s.kind)].Add(1)
+		return
+	}
+	s.r.end(s)
+}
+
+// Start records the start of a range of kind k named name (MarkerForward,
+// MarkerDataLoader, MarkerSaveCheckpoint or a name of the caller's) on
+// device and stream.
+func (r *Recorder) Start(k Kind, name string, device, stream uint32) Span {
+	if r.bits.Load()&kindBit(k) == 0 {
+		return Span{}
+	}
+	return r.start(k, nameLiteral, name, 0, nil, device, stream)
+}
+
+// StartStep records the start of training step n (a Step range named
+// "step <n>").
+func (r *Recorder) StartStep(n uint64, device, stream uint32) Span {
+	if r.bits.Load()&kindBit(Step) == 0 {
+		return Span{}
+	}
+	return r.start(Step, nameStep, "", n, nil, device, stream)
+}
+
+// StartComm records the start of a communication operator (a
+// CommunicationOperator range whose name is op as JSON). op is copied.
+func (r *Recorder) StartComm(op *CommOp, device, stream uint32) Span {
+	if r.bits.Load()&kindBit(CommunicationOperator) == 0 {
+		return Span{}
+	}
+	return r.start(CommunicationOperator, nameComm, "", 0, op, device, stream)
+}
+
+// Mark records an instant of kind k.
+func (r *Recorder) Mark(k Kind, name string, device, stream uint32) {
+	if r.bits.Load()&kindBit(k) == 0 {
+		return
+	}
+	r.put(k, instantFlags[k], nameLiteral, name, 0, nil, device, stream)
+}
+
+func (r *Recorder) start(k Kind, form uint8, name string, step uint64, op *CommOp, dev, stream uint32) Span {
+	id := r.put(k, startFlags[k], form, name, step, op, dev, stream)
+	return Span{r: r, id: id, dev: dev, stream: stream, kind: k}
+}
+
+func (r *Recorder) end(s Span) {
+	if r.bits.Load()&bitOpen == 0 {
+		return
+	}
+	ts := r.now()
+	c, pos, ok := r.ring.claim()
+	if !ok {
+		r.dropped[domainOf(s.kind)].Add(1)
+		return
+	}
+	c.e.rec = Record{Kind: ActivityKindMarker, Flag: endFlags[s.kind], SourceKind: SourceKindHost,
+		Timestamp: ts, ID: s.id, ProcessID: r.pid, ThreadID: r.pid, DeviceID: s.dev, StreamID: s.stream}
+	c.e.nameForm = nameLiteral
+	c.e.dom = uint8(domainOf(s.kind))
+	c.seq.Store(pos + 1)
+}
+
+// put enqueues one record and returns its id, or 0 when it was dropped.
+func (r *Recorder) put(k Kind, flag Flag, form uint8, name string, step uint64, op *CommOp, dev, stream uint32) uint64 {
+	ts := r.now()
+	c, pos, ok := r.ring.claim()
+	if !ok {
+		r.dropped[domainOf(k)].Add(1)
+		return 0
+	}
+	id := r.idBase + pos
+	c.e.rec = Record{Kind: ActivityKindMarker, Flag: flag, SourceKind: SourceKindHost,
+		Timestamp: ts, ID: id, ProcessID: r.pid, ThreadID: r.pid, DeviceID: dev, StreamID: stream,
+		Name: name, Domain: k.Domain()}
+	c.e.nameForm = form
+	c.e.step = step
+	if op != nil {
+		c.e.op = *op
+	}
+	c.e.dom = uint8(domainOf(k))
+	c.seq.Store(pos + 1)
+	return id
+}
+
+func domainOf(k Kind) int {
+	if k == CommunicationOperator {
+		return domComm
+	}
+	return domDefault
+}
+
+// Record enqueues a record built elsewhere (an accelerator's marker
+// activity, a replay), copying it. It is filtered by domain as
+// Switch.DomainEnabled says; a record with an empty domain (mspti leaves
+// it empty on end records) follows the default domain. It reports whether
+// the record was taken.
+func (r *Recorder) Record(rec *Record) bool {
+	bit := uint32(bitDomDefault)
+	dom := domDefault
+	if rec.Domain == DomainCommunication {
+		bit, dom = bitDomComm, domComm
+	}
+	if r.bits.Load()&bit == 0 {
+		return false
+	}
+	c, pos, ok := r.ring.claim()
+	if !ok {
+		r.dropped[dom].Add(1)
+		return false
+	}
+	c.e.rec = *rec
+	c.e.nameForm = nameLiteral
+	c.e.dom = uint8(dom)
+	c.seq.Store(pos + 1)
+	return true
+}
+
+// loop is the writer goroutine: it drains the ring into the writer,
+// polling faster while records flow, and flushes at FlushInterval.
+func (r *Recorder) loop(ctx context.Context) {
+	defer close(r.done)
+	var scratch []byte
+	write := func(e *entry) { r.writeEntry(e, &scratch) }
+	drain := func() int {
+		total := 0
+		for {
+			n := r.ring.consume(1024, write)
+			total += n
+			if n < 1024 {
+				return total
+			}
+		}
+	}
+	interval := pollMax
+	timer := time.NewTimer(interval)
+	defer timer.Stop()
+	lastFlush := time.Now()
+	for {
+		select {
+		case <-ctx.Done():
+			r.shutdown(drain)
+			return
+		case <-r.stop:
+			r.shutdown(drain)
+			return
+		case fn := <-r.reqs:
+			drain()
+			fn(r.w)
+			continue
+		case <-timer.C:
+		}
+		if drain() > 0 {
+			interval = pollMin
+		} else if interval *= 2; interval > pollMax {
+			interval = pollMax
+		}
+		if now := time.Now(); now.Sub(lastFlush) >= r.cfg.FlushInterval {
+			r.w.Flush()
+			lastFlush = now
+		}
+		timer.Reset(interval)
+	}
+}
+
+func (r *Recorder) shutdown(drain func() int) {
+	r.swMu.Lock()
+	r.bits.Store(0)
+	r.swMu.Unlock()
+	// Producers that loaded the bits before the store may still publish;
+	// take what is there, leave the rest.
+	drain()
+	r.closeErr = r.w.Close()
+}
+
+// writeEntry encodes e into the writer's buffer.
+func (r *Recorder) writeEntry(e *entry, scratch *[]byte) {
+	switch e.nameForm {
+	case nameLiteral:
+		r.w.write(int(e.dom), func(dst []byte) []byte { return e.rec.AppendJSON(dst) })
+	case nameStep:
+		r.w.write(int(e.dom), func(dst []byte) []byte {
+			dst = e.rec.appendHead(dst)
+			dst = append(dst, `"step `...)
+			dst = strconv.AppendUint(dst, e.step, 10)
+			dst = append(dst, '"')
+			return e.rec.appendTail(dst)
+		})
+	case nameComm:
+		*scratch = e.op.AppendJSON((*scratch)[:0])
+		name := unsafe.String(unsafe.SliceData(*scratch), len(*scratch)) // read before scratch is reused
+		r.w.write(int(e.dom), func(dst []byte) []byte {
+			dst = e.rec.appendHead(dst)
+			dst = AppendJSONString(dst, name)
+			return e.rec.appendTail(dst)
+		})
+	}
+}
+
+// do runs fn on the writer goroutine after the ring is drained.
+func (r *Recorder) do(fn func(*Writer) error) error {
+	errc := make(chan error, 1)
+	select {
+	case r.reqs <- func(w *Writer) { errc <- fn(w) }:
+		return <-errc
+	case <-r.done:
+		return fmt.Errorf("trace: recorder: %w", os.ErrClosed)
+	}
+}
+
+// Flush writes every record recorded before the call to the file.
+func (r *Recorder) Flush() error { return r.do((*Writer).Flush) }
+
+// WriteParallelGroups writes g as parallel_group.json into this rank's
+// folder.
+func (r *Recorder) WriteParallelGroups(g ParallelGroups) error {
+	return r.do(func(w *Writer) error { return w.WriteParallelGroups(g) })
+}
+
+// Dir returns the rank folder once the writer has resolved it, else "".
+func (r *Recorder) Dir() string {
+	r.w.c.mu.Lock()
+	defer r.w.c.mu.Unlock()
+	return r.w.c.dir
+}
+
+// Stats returns what the recorder has written and dropped.
+func (r *Recorder) Stats() Stats {
+	s := r.w.Stats()
+	s.Dropped.Default += r.dropped[domDefault].Load()
+	s.Dropped.Communication += r.dropped[domComm].Load()
+	return s
+}
+
+// Close stops recording, writes what is buffered, fsyncs and closes the
+// file. It is idempotent and returns the final write error, if any.
+func (r *Recorder) Close() error {
+	r.stopOnce.Do(func() { close(r.stop) })
+	<-r.done
+	return r.closeErr
+}

@@ -1,0 +1,184 @@
+package slownode
+
+import (
+	"math"
+	"slices"
+)
+
+// madScale turns a median absolute deviation into an estimate of the
+// standard deviation of normally distributed data.
+const madScale = 1.4826
+
+// median returns the median of xs, reordering xs. It returns NaN for none.
+func median(xs []float64) float64 {
+	n := len(xs)
+	if n == 0 {
+		return math.NaN()
+	}
+	slices.Sort(xs)
+	if n%2 == 1 {
+		return xs[n/2]
+	}
+	return (xs[n/2-1] + xs[n/2]) / 2
+}
+
+// medianMAD returns the median and the scaled median absolute deviation
+// (a robust σ) of xs, using scratch for work; xs is left untouched.
+func medianMAD(xs, scratch []float64) (med, sigma float64, _ []float64) {
+	scratch = append(scratch[:0], xs...)
+	med = median(scratch)
+	for i, x := range xs {
+		scratch[i] = math.Abs(x - med)
+	}
+	return med, madScale * median(scratch), scratch
+}
+
+// trimmedMeanStd returns the mean and standard deviation of xs after
+// dropping the lowest and highest trim fraction of values (at least one at
+// each end when there are five or more), as MindCluster's time detector
+// builds its baseline. xs is reordered.
+func trimmedMeanStd(xs []float64, trim float64) (mean, std float64) {
+	if len(xs) == 0 {
+		return math.NaN(), math.NaN()
+	}
+	slices.Sort(xs)
+	k := int(float64(len(xs)) * trim)
+	if k == 0 && len(xs) >= 5 {
+		k = 1
+	}
+	xs = xs[k : len(xs)-k]
+	for _, x := range xs {
+		mean += x
+	}
+	mean /= float64(len(xs))
+	for _, x := range xs {
+		std += (x - mean) * (x - mean)
+	}
+	if len(xs) > 1 {
+		std = math.Sqrt(std / float64(len(xs)-1))
+	}
+	return mean, std
+}
+
+// split2 divides values into a low and a high cluster with the boundary
+// that minimises the within-cluster sum of squares (1-D 2-means, exact).
+// It returns the index in sorted order of the first high value and the
+// two cluster means; sorted must be in increasing order.
+func split2(sorted []float64) (cut int, lowMean, highMean float64) {
+	n := len(sorted)
+	if n < 2 {
+		return n, math.NaN(), math.NaN()
+	}
+	var total, totalSq float64
+	for _, x := range sorted {
+		total += x
+		totalSq += x * x
+	}
+	best := math.Inf(1)
+	var sum, sumSq float64
+	for i := 1; i < n; i++ {
+		x := sorted[i-1]
+		sum += x
+		sumSq += x * x
+		l, h := float64(i), float64(n-i)
+		sse := (sumSq - sum*sum/l) + ((totalSq - sumSq) - (total-sum)*(total-sum)/h)
+		if sse < best {
+			best, cut, lowMean, highMean = sse, i, sum/l, (total-sum)/h
+		}
+	}
+	return cut, lowMean, highMean
+}
+
+// window keeps the last len(buf) values of a series.
+type window struct {
+	buf  []float64
+	next int
+	full bool
+}
+
+func newWindow(n int) window { return window{buf: make([]float64, n)} }
+
+func (w *window) push(x float64) {
+	w.buf[w.next] = x
+	w.next++
+	if w.next == len(w.buf) {
+		w.next, w.full = 0, true
+	}
+}
+
+func (w *window) len() int {
+	if w.full {
+		return len(w.buf)
+	}
+	return w.next
+}
+
+// values appends the kept values, oldest first, to dst.
+func (w *window) values(dst []float64) []float64 {
+	if w.full {
+		dst = append(dst, w.buf[w.next:]...)
+	}
+	return append(dst, w.buf[:w.next]...)
+}
+
+func (w *window) reset() { w.next, w.full = 0, false }
+
+// series is a bounded, evenly decimated history of one figure for charts:
+// when full, adjacent points are merged (averaged) and the stride doubles,
+// so memory stays fixed however long a job runs.
+type series struct {
+	pts    []Point
+	stride int64 // steps per point
+	acc    Point // point being accumulated
+	accN   int64
+}
+
+// Point is one point of a chart series: a step and a value in
+// milliseconds (a mean over Span steps when the series is decimated).
+type Point struct {
+	Step  int64   `json:"step"`
+	Value float64 `json:"ms"`
+}
+
+func newSeries(capacity int) series {
+	return series{pts: make([]Point, 0, capacity), stride: 1}
+}
+
+func (s *series) add(step int64, v float64) {
+	if cap(s.pts) == 0 || math.IsNaN(v) {
+		return
+	}
+	if s.accN == 0 {
+		s.acc.Step = step
+	}
+	s.acc.Value += v
+	s.accN++
+	if s.accN < s.stride {
+		return
+	}
+	s.acc.Value /= float64(s.accN)
+	if len(s.pts) == cap(s.pts) {
+		half := len(s.pts) / 2
+		for i := 0; i < half; i++ {
+			a, b := s.pts[2*i], s.pts[2*i+1]
+			s.pts[i] = Point{Step: a.Step, Value: (a.Value + b.Value) / 2}
+		}
+		if len(s.pts)%2 == 1 {
+			s.pts[half] = s.pts[len(s.pts)-1]
+			half++
+		}
+		s.pts = s.pts[:half]
+		s.stride *= 2
+	}
+	s.pts = append(s.pts, s.acc)
+	s.acc, s.accN = Point{}, 0
+}
+
+// points returns a copy of the series, the partial point included.
+func (s *series) points() []Point {
+	out := slices.Clone(s.pts)
+	if s.accN > 0 {
+		out = append(out, Point{Step: s.acc.Step, Value: s.acc.Value / float64(s.accN)})
+	}
+	return out
+}
