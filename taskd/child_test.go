@@ -1,0 +1,5 @@
+package taskd
+
+const childRoleEnv = "TASKD_TEST_CHILD"
+
+func runChild(role string) int { return 2 }

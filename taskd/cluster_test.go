@@ -1,0 +1,178 @@
+package taskd
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// cluster is an in-process job: a manager, proxies and workers on loopback.
+type cluster struct {
+	t       testing.TB
+	sec     Security
+	job     string
+	m       *Manager
+	mcfg    ManagerConfig
+	proxies map[int]*Proxy
+	workers map[int]*Worker
+	cancels map[any]context.CancelFunc
+	wg      sync.WaitGroup
+	mu      sync.Mutex
+	applied map[int]trace.Switch
+	onApply func(rank int, sw trace.Switch)
+}
+
+func newCluster(t testing.TB, sec Security, mcfg ManagerConfig) *cluster {
+	c := &cluster{t: t, sec: sec, job: "job-1", proxies: map[int]*Proxy{}, workers: map[int]*Worker{}, cancels: map[any]context.CancelFunc{}, applied: map[int]trace.Switch{}}
+	mcfg.Job = c.job
+	mcfg.Listen = orDefault(mcfg.Listen, "127.0.0.1:0")
+	mcfg.Security = sec
+	mcfg.HeartbeatInterval = orDefault(mcfg.HeartbeatInterval, testTimings.interval)
+	mcfg.HeartbeatDeadline = orDefault(mcfg.HeartbeatDeadline, testTimings.deadline)
+	mcfg.AckTimeout = orDefault(mcfg.AckTimeout, testTimings.ack)
+	c.mcfg = mcfg
+	c.startManager()
+	t.Cleanup(c.close)
+	return c
+}
+
+func (c *cluster) startManager() {
+	m, err := NewManager(c.mcfg)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.m = m
+	c.mcfg.Listen = m.Addr().String() // a restart takes the same port
+	c.run(m, m.Run)
+}
+
+func (c *cluster) run(key any, f func(context.Context) error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	c.cancels[key] = cancel
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		if err := f(ctx); err != nil {
+			c.t.Errorf("%T.Run: %v", key, err)
+		}
+	}()
+}
+
+func (c *cluster) stop(key any, closer interface{ Close() error }) {
+	c.cancels[key]()
+	closer.Close()
+	delete(c.cancels, key)
+}
+
+func (c *cluster) addProxy(node int) *Proxy {
+	p, err := NewProxy(ProxyConfig{Job: c.job, Node: node, Upstream: c.m.Addr().String(), Listen: "127.0.0.1:0", Security: c.sec, AckTimeout: testTimings.ack, ReconnectMax: 500e6})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.proxies[node] = p
+	c.run(p, p.Run)
+	return p
+}
+
+// addWorker starts a worker behind the node's proxy, or attached to the
+// manager directly when the node has none.
+func (c *cluster) addWorker(node, rank int) *Worker {
+	up := c.m.Addr().String()
+	if p := c.proxies[node]; p != nil {
+		up = p.Addr().String()
+	}
+	w, err := NewWorker(WorkerConfig{Job: c.job, Node: node, Rank: rank, Upstream: up, Security: c.sec, AckTimeout: testTimings.ack, ReconnectMax: 500e6,
+		OnSwitch: func(sw trace.Switch) error {
+			c.mu.Lock()
+			c.applied[rank] = sw
+			f := c.onApply
+			c.mu.Unlock()
+			if f != nil {
+				f(rank, sw)
+			}
+			return nil
+		}})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.workers[rank] = w
+	c.run(w, w.Run)
+	return w
+}
+
+func (c *cluster) appliedSwitch(rank int) (trace.Switch, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	sw, ok := c.applied[rank]
+	return sw, ok
+}
+
+func (c *cluster) close() {
+	for k, cancel := range c.cancels {
+		cancel()
+		if cl, ok := k.(interface{ Close() error }); ok {
+			cl.Close()
+		}
+	}
+	c.wg.Wait()
+}
+
+func (c *cluster) liveWorkers() int {
+	n := 0
+	for _, mi := range c.m.Members() {
+		if mi.Role == RoleWorker {
+			n++
+		}
+	}
+	return n
+}
+
+func insecureSec() Security { return Security{Insecure: true} }
+
+func TestSmoke(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{})
+	c.addProxy(0)
+	c.addProxy(1)
+	for r := range 8 {
+		c.addWorker(r/4, r)
+	}
+	c.addWorker(2, 8) // attached directly
+	waitFor(t, 20e9, "9 workers", func() bool { return c.liveWorkers() == 9 })
+	sw := trace.Switch{Step: true, CommunicationOperator: true}
+	if _, err := c.m.SetSwitch(sw); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 20e9, "switch applied", func() bool {
+		for r := range 9 {
+			if got, ok := c.appliedSwitch(r); !ok || got != sw {
+				return false
+			}
+		}
+		return true
+	})
+	waitFor(t, 20e9, "status opened", func() bool {
+		for _, w := range c.m.SwitchStatus().Workers {
+			if w.Domains["default"] != DomainOpened {
+				return false
+			}
+		}
+		return true
+	})
+	if err := c.workers[3].ReportFault(Fault{Kind: FaultHang, Message: "allreduce stuck"}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 20e9, "fault", func() bool { return len(c.m.Faults(0)) == 1 })
+	ds, err := c.m.Broadcast(context.Background(), AllWorkers(), "hello", []byte("x"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range ds {
+		if d.Err != nil {
+			t.Errorf("rank %d: %v", d.Rank, d.Err)
+		}
+	}
+	fmt.Println(c.m.Faults(0))
+}

@@ -1,0 +1,181 @@
+package taskd
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"time"
+)
+
+// FaultKind says what went wrong. The constants are the kinds taskd and the
+// other faultline packages raise; a reporter may use others.
+type FaultKind string
+
+// Fault kinds.
+const (
+	FaultProcessExit FaultKind = "process_exit" // a training process exited; Code is its exit status
+	FaultOpError     FaultKind = "op_error"     // an operator or device call failed; Code is its error code
+	FaultHang        FaultKind = "hang"         // a kernel or collective exceeded its timeout
+	FaultSlowNode    FaultKind = "slow_node"    // a slow-node verdict for the position
+	FaultLink        FaultKind = "link"         // a network link or NIC is down or degraded
+	FaultLost        FaultKind = "lost"         // raised by the manager: heartbeats stopped
+)
+
+// Fault is one entry of a job's fault log. Later orchestration (process
+// recovery, link failover, rescheduling) consumes it.
+type Fault struct {
+	// Seq orders the log: the manager assigns 1, 2, ... as it takes faults
+	// in. Zero in a fault not yet taken in.
+	Seq uint64 `json:"seq"`
+	// ID is unique per fault; a report sent twice carries one ID and is
+	// logged once. Worker.ReportFault fills it in.
+	ID   string    `json:"id"`
+	Kind FaultKind `json:"kind"`
+	// Position is where the fault is: a rank, or a whole node when Rank is -1.
+	Position Position `json:"position"`
+	// Code is an exit status or error code, 0 when none applies.
+	Code    int               `json:"code,omitempty"`
+	Message string            `json:"message,omitempty"`
+	Attrs   map[string]string `json:"attrs,omitempty"`
+	// Time is when the reporter saw the fault; Received when the manager
+	// took it in.
+	Time     time.Time `json:"time"`
+	Received time.Time `json:"received"`
+	// Reporter is who reported it (the manager itself for FaultLost).
+	Reporter     Position `json:"reporter"`
+	ReporterRole Role     `json:"reporter_role"`
+}
+
+func (f Fault) clone() Fault {
+	f.Attrs = maps.Clone(f.Attrs)
+	return f
+}
+
+// faultLog is a job's ordered, de-duplicated fault log, bounded to max
+// entries (the oldest go first). It is pure: the caller serialises access.
+type faultLog struct {
+	max    int
+	faults []Fault
+	ids    map[string]uint64 // ID -> Seq of the faults held
+	next   uint64            // Seq of the next fault
+}
+
+func newFaultLog(max int) *faultLog {
+	return &faultLog{max: max, ids: make(map[string]uint64), next: 1}
+}
+
+// add takes f in, assigning its Seq and Received. It returns the stored
+// fault and false when a fault with f's ID is already held.
+func (l *faultLog) add(f Fault, now time.Time) (Fault, bool) {
+	if seq, dup := l.ids[f.ID]; dup {
+		return l.get(seq), false
+	}
+	f = f.clone()
+	f.Seq = l.next
+	f.Received = now
+	l.next++
+	l.faults = append(l.faults, f)
+	l.ids[f.ID] = f.Seq
+	if l.max > 0 && len(l.faults) > l.max {
+		drop := len(l.faults) - l.max
+		for _, old := range l.faults[:drop] {
+			delete(l.ids, old.ID)
+		}
+		l.faults = append(l.faults[:0:0], l.faults[drop:]...)
+	}
+	return f, true
+}
+
+// restore puts back a fault read from the state file, keeping its Seq.
+func (l *faultLog) restore(f Fault) {
+	if _, dup := l.ids[f.ID]; dup || f.Seq < l.next {
+		return
+	}
+	l.faults = append(l.faults, f)
+	l.ids[f.ID] = f.Seq
+	l.next = f.Seq + 1
+}
+
+func (l *faultLog) get(seq uint64) Fault {
+	for i := len(l.faults) - 1; i >= 0; i-- {
+		if l.faults[i].Seq == seq {
+			return l.faults[i].clone()
+		}
+	}
+	return Fault{}
+}
+
+// after returns the faults with Seq > seq, oldest first.
+func (l *faultLog) after(seq uint64) []Fault {
+	var out []Fault
+	for _, f := range l.faults {
+		if f.Seq > seq {
+			out = append(out, f.clone())
+		}
+	}
+	return out
+}
+
+// FaultLogError says which line of a fault log file is bad.
+type FaultLogError struct {
+	Line int
+	Err  error
+}
+
+func (e *FaultLogError) Error() string { return fmt.Sprintf("fault log line %d: %v", e.Line, e.Err) }
+
+// Unwrap returns the underlying error.
+func (e *FaultLogError) Unwrap() error { return e.Err }
+
+// marshalFault writes f as one JSON line of the fault log file.
+func marshalFault(f Fault) ([]byte, error) {
+	b, err := json.Marshal(f)
+	if err != nil {
+		return nil, err
+	}
+	return append(b, '\n'), nil
+}
+
+// parseFaultLog reads a fault log file: one JSON fault a line, Seq strictly
+// increasing. A last line without its newline is a write torn by a crash:
+// it is ignored (its fault was never acknowledged) and tail reports its
+// offset so the caller can cut it off.
+func parseFaultLog(data []byte) (faults []Fault, tail int, err error) {
+	line := 0
+	off := 0
+	var last uint64
+	for off < len(data) {
+		line++
+		nl := bytes.IndexByte(data[off:], '\n')
+		if nl < 0 {
+			return faults, off, nil
+		}
+		raw := data[off : off+nl]
+		off += nl + 1
+		if len(bytes.TrimSpace(raw)) == 0 {
+			continue
+		}
+		var f Fault
+		dec := json.NewDecoder(bytes.NewReader(raw))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&f); err != nil {
+			return faults, 0, &FaultLogError{Line: line, Err: err}
+		}
+		if dec.More() {
+			return faults, 0, &FaultLogError{Line: line, Err: errors.New("data after the fault")}
+		}
+		switch {
+		case f.ID == "":
+			return faults, 0, &FaultLogError{Line: line, Err: errors.New(`field "id": empty`)}
+		case f.Kind == "":
+			return faults, 0, &FaultLogError{Line: line, Err: errors.New(`field "kind": empty`)}
+		case f.Seq <= last:
+			return faults, 0, &FaultLogError{Line: line, Err: fmt.Errorf(`field "seq": %d after %d`, f.Seq, last)}
+		}
+		last = f.Seq
+		faults = append(faults, f)
+	}
+	return faults, len(data), nil
+}

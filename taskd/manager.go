@@ -1,0 +1,862 @@
+package taskd
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+	oteltrace "go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+
+	"github.com/faultline-ml/faultline/internal/atomicfile"
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// SwitchSource feeds the manager profiling switches from outside the
+// control plane, such as a mounted ConfigMap file. Watch calls set with the
+// source's switch at once and after each change until ctx ends; a document
+// that does not parse is the source's to report, and the switch in force
+// stays.
+type SwitchSource interface {
+	Watch(ctx context.Context, set func(trace.Switch)) error
+}
+
+// ManagerConfig configures a Manager. The zero value of each field but Job
+// means its documented default.
+type ManagerConfig struct {
+	// Job is the job's identifier (MINDX_TASK_ID); required. Members of
+	// another job are refused.
+	Job string
+	// Listen is the address to serve on; default ":9601".
+	Listen string
+	// Nodes and ProcsPerNode give the job's shape, so that ranks that never
+	// registered show as waiting in the switch status. Zero: unknown, and
+	// positions are not range-checked.
+	Nodes, ProcsPerNode int
+	// Security: mutual TLS, token, or plaintext when asked; required.
+	Security Security
+	// HeartbeatInterval is how often members send heartbeats (default 1 s);
+	// a member not heard from within HeartbeatDeadline (default 5 s) is
+	// declared lost and a FaultLost is raised.
+	HeartbeatInterval, HeartbeatDeadline time.Duration
+	// AckTimeout is how long a downward message waits for its
+	// acknowledgement before it is sent again (default 3 s, backing off to
+	// 30 s). DeliveryTimeout bounds Broadcast (default 30 s).
+	AckTimeout, DeliveryTimeout time.Duration
+	// MaxMessageBytes caps every message received or sent (default 4 MiB).
+	MaxMessageBytes int
+	// RateLimit is calls per second allowed on each connection (default
+	// 2000, burst RateBurst default twice that); negative means unlimited.
+	RateLimit float64
+	RateBurst int
+	// StateDir, when set, keeps the fault log (faults.jsonl) and the switch
+	// (switch.json) across restarts. Faults are acknowledged to reporters
+	// only after they are synced there.
+	StateDir string
+	// MaxFaults bounds the fault log; the oldest go first (default 10000).
+	MaxFaults int
+	// CollectDir receives collected dotting and stack files as
+	// <CollectDir>/<job>/node-<n>/...; empty refuses collection.
+	// MaxCollectBytes caps the bytes one Collect takes in (default 1 GiB).
+	CollectDir      string
+	MaxCollectBytes int64
+	// SwitchSource, when set, is watched for switch changes.
+	SwitchSource SwitchSource
+	// Handlers run on every event (see Handler).
+	Handlers []Handler
+	// Observability; nil means off.
+	Registerer     prometheus.Registerer
+	TracerProvider oteltrace.TracerProvider
+	Logger         *slog.Logger
+}
+
+func (c *ManagerConfig) setDefaults() {
+	c.Listen = orDefault(c.Listen, DefaultManagerAddr)
+	c.HeartbeatInterval = orDefault(c.HeartbeatInterval, DefaultHeartbeatInterval)
+	c.HeartbeatDeadline = orDefault(c.HeartbeatDeadline, DefaultHeartbeatDeadline)
+	c.AckTimeout = orDefault(c.AckTimeout, DefaultAckTimeout)
+	c.DeliveryTimeout = orDefault(c.DeliveryTimeout, 30*time.Second)
+	c.MaxMessageBytes = orDefault(c.MaxMessageBytes, DefaultMaxMessageBytes)
+	c.RateLimit = orDefault(c.RateLimit, DefaultRateLimit)
+	c.RateBurst = orDefault(c.RateBurst, int(2*c.RateLimit))
+	c.MaxFaults = orDefault(c.MaxFaults, 10000)
+	c.MaxCollectBytes = orDefault(c.MaxCollectBytes, 1<<30)
+}
+
+// Validate reports the first field that is wrong.
+func (c ManagerConfig) Validate() error {
+	switch {
+	case c.Job == "":
+		return errors.New("taskd: ManagerConfig.Job: empty")
+	case c.Nodes < 0:
+		return fmt.Errorf("taskd: ManagerConfig.Nodes: %d is negative", c.Nodes)
+	case c.ProcsPerNode < 0:
+		return fmt.Errorf("taskd: ManagerConfig.ProcsPerNode: %d is negative", c.ProcsPerNode)
+	case c.HeartbeatInterval < 0 || c.HeartbeatDeadline < 0 || c.AckTimeout < 0 || c.DeliveryTimeout < 0:
+		return errors.New("taskd: ManagerConfig: negative duration")
+	case c.HeartbeatDeadline != 0 && c.HeartbeatDeadline <= c.HeartbeatInterval:
+		return fmt.Errorf("taskd: ManagerConfig.HeartbeatDeadline: %v is not above HeartbeatInterval %v", c.HeartbeatDeadline, orDefault(c.HeartbeatInterval, DefaultHeartbeatInterval))
+	case c.MaxMessageBytes < 0 || (c.MaxMessageBytes > 0 && c.MaxMessageBytes < 64<<10):
+		return fmt.Errorf("taskd: ManagerConfig.MaxMessageBytes: %d is below 64 KiB", c.MaxMessageBytes)
+	case c.MaxFaults < 0:
+		return fmt.Errorf("taskd: ManagerConfig.MaxFaults: %d is negative", c.MaxFaults)
+	case c.MaxCollectBytes < 0:
+		return fmt.Errorf("taskd: ManagerConfig.MaxCollectBytes: %d is negative", c.MaxCollectBytes)
+	}
+	for i, h := range c.Handlers {
+		if h.Name == "" || h.Handle == nil {
+			return fmt.Errorf("taskd: ManagerConfig.Handlers[%d]: needs a Name and a Handle func", i)
+		}
+	}
+	return c.Security.Validate()
+}
+
+// Manager is the job's root: it takes registrations and heartbeats,
+// declares silent members lost, keeps the fault log, fans the profiling
+// switch out to every worker and routes messages down the tree. One per job.
+type Manager struct {
+	cfg      ManagerConfig
+	log      *slog.Logger
+	tracer   oteltrace.Tracer
+	met      *managerMetrics
+	handlers []Handler
+	lis      net.Listener
+	srv      *grpc.Server
+	instance string
+	nextID   atomic.Uint64
+	events   *eventQueue
+	kick     chan struct{} // wakes the housekeeping loop
+
+	mu          sync.Mutex
+	reg         *registry
+	downlinks   map[memberKey]*downlink
+	sw          *switchTracker
+	fanSpan     oteltrace.Span
+	swSubs      map[chan trace.Switch]struct{}
+	faults      *faultLog
+	faultFile   *os.File
+	fileFaults  int // lines in faultFile
+	recentMsgs  *idSet
+	deliveries  map[uint64]*delivery
+	collections map[uint64]*collection
+	collectMu   sync.Mutex // serialises Collect calls
+	proxyHosts  map[int]string
+
+	state     atomic.Int32 // 0 new, 1 running, 2 closed
+	closed    chan struct{}
+	closeOnce sync.Once
+	runDone   chan struct{}
+}
+
+// NewManager validates cfg, loads the state in cfg.StateDir and listens on
+// cfg.Listen. Serve it with Run; release it with Close.
+func NewManager(cfg ManagerConfig) (*Manager, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.setDefaults()
+	m := &Manager{
+		cfg:         cfg,
+		log:         discardIfNil(cfg.Logger).With("component", "taskd-manager", "job", cfg.Job),
+		met:         newManagerMetrics(cfg.Registerer),
+		handlers:    sortHandlers(cfg.Handlers),
+		instance:    newInstanceID(),
+		events:      newEventQueue(1 << 16),
+		kick:        make(chan struct{}, 1),
+		reg:         newRegistry(cfg.HeartbeatDeadline),
+		downlinks:   make(map[memberKey]*downlink),
+		sw:          newSwitchTracker(cfg.AckTimeout, 30*time.Second),
+		swSubs:      make(map[chan trace.Switch]struct{}),
+		faults:      newFaultLog(cfg.MaxFaults),
+		recentMsgs:  newIDSet(4096),
+		deliveries:  make(map[uint64]*delivery),
+		collections: make(map[uint64]*collection),
+		proxyHosts:  make(map[int]string),
+		closed:      make(chan struct{}),
+		runDone:     make(chan struct{}),
+	}
+	tp := cfg.TracerProvider
+	if tp == nil {
+		tp = noop.NewTracerProvider()
+	}
+	m.tracer = tp.Tracer("github.com/faultline-ml/faultline/taskd")
+	if cfg.Nodes > 0 && cfg.ProcsPerNode > 0 {
+		for r := range cfg.Nodes * cfg.ProcsPerNode {
+			m.sw.expect(r, r/cfg.ProcsPerNode)
+		}
+	}
+	if err := m.loadState(); err != nil {
+		return nil, err
+	}
+	lis, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		m.closeState()
+		return nil, fmt.Errorf("taskd: manager listen on %s: %w", cfg.Listen, err)
+	}
+	m.lis = lis
+	m.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: m.met.rateLimited.Inc}, m.log)
+	pb.RegisterControlServer(m.srv, &managerControl{m: m})
+	pb.RegisterTrainingDataTraceServer(m.srv, &managerTraceAPI{m: m})
+	pb.RegisterAdminServer(m.srv, &managerAdmin{m: m})
+	return m, nil
+}
+
+// Addr returns the address the manager listens on.
+func (m *Manager) Addr() net.Addr { return m.lis.Addr() }
+
+// Job returns the job the manager serves.
+func (m *Manager) Job() string { return m.cfg.Job }
+
+// Run serves until ctx ends or Close is called. It returns nil then, or the
+// first error that stopped it. Run may be called once.
+func (m *Manager) Run(ctx context.Context) error {
+	if !m.state.CompareAndSwap(0, 1) {
+		return errors.New("taskd: Manager.Run called twice or after Close")
+	}
+	defer close(m.runDone)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		if err := m.srv.Serve(m.lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+			return fmt.Errorf("taskd: manager serve: %w", err)
+		}
+		return nil
+	})
+	g.Go(func() error {
+		select {
+		case <-ctx.Done():
+		case <-m.closed:
+		}
+		m.srv.Stop()
+		cancel()
+		return nil
+	})
+	g.Go(func() error { return m.housekeep(ctx) })
+	g.Go(func() error { return m.runHandlers(ctx) })
+	if src := m.cfg.SwitchSource; src != nil {
+		g.Go(func() error {
+			err := src.Watch(ctx, func(sw trace.Switch) {
+				if _, err := m.SetSwitch(sw); err != nil {
+					m.log.Error("taskd: switch from source not applied", "err", err)
+				}
+			})
+			if err != nil && ctx.Err() == nil {
+				return fmt.Errorf("taskd: switch source: %w", err)
+			}
+			return nil
+		})
+	}
+	err := g.Wait()
+	m.mu.Lock()
+	if m.fanSpan != nil {
+		m.fanSpan.End()
+		m.fanSpan = nil
+	}
+	m.mu.Unlock()
+	m.closeState()
+	return err
+}
+
+// Close stops the manager and waits for Run to return. It is idempotent.
+func (m *Manager) Close() error {
+	m.closeOnce.Do(func() {
+		close(m.closed)
+		if m.state.CompareAndSwap(0, 2) { // never ran
+			m.lis.Close()
+			m.closeState()
+			close(m.runDone)
+		}
+	})
+	<-m.runDone
+	return nil
+}
+
+// housekeep declares silent members lost and (re-)sends the switch to
+// workers that lack it.
+func (m *Manager) housekeep(ctx context.Context) error {
+	tick := time.NewTicker(max(m.cfg.HeartbeatInterval/4, 5*time.Millisecond))
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		case <-m.kick:
+		}
+		m.step(time.Now())
+	}
+}
+
+// step is one round of housekeeping at now.
+func (m *Manager) step(now time.Time) {
+	m.mu.Lock()
+	var evs []Event
+	var lostFaults []Fault
+	for _, lm := range m.reg.expire(now) {
+		m.met.lost.WithLabelValues(lm.key.role.String()).Inc()
+		m.log.Warn("taskd: member lost: no heartbeat within the deadline", "member", lm.key.String(), "last_seen", lm.lastSeen, "deadline", m.cfg.HeartbeatDeadline)
+		f := Fault{
+			ID:           fmt.Sprintf("lost/%s/%d", lm.instance, lm.since.UnixNano()),
+			Kind:         FaultLost,
+			Position:     lm.pos,
+			Message:      fmt.Sprintf("%s not heard from since %s (deadline %v)", lm.key, lm.lastSeen.Format(time.RFC3339Nano), m.cfg.HeartbeatDeadline),
+			Time:         now,
+			ReporterRole: RoleManager,
+			Reporter:     Position{Node: -1, Rank: -1},
+		}
+		if stored, fresh := m.faults.add(f, now); fresh {
+			lostFaults = append(lostFaults, stored)
+		}
+	}
+	m.persistFaultsLocked(lostFaults)
+	for _, f := range lostFaults {
+		m.met.faults.WithLabelValues(string(f.Kind)).Inc()
+		evs = append(evs, Event{Kind: EventFault, Time: now, Fault: f, Position: f.Position, Role: RoleManager})
+	}
+	m.updateMemberGaugesLocked()
+	if due := m.sw.due(now, m.liveWorkerLocked); len(due) > 0 {
+		id := m.nextID.Add(1)
+		env := &pb.Envelope{Id: id, Body: &pb.Envelope_Switch{Switch: &pb.SwitchUpdate{Version: m.sw.version, Document: m.sw.doc}}}
+		unrouted := m.routeLocked(env, due)
+		m.sw.unsent(unrouted)
+		m.sw.sent(id, now)
+		if n := len(due) - len(unrouted); n > 0 {
+			m.met.messages.WithLabelValues("down", "switch").Add(float64(n))
+			if !m.sw.changedAt.Equal(now) && now.Sub(m.sw.changedAt) >= m.cfg.AckTimeout {
+				m.met.resends.Add(float64(n))
+			}
+		}
+	}
+	m.checkFanoutLocked(now)
+	m.mu.Unlock()
+	m.events.push(evs...)
+}
+
+func (m *Manager) checkFanoutLocked(now time.Time) {
+	if m.fanSpan == nil || !m.sw.complete(now, m.liveWorkerLocked) {
+		return
+	}
+	m.met.fanout.Observe(now.Sub(m.sw.changedAt).Seconds())
+	m.fanSpan.SetAttributes(attribute.Int("taskd.workers", m.reg.count(RoleWorker)))
+	m.fanSpan.End()
+	m.fanSpan = nil
+}
+
+func (m *Manager) wake() {
+	select {
+	case m.kick <- struct{}{}:
+	default:
+	}
+}
+
+func (m *Manager) liveWorkerLocked(rank int) bool { return m.reg.get(workerKey(rank)) != nil }
+
+func (m *Manager) updateMemberGaugesLocked() {
+	m.met.members.WithLabelValues("worker").Set(float64(m.reg.count(RoleWorker)))
+	m.met.members.WithLabelValues("proxy").Set(float64(m.reg.count(RoleProxy)))
+}
+
+// downlink is the send queue of one member's downward stream.
+type downlink struct {
+	instance string
+	ch       chan *pb.Envelope
+	stop     chan struct{}
+}
+
+func newDownlink(instance string) *downlink {
+	return &downlink{instance: instance, ch: make(chan *pb.Envelope, 4096), stop: make(chan struct{})}
+}
+
+// routeLocked queues env for each of ranks, through the rank's proxy or its
+// own stream, and returns the ranks it has no route to. A full queue drops
+// the message: the sender's retry covers it.
+func (m *Manager) routeLocked(env *pb.Envelope, ranks []int) (unrouted []int) {
+	byProxy := make(map[int][]int32)
+	var direct *pb.Envelope
+	for _, r := range ranks {
+		wm := m.reg.get(workerKey(r))
+		if wm == nil {
+			unrouted = append(unrouted, r)
+			continue
+		}
+		if wm.via >= 0 {
+			byProxy[wm.via] = append(byProxy[wm.via], int32(r))
+			continue
+		}
+		dl := m.downlinks[wm.key]
+		if dl == nil || dl.instance != wm.instance {
+			unrouted = append(unrouted, r)
+			continue
+		}
+		if direct == nil {
+			direct = &pb.Envelope{Id: env.Id, Body: env.Body}
+		}
+		m.push(dl, direct)
+	}
+	for node, rs := range byProxy {
+		pm := m.reg.get(proxyKey(node))
+		dl := m.downlinks[proxyKey(node)]
+		if pm == nil || dl == nil || dl.instance != pm.instance {
+			for _, r := range rs {
+				unrouted = append(unrouted, int(r))
+			}
+			continue
+		}
+		m.push(dl, &pb.Envelope{Id: env.Id, Ranks: rs, Body: env.Body})
+	}
+	return unrouted
+}
+
+func (m *Manager) push(dl *downlink, env *pb.Envelope) {
+	select {
+	case dl.ch <- env:
+	default:
+		m.met.dropped.Inc()
+	}
+}
+
+// SetSwitch makes sw the job's profiling switch and fans it out to every
+// worker. It returns the switch's version. With a StateDir, the switch is
+// saved first; if that fails the switch in force stays and the error is
+// returned.
+func (m *Manager) SetSwitch(sw trace.Switch) (uint64, error) {
+	now := time.Now()
+	m.mu.Lock()
+	if m.sw.version > 0 && m.sw.sw == sw {
+		v := m.sw.version
+		m.mu.Unlock()
+		return v, nil
+	}
+	if m.cfg.StateDir != "" {
+		if err := atomicfile.WriteFile(filepath.Join(m.cfg.StateDir, "switch.json"), []byte(sw.String()+"\n"), 0o644); err != nil {
+			m.mu.Unlock()
+			return 0, fmt.Errorf("taskd: save switch: %w", err)
+		}
+	}
+	m.sw.set(sw, now)
+	if m.fanSpan != nil {
+		m.fanSpan.SetAttributes(attribute.Bool("taskd.superseded", true))
+		m.fanSpan.End()
+	}
+	_, m.fanSpan = m.tracer.Start(context.Background(), "taskd.switch.fanout", oteltrace.WithTimestamp(now),
+		oteltrace.WithAttributes(attribute.String("taskd.job", m.cfg.Job), attribute.Int64("taskd.switch.version", int64(m.sw.version)), attribute.String("taskd.switch", sw.String())))
+	for ch := range m.swSubs {
+		select {
+		case <-ch:
+		default:
+		}
+		ch <- sw
+	}
+	v := m.sw.version
+	m.mu.Unlock()
+	m.log.Info("taskd: profiling switch set", "switch", sw.String(), "version", v)
+	m.events.push(Event{Kind: EventSwitch, Time: now, Switch: sw})
+	m.step(now)
+	return v, nil
+}
+
+// SetSwitchDocument parses a profilingSwitch document as trace.ParseSwitch
+// does and sets it. A bad document leaves the switch in force.
+func (m *Manager) SetSwitchDocument(doc []byte) (uint64, error) {
+	sw, err := trace.ParseSwitch(doc)
+	if err != nil {
+		return 0, err
+	}
+	return m.SetSwitch(sw)
+}
+
+// SwitchStatus returns the job's switch and each worker's state of it.
+func (m *Manager) SwitchStatus() SwitchStatus {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.sw.status()
+}
+
+// subscribeSwitch returns a channel that holds the newest switch after each
+// change, and a func to stop.
+func (m *Manager) subscribeSwitch() (<-chan trace.Switch, func()) {
+	ch := make(chan trace.Switch, 1)
+	m.mu.Lock()
+	m.swSubs[ch] = struct{}{}
+	m.mu.Unlock()
+	return ch, func() {
+		m.mu.Lock()
+		delete(m.swSubs, ch)
+		m.mu.Unlock()
+	}
+}
+
+// Faults returns the job's faults with Seq above after, oldest first.
+func (m *Manager) Faults(after uint64) []Fault {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.faults.after(after)
+}
+
+// MemberInfo describes a live member.
+type MemberInfo struct {
+	Role     Role
+	Position Position
+	Instance string
+	// Via is the node of the proxy the member is reached through, -1 when
+	// it is attached to the manager directly.
+	Via      int
+	Hostname string
+	PID      int
+	Since    time.Time
+	LastSeen time.Time
+}
+
+// Members returns the live members, proxies first, each in rank order.
+func (m *Manager) Members() []MemberInfo {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out []MemberInfo
+	for _, mm := range m.reg.list() {
+		out = append(out, MemberInfo{Role: mm.key.role, Position: mm.pos, Instance: mm.instance, Via: mm.via, Hostname: mm.hostname, PID: mm.pid, Since: mm.since, LastSeen: mm.lastSeen})
+	}
+	return out
+}
+
+// Delivery is the outcome of a message for one rank.
+type Delivery struct {
+	Rank int
+	// Err is nil when the worker acknowledged the message as applied,
+	// *DeliveryError when it refused it, ErrNotConnected when no route to it
+	// existed, or ErrAckTimeout.
+	Err error
+}
+
+// Errors of Broadcast.
+var (
+	ErrNotConnected = errors.New("taskd: worker not connected")
+	ErrAckTimeout   = errors.New("taskd: no acknowledgement before the deadline")
+	ErrTooLarge     = errors.New("taskd: message exceeds the size cap")
+	ErrClosed       = errors.New("taskd: closed")
+)
+
+// DeliveryError is a worker's refusal of a message.
+type DeliveryError struct {
+	Rank int
+	Msg  string
+}
+
+func (e *DeliveryError) Error() string { return fmt.Sprintf("taskd: rank %d: %s", e.Rank, e.Msg) }
+
+type delivery struct {
+	waiting map[int]time.Time // rank -> last sent, zero when never routed
+	results map[int]error
+	done    chan struct{}
+}
+
+// Broadcast sends an application message to the targeted workers and waits
+// until each acknowledged it, re-sending with backoff to those that did
+// not, for at most DeliveryTimeout or until ctx ends. It returns one
+// Delivery per targeted rank, in rank order.
+func (m *Manager) Broadcast(ctx context.Context, to Target, kind string, payload []byte) ([]Delivery, error) {
+	if len(kind)+len(payload) > m.cfg.MaxMessageBytes-1024 {
+		return nil, fmt.Errorf("%w: %d bytes, cap %d", ErrTooLarge, len(kind)+len(payload), m.cfg.MaxMessageBytes-1024)
+	}
+	ctx, cancel := context.WithTimeout(ctx, m.cfg.DeliveryTimeout)
+	defer cancel()
+	id := m.nextID.Add(1)
+	env := &pb.Envelope{Id: id, Body: &pb.Envelope_Message{Message: &pb.UserMessage{Kind: kind, Payload: payload}}}
+	d := &delivery{waiting: make(map[int]time.Time), results: make(map[int]error), done: make(chan struct{})}
+	m.mu.Lock()
+	ranks := m.resolveLocked(to)
+	for _, r := range ranks {
+		d.waiting[r] = time.Time{}
+	}
+	if len(ranks) == 0 {
+		close(d.done)
+	}
+	m.deliveries[id] = d
+	m.mu.Unlock()
+	defer func() {
+		m.mu.Lock()
+		delete(m.deliveries, id)
+		m.mu.Unlock()
+	}()
+	bo := m.newAckBackoff()
+	wait := time.Duration(0)
+	for {
+		timer := time.NewTimer(wait)
+		select {
+		case <-d.done:
+			timer.Stop()
+			return m.results(d, ranks), nil
+		case <-ctx.Done():
+			timer.Stop()
+			m.mu.Lock()
+			for r, at := range d.waiting {
+				if at.IsZero() {
+					d.results[r] = ErrNotConnected
+				} else {
+					d.results[r] = ErrAckTimeout
+				}
+				m.met.acks.WithLabelValues("timeout").Inc()
+			}
+			m.mu.Unlock()
+			select {
+			case <-m.closed:
+				return m.results(d, ranks), ErrClosed
+			default:
+			}
+			return m.results(d, ranks), nil
+		case <-m.closed:
+			timer.Stop()
+			return nil, ErrClosed
+		case <-timer.C:
+		}
+		now := time.Now()
+		m.mu.Lock()
+		pending := make([]int, 0, len(d.waiting))
+		for r := range d.waiting {
+			pending = append(pending, r)
+		}
+		unrouted := m.routeLocked(env, pending)
+		skip := make(map[int]bool, len(unrouted))
+		for _, r := range unrouted {
+			skip[r] = true
+		}
+		for _, r := range pending {
+			if !skip[r] {
+				d.waiting[r] = now
+			}
+		}
+		m.met.messages.WithLabelValues("down", "message").Add(float64(len(pending) - len(unrouted)))
+		m.mu.Unlock()
+		wait = bo.NextBackOff()
+		if len(unrouted) > 0 {
+			wait = min(wait, m.cfg.HeartbeatInterval)
+		}
+	}
+}
+
+func (m *Manager) newAckBackoff() *ackBackoff {
+	return newAckBackoff(m.cfg.AckTimeout, 30*time.Second)
+}
+
+func (m *Manager) results(d *delivery, ranks []int) []Delivery {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([]Delivery, 0, len(ranks))
+	for _, r := range ranks {
+		out = append(out, Delivery{Rank: r, Err: d.results[r]})
+	}
+	return out
+}
+
+// resolveLocked returns the ranks a target names: for All and Nodes the
+// live workers, for Ranks the ranks as given.
+func (m *Manager) resolveLocked(to Target) []int {
+	var out []int
+	nodes := make(map[int]bool, len(to.Nodes))
+	for _, n := range to.Nodes {
+		nodes[n] = true
+	}
+	if to.All || len(nodes) > 0 {
+		for _, mm := range m.reg.list() {
+			if mm.key.role == RoleWorker && (to.All || nodes[mm.pos.Node]) {
+				out = append(out, mm.key.id)
+			}
+		}
+	}
+	out = append(out, to.Ranks...)
+	return sortedUnique(out)
+}
+
+// ackLocked applies one acknowledgement from a worker or proxy.
+func (m *Manager) ackLocked(a *pb.Ack, now time.Time) {
+	rank := int(a.GetFrom().GetPosition().GetRank())
+	result := "ok"
+	if a.GetError() != "" {
+		result = "error"
+	}
+	if sent, ok := m.sw.ack(a.GetId(), rank, a.GetError()); ok {
+		m.met.acks.WithLabelValues(result).Inc()
+		m.met.ackLatency.Observe(now.Sub(sent).Seconds())
+		if a.GetError() != "" {
+			m.log.Warn("taskd: worker could not apply the switch", "rank", rank, "err", a.GetError())
+		}
+		return
+	}
+	d := m.deliveries[a.GetId()]
+	if d == nil {
+		return
+	}
+	sent, ok := d.waiting[rank]
+	if !ok {
+		return
+	}
+	m.met.acks.WithLabelValues(result).Inc()
+	if !sent.IsZero() {
+		m.met.ackLatency.Observe(now.Sub(sent).Seconds())
+	}
+	delete(d.waiting, rank)
+	if a.GetError() != "" {
+		d.results[rank] = &DeliveryError{Rank: rank, Msg: a.GetError()}
+	}
+	if len(d.waiting) == 0 {
+		close(d.done)
+	}
+}
+
+// loadState reads the fault log and switch kept in StateDir.
+func (m *Manager) loadState() error {
+	dir := m.cfg.StateDir
+	if dir == "" {
+		return nil
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("taskd: state dir: %w", err)
+	}
+	swFile := filepath.Join(dir, "switch.json")
+	if data, err := os.ReadFile(swFile); err == nil {
+		sw, err := trace.ParseSwitch(data)
+		if err != nil {
+			return fmt.Errorf("taskd: state file %s: %w", swFile, err)
+		}
+		m.sw.set(sw, time.Now())
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("taskd: state file: %w", err)
+	}
+	name := filepath.Join(dir, "faults.jsonl")
+	data, err := os.ReadFile(name)
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("taskd: state file: %w", err)
+	}
+	faults, tail, err := parseFaultLog(data)
+	if err != nil {
+		return fmt.Errorf("taskd: state file %s: %w", name, err)
+	}
+	for _, f := range faults {
+		m.faults.restore(f)
+	}
+	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return fmt.Errorf("taskd: state file: %w", err)
+	}
+	if tail < len(data) {
+		// A torn last line was never acknowledged: cut it off.
+		m.log.Warn("taskd: dropping a torn last line of the fault log", "file", name, "offset", tail)
+		if err := f.Truncate(int64(tail)); err != nil {
+			f.Close()
+			return fmt.Errorf("taskd: state file %s: %w", name, err)
+		}
+	}
+	if _, err := f.Seek(0, 2); err != nil {
+		f.Close()
+		return fmt.Errorf("taskd: state file %s: %w", name, err)
+	}
+	m.faultFile = f
+	m.fileFaults = len(faults)
+	return nil
+}
+
+// persistFaultsLocked appends faults to the state file and syncs it. A
+// write error is logged: the faults stay in the log in memory.
+func (m *Manager) persistFaultsLocked(faults []Fault) {
+	if m.faultFile == nil || len(faults) == 0 {
+		return
+	}
+	var buf []byte
+	for _, f := range faults {
+		b, err := marshalFault(f)
+		if err != nil {
+			m.log.Error("taskd: marshal fault", "id", f.ID, "err", err)
+			continue
+		}
+		buf = append(buf, b...)
+	}
+	name := m.faultFile.Name()
+	if _, err := m.faultFile.Write(buf); err != nil {
+		m.log.Error("taskd: fault log not saved", "file", name, "err", err)
+		return
+	}
+	if err := m.faultFile.Sync(); err != nil {
+		m.log.Error("taskd: fault log not synced", "file", name, "err", err)
+	}
+	m.fileFaults += len(faults)
+	if m.fileFaults > 2*m.cfg.MaxFaults {
+		m.compactFaultsLocked()
+	}
+}
+
+// compactFaultsLocked rewrites the state file with the faults held.
+func (m *Manager) compactFaultsLocked() {
+	name := m.faultFile.Name()
+	var buf []byte
+	held := m.faults.after(0)
+	for _, f := range held {
+		b, _ := marshalFault(f)
+		buf = append(buf, b...)
+	}
+	if err := atomicfile.WriteFile(name, buf, 0o644); err != nil {
+		m.log.Error("taskd: fault log not compacted", "file", name, "err", err)
+		return
+	}
+	f, err := os.OpenFile(name, os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		m.log.Error("taskd: fault log reopen", "file", name, "err", err)
+		return
+	}
+	m.faultFile.Close()
+	m.faultFile = f
+	m.fileFaults = len(held)
+}
+
+func (m *Manager) closeState() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.faultFile != nil {
+		m.faultFile.Close()
+		m.faultFile = nil
+	}
+}
+
+// newInstanceID returns a random identifier for one process start.
+func newInstanceID() string {
+	var b [16]byte
+	rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// idSet remembers the last n ids seen.
+type idSet struct {
+	ring []string
+	next int
+	set  map[string]struct{}
+}
+
+func newIDSet(n int) *idSet { return &idSet{ring: make([]string, n), set: make(map[string]struct{}, n)} }
+
+// add reports false when id was seen already.
+func (s *idSet) add(id string) bool {
+	if _, ok := s.set[id]; ok {
+		return false
+	}
+	if old := s.ring[s.next]; old != "" {
+		delete(s.set, old)
+	}
+	s.ring[s.next] = id
+	s.next = (s.next + 1) % len(s.ring)
+	s.set[id] = struct{}{}
+	return true
+}

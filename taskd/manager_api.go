@@ -1,0 +1,170 @@
+package taskd
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"time"
+
+	"google.golang.org/grpc"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// managerTraceAPI serves TrainingDataTrace, with the meaning of ClusterD's
+// service of that name.
+type managerTraceAPI struct {
+	pb.UnimplementedTrainingDataTraceServer
+	m *Manager
+}
+
+func switchToPB(sw trace.Switch) *pb.ProfilingSwitch {
+	onOff := func(on bool) string {
+		if on {
+			return "on"
+		}
+		return "off"
+	}
+	return &pb.ProfilingSwitch{
+		CommunicationOperator: onOff(sw.CommunicationOperator),
+		Step:                  onOff(sw.Step),
+		SaveCheckpoint:        onOff(sw.SaveCheckpoint),
+		FP:                    onOff(sw.FP),
+		DataLoader:            onOff(sw.DataLoader),
+	}
+}
+
+// switchFromPB builds the profilingSwitch document of p and parses it as
+// trace.ParseSwitch does; an empty field is absent (off).
+func switchFromPB(p *pb.ProfilingSwitch) (trace.Switch, error) {
+	if p == nil {
+		return trace.Switch{}, errors.New("profilingSwitch: missing")
+	}
+	var b bytes.Buffer
+	b.WriteByte('{')
+	for _, f := range []struct{ name, v string }{
+		{"CommunicationOperator", p.GetCommunicationOperator()}, {"Step", p.GetStep()},
+		{"SaveCheckpoint", p.GetSaveCheckpoint()}, {"FP", p.GetFP()}, {"DataLoader", p.GetDataLoader()},
+	} {
+		if f.v == "" {
+			continue
+		}
+		if b.Len() > 1 {
+			b.WriteByte(',')
+		}
+		b.WriteString(`"` + f.name + `":`)
+		q, _ := jsonString(f.v)
+		b.Write(q)
+	}
+	b.WriteByte('}')
+	return trace.ParseSwitch(b.Bytes())
+}
+
+func (s *managerTraceAPI) ModifyTrainingDataTraceSwitch(_ context.Context, req *pb.DataTypeReq) (*pb.DataTypeRes, error) {
+	if req.GetJobNsName() != s.m.cfg.Job {
+		return &pb.DataTypeRes{Code: pb.Code_CODE_UNKNOWN_JOB, Message: "unknown job " + quote(req.GetJobNsName())}, nil
+	}
+	sw, err := switchFromPB(req.GetProfilingSwitch())
+	if err != nil {
+		return &pb.DataTypeRes{Code: pb.Code_CODE_BAD_PARAMETER, Message: err.Error()}, nil
+	}
+	if _, err := s.m.SetSwitch(sw); err != nil {
+		return &pb.DataTypeRes{Code: pb.Code_CODE_INTERNAL, Message: err.Error()}, nil
+	}
+	return &pb.DataTypeRes{Code: pb.Code_CODE_OK, Message: "ok"}, nil
+}
+
+func (s *managerTraceAPI) GetTrainingDataTraceSwitch(_ context.Context, req *pb.DataStatusReq) (*pb.DataStatusRes, error) {
+	if req.GetJobNsName() != s.m.cfg.Job {
+		return &pb.DataStatusRes{Code: pb.Code_CODE_UNKNOWN_JOB, Message: "unknown job " + quote(req.GetJobNsName())}, nil
+	}
+	st := s.m.SwitchStatus()
+	return &pb.DataStatusRes{Code: pb.Code_CODE_OK, Message: "ok", ProfilingSwitch: switchToPB(st.Switch)}, nil
+}
+
+func (s *managerTraceAPI) SubscribeDataTraceSwitch(req *pb.DataStatusReq, stream grpc.ServerStreamingServer[pb.DataStatusRes]) error {
+	if req.GetJobNsName() != s.m.cfg.Job {
+		return stream.Send(&pb.DataStatusRes{Code: pb.Code_CODE_UNKNOWN_JOB, Message: "unknown job " + quote(req.GetJobNsName())})
+	}
+	ch, cancel := s.m.subscribeSwitch()
+	defer cancel()
+	if err := stream.Send(&pb.DataStatusRes{Code: pb.Code_CODE_OK, Message: "ok", ProfilingSwitch: switchToPB(s.m.SwitchStatus().Switch)}); err != nil {
+		return err
+	}
+	for {
+		select {
+		case <-stream.Context().Done():
+			return nil
+		case <-s.m.closed:
+			return nil
+		case sw := <-ch:
+			if err := stream.Send(&pb.DataStatusRes{Code: pb.Code_CODE_OK, Message: "ok", ProfilingSwitch: switchToPB(sw)}); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// managerAdmin serves the Admin service.
+type managerAdmin struct {
+	pb.UnimplementedAdminServer
+	m *Manager
+}
+
+func (s *managerAdmin) GetSwitchStatus(_ context.Context, req *pb.DataStatusReq) (*pb.SwitchStatusRes, error) {
+	if req.GetJobNsName() != s.m.cfg.Job {
+		return &pb.SwitchStatusRes{Code: pb.Code_CODE_UNKNOWN_JOB, Message: "unknown job " + quote(req.GetJobNsName())}, nil
+	}
+	st := s.m.SwitchStatus()
+	res := &pb.SwitchStatusRes{Code: pb.Code_CODE_OK, Message: "ok", Version: st.Version}
+	for _, w := range st.Workers {
+		ws := &pb.WorkerSwitchStatus{Position: &pb.Position{Node: int32(w.Position.Node), Rank: int32(w.Position.Rank)}, Error: w.Error}
+		for _, d := range Domains {
+			ws.Domains = append(ws.Domains, &pb.DomainStatus{Domain: d, Status: string(w.Domains[d])})
+		}
+		res.Workers = append(res.Workers, ws)
+	}
+	return res, nil
+}
+
+func (s *managerAdmin) ListFaults(_ context.Context, req *pb.ListFaultsReq) (*pb.ListFaultsRes, error) {
+	if req.GetJobNsName() != s.m.cfg.Job {
+		return &pb.ListFaultsRes{Code: pb.Code_CODE_UNKNOWN_JOB, Message: "unknown job " + quote(req.GetJobNsName())}, nil
+	}
+	res := &pb.ListFaultsRes{Code: pb.Code_CODE_OK, Message: "ok"}
+	for _, f := range s.m.Faults(req.GetAfter()) {
+		res.Faults = append(res.Faults, faultToPB(f))
+	}
+	return res, nil
+}
+
+func (s *managerAdmin) Collect(ctx context.Context, req *pb.CollectReq) (*pb.CollectRes, error) {
+	if req.GetJobNsName() != s.m.cfg.Job {
+		return &pb.CollectRes{Code: pb.Code_CODE_UNKNOWN_JOB, Message: "unknown job " + quote(req.GetJobNsName())}, nil
+	}
+	if req.GetTimeoutMs() < 0 {
+		return &pb.CollectRes{Code: pb.Code_CODE_BAD_PARAMETER, Message: "timeout_ms: negative"}, nil
+	}
+	if t := req.GetTimeoutMs(); t > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, time.Duration(t)*time.Millisecond)
+		defer cancel()
+	}
+	opts := CollectOptions{Dotting: req.GetDotting(), Stacks: req.GetStacks()}
+	for _, n := range req.GetNodes() {
+		opts.Nodes = append(opts.Nodes, int(n))
+	}
+	results, err := s.m.Collect(ctx, opts)
+	res := &pb.CollectRes{Code: pb.Code_CODE_OK, Message: "ok"}
+	if err != nil {
+		res.Code, res.Message = pb.Code_CODE_INTERNAL, err.Error()
+		if errors.Is(err, ErrBadCollect) {
+			res.Code = pb.Code_CODE_BAD_PARAMETER
+		}
+	}
+	for _, r := range results {
+		res.Results = append(res.Results, &pb.CollectResult{Job: s.m.cfg.Job, Collection: r.Collection, Node: int32(r.Node), Files: int32(r.Files), Bytes: r.Bytes, Errors: r.Errors})
+	}
+	return res, nil
+}

@@ -1,0 +1,299 @@
+package taskd
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+)
+
+// managerControl serves the tree's Control service.
+type managerControl struct {
+	pb.UnimplementedControlServer
+	m *Manager
+}
+
+func (s *managerControl) checkJob(job string) error {
+	if job != s.m.cfg.Job {
+		return status.Errorf(codes.NotFound, "taskd: unknown job %q (this manager serves %q)", job, s.m.cfg.Job)
+	}
+	return nil
+}
+
+// checkMember validates a member's identity and position.
+func checkMember(mem *pb.Member, nodes, procsPerNode int) error {
+	if mem == nil || mem.GetPosition() == nil {
+		return status.Error(codes.InvalidArgument, "taskd: member: missing")
+	}
+	if n := len(mem.GetInstance()); n == 0 || n > 128 {
+		return status.Errorf(codes.InvalidArgument, "taskd: member.instance: length %d, want 1 to 128", n)
+	}
+	node, rank := int(mem.GetPosition().GetNode()), int(mem.GetPosition().GetRank())
+	if node < 0 || (nodes > 0 && node >= nodes) {
+		return status.Errorf(codes.InvalidArgument, "taskd: member.position.node: %d out of range [0,%d)", node, nodes)
+	}
+	switch roleFromPB(mem.GetRole()) {
+	case RoleProxy:
+	case RoleWorker:
+		if rank < 0 || (nodes > 0 && procsPerNode > 0 && rank >= nodes*procsPerNode) {
+			return status.Errorf(codes.InvalidArgument, "taskd: member.position.rank: %d out of range [0,%d)", rank, nodes*procsPerNode)
+		}
+	default:
+		return status.Errorf(codes.InvalidArgument, "taskd: member.role: %v cannot register", mem.GetRole())
+	}
+	return nil
+}
+
+func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.RegisterResponse, error) {
+	m := s.m
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	mem := req.GetMember()
+	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode); err != nil {
+		return nil, err
+	}
+	key := keyOf(mem)
+	nm := member{key: key, pos: positionOf(mem), instance: mem.GetInstance(), via: -1, hostname: req.GetHostname(), pid: int(req.GetPid())}
+	if p, ok := peer.FromContext(ctx); ok {
+		nm.addr = p.Addr.String()
+	}
+	now := time.Now()
+	m.mu.Lock()
+	if via := req.GetVia(); via != nil {
+		if key.role != RoleWorker || roleFromPB(via.GetRole()) != RoleProxy {
+			m.mu.Unlock()
+			return nil, status.Error(codes.InvalidArgument, "taskd: via: only a worker registers through a proxy")
+		}
+		pm := m.reg.get(keyOf(via))
+		if pm == nil || pm.instance != via.GetInstance() {
+			m.mu.Unlock()
+			return nil, status.Errorf(codes.Unavailable, "taskd: proxy of node %d is not registered", via.GetPosition().GetNode())
+		}
+		nm.via = pm.pos.Node
+	}
+	fresh, err := m.reg.register(nm, now)
+	if err != nil {
+		holder := m.reg.get(key)
+		m.mu.Unlock()
+		m.met.refused.Inc()
+		m.log.Warn("taskd: registration refused: position held by a live instance", "member", key.String(), "addr", nm.addr, "holder_addr", holder.addr)
+		return nil, status.Errorf(codes.AlreadyExists, "taskd: %s: %v", key, ErrRankTaken)
+	}
+	if fresh {
+		if dl := m.downlinks[key]; dl != nil && dl.instance != nm.instance {
+			close(dl.stop)
+			delete(m.downlinks, key)
+		}
+	}
+	switch key.role {
+	case RoleWorker:
+		m.sw.registered(key.id, nm.pos.Node, req.GetSwitchBits(), req.GetHasSwitch())
+	case RoleProxy:
+		m.proxyHosts[nm.pos.Node] = peerHost(nm.addr)
+	}
+	m.updateMemberGaugesLocked()
+	m.mu.Unlock()
+	if fresh {
+		m.log.Info("taskd: member registered", "member", key.String(), "addr", nm.addr, "via", nm.via)
+		m.events.push(Event{Kind: EventRegistered, Time: now, Role: key.role, Position: nm.pos})
+	}
+	m.wake()
+	return &pb.RegisterResponse{
+		HeartbeatIntervalMs: m.cfg.HeartbeatInterval.Milliseconds(),
+		HeartbeatDeadlineMs: m.cfg.HeartbeatDeadline.Milliseconds(),
+		ManagerInstance:     m.instance,
+	}, nil
+}
+
+func (s *managerControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
+	m := s.m
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	now := time.Now()
+	resp := &pb.HeartbeatResponse{ManagerInstance: m.instance}
+	m.mu.Lock()
+	for _, b := range req.GetBeats() {
+		age := time.Duration(max(b.GetAgeMs(), 0)) * time.Millisecond
+		if !m.reg.beat(keyOf(b.GetMember()), b.GetMember().GetInstance(), now.Add(-age)) {
+			resp.Unknown = append(resp.Unknown, b.GetMember())
+		}
+	}
+	m.mu.Unlock()
+	return resp, nil
+}
+
+func (s *managerControl) Send(_ context.Context, req *pb.SendRequest) (*pb.SendResponse, error) {
+	m := s.m
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	if len(req.GetReports()) > 4096 {
+		return nil, status.Errorf(codes.InvalidArgument, "taskd: reports: %d in one call, at most 4096", len(req.GetReports()))
+	}
+	now := time.Now()
+	resp := &pb.SendResponse{}
+	var evs []Event
+	var fresh []Fault
+	m.mu.Lock()
+	for i, r := range req.GetReports() {
+		if r.GetId() == "" || len(r.GetId()) > 256 {
+			m.mu.Unlock()
+			return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d].id: length %d, want 1 to 256", i, len(r.GetId()))
+		}
+		from := r.GetFrom()
+		switch body := r.GetBody().(type) {
+		case *pb.Report_Fault:
+			if body.Fault.GetKind() == "" {
+				m.mu.Unlock()
+				return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d].fault.kind: empty", i)
+			}
+			f := faultFromPB(r.GetId(), from, r.GetTimeUnixNano(), body.Fault)
+			stored, isNew := m.faults.add(f, now)
+			if isNew {
+				fresh = append(fresh, stored)
+				m.met.faults.WithLabelValues(string(stored.Kind)).Inc()
+				m.log.Warn("taskd: fault", "seq", stored.Seq, "kind", stored.Kind, "position", stored.Position.String(), "code", stored.Code, "message", stored.Message)
+				evs = append(evs, Event{Kind: EventFault, Time: now, Role: roleFromPB(from.GetRole()), Position: positionOf(from), Fault: stored})
+			} else {
+				m.met.faultDups.Inc()
+			}
+			m.met.messages.WithLabelValues("up", "fault").Inc()
+		case *pb.Report_Message:
+			if m.recentMsgs.add(r.GetId()) {
+				evs = append(evs, Event{Kind: EventMessage, Time: now, Role: roleFromPB(from.GetRole()), Position: positionOf(from),
+					Message: Message{ID: r.GetId(), Kind: body.Message.GetKind(), Payload: body.Message.GetPayload(), From: positionOf(from)}})
+			}
+			m.met.messages.WithLabelValues("up", "message").Inc()
+		default:
+			m.mu.Unlock()
+			return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d]: no body", i)
+		}
+		resp.Accepted = append(resp.Accepted, r.GetId())
+	}
+	m.persistFaultsLocked(fresh)
+	m.mu.Unlock()
+	m.events.push(evs...)
+	return resp, nil
+}
+
+func faultFromPB(id string, from *pb.Member, t int64, f *pb.FaultReport) Fault {
+	out := Fault{
+		ID:           id,
+		Kind:         FaultKind(f.GetKind()),
+		Position:     Position{Node: int(f.GetNode()), Rank: int(f.GetRank())},
+		Code:         int(f.GetCode()),
+		Message:      f.GetMessage(),
+		Reporter:     positionOf(from),
+		ReporterRole: roleFromPB(from.GetRole()),
+	}
+	if len(f.GetAttrs()) > 0 {
+		out.Attrs = f.GetAttrs()
+	}
+	if t != 0 {
+		out.Time = time.Unix(0, t).UTC()
+	}
+	return out
+}
+
+func faultToPB(f Fault) *pb.Fault {
+	out := &pb.Fault{
+		Seq: f.Seq, Id: f.ID, Kind: string(f.Kind), Node: int32(f.Position.Node), Rank: int32(f.Position.Rank),
+		Code: int32(f.Code), Message: f.Message, Attrs: f.Attrs, ReceivedUnixNano: f.Received.UnixNano(),
+		Reporter: memberPB(f.ReporterRole, f.Reporter, ""),
+	}
+	if !f.Time.IsZero() {
+		out.TimeUnixNano = f.Time.UnixNano()
+	}
+	return out
+}
+
+func (s *managerControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreamingServer[pb.Envelope]) error {
+	m := s.m
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return err
+	}
+	key := keyOf(req.GetMember())
+	m.mu.Lock()
+	mm := m.reg.get(key)
+	if mm == nil || mm.instance != req.GetMember().GetInstance() {
+		m.mu.Unlock()
+		return status.Errorf(codes.FailedPrecondition, "taskd: %s: register before opening the stream", key)
+	}
+	dl := newDownlink(mm.instance)
+	if old := m.downlinks[key]; old != nil {
+		close(old.stop)
+	}
+	m.downlinks[key] = dl
+	m.mu.Unlock()
+	m.wake()
+	defer func() {
+		m.mu.Lock()
+		if m.downlinks[key] == dl {
+			delete(m.downlinks, key)
+		}
+		m.mu.Unlock()
+	}()
+	ctx := stream.Context()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-dl.stop:
+			return status.Error(codes.Aborted, "taskd: stream replaced")
+		case env := <-dl.ch:
+			if err := stream.Send(env); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+func (s *managerControl) Acknowledge(_ context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {
+	m := s.m
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	now := time.Now()
+	m.mu.Lock()
+	for _, a := range req.GetAcks() {
+		m.ackLocked(a, now)
+	}
+	m.checkFanoutLocked(now)
+	m.mu.Unlock()
+	return &pb.AckResponse{}, nil
+}
+
+func (s *managerControl) UploadOffsets(_ context.Context, req *pb.UploadOffsetRequest) (*pb.UploadOffsetResponse, error) {
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	return s.m.uploadOffsets(req)
+}
+
+func (s *managerControl) Upload(stream grpc.ClientStreamingServer[pb.UploadChunk, pb.UploadResponse]) error {
+	return s.m.receiveUpload(stream)
+}
+
+func (s *managerControl) CollectDone(_ context.Context, req *pb.CollectResult) (*pb.CollectResultResponse, error) {
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	s.m.collectDone(req)
+	return &pb.CollectResultResponse{}, nil
+}
+
+// statusMessage returns the message of a gRPC error, or its text.
+func statusMessage(err error) string {
+	if st, ok := status.FromError(err); ok {
+		return st.Message()
+	}
+	return fmt.Sprint(err)
+}

@@ -1,0 +1,84 @@
+package taskd
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
+)
+
+type managerMetrics struct {
+	members     *prometheus.GaugeVec
+	lost        *prometheus.CounterVec
+	refused     prometheus.Counter
+	messages    *prometheus.CounterVec
+	acks        *prometheus.CounterVec
+	ackLatency  prometheus.Histogram
+	faults      *prometheus.CounterVec
+	faultDups   prometheus.Counter
+	fanout      prometheus.Histogram
+	resends     prometheus.Counter
+	rateLimited prometheus.Counter
+	dropped     prometheus.Counter
+	collected   prometheus.Counter
+	handlerErrs *prometheus.CounterVec
+}
+
+// A nil Registerer gives collectors that count but are not exported.
+func newManagerMetrics(reg prometheus.Registerer) *managerMetrics {
+	f := promauto.With(reg)
+	return &managerMetrics{
+		members:     f.NewGaugeVec(prometheus.GaugeOpts{Name: "faultline_taskd_members", Help: "Live registered members by role."}, []string{"role"}),
+		lost:        f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_lost_total", Help: "Members declared lost after missing their heartbeat deadline, by role."}, []string{"role"}),
+		refused:     f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_registrations_refused_total", Help: "Registrations refused because another live instance holds the position."}),
+		messages:    f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_messages_total", Help: "Messages handled by the manager, by direction (up, down) and kind."}, []string{"direction", "kind"}),
+		acks:        f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_acks_total", Help: "Acknowledgements of downward messages, by result (ok, error, timeout)."}, []string{"result"}),
+		ackLatency:  f.NewHistogram(prometheus.HistogramOpts{Name: "faultline_taskd_ack_latency_seconds", Help: "Time from sending a downward message to its acknowledgement.", Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}),
+		faults:      f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_faults_total", Help: "Faults taken into the job's fault log, by kind."}, []string{"kind"}),
+		faultDups:   f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_fault_duplicates_total", Help: "Fault reports dropped as duplicates of a logged fault."}),
+		fanout:      f.NewHistogram(prometheus.HistogramOpts{Name: "faultline_taskd_switch_fanout_seconds", Help: "Time from a switch change until every live worker acknowledged it.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
+		resends:     f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_switch_resends_total", Help: "Switch sends to workers that had not acknowledged it."}),
+		rateLimited: f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_rate_limited_total", Help: "Calls refused by the per-connection rate limit."}),
+		dropped:     f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_downlink_dropped_total", Help: "Downward messages dropped because a member's send queue was full (they are re-sent)."}),
+		collected:   f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_collected_bytes_total", Help: "Bytes of dotting and stack files received from proxies."}),
+		handlerErrs: f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_handler_errors_total", Help: "Errors returned by plugin handlers, by handler."}, []string{"handler"}),
+	}
+}
+
+type proxyMetrics struct {
+	workers     prometheus.Gauge
+	forwarded   *prometheus.CounterVec
+	reconnects  prometheus.Counter
+	rateLimited prometheus.Counter
+	dropped     prometheus.Counter
+	collected   prometheus.Counter
+}
+
+func newProxyMetrics(reg prometheus.Registerer) *proxyMetrics {
+	f := promauto.With(reg)
+	return &proxyMetrics{
+		workers:     f.NewGauge(prometheus.GaugeOpts{Name: "faultline_taskd_proxy_workers", Help: "Workers registered through this proxy."}),
+		forwarded:   f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_proxy_forwarded_total", Help: "Messages routed by the proxy, by direction (up, down)."}, []string{"direction"}),
+		reconnects:  f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_proxy_reconnects_total", Help: "Registrations of the proxy with the manager after the first."}),
+		rateLimited: f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_proxy_rate_limited_total", Help: "Calls refused by the per-connection rate limit."}),
+		dropped:     f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_proxy_downlink_dropped_total", Help: "Downward messages dropped because a worker's send queue was full (they are re-sent)."}),
+		collected:   f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_proxy_collected_bytes_total", Help: "Bytes of dotting and stack files shipped to the manager."}),
+	}
+}
+
+type workerMetrics struct {
+	queued     prometheus.Gauge
+	overflow   prometheus.Counter
+	reconnects prometheus.Counter
+	refused    prometheus.Counter
+	applied    *prometheus.CounterVec
+}
+
+func newWorkerMetrics(reg prometheus.Registerer) *workerMetrics {
+	f := promauto.With(reg)
+	return &workerMetrics{
+		queued:     f.NewGauge(prometheus.GaugeOpts{Name: "faultline_taskd_worker_queued_reports", Help: "Reports waiting for the manager's acknowledgement."}),
+		overflow:   f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_worker_queue_overflow_total", Help: "Reports refused because the queue was full."}),
+		reconnects: f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_worker_reconnects_total", Help: "Registrations after the first."}),
+		refused:    f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_worker_registrations_refused_total", Help: "Registrations refused because another live instance holds the rank."}),
+		applied:    f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_worker_messages_total", Help: "Downward messages handled, by kind and result (ok, error)."}, []string{"kind", "result"}),
+	}
+}

@@ -1,0 +1,611 @@
+package taskd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	oteltrace "go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+)
+
+// DefaultDottingRoot is where trace writes dotting files.
+const DefaultDottingRoot = "/user/cluster-info/profiling"
+
+// ProxyConfig configures a Proxy. The zero value of each field but Job,
+// Node, Upstream and Security means its documented default.
+type ProxyConfig struct {
+	// Job is the job's identifier; required.
+	Job string
+	// Node is this node's rank.
+	Node int
+	// Upstream is the manager's address; required.
+	Upstream string
+	// Listen is where the node's workers connect; default "127.0.0.1:9602".
+	Listen string
+	// Security applies to both sides: the manager and the workers.
+	Security Security
+	// AckTimeout bounds each call to the manager (default 3 s).
+	AckTimeout time.Duration
+	// MaxMessageBytes caps each message (default 4 MiB).
+	MaxMessageBytes int
+	// RateLimit is calls per second allowed on each worker connection
+	// (default 2000, burst RateBurst default twice that); negative means
+	// unlimited.
+	RateLimit float64
+	RateBurst int
+	// ReconnectMax caps the backoff between attempts to register with the
+	// manager again (default 5 s).
+	ReconnectMax time.Duration
+	// DottingRoot holds the node's dotting files as <root>/<job>/<rank>/...
+	// (default "/user/cluster-info/profiling"); StackRoot holds stack files
+	// as <root>/<job>/... (empty: none). Collect ships only what is under
+	// the job's folder of each, and never follows a symlink.
+	DottingRoot, StackRoot string
+	// QueueSize bounds the proxy's own reports waiting for the manager
+	// (default 1024).
+	QueueSize int
+	// Observability; nil means off.
+	Registerer     prometheus.Registerer
+	TracerProvider oteltrace.TracerProvider
+	Logger         *slog.Logger
+}
+
+// Validate reports the first field that is wrong.
+func (c ProxyConfig) Validate() error {
+	switch {
+	case c.Job == "":
+		return errors.New("taskd: ProxyConfig.Job: empty")
+	case strings.ContainsAny(c.Job, "/\\\x00") || c.Job == "." || c.Job == "..":
+		return fmt.Errorf("taskd: ProxyConfig.Job: %q is not a single path element", c.Job)
+	case c.Node < 0:
+		return fmt.Errorf("taskd: ProxyConfig.Node: %d is negative", c.Node)
+	case c.Upstream == "":
+		return errors.New("taskd: ProxyConfig.Upstream: empty")
+	case c.AckTimeout < 0 || c.ReconnectMax < 0:
+		return errors.New("taskd: ProxyConfig: negative duration")
+	case c.MaxMessageBytes < 0 || (c.MaxMessageBytes > 0 && c.MaxMessageBytes < 64<<10):
+		return fmt.Errorf("taskd: ProxyConfig.MaxMessageBytes: %d is below 64 KiB", c.MaxMessageBytes)
+	case c.QueueSize < 0:
+		return fmt.Errorf("taskd: ProxyConfig.QueueSize: %d is negative", c.QueueSize)
+	}
+	return c.Security.Validate()
+}
+
+// Proxy is a node's hop between its workers and the manager: it forwards
+// registrations, reports and acknowledgements up, routes messages down to
+// the workers they name, sends one heartbeat for the node that carries each
+// worker's, and ships the node's dotting and stack files on request.
+type Proxy struct {
+	cfg    ProxyConfig
+	log    *slog.Logger
+	tracer oteltrace.Tracer
+	met    *proxyMetrics
+	lis    net.Listener
+	srv    *grpc.Server
+	conn   *grpc.ClientConn
+	up     pb.ControlClient
+	self   *pb.Member
+	upq    *uplink
+	acks   chan *pb.Ack
+
+	mu        sync.Mutex
+	workers   map[int]*proxyWorker // by rank
+	upReady   bool
+	mgr       string // the manager's instance
+	interval  time.Duration
+	deadline  time.Duration
+	collectWG sync.WaitGroup
+	collect   chan *pb.CollectRequest
+
+	state     atomic.Int32
+	closed    chan struct{}
+	closeOnce sync.Once
+	runDone   chan struct{}
+}
+
+type proxyWorker struct {
+	req      *pb.RegisterRequest // as forwarded, for registering again
+	instance string
+	lastBeat time.Time
+	dl       *downlink
+}
+
+// NewProxy validates cfg, listens on cfg.Listen and prepares the
+// connection to the manager; Run serves.
+func NewProxy(cfg ProxyConfig) (*Proxy, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.Listen = orDefault(cfg.Listen, DefaultProxyAddr)
+	cfg.AckTimeout = orDefault(cfg.AckTimeout, DefaultAckTimeout)
+	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
+	cfg.RateLimit = orDefault(cfg.RateLimit, DefaultRateLimit)
+	cfg.RateBurst = orDefault(cfg.RateBurst, int(2*cfg.RateLimit))
+	cfg.ReconnectMax = orDefault(cfg.ReconnectMax, 5*time.Second)
+	cfg.DottingRoot = orDefault(cfg.DottingRoot, DefaultDottingRoot)
+	cfg.QueueSize = orDefault(cfg.QueueSize, 1024)
+	log := discardIfNil(cfg.Logger).With("component", "taskd-proxy", "job", cfg.Job, "node", cfg.Node)
+	tp := cfg.TracerProvider
+	if tp == nil {
+		tp = noop.NewTracerProvider()
+	}
+	p := &Proxy{
+		cfg:      cfg,
+		log:      log,
+		tracer:   tp.Tracer("github.com/faultline-ml/faultline/taskd"),
+		met:      newProxyMetrics(cfg.Registerer),
+		self:     memberPB(RoleProxy, Position{Node: cfg.Node, Rank: -1}, newInstanceID()),
+		acks:     make(chan *pb.Ack, 16384),
+		workers:  make(map[int]*proxyWorker),
+		interval: DefaultHeartbeatInterval,
+		deadline: DefaultHeartbeatDeadline,
+		collect:  make(chan *pb.CollectRequest, 16),
+		closed:   make(chan struct{}),
+		runDone:  make(chan struct{}),
+	}
+	p.upq = &uplink{job: cfg.Job, self: p.self, queue: newReportQueue(cfg.QueueSize), maxMsg: cfg.MaxMessageBytes, ackTimeout: cfg.AckTimeout, log: log,
+		overflow: func() {}, queued: func(int) {}}
+	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log)
+	if err != nil {
+		return nil, fmt.Errorf("taskd: proxy dial %s: %w", cfg.Upstream, err)
+	}
+	p.conn, p.up = conn, pb.NewControlClient(conn)
+	lis, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("taskd: proxy listen on %s: %w", cfg.Listen, err)
+	}
+	p.lis = lis
+	p.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: p.met.rateLimited.Inc}, log)
+	pb.RegisterControlServer(p.srv, &proxyControl{p: p})
+	return p, nil
+}
+
+// Addr returns the address workers connect to.
+func (p *Proxy) Addr() net.Addr { return p.lis.Addr() }
+
+// ReportFault queues a node-level fault for the manager (Position.Rank -1
+// and this node when Position is zero).
+func (p *Proxy) ReportFault(f Fault) error {
+	if f.Position == (Position{}) {
+		f.Position = Position{Node: p.cfg.Node, Rank: -1}
+	}
+	return p.upq.reportFault(f)
+}
+
+// Run serves the node's workers and keeps the proxy registered with the
+// manager until ctx ends or Close is called; then it returns nil.
+func (p *Proxy) Run(ctx context.Context) error {
+	if !p.state.CompareAndSwap(0, 1) {
+		return errors.New("taskd: Proxy.Run called twice or after Close")
+	}
+	defer close(p.runDone)
+	defer p.conn.Close()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		if err := p.srv.Serve(p.lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+			return fmt.Errorf("taskd: proxy serve: %w", err)
+		}
+		return nil
+	})
+	g.Go(func() error {
+		select {
+		case <-ctx.Done():
+		case <-p.closed:
+		}
+		p.srv.Stop()
+		cancel()
+		return nil
+	})
+	g.Go(func() error { return p.runUpstream(ctx) })
+	g.Go(func() error { return runAcks(ctx, p.up, p.cfg.Job, p.acks, p.cfg.AckTimeout, p.log) })
+	g.Go(func() error {
+		for {
+			select {
+			case <-ctx.Done():
+				return nil
+			case req := <-p.collect:
+				res := p.collectFiles(ctx, p.up, req)
+				cctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+				if _, err := p.up.CollectDone(cctx, res); err != nil && ctx.Err() == nil {
+					p.log.Warn("taskd: collection result not delivered", "collection", req.GetCollection(), "err", err)
+				}
+				cancel()
+			}
+		}
+	})
+	return g.Wait()
+}
+
+// Close stops the proxy and waits for Run to return. It is idempotent.
+func (p *Proxy) Close() error {
+	p.closeOnce.Do(func() {
+		close(p.closed)
+		if p.state.CompareAndSwap(0, 2) {
+			p.lis.Close()
+			p.conn.Close()
+			close(p.runDone)
+		}
+	})
+	<-p.runDone
+	return nil
+}
+
+func (p *Proxy) runUpstream(ctx context.Context) error {
+	bo := newAckBackoff(50*time.Millisecond, p.cfg.ReconnectMax)
+	sessions := 0
+	for {
+		start := time.Now()
+		err := p.upSession(ctx, &sessions)
+		p.mu.Lock()
+		p.upReady = false
+		p.mu.Unlock()
+		if ctx.Err() != nil {
+			return nil
+		}
+		if time.Since(start) > 2*p.cfg.ReconnectMax {
+			bo.Reset()
+		}
+		wait := bo.NextBackOff()
+		p.log.Info("taskd: manager connection lost; registering again", "err", err, "in", wait)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(wait):
+		}
+	}
+}
+
+func (p *Proxy) upSession(ctx context.Context, sessions *int) error {
+	host, _ := os.Hostname()
+	rctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+	resp, err := p.up.Register(rctx, &pb.RegisterRequest{Job: p.cfg.Job, Member: p.self, Hostname: host, Pid: int64(os.Getpid())}, grpc.WaitForReady(true))
+	cancel()
+	if err != nil {
+		return err
+	}
+	interval := time.Duration(resp.GetHeartbeatIntervalMs()) * time.Millisecond
+	deadline := time.Duration(resp.GetHeartbeatDeadlineMs()) * time.Millisecond
+	if interval <= 0 || deadline <= interval {
+		interval, deadline = DefaultHeartbeatInterval, DefaultHeartbeatDeadline
+	}
+	sctx, scancel := context.WithCancel(ctx)
+	defer scancel()
+	stream, err := p.up.Stream(sctx, &pb.StreamRequest{Job: p.cfg.Job, Member: p.self})
+	if err != nil {
+		return err
+	}
+	*sessions++
+	if *sessions > 1 {
+		p.met.reconnects.Inc()
+	}
+	p.mu.Lock()
+	p.upReady, p.mgr, p.interval, p.deadline = true, resp.GetManagerInstance(), interval, deadline
+	ranks := make([]int, 0, len(p.workers))
+	for r := range p.workers {
+		ranks = append(ranks, r)
+	}
+	p.mu.Unlock()
+	// A restarted manager knows none of this node's workers: register them
+	// again on their behalf, so their streams to us stay up.
+	for _, r := range sortedUnique(ranks) {
+		if err := p.reregister(sctx, r); err != nil {
+			return err
+		}
+	}
+	p.log.Info("taskd: registered with the manager", "upstream", p.cfg.Upstream, "workers", len(ranks))
+	g, gctx := errgroup.WithContext(sctx)
+	g.Go(func() error {
+		for {
+			env, err := stream.Recv()
+			if err != nil {
+				return err
+			}
+			p.route(env)
+		}
+	})
+	g.Go(func() error { return p.heartbeats(gctx, interval, deadline) })
+	g.Go(func() error { return p.upq.run(gctx, p.up) })
+	return g.Wait()
+}
+
+// reregister registers worker rank with the manager again. A worker whose
+// rank another instance took is dropped; its stream ends and it learns why
+// when it registers itself.
+func (p *Proxy) reregister(ctx context.Context, rank int) error {
+	p.mu.Lock()
+	w := p.workers[rank]
+	p.mu.Unlock()
+	if w == nil {
+		return nil
+	}
+	rctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+	_, err := p.up.Register(rctx, w.req)
+	cancel()
+	switch status.Code(err) {
+	case codes.OK:
+		return nil
+	case codes.AlreadyExists, codes.InvalidArgument, codes.NotFound:
+		p.dropWorker(rank, w.instance)
+		return nil
+	}
+	return err
+}
+
+func (p *Proxy) dropWorker(rank int, instance string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if w := p.workers[rank]; w != nil && w.instance == instance {
+		if w.dl != nil {
+			close(w.dl.stop)
+		}
+		delete(p.workers, rank)
+		p.met.workers.Set(float64(len(p.workers)))
+	}
+}
+
+// heartbeats sends the node's heartbeat, carrying how long ago each worker
+// was heard from, and drops workers silent past the deadline.
+func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration) error {
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	lastOK := time.Now()
+	for {
+		now := time.Now()
+		req := &pb.HeartbeatRequest{Job: p.cfg.Job, From: p.self, Beats: []*pb.Beat{{Member: p.self}}}
+		var silent []*proxyWorker
+		p.mu.Lock()
+		for r, w := range p.workers {
+			age := now.Sub(w.lastBeat)
+			if age > deadline {
+				silent = append(silent, w)
+				_ = r
+				continue
+			}
+			req.Beats = append(req.Beats, &pb.Beat{Member: w.req.GetMember(), AgeMs: age.Milliseconds()})
+		}
+		p.mu.Unlock()
+		for _, w := range silent {
+			p.log.Warn("taskd: worker silent past the deadline", "rank", w.req.GetMember().GetPosition().GetRank())
+			p.dropWorker(int(w.req.GetMember().GetPosition().GetRank()), w.instance)
+		}
+		cctx, cancel := context.WithTimeout(ctx, interval)
+		resp, err := p.up.Heartbeat(cctx, req)
+		cancel()
+		switch {
+		case err == nil:
+			lastOK = time.Now()
+			if resp.GetManagerInstance() != p.managerInstance() {
+				return errors.New("taskd: the manager restarted")
+			}
+			for _, u := range resp.GetUnknown() {
+				if keyOf(u) == keyOf(p.self) {
+					return errReregister
+				}
+				if err := p.reregister(ctx, int(u.GetPosition().GetRank())); err != nil {
+					return err
+				}
+			}
+		case ctx.Err() != nil:
+			return nil
+		case time.Since(lastOK) > deadline:
+			return fmt.Errorf("taskd: no heartbeat through for %v: %w", deadline, err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+	}
+}
+
+func (p *Proxy) managerInstance() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.mgr
+}
+
+// route hands a message from the manager to the workers it names, or
+// takes it for the proxy itself.
+func (p *Proxy) route(env *pb.Envelope) {
+	if len(env.GetRanks()) == 0 {
+		if c := env.GetCollect(); c != nil {
+			select {
+			case p.collect <- c:
+			default:
+				p.log.Warn("taskd: collection request dropped: too many queued", "collection", c.GetCollection())
+			}
+		}
+		return
+	}
+	out := &pb.Envelope{Id: env.GetId(), Body: env.GetBody()}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, r := range env.GetRanks() {
+		w := p.workers[int(r)]
+		if w == nil || w.dl == nil {
+			continue // the manager re-sends to a worker that does not acknowledge
+		}
+		select {
+		case w.dl.ch <- out:
+			p.met.forwarded.WithLabelValues("down").Inc()
+		default:
+			p.met.dropped.Inc()
+		}
+	}
+}
+
+// proxyControl serves the node's workers.
+type proxyControl struct {
+	pb.UnimplementedControlServer
+	p *Proxy
+}
+
+func (s *proxyControl) checkJob(job string) error {
+	if job != s.p.cfg.Job {
+		return status.Errorf(codes.NotFound, "taskd: unknown job %q (this proxy serves %q)", job, s.p.cfg.Job)
+	}
+	return nil
+}
+
+func (s *proxyControl) ready() error {
+	s.p.mu.Lock()
+	defer s.p.mu.Unlock()
+	if !s.p.upReady {
+		return status.Error(codes.Unavailable, "taskd: proxy is not connected to the manager")
+	}
+	return nil
+}
+
+func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.RegisterResponse, error) {
+	p := s.p
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	mem := req.GetMember()
+	if err := checkMember(mem, 0, 0); err != nil {
+		return nil, err
+	}
+	if roleFromPB(mem.GetRole()) != RoleWorker {
+		return nil, status.Error(codes.InvalidArgument, "taskd: member.role: only workers register with a proxy")
+	}
+	if n := int(mem.GetPosition().GetNode()); n != p.cfg.Node {
+		return nil, status.Errorf(codes.InvalidArgument, "taskd: member.position.node: %d, but this proxy serves node %d", n, p.cfg.Node)
+	}
+	rank := int(mem.GetPosition().GetRank())
+	p.mu.Lock()
+	if w := p.workers[rank]; w != nil && w.instance != mem.GetInstance() && time.Since(w.lastBeat) <= p.deadline {
+		p.mu.Unlock()
+		return nil, status.Errorf(codes.AlreadyExists, "taskd: worker rank %d: %v", rank, ErrRankTaken)
+	}
+	p.mu.Unlock()
+	if err := s.ready(); err != nil {
+		return nil, err
+	}
+	fwd := proto.Clone(req).(*pb.RegisterRequest)
+	fwd.Via = p.self
+	cctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+	resp, err := p.up.Register(cctx, fwd)
+	cancel()
+	if err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	w := p.workers[rank]
+	if w != nil && w.instance != mem.GetInstance() && w.dl != nil {
+		close(w.dl.stop)
+		w.dl = nil
+	}
+	if w == nil || w.instance != mem.GetInstance() {
+		w = &proxyWorker{instance: mem.GetInstance()}
+		p.workers[rank] = w
+	}
+	w.req, w.lastBeat = fwd, time.Now()
+	p.met.workers.Set(float64(len(p.workers)))
+	p.mu.Unlock()
+	p.met.forwarded.WithLabelValues("up").Inc()
+	return resp, nil
+}
+
+func (s *proxyControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
+	p := s.p
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	now := time.Now()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	resp := &pb.HeartbeatResponse{ManagerInstance: p.mgr}
+	for _, b := range req.GetBeats() {
+		m := b.GetMember()
+		w := p.workers[int(m.GetPosition().GetRank())]
+		if roleFromPB(m.GetRole()) != RoleWorker || w == nil || w.instance != m.GetInstance() {
+			resp.Unknown = append(resp.Unknown, m)
+			continue
+		}
+		w.lastBeat = now
+	}
+	return resp, nil
+}
+
+func (s *proxyControl) Send(ctx context.Context, req *pb.SendRequest) (*pb.SendResponse, error) {
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	if err := s.ready(); err != nil {
+		return nil, err
+	}
+	s.p.met.forwarded.WithLabelValues("up").Add(float64(len(req.GetReports())))
+	return s.p.up.Send(ctx, req)
+}
+
+func (s *proxyControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreamingServer[pb.Envelope]) error {
+	p := s.p
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return err
+	}
+	rank := int(req.GetMember().GetPosition().GetRank())
+	p.mu.Lock()
+	w := p.workers[rank]
+	if w == nil || w.instance != req.GetMember().GetInstance() {
+		p.mu.Unlock()
+		return status.Errorf(codes.FailedPrecondition, "taskd: worker rank %d: register before opening the stream", rank)
+	}
+	if w.dl != nil {
+		close(w.dl.stop)
+	}
+	dl := newDownlink(w.instance)
+	w.dl = dl
+	p.mu.Unlock()
+	defer func() {
+		p.mu.Lock()
+		if w.dl == dl {
+			w.dl = nil
+		}
+		p.mu.Unlock()
+	}()
+	ctx := stream.Context()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-dl.stop:
+			return status.Error(codes.Aborted, "taskd: stream replaced or worker dropped")
+		case env := <-dl.ch:
+			if err := stream.Send(env); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+func (s *proxyControl) Acknowledge(_ context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	for _, a := range req.GetAcks() {
+		select {
+		case s.p.acks <- a:
+		default: // the manager re-sends what it does not see acknowledged
+		}
+	}
+	return &pb.AckResponse{}, nil
+}

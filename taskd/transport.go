@@ -1,0 +1,117 @@
+package taskd
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"golang.org/x/time/rate"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/stats"
+	"google.golang.org/grpc/status"
+)
+
+// Defaults shared by the three roles.
+const (
+	DefaultHeartbeatInterval = time.Second
+	DefaultHeartbeatDeadline = 5 * time.Second
+	DefaultAckTimeout        = 3 * time.Second
+	DefaultMaxMessageBytes   = 4 << 20
+	DefaultRateLimit         = 2000 // calls per second per connection
+	DefaultManagerAddr       = ":9601"
+	DefaultProxyAddr         = "127.0.0.1:9602"
+)
+
+// limits are a server's per-connection rate limit and message size cap.
+type limits struct {
+	maxMsg  int
+	rate    float64 // calls per second; <= 0 unlimited
+	burst   int
+	limited func() // counts a refused call
+}
+
+type connLimiterKey struct{}
+
+// connLimits attaches a rate limiter to each connection's context, from
+// which every call on that connection inherits it.
+type connLimits struct{ l limits }
+
+func (h connLimits) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context {
+	if h.l.rate <= 0 {
+		return ctx
+	}
+	return context.WithValue(ctx, connLimiterKey{}, rate.NewLimiter(rate.Limit(h.l.rate), h.l.burst))
+}
+func (connLimits) HandleConn(context.Context, stats.ConnStats)                    {}
+func (connLimits) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context { return ctx }
+func (connLimits) HandleRPC(context.Context, stats.RPCStats)                      {}
+
+func (l limits) allow(ctx context.Context) error {
+	lim, _ := ctx.Value(connLimiterKey{}).(*rate.Limiter)
+	if lim == nil || lim.Allow() {
+		return nil
+	}
+	if l.limited != nil {
+		l.limited()
+	}
+	return status.Error(codes.ResourceExhausted, "taskd: rate limit of this connection exceeded")
+}
+
+// newServer builds a gRPC server with security, size cap, rate limit and
+// keepalive settings that find dead peers within seconds.
+func newServer(sec Security, l limits, log *slog.Logger) *grpc.Server {
+	opts := sec.serverOptions(log)
+	opts = append(opts,
+		grpc.MaxRecvMsgSize(l.maxMsg),
+		grpc.MaxSendMsgSize(l.maxMsg),
+		grpc.StatsHandler(connLimits{l}),
+		grpc.ChainUnaryInterceptor(func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			if err := l.allow(ctx); err != nil {
+				return nil, err
+			}
+			return h(ctx, req)
+		}),
+		grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+			if err := l.allow(ss.Context()); err != nil {
+				return err
+			}
+			return h(srv, ss)
+		}),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 2 * time.Second, PermitWithoutStream: true}),
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second}),
+	)
+	return grpc.NewServer(opts...)
+}
+
+// dial returns a client connection to addr; gRPC connects lazily and
+// reconnects by itself.
+func dial(addr string, sec Security, maxMsg int, log *slog.Logger) (*grpc.ClientConn, error) {
+	opts := sec.dialOptions(addr, log)
+	opts = append(opts,
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsg), grpc.MaxCallSendMsgSize(maxMsg)),
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
+			MinConnectTimeout: 2 * time.Second,
+		}),
+	)
+	return grpc.NewClient("passthrough:///"+addr, opts...)
+}
+
+func orDefault[T comparable](v, def T) T {
+	var zero T
+	if v == zero {
+		return def
+	}
+	return v
+}
+
+func discardIfNil(l *slog.Logger) *slog.Logger {
+	if l == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return l
+}

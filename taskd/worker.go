@@ -1,0 +1,384 @@
+package taskd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// WorkerConfig configures a Worker. The zero value of each field but Job,
+// Node, Rank and Security means its documented default.
+type WorkerConfig struct {
+	// Job is the job's identifier; required.
+	Job string
+	// Node and Rank are the worker's node rank and global process rank.
+	Node, Rank int
+	// Upstream is the node's proxy, or the manager for a job without
+	// proxies; default "127.0.0.1:9602".
+	Upstream string
+	Security Security
+	// OnSwitch applies a new profiling switch (a trace recorder, a Python
+	// trainer's hook). An error is reported to the manager as the worker's
+	// failure to apply it; the switch in force is the caller's to keep. Nil
+	// accepts every switch.
+	OnSwitch func(trace.Switch) error
+	// OnMessage handles an application message from the manager; its error
+	// is reported back. Nil acknowledges every message.
+	OnMessage func(Message) error
+	// QueueSize bounds the reports waiting for the manager (default 1024);
+	// past it ReportFault and Send return ErrQueueFull.
+	QueueSize int
+	// AckTimeout bounds each upward call (default 3 s).
+	AckTimeout time.Duration
+	// MaxMessageBytes caps each message (default 4 MiB).
+	MaxMessageBytes int
+	// ReconnectMax caps the backoff between attempts to register again
+	// (default 5 s).
+	ReconnectMax time.Duration
+	// Observability; nil means off.
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+}
+
+// Validate reports the first field that is wrong.
+func (c WorkerConfig) Validate() error {
+	switch {
+	case c.Job == "":
+		return errors.New("taskd: WorkerConfig.Job: empty")
+	case c.Node < 0:
+		return fmt.Errorf("taskd: WorkerConfig.Node: %d is negative", c.Node)
+	case c.Rank < 0:
+		return fmt.Errorf("taskd: WorkerConfig.Rank: %d is negative", c.Rank)
+	case c.QueueSize < 0:
+		return fmt.Errorf("taskd: WorkerConfig.QueueSize: %d is negative", c.QueueSize)
+	case c.AckTimeout < 0 || c.ReconnectMax < 0:
+		return errors.New("taskd: WorkerConfig: negative duration")
+	case c.MaxMessageBytes < 0 || (c.MaxMessageBytes > 0 && c.MaxMessageBytes < 64<<10):
+		return fmt.Errorf("taskd: WorkerConfig.MaxMessageBytes: %d is below 64 KiB", c.MaxMessageBytes)
+	}
+	return c.Security.Validate()
+}
+
+// Worker is the control plane's end inside a training process: it
+// registers its rank, sends heartbeats, applies the profiling switch and
+// messages pushed to it, and reports faults. It reconnects and registers
+// again on its own after a proxy or manager restart, keeping the reports
+// not yet acknowledged.
+type Worker struct {
+	cfg    WorkerConfig
+	log    *slog.Logger
+	met    *workerMetrics
+	conn   *grpc.ClientConn
+	client pb.ControlClient
+	up     *uplink
+	self   *pb.Member
+	acks   chan *pb.Ack
+
+	mu         sync.Mutex
+	sw         trace.Switch
+	hasSwitch  bool
+	results    map[uint64]string // recent message ids -> their ack error
+	resultRing []uint64
+	ringNext   int
+	registered int // registrations so far
+
+	connected atomic.Bool
+	state     atomic.Int32
+	closed    chan struct{}
+	closeOnce sync.Once
+	runDone   chan struct{}
+}
+
+// NewWorker validates cfg and prepares a worker; Run connects it.
+func NewWorker(cfg WorkerConfig) (*Worker, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.Upstream = orDefault(cfg.Upstream, DefaultProxyAddr)
+	cfg.QueueSize = orDefault(cfg.QueueSize, 1024)
+	cfg.AckTimeout = orDefault(cfg.AckTimeout, DefaultAckTimeout)
+	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
+	cfg.ReconnectMax = orDefault(cfg.ReconnectMax, 5*time.Second)
+	log := discardIfNil(cfg.Logger).With("component", "taskd-worker", "job", cfg.Job, "rank", cfg.Rank)
+	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log)
+	if err != nil {
+		return nil, fmt.Errorf("taskd: worker dial %s: %w", cfg.Upstream, err)
+	}
+	w := &Worker{
+		cfg:        cfg,
+		log:        log,
+		met:        newWorkerMetrics(cfg.Registerer),
+		conn:       conn,
+		client:     pb.NewControlClient(conn),
+		self:       memberPB(RoleWorker, Position{Node: cfg.Node, Rank: cfg.Rank}, newInstanceID()),
+		acks:       make(chan *pb.Ack, 4096),
+		results:    make(map[uint64]string),
+		resultRing: make([]uint64, 1024),
+		closed:     make(chan struct{}),
+		runDone:    make(chan struct{}),
+	}
+	w.up = &uplink{
+		job: cfg.Job, self: w.self, queue: newReportQueue(cfg.QueueSize), maxMsg: cfg.MaxMessageBytes, ackTimeout: cfg.AckTimeout, log: log,
+		overflow: w.met.overflow.Inc, queued: func(n int) { w.met.queued.Set(float64(n)) },
+	}
+	return w, nil
+}
+
+// ReportFault queues a fault for the manager. An empty ID is filled in; a
+// zero Position means this worker's, a zero Time now. It returns
+// ErrQueueFull when the queue is full.
+func (w *Worker) ReportFault(f Fault) error {
+	if f.Position == (Position{}) {
+		f.Position = Position{Node: w.cfg.Node, Rank: w.cfg.Rank}
+	}
+	return w.up.reportFault(f)
+}
+
+// Send queues an application message for the manager's handlers.
+func (w *Worker) Send(kind string, payload []byte) error { return w.up.send(kind, payload) }
+
+// Switch returns the profiling switch the worker applied last, and false
+// when it has applied none.
+func (w *Worker) Switch() (trace.Switch, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.sw, w.hasSwitch
+}
+
+// Connected reports whether the worker is registered and streaming now.
+func (w *Worker) Connected() bool { return w.connected.Load() }
+
+// Pending returns how many reports wait for the manager's acknowledgement.
+func (w *Worker) Pending() int { return w.up.queue.len() }
+
+// Run keeps the worker registered until ctx ends or Close is called, then
+// returns nil. Run may be called once.
+func (w *Worker) Run(ctx context.Context) error {
+	if !w.state.CompareAndSwap(0, 1) {
+		return errors.New("taskd: Worker.Run called twice or after Close")
+	}
+	defer close(w.runDone)
+	defer w.conn.Close()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-w.closed:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	bo := newAckBackoff(50*time.Millisecond, w.cfg.ReconnectMax)
+	for {
+		start := time.Now()
+		err := w.session(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if time.Since(start) > 2*w.cfg.ReconnectMax {
+			bo.Reset()
+		}
+		wait := bo.NextBackOff()
+		if status.Code(err) == codes.AlreadyExists {
+			w.met.refused.Inc()
+			w.log.Warn("taskd: registration refused: another live instance holds this rank", "err", err)
+		} else {
+			w.log.Info("taskd: disconnected; registering again", "err", err, "in", wait)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(wait):
+		}
+	}
+}
+
+// Close stops the worker and waits for Run to return. It is idempotent.
+func (w *Worker) Close() error {
+	w.closeOnce.Do(func() {
+		close(w.closed)
+		if w.state.CompareAndSwap(0, 2) {
+			w.conn.Close()
+			close(w.runDone)
+		}
+	})
+	<-w.runDone
+	return nil
+}
+
+var errReregister = errors.New("taskd: upstream does not know this member")
+
+// session registers, opens the stream and serves until something breaks.
+func (w *Worker) session(ctx context.Context) error {
+	w.mu.Lock()
+	bits, has := w.sw.Bits(), w.hasSwitch
+	w.mu.Unlock()
+	host, _ := os.Hostname()
+	rctx, cancel := context.WithTimeout(ctx, w.cfg.AckTimeout)
+	resp, err := w.client.Register(rctx, &pb.RegisterRequest{Job: w.cfg.Job, Member: w.self, SwitchBits: bits, HasSwitch: has, Hostname: host, Pid: int64(os.Getpid())}, grpc.WaitForReady(true))
+	cancel()
+	if err != nil {
+		return err
+	}
+	interval := time.Duration(resp.GetHeartbeatIntervalMs()) * time.Millisecond
+	deadline := time.Duration(resp.GetHeartbeatDeadlineMs()) * time.Millisecond
+	if interval <= 0 || deadline <= interval {
+		interval, deadline = DefaultHeartbeatInterval, DefaultHeartbeatDeadline
+	}
+	sctx, scancel := context.WithCancel(ctx)
+	defer scancel()
+	stream, err := w.client.Stream(sctx, &pb.StreamRequest{Job: w.cfg.Job, Member: w.self})
+	if err != nil {
+		return err
+	}
+	w.mu.Lock()
+	w.registered++
+	if w.registered > 1 {
+		w.met.reconnects.Inc()
+	}
+	w.mu.Unlock()
+	w.connected.Store(true)
+	defer w.connected.Store(false)
+	w.log.Debug("taskd: registered", "upstream", w.cfg.Upstream)
+	g, gctx := errgroup.WithContext(sctx)
+	g.Go(func() error {
+		for {
+			env, err := stream.Recv()
+			if err != nil {
+				return err
+			}
+			w.handle(env)
+		}
+	})
+	g.Go(func() error { return heartbeats(gctx, w.client, w.cfg.Job, w.self, interval, deadline, nil) })
+	g.Go(func() error { return w.up.run(gctx, w.client) })
+	g.Go(func() error { return runAcks(gctx, w.client, w.cfg.Job, w.acks, w.cfg.AckTimeout, w.log) })
+	return g.Wait()
+}
+
+// heartbeats sends a heartbeat every interval until ctx ends. It returns
+// errReregister when the upstream no longer knows self, and an error when
+// no heartbeat got through for longer than deadline. beats, if set, adds
+// the beats of members behind self.
+func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, interval, deadline time.Duration, beats func() []*pb.Beat) error {
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	lastOK := time.Now()
+	for {
+		req := &pb.HeartbeatRequest{Job: job, From: self, Beats: []*pb.Beat{{Member: self}}}
+		if beats != nil {
+			req.Beats = append(req.Beats, beats()...)
+		}
+		cctx, cancel := context.WithTimeout(ctx, interval)
+		resp, err := client.Heartbeat(cctx, req)
+		cancel()
+		switch {
+		case err == nil:
+			lastOK = time.Now()
+			for _, u := range resp.GetUnknown() {
+				if keyOf(u) == keyOf(self) {
+					return errReregister
+				}
+			}
+		case ctx.Err() != nil:
+			return nil
+		case time.Since(lastOK) > deadline:
+			return fmt.Errorf("taskd: no heartbeat through for %v: %w", deadline, err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+	}
+}
+
+// handle applies one envelope and queues its acknowledgement.
+func (w *Worker) handle(env *pb.Envelope) {
+	var errMsg, kind string
+	switch body := env.GetBody().(type) {
+	case *pb.Envelope_Switch:
+		kind = "switch"
+		errMsg = w.applySwitch(body.Switch.GetDocument())
+	case *pb.Envelope_Message:
+		kind = "message"
+		errMsg = w.applyMessage(env.GetId(), body.Message)
+	default:
+		kind = "other"
+		errMsg = "taskd: a worker does not handle this message"
+	}
+	result := "ok"
+	if errMsg != "" {
+		result = "error"
+	}
+	w.met.applied.WithLabelValues(kind, result).Inc()
+	select {
+	case w.acks <- &pb.Ack{Id: env.GetId(), From: w.self, Error: errMsg}:
+	default: // the manager re-sends what it does not see acknowledged
+	}
+}
+
+func (w *Worker) applySwitch(doc string) string {
+	sw, err := trace.ParseSwitch([]byte(doc))
+	if err != nil {
+		return err.Error()
+	}
+	w.mu.Lock()
+	same := w.hasSwitch && w.sw == sw
+	w.mu.Unlock()
+	if same {
+		return ""
+	}
+	if w.cfg.OnSwitch != nil {
+		if err := w.cfg.OnSwitch(sw); err != nil {
+			w.log.Warn("taskd: switch not applied", "switch", sw.String(), "err", err)
+			return err.Error()
+		}
+	}
+	w.mu.Lock()
+	w.sw, w.hasSwitch = sw, true
+	w.mu.Unlock()
+	w.log.Info("taskd: profiling switch applied", "switch", sw.String())
+	return ""
+}
+
+// applyMessage hands a message to OnMessage once; a re-sent copy gets the
+// first result again.
+func (w *Worker) applyMessage(id uint64, msg *pb.UserMessage) string {
+	w.mu.Lock()
+	if res, seen := w.results[id]; seen {
+		w.mu.Unlock()
+		return res
+	}
+	w.mu.Unlock()
+	var res string
+	if w.cfg.OnMessage != nil {
+		if err := w.cfg.OnMessage(Message{ID: strconv.FormatUint(id, 10), Kind: msg.GetKind(), Payload: msg.GetPayload()}); err != nil {
+			res = err.Error()
+		}
+	}
+	w.mu.Lock()
+	if old := w.resultRing[w.ringNext]; old != 0 {
+		delete(w.results, old)
+	}
+	w.resultRing[w.ringNext] = id
+	w.ringNext = (w.ringNext + 1) % len(w.resultRing)
+	w.results[id] = res
+	w.mu.Unlock()
+	return res
+}
