@@ -288,9 +288,10 @@ func ApplyRetention(dir string, r Retention) ([]int64, error) {
 // removingPrefix names a step directory that retention set aside.
 const removingPrefix = ".removing-"
 
-// loadDiskStep reads shard of a committed step and verifies it (see
-// checkDiskShard) and every blob's CRC.
-func loadDiskStep(dir string, step int64, shard int) (*Checkpoint, error) {
+// LoadDiskStep reads shard of a given committed step from dir and verifies
+// the step manifest, the shard manifest's CRC against it, the data file's
+// size and every blob's CRC.
+func LoadDiskStep(dir string, step int64, shard int) (*Checkpoint, error) {
 	man, err := checkDiskShard(dir, step, shard)
 	if err != nil {
 		return nil, err
@@ -405,7 +406,7 @@ func LoadDisk(dir string, shard int) (*Checkpoint, []error, error) {
 		if !committed[s] {
 			continue
 		}
-		ck, err := loadDiskStep(dir, s, shard)
+		ck, err := LoadDiskStep(dir, s, shard)
 		if err == nil {
 			return ck, why, nil
 		}

@@ -397,3 +397,10 @@ func FuzzParseStepText(f *testing.F) {
 		}
 	})
 }
+
+func TestCRC32CCheckValue(t *testing.T) {
+	// The documented check value, so that other languages can test theirs.
+	if got := CRC32C([]byte("123456789")); got != 0xe3069283 {
+		t.Fatalf("CRC32C(123456789) = %#x", got)
+	}
+}

@@ -225,11 +225,34 @@ func Verify(dir string, paths ...string) error {
 			errs = append(errs, err)
 			continue
 		}
-		for i, h := range r.Halves {
+		for _, h := range r.Halves {
 			if h.Corrupt {
-				errs = append(errs, fmt.Errorf("%s half %d: %w", p, i, h.Err))
+				errs = append(errs, h.Err)
 			}
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// LoadSegment reads the newest intact step of the segment at path through
+// a read-only mapping, verifying every CRC, without disturbing a writer or
+// an owner: what a tool or a trainer without an owner at hand uses. The
+// error wraps ErrNoStep and says why each half was refused.
+func LoadSegment(path string) (*Checkpoint, error) {
+	seg, err := openSegment(path, true)
+	if err != nil {
+		return nil, err
+	}
+	defer seg.close()
+	ck, why := seg.load(0, nil)
+	if ck == nil {
+		return nil, fmt.Errorf("%w in %s: %w", ErrNoStep, path, errors.Join(why...))
+	}
+	return ck, nil
+}
+
+// StepSize is the half size (OwnerConfig.Capacity) that holds a step of
+// blobs with these names and sizes, rounded up to whole pages.
+func StepSize(names []string, sizes []int64) int64 {
+	return alignUp(layoutStep(0, names, sizes).End(), PageSize)
 }

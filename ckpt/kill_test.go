@@ -110,6 +110,12 @@ func TestPersistSIGKILL(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer o.Remove()
+	// It swept what the killed agents left half written.
+	for _, g := range []string{filepath.Join(dir, "*", ".shard-*.tmp-*"), filepath.Join(shm, ".*.tmp-*")} {
+		if left, _ := filepath.Glob(g); len(left) > 0 {
+			t.Fatalf("temporary files left after a new owner started: %v", left)
+		}
+	}
 	step, err := o.PersistNewest(context.Background())
 	if err != nil {
 		t.Fatal(err)

@@ -211,7 +211,7 @@ func (o *Owner) loadGiven(ctx context.Context, seg *segment, step int64, rep *Lo
 	}
 	if o.cfg.Dir == "" {
 		refuse(TierDisk, errors.New("no disk tier configured"))
-	} else if c, err := loadDiskStep(o.cfg.Dir, step, rep.Shard); err != nil {
+	} else if c, err := LoadDiskStep(o.cfg.Dir, step, rep.Shard); err != nil {
 		refuse(TierDisk, err)
 	} else {
 		return served(TierDisk, c)
@@ -227,7 +227,7 @@ func loadStep(seg *segment, step int64, workers int) (*Checkpoint, error) {
 		if m, ok := seg.metaOK(i); !ok || m.Step != step {
 			continue
 		}
-		c, err := seg.loadHalf(i, workers)
+		c, err := seg.loadHalf(i, workers, nil)
 		if err == nil {
 			return c, nil
 		}

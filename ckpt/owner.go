@@ -11,6 +11,7 @@ import (
 	"maps"
 	"net"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -195,6 +196,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 			return nil, fmt.Errorf("ckpt: disk tier: %w", err)
 		}
 	}
+	o.sweep()
 	for _, s := range cfg.Shards {
 		seg, err := createSegment(SegmentPath(cfg.ShmDir, cfg.Name, s), s, 0, cfg.Capacity)
 		if err != nil {
@@ -212,6 +214,30 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 		o.ln = ln
 	}
 	return o, nil
+}
+
+// sweep removes what a killed predecessor left half made for this node's
+// shards: temporary segment files in ShmDir and temporary shard files in
+// the step directories. Other nodes' files, on a shared disk, are left
+// alone.
+func (o *Owner) sweep() {
+	var globs []string
+	for _, s := range o.cfg.Shards {
+		globs = append(globs, filepath.Join(o.cfg.ShmDir, "."+filepath.Base(o.SegmentPath(s))+".tmp-*"))
+		if o.cfg.Dir != "" {
+			globs = append(globs,
+				filepath.Join(o.cfg.Dir, "*", "."+ShardFile(s)+".tmp-*"),
+				filepath.Join(o.cfg.Dir, "*", "."+ShardManifestFile(s)+".tmp-*"))
+		}
+	}
+	for _, g := range globs {
+		names, _ := filepath.Glob(g)
+		for _, n := range names {
+			if err := os.Remove(n); err == nil {
+				o.log.Info("ckpt: removed a leftover temporary file", "path", n)
+			}
+		}
+	}
 }
 
 func (o *Owner) onCommit(m StepManifest, removed []int64) {

@@ -33,7 +33,7 @@ func TestPickPeers(t *testing.T) {
 		{"n0", asw, 4, []string{"n3", "n4", "n5", "n1"}},
 		{"n0", asw, 10, []string{"n3", "n4", "n5", "n1", "n2"}},
 		{"n0", map[string]string{"n0": "A", "n1": "A"}, 2, []string{"n2", "n3"}}, // unknown before same
-		{"x", asw, 1, []string{"n0"}}, // self not listed
+		{"x", asw, 1, []string{"n0"}},                                            // self not listed
 		{"n0", asw, 0, nil},
 	} {
 		got := PickPeers(tc.self, nodes, tc.dom, tc.k)

@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -285,13 +286,17 @@ func (w *halfWriter) commit(crcs []uint32) error {
 	return nil
 }
 
-// halfError says why one half did not yield a step.
+// halfError says why one half of a segment did not yield a step.
 type halfError struct {
+	path string
 	half int
 	err  error
 }
 
-func (e *halfError) Error() string { return fmt.Sprintf("half %d: %v", e.half, e.err) }
+func (e *halfError) Error() string {
+	return fmt.Sprintf("ckpt: %s half %d: %s", e.path, e.half, strings.TrimPrefix(e.err.Error(), "ckpt: "))
+}
+
 func (e *halfError) Unwrap() error { return e.err }
 
 var errNotComplete = errors.New("holds no complete step")
@@ -315,7 +320,7 @@ func (s *segment) read(i int, pin bool, fn func(m StepMeta, half []byte, valid f
 	g := s.gen(i)
 	valid := func() error {
 		if s.state(i) != StateComplete || s.gen(i) != g {
-			return &halfError{i, ErrSuperseded}
+			return &halfError{s.path, i, ErrSuperseded}
 		}
 		return nil
 	}
@@ -330,7 +335,7 @@ func (s *segment) read(i int, pin bool, fn func(m StepMeta, half []byte, valid f
 	var he *halfError
 	if err != nil && !errors.As(err, &he) && errors.Is(err, ErrCorrupt) {
 		// Name the half and the file of what failed a check.
-		return &halfError{i, withFile(err, s.path)}
+		return &halfError{s.path, i, err}
 	}
 	return err
 }
@@ -340,21 +345,21 @@ func (s *segment) whyNot(i int) error {
 	switch st := s.state(i); st {
 	case StateComplete:
 	case StateWriting:
-		return &halfError{i, fmt.Errorf("%w (a save was in progress or died)", errNotComplete)}
+		return &halfError{s.path, i, fmt.Errorf("%w (a save was in progress or died)", errNotComplete)}
 	case StateEmpty:
-		return &halfError{i, fmt.Errorf("%w (empty)", errNotComplete)}
+		return &halfError{s.path, i, fmt.Errorf("%w (empty)", errNotComplete)}
 	default:
-		return &halfError{i, withFile(formatErr(s.halfBase(i)+offState, "state", "value %d is no known state", st), s.path)}
+		return &halfError{s.path, i, formatErr(s.halfBase(i)+offState, "state", "value %d is no known state", st)}
 	}
 	if _, err := ParseStepMeta(s.half(i), s.hdr.HalfSize); err != nil {
-		return &halfError{i, withFile(err, s.path)}
+		return &halfError{s.path, i, err}
 	}
 	return nil
 }
 
 // load returns the newest step of the segment whose every CRC holds, and
 // why each half that did not serve was refused.
-func (s *segment) load(workers int) (*Checkpoint, []error) {
+func (s *segment) load(workers int, reuse *Checkpoint) (*Checkpoint, []error) {
 	var why []error
 	cands := s.newest()
 	for i := range 2 {
@@ -366,7 +371,7 @@ func (s *segment) load(workers int) (*Checkpoint, []error) {
 		}
 	}
 	for _, i := range cands {
-		ck, err := s.loadHalf(i, workers)
+		ck, err := s.loadHalf(i, workers, reuse)
 		if err == nil {
 			return ck, why
 		}
@@ -394,24 +399,39 @@ func (s *segment) newest() []int {
 }
 
 // loadHalf copies the step of half i out, verifying every CRC.
-func (s *segment) loadHalf(i int, workers int) (*Checkpoint, error) {
+func (s *segment) loadHalf(i int, workers int, reuse *Checkpoint) (*Checkpoint, error) {
 	var ck *Checkpoint
 	err := s.read(i, false, func(m StepMeta, half []byte, _ func() error) error {
-		c, err := copyOut(m, half, workers)
+		c, err := copyOut(m, half, workers, reuse)
 		ck = c
 		return err
 	})
 	return ck, err
 }
 
-// copyOut copies the blobs of m out of half, verifying their CRCs.
-func copyOut(m StepMeta, half []byte, workers int) (*Checkpoint, error) {
+// copyOut copies the blobs of m out of half, verifying their CRCs. It
+// copies into the buffers of reuse's blobs of the same names where they
+// are large enough, and returns reuse then.
+func copyOut(m StepMeta, half []byte, workers int, reuse *Checkpoint) (*Checkpoint, error) {
 	src := make([][]byte, len(m.Blobs))
 	dst := make([][]byte, len(m.Blobs))
-	ck := &Checkpoint{Step: m.Step, Blobs: make([]Blob, len(m.Blobs))}
+	ck := &Checkpoint{}
+	if reuse != nil {
+		ck = reuse
+	}
+	old := ck.Blobs
+	ck.Step, ck.Blobs = m.Step, make([]Blob, len(m.Blobs))
 	for k, e := range m.Blobs {
 		src[k] = half[e.Offset : e.Offset+e.Size]
-		dst[k] = make([]byte, e.Size)
+		for _, b := range old {
+			if b.Name == e.Name && int64(cap(b.Data)) >= e.Size {
+				dst[k] = b.Data[:e.Size]
+				break
+			}
+		}
+		if dst[k] == nil {
+			dst[k] = make([]byte, e.Size)
+		}
 		ck.Blobs[k] = Blob{Name: e.Name, Data: dst[k]}
 	}
 	crcs, err := copyCRC(dst, src, workers)

@@ -241,6 +241,19 @@ func (w *Writer) Persist(step int64) error {
 // Load returns the newest step in memory whose every CRC holds. Its error
 // wraps ErrNoStep and says why each half was refused.
 func (w *Writer) Load(ctx context.Context) (*Checkpoint, error) {
+	return w.load(ctx, nil)
+}
+
+// LoadInto is Load into dst, reusing the buffers of dst's blobs that have
+// the names and room of the loaded ones (say, the tensors of a model being
+// restored) instead of allocating. After an error dst's content is
+// undefined.
+func (w *Writer) LoadInto(ctx context.Context, dst *Checkpoint) error {
+	_, err := w.load(ctx, dst)
+	return err
+}
+
+func (w *Writer) load(ctx context.Context, reuse *Checkpoint) (*Checkpoint, error) {
 	_, span := w.tracer.Start(ctx, "ckpt.LoadMemory")
 	defer span.End()
 	w.mu.Lock()
@@ -248,10 +261,14 @@ func (w *Writer) Load(ctx context.Context) (*Checkpoint, error) {
 	if w.seg == nil {
 		return nil, fmt.Errorf("ckpt: load from %s: %w", w.cfg.Path, errClosed)
 	}
-	ck, why := w.seg.load(w.cfg.Workers)
+	ck, why := w.seg.load(w.cfg.Workers, reuse)
 	if ck == nil {
-		return nil, fmt.Errorf("%w in %s: %w", ErrNoStep, w.cfg.Path, errors.Join(why...))
+		err := fmt.Errorf("%w in %s: %w", ErrNoStep, w.cfg.Path, errors.Join(why...))
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+		return nil, err
 	}
+	span.SetAttributes(attribute.Int64("ckpt.step", ck.Step), attribute.Int64("ckpt.bytes", ck.Size()))
 	return ck, nil
 }
 

@@ -1,0 +1,171 @@
+// Package ckpt is a flash checkpoint: a trainer saves its state into shared
+// memory in the time of a memory copy, and a node agent, which outlives the
+// trainer, persists it to disk asynchronously, copies it to peers in another
+// failure domain, and loads the newest intact step back after a failure.
+//
+// Two roles, usually two processes:
+//
+//   - The Owner is the node agent. It creates one segment per local shard in
+//     /dev/shm (checking the free space first and reserving every page, so a
+//     small /dev/shm is a clear ErrNoSpace, never a SIGBUS), keeps it across
+//     trainer crashes and its own restarts, persists steps when writers ask
+//     (Run) or when the trainer dies (PersistNewest), sends each new save to
+//     its peers and holds theirs, and loads by preference (Load).
+//   - The Writer is the trainer. Save copies named blobs into the half of
+//     the segment that does not hold the newest step and then flips a word,
+//     so a save never waits for a persist and a trainer killed mid-save
+//     leaves the previous step intact. Persist asks the owner to write the
+//     step to disk; the trainer does not wait for it.
+//
+// A node agent:
+//
+//	o, err := ckpt.NewOwner(ckpt.OwnerConfig{
+//		Shards: []int{0, 1}, Capacity: 2 << 30, Dir: "/mnt/ckpt",
+//	})
+//	if err != nil {
+//		return err
+//	}
+//	defer o.Close()
+//	go o.Run(ctx)
+//	// ... start the trainers with o.SegmentPath(rank) ...
+//	// when a trainer dies:
+//	step, err := o.PersistNewest(ctx)
+//
+// A trainer:
+//
+//	w, err := ckpt.NewWriter(ckpt.WriterConfig{Path: path})
+//	...
+//	err = w.Save(ctx, step, ckpt.Blob{Name: "model", Data: weights}, ckpt.Blob{Name: "optim", Data: state})
+//	err = w.Persist(step) // every so many steps
+//
+// # Disk tier
+//
+// A persist writes dir/<step>/shard-NNNNN.bin (the blobs one after the
+// other) and then shard-NNNNN.json (a ShardManifest: sizes and CRC32C of
+// every blob), each by temporary file, fsync, rename and directory fsync.
+// The Committer learns that the shard is durable; only when every shard of
+// the step is does the step get committed: dir/<step>/commit.json (a
+// StepManifest binding the CRC of each shard's manifest), then the trackers
+// faultline_latest.json (the same StepManifest), dlrover_latest.txt and
+// latest_checkpointed_iteration.txt (the step in decimal, as DLRover and
+// Megatron-LM write them), each written atomically. A crash at any point
+// leaves every tracker naming a complete step. LocalCommitter commits on
+// one node (or a shared filesystem); a control plane implements Committer
+// across nodes and calls CommitStep on each. Retention keeps the newest N
+// committed steps and every K-th; a removed step vanishes by a rename
+// before its files go.
+//
+// # Replicas
+//
+// Each new save is sent point to point over TCP to Replicas peers chosen
+// by PickPeers, in another failure domain (the ASW a node hangs under,
+// given by the caller) when there is one. Both ends verify the meta
+// checksum and every blob's CRC as the bytes arrive, and the receiver
+// writes into the inactive half of a replica segment, so a transfer cut
+// short by either side's death leaves the previous copy intact. A replaced
+// node (same name) restores its shards from the peers that PickPeers names.
+//
+// # Loading
+//
+// Owner.Load serves, in order of preference: memory (the newest step every
+// local shard holds intact), a replica (restored into local memory, so the
+// trainer then reads it there), or the newest committed disk step; every
+// CRC is verified, and the LoadReport says which tier served and why each
+// other one did not. Across nodes a control plane picks one step for every
+// shard and calls LoadStep. Verify and InspectSegment/InspectDir check a
+// disk tier and segments without disturbing them (the flashckpt command
+// wraps them).
+//
+// # Observability
+//
+// Metrics (Registerer; nil is off): faultline_ckpt_save_blocking_seconds,
+// _save_bytes_total, _save_skipped_total (writer); _persist_seconds,
+// _persist_bytes_total, _persist_failures_total, _commits_total,
+// _crc_failures_total, _loads_total{tier}, _replica_bytes_total{direction},
+// _replica_failures_total (owner). Spans: ckpt.Save, ckpt.LoadMemory,
+// ckpt.Persist, ckpt.Replicate, ckpt.Load, ckpt.FetchReplica.
+//
+// # FORMAT
+//
+// The segment is a file (by default /dev/shm/faultline-ckpt-<shard>) that
+// any process may map and write with plain loads and stores, such as a
+// Python trainer with mmap and struct. All integers are little-endian. The
+// CRC is CRC-32C (Castagnoli, as in iSCSI, ext4 and google-crc32c) with the
+// usual pre- and post-inversion: CRC32C("123456789") = 0xe3069283.
+//
+// The file is a 4096-byte header followed by two halves of half_size bytes
+// each: half i starts at 4096 + i*half_size. Header:
+//
+//	off size field
+//	  0    8 magic        "FLTCKPT\x00"
+//	  8    4 version      1
+//	 12    4 header_size  4096
+//	 16    8 half_size    a multiple of 4096
+//	 24    4 shard        the shard the segment holds
+//	 28    4 flags        bit 0: a replica of a peer's shard; other bits 0
+//	 32    4 header_crc   CRC32C of bytes [0,32)
+//	 36    4 active       0 or 1: the half of the newest completed save (live)
+//	 40    8 persist_seq  seq of the save the writer asks to persist, 0 none (live)
+//	 48   16 reserved     0
+//
+// A half starts with a 64-byte step header, then its blob table, then the
+// blob data:
+//
+//	off size field
+//	  0    4 state        0 empty, 1 writing, 2 complete (live)
+//	  4    4 pin          readers in the owner; a writer leaves a pinned half alone (live)
+//	  8    8 gen          incremented by a writer as it starts writing the half (live)
+//	 16    8 seq          save sequence: 1 + the larger seq of the two halves
+//	 24    8 step         training step, >= 0
+//	 32    8 time         unix nanoseconds of the save, 0 if unknown
+//	 40    4 nblobs       number of table entries
+//	 44    4 table_size   bytes of the table
+//	 48   12 reserved     0
+//	 60    4 meta_crc     CRC32C of bytes [16,60) followed by the table_size table bytes
+//	 64      table        nblobs entries, back to back
+//
+// A table entry:
+//
+//	off size field
+//	  0    8 offset       of the blob's first byte, from the start of the half
+//	  8    8 size         bytes
+//	 16    4 crc32c       of the blob's bytes
+//	 20    2 name_len     1..1024
+//	 22    2 reserved     0
+//	 24      name         UTF-8, no NUL, then zero bytes up to a multiple of 8
+//
+// Blobs are listed in increasing offset, start at or after the end of the
+// table, do not overlap and end within the half; names are unique. This
+// package places each blob at the next multiple of 64 (DataAlign), the
+// first after 64 + table_size.
+//
+// The live words are read and written whole (aligned 4- and 8-byte
+// accesses) and sit outside every checksum. A writer saves a step so:
+//
+//  1. Pick the target half: not the one holding the newest complete step
+//     (highest seq among complete halves whose meta_crc holds; with none,
+//     1 - active).
+//  2. If its pin is non-zero, skip this save (the owner is persisting it).
+//  3. Set its state to 1; read pin again, and if it is now non-zero, set
+//     the state back and skip; otherwise increment gen.
+//  4. Write the blobs, then the table, then bytes [16,64) of the header
+//     with seq, step, time, nblobs, table_size and meta_crc.
+//  5. Set state to 2, then active to the half. To have the step persisted,
+//     set persist_seq to its seq.
+//
+// A reader (owner or loader) picks the complete half with the highest seq
+// whose meta_crc holds, notes gen, copies the blobs and checks every CRC,
+// then checks that state is still 2 and gen unchanged; otherwise it
+// discards what it read. The owner also increments pin before reading and
+// decrements it after, and resets both pins when it (re)starts. A writer
+// dying anywhere leaves its target half in state 1, which no reader
+// accepts, and the other half as it was.
+//
+// # Tests
+//
+// The crash tests re-execute the test binary as a trainer or an agent and
+// SIGKILL it at random points. FAULTLINE_CKPT_TRIALS sets the number of
+// kills of a saving trainer (default 20; 200 for the full run) and, a
+// quarter of it, of a persisting agent. Tests that mount a small tmpfs
+// (a 64 MiB /dev/shm, a full disk) need root and skip without it.
+package ckpt

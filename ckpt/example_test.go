@@ -1,0 +1,95 @@
+package ckpt_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+
+	"github.com/faultline-ml/faultline/ckpt"
+)
+
+// A node agent owns the shared memory and the disk tier; the trainer saves
+// into the memory; when the trainer dies, the agent persists what it saved.
+func Example() {
+	shm, _ := os.MkdirTemp("", "shm") // /dev/shm in production
+	dir, _ := os.MkdirTemp("", "ckpt")
+	defer os.RemoveAll(shm)
+	defer os.RemoveAll(dir)
+	ctx := context.Background()
+
+	o, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: 1 << 20, Dir: dir})
+	if err != nil {
+		panic(err)
+	}
+	defer o.Remove()
+
+	// In the trainer, a process of its own.
+	w, err := ckpt.NewWriter(ckpt.WriterConfig{Path: o.SegmentPath(0)})
+	if err != nil {
+		panic(err)
+	}
+	if err := w.Save(ctx, 100, ckpt.Blob{Name: "model", Data: []byte("weights")}); err != nil {
+		panic(err)
+	}
+	w.Close() // the trainer dies
+
+	step, err := o.PersistNewest(ctx)
+	fmt.Println("persisted step", step, err)
+	ck, rep, err := o.Load(ctx, 0)
+	fmt.Println(rep.Tier, ck.Step, string(ck.Blob("model")), err)
+	// Output:
+	// persisted step 100 <nil>
+	// memory 100 weights <nil>
+}
+
+// LoadDisk reads the newest committed step, checking every CRC; the
+// trackers DLRover and Megatron-LM read name the same step.
+func ExampleLoadDisk() {
+	shm, _ := os.MkdirTemp("", "shm")
+	dir, _ := os.MkdirTemp("", "ckpt")
+	defer os.RemoveAll(shm)
+	defer os.RemoveAll(dir)
+	ctx := context.Background()
+	o, _ := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: 1 << 20, Dir: dir})
+	defer o.Remove()
+	w, _ := ckpt.NewWriter(ckpt.WriterConfig{Path: o.SegmentPath(0)})
+	defer w.Close()
+	w.Save(ctx, 7, ckpt.Blob{Name: "model", Data: []byte("w7")})
+	o.Persist(ctx, 0)
+
+	ck, _, err := ckpt.LoadDisk(dir, 0)
+	fmt.Println(ck.Step, string(ck.Blob("model")), err)
+	b, _ := os.ReadFile(dir + "/" + ckpt.DLRoverTrackerFile)
+	fmt.Println(string(b))
+	// Output:
+	// 7 w7 <nil>
+	// 7
+}
+
+// PickPeers sends a node's replicas under another switch.
+func ExamplePickPeers() {
+	nodes := []string{"node-0", "node-1", "node-2", "node-3"}
+	asw := map[string]string{"node-0": "asw-a", "node-1": "asw-a", "node-2": "asw-b", "node-3": "asw-b"}
+	fmt.Println(ckpt.PickPeers("node-0", nodes, asw, 1))
+	fmt.Println(ckpt.PickPeers("node-3", nodes, asw, 2))
+	// Output:
+	// [node-2]
+	// [node-0 node-1]
+}
+
+// The blob table of a half is a documented byte format; StepMeta encodes
+// and decodes it.
+func ExampleParseStepMeta() {
+	m := ckpt.StepMeta{Seq: 1, Step: 42, Blobs: []ckpt.BlobEntry{
+		{Name: "model", Offset: 128, Size: 1000, CRC32C: ckpt.CRC32C(make([]byte, 1000))},
+	}}
+	b, _ := m.MarshalBinary()
+	got, err := ckpt.ParseStepMeta(b, 4096)
+	fmt.Println(len(b), got.Step, got.Blobs[0].Name, got.Blobs[0].Size, err)
+	b[30] ^= 1 // a flipped bit
+	_, err = ckpt.ParseStepMeta(b, 4096)
+	fmt.Println(err)
+	// Output:
+	// 96 42 model 1000 <nil>
+	// ckpt: offset 60: field meta_crc32c: value 0x3f87d56c, computed 0x3377deca
+}

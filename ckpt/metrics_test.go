@@ -1,0 +1,86 @@
+package ckpt
+
+import (
+	"context"
+	"slices"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+)
+
+func TestMetricsAndSpans(t *testing.T) {
+	ctx := context.Background()
+	reg := prometheus.NewRegistry()
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	defer tp.Shutdown(ctx)
+
+	o, err := NewOwner(OwnerConfig{ShmDir: shmDir(t), Shards: []int{0}, Capacity: 1 << 20, Dir: t.TempDir(),
+		Registerer: reg, TracerProvider: tp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Remove()
+	w, err := NewWriter(WriterConfig{Path: o.SegmentPath(0), Registerer: reg, TracerProvider: tp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	if err := w.Save(ctx, 1, blobs(1)...); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := o.Persist(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	seg := o.segs[0]
+	i := seg.newest()[0]
+	m, _ := seg.metaOK(i)
+	flipBit(t, seg.path, seg.halfBase(i)+m.Blobs[0].Offset)
+	if _, rep, err := o.Load(ctx, 0); err != nil || rep.Tier != TierDisk {
+		t.Fatalf("Load = %s, %v", rep, err)
+	}
+
+	got := map[string]float64{}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			name := mf.GetName()
+			for _, l := range m.GetLabel() {
+				name += "{" + l.GetValue() + "}"
+			}
+			switch {
+			case m.Counter != nil:
+				got[name] = m.Counter.GetValue()
+			case m.Histogram != nil:
+				got[name] = float64(m.Histogram.GetSampleCount())
+			}
+		}
+	}
+	for name, want := range map[string]float64{
+		"faultline_ckpt_save_blocking_seconds": 1,
+		"faultline_ckpt_save_bytes_total":      float64(len(blobs(1)[0].Data) + len(blobs(1)[1].Data)),
+		"faultline_ckpt_persist_seconds":       1,
+		"faultline_ckpt_persist_bytes_total":   float64(len(blobs(1)[0].Data) + len(blobs(1)[1].Data)),
+		"faultline_ckpt_commits_total":         1,
+		"faultline_ckpt_crc_failures_total":    1,
+		"faultline_ckpt_loads_total{disk}":     1,
+	} {
+		if got[name] != want {
+			t.Errorf("%s = %v, want %v (all: %v)", name, got[name], want, got)
+		}
+	}
+	var names []string
+	for _, s := range spans.Ended() {
+		names = append(names, s.Name())
+	}
+	for _, want := range []string{"ckpt.Save", "ckpt.Persist", "ckpt.Load"} {
+		if !slices.Contains(names, want) {
+			t.Errorf("spans %v lack %s", names, want)
+		}
+	}
+}
