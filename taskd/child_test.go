@@ -1,5 +1,258 @@
 package taskd
 
-const childRoleEnv = "TASKD_TEST_CHILD"
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
 
-func runChild(role string) int { return 2 }
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// The test binary runs as a manager, proxy or worker process when this
+// variable names the role; childArgsEnv holds its childArgs as JSON.
+const (
+	childRoleEnv = "TASKD_TEST_CHILD"
+	childArgsEnv = "TASKD_TEST_ARGS"
+)
+
+type childArgs struct {
+	Job      string
+	Listen   string
+	Upstream string
+	Node     int
+	Rank     int
+	StateDir string
+	TLSDir   string
+	Interval time.Duration
+	Deadline time.Duration
+	Ack      time.Duration
+}
+
+func (a childArgs) security() Security {
+	if a.TLSDir != "" {
+		return SecurityFromDir(a.TLSDir)
+	}
+	return Security{Insecure: true}
+}
+
+// runChild runs one role until SIGTERM or SIGKILL. It prints "ready ADDR"
+// once serving; a worker prints "connected"/"disconnected" as that changes
+// and "switch DOC" for each switch applied, and takes "fault ID KIND"
+// lines on stdin.
+func runChild(role string) int {
+	var a childArgs
+	if err := json.Unmarshal([]byte(os.Getenv(childArgsEnv)), &a); err != nil {
+		fmt.Fprintln(os.Stderr, "child args:", err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	var out sync.Mutex
+	say := func(format string, args ...any) {
+		out.Lock()
+		fmt.Printf(format+"\n", args...)
+		out.Unlock()
+	}
+	var err error
+	switch role {
+	case "manager":
+		var m *Manager
+		m, err = NewManager(ManagerConfig{Job: a.Job, Listen: a.Listen, Security: a.security(), StateDir: a.StateDir, HeartbeatInterval: a.Interval, HeartbeatDeadline: a.Deadline, AckTimeout: a.Ack, Logger: log})
+		if err == nil {
+			say("ready %s", m.Addr())
+			err = m.Run(ctx)
+		}
+	case "proxy":
+		var p *Proxy
+		p, err = NewProxy(ProxyConfig{Job: a.Job, Node: a.Node, Upstream: a.Upstream, Listen: a.Listen, Security: a.security(), AckTimeout: a.Ack, ReconnectMax: time.Second, Logger: log})
+		if err == nil {
+			say("ready %s", p.Addr())
+			err = p.Run(ctx)
+		}
+	case "worker":
+		var w *Worker
+		w, err = NewWorker(WorkerConfig{Job: a.Job, Node: a.Node, Rank: a.Rank, Upstream: a.Upstream, Security: a.security(), AckTimeout: a.Ack, ReconnectMax: time.Second, Logger: log,
+			OnSwitch: func(sw trace.Switch) error { say("switch %s", sw); return nil }})
+		if err != nil {
+			break
+		}
+		go func() {
+			was := false
+			for ctx.Err() == nil {
+				if now := w.Connected(); now != was {
+					was = now
+					if now {
+						say("connected")
+					} else {
+						say("disconnected")
+					}
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		}()
+		go func() {
+			sc := bufio.NewScanner(os.Stdin)
+			for sc.Scan() {
+				f := strings.Fields(sc.Text())
+				if len(f) == 3 && f[0] == "fault" {
+					if err := w.ReportFault(Fault{ID: f[1], Kind: FaultKind(f[2])}); err != nil {
+						say("error %v", err)
+					} else {
+						say("queued %s", f[1])
+					}
+				}
+			}
+		}()
+		say("ready")
+		err = w.Run(ctx)
+	default:
+		err = fmt.Errorf("unknown role %q", role)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, role+":", err)
+		return 1
+	}
+	return 0
+}
+
+// child is a role running in a process of its own.
+type child struct {
+	t     testing.TB
+	role  string
+	args  childArgs
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+
+	mu    sync.Mutex
+	lines []string
+	cond  *sync.Cond
+	done  chan struct{}
+}
+
+func startChild(t testing.TB, role string, a childArgs) *child {
+	t.Helper()
+	b, _ := json.Marshal(a)
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childRoleEnv+"="+role, childArgsEnv+"="+string(b))
+	cmd.Stderr = &prefixWriter{t: t, prefix: fmt.Sprintf("%s %d/%d: ", role, a.Node, a.Rank)}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	c := &child{t: t, role: role, args: a, cmd: cmd, stdin: stdin, done: make(chan struct{})}
+	c.cond = sync.NewCond(&c.mu)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			c.mu.Lock()
+			c.lines = append(c.lines, sc.Text())
+			c.cond.Broadcast()
+			c.mu.Unlock()
+		}
+		cmd.Wait()
+		close(c.done)
+		c.mu.Lock()
+		c.cond.Broadcast()
+		c.mu.Unlock()
+	}()
+	t.Cleanup(c.kill)
+	return c
+}
+
+// expect waits for a line starting with prefix after the first from lines,
+// returning the line and its index.
+func (c *child) expect(from int, prefix string, d time.Duration) (string, int) {
+	c.t.Helper()
+	timer := time.AfterFunc(d, func() {
+		c.mu.Lock()
+		c.cond.Broadcast()
+		c.mu.Unlock()
+	})
+	defer timer.Stop()
+	end := time.Now().Add(d)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for i := from; ; {
+		for ; i < len(c.lines); i++ {
+			if strings.HasPrefix(c.lines[i], prefix) {
+				return c.lines[i], i
+			}
+		}
+		select {
+		case <-c.done:
+			c.t.Fatalf("%s %d/%d exited before printing %q", c.role, c.args.Node, c.args.Rank, prefix)
+		default:
+		}
+		if time.Now().After(end) {
+			c.t.Fatalf("%s %d/%d: no %q within %v (output %q)", c.role, c.args.Node, c.args.Rank, prefix, d, c.lines)
+		}
+		c.cond.Wait()
+	}
+}
+
+func (c *child) nlines() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.lines)
+}
+
+func (c *child) signal(sig syscall.Signal) {
+	if err := c.cmd.Process.Signal(sig); err != nil {
+		c.t.Errorf("%s: signal %v: %v", c.role, sig, err)
+	}
+}
+
+func (c *child) kill() {
+	c.cmd.Process.Signal(syscall.SIGCONT)
+	c.cmd.Process.Kill()
+	<-c.done
+}
+
+func (c *child) send(line string) {
+	if _, err := io.WriteString(c.stdin, line+"\n"); err != nil {
+		c.t.Errorf("%s: write stdin: %v", c.role, err)
+	}
+}
+
+type prefixWriter struct {
+	t      testing.TB
+	prefix string
+}
+
+func (w *prefixWriter) Write(b []byte) (int, error) {
+	if testing.Verbose() {
+		os.Stderr.Write([]byte(w.prefix + string(b)))
+	}
+	return len(b), nil
+}
+
+// freeAddr returns a loopback address with a port free now, so that a
+// process restarted later can listen on the same one.
+func freeAddr(t testing.TB) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}

@@ -845,7 +845,9 @@ type idSet struct {
 	set  map[string]struct{}
 }
 
-func newIDSet(n int) *idSet { return &idSet{ring: make([]string, n), set: make(map[string]struct{}, n)} }
+func newIDSet(n int) *idSet {
+	return &idSet{ring: make([]string, n), set: make(map[string]struct{}, n)}
+}
 
 // add reports false when id was seen already.
 func (s *idSet) add(id string) bool {

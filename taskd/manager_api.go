@@ -168,3 +168,16 @@ func (s *managerAdmin) Collect(ctx context.Context, req *pb.CollectReq) (*pb.Col
 	}
 	return res, nil
 }
+
+func (s *managerAdmin) ListMembers(_ context.Context, req *pb.ListMembersReq) (*pb.ListMembersRes, error) {
+	if req.GetJobNsName() != s.m.cfg.Job {
+		return &pb.ListMembersRes{Code: pb.Code_CODE_UNKNOWN_JOB, Message: "unknown job " + quote(req.GetJobNsName())}, nil
+	}
+	res := &pb.ListMembersRes{Code: pb.Code_CODE_OK, Message: "ok"}
+	for _, mi := range s.m.Members() {
+		res.Members = append(res.Members, &pb.MemberStatus{
+			Member: memberPB(mi.Role, mi.Position, mi.Instance), Via: int32(mi.Via), Hostname: mi.Hostname, Pid: int64(mi.PID), LastSeenUnixNano: mi.LastSeen.UnixNano(),
+		})
+	}
+	return res, nil
+}

@@ -45,9 +45,9 @@ func (h connLimits) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.C
 	}
 	return context.WithValue(ctx, connLimiterKey{}, rate.NewLimiter(rate.Limit(h.l.rate), h.l.burst))
 }
-func (connLimits) HandleConn(context.Context, stats.ConnStats)                    {}
+func (connLimits) HandleConn(context.Context, stats.ConnStats)                     {}
 func (connLimits) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context { return ctx }
-func (connLimits) HandleRPC(context.Context, stats.RPCStats)                      {}
+func (connLimits) HandleRPC(context.Context, stats.RPCStats)                       {}
 
 func (l limits) allow(ctx context.Context) error {
 	lim, _ := ctx.Value(connLimiterKey{}).(*rate.Limiter)

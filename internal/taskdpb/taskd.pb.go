@@ -2549,6 +2549,188 @@ func (x *CollectRes) GetResults() []*CollectResult {
 	return nil
 }
 
+type ListMembersReq struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	JobNsName     string                 `protobuf:"bytes,1,opt,name=jobNsName,proto3" json:"jobNsName,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListMembersReq) Reset() {
+	*x = ListMembersReq{}
+	mi := &file_taskd_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListMembersReq) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListMembersReq) ProtoMessage() {}
+
+func (x *ListMembersReq) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListMembersReq.ProtoReflect.Descriptor instead.
+func (*ListMembersReq) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *ListMembersReq) GetJobNsName() string {
+	if x != nil {
+		return x.JobNsName
+	}
+	return ""
+}
+
+type MemberStatus struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Member *Member                `protobuf:"bytes,1,opt,name=member,proto3" json:"member,omitempty"`
+	// via is the node of the proxy the member is reached through, -1 when
+	// attached to the manager directly.
+	Via              int32  `protobuf:"varint,2,opt,name=via,proto3" json:"via,omitempty"`
+	Hostname         string `protobuf:"bytes,3,opt,name=hostname,proto3" json:"hostname,omitempty"`
+	Pid              int64  `protobuf:"varint,4,opt,name=pid,proto3" json:"pid,omitempty"`
+	LastSeenUnixNano int64  `protobuf:"varint,5,opt,name=last_seen_unix_nano,json=lastSeenUnixNano,proto3" json:"last_seen_unix_nano,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *MemberStatus) Reset() {
+	*x = MemberStatus{}
+	mi := &file_taskd_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MemberStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MemberStatus) ProtoMessage() {}
+
+func (x *MemberStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MemberStatus.ProtoReflect.Descriptor instead.
+func (*MemberStatus) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *MemberStatus) GetMember() *Member {
+	if x != nil {
+		return x.Member
+	}
+	return nil
+}
+
+func (x *MemberStatus) GetVia() int32 {
+	if x != nil {
+		return x.Via
+	}
+	return 0
+}
+
+func (x *MemberStatus) GetHostname() string {
+	if x != nil {
+		return x.Hostname
+	}
+	return ""
+}
+
+func (x *MemberStatus) GetPid() int64 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
+func (x *MemberStatus) GetLastSeenUnixNano() int64 {
+	if x != nil {
+		return x.LastSeenUnixNano
+	}
+	return 0
+}
+
+type ListMembersRes struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Message       string                 `protobuf:"bytes,1,opt,name=message,proto3" json:"message,omitempty"`
+	Code          Code                   `protobuf:"varint,2,opt,name=code,proto3,enum=faultline.taskd.v1.Code" json:"code,omitempty"`
+	Members       []*MemberStatus        `protobuf:"bytes,3,rep,name=members,proto3" json:"members,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListMembersRes) Reset() {
+	*x = ListMembersRes{}
+	mi := &file_taskd_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListMembersRes) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListMembersRes) ProtoMessage() {}
+
+func (x *ListMembersRes) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListMembersRes.ProtoReflect.Descriptor instead.
+func (*ListMembersRes) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *ListMembersRes) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+func (x *ListMembersRes) GetCode() Code {
+	if x != nil {
+		return x.Code
+	}
+	return Code_CODE_OK
+}
+
+func (x *ListMembersRes) GetMembers() []*MemberStatus {
+	if x != nil {
+		return x.Members
+	}
+	return nil
+}
+
 var File_taskd_proto protoreflect.FileDescriptor
 
 const file_taskd_proto_rawDesc = "" +
@@ -2735,7 +2917,19 @@ const file_taskd_proto_rawDesc = "" +
 	"CollectRes\x12\x18\n" +
 	"\amessage\x18\x01 \x01(\tR\amessage\x12,\n" +
 	"\x04code\x18\x02 \x01(\x0e2\x18.faultline.taskd.v1.CodeR\x04code\x12;\n" +
-	"\aresults\x18\x03 \x03(\v2!.faultline.taskd.v1.CollectResultR\aresults*O\n" +
+	"\aresults\x18\x03 \x03(\v2!.faultline.taskd.v1.CollectResultR\aresults\".\n" +
+	"\x0eListMembersReq\x12\x1c\n" +
+	"\tjobNsName\x18\x01 \x01(\tR\tjobNsName\"\xb1\x01\n" +
+	"\fMemberStatus\x122\n" +
+	"\x06member\x18\x01 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x06member\x12\x10\n" +
+	"\x03via\x18\x02 \x01(\x05R\x03via\x12\x1a\n" +
+	"\bhostname\x18\x03 \x01(\tR\bhostname\x12\x10\n" +
+	"\x03pid\x18\x04 \x01(\x03R\x03pid\x12-\n" +
+	"\x13last_seen_unix_nano\x18\x05 \x01(\x03R\x10lastSeenUnixNano\"\x94\x01\n" +
+	"\x0eListMembersRes\x12\x18\n" +
+	"\amessage\x18\x01 \x01(\tR\amessage\x12,\n" +
+	"\x04code\x18\x02 \x01(\x0e2\x18.faultline.taskd.v1.CodeR\x04code\x12:\n" +
+	"\amembers\x18\x03 \x03(\v2 .faultline.taskd.v1.MemberStatusR\amembers*O\n" +
 	"\x04Role\x12\x14\n" +
 	"\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n" +
 	"\fROLE_MANAGER\x10\x01\x12\x0e\n" +
@@ -2759,8 +2953,9 @@ const file_taskd_proto_rawDesc = "" +
 	"\x11TrainingDataTrace\x12a\n" +
 	"\x1dModifyTrainingDataTraceSwitch\x12\x1f.faultline.taskd.v1.DataTypeReq\x1a\x1f.faultline.taskd.v1.DataTypeRes\x12b\n" +
 	"\x1aGetTrainingDataTraceSwitch\x12!.faultline.taskd.v1.DataStatusReq\x1a!.faultline.taskd.v1.DataStatusRes\x12b\n" +
-	"\x18SubscribeDataTraceSwitch\x12!.faultline.taskd.v1.DataStatusReq\x1a!.faultline.taskd.v1.DataStatusRes0\x012\x81\x02\n" +
-	"\x05Admin\x12Y\n" +
+	"\x18SubscribeDataTraceSwitch\x12!.faultline.taskd.v1.DataStatusReq\x1a!.faultline.taskd.v1.DataStatusRes0\x012\xd8\x02\n" +
+	"\x05Admin\x12U\n" +
+	"\vListMembers\x12\".faultline.taskd.v1.ListMembersReq\x1a\".faultline.taskd.v1.ListMembersRes\x12Y\n" +
 	"\x0fGetSwitchStatus\x12!.faultline.taskd.v1.DataStatusReq\x1a#.faultline.taskd.v1.SwitchStatusRes\x12R\n" +
 	"\n" +
 	"ListFaults\x12!.faultline.taskd.v1.ListFaultsReq\x1a!.faultline.taskd.v1.ListFaultsRes\x12I\n" +
@@ -2779,7 +2974,7 @@ func file_taskd_proto_rawDescGZIP() []byte {
 }
 
 var file_taskd_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_taskd_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
+var file_taskd_proto_msgTypes = make([]protoimpl.MessageInfo, 43)
 var file_taskd_proto_goTypes = []any{
 	(Role)(0),                     // 0: faultline.taskd.v1.Role
 	(Code)(0),                     // 1: faultline.taskd.v1.Code
@@ -2821,8 +3016,11 @@ var file_taskd_proto_goTypes = []any{
 	(*ListFaultsRes)(nil),         // 37: faultline.taskd.v1.ListFaultsRes
 	(*CollectReq)(nil),            // 38: faultline.taskd.v1.CollectReq
 	(*CollectRes)(nil),            // 39: faultline.taskd.v1.CollectRes
-	nil,                           // 40: faultline.taskd.v1.FaultReport.AttrsEntry
-	nil,                           // 41: faultline.taskd.v1.Fault.AttrsEntry
+	(*ListMembersReq)(nil),        // 40: faultline.taskd.v1.ListMembersReq
+	(*MemberStatus)(nil),          // 41: faultline.taskd.v1.MemberStatus
+	(*ListMembersRes)(nil),        // 42: faultline.taskd.v1.ListMembersRes
+	nil,                           // 43: faultline.taskd.v1.FaultReport.AttrsEntry
+	nil,                           // 44: faultline.taskd.v1.Fault.AttrsEntry
 }
 var file_taskd_proto_depIdxs = []int32{
 	0,  // 0: faultline.taskd.v1.Member.role:type_name -> faultline.taskd.v1.Role
@@ -2836,7 +3034,7 @@ var file_taskd_proto_depIdxs = []int32{
 	3,  // 8: faultline.taskd.v1.Report.from:type_name -> faultline.taskd.v1.Member
 	10, // 9: faultline.taskd.v1.Report.fault:type_name -> faultline.taskd.v1.FaultReport
 	11, // 10: faultline.taskd.v1.Report.message:type_name -> faultline.taskd.v1.UserMessage
-	40, // 11: faultline.taskd.v1.FaultReport.attrs:type_name -> faultline.taskd.v1.FaultReport.AttrsEntry
+	43, // 11: faultline.taskd.v1.FaultReport.attrs:type_name -> faultline.taskd.v1.FaultReport.AttrsEntry
 	9,  // 12: faultline.taskd.v1.SendRequest.reports:type_name -> faultline.taskd.v1.Report
 	3,  // 13: faultline.taskd.v1.StreamRequest.member:type_name -> faultline.taskd.v1.Member
 	16, // 14: faultline.taskd.v1.Envelope.switch:type_name -> faultline.taskd.v1.SwitchUpdate
@@ -2852,45 +3050,50 @@ var file_taskd_proto_depIdxs = []int32{
 	32, // 24: faultline.taskd.v1.WorkerSwitchStatus.domains:type_name -> faultline.taskd.v1.DomainStatus
 	1,  // 25: faultline.taskd.v1.SwitchStatusRes.code:type_name -> faultline.taskd.v1.Code
 	33, // 26: faultline.taskd.v1.SwitchStatusRes.workers:type_name -> faultline.taskd.v1.WorkerSwitchStatus
-	41, // 27: faultline.taskd.v1.Fault.attrs:type_name -> faultline.taskd.v1.Fault.AttrsEntry
+	44, // 27: faultline.taskd.v1.Fault.attrs:type_name -> faultline.taskd.v1.Fault.AttrsEntry
 	3,  // 28: faultline.taskd.v1.Fault.reporter:type_name -> faultline.taskd.v1.Member
 	1,  // 29: faultline.taskd.v1.ListFaultsRes.code:type_name -> faultline.taskd.v1.Code
 	35, // 30: faultline.taskd.v1.ListFaultsRes.faults:type_name -> faultline.taskd.v1.Fault
 	1,  // 31: faultline.taskd.v1.CollectRes.code:type_name -> faultline.taskd.v1.Code
 	25, // 32: faultline.taskd.v1.CollectRes.results:type_name -> faultline.taskd.v1.CollectResult
-	4,  // 33: faultline.taskd.v1.Control.Register:input_type -> faultline.taskd.v1.RegisterRequest
-	7,  // 34: faultline.taskd.v1.Control.Heartbeat:input_type -> faultline.taskd.v1.HeartbeatRequest
-	12, // 35: faultline.taskd.v1.Control.Send:input_type -> faultline.taskd.v1.SendRequest
-	14, // 36: faultline.taskd.v1.Control.Stream:input_type -> faultline.taskd.v1.StreamRequest
-	19, // 37: faultline.taskd.v1.Control.Acknowledge:input_type -> faultline.taskd.v1.AckRequest
-	21, // 38: faultline.taskd.v1.Control.UploadOffsets:input_type -> faultline.taskd.v1.UploadOffsetRequest
-	23, // 39: faultline.taskd.v1.Control.Upload:input_type -> faultline.taskd.v1.UploadChunk
-	25, // 40: faultline.taskd.v1.Control.CollectDone:input_type -> faultline.taskd.v1.CollectResult
-	28, // 41: faultline.taskd.v1.TrainingDataTrace.ModifyTrainingDataTraceSwitch:input_type -> faultline.taskd.v1.DataTypeReq
-	30, // 42: faultline.taskd.v1.TrainingDataTrace.GetTrainingDataTraceSwitch:input_type -> faultline.taskd.v1.DataStatusReq
-	30, // 43: faultline.taskd.v1.TrainingDataTrace.SubscribeDataTraceSwitch:input_type -> faultline.taskd.v1.DataStatusReq
-	30, // 44: faultline.taskd.v1.Admin.GetSwitchStatus:input_type -> faultline.taskd.v1.DataStatusReq
-	36, // 45: faultline.taskd.v1.Admin.ListFaults:input_type -> faultline.taskd.v1.ListFaultsReq
-	38, // 46: faultline.taskd.v1.Admin.Collect:input_type -> faultline.taskd.v1.CollectReq
-	5,  // 47: faultline.taskd.v1.Control.Register:output_type -> faultline.taskd.v1.RegisterResponse
-	8,  // 48: faultline.taskd.v1.Control.Heartbeat:output_type -> faultline.taskd.v1.HeartbeatResponse
-	13, // 49: faultline.taskd.v1.Control.Send:output_type -> faultline.taskd.v1.SendResponse
-	15, // 50: faultline.taskd.v1.Control.Stream:output_type -> faultline.taskd.v1.Envelope
-	20, // 51: faultline.taskd.v1.Control.Acknowledge:output_type -> faultline.taskd.v1.AckResponse
-	22, // 52: faultline.taskd.v1.Control.UploadOffsets:output_type -> faultline.taskd.v1.UploadOffsetResponse
-	24, // 53: faultline.taskd.v1.Control.Upload:output_type -> faultline.taskd.v1.UploadResponse
-	26, // 54: faultline.taskd.v1.Control.CollectDone:output_type -> faultline.taskd.v1.CollectResultResponse
-	29, // 55: faultline.taskd.v1.TrainingDataTrace.ModifyTrainingDataTraceSwitch:output_type -> faultline.taskd.v1.DataTypeRes
-	31, // 56: faultline.taskd.v1.TrainingDataTrace.GetTrainingDataTraceSwitch:output_type -> faultline.taskd.v1.DataStatusRes
-	31, // 57: faultline.taskd.v1.TrainingDataTrace.SubscribeDataTraceSwitch:output_type -> faultline.taskd.v1.DataStatusRes
-	34, // 58: faultline.taskd.v1.Admin.GetSwitchStatus:output_type -> faultline.taskd.v1.SwitchStatusRes
-	37, // 59: faultline.taskd.v1.Admin.ListFaults:output_type -> faultline.taskd.v1.ListFaultsRes
-	39, // 60: faultline.taskd.v1.Admin.Collect:output_type -> faultline.taskd.v1.CollectRes
-	47, // [47:61] is the sub-list for method output_type
-	33, // [33:47] is the sub-list for method input_type
-	33, // [33:33] is the sub-list for extension type_name
-	33, // [33:33] is the sub-list for extension extendee
-	0,  // [0:33] is the sub-list for field type_name
+	3,  // 33: faultline.taskd.v1.MemberStatus.member:type_name -> faultline.taskd.v1.Member
+	1,  // 34: faultline.taskd.v1.ListMembersRes.code:type_name -> faultline.taskd.v1.Code
+	41, // 35: faultline.taskd.v1.ListMembersRes.members:type_name -> faultline.taskd.v1.MemberStatus
+	4,  // 36: faultline.taskd.v1.Control.Register:input_type -> faultline.taskd.v1.RegisterRequest
+	7,  // 37: faultline.taskd.v1.Control.Heartbeat:input_type -> faultline.taskd.v1.HeartbeatRequest
+	12, // 38: faultline.taskd.v1.Control.Send:input_type -> faultline.taskd.v1.SendRequest
+	14, // 39: faultline.taskd.v1.Control.Stream:input_type -> faultline.taskd.v1.StreamRequest
+	19, // 40: faultline.taskd.v1.Control.Acknowledge:input_type -> faultline.taskd.v1.AckRequest
+	21, // 41: faultline.taskd.v1.Control.UploadOffsets:input_type -> faultline.taskd.v1.UploadOffsetRequest
+	23, // 42: faultline.taskd.v1.Control.Upload:input_type -> faultline.taskd.v1.UploadChunk
+	25, // 43: faultline.taskd.v1.Control.CollectDone:input_type -> faultline.taskd.v1.CollectResult
+	28, // 44: faultline.taskd.v1.TrainingDataTrace.ModifyTrainingDataTraceSwitch:input_type -> faultline.taskd.v1.DataTypeReq
+	30, // 45: faultline.taskd.v1.TrainingDataTrace.GetTrainingDataTraceSwitch:input_type -> faultline.taskd.v1.DataStatusReq
+	30, // 46: faultline.taskd.v1.TrainingDataTrace.SubscribeDataTraceSwitch:input_type -> faultline.taskd.v1.DataStatusReq
+	40, // 47: faultline.taskd.v1.Admin.ListMembers:input_type -> faultline.taskd.v1.ListMembersReq
+	30, // 48: faultline.taskd.v1.Admin.GetSwitchStatus:input_type -> faultline.taskd.v1.DataStatusReq
+	36, // 49: faultline.taskd.v1.Admin.ListFaults:input_type -> faultline.taskd.v1.ListFaultsReq
+	38, // 50: faultline.taskd.v1.Admin.Collect:input_type -> faultline.taskd.v1.CollectReq
+	5,  // 51: faultline.taskd.v1.Control.Register:output_type -> faultline.taskd.v1.RegisterResponse
+	8,  // 52: faultline.taskd.v1.Control.Heartbeat:output_type -> faultline.taskd.v1.HeartbeatResponse
+	13, // 53: faultline.taskd.v1.Control.Send:output_type -> faultline.taskd.v1.SendResponse
+	15, // 54: faultline.taskd.v1.Control.Stream:output_type -> faultline.taskd.v1.Envelope
+	20, // 55: faultline.taskd.v1.Control.Acknowledge:output_type -> faultline.taskd.v1.AckResponse
+	22, // 56: faultline.taskd.v1.Control.UploadOffsets:output_type -> faultline.taskd.v1.UploadOffsetResponse
+	24, // 57: faultline.taskd.v1.Control.Upload:output_type -> faultline.taskd.v1.UploadResponse
+	26, // 58: faultline.taskd.v1.Control.CollectDone:output_type -> faultline.taskd.v1.CollectResultResponse
+	29, // 59: faultline.taskd.v1.TrainingDataTrace.ModifyTrainingDataTraceSwitch:output_type -> faultline.taskd.v1.DataTypeRes
+	31, // 60: faultline.taskd.v1.TrainingDataTrace.GetTrainingDataTraceSwitch:output_type -> faultline.taskd.v1.DataStatusRes
+	31, // 61: faultline.taskd.v1.TrainingDataTrace.SubscribeDataTraceSwitch:output_type -> faultline.taskd.v1.DataStatusRes
+	42, // 62: faultline.taskd.v1.Admin.ListMembers:output_type -> faultline.taskd.v1.ListMembersRes
+	34, // 63: faultline.taskd.v1.Admin.GetSwitchStatus:output_type -> faultline.taskd.v1.SwitchStatusRes
+	37, // 64: faultline.taskd.v1.Admin.ListFaults:output_type -> faultline.taskd.v1.ListFaultsRes
+	39, // 65: faultline.taskd.v1.Admin.Collect:output_type -> faultline.taskd.v1.CollectRes
+	51, // [51:66] is the sub-list for method output_type
+	36, // [36:51] is the sub-list for method input_type
+	36, // [36:36] is the sub-list for extension type_name
+	36, // [36:36] is the sub-list for extension extendee
+	0,  // [0:36] is the sub-list for field type_name
 }
 
 func init() { file_taskd_proto_init() }
@@ -2913,7 +3116,7 @@ func file_taskd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_taskd_proto_rawDesc), len(file_taskd_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   40,
+			NumMessages:   43,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

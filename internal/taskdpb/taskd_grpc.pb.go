@@ -578,6 +578,7 @@ var TrainingDataTrace_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
+	Admin_ListMembers_FullMethodName     = "/faultline.taskd.v1.Admin/ListMembers"
 	Admin_GetSwitchStatus_FullMethodName = "/faultline.taskd.v1.Admin/GetSwitchStatus"
 	Admin_ListFaults_FullMethodName      = "/faultline.taskd.v1.Admin/ListFaults"
 	Admin_Collect_FullMethodName         = "/faultline.taskd.v1.Admin/Collect"
@@ -589,6 +590,7 @@ const (
 //
 // Admin exposes the manager's state to operators and tools.
 type AdminClient interface {
+	ListMembers(ctx context.Context, in *ListMembersReq, opts ...grpc.CallOption) (*ListMembersRes, error)
 	GetSwitchStatus(ctx context.Context, in *DataStatusReq, opts ...grpc.CallOption) (*SwitchStatusRes, error)
 	ListFaults(ctx context.Context, in *ListFaultsReq, opts ...grpc.CallOption) (*ListFaultsRes, error)
 	Collect(ctx context.Context, in *CollectReq, opts ...grpc.CallOption) (*CollectRes, error)
@@ -600,6 +602,16 @@ type adminClient struct {
 
 func NewAdminClient(cc grpc.ClientConnInterface) AdminClient {
 	return &adminClient{cc}
+}
+
+func (c *adminClient) ListMembers(ctx context.Context, in *ListMembersReq, opts ...grpc.CallOption) (*ListMembersRes, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListMembersRes)
+	err := c.cc.Invoke(ctx, Admin_ListMembers_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
 }
 
 func (c *adminClient) GetSwitchStatus(ctx context.Context, in *DataStatusReq, opts ...grpc.CallOption) (*SwitchStatusRes, error) {
@@ -638,6 +650,7 @@ func (c *adminClient) Collect(ctx context.Context, in *CollectReq, opts ...grpc.
 //
 // Admin exposes the manager's state to operators and tools.
 type AdminServer interface {
+	ListMembers(context.Context, *ListMembersReq) (*ListMembersRes, error)
 	GetSwitchStatus(context.Context, *DataStatusReq) (*SwitchStatusRes, error)
 	ListFaults(context.Context, *ListFaultsReq) (*ListFaultsRes, error)
 	Collect(context.Context, *CollectReq) (*CollectRes, error)
@@ -651,6 +664,9 @@ type AdminServer interface {
 // pointer dereference when methods are called.
 type UnimplementedAdminServer struct{}
 
+func (UnimplementedAdminServer) ListMembers(context.Context, *ListMembersReq) (*ListMembersRes, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListMembers not implemented")
+}
 func (UnimplementedAdminServer) GetSwitchStatus(context.Context, *DataStatusReq) (*SwitchStatusRes, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetSwitchStatus not implemented")
 }
@@ -679,6 +695,24 @@ func RegisterAdminServer(s grpc.ServiceRegistrar, srv AdminServer) {
 		t.testEmbeddedByValue()
 	}
 	s.RegisterService(&Admin_ServiceDesc, srv)
+}
+
+func _Admin_ListMembers_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListMembersReq)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).ListMembers(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_ListMembers_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).ListMembers(ctx, req.(*ListMembersReq))
+	}
+	return interceptor(ctx, in, info, handler)
 }
 
 func _Admin_GetSwitchStatus_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
@@ -742,6 +776,10 @@ var Admin_ServiceDesc = grpc.ServiceDesc{
 	ServiceName: "faultline.taskd.v1.Admin",
 	HandlerType: (*AdminServer)(nil),
 	Methods: []grpc.MethodDesc{
+		{
+			MethodName: "ListMembers",
+			Handler:    _Admin_ListMembers_Handler,
+		},
 		{
 			MethodName: "GetSwitchStatus",
 			Handler:    _Admin_GetSwitchStatus_Handler,
