@@ -27,11 +27,11 @@ func (op *CommOp) AppendJSON(dst []byte) []byte {
 	dst = append(dst, `,"groupName":`...)
 	dst = AppendJSONString(dst, op.GroupName)
 	dst = append(dst, `,"count":"`...)
-	dst = strconv.AppendUint(dst, op.Count, 10)
+	dst = appendUint(dst, op.Count)
 	dst = append(dst, `","dataType":`...)
 	dst = AppendJSONString(dst, op.DataType)
 	dst = append(dst, `,"streamId":"`...)
-	dst = strconv.AppendUint(dst, op.StreamID, 10)
+	dst = appendUint(dst, op.StreamID)
 	return append(dst, `"}`...)
 }
 

@@ -63,6 +63,7 @@ type RankReader struct {
 	skipping bool   // inside an over-long line, until its newline
 
 	rec   Record
+	names interner
 	stats ReaderStats
 }
 
@@ -236,7 +237,7 @@ func (r *RankReader) record(line []byte, fn func(*Record) error) error {
 	if len(bytes.TrimSpace(line)) == 0 {
 		return nil // blank lines are not records, nor damage
 	}
-	if err := parseRecordInto(line, &r.rec); err != nil {
+	if err := parseRecordInto(line, &r.rec, &r.names); err != nil {
 		r.garbage(r.line, err)
 		return nil
 	}

@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
+	"unicode/utf16"
 	"unicode/utf8"
 )
 
@@ -77,24 +79,25 @@ func (r *Record) AppendJSON(dst []byte) []byte {
 
 // appendHead appends the JSON form up to the Name's value.
 func (r *Record) appendHead(dst []byte) []byte {
+	dst = slices.Grow(dst, 320) // room for every number at its longest
 	dst = append(dst, `{"Kind":`...)
-	dst = strconv.AppendUint(dst, uint64(r.Kind), 10)
+	dst = appendUint(dst, uint64(r.Kind))
 	dst = append(dst, `,"Flag":`...)
-	dst = strconv.AppendUint(dst, uint64(r.Flag), 10)
+	dst = appendUint(dst, uint64(r.Flag))
 	dst = append(dst, `,"SourceKind":`...)
-	dst = strconv.AppendUint(dst, uint64(r.SourceKind), 10)
+	dst = appendUint(dst, uint64(r.SourceKind))
 	dst = append(dst, `,"Timestamp":`...)
-	dst = strconv.AppendUint(dst, r.Timestamp, 10)
+	dst = appendUint(dst, r.Timestamp)
 	dst = append(dst, `,"Id":`...)
-	dst = strconv.AppendUint(dst, r.ID, 10)
+	dst = appendUint(dst, r.ID)
 	dst = append(dst, `,"MsptiObjectId":{"Pt":{"ProcessId":`...)
-	dst = strconv.AppendUint(dst, uint64(r.ProcessID), 10)
+	dst = appendUint(dst, uint64(r.ProcessID))
 	dst = append(dst, `,"ThreadId":`...)
-	dst = strconv.AppendUint(dst, uint64(r.ThreadID), 10)
+	dst = appendUint(dst, uint64(r.ThreadID))
 	dst = append(dst, `},"Ds":{"DeviceId":`...)
-	dst = strconv.AppendUint(dst, uint64(r.DeviceID), 10)
+	dst = appendUint(dst, uint64(r.DeviceID))
 	dst = append(dst, `,"StreamId":`...)
-	dst = strconv.AppendUint(dst, uint64(r.StreamID), 10)
+	dst = appendUint(dst, uint64(r.StreamID))
 	return append(dst, `}},"Name":`...)
 }
 
@@ -143,17 +146,18 @@ func (e *RecordError) Unwrap() error { return ErrRecord }
 // and Id are required. Errors are *RecordError and wrap ErrRecord.
 func ParseRecord(line []byte) (Record, error) {
 	var r Record
-	err := parseRecordInto(line, &r)
+	err := parseRecordInto(line, &r, nil)
 	return r, err
 }
 
 // parseRecordInto is ParseRecord into *r, which is undefined on error.
-func parseRecordInto(line []byte, r *Record) error {
+// Names found in in are not allocated again; in may be nil.
+func parseRecordInto(line []byte, r *Record, in *interner) error {
 	line = bytes.TrimSpace(line)
 	if len(line) > MaxLineBytes {
 		return &RecordError{Msg: fmt.Sprintf("line of %d bytes exceeds %d", len(line), MaxLineBytes)}
 	}
-	if parseCanonical(line, r) {
+	if parseCanonical(line, r, in) {
 		return nil
 	}
 	v, err := parseGeneric(line)
@@ -236,8 +240,8 @@ func parseGeneric(line []byte) (Record, error) {
 // parseCanonical parses the exact shape AppendJSON writes (and MindCluster's
 // writer, which uses the same order) without reflection. It reports false
 // for anything else, leaving the generic path to decide.
-func parseCanonical(b []byte, r *Record) bool {
-	p := canonParser{b: b}
+func parseCanonical(b []byte, r *Record, in *interner) bool {
+	p := canonParser{b: b, in: in}
 	var v uint64
 	if !p.lit(`{"Kind":`) || !p.uint(&v, 32) {
 		return false
@@ -283,8 +287,9 @@ func parseCanonical(b []byte, r *Record) bool {
 }
 
 type canonParser struct {
-	b []byte
-	i int
+	b  []byte
+	i  int
+	in *interner
 }
 
 func (p *canonParser) lit(s string) bool {
@@ -314,25 +319,103 @@ func (p *canonParser) uint(v *uint64, bits int) bool {
 	return true
 }
 
-// str reads a JSON string with no escapes and only printable UTF-8; others
-// go to the generic path.
+// str reads a JSON string. Escapes are decoded here unless they encode
+// a UTF-16 surrogate; such strings and invalid UTF-8, which encoding/json
+// replaces by U+FFFD, go to the generic path so that both paths agree.
 func (p *canonParser) str(s *string) bool {
 	if p.i >= len(p.b) || p.b[p.i] != '"' {
 		return false
 	}
 	j := p.i + 1
-	for j < len(p.b) && p.b[j] != '"' {
-		if c := p.b[j]; c == '\\' || c < 0x20 {
+	escaped := false
+	for j < len(p.b) {
+		c := p.b[j]
+		if c == '"' {
+			break
+		}
+		if c < 0x20 {
 			return false
+		}
+		if c == '\\' {
+			escaped = true
+			j += 2
+			continue
 		}
 		j++
 	}
-	if j >= len(p.b) || !utf8.Valid(p.b[p.i+1:j]) {
+	if j >= len(p.b) {
 		return false
 	}
-	*s = intern(p.b[p.i+1 : j])
+	raw := p.b[p.i+1 : j]
+	if escaped {
+		v, ok := unescape(raw)
+		if !ok {
+			return false
+		}
+		raw = v
+	}
+	if !utf8.Valid(raw) {
+		return false
+	}
+	*s = p.in.get(raw)
 	p.i = j + 1
 	return true
+}
+
+// unescape decodes the escapes of a JSON string's content. It reports
+// false for an invalid escape or a \u escape of a surrogate.
+func unescape(raw []byte) ([]byte, bool) {
+	out := make([]byte, 0, len(raw))
+	for i := 0; i < len(raw); i++ {
+		c := raw[i]
+		if c != '\\' {
+			out = append(out, c)
+			continue
+		}
+		if i+1 >= len(raw) {
+			return nil, false
+		}
+		i++
+		switch raw[i] {
+		case '"', '\\', '/':
+			out = append(out, raw[i])
+		case 'b':
+			out = append(out, '\b')
+		case 'f':
+			out = append(out, '\f')
+		case 'n':
+			out = append(out, '\n')
+		case 'r':
+			out = append(out, '\r')
+		case 't':
+			out = append(out, '\t')
+		case 'u':
+			if i+5 > len(raw) {
+				return nil, false
+			}
+			var r rune
+			for _, h := range raw[i+1 : i+5] {
+				switch {
+				case h >= '0' && h <= '9':
+					r = r<<4 | rune(h-'0')
+				case h >= 'a' && h <= 'f':
+					r = r<<4 | rune(h-'a'+10)
+				case h >= 'A' && h <= 'F':
+					r = r<<4 | rune(h-'A'+10)
+				default:
+					return nil, false
+				}
+			}
+			if utf16.IsSurrogate(r) {
+				return nil, false
+			}
+			out = utf8.AppendRune(out, r)
+			i += 4
+		default:
+			return nil, false
+		}
+	}
+	return out, true
 }
 
 const hexDigits = "0123456789abcdef"
@@ -346,7 +429,7 @@ func AppendJSONString(dst []byte, s string) []byte {
 	for i := 0; i < len(s); {
 		c := s[i]
 		if c < utf8.RuneSelf {
-			if c >= 0x20 && c != '"' && c != '\\' && c != '<' && c != '>' && c != '&' {
+			if jsonSafe[c] {
 				i++
 				continue
 			}
@@ -388,8 +471,20 @@ func AppendJSONString(dst []byte, s string) []byte {
 	return append(dst, '"')
 }
 
-// intern returns the common names and domains without allocating.
-func intern(b []byte) string {
+// interner hands out one string per distinct short name, so that a
+// reader does not allocate the same communication-op name for every record.
+// The nil interner allocates every time.
+type interner struct {
+	m map[string]string
+}
+
+const (
+	internMaxEntries = 1024
+	internMaxLen     = 256
+)
+
+// get returns b as a string.
+func (in *interner) get(b []byte) string {
 	switch string(b) { // compared in place, not converted
 	case "":
 		return ""
@@ -404,5 +499,67 @@ func intern(b []byte) string {
 	case MarkerSaveCheckpoint:
 		return MarkerSaveCheckpoint
 	}
-	return string(b)
+	// Step names are used twice at most; they would only churn the table.
+	if in == nil || len(b) > internMaxLen || bytes.HasPrefix(b, []byte(StepMarkerPrefix)) {
+		return string(b)
+	}
+	if s, ok := in.m[string(b)]; ok {
+		return s
+	}
+	if in.m == nil || len(in.m) >= internMaxEntries {
+		in.m = make(map[string]string)
+	}
+	s := string(b)
+	in.m[s] = s
+	return s
+}
+
+// jsonSafe says which ASCII bytes a JSON string holds as they are; the
+// others are escaped as encoding/json escapes them.
+var jsonSafe = func() (t [utf8.RuneSelf]bool) {
+	for c := 0x20; c < utf8.RuneSelf; c++ {
+		t[c] = c != '"' && c != '\\' && c != '<' && c != '>' && c != '&'
+	}
+	return t
+}()
+
+const digitPairs = "00010203040506070809101112131415161718192021222324252627282930313233343536373839" +
+	"40414243444546474849505152535455565758596061626364656667686970717273747576777879" +
+	"8081828384858687888990919293949596979899"
+
+// appendUint appends v in decimal. It is strconv.AppendUint(dst, v, 10)
+// without the generality: the record encoder spends most of its time here.
+func appendUint(dst []byte, v uint64) []byte {
+	if v < 10 {
+		return append(dst, '0'+byte(v))
+	}
+	var buf [20]byte
+	i := len(buf)
+	// Eight digits at a time in 32-bit arithmetic, which is cheaper.
+	for v >= 1e8 {
+		q := v / 1e8
+		lo := uint32(v - q*1e8)
+		for range 4 {
+			r := lo % 100 * 2
+			lo /= 100
+			i -= 2
+			buf[i], buf[i+1] = digitPairs[r], digitPairs[r+1]
+		}
+		v = q
+	}
+	u := uint32(v)
+	for u >= 100 {
+		r := u % 100 * 2
+		u /= 100
+		i -= 2
+		buf[i], buf[i+1] = digitPairs[r], digitPairs[r+1]
+	}
+	if u >= 10 {
+		i -= 2
+		buf[i], buf[i+1] = digitPairs[u*2], digitPairs[u*2+1]
+	} else {
+		i--
+		buf[i] = '0' + byte(u)
+	}
+	return append(dst, buf[i:]...)
 }

@@ -1,6 +1,7 @@
 package trace
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"strings"
@@ -124,7 +125,19 @@ func FuzzParseRecord(f *testing.F) {
 	f.Add([]byte(`{"Kind":1,"Flag":32,"SourceKind":1,"Timestamp":1,"Id":1,"MsptiObjectId":{"Pt":{"ProcessId":1,"ThreadId":1},"Ds":{"DeviceId":0,"StreamId":0}},"Name":"{\"opName\":\"HcclSend\"}","Domain":"communication"}`))
 	f.Add([]byte(`{"Id":1,"Kind":1,"Flag":4,"Timestamp":3}`))
 	f.Add([]byte("{\"Kind\":1,\xff"))
+	f.Add([]byte(`{"Kind":1,"Flag":16,"SourceKind":0,"Timestamp":5,"Id":9,"MsptiObjectId":{"Pt":{"ProcessId":1,"ThreadId":1},"Ds":{"DeviceId":0,"StreamId":0}},"Name":"a\u00e9\ud83d\ude00\/\b\f\n\r\t\\","Domain":"default"}`))
 	f.Fuzz(func(t *testing.T, line []byte) {
+		// The fast path must agree with encoding/json wherever it answers.
+		var c Record
+		if trimmed := bytes.TrimSpace(line); parseCanonical(trimmed, &c, &interner{}) {
+			g, err := parseGeneric(trimmed)
+			if err != nil {
+				t.Fatalf("canonical path accepts what the generic path rejects (%v): %q", err, line)
+			}
+			if g != c {
+				t.Fatalf("paths disagree on %q:\ncanonical %+v\ngeneric   %+v", line, c, g)
+			}
+		}
 		r, err := ParseRecord(line)
 		if err != nil {
 			if !errors.Is(err, ErrRecord) {

@@ -204,10 +204,6 @@ func (s Span) End() {
 	if s.r == nil {
 		return
 	}
-	if s.id == 0 {
-		s.r.dropped[domainOf(s.kind)].Add(1)
-		return
-	}
 	s.r.end(s)
 }
 
@@ -215,44 +211,70 @@ func (s Span) End() {
 // MarkerDataLoader, MarkerSaveCheckpoint or a name of the caller's) on
 // device and stream.
 func (r *Recorder) Start(k Kind, name string, device, stream uint32) Span {
-	if r.bits.Load()&kindBit(k) == 0 {
+	if r.bits.Load()>>k&1 == 0 {
 		return Span{}
 	}
-	return r.start(k, nameLiteral, name, 0, nil, device, stream)
+	return r.startLiteral(k, name, device, stream)
 }
 
 // StartStep records the start of training step n (a Step range named
 // "step <n>").
 func (r *Recorder) StartStep(n uint64, device, stream uint32) Span {
-	if r.bits.Load()&kindBit(Step) == 0 {
+	if r.bits.Load()&(1<<Step) == 0 {
 		return Span{}
 	}
-	return r.start(Step, nameStep, "", n, nil, device, stream)
+	return r.startStep(n, device, stream)
 }
 
 // StartComm records the start of a communication operator (a
 // CommunicationOperator range whose name is op as JSON). op is copied.
 func (r *Recorder) StartComm(op *CommOp, device, stream uint32) Span {
-	if r.bits.Load()&kindBit(CommunicationOperator) == 0 {
+	if r.bits.Load()&(1<<CommunicationOperator) == 0 {
 		return Span{}
 	}
-	return r.start(CommunicationOperator, nameComm, "", 0, op, device, stream)
+	return r.startComm(op, device, stream)
 }
 
 // Mark records an instant of kind k.
 func (r *Recorder) Mark(k Kind, name string, device, stream uint32) {
-	if r.bits.Load()&kindBit(k) == 0 {
-		return
+	if r.bits.Load()>>k&1 != 0 {
+		r.mark(k, name, device, stream)
 	}
-	r.put(k, instantFlags[k], nameLiteral, name, 0, nil, device, stream)
 }
 
-func (r *Recorder) start(k Kind, form uint8, name string, step uint64, op *CommOp, dev, stream uint32) Span {
-	id := r.put(k, startFlags[k], form, name, step, op, dev, stream)
+// The slow halves of the methods above stay out of line, so that the
+// checks of the switch inline into the caller.
+
+func (r *Recorder) startLiteral(k Kind, name string, dev, stream uint32) Span {
+	if k >= numKinds { // the check inlined above reads bits by shifting
+		return Span{}
+	}
+	id := r.put(k, startFlags[k], nameLiteral, name, 0, nil, dev, stream)
 	return Span{r: r, id: id, dev: dev, stream: stream, kind: k}
 }
 
+func (r *Recorder) startStep(n uint64, dev, stream uint32) Span {
+	id := r.put(Step, startFlags[Step], nameStep, "", n, nil, dev, stream)
+	return Span{r: r, id: id, dev: dev, stream: stream, kind: Step}
+}
+
+func (r *Recorder) startComm(op *CommOp, dev, stream uint32) Span {
+	id := r.put(CommunicationOperator, startFlags[CommunicationOperator], nameComm, "", 0, op, dev, stream)
+	return Span{r: r, id: id, dev: dev, stream: stream, kind: CommunicationOperator}
+}
+
+func (r *Recorder) mark(k Kind, name string, dev, stream uint32) {
+	if k >= numKinds {
+		return
+	}
+	r.put(k, instantFlags[k], nameLiteral, name, 0, nil, dev, stream)
+}
+
 func (r *Recorder) end(s Span) {
+	if s.id == 0 { // the start was dropped
+		r.dropped[domainOf(s.kind)].Add(1)
+		return
+	}
 	if r.bits.Load()&bitOpen == 0 {
 		return
 	}

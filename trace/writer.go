@@ -269,7 +269,7 @@ func (w *Writer) Flush() error {
 	return nil
 }
 
-// Sync flushes and fsyncs the current file.
+// Sync flushes and fsyncs the current file and the rank folder.
 func (w *Writer) Sync() error {
 	if err := w.Flush(); err != nil {
 		return err
@@ -280,6 +280,9 @@ func (w *Writer) Sync() error {
 	if err := w.f.Sync(); err != nil {
 		return w.fail("sync "+w.path(), err)
 	}
+	if err := unix.Fsync(w.dirf); err != nil {
+		return w.fail("sync "+w.dir, err)
+	}
 	return nil
 }
 
@@ -288,7 +291,10 @@ func (w *Writer) Close() error {
 	if w.closed {
 		return nil
 	}
-	err := w.closeFile()
+	err := w.Sync()
+	if cerr := w.closeFile(); err == nil {
+		err = cerr
+	}
 	w.closed = true
 	if w.dirf >= 0 {
 		unix.Close(w.dirf)
@@ -297,11 +303,14 @@ func (w *Writer) Close() error {
 	return err
 }
 
+// closeFile flushes and closes the current file. It does not fsync:
+// rotated files are left to the kernel's writeback, which keeps rotation
+// from stalling the writer on the disk; Close fsyncs.
 func (w *Writer) closeFile() error {
 	if w.f == nil {
 		return nil
 	}
-	err := w.Sync()
+	err := w.Flush()
 	if cerr := w.f.Close(); err == nil && cerr != nil {
 		err = w.fail("close "+w.path(), cerr)
 	}
@@ -384,7 +393,6 @@ func (w *Writer) open(now time.Time) error {
 			return &os.PathError{Op: "create", Path: filepath.Join(w.dir, name), Err: err}
 		}
 		unix.Fchmod(fd, fileMode) // exact mode regardless of the umask
-		unix.Fsync(w.dirf)        // the new name survives a crash
 		w.f = os.NewFile(uintptr(fd), filepath.Join(w.dir, name))
 		w.name, w.sec, w.size = name, sec, 0
 		w.c.files.Add(1)

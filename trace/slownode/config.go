@@ -1,0 +1,198 @@
+package slownode
+
+import (
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	oteltrace "go.opentelemetry.io/otel/trace"
+)
+
+// Defaults of Config. The detection defaults are MindCluster's where it
+// has one (normal number 15, +30%, 3σ, 3 consecutive, cluster distance
+// 1.3, 8 cards a node).
+const (
+	DefaultNormalSteps           = 15
+	DefaultDegradationPercentage = 0.3
+	DefaultNSigma                = 3
+	DefaultConsecutive           = 3
+	DefaultClusterMeanDistance   = 1.3
+	DefaultRelativeThreshold     = 0.15
+	DefaultMinEffect             = 0.05
+	DefaultWindow                = 8
+	DefaultSilentSteps           = 10
+	DefaultHorizon               = 64
+	DefaultRanksPerNode          = 8
+	DefaultTrailingGap           = 200 * time.Microsecond
+	DefaultHistoryPoints         = 240
+	DefaultPollInterval          = time.Second
+	DefaultMaxPendingRanges      = 1 << 14
+)
+
+// Config configures a Detector, and Analyze and Watch, which drive one.
+// The zero value is ready to use: every zero field takes the default
+// named beside it.
+type Config struct {
+	// NormalSteps is how many evaluated steps form the job's baseline
+	// (MindCluster's normalNumber). Default 15.
+	NormalSteps int
+	// DegradationPercentage and NSigma set the time detector's bound: a
+	// step is anomalous when the job's step time exceeds both
+	// baseline×(1+DegradationPercentage) and baseline+NSigma×σ. Defaults
+	// 0.3 and 3.
+	DegradationPercentage float64
+	NSigma                float64
+	// Consecutive is how many anomalous steps in a row make a finding,
+	// and how many normal ones clear it. Default 3.
+	Consecutive int
+	// ClusterMeanDistance is the homogenisation threshold: inside a
+	// communicator, when the mean communication time of the ranks that
+	// wait more exceeds that of those that wait less by this factor, the
+	// latter are slow. Default 1.3.
+	ClusterMeanDistance float64
+	// RelativeThreshold is by how much a rank (or communicator) must
+	// exceed the median of its peers in the same step to be anomalous,
+	// on top of NSigma robust deviations. Default 0.15.
+	RelativeThreshold float64
+	// MinEffect ignores differences smaller than this fraction of the
+	// job's step time: a slow dataloader that costs 1% of a step is not
+	// worth a page. Default 0.05.
+	MinEffect float64
+	// Window is how many recent steps per rank the evidence and the
+	// scores are computed over. Default 8.
+	Window int
+	// SilentSteps: a rank whose last step is this many steps behind the
+	// job's latest is silent (it stopped writing); it is reported as
+	// such, not as fast, and no longer holds up evaluation. Default 10.
+	SilentSteps int
+	// Horizon bounds how many steps may wait for their slowest rank
+	// before they are evaluated without it. Default 64.
+	Horizon int
+	// TrailingGap is the largest gap between two communication ops of
+	// the trailing run (see Step). Default 200µs.
+	TrailingGap time.Duration
+	// HistoryPoints bounds the points of each chart series (per rank and
+	// job-wide); older points are merged pairwise. Default 240.
+	HistoryPoints int
+	// MaxPendingRanges bounds the ranges a rank may accumulate inside
+	// one step; beyond it ranges are dropped and counted. Default 16384.
+	MaxPendingRanges int
+
+	// Nodes maps ranks to host names (from a rank table, see
+	// ParseRankTable). Ranks not in it are mapped by RanksPerNode.
+	Nodes map[int]string
+	// RanksPerNode puts ranks [k×n, (k+1)×n) on the node "node-k".
+	// Default 8.
+	RanksPerNode int
+
+	// JobID names the job in the result (MindCluster's jobId). Analyze
+	// and Watch default it to the job folder's name.
+	JobID string
+
+	// What follows is used by Analyze and Watch only.
+
+	// PollInterval is how often Watch looks for new records. Default 1s.
+	PollInterval time.Duration
+	// Logger receives warnings about bad input; nil discards them.
+	Logger *slog.Logger
+	// Registerer receives the metrics listed in the package
+	// documentation; nil registers none.
+	Registerer prometheus.Registerer
+	// TracerProvider traces each analysis pass; nil traces nothing.
+	TracerProvider oteltrace.TracerProvider
+	// Progress, when set, is called now and then while a job folder is
+	// read, for progress displays on large inputs.
+	Progress func(Progress)
+}
+
+// Progress says how far Analyze or a Watch pass has read.
+type Progress struct {
+	Ranks    int    // rank folders being read
+	Bytes    uint64 // bytes read so far
+	Records  uint64 // records parsed so far
+	LastStep int64  // latest step evaluated, -1 before the first
+	Done     bool   // the pass has caught up
+}
+
+// Validate reports the first field that cannot be used.
+func (c Config) Validate() error {
+	bad := func(field string, v any, why string) error {
+		return fmt.Errorf("slownode: Config.%s: %v %s", field, v, why)
+	}
+	switch {
+	case c.NormalSteps < 0:
+		return bad("NormalSteps", c.NormalSteps, "is negative")
+	case c.NormalSteps == 1:
+		return bad("NormalSteps", c.NormalSteps, "is too few for a baseline (want at least 2)")
+	case c.DegradationPercentage < 0 || c.DegradationPercentage > 100:
+		return bad("DegradationPercentage", c.DegradationPercentage, "is outside [0, 100]")
+	case c.NSigma < 0 || c.NSigma > 100:
+		return bad("NSigma", c.NSigma, "is outside [0, 100]")
+	case c.Consecutive < 0 || c.Consecutive > 1000:
+		return bad("Consecutive", c.Consecutive, "is outside [0, 1000]")
+	case c.ClusterMeanDistance != 0 && c.ClusterMeanDistance <= 1:
+		return bad("ClusterMeanDistance", c.ClusterMeanDistance, "must exceed 1")
+	case c.RelativeThreshold < 0 || c.RelativeThreshold > 100:
+		return bad("RelativeThreshold", c.RelativeThreshold, "is outside [0, 100]")
+	case c.MinEffect < 0 || c.MinEffect >= 1:
+		return bad("MinEffect", c.MinEffect, "is outside [0, 1)")
+	case c.Window < 0 || c.Window > 4096:
+		return bad("Window", c.Window, "is outside [0, 4096]")
+	case c.SilentSteps < 0:
+		return bad("SilentSteps", c.SilentSteps, "is negative")
+	case c.Horizon < 0 || c.Horizon > 1<<16:
+		return bad("Horizon", c.Horizon, "is outside [0, 65536]")
+	case c.TrailingGap < 0:
+		return bad("TrailingGap", c.TrailingGap, "is negative")
+	case c.HistoryPoints < 0 || c.HistoryPoints > 1<<16:
+		return bad("HistoryPoints", c.HistoryPoints, "is outside [0, 65536]")
+	case c.MaxPendingRanges < 0:
+		return bad("MaxPendingRanges", c.MaxPendingRanges, "is negative")
+	case c.RanksPerNode < 0:
+		return bad("RanksPerNode", c.RanksPerNode, "is negative")
+	case c.PollInterval < 0:
+		return bad("PollInterval", c.PollInterval, "is negative")
+	}
+	for r := range c.Nodes {
+		if r < 0 {
+			return bad("Nodes", r, "is a negative rank")
+		}
+	}
+	return nil
+}
+
+func (c *Config) setDefaults() {
+	def := func(p *int, v int) {
+		if *p == 0 {
+			*p = v
+		}
+	}
+	deff := func(p *float64, v float64) {
+		if *p == 0 {
+			*p = v
+		}
+	}
+	def(&c.NormalSteps, DefaultNormalSteps)
+	deff(&c.DegradationPercentage, DefaultDegradationPercentage)
+	deff(&c.NSigma, DefaultNSigma)
+	def(&c.Consecutive, DefaultConsecutive)
+	deff(&c.ClusterMeanDistance, DefaultClusterMeanDistance)
+	deff(&c.RelativeThreshold, DefaultRelativeThreshold)
+	deff(&c.MinEffect, DefaultMinEffect)
+	def(&c.Window, DefaultWindow)
+	def(&c.SilentSteps, DefaultSilentSteps)
+	def(&c.Horizon, DefaultHorizon)
+	def(&c.HistoryPoints, DefaultHistoryPoints)
+	def(&c.MaxPendingRanges, DefaultMaxPendingRanges)
+	def(&c.RanksPerNode, DefaultRanksPerNode)
+	if c.TrailingGap == 0 {
+		c.TrailingGap = DefaultTrailingGap
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = DefaultPollInterval
+	}
+	if c.Horizon < c.SilentSteps+2 {
+		c.Horizon = c.SilentSteps + 2
+	}
+}

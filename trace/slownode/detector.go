@@ -1,0 +1,533 @@
+package slownode
+
+import (
+	"fmt"
+	"maps"
+	"math"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// metric indexes the per-step figures the detector keeps per rank.
+type metric uint8
+
+const (
+	mStep metric = iota
+	mCompute
+	mDataLoader
+	mCheckpoint
+	mSend
+	mGap
+	mFPBP
+	mTrailing
+	mComm
+	mForward
+	numMetrics
+)
+
+// maxOpCache bounds the interned communication op names.
+const maxOpCache = 4096
+
+// minSpread floors the robust σ of a peer set at this fraction of its
+// median, so that near-identical peers do not make noise significant.
+const minSpread = 0.01
+
+// Stats counts input the Detector set aside.
+type Stats struct {
+	Ranges         uint64 // ranges taken
+	Steps          uint64 // rank steps taken
+	Evaluated      uint64 // job steps evaluated
+	IgnoredRanges  uint64 // ranges of no kind the detector uses
+	BadRanges      uint64 // ranges that end before they start
+	BadCommOps     uint64 // communication ranges whose name is not an op
+	DroppedRanges  uint64 // ranges beyond MaxPendingRanges in one step
+	LateSteps      uint64 // rank steps that arrived after their step was evaluated
+	RepeatedSteps  uint64 // rank steps not after the rank's previous one
+	IncompleteRows uint64 // steps evaluated before every live rank had reported them
+}
+
+// Detector is the streaming core: it takes ranges (or whole steps) per
+// rank, evaluates each step once every live rank has reported it, and
+// keeps its findings up to date. It does no I/O, starts no goroutine,
+// reads no clock, and its memory is bounded per rank and per communicator
+// whatever the length of the job. A Detector is not safe for concurrent
+// use.
+type Detector struct {
+	cfg Config
+
+	ranks   []*rankState
+	index   map[int]int32
+	lastIdx int32 // dense index of the previous Add's rank, for the common run
+
+	groups []*group
+	gindex map[string]int32
+
+	ops   []commOp
+	opIdx map[string]int32
+
+	rows      map[int64]*row
+	open      []int64 // steps with a row, increasing
+	free      []*row
+	firstStep int64 // first step number seen, for ranks that never report one
+	maxStep   int64
+	evaluated int64 // last evaluated step
+	live      int   // ranks not silent
+
+	hold     bool // a reading pass is under way: evaluate nothing yet
+
+	job      jobState
+	findings map[findingKey]*finding
+	epoch    int // bumps at each phase change, resetting rank bests
+
+	st      Step
+	scratch scratch
+	stats   Stats
+}
+
+type rankState struct {
+	rank    int
+	node    string
+	asm     assembler
+	last    int64 // last step taken, -1 before the first
+	silent  bool
+	stage   int
+	groups  []int32 // communicators, in the order of cell.comm
+	win     [numMetrics]window
+	hasData [numMetrics]bool
+	commWin window // total communication
+	best    float64
+	bestEp  int
+	block   []float64
+	hist    series
+	histC   series
+	steps   uint64
+}
+
+type group struct {
+	name     string
+	kind     string
+	pp       bool
+	declared bool
+	members  []int32
+	value    float64 // this step's median communication time, NaN if none
+	flagged  bool    // homogenisation found a split this step
+}
+
+type row struct {
+	step  int64
+	n     int
+	cells []cell
+}
+
+type cell struct {
+	ok   bool
+	m    [numMetrics]float64 // ms; NaN when unavailable
+	comm []float64           // per rankState.groups slot; NaN when none this step
+}
+
+// New returns a Detector for cfg.
+func New(cfg Config) (*Detector, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.setDefaults()
+	cfg.Nodes = maps.Clone(cfg.Nodes) // setNode must not write to the caller's map
+	d := &Detector{
+		cfg:       cfg,
+		index:     make(map[int]int32),
+		lastIdx:   -1,
+		gindex:    make(map[string]int32),
+		opIdx:     make(map[string]int32),
+		rows:      make(map[int64]*row),
+		findings:  make(map[findingKey]*finding),
+		firstStep: -1,
+		maxStep:   -1,
+		evaluated: -1,
+	}
+	d.job = newJobState(&d.cfg)
+	return d, nil
+}
+
+// Config returns the configuration in force, defaults filled in.
+func (d *Detector) Config() Config { return d.cfg }
+
+// Stats returns the counters of set-aside input.
+func (d *Detector) Stats() Stats { return d.stats }
+
+func (d *Detector) nodeOf(rank int) string {
+	if n, ok := d.cfg.Nodes[rank]; ok {
+		return n
+	}
+	return fmt.Sprintf("node-%d", rank/d.cfg.RanksPerNode)
+}
+
+// rankIdx returns the dense index of rank, adding it when new.
+func (d *Detector) rankIdx(rank int) int32 {
+	if d.lastIdx >= 0 && d.ranks[d.lastIdx].rank == rank {
+		return d.lastIdx
+	}
+	i, ok := d.index[rank]
+	if !ok {
+		i = int32(len(d.ranks))
+		rs := &rankState{rank: rank, node: d.nodeOf(rank), last: -1,
+			hist: newSeries(d.cfg.HistoryPoints), histC: newSeries(d.cfg.HistoryPoints)}
+		rs.asm.last = -1
+		for m := range rs.win {
+			rs.win[m] = newWindow(d.cfg.Window)
+		}
+		rs.commWin = newWindow(d.cfg.Window)
+		d.ranks = append(d.ranks, rs)
+		d.index[rank] = i
+		d.live++
+		if d.maxStep >= 0 && d.maxStep-d.firstStep+1 > int64(d.cfg.SilentSteps) {
+			rs.silent = true // joins late: silent until it reports a step
+			d.live--
+		}
+	}
+	d.lastIdx = i
+	return i
+}
+
+// AddRank declares a rank of the job before it reports anything, so that
+// steps wait for it (until it is silent) and it is listed.
+func (d *Detector) AddRank(rank int) {
+	if rank >= 0 {
+		d.rankIdx(rank)
+	}
+}
+
+// AddGroups declares the communicators of a rank's parallel_group.json:
+// their kind ("tp", "dp", "pp", ...) and members. A communicator declared
+// twice keeps its first declaration.
+func (d *Detector) AddGroups(g trace.ParallelGroups) {
+	names := make([]string, 0, len(g))
+	for n := range g {
+		names = append(names, n)
+	}
+	slices.Sort(names) // deterministic dense indexes
+	for _, name := range names {
+		p := g[name]
+		gi := d.groupIdx(name)
+		gr := d.groups[gi]
+		if gr.declared {
+			continue
+		}
+		gr.declared = true
+		gr.kind = p.GroupName
+		gr.pp = strings.EqualFold(p.GroupName, "pp")
+		for pos, r := range p.GlobalRanks {
+			if r < 0 {
+				continue
+			}
+			ri := d.rankIdx(r)
+			d.join(ri, gi)
+			if gr.pp {
+				d.ranks[ri].stage = pos
+			}
+		}
+		// Keep declared order (a PP group's order is its stages).
+		gr.members = gr.members[:0]
+		for _, r := range p.GlobalRanks {
+			if r >= 0 {
+				gr.members = append(gr.members, d.index[r])
+			}
+		}
+	}
+}
+
+func (d *Detector) groupIdx(name string) int32 {
+	if i, ok := d.gindex[name]; ok {
+		return i
+	}
+	i := int32(len(d.groups))
+	d.groups = append(d.groups, &group{name: name})
+	d.gindex[name] = i
+	return i
+}
+
+// join makes rank ri a member of group gi and returns its slot.
+func (d *Detector) join(ri, gi int32) int {
+	rs := d.ranks[ri]
+	if k := slices.Index(rs.groups, gi); k >= 0 {
+		return k
+	}
+	rs.groups = append(rs.groups, gi)
+	g := d.groups[gi]
+	if !slices.Contains(g.members, ri) {
+		g.members = append(g.members, ri)
+	}
+	return len(rs.groups) - 1
+}
+
+// Add takes a completed range of rank, in the order the rank's file holds
+// them. Ranges of no kind the detector uses are counted and ignored.
+func (d *Detector) Add(rank int, r trace.Range) {
+	if rank < 0 {
+		d.stats.IgnoredRanges++
+		return
+	}
+	d.stats.Ranges++
+	if r.End < r.Start {
+		d.stats.BadRanges++
+		return
+	}
+	ri := d.rankIdx(rank)
+	rs := d.ranks[ri]
+	a := &rs.asm
+	var kind spanKind
+	var op int32
+	switch {
+	case r.Domain == trace.DomainCommunication:
+		i, ok := d.opIdx[r.Name]
+		if !ok {
+			c, err := trace.ParseCommOp(r.Name)
+			if err != nil {
+				d.stats.BadCommOps++
+				return
+			}
+			i = int32(len(d.ops))
+			d.ops = append(d.ops, commOp{group: c.GroupName, op: c.OpName, send: isSend(c.OpName)})
+			if len(d.opIdx) < maxOpCache {
+				d.opIdx[r.Name] = i
+			}
+		}
+		if !a.useSource(1<<spanComm, r.SourceKind) {
+			return
+		}
+		kind, op = spanComm, i
+		a.have |= FigComm
+	case strings.HasPrefix(r.Name, trace.StepMarkerPrefix):
+		if !a.useSource(stepBit, r.SourceKind) {
+			return
+		}
+		n, ok := parseStepNumber(r.Name)
+		if !ok {
+			n = a.last + 1
+		}
+		a.finish(&d.st, n, r.Start, r.End, d.ops, uint64(d.cfg.TrailingGap))
+		a.last = n
+		d.addStep(ri, &d.st)
+		return
+	case r.Name == trace.MarkerForward:
+		kind = spanForward
+		a.have |= FigForward | FigTrajectory
+	case r.Name == trace.MarkerDataLoader:
+		kind = spanDataLoader
+		a.have |= FigDataLoader
+	case r.Name == trace.MarkerSaveCheckpoint:
+		kind = spanCheckpoint
+		a.have |= FigCheckpoint
+	default:
+		d.stats.IgnoredRanges++
+		return
+	}
+	if kind != spanComm && !a.useSource(1<<kind, r.SourceKind) {
+		return
+	}
+	if len(a.pending) >= d.cfg.MaxPendingRanges {
+		d.stats.DroppedRanges++
+		return
+	}
+	a.pending = append(a.pending, span{kind: kind, op: op, start: r.Start, end: r.End})
+}
+
+// AddStep takes a step of rank derived elsewhere (a live stream, another
+// agent). Steps of one rank must come in increasing order; others are
+// counted and dropped.
+func (d *Detector) AddStep(rank int, st Step) {
+	if rank < 0 || st.Number < 0 {
+		d.stats.RepeatedSteps++
+		return
+	}
+	d.addStep(d.rankIdx(rank), &st)
+}
+
+func ms(d time.Duration) float64 { return float64(d) / 1e6 }
+
+func (d *Detector) addStep(ri int32, st *Step) {
+	rs := d.ranks[ri]
+	d.stats.Steps++
+	switch {
+	case st.Number <= rs.last:
+		d.stats.RepeatedSteps++
+		return
+	case st.Number <= d.evaluated:
+		d.stats.LateSteps++
+		rs.last = st.Number
+		return
+	}
+	if d.firstStep < 0 {
+		d.firstStep = st.Number
+	}
+	rw := d.rows[st.Number]
+	if rw == nil {
+		rw = d.newRow(st.Number)
+	}
+	for len(rw.cells) < len(d.ranks) {
+		rw.cells = append(rw.cells, cell{})
+	}
+	c := &rw.cells[ri]
+	if !c.ok {
+		rw.n++
+	}
+	c.ok = true
+	nan := math.NaN()
+	for i := range c.m {
+		c.m[i] = nan
+	}
+	c.m[mStep] = ms(st.Time)
+	c.m[mCompute] = ms(st.Compute)
+	have := st.Have | FigStep
+	if have&FigDataLoader != 0 {
+		c.m[mDataLoader] = ms(st.DataLoader)
+	}
+	if have&FigCheckpoint != 0 {
+		c.m[mCheckpoint] = ms(st.Checkpoint)
+	}
+	if have&FigForward != 0 {
+		c.m[mForward] = ms(st.Forward)
+	}
+	if have&FigTrajectory != 0 {
+		c.m[mGap], c.m[mFPBP], c.m[mTrailing] = ms(st.Gap), ms(st.FPBP), ms(st.Trailing)
+	}
+	c.comm = c.comm[:0]
+	for range rs.groups {
+		c.comm = append(c.comm, nan)
+	}
+	if have&FigComm != 0 || len(st.Comm) > 0 {
+		var total, send float64
+		for _, ct := range st.Comm {
+			t := ms(ct.Time)
+			total += t
+			if isSend(ct.Op) {
+				send += t
+			}
+			if ct.Group == "" {
+				continue
+			}
+			slot := d.join(ri, d.groupIdx(ct.Group))
+			for len(c.comm) <= slot {
+				c.comm = append(c.comm, nan)
+			}
+			if math.IsNaN(c.comm[slot]) {
+				c.comm[slot] = 0
+			}
+			c.comm[slot] += t
+		}
+		c.m[mComm], c.m[mSend] = total, send
+	}
+	rs.asm.have |= have
+	rs.last = st.Number
+	rs.steps++
+	if rs.silent {
+		rs.silent = false
+		d.live++
+	}
+	if st.Number > d.maxStep {
+		d.maxStep = st.Number
+		if !d.hold {
+			d.updateSilence()
+		}
+	}
+	d.advance(false)
+}
+
+func (d *Detector) newRow(step int64) *row {
+	var rw *row
+	if n := len(d.free); n > 0 {
+		rw, d.free = d.free[n-1], d.free[:n-1]
+	} else {
+		rw = &row{}
+	}
+	rw.step, rw.n = step, 0
+	for i := range rw.cells {
+		rw.cells[i].ok = false
+	}
+	d.rows[step] = rw
+	i, _ := slices.BinarySearch(d.open, step)
+	d.open = slices.Insert(d.open, i, step)
+	return rw
+}
+
+// updateSilence marks ranks whose last step is SilentSteps behind.
+func (d *Detector) updateSilence() {
+	for _, rs := range d.ranks {
+		last := rs.last
+		if last < 0 {
+			last = d.firstStep - 1
+		}
+		silent := d.maxStep-last > int64(d.cfg.SilentSteps)
+		if silent != rs.silent {
+			rs.silent = silent
+			if silent {
+				d.live--
+			} else {
+				d.live++
+			}
+		}
+	}
+}
+
+// advance evaluates the oldest steps that every live rank has reported,
+// or all of them when flush is set, or as many as exceed the horizon.
+func (d *Detector) advance(flush bool) {
+	for len(d.open) > 0 && (!d.hold || flush) {
+		s := d.open[0]
+		rw := d.rows[s]
+		complete := rw.n >= d.live
+		if !complete && !flush && len(d.open) <= d.cfg.Horizon && d.maxStep-s <= int64(d.cfg.Horizon) {
+			return
+		}
+		if !complete {
+			d.stats.IncompleteRows++
+		}
+		d.open = d.open[1:]
+		delete(d.rows, s)
+		d.evaluate(rw)
+		d.free = append(d.free, rw)
+	}
+}
+
+// Flush evaluates every step still waiting for a rank, as at the end of
+// the input of a finished job.
+func (d *Detector) Flush() {
+	d.release()
+	d.advance(true)
+}
+
+// holdEvaluation suspends evaluation while a reader brings the ranks'
+// files up to date one rank after another: until they meet, a rank read
+// later would look silent.
+func (d *Detector) holdEvaluation() { d.hold = true }
+
+// release ends holdEvaluation and evaluates what is complete.
+func (d *Detector) release() {
+	if !d.hold {
+		return
+	}
+	d.hold = false
+	d.updateSilence()
+	d.advance(false)
+}
+
+// rankLast returns the last step rank has completed, -1 if none.
+func (d *Detector) rankLast(rank int) int64 {
+	if i, ok := d.index[rank]; ok {
+		return d.ranks[i].asm.last
+	}
+	return -1
+}
+
+// setNode names the host of rank, overriding RanksPerNode.
+func (d *Detector) setNode(rank int, node string) {
+	if d.cfg.Nodes == nil {
+		d.cfg.Nodes = map[int]string{}
+	}
+	d.cfg.Nodes[rank] = node
+	if i, ok := d.index[rank]; ok {
+		d.ranks[i].node = node
+	}
+}

@@ -1,0 +1,358 @@
+package slownode
+
+import (
+	"cmp"
+	"math"
+	"slices"
+)
+
+// Per-step flags of a rank.
+const (
+	fCompute     uint8 = 1 << iota // compute above its stage's peers
+	fHomLow                        // waits least in a communicator that split
+	fHomHigh                       // waits more in a communicator that split
+	fIO                            // dataloader above its stage's peers
+	fLink                          // send above its stage's peers
+	fSlowCompute                   // attributed: slow compute
+	fInDomain                      // member of a communicator found slow
+)
+
+type scratch struct {
+	present []int32
+	vals    []float64
+	tmp     []float64
+	stages  [][]int32
+	flags   []uint8
+	ref     [][numMetrics]float64 // per stage: peer medians
+	pairs   []rankValue
+	buckets []groupRef
+	gref    []float64 // per group: the median of its bucket, NaN if untested
+}
+
+type rankValue struct {
+	v  float64
+	ri int32
+}
+
+type groupRef struct {
+	kind  string
+	stage int
+	gi    int32
+}
+
+func (d *Detector) evaluate(rw *row) {
+	s := rw.step
+	d.evaluated = s
+	d.stats.Evaluated++
+	sc := &d.scratch
+	sc.present = sc.present[:0]
+	for i := range rw.cells {
+		if rw.cells[i].ok {
+			sc.present = append(sc.present, int32(i))
+		}
+	}
+	if len(sc.present) == 0 {
+		return
+	}
+	cellOf := func(ri int32) *cell { return &rw.cells[ri] }
+	val := func(ri int32, m metric) float64 { return rw.cells[ri].m[m] }
+
+	sc.vals = sc.vals[:0]
+	for _, ri := range sc.present {
+		sc.vals = append(sc.vals, val(ri, mStep))
+	}
+	jobStep := median(sc.vals)
+	sc.vals = sc.vals[:0]
+	for _, ri := range sc.present {
+		sc.vals = append(sc.vals, val(ri, mCompute))
+	}
+	jobCompute := median(sc.vals)
+	effect := d.cfg.MinEffect * jobStep
+
+	// Per-rank history and windows.
+	for _, ri := range sc.present {
+		rs, c := d.ranks[ri], cellOf(ri)
+		for m := metric(0); m < numMetrics; m++ {
+			if v := c.m[m]; !math.IsNaN(v) {
+				rs.win[m].push(v)
+				rs.hasData[m] = true
+			}
+		}
+		rs.hist.add(s, c.m[mStep])
+		rs.histC.add(s, c.m[mCompute])
+		rs.block = append(rs.block, c.m[mCompute])
+		if len(rs.block) >= d.cfg.Window {
+			sc.tmp = append(sc.tmp[:0], rs.block...)
+			if b := median(sc.tmp); rs.bestEp != d.epoch+1 || b < rs.best {
+				rs.best, rs.bestEp = b, d.epoch+1
+			}
+			rs.block = rs.block[:0]
+		}
+	}
+
+	// Peers: ranks of one pipeline stage do the same work.
+	for i := range sc.stages {
+		sc.stages[i] = sc.stages[i][:0]
+	}
+	for _, ri := range sc.present {
+		st := d.ranks[ri].stage
+		for len(sc.stages) <= st {
+			sc.stages = append(sc.stages, nil)
+		}
+		sc.stages[st] = append(sc.stages[st], ri)
+	}
+	sc.flags = slices.Grow(sc.flags[:0], len(d.ranks))[:len(d.ranks)]
+	clear(sc.flags)
+	for len(sc.ref) < len(sc.stages) {
+		sc.ref = append(sc.ref, [numMetrics]float64{})
+	}
+	tests := [...]struct {
+		m    metric
+		flag uint8
+	}{{mCompute, fCompute}, {mDataLoader, fIO}, {mSend, fLink}}
+	for st, peers := range sc.stages {
+		for i := range sc.ref[st] {
+			sc.ref[st][i] = math.NaN()
+		}
+		for _, t := range tests {
+			sc.vals = sc.vals[:0]
+			for _, ri := range peers {
+				if v := val(ri, t.m); !math.IsNaN(v) {
+					sc.vals = append(sc.vals, v)
+				}
+			}
+			if len(sc.vals) < 3 {
+				continue
+			}
+			var med, sig float64
+			med, sig, sc.tmp = medianMAD(sc.vals, sc.tmp)
+			sc.ref[st][t.m] = med
+			sig = max(sig, med*minSpread)
+			for _, ri := range peers {
+				v := val(ri, t.m)
+				if v > med*(1+d.cfg.RelativeThreshold) && v-med > d.cfg.NSigma*sig && v-med >= effect {
+					sc.flags[ri] |= t.flag
+				}
+			}
+		}
+	}
+
+	// Homogenisation inside each communicator, and its median wait.
+	for gi, g := range d.groups {
+		g.value, g.flagged = math.NaN(), false
+		sc.pairs = sc.pairs[:0]
+		for _, ri := range g.members {
+			if int(ri) >= len(rw.cells) || !rw.cells[ri].ok {
+				continue
+			}
+			slot := slices.Index(d.ranks[ri].groups, int32(gi))
+			c := cellOf(ri)
+			if slot < 0 || slot >= len(c.comm) || math.IsNaN(c.comm[slot]) {
+				continue
+			}
+			sc.pairs = append(sc.pairs, rankValue{c.comm[slot], ri})
+		}
+		n := len(sc.pairs)
+		if n == 0 {
+			continue
+		}
+		slices.SortFunc(sc.pairs, func(a, b rankValue) int { return cmp.Compare(a.v, b.v) })
+		if n%2 == 1 {
+			g.value = sc.pairs[n/2].v
+		} else {
+			g.value = (sc.pairs[n/2-1].v + sc.pairs[n/2].v) / 2
+		}
+		if g.pp || n < 3 {
+			continue
+		}
+		sc.vals = sc.vals[:0]
+		for _, p := range sc.pairs {
+			sc.vals = append(sc.vals, p.v)
+		}
+		cut, lo, hi := split2(sc.vals)
+		if cut*2 <= n && hi > lo*d.cfg.ClusterMeanDistance && hi-lo >= effect {
+			g.flagged = true
+			for k, p := range sc.pairs {
+				if k < cut {
+					sc.flags[p.ri] |= fHomLow
+				} else {
+					sc.flags[p.ri] |= fHomHigh
+				}
+			}
+		}
+	}
+
+	// Slow communicators: a communicator that waits more than the others
+	// of its kind in the same stage, with no member to blame.
+	sc.buckets = sc.buckets[:0]
+	sc.gref = slices.Grow(sc.gref[:0], len(d.groups))[:len(d.groups)]
+	for gi, g := range d.groups {
+		sc.gref[gi] = math.NaN()
+		if g.pp || math.IsNaN(g.value) || len(g.members) == 0 {
+			continue
+		}
+		sc.buckets = append(sc.buckets, groupRef{g.kind, d.ranks[g.members[0]].stage, int32(gi)})
+	}
+	slices.SortFunc(sc.buckets, func(a, b groupRef) int {
+		return cmp.Or(cmp.Compare(a.kind, b.kind), cmp.Compare(a.stage, b.stage), cmp.Compare(a.gi, b.gi))
+	})
+	for lo := 0; lo < len(sc.buckets); {
+		hi := lo + 1
+		for hi < len(sc.buckets) && sc.buckets[hi].kind == sc.buckets[lo].kind && sc.buckets[hi].stage == sc.buckets[lo].stage {
+			hi++
+		}
+		b := sc.buckets[lo:hi]
+		lo = hi
+		if len(b) < 3 {
+			continue
+		}
+		sc.vals = sc.vals[:0]
+		for _, r := range b {
+			sc.vals = append(sc.vals, d.groups[r.gi].value)
+		}
+		var med, sig float64
+		med, sig, sc.tmp = medianMAD(sc.vals, sc.tmp)
+		sig = max(sig, med*minSpread)
+		for _, r := range b {
+			g := d.groups[r.gi]
+			sc.gref[r.gi] = med
+			v := g.value
+			if !g.flagged && v > med*(1+d.cfg.RelativeThreshold) && v-med > d.cfg.NSigma*sig && v-med >= effect {
+				d.flagSubject(findingKey{kindDomain, r.gi}, s, v, med, "relative")
+				for _, ri := range g.members {
+					sc.flags[ri] |= fInDomain
+				}
+			}
+		}
+	}
+
+	// Attribution: homogenisation locates, the compute figure confirms,
+	// and lateness another finding explains is not slow compute.
+	for _, ri := range sc.present {
+		f := sc.flags[ri]
+		ref := sc.ref[d.ranks[ri].stage][mCompute]
+		c := val(ri, mCompute)
+		hom := f&fHomLow != 0 && f&fHomHigh == 0 && f&(fIO|fLink|fInDomain) == 0 &&
+			(math.IsNaN(ref) || c >= ref*(1+d.cfg.RelativeThreshold/2))
+		if f&fCompute != 0 || hom {
+			sc.flags[ri] |= fSlowCompute
+		}
+	}
+	for _, ri := range sc.present {
+		rs := d.ranks[ri]
+		f := sc.flags[ri]
+		ref := &sc.ref[rs.stage]
+		if f&fSlowCompute != 0 {
+			method := "relative"
+			switch {
+			case f&fCompute == 0:
+				method = "homogenisation"
+			case f&fHomLow != 0 && f&fHomHigh == 0:
+				method = "relative+homogenisation"
+			}
+			d.flagSubject(findingKey{kindCompute, ri}, s, val(ri, mCompute), ref[mCompute], method)
+		}
+		if f&fIO != 0 {
+			d.flagSubject(findingKey{kindIO, ri}, s, val(ri, mDataLoader), ref[mDataLoader], "relative")
+		}
+		if f&fLink != 0 && !d.neighbourSlow(ri) {
+			d.flagSubject(findingKey{kindLink, ri}, s, val(ri, mSend), ref[mSend], "relative")
+		}
+	}
+
+	// Findings not flagged this step: evidence, and the count to clear.
+	anyPending := false
+	for k, f := range d.findings {
+		if f.flaggedAt == s {
+			if f.run > 0 {
+				anyPending = true
+			}
+			continue
+		}
+		v, ref, ok := d.subjectValue(k, rw)
+		if !ok {
+			continue // not seen this step: neither slow nor healthy
+		}
+		f.observe(v, ref, false)
+		f.run = 0
+		if !f.active {
+			delete(d.findings, k)
+			continue
+		}
+		f.calm++
+		if f.calm >= d.cfg.Consecutive {
+			delete(d.findings, k)
+		}
+	}
+	for _, f := range d.findings {
+		if f.active {
+			anyPending = true
+		}
+	}
+	d.job.update(s, jobStep, jobCompute, anyPending, d)
+}
+
+// neighbourSlow reports whether a pipeline neighbour of ri (the previous
+// or next stage of one of its PP communicators) is slow to compute or to
+// load data this step: a send that waits for a late receiver is not a
+// slow link.
+func (d *Detector) neighbourSlow(ri int32) bool {
+	for _, gi := range d.ranks[ri].groups {
+		g := d.groups[gi]
+		if !g.pp {
+			continue
+		}
+		k := slices.Index(g.members, ri)
+		for _, j := range []int{k - 1, k + 1} {
+			if j >= 0 && j < len(g.members) && d.scratch.flags[g.members[j]]&(fSlowCompute|fIO) != 0 {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// subjectValue returns the figure a finding watches at this step.
+func (d *Detector) subjectValue(k findingKey, rw *row) (v, ref float64, ok bool) {
+	sc := &d.scratch
+	if k.kind == kindDomain {
+		g := d.groups[k.id]
+		if math.IsNaN(g.value) || int(k.id) >= len(sc.gref) || math.IsNaN(sc.gref[k.id]) {
+			return 0, 0, false
+		}
+		return g.value, sc.gref[k.id], true
+	}
+	if int(k.id) >= len(rw.cells) || !rw.cells[k.id].ok {
+		return 0, 0, false
+	}
+	m := k.kind.metric()
+	v = rw.cells[k.id].m[m]
+	ref = sc.ref[d.ranks[k.id].stage][m]
+	if math.IsNaN(v) || math.IsNaN(ref) {
+		return 0, 0, false
+	}
+	return v, ref, true
+}
+
+// flagSubject counts an anomaly of a subject at step s.
+func (d *Detector) flagSubject(k findingKey, s int64, v, ref float64, method string) {
+	f := d.findings[k]
+	if f == nil {
+		f = &finding{key: k, flaggedAt: -1, val: newWindow(d.cfg.Window), ref: newWindow(d.cfg.Window), hits: newWindow(d.cfg.Window)}
+		d.findings[k] = f
+	}
+	if f.flaggedAt == s {
+		return
+	}
+	f.flaggedAt = s
+	f.method = method
+	f.observe(v, ref, true)
+	f.calm = 0
+	f.run++
+	if f.run == 1 && !f.active {
+		f.onset = s
+	}
+	if !f.active && f.run >= d.cfg.Consecutive {
+		f.active, f.detected = true, s
+	}
+}

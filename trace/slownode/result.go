@@ -1,0 +1,411 @@
+package slownode
+
+import (
+	"cmp"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"strconv"
+)
+
+// Result is the verdict on a job. Its first fields are MindCluster's
+// ClusterJobResult, with the same JSON names, so that tools reading
+// MindCluster's slow-node results read it; the rest is what
+// ClusterJobResult lacks: evidence per finding, the onset step, a
+// confidence, per-rank figures and what the input did not provide.
+//
+// Steps are compared across ranks by their number, never by timestamp:
+// the clocks of different hosts are not comparable.
+type Result struct {
+	IsSlow                   int      `json:"isSlow"`           // 1 when something is slow
+	DegradationLevel         string   `json:"degradationLevel"` // step time over baseline, "12.5%"
+	JobID                    string   `json:"jobId"`
+	SlowCalculateRanks       []int    `json:"slowCalculateRanks"`
+	SlowCommunicationDomains [][]int  `json:"slowCommunicationDomains"` // members of each slow communicator
+	SlowHostNodes            []string `json:"slowHostNodes"`
+	SlowIORanks              []int    `json:"slowIORanks"`
+	SlowCommunicationRanks   []int    `json:"slowCommunicationRanks"` // ranks with slow links (pipeline sends)
+
+	OnsetStep    int64         `json:"onsetStep"`  // first slow step; -1 when not slow
+	Confidence   float64       `json:"confidence"` // in [0, 1]; 0 when not slow
+	LastStep     int64         `json:"lastStep"`   // latest step evaluated; -1 before the first
+	BaselineMs   float64       `json:"baselineStepMs"`
+	StepMs       float64       `json:"recentStepMs"`
+	Findings     []Finding     `json:"findings"`
+	PhaseChanges []PhaseChange `json:"phaseChanges"`
+	SilentRanks  []int         `json:"silentRanks"` // stopped writing while the others went on
+	Unavailable  []string      `json:"unavailable"` // figures no rank's markers provided
+	Ranks        []RankSummary `json:"ranks"`
+	Input        InputStats    `json:"input"`
+
+	// History holds the chart series; it is not part of the JSON form.
+	History *History `json:"-"`
+}
+
+// Finding is one thing found slow, with its evidence.
+type Finding struct {
+	Kind      string  `json:"kind"` // KindCompute, KindIO, KindLink, KindCommunicationDomain, KindHost
+	Ranks     []int   `json:"ranks"`
+	Group     string  `json:"group,omitempty"`     // communicator, for KindCommunicationDomain
+	GroupKind string  `json:"groupKind,omitempty"` // "tp", "dp", ... from parallel_group.json
+	Node      string  `json:"node,omitempty"`
+	Metric    string  `json:"metric"`     // compute, dataloader, send, communication
+	Method    string  `json:"method"`     // relative, homogenisation, relative+homogenisation
+	Baseline  float64 `json:"baselineMs"` // what the subject's peers took, recent median
+	Recent    float64 `json:"recentMs"`   // what the subject took, recent median
+	Ratio     float64 `json:"ratio"`      // Recent / Baseline
+	// RelativeScore is the NVIDIA-style relative score of a rank: the
+	// best of its stage's ranks over its own (1 is the best rank), and
+	// IndividualScore its own best over its recent compute time.
+	RelativeScore   float64 `json:"relativeScore,omitempty"`
+	IndividualScore float64 `json:"individualScore,omitempty"`
+	OnsetStep       int64   `json:"onsetStep"`
+	DetectedStep    int64   `json:"detectedStep"`
+	Confidence      float64 `json:"confidence"`
+}
+
+// RankSummary is one rank's recent figures (medians over the last Window
+// evaluated steps, in milliseconds) and status.
+type RankSummary struct {
+	Rank            int      `json:"rank"`
+	Node            string   `json:"node"`
+	Status          string   `json:"status"` // "ok", "slow", "silent", "waiting" (no step yet)
+	Flags           []string `json:"flags,omitempty"`
+	LastStep        int64    `json:"lastStep"`
+	Stage           int      `json:"stage"`
+	StepMs          float64  `json:"stepMs"`
+	ComputeMs       float64  `json:"computeMs"`
+	ForwardMs       float64  `json:"forwardMs"`
+	GapMs           float64  `json:"gapMs"`
+	FPBPMs          float64  `json:"fpbpMs"`
+	TrailingMs      float64  `json:"trailingMs"`
+	DataLoaderMs    float64  `json:"dataloaderMs"`
+	CheckpointMs    float64  `json:"checkpointMs"`
+	CommMs          float64  `json:"commMs"`
+	SendMs          float64  `json:"sendMs"`
+	RelativeScore   float64  `json:"relativeScore"`
+	IndividualScore float64  `json:"individualScore"`
+	Unavailable     []string `json:"unavailable,omitempty"`
+}
+
+// InputStats counts what was read and what was set aside.
+type InputStats struct {
+	Ranks         int      `json:"ranks"`
+	Bytes         uint64   `json:"bytes"`
+	Records       uint64   `json:"records"`
+	GarbageLines  uint64   `json:"garbageLines"`
+	UnmatchedEnds uint64   `json:"unmatchedEnds"`
+	Detector      Stats    `json:"detector"`
+	Warnings      []string `json:"warnings,omitempty"`
+}
+
+// History is what the charts of the HTML report draw.
+type History struct {
+	JobStep    []Point         // median over ranks of each step time
+	JobCompute []Point         // median over ranks of each compute time
+	Ranks      map[int]Series2 // per rank
+}
+
+// Series2 is a rank's step and compute time series.
+type Series2 struct {
+	Step, Compute []Point
+}
+
+// ErrResult is wrapped by the errors of ParseResult.
+var ErrResult = errors.New("invalid slow-node result")
+
+// ParseResult parses a result in its JSON form. Unknown fields are
+// ignored; the MindCluster fields must be present with the right types.
+func ParseResult(data []byte) (*Result, error) {
+	var raw map[string]json.RawMessage
+	if err := json.Unmarshal(data, &raw); err != nil {
+		return nil, fmt.Errorf("slownode: result: %v: %w", err, ErrResult)
+	}
+	for _, f := range []string{"isSlow", "degradationLevel", "slowCalculateRanks", "slowCommunicationDomains",
+		"slowHostNodes", "slowIORanks", "slowCommunicationRanks"} {
+		if _, ok := raw[f]; !ok {
+			return nil, fmt.Errorf("slownode: result: field %q missing: %w", f, ErrResult)
+		}
+	}
+	var r Result
+	if err := json.Unmarshal(data, &r); err != nil {
+		var te *json.UnmarshalTypeError
+		if errors.As(err, &te) {
+			return nil, fmt.Errorf("slownode: result: field %q: %s is not a %s: %w", te.Field, te.Value, te.Type, ErrResult)
+		}
+		return nil, fmt.Errorf("slownode: result: %v: %w", err, ErrResult)
+	}
+	if r.IsSlow != 0 && r.IsSlow != 1 {
+		return nil, fmt.Errorf("slownode: result: field \"isSlow\": %d is neither 0 nor 1: %w", r.IsSlow, ErrResult)
+	}
+	return &r, nil
+}
+
+// Marshal returns the indented JSON form of r with a final newline.
+func (r *Result) Marshal() ([]byte, error) {
+	b, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return nil, fmt.Errorf("slownode: marshal result: %w", err)
+	}
+	return append(b, '\n'), nil
+}
+
+// round3 keeps three decimals: enough for milliseconds and scores, and
+// stable output.
+func round3(x float64) float64 {
+	if math.IsNaN(x) || math.IsInf(x, 0) {
+		return 0
+	}
+	return math.Round(x*1000) / 1000
+}
+
+// Result returns the verdict as of the latest evaluated step. It does
+// not change the detector.
+func (d *Detector) Result() *Result {
+	var tmp []float64
+	r := &Result{
+		JobID:                    d.cfg.JobID,
+		SlowCalculateRanks:       []int{},
+		SlowCommunicationDomains: [][]int{},
+		SlowHostNodes:            []string{},
+		SlowIORanks:              []int{},
+		SlowCommunicationRanks:   []int{},
+		OnsetStep:                -1,
+		LastStep:                 d.evaluated,
+		Findings:                 []Finding{},
+		PhaseChanges:             slices.Clone(d.job.phases),
+		SilentRanks:              []int{},
+		Unavailable:              []string{},
+		Input:                    InputStats{Ranks: len(d.ranks), Detector: d.stats},
+	}
+	if r.PhaseChanges == nil {
+		r.PhaseChanges = []PhaseChange{}
+	}
+	for i := range r.PhaseChanges {
+		p := &r.PhaseChanges[i]
+		p.FromMs, p.ToMs, p.Ratio = round3(p.FromMs), round3(p.ToMs), round3(p.Ratio)
+	}
+	if d.job.ready {
+		r.BaselineMs = round3(d.job.baseline)
+	}
+	r.StepMs = round3(median(d.job.recent.values(tmp[:0])))
+
+	// Recent medians per rank, and the best per stage for relative scores.
+	recent := make([][numMetrics]float64, len(d.ranks))
+	bestOfStage := map[int]float64{}
+	for i, rs := range d.ranks {
+		for m := metric(0); m < numMetrics; m++ {
+			tmp = rs.win[m].values(tmp[:0])
+			recent[i][m] = median(tmp)
+		}
+		if c := recent[i][mCompute]; !rs.silent && !math.IsNaN(c) {
+			if b, ok := bestOfStage[rs.stage]; !ok || c < b {
+				bestOfStage[rs.stage] = c
+			}
+		}
+	}
+	relScore := func(i int) float64 {
+		c := recent[i][mCompute]
+		b, ok := bestOfStage[d.ranks[i].stage]
+		if !ok || math.IsNaN(c) || c <= 0 {
+			return 0
+		}
+		return round3(b / c)
+	}
+	indScore := func(i int) float64 {
+		rs := d.ranks[i]
+		c := recent[i][mCompute]
+		if rs.bestEp != d.epoch+1 || math.IsNaN(c) || c <= 0 {
+			return 0
+		}
+		return round3(math.Min(1, rs.best/c))
+	}
+
+	// Findings, in a fixed order.
+	keys := make([]findingKey, 0, len(d.findings))
+	for k, f := range d.findings {
+		if f.active && (k.kind == kindDomain || !d.ranks[k.id].silent) {
+			keys = append(keys, k)
+		}
+	}
+	slices.SortFunc(keys, func(a, b findingKey) int {
+		return cmp.Or(cmp.Compare(a.kind, b.kind), cmp.Compare(d.subjectOrder(a), d.subjectOrder(b)))
+	})
+	flags := make(map[int][]string)
+	computeSlow := make(map[int]int64) // rank → onset
+	for _, k := range keys {
+		f := d.findings[k]
+		thr := d.cfg.RelativeThreshold
+		recentV, ref, conf := f.evidence(thr, tmp)
+		fd := Finding{
+			Kind: k.kind.String(), Metric: k.kind.metricName(), Method: f.method,
+			Baseline: round3(ref), Recent: round3(recentV), OnsetStep: f.onset, DetectedStep: f.detected,
+			Confidence: round3(conf),
+		}
+		if ref > 0 {
+			fd.Ratio = round3(recentV / ref)
+		}
+		if k.kind == kindDomain {
+			g := d.groups[k.id]
+			fd.Group, fd.GroupKind = g.name, g.kind
+			fd.Ranks = d.groupRanks(g)
+			r.SlowCommunicationDomains = append(r.SlowCommunicationDomains, fd.Ranks)
+			for _, rk := range fd.Ranks {
+				flags[rk] = append(flags[rk], KindCommunicationDomain)
+			}
+		} else {
+			rs := d.ranks[k.id]
+			fd.Ranks = []int{rs.rank}
+			fd.Node = rs.node
+			fd.RelativeScore, fd.IndividualScore = relScore(int(k.id)), indScore(int(k.id))
+			flags[rs.rank] = append(flags[rs.rank], fd.Kind)
+			switch k.kind {
+			case kindCompute:
+				r.SlowCalculateRanks = append(r.SlowCalculateRanks, rs.rank)
+				computeSlow[rs.rank] = f.onset
+			case kindIO:
+				r.SlowIORanks = append(r.SlowIORanks, rs.rank)
+			case kindLink:
+				r.SlowCommunicationRanks = append(r.SlowCommunicationRanks, rs.rank)
+				for _, gi := range rs.groups {
+					if g := d.groups[gi]; g.pp {
+						if ranks := d.groupRanks(g); !containsDomain(r.SlowCommunicationDomains, ranks) {
+							r.SlowCommunicationDomains = append(r.SlowCommunicationDomains, ranks)
+						}
+					}
+				}
+			}
+		}
+		r.Findings = append(r.Findings, fd)
+	}
+
+	// Slow hosts: every live rank of the node is slow to compute.
+	nodes := map[string][]int{}
+	for _, rs := range d.ranks {
+		if !rs.silent && rs.steps > 0 {
+			nodes[rs.node] = append(nodes[rs.node], rs.rank)
+		}
+	}
+	var hostFindings []Finding
+	for node, ranks := range nodes {
+		onset, detected := int64(math.MaxInt64), int64(-1)
+		all := true
+		for _, rk := range ranks {
+			o, ok := computeSlow[rk]
+			if !ok {
+				all = false
+				break
+			}
+			onset = min(onset, o)
+		}
+		if !all || len(ranks) == 0 {
+			continue
+		}
+		slices.Sort(ranks)
+		r.SlowHostNodes = append(r.SlowHostNodes, node)
+		var ratio, conf float64
+		for _, f := range r.Findings {
+			if f.Kind == KindCompute && slices.Contains(ranks, f.Ranks[0]) {
+				ratio += f.Ratio / float64(len(ranks))
+				conf = max(conf, f.Confidence)
+				detected = max(detected, f.DetectedStep)
+			}
+		}
+		hostFindings = append(hostFindings, Finding{Kind: KindHost, Ranks: ranks, Node: node, Metric: "compute",
+			Method: "all ranks of the node", Ratio: round3(ratio), OnsetStep: onset, DetectedStep: detected, Confidence: conf})
+		for _, rk := range ranks {
+			flags[rk] = append(flags[rk], KindHost)
+		}
+	}
+	slices.Sort(r.SlowHostNodes)
+	slices.SortFunc(hostFindings, func(a, b Finding) int { return cmp.Compare(a.Node, b.Node) })
+	r.Findings = append(r.Findings, hostFindings...)
+	slices.Sort(r.SlowCalculateRanks)
+	slices.Sort(r.SlowIORanks)
+	slices.Sort(r.SlowCommunicationRanks)
+
+	if len(r.Findings) > 0 {
+		r.IsSlow = 1
+		r.OnsetStep = math.MaxInt64
+		for _, f := range r.Findings {
+			r.OnsetStep = min(r.OnsetStep, f.OnsetStep)
+			r.Confidence = max(r.Confidence, f.Confidence)
+		}
+		if d.job.degraded && d.job.onset >= 0 {
+			r.OnsetStep = min(r.OnsetStep, d.job.onset)
+		}
+	}
+	r.DegradationLevel = "0.0%"
+	if r.IsSlow == 1 {
+		r.DegradationLevel = strconv.FormatFloat(d.job.level(tmp), 'f', 1, 64) + "%"
+	}
+
+	// Ranks.
+	var have Figures
+	for i, rs := range d.ranks {
+		have |= rs.asm.have
+		s := RankSummary{Rank: rs.rank, Node: rs.node, Status: "ok", LastStep: rs.last, Stage: rs.stage,
+			Flags: flags[rs.rank]}
+		switch {
+		case rs.silent:
+			s.Status = "silent"
+			r.SilentRanks = append(r.SilentRanks, rs.rank)
+		case rs.steps == 0:
+			s.Status = "waiting"
+		case len(s.Flags) > 0:
+			s.Status = "slow"
+		}
+		m := recent[i]
+		s.StepMs, s.ComputeMs, s.ForwardMs = round3(m[mStep]), round3(m[mCompute]), round3(m[mForward])
+		s.GapMs, s.FPBPMs, s.TrailingMs = round3(m[mGap]), round3(m[mFPBP]), round3(m[mTrailing])
+		s.DataLoaderMs, s.CheckpointMs = round3(m[mDataLoader]), round3(m[mCheckpoint])
+		s.CommMs, s.SendMs = round3(m[mComm]), round3(m[mSend])
+		s.RelativeScore, s.IndividualScore = relScore(i), indScore(i)
+		if rs.steps > 0 {
+			s.Unavailable = (allFigures &^ rs.asm.have).Names()
+		}
+		r.Ranks = append(r.Ranks, s)
+	}
+	slices.SortFunc(r.Ranks, func(a, b RankSummary) int { return cmp.Compare(a.Rank, b.Rank) })
+	slices.Sort(r.SilentRanks)
+	if len(d.ranks) > 0 {
+		r.Unavailable = append(r.Unavailable, (allFigures &^ have).Names()...)
+	}
+	if r.Ranks == nil {
+		r.Ranks = []RankSummary{}
+	}
+
+	h := &History{JobStep: d.job.hist.points(), JobCompute: d.job.histC.points(), Ranks: make(map[int]Series2, len(d.ranks))}
+	for _, rs := range d.ranks {
+		h.Ranks[rs.rank] = Series2{Step: rs.hist.points(), Compute: rs.histC.points()}
+	}
+	r.History = h
+	return r
+}
+
+func (d *Detector) subjectOrder(k findingKey) int {
+	if k.kind == kindDomain {
+		return int(k.id)
+	}
+	return d.ranks[k.id].rank
+}
+
+func (d *Detector) groupRanks(g *group) []int {
+	out := make([]int, 0, len(g.members))
+	for _, ri := range g.members {
+		out = append(out, d.ranks[ri].rank)
+	}
+	slices.Sort(out)
+	return out
+}
+
+func containsDomain(ds [][]int, ranks []int) bool {
+	for _, d := range ds {
+		if slices.Equal(d, ranks) {
+			return true
+		}
+	}
+	return false
+}

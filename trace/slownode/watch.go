@@ -1,0 +1,439 @@
+package slownode
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+	oteltrace "go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// ErrNoRanks is returned by Analyze for a job folder with no rank folder.
+var ErrNoRanks = errors.New("no rank folders")
+
+// chunkSteps is how far one rank is read ahead of the slowest before the
+// others get their turn, so that a finished job's files, read one after
+// the other, meet in the detector a few steps apart.
+const chunkSteps = 8
+
+// pauseReads enables those turns. It is off because RankReader.Read
+// drops the rest of its read buffer when the callback returns an error,
+// although its documentation says the next Read continues with the
+// following record; until that is fixed a pass reads each rank to its
+// end and the detector holds the steps until the pass ends, which costs
+// memory in proportion to the steps a pass reads.
+const pauseReads = false
+
+// errPause stops a rank's Read when it is far enough ahead.
+var errPause = errors.New("slownode: pause")
+
+// Analyze reads every rank folder of jobDir to its end, as the files
+// stand, and returns the verdict. jobDir holds <rank>/ folders, or
+// <node>/<rank>/ folders gathered from several hosts (the node's folder
+// name then names the rank's host).
+func Analyze(ctx context.Context, jobDir string, cfg Config) (*Result, error) {
+	s, err := newSource(jobDir, cfg)
+	if err != nil {
+		return nil, err
+	}
+	defer s.close()
+	ctx, span := s.tracer.Start(ctx, "slownode.Analyze", oteltrace.WithAttributes(attribute.String("job.dir", jobDir)))
+	defer span.End()
+	if err := s.pass(ctx); err != nil {
+		return nil, err
+	}
+	if len(s.ranks) == 0 {
+		return nil, fmt.Errorf("slownode: %s: %w", jobDir, ErrNoRanks)
+	}
+	s.d.Flush()
+	r := s.result()
+	span.SetAttributes(attribute.Int("slownode.is_slow", r.IsSlow), attribute.Int64("slownode.last_step", r.LastStep))
+	s.progress(true)
+	return r, nil
+}
+
+// Watch tails the rank folders of jobDir every cfg.PollInterval until ctx
+// is done, and calls onChange with the verdict whenever it changes: slow
+// or not, the slow ranks, hosts, communicators or silent ranks. The first
+// verdict is passed once the first steps have been evaluated. Rank
+// folders that appear later join. Watch returns nil when ctx is done, or
+// the error that stopped it.
+func Watch(ctx context.Context, jobDir string, cfg Config, onChange func(*Result)) error {
+	s, err := newSource(jobDir, cfg)
+	if err != nil {
+		return err
+	}
+	defer s.close()
+	tick := time.NewTicker(s.d.cfg.PollInterval)
+	defer tick.Stop()
+	last := ""
+	for {
+		pctx, span := s.tracer.Start(ctx, "slownode.pass")
+		err := s.pass(pctx)
+		span.End()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		if s.d.evaluated >= 0 {
+			r := s.result()
+			if k := verdictKey(r); k != last {
+				last = k
+				s.metrics.changes.Add(1)
+				onChange(r)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+	}
+}
+
+// verdictKey is what makes two verdicts different for Watch.
+func verdictKey(r *Result) string {
+	return fmt.Sprint(r.IsSlow, r.SlowCalculateRanks, r.SlowCommunicationDomains, r.SlowHostNodes,
+		r.SlowIORanks, r.SlowCommunicationRanks, r.SilentRanks, len(r.PhaseChanges))
+}
+
+type rankSource struct {
+	rank    int
+	dir     string
+	node    string // from a <node>/<rank> layout, "" otherwise
+	rd      *trace.RankReader
+	pair    trace.Pairer
+	groups  bool   // parallel_group.json loaded
+	garbage uint64 // garbage lines already logged
+	err     error  // why the folder cannot be read, logged once
+}
+
+type source struct {
+	dir      string
+	d        *Detector
+	ranks    []*rankSource
+	byRank   map[int]*rankSource
+	log      *slog.Logger
+	tracer   oteltrace.Tracer
+	metrics  *metrics
+	reg      prometheus.Registerer
+	prog     func(Progress)
+	bytes    uint64
+	records  uint64
+	lastProg time.Time
+}
+
+func newSource(jobDir string, cfg Config) (*source, error) {
+	if cfg.JobID == "" {
+		cfg.JobID = filepath.Base(filepath.Clean(jobDir))
+	}
+	d, err := New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	fi, err := os.Stat(jobDir)
+	if err != nil {
+		return nil, fmt.Errorf("slownode: job folder: %w", err)
+	}
+	if !fi.IsDir() {
+		return nil, fmt.Errorf("slownode: job folder %s is not a folder", jobDir)
+	}
+	s := &source{dir: jobDir, d: d, byRank: map[int]*rankSource{}, log: cfg.Logger, prog: cfg.Progress,
+		metrics: newMetrics(), reg: cfg.Registerer}
+	if s.log == nil {
+		s.log = slog.New(slog.DiscardHandler)
+	}
+	tp := cfg.TracerProvider
+	if tp == nil {
+		tp = noop.NewTracerProvider()
+	}
+	s.tracer = tp.Tracer("github.com/faultline-ml/faultline/trace/slownode")
+	if s.reg != nil {
+		if err := s.reg.Register(s.metrics); err != nil {
+			return nil, fmt.Errorf("slownode: register metrics: %w", err)
+		}
+	}
+	return s, nil
+}
+
+func (s *source) close() {
+	for _, rs := range s.ranks {
+		if rs.rd != nil {
+			rs.rd.Close()
+		}
+	}
+	if s.reg != nil {
+		s.reg.Unregister(s.metrics)
+	}
+}
+
+// discover opens the rank folders that appeared since the last pass.
+func (s *source) discover() error {
+	ranks, err := trace.ListRanks(s.dir)
+	if err != nil {
+		return fmt.Errorf("slownode: %w", err)
+	}
+	type found struct {
+		rank      int
+		dir, node string
+	}
+	var all []found
+	for _, r := range ranks {
+		all = append(all, found{r, filepath.Join(s.dir, strconv.Itoa(r)), ""})
+	}
+	if len(ranks) == 0 {
+		// <job>/<node>/<rank>: folders gathered from several hosts.
+		ents, err := os.ReadDir(s.dir)
+		if err != nil {
+			return fmt.Errorf("slownode: %w", err)
+		}
+		for _, e := range ents {
+			if !e.IsDir() || trace.ValidateJob(e.Name()) != nil {
+				continue
+			}
+			sub := filepath.Join(s.dir, e.Name())
+			rs, err := trace.ListRanks(sub)
+			if err != nil {
+				continue
+			}
+			for _, r := range rs {
+				all = append(all, found{r, filepath.Join(sub, strconv.Itoa(r)), e.Name()})
+			}
+		}
+	}
+	for _, f := range all {
+		if prev, ok := s.byRank[f.rank]; ok {
+			if prev.dir != f.dir && prev.err == nil {
+				prev.err = fmt.Errorf("rank %d has two folders, %s and %s: the second is ignored", f.rank, prev.dir, f.dir)
+				s.log.Warn("slownode: duplicate rank folder", "rank", f.rank, "kept", prev.dir, "ignored", f.dir)
+			}
+			continue
+		}
+		rs := &rankSource{rank: f.rank, dir: f.dir, node: f.node}
+		if f.node != "" {
+			if _, ok := s.d.cfg.Nodes[f.rank]; !ok {
+				s.d.setNode(f.rank, f.node)
+			}
+		}
+		s.byRank[f.rank] = rs
+		s.ranks = append(s.ranks, rs)
+		s.d.AddRank(f.rank)
+	}
+	slices.SortFunc(s.ranks, func(a, b *rankSource) int { return a.rank - b.rank })
+	return nil
+}
+
+// pass discovers rank folders and reads every rank to where its files
+// end, in rounds that keep the ranks within a few steps of each other.
+func (s *source) pass(ctx context.Context) error {
+	if err := s.discover(); err != nil {
+		return err
+	}
+	for _, rs := range s.ranks {
+		s.open(rs)
+	}
+	caught := make([]bool, len(s.ranks))
+	for {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		target := int64(-1)
+		first := true
+		for i, rs := range s.ranks {
+			if caught[i] || rs.rd == nil {
+				continue
+			}
+			if l := s.d.rankLast(rs.rank); first || l < target {
+				target, first = l, false
+			}
+		}
+		if first {
+			break // every rank caught up
+		}
+		target += chunkSteps
+		s.d.holdEvaluation()
+		for i, rs := range s.ranks {
+			if caught[i] || rs.rd == nil {
+				caught[i] = true
+				continue
+			}
+			done, err := s.read(rs, target)
+			if err != nil {
+				s.d.release()
+				return err
+			}
+			caught[i] = done
+		}
+		s.d.release()
+		s.progress(false)
+	}
+	for _, rs := range s.ranks {
+		if rs.rd == nil {
+			continue
+		}
+		st := rs.rd.Stats()
+		if st.GarbageLines > rs.garbage {
+			s.log.Warn("slownode: skipped lines that are not records", "rank", rs.rank,
+				"lines", st.GarbageLines-rs.garbage, "last", st.LastGarbage)
+			s.metrics.garbage.Add(st.GarbageLines - rs.garbage)
+			rs.garbage = st.GarbageLines
+		}
+	}
+	return nil
+}
+
+// open opens the reader of a rank folder and loads its
+// parallel_group.json, retrying on later passes until both work.
+func (s *source) open(rs *rankSource) {
+	if rs.rd == nil {
+		rd, err := trace.OpenRankReader(rs.dir, trace.ReaderConfig{})
+		if err != nil {
+			if rs.err == nil {
+				s.log.Warn("slownode: cannot read rank folder", "rank", rs.rank, "err", err)
+			}
+			rs.err = err
+			return
+		}
+		rs.rd = rd
+	}
+	if !rs.groups {
+		g, err := trace.ReadParallelGroups(rs.dir)
+		switch {
+		case err == nil:
+			s.d.AddGroups(g)
+			rs.groups = true
+		case errors.Is(err, os.ErrNotExist):
+			// Not written yet, or a job without one: communicators are
+			// then learnt from the ops' group names.
+		default:
+			s.log.Warn("slownode: ignoring parallel groups", "rank", rs.rank, "err", err)
+			rs.groups = true
+		}
+	}
+}
+
+// read feeds the rank's new records to the detector until the rank has
+// finished step target; it reports whether the rank caught up instead.
+func (s *source) read(rs *rankSource, target int64) (bool, error) {
+	before := rs.rd.Stats()
+	err := rs.rd.Read(func(rec *trace.Record) error {
+		r, ok := rs.pair.Add(rec)
+		if !ok {
+			return nil
+		}
+		s.d.Add(rs.rank, r)
+		if pauseReads && s.d.rankLast(rs.rank) >= target {
+			return errPause
+		}
+		return nil
+	})
+	after := rs.rd.Stats()
+	s.bytes += after.Bytes - before.Bytes
+	s.records += after.Records - before.Records
+	s.metrics.records.Add(after.Records - before.Records)
+	s.metrics.bytes.Add(after.Bytes - before.Bytes)
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, errPause):
+		return false, nil
+	}
+	return false, fmt.Errorf("slownode: rank %d: %w", rs.rank, err)
+}
+
+func (s *source) progress(done bool) {
+	if s.prog == nil {
+		return
+	}
+	if now := time.Now(); done || now.Sub(s.lastProg) >= 250*time.Millisecond {
+		s.lastProg = now
+		s.prog(Progress{Ranks: len(s.ranks), Bytes: s.bytes, Records: s.records, LastStep: s.d.evaluated, Done: done})
+	}
+}
+
+func (s *source) result() *Result {
+	r := s.d.Result()
+	r.Input.Bytes, r.Input.Records = s.bytes, s.records
+	for _, rs := range s.ranks {
+		if rs.rd != nil {
+			r.Input.GarbageLines += rs.rd.Stats().GarbageLines
+		}
+		r.Input.UnmatchedEnds += rs.pair.Stats().UnmatchedEnds
+		if rs.err != nil {
+			r.Input.Warnings = append(r.Input.Warnings, rs.err.Error())
+		}
+	}
+	if r.Input.GarbageLines > 0 {
+		r.Input.Warnings = append(r.Input.Warnings, fmt.Sprintf("%d lines were not records and were skipped", r.Input.GarbageLines))
+	}
+	s.metrics.set(r, s.d.stats.Evaluated)
+	return r
+}
+
+// metrics are the collectors Analyze and Watch register.
+type metrics struct {
+	records, bytes, garbage, changes atomic.Uint64
+	evaluated                        atomic.Uint64
+	slow, slowRanks                  atomic.Int64
+	descs                            [7]*prometheus.Desc
+}
+
+func newMetrics() *metrics {
+	m := &metrics{}
+	names := [...][2]string{
+		{"faultline_slownode_records_total", "Dotting records read."},
+		{"faultline_slownode_read_bytes_total", "Bytes of dotting records read."},
+		{"faultline_slownode_garbage_lines_total", "Lines skipped because they are not records."},
+		{"faultline_slownode_verdict_changes_total", "Times the verdict changed."},
+		{"faultline_slownode_steps_evaluated_total", "Job steps evaluated."},
+		{"faultline_slownode_slow", "1 when the job has a slow rank, host, communicator or link."},
+		{"faultline_slownode_slow_ranks", "Ranks blamed by the current verdict."},
+	}
+	for i, n := range names {
+		m.descs[i] = prometheus.NewDesc(n[0], n[1], nil, nil)
+	}
+	return m
+}
+
+func (m *metrics) set(r *Result, evaluated uint64) {
+	m.evaluated.Store(evaluated)
+	m.slow.Store(int64(r.IsSlow))
+	n := 0
+	for _, rk := range r.Ranks {
+		if rk.Status == "slow" {
+			n++
+		}
+	}
+	m.slowRanks.Store(int64(n))
+}
+
+// Describe implements prometheus.Collector.
+func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range m.descs {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (m *metrics) Collect(ch chan<- prometheus.Metric) {
+	counters := []uint64{m.records.Load(), m.bytes.Load(), m.garbage.Load(), m.changes.Load(), m.evaluated.Load()}
+	for i, v := range counters {
+		ch <- prometheus.MustNewConstMetric(m.descs[i], prometheus.CounterValue, float64(v))
+	}
+	ch <- prometheus.MustNewConstMetric(m.descs[5], prometheus.GaugeValue, float64(m.slow.Load()))
+	ch <- prometheus.MustNewConstMetric(m.descs[6], prometheus.GaugeValue, float64(m.slowRanks.Load()))
+}
