@@ -165,11 +165,12 @@ func checkScenarios(t *testing.T, layouts []layout, steps int) {
 			// Detection latency: every finding of an injected slowdown
 			// is reported within 3 steps of its onset.
 			for _, f := range r.Findings {
-				if truth.Onset >= 0 && (f.DetectedStep-int64(truth.Onset) > 3 || f.OnsetStep < int64(truth.Onset)-1) {
+				if truth.Onset >= 0 && (f.DetectedStep-int64(truth.Onset) > 3 || f.OnsetStep < int64(truth.Onset)) {
 					t.Errorf("%s: %s %v: onset %d detected %d, injected at %d", sc.name, f.Kind, f.Ranks, f.OnsetStep, f.DetectedStep, truth.Onset)
 				}
 			}
-			if r.IsSlow == 1 && truth.Onset >= 0 && r.OnsetStep != int64(truth.Onset) {
+			// One noisy step may hide the first anomalous one.
+			if r.IsSlow == 1 && truth.Onset >= 0 && (r.OnsetStep < int64(truth.Onset) || r.OnsetStep > int64(truth.Onset)+1) {
 				t.Errorf("%s: onset step %d, want %d", sc.name, r.OnsetStep, truth.Onset)
 			}
 			if len(r.SilentRanks) > 0 {
