@@ -2,7 +2,6 @@ package taskd
 
 import (
 	"context"
-	"fmt"
 	"sync"
 	"testing"
 
@@ -23,6 +22,7 @@ type cluster struct {
 	mu      sync.Mutex
 	applied map[int]trace.Switch
 	onApply func(rank int, sw trace.Switch)
+	onMsg   func(rank int, m Message) error
 }
 
 func newCluster(t testing.TB, sec Security, mcfg ManagerConfig) *cluster {
@@ -92,6 +92,12 @@ func (c *cluster) addWorker(node, rank int) *Worker {
 			c.mu.Unlock()
 			if f != nil {
 				f(rank, sw)
+			}
+			return nil
+		},
+		OnMessage: func(m Message) error {
+			if c.onMsg != nil {
+				return c.onMsg(rank, m)
 			}
 			return nil
 		}})
@@ -174,5 +180,7 @@ func TestSmoke(t *testing.T) {
 			t.Errorf("rank %d: %v", d.Rank, d.Err)
 		}
 	}
-	fmt.Println(c.m.Faults(0))
+	if f := c.m.Faults(0); len(f) != 1 || f[0].Kind != FaultHang || f[0].Position != (Position{0, 3}) || f[0].ReporterRole != RoleWorker {
+		t.Fatalf("faults: %+v", f)
+	}
 }

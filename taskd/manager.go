@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -103,6 +104,8 @@ func (c ManagerConfig) Validate() error {
 	switch {
 	case c.Job == "":
 		return errors.New("taskd: ManagerConfig.Job: empty")
+	case strings.ContainsAny(c.Job, "/\\\x00") || c.Job == "." || c.Job == "..":
+		return fmt.Errorf("taskd: ManagerConfig.Job: %q is not a single path element", c.Job)
 	case c.Nodes < 0:
 		return fmt.Errorf("taskd: ManagerConfig.Nodes: %d is negative", c.Nodes)
 	case c.ProcsPerNode < 0:

@@ -1,0 +1,145 @@
+package taskd
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func writeFile(t testing.TB, name string, data []byte) {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(name), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(name, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestCollect(t *testing.T) {
+	collectDir := t.TempDir()
+	c := newCluster(t, insecureSec(), ManagerConfig{CollectDir: collectDir})
+	dotting, stacks, outside := t.TempDir(), t.TempDir(), t.TempDir()
+	job := c.job
+	big := bytes.Repeat([]byte("0123456789abcdef"), 40000) // 640 KB: several chunks
+	writeFile(t, filepath.Join(dotting, job, "0", "1700000000"), big)
+	writeFile(t, filepath.Join(dotting, job, "1", "1700000001"), []byte("rank1\n"))
+	writeFile(t, filepath.Join(dotting, job, "parallel_group.json"), []byte("{}"))
+	writeFile(t, filepath.Join(dotting, "other-job", "0", "1700000000"), []byte("not ours"))
+	writeFile(t, filepath.Join(stacks, job, "00000-00002.stacktrace"), []byte("main@x.go@1\n"))
+	writeFile(t, filepath.Join(outside, "secret"), []byte("do not ship"))
+	if err := os.Symlink(filepath.Join(outside, "secret"), filepath.Join(dotting, job, "1", "link")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, filepath.Join(dotting, job, "dirlink")); err != nil {
+		t.Fatal(err)
+	}
+
+	p, err := NewProxy(ProxyConfig{Job: job, Node: 0, Upstream: c.m.Addr().String(), Listen: "127.0.0.1:0", Security: insecureSec(), DottingRoot: dotting, StackRoot: stacks})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.proxies[0] = p
+	c.run(p, p.Run)
+	waitFor(t, 20*time.Second, "the proxy", func() bool { return len(c.m.Members()) == 1 })
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	res, err := c.m.Collect(ctx, CollectOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res) != 1 || res[0].Files != 4 || len(res[0].Errors) != 0 {
+		t.Fatalf("results: %+v", res)
+	}
+	got := map[string]string{}
+	root := filepath.Join(collectDir, job)
+	filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+		if err == nil && !d.IsDir() {
+			b, _ := os.ReadFile(path)
+			rel, _ := filepath.Rel(root, path)
+			got[rel] = string(b)
+		}
+		return nil
+	})
+	want := map[string]string{
+		"node-0/dotting/0/1700000000":          string(big),
+		"node-0/dotting/1/1700000001":          "rank1\n",
+		"node-0/dotting/parallel_group.json":   "{}",
+		"node-0/stacks/00000-00002.stacktrace": "main@x.go@1\n",
+		HostMappingFile:                        "# alias address\nnode-0 127.0.0.1\n",
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("%s: got %d bytes, want %d", k, len(got[k]), len(v))
+		}
+	}
+	for k, v := range got {
+		if _, ok := want[k]; !ok {
+			t.Errorf("unexpected file %s (%q)", k, v[:min(len(v), 20)])
+		}
+		if strings.Contains(v, "do not ship") || strings.Contains(v, "not ours") {
+			t.Errorf("%s: content from outside the job", k)
+		}
+	}
+
+	// A file that grew is continued, not sent again; an interrupted
+	// transfer resumes from its partial copy.
+	f, _ := os.OpenFile(filepath.Join(dotting, job, "1", "1700000001"), os.O_APPEND|os.O_WRONLY, 0)
+	f.WriteString("more\n")
+	f.Close()
+	writeFile(t, filepath.Join(dotting, job, "1", "1700000099"), []byte("abcdefghij"))
+	writeFile(t, filepath.Join(root, "node-0/dotting/1/1700000099.partial"), []byte("abcd"))
+	res, err = c.m.Collect(ctx, CollectOptions{Dotting: true})
+	if err != nil || len(res[0].Errors) != 0 {
+		t.Fatalf("second collect: %+v %v", res, err)
+	}
+	if res[0].Bytes != int64(len("more\n")+len("efghij")) {
+		t.Errorf("second collect shipped %d bytes, want only what is new", res[0].Bytes)
+	}
+	for name, want := range map[string]string{"node-0/dotting/1/1700000001": "rank1\nmore\n", "node-0/dotting/1/1700000099": "abcdefghij"} {
+		if b, _ := os.ReadFile(filepath.Join(root, name)); string(b) != want {
+			t.Errorf("%s = %q, want %q", name, b, want)
+		}
+	}
+}
+
+func TestCollectSizeCap(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{CollectDir: t.TempDir(), MaxCollectBytes: 1000})
+	dotting := t.TempDir()
+	writeFile(t, filepath.Join(dotting, c.job, "0", "1700000000"), bytes.Repeat([]byte("x"), 5000))
+	p, err := NewProxy(ProxyConfig{Job: c.job, Node: 0, Upstream: c.m.Addr().String(), Listen: "127.0.0.1:0", Security: insecureSec(), DottingRoot: dotting})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.proxies[0] = p
+	c.run(p, p.Run)
+	waitFor(t, 20*time.Second, "the proxy", func() bool { return len(c.m.Members()) == 1 })
+	res, err := c.m.Collect(context.Background(), CollectOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res) != 1 || len(res[0].Errors) != 1 || !strings.Contains(res[0].Errors[0], "exceeds") {
+		t.Fatalf("results: %+v", res)
+	}
+	if _, err := (&Manager{}).Collect(context.Background(), CollectOptions{}); err == nil {
+		t.Fatal("Collect without CollectDir succeeded")
+	}
+}
+
+func TestCleanCollectPath(t *testing.T) {
+	for _, p := range []string{"dotting/0/1700000000", "stacks/a.stacktrace", "dotting/parallel_group.json"} {
+		if err := cleanCollectPath(p); err != nil {
+			t.Errorf("%q: %v", p, err)
+		}
+	}
+	for _, p := range []string{"", "/etc/passwd", "dotting/../../etc/passwd", "dotting/./x", "../x", "dotting//x", "other/x", "dotting", `dotting\..\x`, "dotting/x\x00", "dotting/x.partial", strings.Repeat("a/", 600)} {
+		if err := cleanCollectPath(p); err == nil {
+			t.Errorf("%q accepted", p)
+		}
+	}
+}

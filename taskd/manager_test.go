@@ -1,0 +1,299 @@
+package taskd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/trace"
+)
+
+func TestBroadcast(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{DeliveryTimeout: 3 * time.Second})
+	c.onMsg = func(rank int, m Message) error {
+		if rank == 2 {
+			return fmt.Errorf("cannot %s", m.Kind)
+		}
+		return nil
+	}
+	c.addProxy(0)
+	for r := range 4 {
+		c.addWorker(0, r)
+	}
+	c.addWorker(1, 4) // direct
+	waitFor(t, 20*time.Second, "5 workers", func() bool { return c.liveWorkers() == 5 })
+	ctx := context.Background()
+	ds, err := c.m.Broadcast(ctx, NodeWorkers(0), "pause", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var errs []string
+	for _, d := range ds {
+		if d.Err != nil {
+			errs = append(errs, d.Err.Error())
+		}
+	}
+	if len(ds) != 4 || !cmp.Equal(errs, []string{"taskd: rank 2: cannot pause"}) {
+		t.Fatalf("node broadcast: %+v", ds)
+	}
+	ds, err = c.m.Broadcast(ctx, RankList(4, 99), "resume", []byte("now"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ds) != 2 || ds[0].Err != nil || !errors.Is(ds[1].Err, ErrNotConnected) {
+		t.Fatalf("rank broadcast: %+v", ds)
+	}
+	if ds, _ := c.m.Broadcast(ctx, AllWorkers(), "x", nil); len(ds) != 5 {
+		t.Fatalf("all: %+v", ds)
+	}
+	if _, err := c.m.Broadcast(ctx, AllWorkers(), "x", make([]byte, DefaultMaxMessageBytes)); !errors.Is(err, ErrTooLarge) {
+		t.Fatalf("oversized: %v", err)
+	}
+}
+
+func TestLostAndRejoin(t *testing.T) {
+	var mu sync.Mutex
+	var lost []Fault
+	got := make(chan struct{}, 10)
+	c := newCluster(t, insecureSec(), ManagerConfig{Handlers: []Handler{{Name: "rec", Handle: func(_ context.Context, _ *Manager, ev Event) error {
+		if ev.Kind == EventFault && ev.Fault.Kind == FaultLost {
+			mu.Lock()
+			lost = append(lost, ev.Fault)
+			mu.Unlock()
+			got <- struct{}{}
+		}
+		return nil
+	}}}})
+	w := c.addWorker(0, 0)
+	waitFor(t, 20*time.Second, "registration", w.Connected)
+	stopped := time.Now()
+	c.stop(w, w)
+	select {
+	case <-got:
+	case <-time.After(testTimings.deadline + 20*time.Second):
+		t.Fatal("no FaultLost")
+	}
+	mu.Lock()
+	f := lost[0]
+	mu.Unlock()
+	if f.Position != (Position{0, 0}) || f.ReporterRole != RoleManager || f.Received.Sub(stopped) < testTimings.deadline-testTimings.interval {
+		t.Fatalf("lost fault %+v, %v after stopping", f, f.Received.Sub(stopped))
+	}
+	// A restarted process takes the rank again.
+	w2 := c.addWorker(0, 0)
+	waitFor(t, 20*time.Second, "re-registration", w2.Connected)
+}
+
+func TestDirectImpersonation(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{})
+	w := c.addWorker(0, 0)
+	waitFor(t, 20*time.Second, "registration", w.Connected)
+	if tryWorker(t, c.m.Addr().String(), insecureSec(), 0, time.Second) {
+		t.Fatal("a second instance of rank 0 got in")
+	}
+	if n := counterValue(c.m.met.refused); n < 1 {
+		t.Fatalf("refused = %v", n)
+	}
+	if !w.Connected() {
+		t.Fatal("the holder lost its place")
+	}
+}
+
+func TestRateLimitAndSizeCap(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{RateLimit: 5, RateBurst: 5, MaxMessageBytes: 64 << 10})
+	conn, err := grpc.NewClient("passthrough:///"+c.m.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	client := pb.NewControlClient(conn)
+	ctx := context.Background()
+	limited := 0
+	for range 20 {
+		_, err := client.Heartbeat(ctx, &pb.HeartbeatRequest{Job: c.job})
+		if status.Code(err) == codes.ResourceExhausted {
+			limited++
+		}
+	}
+	if limited < 10 || counterValue(c.m.met.rateLimited) != float64(limited) {
+		t.Fatalf("%d of 20 calls limited (metric %v)", limited, counterValue(c.m.met.rateLimited))
+	}
+	// A new connection has its own budget.
+	conn2, _ := grpc.NewClient("passthrough:///"+c.m.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	defer conn2.Close()
+	client2 := pb.NewControlClient(conn2)
+	if _, err := client2.Heartbeat(ctx, &pb.HeartbeatRequest{Job: c.job}); err != nil {
+		t.Fatalf("fresh connection: %v", err)
+	}
+	big := &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: "x", Body: &pb.Report_Message{Message: &pb.UserMessage{Kind: "k", Payload: make([]byte, 100<<10)}}}}}
+	if _, err := client2.Send(ctx, big); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("oversized message: %v", err)
+	}
+	w, err := NewWorker(WorkerConfig{Job: c.job, Upstream: c.m.Addr().String(), Security: insecureSec(), MaxMessageBytes: 64 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	if err := w.Send("k", make([]byte, 32<<10)); !errors.Is(err, ErrTooLarge) {
+		t.Fatalf("worker oversized: %v", err)
+	}
+}
+
+func TestHandlers(t *testing.T) {
+	var mu sync.Mutex
+	var calls []string
+	rec := func(name string) func(context.Context, *Manager, Event) error {
+		return func(_ context.Context, _ *Manager, ev Event) error {
+			mu.Lock()
+			calls = append(calls, name+":"+ev.Kind.String())
+			mu.Unlock()
+			if name == "broken" {
+				panic("bug")
+			}
+			return nil
+		}
+	}
+	c := newCluster(t, insecureSec(), ManagerConfig{Handlers: []Handler{
+		{Name: "recovery", Priority: 10, Handle: rec("recovery")},
+		{Name: "profiling", Priority: 0, Handle: rec("profiling")},
+		{Name: "broken", Priority: 5, Handle: rec("broken")},
+	}})
+	w := c.addWorker(0, 0)
+	waitFor(t, 20*time.Second, "registration", w.Connected)
+	if err := w.Send("hello", []byte("hi")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 20*time.Second, "two events through every handler", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(calls) >= 6
+	})
+	mu.Lock()
+	got := calls[:6]
+	mu.Unlock()
+	want := []string{"profiling:registered", "broken:registered", "recovery:registered", "profiling:message", "broken:message", "recovery:message"}
+	if d := cmp.Diff(want, got); d != "" {
+		t.Fatal(d)
+	}
+	if n := counterValue(c.m.met.handlerErrs.WithLabelValues("broken")); n != 2 {
+		t.Fatalf("handler errors = %v", n)
+	}
+}
+
+// chanSource is a SwitchSource fed by a test.
+type chanSource chan trace.Switch
+
+func (s chanSource) Watch(ctx context.Context, set func(trace.Switch)) error {
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case sw := <-s:
+			set(sw)
+		}
+	}
+}
+
+func TestSwitchSourceAndSubscribe(t *testing.T) {
+	src := make(chanSource)
+	c := newCluster(t, insecureSec(), ManagerConfig{SwitchSource: src})
+	conn, err := grpc.NewClient("passthrough:///"+c.m.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	sub, err := pb.NewTrainingDataTraceClient(conn).SubscribeDataTraceSwitch(ctx, &pb.DataStatusReq{JobNsName: c.job})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := sub.Recv()
+	if err != nil || first.GetProfilingSwitch().GetStep() != "off" {
+		t.Fatalf("first: %v %v", first, err)
+	}
+	src <- trace.Switch{Step: true}
+	next, err := sub.Recv()
+	if err != nil || next.GetProfilingSwitch().GetStep() != "on" || next.GetProfilingSwitch().GetFP() != "off" {
+		t.Fatalf("next: %v %v", next, err)
+	}
+	if st := c.m.SwitchStatus(); st.Version != 1 || !st.Switch.Step {
+		t.Fatalf("status %+v", st)
+	}
+	// A bad document leaves the switch in force.
+	if _, err := c.m.SetSwitchDocument([]byte(`{"Step":"maybe"}`)); !errors.Is(err, trace.ErrSwitch) {
+		t.Fatalf("bad document: %v", err)
+	}
+	if st := c.m.SwitchStatus(); st.Version != 1 || !st.Switch.Step {
+		t.Fatalf("status after a bad document %+v", st)
+	}
+	unknown, err := pb.NewTrainingDataTraceClient(conn).SubscribeDataTraceSwitch(ctx, &pb.DataStatusReq{JobNsName: "nope"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := unknown.Recv(); err != nil || r.GetCode() != pb.Code_CODE_UNKNOWN_JOB {
+		t.Fatalf("unknown job: %v %v", r, err)
+	}
+}
+
+func TestQueueKeepsReportsUntilConnected(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{})
+	reg := newWorkerMetrics(nil)
+	w, err := NewWorker(WorkerConfig{Job: c.job, Upstream: c.m.Addr().String(), Security: insecureSec(), QueueSize: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.met = reg
+	w.up.overflow = reg.overflow.Inc
+	for i := range 3 {
+		err := w.ReportFault(Fault{Kind: FaultOpError, Code: i})
+		if (i == 2) != errors.Is(err, ErrQueueFull) {
+			t.Fatalf("report %d: %v", i, err)
+		}
+	}
+	if counterValue(reg.overflow) != 1 || w.Pending() != 2 {
+		t.Fatalf("overflow %v, pending %d", counterValue(reg.overflow), w.Pending())
+	}
+	if err := w.ReportFault(Fault{}); err == nil || !strings.Contains(err.Error(), "Kind") {
+		t.Fatalf("fault without kind: %v", err)
+	}
+	c.run(w, w.Run)
+	waitFor(t, 20*time.Second, "queued faults delivered", func() bool { return len(c.m.Faults(0)) == 2 && w.Pending() == 0 })
+}
+
+func TestConfigValidate(t *testing.T) {
+	sec := insecureSec()
+	for _, tc := range []struct {
+		err   error
+		field string
+	}{
+		{ManagerConfig{Security: sec}.Validate(), "Job"},
+		{ManagerConfig{Job: "a/b", Security: sec}.Validate(), "Job"},
+		{ManagerConfig{Job: "j", Security: sec, HeartbeatInterval: time.Second, HeartbeatDeadline: time.Second}.Validate(), "HeartbeatDeadline"},
+		{ManagerConfig{Job: "j", Security: sec, MaxMessageBytes: 10}.Validate(), "MaxMessageBytes"},
+		{ManagerConfig{Job: "j", Security: sec, Handlers: []Handler{{Name: "x"}}}.Validate(), "Handlers[0]"},
+		{ManagerConfig{Job: "j"}.Validate(), "Security"},
+		{ProxyConfig{Job: "j", Security: sec}.Validate(), "Upstream"},
+		{ProxyConfig{Job: "j", Upstream: "x", Node: -1, Security: sec}.Validate(), "Node"},
+		{WorkerConfig{Job: "j", Rank: -2, Security: sec}.Validate(), "Rank"},
+		{WorkerConfig{Security: sec}.Validate(), "Job"},
+	} {
+		if tc.err == nil || !strings.Contains(tc.err.Error(), tc.field) {
+			t.Errorf("error %v does not name %s", tc.err, tc.field)
+		}
+	}
+	if err := (ManagerConfig{Job: "j", Security: sec}).Validate(); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,180 @@
+package taskd
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"math/big"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+type testCA struct {
+	cert *x509.Certificate
+	key  *ecdsa.PrivateKey
+	pem  []byte
+}
+
+func newTestCA(t testing.TB, name string) *testCA {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: name},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, _ := x509.ParseCertificate(der)
+	return &testCA{cert: cert, key: key, pem: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})}
+}
+
+// issue writes tls.crt and tls.key for name, signed by ca, and trust (the
+// CA a peer must be signed by) as ca.crt, into a new directory.
+func (ca *testCA) issue(t testing.TB, name string, trust *testCA) string {
+	t.Helper()
+	dir := t.TempDir()
+	ca.issueInto(t, dir, name, trust)
+	return dir
+}
+
+func (ca *testCA) issueInto(t testing.TB, dir, name string, trust *testCA) {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: name},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		KeyUsage:    x509.KeyUsageDigitalSignature,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, DNSNames: []string{"localhost"},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kb, _ := x509.MarshalECPrivateKey(key)
+	write := func(name string, data []byte) {
+		// Write beside and rename, as a Kubernetes secret update does.
+		tmp := filepath.Join(dir, "."+name+".tmp")
+		if err := os.WriteFile(tmp, data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, filepath.Join(dir, name)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("tls.crt", pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}))
+	write("tls.key", pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}))
+	write("ca.crt", trust.pem)
+}
+
+// tryWorker runs a worker against addr for up to d and reports whether it
+// got registered.
+func tryWorker(t testing.TB, addr string, sec Security, rank int, d time.Duration) bool {
+	t.Helper()
+	w, err := NewWorker(WorkerConfig{Job: "job-1", Node: 0, Rank: rank, Upstream: addr, Security: sec, AckTimeout: 500 * time.Millisecond, ReconnectMax: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	done := make(chan struct{})
+	go func() { defer close(done); w.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	for ctx.Err() == nil {
+		if w.Connected() {
+			return true
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return false
+}
+
+func TestMutualTLS(t *testing.T) {
+	ca1, ca2 := newTestCA(t, "ca1"), newTestCA(t, "ca2")
+	mdir := ca1.issue(t, "manager", ca1)
+	c := newCluster(t, SecurityFromDir(mdir), ManagerConfig{})
+	addr := c.m.Addr().String()
+
+	if !tryWorker(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca1)), 0, 20*time.Second) {
+		t.Fatal("a worker with a certificate of the job's CA was refused")
+	}
+	if tryWorker(t, addr, SecurityFromDir(ca2.issue(t, "intruder", ca1)), 1, 2*time.Second) {
+		t.Fatal("a worker with a certificate of another CA got in")
+	}
+	if tryWorker(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca2)), 2, 2*time.Second) {
+		t.Fatal("a worker that trusts another CA accepted the manager")
+	}
+	if tryWorker(t, addr, Security{Insecure: true}, 3, 2*time.Second) {
+		t.Fatal("a plaintext worker got in")
+	}
+
+	// Rotate the manager to the other CA: new connections follow the files.
+	ca2.issueInto(t, mdir, "manager", ca2)
+	future := time.Now().Add(time.Second)
+	for _, f := range []string{"tls.crt", "tls.key", "ca.crt"} {
+		os.Chtimes(filepath.Join(mdir, f), future, future) // a new mtime even on a coarse clock
+	}
+	if !tryWorker(t, addr, SecurityFromDir(ca2.issue(t, "worker", ca2)), 4, 20*time.Second) {
+		t.Fatal("after rotation, a worker of the new CA was refused")
+	}
+	if tryWorker(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca1)), 5, 2*time.Second) {
+		t.Fatal("after rotation, a worker of the old CA got in")
+	}
+
+	// A broken file keeps the last good certificates in force.
+	if err := os.WriteFile(filepath.Join(mdir, "tls.crt"), []byte("garbage"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if !tryWorker(t, addr, SecurityFromDir(ca2.issue(t, "worker", ca2)), 6, 20*time.Second) {
+		t.Fatal("a broken certificate file displaced the good one")
+	}
+}
+
+func TestToken(t *testing.T) {
+	c := newCluster(t, Security{Insecure: true, Token: "s3cret"}, ManagerConfig{})
+	addr := c.m.Addr().String()
+	if !tryWorker(t, addr, Security{Insecure: true, Token: "s3cret"}, 0, 20*time.Second) {
+		t.Fatal("a worker with the token was refused")
+	}
+	if tryWorker(t, addr, Security{Insecure: true, Token: "guess"}, 1, 2*time.Second) {
+		t.Fatal("a worker with a wrong token got in")
+	}
+	if tryWorker(t, addr, Security{Insecure: true}, 2, 2*time.Second) {
+		t.Fatal("a worker without a token got in")
+	}
+}
+
+func TestSecurityValidate(t *testing.T) {
+	for _, tc := range []struct {
+		sec  Security
+		want bool
+	}{
+		{Security{}, false},
+		{Security{Token: "x"}, false},
+		{Security{Insecure: true}, true},
+		{Security{Insecure: true, Token: "x"}, true},
+		{Security{CertFile: "a", KeyFile: "b"}, false},
+		{Security{CertFile: "a", KeyFile: "b", CAFile: "c"}, true},
+		{Security{CertFile: "a", KeyFile: "b", CAFile: "c", Insecure: true}, false},
+	} {
+		if err := tc.sec.Validate(); (err == nil) != tc.want {
+			t.Errorf("%+v: Validate() = %v, want ok=%v", tc.sec, err, tc.want)
+		}
+	}
+}
