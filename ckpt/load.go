@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"maps"
 	"net"
 	"slices"
@@ -297,6 +296,3 @@ func (o *Owner) fetch(ctx context.Context, seg *segment, step int64) (*Checkpoin
 	}
 	return nil, errors.Join(errs...)
 }
-
-// errIsNotExist reports a missing file, for callers that tolerate one.
-func errIsNotExist(err error) bool { return errors.Is(err, fs.ErrNotExist) }

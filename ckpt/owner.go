@@ -332,7 +332,7 @@ func (o *Owner) Run(ctx context.Context) error {
 					})
 				}
 			}
-			if len(o.cfg.Peers) > 0 && o.cfg.Replicas > 0 {
+			if o.replicating() {
 				if c := seg.newest(); len(c) > 0 {
 					if seq := seg.seq(c[0]); seq != lastReplica[shard] {
 						if _, running := busy.Load(fmt.Sprint("r", shard)); !running {
@@ -349,6 +349,11 @@ func (o *Owner) Run(ctx context.Context) error {
 		}
 		o.ops.RUnlock()
 	}
+}
+
+// replicating says whether there are peers to send saves to.
+func (o *Owner) replicating() bool {
+	return o.cfg.Replicas > 0 && len(PickPeers(o.cfg.Node, slices.Collect(maps.Keys(o.cfg.Peers)), nil, 1)) > 0
 }
 
 // Persist writes shard's newest intact step in memory to disk and tells
@@ -816,12 +821,12 @@ func (o *Owner) Remove() error {
 			errs = append(errs, e)
 		}
 	}
-	o.mu.Lock()
-	for shard := range o.replicas {
-		if e := os.Remove(ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard)); e != nil && !errors.Is(e, os.ErrNotExist) {
+	// Replicas held for peers, by this owner or an earlier one.
+	held, _ := filepath.Glob(filepath.Join(o.cfg.ShmDir, o.cfg.Name+"-replica-*"))
+	for _, p := range held {
+		if e := os.Remove(p); e != nil && !errors.Is(e, os.ErrNotExist) {
 			errs = append(errs, e)
 		}
 	}
-	o.mu.Unlock()
 	return errors.Join(append([]error{err}, errs...)...)
 }
