@@ -101,8 +101,10 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// TracerProvider traces each analysis pass; nil traces nothing.
 	TracerProvider oteltrace.TracerProvider
-	// Progress, when set, is called now and then while a job folder is
-	// read, for progress displays on large inputs.
+	// Progress, when set, is called about once a second during a reading
+	// pass that lasts longer than a second, and once when such a pass
+	// ends (Done set): a display for large inputs that stays quiet on
+	// small ones.
 	Progress func(Progress)
 }
 

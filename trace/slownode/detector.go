@@ -76,15 +76,16 @@ type Detector struct {
 	evaluated int64 // last evaluated step
 	live      int   // ranks not silent
 
-	hold     bool // a reading pass is under way: evaluate nothing yet
+	hold bool // a reading pass is under way: evaluate nothing yet
 
 	job      jobState
 	findings map[findingKey]*finding
 	epoch    int // bumps at each phase change, resetting rank bests
 
-	st      Step
-	scratch scratch
-	stats   Stats
+	st       Step
+	stepHook func(rank int, st *Step) // tests: each step derived from ranges
+	scratch  scratch
+	stats    Stats
 }
 
 type rankState struct {
@@ -309,6 +310,9 @@ func (d *Detector) Add(rank int, r trace.Range) {
 		}
 		a.finish(&d.st, n, r.Start, r.End, d.ops, uint64(d.cfg.TrailingGap))
 		a.last = n
+		if d.stepHook != nil {
+			d.stepHook(rank, &d.st)
+		}
 		d.addStep(ri, &d.st)
 		return
 	case r.Name == trace.MarkerForward:
@@ -384,7 +388,7 @@ func (d *Detector) addStep(ri int32, st *Step) {
 	if have&FigDataLoader != 0 {
 		c.m[mDataLoader] = ms(st.DataLoader)
 	}
-	if have&FigCheckpoint != 0 {
+	if st.Checkpoint > 0 { // most steps save none: keep the saves only
 		c.m[mCheckpoint] = ms(st.Checkpoint)
 	}
 	if have&FigForward != 0 {

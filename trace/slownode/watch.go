@@ -60,7 +60,6 @@ func Analyze(ctx context.Context, jobDir string, cfg Config) (*Result, error) {
 	s.d.Flush()
 	r := s.result()
 	span.SetAttributes(attribute.Int("slownode.is_slow", r.IsSlow), attribute.Int64("slownode.last_step", r.LastStep))
-	s.progress(true)
 	return r, nil
 }
 
@@ -123,18 +122,19 @@ type rankSource struct {
 }
 
 type source struct {
-	dir      string
-	d        *Detector
-	ranks    []*rankSource
-	byRank   map[int]*rankSource
-	log      *slog.Logger
-	tracer   oteltrace.Tracer
-	metrics  *metrics
-	reg      prometheus.Registerer
-	prog     func(Progress)
-	bytes    uint64
-	records  uint64
-	lastProg time.Time
+	dir                 string
+	d                   *Detector
+	ranks               []*rankSource
+	byRank              map[int]*rankSource
+	log                 *slog.Logger
+	tracer              oteltrace.Tracer
+	metrics             *metrics
+	reg                 prometheus.Registerer
+	prog                func(Progress)
+	bytes               uint64
+	records             uint64
+	passStart, lastProg time.Time
+	progressed          bool // progress reported during this pass
 }
 
 func newSource(jobDir string, cfg Config) (*source, error) {
@@ -240,6 +240,8 @@ func (s *source) discover() error {
 // pass discovers rank folders and reads every rank to where its files
 // end, in rounds that keep the ranks within a few steps of each other.
 func (s *source) pass(ctx context.Context) error {
+	s.passStart = time.Now()
+	defer s.progress(true)
 	if err := s.discover(); err != nil {
 		return err
 	}
@@ -355,14 +357,21 @@ func (s *source) read(rs *rankSource, target int64) (bool, error) {
 	return false, fmt.Errorf("slownode: rank %d: %w", rs.rank, err)
 }
 
+// progress reports to Config.Progress about once a second during a pass
+// that lasts longer than a second, and once when such a pass ends.
 func (s *source) progress(done bool) {
 	if s.prog == nil {
 		return
 	}
-	if now := time.Now(); done || now.Sub(s.lastProg) >= 250*time.Millisecond {
-		s.lastProg = now
-		s.prog(Progress{Ranks: len(s.ranks), Bytes: s.bytes, Records: s.records, LastStep: s.d.evaluated, Done: done})
+	now := time.Now()
+	if !done && (now.Sub(s.passStart) < time.Second || now.Sub(s.lastProg) < time.Second) {
+		return
 	}
+	if done && !s.progressed {
+		return
+	}
+	s.lastProg, s.progressed = now, !done
+	s.prog(Progress{Ranks: len(s.ranks), Bytes: s.bytes, Records: s.records, LastStep: s.d.evaluated, Done: done})
 }
 
 func (s *source) result() *Result {

@@ -1,0 +1,356 @@
+package slownode
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// syncJob models a synchronous job in step figures: every rank computes,
+// then waits in its tensor-parallel all-reduce for the slowest member, so
+// step time is the same on every rank and the slow rank waits least.
+type syncJob struct {
+	ranks, tp int
+	compute   time.Duration
+	noise     float64
+	rng       *rand.Rand
+	slow      map[int]float64 // rank → compute factor
+	io        map[int]float64 // rank → dataloader factor
+	all       float64         // job-wide compute factor (a phase)
+}
+
+func newSyncJob(ranks, tp int, seed uint64) *syncJob {
+	return &syncJob{ranks: ranks, tp: tp, compute: 100 * time.Millisecond, noise: 0.02,
+		rng: rand.New(rand.NewPCG(seed, 1)), slow: map[int]float64{}, io: map[int]float64{}, all: 1}
+}
+
+func (j *syncJob) groups() trace.ParallelGroups {
+	g := trace.ParallelGroups{}
+	for k := 0; k < j.ranks/j.tp; k++ {
+		var m []int
+		for i := range j.tp {
+			m = append(m, k*j.tp+i)
+		}
+		g[fmt.Sprintf("tp-%d", k)] = trace.ParallelGroup{GroupName: "tp", GlobalRanks: m}
+	}
+	return g
+}
+
+// steps returns every rank's Step n.
+func (j *syncJob) steps(n int64) []Step {
+	out := make([]Step, j.ranks)
+	comp := make([]time.Duration, j.ranks)
+	dl := make([]time.Duration, j.ranks)
+	for r := range j.ranks {
+		f := j.all * (1 + j.rng.NormFloat64()*j.noise)
+		if s, ok := j.slow[r]; ok {
+			f *= s
+		}
+		comp[r] = time.Duration(float64(j.compute) * f)
+		dl[r] = 5 * time.Millisecond
+		if s, ok := j.io[r]; ok {
+			dl[r] = time.Duration(float64(dl[r]) * s)
+		}
+	}
+	for k := 0; k < j.ranks/j.tp; k++ {
+		var arrive time.Duration
+		for r := k * j.tp; r < (k+1)*j.tp; r++ {
+			arrive = max(arrive, dl[r]+comp[r])
+		}
+		for r := k * j.tp; r < (k+1)*j.tp; r++ {
+			wait := arrive - dl[r] - comp[r] + 10*time.Millisecond
+			out[r] = Step{Number: n, Time: arrive + 10*time.Millisecond, Compute: comp[r], DataLoader: dl[r],
+				Forward: comp[r] / 3, Comm: []CommTime{{Group: fmt.Sprintf("tp-%d", k), Op: "HcclAllReduce", Time: wait, Count: 1}},
+				Have: FigStep | FigForward | FigDataLoader | FigComm}
+		}
+	}
+	return out
+}
+
+func newTestDetector(t *testing.T, j *syncJob, cfg Config) *Detector {
+	t.Helper()
+	d, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.AddGroups(j.groups())
+	return d
+}
+
+func (j *syncJob) run(d *Detector, from, to int64) {
+	for n := from; n < to; n++ {
+		for r, st := range j.steps(n) {
+			d.AddStep(r, st)
+		}
+	}
+}
+
+func TestSlowRankFoundWithinThreeSteps(t *testing.T) {
+	for seed := uint64(1); seed <= 20; seed++ {
+		j := newSyncJob(16, 4, seed)
+		d := newTestDetector(t, j, Config{})
+		onset := int64(20 + seed)
+		j.run(d, 0, onset)
+		if r := d.Result(); r.IsSlow != 0 {
+			t.Fatalf("seed %d: slow before the injection: %+v", seed, r.Findings)
+		}
+		slow := int(seed % 16)
+		j.slow[slow] = 1.3
+		var found int64 = -1
+		for n := onset; n < onset+10 && found < 0; n++ {
+			j.run(d, n, n+1)
+			if r := d.Result(); slices.Contains(r.SlowCalculateRanks, slow) {
+				found = n
+				if r.OnsetStep != onset {
+					t.Errorf("seed %d: onset %d, want %d", seed, r.OnsetStep, onset)
+				}
+				if !slices.Equal(r.SlowCalculateRanks, []int{slow}) {
+					t.Errorf("seed %d: slow ranks %v, want [%d]", seed, r.SlowCalculateRanks, slow)
+				}
+			}
+		}
+		if found < 0 || found-onset > 3 {
+			t.Errorf("seed %d: slow rank %d reported at step %d, onset %d", seed, slow, found, onset)
+		}
+	}
+}
+
+func TestOneOutlierStepIsNotASlowNode(t *testing.T) {
+	j := newSyncJob(16, 4, 1)
+	d := newTestDetector(t, j, Config{})
+	j.run(d, 0, 30)
+	for _, bad := range []int64{30, 32, 34} { // isolated spikes, never three in a row
+		j.slow[3] = 3
+		j.run(d, bad, bad+1)
+		delete(j.slow, 3)
+		j.run(d, bad+1, bad+2)
+	}
+	j.run(d, 36, 50)
+	if r := d.Result(); r.IsSlow != 0 {
+		t.Fatalf("isolated spikes made a slow node: %+v", r.Findings)
+	}
+}
+
+func TestRecoveryClearsFinding(t *testing.T) {
+	j := newSyncJob(16, 4, 2)
+	d := newTestDetector(t, j, Config{})
+	j.run(d, 0, 30)
+	j.slow[5] = 1.5
+	j.run(d, 30, 40)
+	if r := d.Result(); !slices.Equal(r.SlowCalculateRanks, []int{5}) {
+		t.Fatalf("slow ranks %v, want [5]", r.SlowCalculateRanks)
+	}
+	delete(j.slow, 5)
+	j.run(d, 40, 42)
+	if r := d.Result(); r.IsSlow != 1 {
+		t.Fatal("cleared after two normal steps; want three")
+	}
+	j.run(d, 42, 45)
+	if r := d.Result(); r.IsSlow != 0 {
+		t.Fatalf("still slow after recovery: %+v", r.Findings)
+	}
+}
+
+func TestSlowIOIsNotSlowCompute(t *testing.T) {
+	j := newSyncJob(16, 4, 3)
+	d := newTestDetector(t, j, Config{})
+	j.run(d, 0, 30)
+	j.io[9] = 8
+	j.run(d, 30, 40)
+	r := d.Result()
+	if !slices.Equal(r.SlowIORanks, []int{9}) || len(r.SlowCalculateRanks) != 0 {
+		t.Fatalf("io %v compute %v, want io [9] only", r.SlowIORanks, r.SlowCalculateRanks)
+	}
+}
+
+func TestPhaseChangeIsNotASlowNode(t *testing.T) {
+	for _, factor := range []float64{2, 0.5} {
+		j := newSyncJob(16, 4, 4)
+		d := newTestDetector(t, j, Config{})
+		j.run(d, 0, 30)
+		j.all = factor
+		j.run(d, 30, 60)
+		r := d.Result()
+		if r.IsSlow != 0 {
+			t.Errorf("×%v: phase change made it slow: %+v", factor, r.Findings)
+		}
+		if len(r.PhaseChanges) != 1 || r.PhaseChanges[0].Step != 30 {
+			t.Fatalf("×%v: phase changes %+v, want one at step 30", factor, r.PhaseChanges)
+		}
+		// The new baseline catches a slow rank in the new phase.
+		j.slow[2] = 1.5
+		j.run(d, 60, 66)
+		if r := d.Result(); !slices.Equal(r.SlowCalculateRanks, []int{2}) {
+			t.Errorf("×%v: after the phase, slow ranks %v, want [2]", factor, r.SlowCalculateRanks)
+		}
+	}
+}
+
+func TestSilentRankIsReportedNotFast(t *testing.T) {
+	j := newSyncJob(16, 4, 5)
+	d := newTestDetector(t, j, Config{})
+	j.run(d, 0, 20)
+	for n := int64(20); n < 40; n++ {
+		for r, st := range j.steps(n) {
+			if r != 7 {
+				d.AddStep(r, st)
+			}
+		}
+	}
+	r := d.Result()
+	if !slices.Equal(r.SilentRanks, []int{7}) {
+		t.Fatalf("silent ranks %v, want [7]", r.SilentRanks)
+	}
+	if r.IsSlow != 0 || r.LastStep < 30 {
+		t.Fatalf("isSlow %d lastStep %d: a silent rank must not stop evaluation nor look slow", r.IsSlow, r.LastStep)
+	}
+	for _, rk := range r.Ranks {
+		if rk.Rank == 7 && (rk.Status != "silent" || rk.LastStep != 19) {
+			t.Errorf("rank 7: %+v", rk)
+		}
+	}
+}
+
+func TestStepsWaitForTheSlowestRank(t *testing.T) {
+	j := newSyncJob(8, 4, 6)
+	d := newTestDetector(t, j, Config{})
+	// Rank 0 runs 5 steps ahead of the others: nothing is evaluated until
+	// they catch up, since every live rank must report a step first.
+	for n := int64(0); n < 5; n++ {
+		d.AddStep(0, j.steps(n)[0])
+	}
+	if d.evaluated >= 0 {
+		t.Fatalf("evaluated step %d before the others reported it", d.evaluated)
+	}
+	for n := int64(0); n < 5; n++ {
+		for r, st := range j.steps(n) {
+			if r != 0 {
+				d.AddStep(r, st)
+			}
+		}
+	}
+	if d.evaluated != 4 || d.Stats().IncompleteRows != 0 {
+		t.Fatalf("evaluated %d incomplete %d, want 4 and 0", d.evaluated, d.Stats().IncompleteRows)
+	}
+}
+
+// TestOrderOfRanksDoesNotMatter is a property: the verdict depends on what
+// the ranks reported, not on which rank's steps arrived first.
+func TestOrderOfRanksDoesNotMatter(t *testing.T) {
+	j := newSyncJob(16, 4, 7)
+	var steps [][]Step
+	for n := int64(0); n < 60; n++ {
+		if n == 30 {
+			j.slow[11] = 1.4
+		}
+		steps = append(steps, j.steps(n))
+	}
+	var want *Result
+	for seed := uint64(0); seed < 10; seed++ {
+		rng := rand.New(rand.NewPCG(seed, 9))
+		d := newTestDetector(t, j, Config{})
+		// Deliver in windows of 4 steps, ranks shuffled, each rank in order.
+		for w := 0; w < len(steps); w += 4 {
+			perm := rng.Perm(16)
+			for _, r := range perm {
+				for n := w; n < min(w+4, len(steps)); n++ {
+					d.AddStep(r, steps[n][r])
+				}
+			}
+		}
+		d.Flush()
+		got := d.Result()
+		got.History = nil
+		if want == nil {
+			want = got
+			if !slices.Equal(want.SlowCalculateRanks, []int{11}) {
+				t.Fatalf("slow ranks %v, want [11]", want.SlowCalculateRanks)
+			}
+			continue
+		}
+		if diff := cmp.Diff(want, got); diff != "" {
+			t.Fatalf("order %d changed the verdict (-first +this):\n%s", seed, diff)
+		}
+	}
+}
+
+func TestMemoryIsBoundedPerRank(t *testing.T) {
+	j := newSyncJob(32, 8, 8)
+	d := newTestDetector(t, j, Config{HistoryPoints: 64})
+	j.run(d, 0, 3000)
+	if len(d.rows) > 1 || len(d.free) > d.cfg.Horizon+1 {
+		t.Errorf("%d rows open, %d free", len(d.rows), len(d.free))
+	}
+	for _, rs := range d.ranks {
+		if cap(rs.hist.pts) != 64 || len(rs.asm.pending) != 0 || cap(rs.block) > 2*d.cfg.Window {
+			t.Fatalf("rank %d: history %d, pending %d, block %d", rs.rank, cap(rs.hist.pts), len(rs.asm.pending), cap(rs.block))
+		}
+	}
+	r := d.Result()
+	if n := len(r.History.Ranks[0].Step); n > 64 || n < 32 {
+		t.Errorf("history of %d points for 3000 steps, want 32..64", n)
+	}
+}
+
+func TestMissingMarkersDegradeGracefully(t *testing.T) {
+	d, err := New(Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for n := int64(0); n < 30; n++ {
+		for r := range 4 {
+			d.AddStep(r, Step{Number: n, Time: 100 * time.Millisecond, Compute: 100 * time.Millisecond})
+		}
+	}
+	r := d.Result()
+	want := []string{"forward", "dataloader", "checkpoint", "communication", "trajectory"}
+	if !slices.Equal(r.Unavailable, want) {
+		t.Errorf("unavailable %v, want %v", r.Unavailable, want)
+	}
+	if r.IsSlow != 0 || r.LastStep != 29 {
+		t.Errorf("isSlow %d lastStep %d", r.IsSlow, r.LastStep)
+	}
+}
+
+func TestConfigValidateNamesTheField(t *testing.T) {
+	for _, tc := range []struct {
+		cfg   Config
+		field string
+	}{
+		{Config{NormalSteps: -1}, "NormalSteps"},
+		{Config{NormalSteps: 1}, "NormalSteps"},
+		{Config{DegradationPercentage: -0.1}, "DegradationPercentage"},
+		{Config{NSigma: -1}, "NSigma"},
+		{Config{Consecutive: -2}, "Consecutive"},
+		{Config{ClusterMeanDistance: 0.9}, "ClusterMeanDistance"},
+		{Config{RelativeThreshold: -1}, "RelativeThreshold"},
+		{Config{MinEffect: 1}, "MinEffect"},
+		{Config{Window: -1}, "Window"},
+		{Config{SilentSteps: -1}, "SilentSteps"},
+		{Config{Horizon: -1}, "Horizon"},
+		{Config{TrailingGap: -1}, "TrailingGap"},
+		{Config{HistoryPoints: -1}, "HistoryPoints"},
+		{Config{MaxPendingRanges: -1}, "MaxPendingRanges"},
+		{Config{RanksPerNode: -8}, "RanksPerNode"},
+		{Config{PollInterval: -time.Second}, "PollInterval"},
+		{Config{Nodes: map[int]string{-1: "x"}}, "Nodes"},
+	} {
+		err := tc.cfg.Validate()
+		if err == nil || !strings.Contains(err.Error(), "Config."+tc.field) {
+			t.Errorf("%+v: error %v, want one naming %s", tc.cfg, err, tc.field)
+		}
+		if _, err := New(tc.cfg); err == nil {
+			t.Errorf("New accepted %+v", tc.cfg)
+		}
+	}
+	if err := (Config{}).Validate(); err != nil {
+		t.Errorf("zero Config: %v", err)
+	}
+}
