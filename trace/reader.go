@@ -165,7 +165,10 @@ func (r *RankReader) readToEOF(fn func(*Record) error) error {
 		}
 		r.off += int64(n)
 		r.stats.Bytes += uint64(n)
-		if err := r.lines(r.buf[:n], fn); err != nil {
+		if unread, err := r.lines(r.buf[:n], fn); err != nil {
+			// Read again from the record after the one fn refused.
+			r.off -= int64(unread)
+			r.stats.Bytes -= uint64(unread)
 			return err
 		}
 	}
@@ -189,20 +192,21 @@ func (r *RankReader) checkShrunk() error {
 }
 
 // lines splits data into lines, joining the carry from the previous chunk.
-func (r *RankReader) lines(data []byte, fn func(*Record) error) error {
+// When fn fails it returns how many bytes of data are left unread.
+func (r *RankReader) lines(data []byte, fn func(*Record) error) (int, error) {
 	for len(data) > 0 {
 		i := bytes.IndexByte(data, '\n')
 		if i < 0 {
 			if r.skipping {
-				return nil
+				return 0, nil
 			}
 			if len(r.carry)+len(data) > MaxLineBytes {
 				r.garbage(r.line+1, ErrLineTooLong)
 				r.carry, r.skipping = r.carry[:0], true
-				return nil
+				return 0, nil
 			}
 			r.carry = append(r.carry, data...)
-			return nil
+			return 0, nil
 		}
 		line := data[:i]
 		data = data[i+1:]
@@ -223,10 +227,10 @@ func (r *RankReader) lines(data []byte, fn func(*Record) error) error {
 		err := r.record(line, fn)
 		r.carry = r.carry[:0]
 		if err != nil {
-			return err
+			return len(data), err
 		}
 	}
-	return nil
+	return 0, nil
 }
 
 func (r *RankReader) record(line []byte, fn func(*Record) error) error {

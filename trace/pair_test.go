@@ -1,0 +1,142 @@
+package trace
+
+import (
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func rec(flag Flag, src uint32, id, ts uint64, name, dom string) *Record {
+	return &Record{Kind: 1, Flag: flag, SourceKind: src, ID: id, Timestamp: ts, Name: name, Domain: dom}
+}
+
+func TestPairerBasics(t *testing.T) {
+	var p Pairer
+	add := func(r *Record) (Range, bool) { return p.Add(r) }
+	if _, ok := add(rec(FlagHostEnd, 0, 9, 5, "", "")); ok {
+		t.Fatal("an end without a start made a range")
+	}
+	add(rec(FlagDeviceStart, 0, 1, 10, "forward", DomainDefault))
+	add(rec(FlagDeviceStart, 0, 2, 11, "step 3", DomainDefault))
+	r, ok := add(rec(FlagDeviceEnd, 0, 1, 20, "", ""))
+	if !ok || r.Name != "forward" || r.Start != 10 || r.End != 20 || r.Duration() != 10 {
+		t.Fatalf("range %+v, %v", r, ok)
+	}
+	r, ok = add(rec(FlagInstant, 0, 3, 15, "save_checkpoint", DomainDefault))
+	if !ok || r.Start != r.End || r.Name != "save_checkpoint" {
+		t.Fatalf("instant %+v, %v", r, ok)
+	}
+	if _, ok := add(rec(0, 0, 4, 1, "", "")); ok {
+		t.Fatal("a record without flags made a range")
+	}
+	want := PairerStats{Ranges: 1, Instants: 1, UnmatchedEnds: 1, Ignored: 1, Open: 1}
+	if diff := cmp.Diff(want, p.Stats()); diff != "" {
+		t.Fatalf("stats (-want +got):\n%s", diff)
+	}
+}
+
+func TestPairerBounded(t *testing.T) {
+	p := Pairer{MaxOpen: 100}
+	for i := range uint64(1000) {
+		p.Add(rec(FlagHostStart, 0, i, i, "x", DomainDefault))
+	}
+	s := p.Stats()
+	if s.Open != 100 || s.Evicted != 900 {
+		t.Fatalf("stats %+v", s)
+	}
+	// The newest 100 are still open.
+	if _, ok := p.Add(rec(FlagHostEnd, 0, 999, 2000, "", "")); !ok {
+		t.Fatal("newest start was evicted")
+	}
+	if _, ok := p.Add(rec(FlagHostEnd, 0, 0, 2000, "", "")); ok {
+		t.Fatal("oldest start was kept")
+	}
+	if len(p.names) > 100 || len(p.order)-p.ohead > 2*len(p.open)+1024 {
+		t.Fatalf("memory not bounded: %d names, %d queued", len(p.names), len(p.order)-p.ohead)
+	}
+}
+
+// TestPairerProperty interleaves many nested ranges at random, some with
+// their ends lost, against a model of the pairer: ranges come back once
+// with their bounds, the oldest starts beyond MaxOpen are evicted, and
+// memory stays bounded.
+func TestPairerProperty(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	const maxOpen = 64
+	for trial := range 50 {
+		p := Pairer{MaxOpen: maxOpen}
+		type span struct{ Start, End uint64 }
+		want, got := map[uint64]span{}, map[uint64]span{}
+		starts := map[uint64]uint64{}
+		var live []uint64       // started, end still to come (or lost)
+		var pairerOpen []uint64 // what the pairer holds, oldest first
+		var ts, next, evicted, unmatched uint64
+		for range 3000 {
+			ts++
+			if len(live) > 0 && rng.IntN(2) == 0 {
+				i := rng.IntN(len(live))
+				id := live[i]
+				live = append(live[:i], live[i+1:]...)
+				if rng.IntN(10) == 0 {
+					continue // the end is lost
+				}
+				if j := slices.Index(pairerOpen, id); j >= 0 {
+					pairerOpen = append(pairerOpen[:j], pairerOpen[j+1:]...)
+					want[id] = span{starts[id], ts}
+				} else {
+					unmatched++
+				}
+				if r, ok := p.Add(rec(FlagDeviceEnd, 0, id, ts, "", "")); ok {
+					if _, dup := got[id]; dup {
+						t.Fatalf("trial %d: id %d returned twice", trial, id)
+					}
+					got[id] = span{r.Start, r.End}
+				}
+				continue
+			}
+			next++
+			live = append(live, next)
+			starts[next] = ts
+			pairerOpen = append(pairerOpen, next)
+			if len(pairerOpen) > maxOpen {
+				pairerOpen = pairerOpen[1:]
+				evicted++
+			}
+			p.Add(rec(FlagDeviceStart, 0, next, ts, "r", DomainDefault))
+		}
+		if diff := cmp.Diff(want, got); diff != "" {
+			t.Fatalf("trial %d: ranges (-want +got):\n%s", trial, diff)
+		}
+		st := p.Stats()
+		if st.Evicted != evicted || st.UnmatchedEnds != unmatched || st.Open != len(pairerOpen) {
+			t.Fatalf("trial %d: stats %+v, model: %d evicted, %d unmatched, %d open", trial, st, evicted, unmatched, len(pairerOpen))
+		}
+		if len(p.order)-p.ohead > 2*st.Open+1024 || len(p.names) > maxOpen {
+			t.Fatalf("trial %d: %d queued, %d names", trial, len(p.order)-p.ohead, len(p.names))
+		}
+	}
+}
+
+func TestKindOf(t *testing.T) {
+	for _, tt := range []struct {
+		name, dom string
+		k         Kind
+		ok        bool
+	}{
+		{"step 7", DomainDefault, Step, true},
+		{MarkerForward, DomainDefault, FP, true},
+		{MarkerDataLoader, DomainDefault, DataLoader, true},
+		{MarkerSaveCheckpoint, DomainDefault, SaveCheckpoint, true},
+		{`{"opName":"HcclSend"}`, DomainCommunication, CommunicationOperator, true},
+		{"backward", DomainDefault, 0, false},
+	} {
+		if k, ok := KindOf(tt.name, tt.dom); k != tt.k || ok != tt.ok {
+			t.Errorf("KindOf(%q, %q) = %v, %v", tt.name, tt.dom, k, ok)
+		}
+	}
+	if _, ok := (Range{Name: "step x"}).Step(); ok {
+		t.Error(`Step() of "step x"`)
+	}
+}
