@@ -230,12 +230,14 @@ func MergeDir(dir string, cfg MergeConfig) (*Merged, error) {
 	slices.SortFunc(pyspyFiles, byRank)
 
 	mg := newMerger(world, cfg)
+	states := map[int]string{} // py-spy files do not say the process state
 	for _, f := range stackFiles {
 		d, err := ReadStackFile(f.path)
 		if err != nil {
 			mg.problem(err)
 			continue
 		}
+		states[d.Rank] = d.State
 		if d.Rank != f.rank || d.World != f.world {
 			mg.problem(fmt.Errorf("hang: %s: says rank %d of %d, its name rank %d of %d; using what it says", f.path, d.Rank, d.World, f.rank, f.world))
 		}
@@ -255,7 +257,7 @@ func MergeDir(dir string, cfg MergeConfig) (*Merged, error) {
 			mg.problem(fmt.Errorf("%s: %w", f.path, err))
 			continue
 		}
-		mg.add(&Dump{Rank: f.rank, World: world, Pid: pid, Threads: threads}, f.path)
+		mg.add(&Dump{Rank: f.rank, World: world, Pid: pid, State: states[f.rank], Threads: threads}, f.path)
 	}
 	return mg.finish(), nil
 }

@@ -57,6 +57,7 @@ func (m *Merged) Profile() *profile.Profile {
 					Value:    []int64{1},
 					Label:    map[string][]string{"kind": {string(k)}, "state": {state}},
 					NumLabel: map[string][]int64{"rank": {int64(rank)}},
+					NumUnit:  map[string][]string{"rank": {"count"}},
 				}
 				if h := m.hosts[rank]; h != "" {
 					s.Label["node"] = []string{h}

@@ -42,7 +42,8 @@ func runChild(role string) int {
 		time.Sleep(time.Millisecond)
 		t.End()
 	}
-	fmt.Println("ready", os.Getpid())
+	w.Check() // learn the timeout now, not on Run's next tick
+	fmt.Println("ready", os.Getpid(), allreduce.Timeout())
 	allreduce.Start(0)
 	blockedInCollective(make(chan struct{}))
 	return 0
@@ -458,4 +459,3 @@ func waitLog(t *testing.T, logs <-chan string, want string) {
 		}
 	}
 }
-

@@ -276,6 +276,10 @@ func (p *dumpParser) parse() (*Dump, error) {
 		if !ok {
 			return nil, &ParseError{Line: p.line, Msg: fmt.Sprintf("no end line after %d threads and %d frames", len(d.Threads), frames), Err: ErrTruncated}
 		}
+		if !complete {
+			// Every line of a complete file ends with a newline.
+			return nil, &ParseError{Line: p.line, Msg: fmt.Sprintf("last line cut short after %d threads and %d frames", len(d.Threads), frames), Err: ErrTruncated}
+		}
 		s := string(bytes.TrimRight(line, "\r"))
 		if s == "" {
 			continue
@@ -334,9 +338,6 @@ func (p *dumpParser) parse() (*Dump, error) {
 			cur.Frames = append(cur.Frames, f)
 			frames++
 		case "end":
-			if !complete {
-				return nil, &ParseError{Line: p.line, Msg: "end line without a newline", Err: ErrTruncated}
-			}
 			var nt, nf int
 			if _, err := fmt.Sscanf(rest, "%d %d", &nt, &nf); err != nil {
 				return nil, p.fail("end %q: want two counts", rest)

@@ -88,9 +88,9 @@ func (m *Merged) WriteSVG(w io.Writer, k Kind) error {
 
 		bw.WriteString(`<g class="f"><title>`)
 		xml.EscapeText(bw, []byte(label))
-		bw.WriteString("\n" + strconv.Itoa(n.weight) + " rank-stacks; stuck " + strconv.Itoa(n.Stuck.Len()) + " of " + strconv.Itoa(m.World) + " ranks")
+		bw.WriteString("\nstuck here: " + strconv.Itoa(n.Stuck.Len()) + " of " + strconv.Itoa(m.World) + " ranks; width " + strconv.Itoa(n.weight))
 		if !n.Ends.IsEmpty() {
-			bw.WriteString("; innermost frame of " + rankText(n.Ends))
+			bw.WriteString("; innermost frame of ranks " + rankText(n.Ends))
 		}
 		bw.WriteString(`</title><rect x="` + fmtPx(it.x) + `" y="` + fmtPx(y) + `" width="` + fmtPx(wpx) + `" height="` + fmtPx(svgFrameH-1) + `" rx="2" ry="2" fill="` + frameColor(k, n) + `"`)
 		if split {

@@ -107,7 +107,7 @@ func (m *Merged) Verdict() string {
 			b.WriteString(": no split, all share every frame\n")
 			continue
 		}
-		fmt.Fprintf(&b, ": %d splits, smallest groups first\n", len(mine))
+		fmt.Fprintf(&b, ": %d %s, smallest groups first\n", len(mine), plural(len(mine), "split", "splits"))
 		for i, s := range mine {
 			if i == maxSplits {
 				fmt.Fprintf(&b, "  ... %d more splits\n", len(mine)-maxSplits)
