@@ -117,6 +117,7 @@ type Ager struct {
 	root    dirState
 	jobs    map[string]*jobIndex
 	check   sync.Mutex // one check at a time
+	running sync.Mutex // held by Run
 	closing chan struct{}
 	once    sync.Once
 	m       *agerMetrics
@@ -188,6 +189,10 @@ func NewAger(cfg AgerConfig) (*Ager, error) {
 // is called; it returns nil then. Errors of a check are logged, counted
 // and retried at the next.
 func (a *Ager) Run(ctx context.Context) error {
+	if !a.running.TryLock() {
+		return errors.New("trace: Ager.Run called twice")
+	}
+	defer a.running.Unlock()
 	t := time.NewTicker(a.cfg.Interval)
 	defer t.Stop()
 	for {
@@ -204,9 +209,11 @@ func (a *Ager) Run(ctx context.Context) error {
 	}
 }
 
-// Close stops Run. It is idempotent.
+// Close stops Run and waits for it to return. It is idempotent.
 func (a *Ager) Close() error {
 	a.once.Do(func() { close(a.closing) })
+	a.running.Lock() // held by Run until it returns
+	a.running.Unlock()
 	return nil
 }
 

@@ -177,9 +177,11 @@ func (w *SwitchWatcher) Run(ctx context.Context) error {
 	}
 }
 
-// Close stops Run. It is idempotent.
+// Close stops Run and waits for it to return. It is idempotent.
 func (w *SwitchWatcher) Close() error {
 	w.once.Do(func() { close(w.closing) })
+	w.running.Lock() // held by Run until it returns
+	w.running.Unlock()
 	return nil
 }
 

@@ -1,0 +1,280 @@
+package slownode
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+
+	"github.com/faultline-ml/faultline/trace"
+	"github.com/faultline-ml/faultline/trace/slownode/internal/gen"
+)
+
+// copyJob copies the rank folders of src into dst. Each rank's record
+// bytes (its files in order) are split at frac: part 0 copies what comes
+// before, cutting a line in two, and part 1 the rest.
+func copyJob(t *testing.T, src, dst string, frac float64, part int) {
+	t.Helper()
+	ranks, err := trace.ListRanks(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range ranks {
+		sdir := filepath.Join(src, strconv.Itoa(r))
+		ddir := filepath.Join(dst, strconv.Itoa(r))
+		if err := os.MkdirAll(ddir, 0o750); err != nil {
+			t.Fatal(err)
+		}
+		ents, _ := os.ReadDir(sdir)
+		var names []string
+		total := 0
+		for _, e := range ents {
+			if trace.IsRecordFileName(e.Name()) {
+				names = append(names, e.Name())
+				fi, _ := e.Info()
+				total += int(fi.Size())
+			} else if part == 0 {
+				b, _ := os.ReadFile(filepath.Join(sdir, e.Name()))
+				os.WriteFile(filepath.Join(ddir, e.Name()), b, 0o640)
+			}
+		}
+		slices.Sort(names)
+		cut := int(float64(total) * frac)
+		off := 0
+		for _, n := range names {
+			b, err := os.ReadFile(filepath.Join(sdir, n))
+			if err != nil {
+				t.Fatal(err)
+			}
+			lo, hi := off, off+len(b)
+			off = hi
+			a, z := max(lo, 0), min(hi, cut) // part 0
+			if part == 1 {
+				a, z = max(lo, cut), hi
+			}
+			if a >= z {
+				continue
+			}
+			f, err := os.OpenFile(filepath.Join(ddir, n), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o640)
+			if err != nil {
+				t.Fatal(err)
+			}
+			f.Write(b[a-lo : z-lo])
+			f.Close()
+		}
+	}
+}
+
+func TestWatchFollowsAGrowingJob(t *testing.T) {
+	src, live := t.TempDir(), t.TempDir()
+	if _, err := gen.Generate(gen.Config{Root: src, Job: "job", TP: 4, DP: 4, PP: 1, Steps: 70, Seed: 11,
+		Inject: []gen.Injection{{Kind: gen.SlowRank, Rank: 6, From: 45, Factor: 1.5}}}); err != nil {
+		t.Fatal(err)
+	}
+	src = filepath.Join(src, "job")
+	live = filepath.Join(live, "job")
+	copyJob(t, src, live, 0.5, 0)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	verdicts := make(chan *Result, 100)
+	done := make(chan error, 1)
+	go func() {
+		done <- Watch(ctx, live, Config{PollInterval: 5 * time.Millisecond}, func(r *Result) { verdicts <- r })
+	}()
+	wait := func(what string, ok func(*Result) bool) *Result {
+		t.Helper()
+		timeout := time.After(60 * time.Second)
+		for {
+			select {
+			case r := <-verdicts:
+				if ok(r) {
+					return r
+				}
+			case err := <-done:
+				t.Fatalf("Watch returned %v while waiting for %s", err, what)
+			case <-timeout:
+				t.Fatalf("no verdict with %s", what)
+			}
+		}
+	}
+	first := wait("a first verdict", func(*Result) bool { return true })
+	if first.IsSlow != 0 {
+		t.Fatalf("first verdict slow: %+v", first.Findings)
+	}
+	copyJob(t, src, live, 0.5, 1)
+	r := wait("rank 6 slow", func(r *Result) bool { return slices.Equal(r.SlowCalculateRanks, []int{6}) })
+	if r.OnsetStep < 45 || r.OnsetStep > 46 {
+		t.Errorf("onset %d, want 45", r.OnsetStep)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Watch: %v", err)
+	}
+}
+
+func TestAnalyzeBadInput(t *testing.T) {
+	ctx := context.Background()
+	root := t.TempDir()
+	if _, err := Analyze(ctx, filepath.Join(root, "nope"), Config{}); err == nil {
+		t.Error("a missing folder analysed")
+	}
+	file := filepath.Join(root, "file")
+	os.WriteFile(file, []byte("x"), 0o640)
+	if _, err := Analyze(ctx, file, Config{}); err == nil {
+		t.Error("a file analysed as a job folder")
+	}
+	empty := filepath.Join(root, "empty")
+	os.Mkdir(empty, 0o750)
+	if _, err := Analyze(ctx, empty, Config{}); !errors.Is(err, ErrNoRanks) {
+		t.Errorf("empty job: %v, want ErrNoRanks", err)
+	}
+	if _, err := Analyze(ctx, root, Config{Window: -1}); err == nil {
+		t.Error("a bad Config accepted")
+	}
+
+	// Empty rank folders, a garbage file, a bad parallel_group.json and a
+	// symlinked rank: a verdict with no step, and no panic.
+	job := filepath.Join(root, "job")
+	for _, r := range []string{"0", "1", "2"} {
+		os.MkdirAll(filepath.Join(job, r), 0o750)
+	}
+	os.WriteFile(filepath.Join(job, "1", "1700000000"), []byte("\x00\x01garbage\n{\"Kind\":\n"+strings.Repeat("z", 100)), 0o640)
+	os.WriteFile(filepath.Join(job, "2", trace.ParallelGroupFile), []byte(`{"tp":{"group_rank":7,"global_ranks":[0]}}`), 0o640)
+	os.Symlink(filepath.Join(job, "0"), filepath.Join(job, "3"))
+	var logs bytes.Buffer
+	r, err := Analyze(ctx, job, Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.IsSlow != 0 || r.LastStep != -1 || len(r.Ranks) != 3 || r.Input.GarbageLines != 2 {
+		t.Errorf("isSlow %d lastStep %d ranks %d garbage %d", r.IsSlow, r.LastStep, len(r.Ranks), r.Input.GarbageLines)
+	}
+	for _, rk := range r.Ranks {
+		if rk.Status != "waiting" {
+			t.Errorf("rank %d: status %q, want waiting", rk.Rank, rk.Status)
+		}
+	}
+	for _, want := range []string{"ignoring parallel groups", "skipped lines that are not records"} {
+		if !strings.Contains(logs.String(), want) {
+			t.Errorf("log lacks %q:\n%s", want, logs.String())
+		}
+	}
+	var text bytes.Buffer
+	if err := WriteText(&text, r); err != nil || !strings.Contains(text.String(), "no step evaluated yet") {
+		t.Errorf("text: %v\n%s", err, text.String())
+	}
+}
+
+func TestAnalyzeNodeFolders(t *testing.T) {
+	src, root := t.TempDir(), t.TempDir()
+	if _, err := gen.Generate(gen.Config{Root: src, Job: "job", TP: 4, DP: 4, PP: 1, Steps: 40, Seed: 12,
+		Inject: []gen.Injection{{Kind: gen.SlowNode, Node: 1, From: 20, Factor: 1.5}}}); err != nil {
+		t.Fatal(err)
+	}
+	// Gather the rank folders under one folder per host, as copied from
+	// each host's local disk: <job>/<host>/<rank>.
+	job := filepath.Join(root, "job")
+	for r := range 16 {
+		host := []string{"host-a", "host-b"}[r/8]
+		os.MkdirAll(filepath.Join(job, host), 0o750)
+		if err := os.Rename(filepath.Join(src, "job", strconv.Itoa(r)), filepath.Join(job, host, strconv.Itoa(r))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r, err := Analyze(context.Background(), job, Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(r.SlowHostNodes, []string{"host-b"}) {
+		t.Errorf("slow hosts %v, want [host-b]", r.SlowHostNodes)
+	}
+	// A rank table names hosts for the flat layout.
+	tbl := RankTable{}
+	for rk := range 16 {
+		tbl[rk] = []string{"10.0.0.1", "10.0.0.2"}[rk/8]
+	}
+	src2 := t.TempDir()
+	gen.Generate(gen.Config{Root: src2, Job: "job", TP: 4, DP: 4, PP: 1, Steps: 40, Seed: 12,
+		Inject: []gen.Injection{{Kind: gen.SlowNode, Node: 1, From: 20, Factor: 1.5}}})
+	r, err = Analyze(context.Background(), filepath.Join(src2, "job"), Config{Nodes: tbl})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(r.SlowHostNodes, []string{"10.0.0.2"}) {
+		t.Errorf("slow hosts %v, want [10.0.0.2]", r.SlowHostNodes)
+	}
+}
+
+func TestAnalyzeMetricsAndSpans(t *testing.T) {
+	src := t.TempDir()
+	if _, err := gen.Generate(gen.Config{Root: src, Job: "job", TP: 4, DP: 2, PP: 1, Steps: 30, Seed: 13, Garbage: true}); err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewPedanticRegistry()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	defer tp.Shutdown(context.Background())
+	for range 2 { // the collectors unregister, so a second run registers again
+		var lint []string
+		_, err := Analyze(context.Background(), filepath.Join(src, "job"), Config{Registerer: &lintRegisterer{reg, &lint}, TracerProvider: tp})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(lint) > 0 {
+			t.Errorf("metric problems: %v", lint)
+		}
+	}
+	if n := len(rec.Ended()); n != 2 || rec.Ended()[0].Name() != "slownode.Analyze" {
+		t.Errorf("%d spans ended, want 2 slownode.Analyze", n)
+	}
+}
+
+// lintRegisterer registers on a pedantic registry and gathers from it
+// at once, which checks the collector's descriptions against its metrics.
+type lintRegisterer struct {
+	reg  *prometheus.Registry
+	lint *[]string
+}
+
+func (l *lintRegisterer) Register(c prometheus.Collector) error {
+	if err := l.reg.Register(c); err != nil {
+		return err
+	}
+	mfs, err := l.reg.Gather()
+	if err != nil {
+		*l.lint = append(*l.lint, err.Error())
+	}
+	if len(mfs) != 7 {
+		*l.lint = append(*l.lint, "gathered "+strconv.Itoa(len(mfs))+" metric families, want 7")
+	}
+	for _, mf := range mfs {
+		name := mf.GetName()
+		counter := strings.HasSuffix(name, "_total")
+		if !strings.HasPrefix(name, "faultline_slownode_") || counter != (mf.GetType().String() == "COUNTER") {
+			*l.lint = append(*l.lint, name+": bad name for a "+mf.GetType().String())
+		}
+	}
+	return nil
+}
+
+func (l *lintRegisterer) MustRegister(cs ...prometheus.Collector) {
+	for _, c := range cs {
+		if err := l.Register(c); err != nil {
+			panic(err)
+		}
+	}
+}
+
+func (l *lintRegisterer) Unregister(c prometheus.Collector) bool { return l.reg.Unregister(c) }
