@@ -179,13 +179,13 @@ svg .axis{stroke:#888}
 {{end}}</tbody></table>
 {{end}}
 {{end}}
-{{range .Charts}}
+{{range $c := .Charts}}
 <h2>{{.Title}}</h2>
 {{if .Empty}}<p>No data.</p>{{else}}
 <svg xmlns="http://www.w3.org/2000/svg" width="{{.W}}" height="{{.H}}" viewBox="0 0 {{.W}} {{.H}}" role="img">
 <line class="axis" x1="60" y1="10" x2="60" y2="{{sub .H 30}}"/><line class="axis" x1="60" y1="{{sub .H 30}}" x2="{{sub .W 120}}" y2="{{sub .H 30}}"/>
 {{range .YTicks}}<text x="55" y="{{.Pos}}" text-anchor="end" dominant-baseline="middle">{{.Label}}</text>{{end}}
-{{range .XTicks}}<text x="{{.Pos}}" y="{{sub $.H 12}}" text-anchor="middle">step {{.Label}}</text>{{end}}
+{{range .XTicks}}<text x="{{.Pos}}" y="{{sub $c.H 12}}" text-anchor="middle">step {{.Label}}</text>{{end}}
 {{range .Lines}}<polyline class="{{.Class}}" points="{{.Points}}"><title>{{.Label}}</title></polyline>{{end}}
 <text x="{{sub .W 115}}" y="20">— job median</text><text x="{{sub .W 115}}" y="36" fill="#d22" style="fill:#d22">— slow ranks</text><text x="{{sub .W 115}}" y="52">— other ranks</text>
 </svg>{{end}}

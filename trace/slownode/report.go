@@ -1,6 +1,7 @@
 package slownode
 
 import (
+	"bytes"
 	"cmp"
 	"fmt"
 	"io"
@@ -149,7 +150,8 @@ func WriteText(w io.Writer, r *Result) error {
 			shown++
 		}
 		ew.printf("\nRANKS (slowest first, %d of %d; medians of recent steps in ms)\n", shown, len(ranks))
-		tw := tabwriter.NewWriter(ew, 0, 0, 2, ' ', tabwriter.AlignRight)
+		var tb bytes.Buffer
+		tw := tabwriter.NewWriter(&tb, 0, 0, 2, ' ', tabwriter.AlignRight)
 		fmt.Fprintln(tw, "RANK\tNODE\tSTAGE\tSTATUS\tSTEP\tLAST\tGAP\tFP+BP\tTRAIL\tCOMPUTE\tDATA\tCKPT\tCOMM\tSEND\tREL\tIND\tFLAGS\t")
 		for _, rk := range ranks[:shown] {
 			fmt.Fprintf(tw, "%d\t%s\t%d\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.3f\t%.3f\t%s\t\n",
@@ -158,6 +160,9 @@ func WriteText(w io.Writer, r *Result) error {
 				fmtMs(rk.CommMs), fmtMs(rk.SendMs), rk.RelativeScore, rk.IndividualScore, strings.Join(rk.Flags, ","))
 		}
 		tw.Flush()
+		for line := range strings.Lines(tb.String()) {
+			ew.printf("%s\n", strings.TrimRight(line, " \n"))
+		}
 	}
 	in := r.Input
 	ew.printf("\ninput: %d ranks, %d records, %d bytes, %d garbage lines, %d unmatched ends, %d steps evaluated\n",
