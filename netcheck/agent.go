@@ -1,0 +1,347 @@
+package netcheck
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
+)
+
+// DefaultAgentAddr is where an agent listens unless told otherwise.
+const DefaultAgentAddr = ":9700"
+
+// AgentConfig configures an Agent. The zero value of every field is a
+// documented default.
+type AgentConfig struct {
+	// Listen is the TCP address to serve on. Default DefaultAgentAddr.
+	Listen string
+	// MaxBytes is the largest transfer served each way, so that a stray
+	// client cannot keep the link busy. Default 1 GiB.
+	MaxBytes int64
+	// IdleTimeout closes a connection on which nothing moves for this
+	// long. Default 30 s.
+	IdleTimeout time.Duration
+	// MaxProbeTimeout caps the deadline a checker may give a probe this
+	// agent runs to a peer. Default 2 min.
+	MaxProbeTimeout time.Duration
+	// Logger receives failed requests at debug level; nil discards them.
+	Logger *slog.Logger
+	// Registerer receives the agent's metrics; nil means none.
+	Registerer prometheus.Registerer
+}
+
+// Validate reports a field that cannot work.
+func (c AgentConfig) Validate() error {
+	var errs []error
+	if c.MaxBytes < 0 {
+		errs = append(errs, fmt.Errorf("AgentConfig.MaxBytes = %d: must not be negative", c.MaxBytes))
+	}
+	if c.IdleTimeout < 0 {
+		errs = append(errs, fmt.Errorf("AgentConfig.IdleTimeout = %v: must not be negative", c.IdleTimeout))
+	}
+	if c.MaxProbeTimeout < 0 {
+		errs = append(errs, fmt.Errorf("AgentConfig.MaxProbeTimeout = %v: must not be negative", c.MaxProbeTimeout))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("netcheck: %w", err)
+	}
+	return nil
+}
+
+// Agent is the probe endpoint that runs on every node: it answers
+// transfers from peers and checkers, and runs the probes a checker asks it
+// to run to a peer.
+type Agent struct {
+	cfg      AgentConfig
+	log      *slog.Logger
+	ln       net.Listener
+	requests *prometheus.CounterVec
+	bytes    *prometheus.CounterVec
+
+	mu      sync.Mutex
+	conns   map[net.Conn]struct{}
+	closed  bool
+	running bool
+	wg      sync.WaitGroup
+	stop    chan struct{} // closed by Close
+	done    chan struct{} // closed when Run returns
+}
+
+// NewAgent listens on cfg.Listen; serve with Run.
+func NewAgent(cfg AgentConfig) (*Agent, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Listen == "" {
+		cfg.Listen = DefaultAgentAddr
+	}
+	if cfg.MaxBytes == 0 {
+		cfg.MaxBytes = 1 << 30
+	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = 30 * time.Second
+	}
+	if cfg.MaxProbeTimeout == 0 {
+		cfg.MaxProbeTimeout = 2 * time.Minute
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return nil, fmt.Errorf("netcheck: agent: %w", err)
+	}
+	f := promauto.With(cfg.Registerer)
+	return &Agent{
+		cfg: cfg,
+		log: log,
+		ln:  ln,
+		requests: f.NewCounterVec(prometheus.CounterOpts{
+			Name: "faultline_netcheck_agent_requests_total",
+			Help: "Requests served by the netcheck agent, by operation (transfer, probe) and result (ok, error).",
+		}, []string{"op", "result"}),
+		bytes: f.NewCounterVec(prometheus.CounterOpts{
+			Name: "faultline_netcheck_agent_bytes_total",
+			Help: "Probe payload bytes moved by the netcheck agent, by direction (received, sent).",
+		}, []string{"direction"}),
+		conns: make(map[net.Conn]struct{}),
+		stop:  make(chan struct{}),
+		done:  make(chan struct{}),
+	}, nil
+}
+
+// Addr returns the address the agent listens on.
+func (a *Agent) Addr() net.Addr { return a.ln.Addr() }
+
+// Run serves until ctx ends (it returns ctx.Err()) or Close is called (it
+// returns nil), then closes every connection and waits for their
+// goroutines. It may be called once.
+func (a *Agent) Run(ctx context.Context) error {
+	a.mu.Lock()
+	if a.running {
+		a.mu.Unlock()
+		return errors.New("netcheck: Agent.Run called twice")
+	}
+	a.running = true
+	a.mu.Unlock()
+	defer close(a.done)
+
+	parent := ctx
+	ctx, cancel := context.WithCancel(ctx)
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		select {
+		case <-ctx.Done():
+		case <-a.stop:
+		}
+		a.shutdown()
+	}()
+	for {
+		conn, err := a.ln.Accept()
+		if err != nil {
+			cancel()
+			<-watched
+			a.wg.Wait()
+			select {
+			case <-a.stop:
+				return nil
+			default:
+			}
+			if err := parent.Err(); err != nil {
+				return err
+			}
+			return fmt.Errorf("netcheck: agent: %w", err)
+		}
+		if !a.track(conn) {
+			conn.Close()
+			continue
+		}
+		a.wg.Add(1)
+		go func() {
+			defer a.wg.Done()
+			defer a.untrack(conn)
+			a.serve(ctx, conn)
+		}()
+	}
+}
+
+// shutdown stops accepting and unblocks every connection.
+func (a *Agent) shutdown() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return
+	}
+	a.closed = true
+	a.ln.Close()
+	for c := range a.conns {
+		c.Close()
+	}
+}
+
+func (a *Agent) track(c net.Conn) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return false
+	}
+	a.conns[c] = struct{}{}
+	return true
+}
+
+func (a *Agent) untrack(c net.Conn) {
+	a.mu.Lock()
+	delete(a.conns, c)
+	a.mu.Unlock()
+	c.Close()
+}
+
+// Close stops Run and waits for it, or, if Run was never called, closes
+// the listener. It is safe to call more than once.
+func (a *Agent) Close() error {
+	a.mu.Lock()
+	running := a.running
+	select {
+	case <-a.stop:
+	default:
+		close(a.stop)
+	}
+	a.mu.Unlock()
+	if running {
+		<-a.done
+	} else {
+		a.shutdown()
+	}
+	return nil
+}
+
+// idleConn extends the deadline before every read and write, so that a
+// long transfer lives as long as it moves.
+type idleConn struct {
+	net.Conn
+	idle time.Duration
+}
+
+func (c idleConn) Read(b []byte) (int, error) {
+	c.Conn.SetDeadline(time.Now().Add(c.idle))
+	return c.Conn.Read(b)
+}
+
+func (c idleConn) Write(b []byte) (int, error) {
+	c.Conn.SetDeadline(time.Now().Add(c.idle))
+	return c.Conn.Write(b)
+}
+
+func (a *Agent) serve(ctx context.Context, raw net.Conn) {
+	conn := idleConn{Conn: raw, idle: a.cfg.IdleTimeout}
+	op, err := readOp(conn)
+	if err != nil {
+		a.failed("unknown", raw, err)
+		return
+	}
+	switch op {
+	case opTransfer:
+		err = a.serveTransfer(conn)
+		a.count("transfer", raw, err)
+	case opProbe:
+		err = a.serveProbe(ctx, raw)
+		a.count("probe", raw, err)
+	default:
+		a.failed("unknown", raw, fmt.Errorf("unknown operation %q", op))
+	}
+}
+
+func (a *Agent) count(op string, conn net.Conn, err error) {
+	if err != nil {
+		a.failed(op, conn, err)
+		return
+	}
+	a.requests.WithLabelValues(op, "ok").Inc()
+}
+
+func (a *Agent) failed(op string, conn net.Conn, err error) {
+	a.requests.WithLabelValues(op, "error").Inc()
+	a.log.Debug("netcheck agent: request failed", "op", op, "peer", conn.RemoteAddr().String(), "err", err)
+}
+
+func (a *Agent) serveTransfer(conn idleConn) error {
+	var b [transferLen]byte
+	if _, err := io.ReadFull(conn, b[:]); err != nil {
+		return err
+	}
+	h := parseTransferHeader(b[:])
+	if h.up > uint64(a.cfg.MaxBytes) || h.down > uint64(a.cfg.MaxBytes) || h.pings > maxPings {
+		msg := fmt.Sprintf("transfer of %d/%d bytes with %d pings exceeds %d bytes or %d pings",
+			h.up, h.down, h.pings, a.cfg.MaxBytes, maxPings)
+		refuse(conn, msg)
+		return errors.New(msg)
+	}
+	if _, err := conn.Write([]byte{0}); err != nil {
+		return err
+	}
+	var ping [8]byte
+	for range h.pings {
+		if _, err := io.ReadFull(conn, ping[:]); err != nil {
+			return err
+		}
+		if _, err := conn.Write(ping[:]); err != nil {
+			return err
+		}
+	}
+	buf := make([]byte, chunk)
+	if err := receive(conn, buf, int64(h.up)); err != nil {
+		return err
+	}
+	a.bytes.WithLabelValues("received").Add(float64(h.up))
+	if _, err := conn.Write(ping[:1]); err != nil {
+		return err
+	}
+	if err := send(conn, buf, int64(h.down)); err != nil {
+		return err
+	}
+	a.bytes.WithLabelValues("sent").Add(float64(h.down))
+	return nil
+}
+
+func (a *Agent) serveProbe(ctx context.Context, conn net.Conn) error {
+	conn.SetDeadline(time.Now().Add(a.cfg.IdleTimeout))
+	var req probeRequest
+	if err := readJSON(conn, &req); err != nil {
+		return fmt.Errorf("read probe request: %w", err)
+	}
+	var m Measurement
+	switch {
+	case req.Bytes <= 0 || req.Bytes > a.cfg.MaxBytes:
+		m.Error = fmt.Sprintf("probe of %d bytes: want 1 to %d", req.Bytes, a.cfg.MaxBytes)
+	case req.Pings < 0 || req.Pings > maxPings:
+		m.Error = fmt.Sprintf("probe with %d pings: want 0 to %d", req.Pings, maxPings)
+	case req.Timeout <= 0:
+		m.Error = fmt.Sprintf("probe timeout %v: must be positive", req.Timeout)
+	default:
+		timeout := min(req.Timeout, a.cfg.MaxProbeTimeout)
+		conn.SetDeadline(time.Now().Add(timeout + a.cfg.IdleTimeout))
+		pctx, cancel := context.WithTimeout(ctx, timeout)
+		var err error
+		m, err = measure(pctx, &net.Dialer{}, req.Peer, req.Bytes, req.Pings)
+		cancel()
+		if err != nil {
+			m.Error = err.Error()
+		}
+	}
+	if err := writeJSON(conn, m); err != nil {
+		return fmt.Errorf("answer probe request: %w", err)
+	}
+	if m.Error != "" {
+		return errors.New(m.Error)
+	}
+	return nil
+}

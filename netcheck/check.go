@@ -1,0 +1,235 @@
+package netcheck
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+)
+
+// DefaultReference is the name the checker takes as the reference.
+const DefaultReference = "checker"
+
+// Config configures a Checker. The zero value of every field is a
+// documented default.
+type Config struct {
+	// Policy judges the probes; its zero value holds the defaults.
+	Policy Policy
+	// Prober runs the probes; nil means &TCPProber{}.
+	Prober Prober
+	// Reference is the name under which the checker itself takes part as
+	// the reference (probing nodes directly, with an empty From.Addr);
+	// default DefaultReference. It must differ from every node's name.
+	Reference string
+	// NoReference keeps the checker out of the probes, for a Prober that
+	// cannot probe from the checker. Clusters of two or three nodes may
+	// then end with unknown verdicts.
+	NoReference bool
+	// Parallel bounds the probes that run at once. Default 256.
+	Parallel int
+	// Logger receives a line per round and the verdicts; nil discards.
+	Logger *slog.Logger
+	// Registerer receives the checker's metrics; nil means none.
+	Registerer prometheus.Registerer
+	// TracerProvider traces checks and probes; nil means none.
+	TracerProvider trace.TracerProvider
+}
+
+// Validate reports a field that cannot work.
+func (c Config) Validate() error {
+	if c.Parallel < 0 {
+		return fmt.Errorf("netcheck: Config.Parallel = %d: must not be negative", c.Parallel)
+	}
+	return c.Policy.Validate()
+}
+
+// Checker runs network checks: it drives a Planner with real probes. One
+// Checker may run many checks, one after another or at once.
+type Checker struct {
+	cfg    Config
+	log    *slog.Logger
+	tracer trace.Tracer
+
+	checks    prometheus.Counter
+	checkTime prometheus.Histogram
+	probes    *prometheus.CounterVec
+	probeTime prometheus.Histogram
+	verdicts  *prometheus.GaugeVec
+	badNodes  *prometheus.GaugeVec
+	metricsMu sync.Mutex // one check at a time updates the gauges
+}
+
+// NewChecker returns a checker for cfg.
+func NewChecker(cfg Config) (*Checker, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Prober == nil {
+		cfg.Prober = &TCPProber{}
+	}
+	if cfg.Reference == "" {
+		cfg.Reference = DefaultReference
+	}
+	if cfg.Parallel == 0 {
+		cfg.Parallel = 256
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	tp := cfg.TracerProvider
+	if tp == nil {
+		tp = noop.NewTracerProvider()
+	}
+	f := promauto.With(cfg.Registerer)
+	return &Checker{
+		cfg:    cfg,
+		log:    log,
+		tracer: tp.Tracer("github.com/faultline-ml/faultline/netcheck"),
+		checks: f.NewCounter(prometheus.CounterOpts{
+			Name: "faultline_netcheck_checks_total",
+			Help: "Network checks completed.",
+		}),
+		checkTime: f.NewHistogram(prometheus.HistogramOpts{
+			Name:    "faultline_netcheck_check_duration_seconds",
+			Help:    "Time a whole network check took.",
+			Buckets: prometheus.ExponentialBuckets(0.1, 2, 12),
+		}),
+		probes: f.NewCounterVec(prometheus.CounterOpts{
+			Name: "faultline_netcheck_probes_total",
+			Help: "Probes run by the checker, by result (ok, error).",
+		}, []string{"result"}),
+		probeTime: f.NewHistogram(prometheus.HistogramOpts{
+			Name:    "faultline_netcheck_probe_duration_seconds",
+			Help:    "Time one probe took, failed ones included.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16),
+		}),
+		verdicts: f.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "faultline_netcheck_nodes",
+			Help: "Nodes of the last check by verdict (healthy, faulty, straggler, unknown).",
+		}, []string{"verdict"}),
+		badNodes: f.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "faultline_netcheck_bad_node",
+			Help: "1 for each node the last check found faulty or straggling, by node and verdict.",
+		}, []string{"node", "verdict"}),
+	}, nil
+}
+
+// Check probes nodes, given in topology order, until every node has a
+// verdict or no probe can tell more, and returns the report. It returns an
+// error only for bad input or when ctx ends; a node that cannot be reached
+// is a verdict, not an error.
+func (c *Checker) Check(ctx context.Context, nodes []Node) (*Report, error) {
+	start := time.Now()
+	ctx, span := c.tracer.Start(ctx, "netcheck.Check", trace.WithAttributes(attribute.Int("nodes", len(nodes))))
+	defer span.End()
+
+	byName := make(map[string]Node, len(nodes)+1)
+	names := make([]string, len(nodes))
+	for i, n := range nodes {
+		names[i] = n.Name
+		byName[n.Name] = n
+	}
+	ref := ""
+	if !c.cfg.NoReference {
+		ref = c.cfg.Reference
+		if _, clash := byName[ref]; clash {
+			return nil, fmt.Errorf("netcheck: node name %q is the reference's; set Config.Reference", ref)
+		}
+		byName[ref] = Node{Name: ref}
+	}
+	p, err := NewPlanner(names, ref, c.cfg.Policy)
+	if err != nil {
+		return nil, err
+	}
+	sem := make(chan struct{}, c.cfg.Parallel)
+	for round := p.Next(); round != nil; round = p.Next() {
+		c.log.Debug("netcheck: round", "round", p.Rounds()-1, "probes", len(round))
+		results := make([]Measurement, len(round))
+		var wg sync.WaitGroup
+		for i, pr := range round {
+			wg.Add(1)
+			sem <- struct{}{}
+			go func() {
+				defer func() { <-sem; wg.Done() }()
+				results[i] = c.probe(ctx, byName[pr.From], byName[pr.To])
+			}()
+		}
+		wg.Wait()
+		if err := ctx.Err(); err != nil {
+			span.SetStatus(codes.Error, err.Error())
+			return nil, fmt.Errorf("netcheck: check cancelled: %w", err)
+		}
+		for _, m := range results {
+			if err := p.Record(m); err != nil {
+				return nil, err // a bug: the planner asked for these
+			}
+		}
+	}
+	rep := p.Report()
+	c.observe(rep, time.Since(start))
+	span.SetAttributes(attribute.Int("probes", rep.Probes), attribute.Int("rounds", rep.Rounds),
+		attribute.StringSlice("bad", rep.Bad()))
+	for _, n := range rep.Nodes {
+		if n.Verdict != Healthy {
+			c.log.Warn("netcheck: node not healthy", "node", n.Name, "verdict", n.Verdict, "reason", n.Reason)
+		}
+	}
+	return rep, nil
+}
+
+// probe runs one probe under the policy's deadline and never fails: an
+// error becomes a failed measurement.
+func (c *Checker) probe(ctx context.Context, from, to Node) Measurement {
+	ctx, span := c.tracer.Start(ctx, "netcheck.Probe", trace.WithAttributes(
+		attribute.String("from", from.Name), attribute.String("to", to.Name)))
+	defer span.End()
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.Policy.withDefaults().ProbeTimeout)
+	defer cancel()
+	start := time.Now()
+	m, err := c.cfg.Prober.Probe(ctx, from, to)
+	m.From, m.To = from.Name, to.Name
+	if m.Elapsed <= 0 {
+		m.Elapsed = time.Since(start)
+	}
+	if err != nil {
+		m.Error = err.Error()
+	} else if m.Error != "" {
+		err = errors.New(m.Error)
+	}
+	c.probeTime.Observe(m.Elapsed.Seconds())
+	if err != nil {
+		c.probes.WithLabelValues("error").Inc()
+		span.SetStatus(codes.Error, m.Error)
+	} else {
+		c.probes.WithLabelValues("ok").Inc()
+		span.SetAttributes(attribute.Float64("bandwidth_bytes_per_second", m.Bandwidth),
+			attribute.Int64("rtt_ns", int64(m.RTT)))
+	}
+	return m
+}
+
+func (c *Checker) observe(rep *Report, took time.Duration) {
+	c.checks.Inc()
+	c.checkTime.Observe(took.Seconds())
+	c.metricsMu.Lock()
+	defer c.metricsMu.Unlock()
+	for _, v := range []Verdict{Healthy, Faulty, Straggler, Unknown} {
+		c.verdicts.WithLabelValues(string(v)).Set(float64(len(rep.Names(v))))
+	}
+	c.badNodes.Reset()
+	for _, n := range rep.Nodes {
+		if n.Verdict == Faulty || n.Verdict == Straggler {
+			c.badNodes.WithLabelValues(n.Name, string(n.Verdict)).Set(1)
+		}
+	}
+}

@@ -1,0 +1,63 @@
+package netcheck
+
+import (
+	"bytes"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func FuzzParseDevicePairs(f *testing.F) {
+	f.Add(DefaultDevicePairs)
+	f.Add("0:1,1:0")
+	f.Add("7:3 , 12:4")
+	f.Fuzz(func(t *testing.T, s string) {
+		ps, err := ParseDevicePairs(s)
+		if err != nil {
+			return
+		}
+		again, err := ParseDevicePairs(ps.String())
+		if err != nil {
+			t.Fatalf("ParseDevicePairs(%q) failed: %v", ps.String(), err)
+		}
+		if !cmp.Equal(ps, again) {
+			t.Fatalf("round trip: %v != %v", ps, again)
+		}
+	})
+}
+
+func FuzzParseReport(f *testing.F) {
+	p, _ := NewPlanner([]string{"a", "b", "c"}, "checker", Policy{})
+	for round := p.Next(); round != nil; round = p.Next() {
+		for _, pr := range round {
+			m := Measurement{From: pr.From, To: pr.To, Elapsed: time.Millisecond, Bandwidth: 1e9, RTT: time.Microsecond}
+			if pr.To == "c" || pr.From == "c" {
+				m.Error = "connection refused"
+			}
+			p.Record(m)
+		}
+	}
+	seed, _ := p.Report().Marshal()
+	f.Add(seed)
+	f.Add([]byte(`{"nodes":[{"name":"a","verdict":"bogus"}]}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		r, err := ParseReport(data)
+		if err != nil {
+			return
+		}
+		out, err := r.Marshal()
+		if err != nil {
+			t.Fatalf("Marshal of a parsed report: %v", err)
+		}
+		back, err := ParseReport(out)
+		if err != nil {
+			t.Fatalf("ParseReport(Marshal) failed: %v\n%s", err, out)
+		}
+		if out2, _ := back.Marshal(); !bytes.Equal(out, out2) {
+			t.Fatalf("Marshal is not canonical:\n%s\n%s", out, out2)
+		}
+		var b bytes.Buffer
+		r.WriteText(&b)
+	})
+}

@@ -1,0 +1,16 @@
+package netcheck
+
+import (
+	"os"
+	"testing"
+
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) {
+	// The network tests run this binary as the agent of each host.
+	if addr := os.Getenv(agentEnv); addr != "" {
+		os.Exit(runTestAgent(addr))
+	}
+	goleak.VerifyTestMain(m)
+}

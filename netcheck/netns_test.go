@@ -1,0 +1,372 @@
+package netcheck
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"os/signal"
+	"slices"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// The network tests build hosts as network namespaces joined by veth pairs
+// to a bridge in the root namespace, run a real agent in each (this test
+// binary, re-executed), degrade links with tc, and check that the checker,
+// running in the root namespace as the reference, names exactly the hosts
+// that were degraded or cut.
+//
+// Set FAULTLINE_NETCHECK_HEAVY=1 for bigger clusters and transfers.
+
+const (
+	agentEnv = "FAULTLINE_NETCHECK_TEST_AGENT"
+	copyEnv  = "FAULTLINE_NETCHECK_TEST_COPY" // also serve plain io.Copy, for the benchmark
+	heavyEnv = "FAULTLINE_NETCHECK_HEAVY"
+)
+
+// runTestAgent is main for a host: it serves an agent on addr, and a plain
+// io.Copy endpoint when asked, says "ready" on stdout and runs until
+// signalled.
+func runTestAgent(addr string) int {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	a, err := NewAgent(AgentConfig{Listen: addr})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	if c := os.Getenv(copyEnv); c != "" {
+		ln, err := net.Listen("tcp", c)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		defer ln.Close()
+		go serveCopy(ln)
+	}
+	fmt.Println("ready", a.Addr())
+	a.Run(ctx)
+	return 0
+}
+
+// serveCopy is the baseline peer: it reads an 8-byte size n, copies n bytes
+// in with io.Copy, answers a byte, and copies n bytes out with io.Copy.
+func serveCopy(ln net.Listener) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			var h [8]byte
+			if _, err := io.ReadFull(c, h[:]); err != nil {
+				return
+			}
+			n, _ := strconv.ParseInt(strings.TrimSpace(string(h[:])), 16, 64)
+			io.Copy(io.Discard, io.LimitReader(c, n))
+			c.Write(h[:1])
+			io.Copy(c, io.LimitReader(zeros{}, n))
+		}()
+	}
+}
+
+type zeros struct{}
+
+func (zeros) Read(b []byte) (int, error) {
+	clear(b)
+	return len(b), nil
+}
+
+// needNetns skips unless the test can build namespaces.
+func needNetns(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("network namespace tests need root")
+	}
+	for _, tool := range []string{"ip", "tc"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("network namespace tests need %s from iproute2: %v", tool, err)
+		}
+	}
+}
+
+var fabrics atomic.Int32
+
+// fabric is a bridge with hosts hanging from it.
+type fabric struct {
+	t      testing.TB
+	id     string // unique in this machine: pid and a counter
+	bridge string
+	subnet string // "10.213.X."
+	hosts  []*host
+}
+
+type host struct {
+	name string
+	ns   string
+	veth string // the root namespace's end
+	peer string // the host's end, inside ns
+	ip   string
+	addr string // its agent
+	copy string // its io.Copy endpoint, when asked for
+}
+
+func run(t testing.TB, args ...string) {
+	t.Helper()
+	if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+		t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+}
+
+// newFabric builds n hosts, each running an agent, and removes everything
+// when the test ends, whether it passes or not.
+func newFabric(t testing.TB, n int, withCopy bool) *fabric {
+	t.Helper()
+	needNetns(t)
+	seq := fabrics.Add(1)
+	f := &fabric{t: t, id: strconv.FormatInt(int64(os.Getpid()), 36) + strconv.FormatInt(int64(seq), 36)}
+	f.bridge = "fl" + f.id + "b"
+	f.subnet = freeSubnet(t, os.Getpid()+int(seq))
+
+	t.Cleanup(func() { exec.Command("ip", "link", "del", f.bridge).Run() })
+	run(t, "ip", "link", "add", f.bridge, "type", "bridge")
+	run(t, "ip", "addr", "add", f.subnet+"254/24", "dev", f.bridge)
+	run(t, "ip", "link", "set", f.bridge, "up")
+
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		h := &host{
+			name: fmt.Sprintf("h%02d", i),
+			ns:   fmt.Sprintf("faultline-%s-%d", f.id, i),
+			veth: fmt.Sprintf("fl%sh%d", f.id, i),
+			peer: fmt.Sprintf("fl%sp%d", f.id, i),
+			ip:   fmt.Sprintf("%s%d", f.subnet, i+1),
+		}
+		f.hosts = append(f.hosts, h)
+		t.Cleanup(func() { exec.Command("ip", "netns", "del", h.ns).Run() })
+		run(t, "ip", "netns", "add", h.ns)
+		run(t, "ip", "link", "add", h.veth, "type", "veth", "peer", "name", h.peer, "netns", h.ns)
+		run(t, "ip", "link", "set", h.veth, "master", f.bridge, "up")
+		run(t, "ip", "-n", h.ns, "addr", "add", h.ip+"/24", "dev", h.peer)
+		run(t, "ip", "-n", h.ns, "link", "set", h.peer, "up")
+		run(t, "ip", "-n", h.ns, "link", "set", "lo", "up")
+
+		cmd := exec.Command("ip", "netns", "exec", h.ns, exe, "-test.run=^$")
+		cmd.Env = append(os.Environ(), agentEnv+"="+h.ip+":9700")
+		if withCopy {
+			h.copy = h.ip + ":9701"
+			cmd.Env = append(cmd.Env, copyEnv+"="+h.copy)
+		}
+		cmd.Stderr = os.Stderr
+		// Should this test process die, the agent dies with it.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+		stdout, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			cmd.Process.Kill()
+			cmd.Wait()
+		})
+		ready := make(chan string, 1)
+		go func() {
+			line, _ := bufio.NewReader(stdout).ReadString('\n')
+			ready <- line
+			io.Copy(io.Discard, stdout)
+		}()
+		select {
+		case line := <-ready:
+			if !strings.HasPrefix(line, "ready ") {
+				t.Fatalf("agent of %s: %q", h.name, line)
+			}
+			h.addr = strings.TrimSpace(strings.TrimPrefix(line, "ready "))
+		case <-time.After(30 * time.Second):
+			t.Fatalf("agent of %s not ready in 30 s", h.name)
+		}
+	}
+	return f
+}
+
+// freeSubnet picks a 10.213.X.0/24 that no interface here uses.
+func freeSubnet(t testing.TB, seed int) string {
+	out, err := exec.Command("ip", "-4", "-o", "addr").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 250 {
+		s := fmt.Sprintf("10.213.%d.", (seed+i)%250)
+		if !strings.Contains(string(out), " "+s) {
+			return s
+		}
+	}
+	t.Fatal("no free 10.213.X.0/24 subnet")
+	return ""
+}
+
+func (f *fabric) nodes() []Node {
+	nodes := make([]Node, len(f.hosts))
+	for i, h := range f.hosts {
+		nodes[i] = Node{Name: h.name, Addr: h.addr}
+	}
+	return nodes
+}
+
+// qdisc puts the same root qdisc on both ends of host i's link, so that
+// both directions suffer.
+func (f *fabric) qdisc(i int, spec ...string) error {
+	h := f.hosts[i]
+	for _, args := range [][]string{
+		append([]string{"tc", "qdisc", "replace", "dev", h.veth, "root"}, spec...),
+		append([]string{"tc", "-n", h.ns, "qdisc", "replace", "dev", h.peer, "root"}, spec...),
+	} {
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			return fmt.Errorf("%s: %v: %s", strings.Join(args, " "), err, out)
+		}
+	}
+	return nil
+}
+
+// shape limits host i's link to rate with a token bucket.
+func (f *fabric) shape(i int, rate string) {
+	if err := f.qdisc(i, "tbf", "rate", rate, "burst", "32kb", "latency", "400ms"); err != nil {
+		f.t.Fatal(err)
+	}
+}
+
+// cut takes host i off the bridge.
+func (f *fabric) cut(i int) {
+	run(f.t, "ip", "link", "set", f.hosts[i].veth, "down")
+}
+
+type degrade struct {
+	kind string // "shape", "cut", "delay", "loss"
+	host int
+}
+
+type scenario struct {
+	name    string
+	n       int
+	faults  []degrade
+	bytes   int64
+	timeout time.Duration
+}
+
+func (sc scenario) want() map[string]Verdict {
+	want := map[string]Verdict{}
+	for _, d := range sc.faults {
+		v := Straggler
+		if d.kind == "cut" {
+			v = Faulty
+		}
+		want[fmt.Sprintf("h%02d", d.host)] = v
+	}
+	return want
+}
+
+func TestNetworkNamespaces(t *testing.T) {
+	needNetns(t)
+	scenarios := []scenario{
+		{name: "N=6 one shaped", n: 6, faults: []degrade{{"shape", 2}}},
+		{name: "N=6 shaped and cut", n: 6, faults: []degrade{{"shape", 1}, {"cut", 4}}},
+		{name: "N=2 one shaped", n: 2, faults: []degrade{{"shape", 0}}},
+		{name: "N=2 one cut", n: 2, faults: []degrade{{"cut", 1}}},
+		{name: "N=3 one cut", n: 3, faults: []degrade{{"cut", 0}}},
+		{name: "N=3 shaped and cut", n: 3, faults: []degrade{{"shape", 2}, {"cut", 1}}},
+		{name: "N=4 delay", n: 4, faults: []degrade{{"delay", 3}}},
+		{name: "N=4 loss", n: 4, faults: []degrade{{"loss", 0}}},
+	}
+	if os.Getenv(heavyEnv) != "" {
+		scenarios = append(scenarios,
+			scenario{name: "N=16 two shaped one cut", n: 16, faults: []degrade{{"shape", 3}, {"shape", 12}, {"cut", 7}}, bytes: 8 << 20, timeout: 10 * time.Second},
+			scenario{name: "N=16 healthy", n: 16, bytes: 8 << 20, timeout: 10 * time.Second},
+			scenario{name: "N=9 two cut", n: 9, faults: []degrade{{"cut", 0}, {"cut", 8}}},
+		)
+	}
+	for _, sc := range scenarios {
+		t.Run(sc.name, func(t *testing.T) {
+			if sc.bytes == 0 {
+				sc.bytes = 1 << 20
+			}
+			if sc.timeout == 0 {
+				sc.timeout = 2 * time.Second
+			}
+			f := newFabric(t, sc.n, false)
+			for _, d := range sc.faults {
+				switch d.kind {
+				case "shape":
+					f.shape(d.host, "40mbit")
+				case "cut":
+					f.cut(d.host)
+				case "delay", "loss":
+					spec := []string{"netem", "delay", "60ms"}
+					if d.kind == "loss" {
+						spec = []string{"netem", "loss", "30%"}
+					}
+					if err := f.qdisc(d.host, spec...); err != nil {
+						if strings.Contains(err.Error(), "qdisc kind is unknown") {
+							t.Skipf("this kernel has no netem queueing discipline (sch_netem): %v", err)
+						}
+						t.Fatal(err)
+					}
+				}
+			}
+			c, err := NewChecker(Config{
+				Prober: &TCPProber{Bytes: sc.bytes},
+				Policy: Policy{ProbeTimeout: sc.timeout},
+				// All hosts share this machine's CPUs: probes at once
+				// would slow each other and blur the figures.
+				Parallel: 1,
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			start := time.Now()
+			rep, err := c.Check(context.Background(), f.nodes())
+			if err != nil {
+				t.Fatal(err)
+			}
+			var text strings.Builder
+			rep.WriteText(&text)
+			t.Logf("check took %v\n%s", time.Since(start).Round(time.Millisecond), text.String())
+			defer func() {
+				if t.Failed() {
+					js, _ := rep.Marshal()
+					t.Logf("report:\n%s", js)
+				}
+			}()
+			want := sc.want()
+			for _, res := range rep.Nodes {
+				v, bad := want[res.Name]
+				switch {
+				case !bad && res.Verdict != Healthy:
+					t.Errorf("healthy %s judged %s: %s", res.Name, res.Verdict, res.Reason)
+				case bad && sc.faults != nil && slices.ContainsFunc(sc.faults, func(d degrade) bool {
+					return d.kind == "loss" && fmt.Sprintf("h%02d", d.host) == res.Name
+				}):
+					// Heavy loss makes a probe slow or time out: either
+					// names the host.
+					if res.Verdict != Straggler && res.Verdict != Faulty {
+						t.Errorf("lossy %s judged %s", res.Name, res.Verdict)
+					}
+				case bad && res.Verdict != v:
+					t.Errorf("%s judged %s, want %s: %s", res.Name, res.Verdict, v, res.Reason)
+				}
+			}
+		})
+	}
+}

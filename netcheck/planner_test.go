@@ -1,0 +1,279 @@
+package netcheck
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// fault is what is wrong with a simulated node.
+type fault int
+
+const (
+	ok   fault = iota
+	slow       // every probe with it takes 3–10× longer
+	cut        // every probe with it fails
+)
+
+// sim answers probes consistently: a probe takes as long as its slower
+// end, and fails if either end is cut.
+type sim struct {
+	time  map[string]time.Duration
+	fault map[string]fault
+}
+
+const base = 10 * time.Millisecond
+
+func newSim(r *rand.Rand, names []string, faults map[string]fault) *sim {
+	s := &sim{time: map[string]time.Duration{}, fault: faults}
+	for _, n := range names {
+		jitter := 1 + 0.3*r.Float64()
+		if faults[n] == slow {
+			jitter = 3 + 7*r.Float64()
+		}
+		s.time[n] = time.Duration(float64(base) * jitter)
+	}
+	return s
+}
+
+func (s *sim) probe(p Pair) Measurement {
+	m := Measurement{From: p.From, To: p.To, Bytes: 1 << 20}
+	if s.fault[p.From] == cut || s.fault[p.To] == cut {
+		m.Error = "i/o timeout"
+		m.Elapsed = time.Second
+		return m
+	}
+	m.Elapsed = max(s.time[p.From], s.time[p.To])
+	m.RTT = m.Elapsed / 100
+	m.Bandwidth = float64(m.Bytes) / m.Elapsed.Seconds()
+	return m
+}
+
+// drive runs the planner against the simulation and checks the planner's
+// promises about rounds on the way.
+func drive(t *testing.T, p *Planner, s *sim) (*Report, int) {
+	t.Helper()
+	round0 := 0
+	for i, round := 0, p.Next(); round != nil; i, round = i+1, p.Next() {
+		seen := map[string]bool{}
+		for _, pr := range round {
+			if seen[pr.From] || seen[pr.To] || pr.From == pr.To {
+				t.Fatalf("round %d uses a name twice: %v", i, round)
+			}
+			seen[pr.From], seen[pr.To] = true, true
+			if err := p.Record(s.probe(pr)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if i == 0 {
+			round0 = len(round)
+		}
+	}
+	return p.Report(), round0
+}
+
+func names(n int) []string {
+	out := make([]string, n)
+	for i := range out {
+		out[i] = fmt.Sprintf("n%02d", i)
+	}
+	return out
+}
+
+// TestPlannerProperties runs the planner over many random fault sets with
+// consistent probes.
+func TestPlannerProperties(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 8))
+	iterations := 3000
+	if testing.Short() {
+		iterations = 300
+	}
+	for it := range iterations {
+		n := 2 + r.IntN(40)
+		if it%4 == 0 {
+			n = 2 + r.IntN(2) // many small cases: N = 2 and 3
+		}
+		nodes := names(n)
+		ref := ""
+		if r.IntN(3) > 0 {
+			ref = "checker"
+		}
+		k := r.IntN(n + 1)
+		if r.IntN(2) == 0 {
+			k = r.IntN(n/2 + 1) // healthy majority more often
+		}
+		faults := map[string]fault{}
+		for _, i := range r.Perm(n)[:k] {
+			faults[nodes[i]] = fault(1 + r.IntN(2))
+		}
+		s := newSim(r, append(slices.Clone(nodes), "checker"), faults)
+		p, err := NewPlanner(nodes, ref, Policy{ProbeTimeout: time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rep, round0 := drive(t, p, s)
+		desc := fmt.Sprintf("iteration %d: N=%d k=%d ref=%q faults=%v", it, n, k, ref, faults)
+
+		// Never blame a healthy node, and blame for the right reason.
+		for _, res := range rep.Nodes {
+			switch f := faults[res.Name]; {
+			case f == ok && res.Verdict != Healthy && res.Verdict != Unknown:
+				t.Fatalf("%s: healthy %s judged %s: %s", desc, res.Name, res.Verdict, res.Reason)
+			case f == slow && res.Verdict == Faulty, f == cut && res.Verdict == Straggler:
+				t.Fatalf("%s: %s judged %s", desc, res.Name, res.Verdict)
+			}
+		}
+		if rep.Reference != nil && rep.Reference.Verdict != Healthy && rep.Reference.Verdict != Unknown {
+			t.Fatalf("%s: reference judged %s", desc, rep.Reference.Verdict)
+		}
+
+		// When there are fewer bad nodes than round-0 probes, round 0 has
+		// a probe between two healthy participants, which tells what fast
+		// is; then every node gets its verdict, and the probes beyond
+		// round 0 stay O(k). With a reference, so does the classic N = 2
+		// case that fails in DLRover.
+		if k < round0 || (ref != "" && n == 2 && k == 1) {
+			for _, res := range rep.Nodes {
+				want := map[fault]Verdict{ok: Healthy, slow: Straggler, cut: Faulty}[faults[res.Name]]
+				if res.Verdict != want {
+					t.Fatalf("%s: %s judged %s, want %s: %s", desc, res.Name, res.Verdict, want, res.Reason)
+				}
+			}
+			if extra := rep.Probes - round0; extra > 3*k+2 {
+				t.Fatalf("%s: %d probes beyond round 0, want at most 3k+2 = %d", desc, extra, 3*k+2)
+			}
+		}
+	}
+}
+
+func TestPlannerSmallClusters(t *testing.T) {
+	for _, tc := range []struct {
+		n      int
+		ref    string
+		faults map[string]fault
+		want   string // verdicts in node order, one letter each: h f s u
+	}{
+		{2, "checker", map[string]fault{"n00": cut}, "fh"},
+		{2, "checker", map[string]fault{"n01": cut}, "hf"},
+		{2, "checker", map[string]fault{"n00": slow}, "sh"},
+		// Only n01–checker completes: nothing faster to compare it with
+		// (a bandwidth floor would tell).
+		{2, "checker", map[string]fault{"n00": cut, "n01": slow}, "fh"},
+		{2, "checker", map[string]fault{}, "hh"},
+		{2, "", map[string]fault{"n00": cut}, "uu"}, // no one to tell
+		{2, "", map[string]fault{}, "hh"},
+		{3, "checker", map[string]fault{"n02": cut}, "hhf"},
+		{3, "checker", map[string]fault{"n00": slow, "n02": cut}, "shf"},
+		{3, "checker", map[string]fault{"n00": cut, "n01": cut}, "ffh"},
+		{3, "", map[string]fault{"n01": cut}, "hfh"},
+		{3, "", map[string]fault{"n00": cut, "n01": cut}, "uuu"},
+		{1, "checker", map[string]fault{"n00": slow}, "h"}, // likewise
+		{1, "checker", map[string]fault{"n00": cut}, "u"},  // or is the checker cut?
+		{1, "", map[string]fault{}, "u"},
+	} {
+		t.Run(fmt.Sprintf("N=%d,ref=%q,%v", tc.n, tc.ref, tc.faults), func(t *testing.T) {
+			nodes := names(tc.n)
+			s := newSim(rand.New(rand.NewPCG(1, 1)), append(nodes, "checker"), tc.faults)
+			p, err := NewPlanner(nodes, tc.ref, Policy{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			rep, _ := drive(t, p, s)
+			var got strings.Builder
+			for _, res := range rep.Nodes {
+				got.WriteByte(string(res.Verdict)[0])
+			}
+			if got.String() != tc.want {
+				var b strings.Builder
+				rep.WriteText(&b)
+				t.Fatalf("verdicts %s, want %s\n%s", got.String(), tc.want, b.String())
+			}
+		})
+	}
+}
+
+func TestPlannerRoundsAndRecord(t *testing.T) {
+	p, err := NewPlanner(names(5), "", Policy{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	round := p.Next()
+	want := []Pair{{"n00", "n01"}, {"n02", "n03"}}
+	if !slices.Equal(round, want) {
+		t.Fatalf("round 0 = %v, want neighbours %v", round, want)
+	}
+	if err := p.Record(Measurement{From: "n00", To: "n02"}); err == nil {
+		t.Fatal("a pair outside the round was accepted")
+	}
+	if err := p.Record(Measurement{From: "n01", To: "n00", Elapsed: base}); err != nil {
+		t.Fatalf("a pair in reverse order: %v", err)
+	}
+	if err := p.Record(Measurement{From: "n00", To: "n01"}); err == nil {
+		t.Fatal("a pair recorded twice was accepted")
+	}
+	// n02–n03 is never recorded: it counts as failed, so both become
+	// suspects; n04 was never probed. Round 1 gives each a healthy peer.
+	round = p.Next()
+	if len(round) != 2 {
+		t.Fatalf("round 1 = %v, want two probes (healthy peers are n00 and n01)", round)
+	}
+	for _, pr := range round {
+		if pr.From != "n00" && pr.From != "n01" {
+			t.Fatalf("round 1 probe %v does not start from a known-good node", pr)
+		}
+	}
+	rep := p.Report()
+	if rep.Nodes[2].Evidence[0].Error != "no result recorded" {
+		t.Fatalf("evidence of n02 = %+v", rep.Nodes[2].Evidence)
+	}
+
+	if _, err := NewPlanner([]string{"a", "a"}, "", Policy{}); err == nil {
+		t.Fatal("duplicate names accepted")
+	}
+	if _, err := NewPlanner([]string{"a", ""}, "", Policy{}); err == nil {
+		t.Fatal("empty name accepted")
+	}
+	if _, err := NewPlanner([]string{"a"}, "a", Policy{}); err == nil {
+		t.Fatal("a reference named like a node accepted")
+	}
+	if _, err := NewPlanner([]string{"a"}, "", Policy{StragglerRatio: 0.5}); err == nil || !strings.Contains(err.Error(), "StragglerRatio") {
+		t.Fatalf("bad policy: err = %v", err)
+	}
+}
+
+func TestPlannerFloors(t *testing.T) {
+	// All nodes equally fast but one below the bandwidth floor and one
+	// above the RTT ceiling: the ratio alone would not see them.
+	nodes := names(6)
+	p, err := NewPlanner(nodes, "", Policy{MinBandwidth: 50e6, MaxRTT: 5 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for round := p.Next(); round != nil; round = p.Next() {
+		for _, pr := range round {
+			m := Measurement{From: pr.From, To: pr.To, Elapsed: base, RTT: time.Millisecond, Bandwidth: 100e6}
+			if pr.From == "n01" || pr.To == "n01" {
+				m.Bandwidth = 10e6
+			}
+			if pr.From == "n04" || pr.To == "n04" {
+				m.RTT = 20 * time.Millisecond
+			}
+			if err := p.Record(m); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	rep := p.Report()
+	if got := rep.Bad(); !slices.Equal(got, []string{"n01", "n04"}) {
+		t.Fatalf("bad = %v, want [n01 n04]", got)
+	}
+	if r := rep.Nodes[1].Reason; !strings.Contains(r, "below the floor") {
+		t.Fatalf("reason for n01: %s", r)
+	}
+	if r := rep.Nodes[4].Reason; !strings.Contains(r, "above the ceiling") {
+		t.Fatalf("reason for n04: %s", r)
+	}
+}
