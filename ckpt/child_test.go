@@ -113,11 +113,14 @@ func childSaver() error {
 		return err
 	}
 	tb := newTestBlobs(64 << 10)
-	fmt.Println("ready")
 	ctx := context.Background()
 	for step := envInt("FAULTLINE_CKPT_START"); ; step++ {
 		if err := w.Save(ctx, step, tb.step(step)...); err != nil && !errors.Is(err, ErrBusy) {
 			return err
+		}
+		if step == envInt("FAULTLINE_CKPT_START") {
+			// From here on, a kill at any point must leave a step.
+			fmt.Println("ready")
 		}
 	}
 }

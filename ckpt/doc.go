@@ -72,7 +72,11 @@
 // trainer then reads it there), or the newest committed disk step; every
 // CRC is verified, and the LoadReport says which tier served and why each
 // other one did not. Across nodes a control plane picks one step for every
-// shard and calls LoadStep. Verify and InspectSegment/InspectDir check a
+// shard and calls LoadStep. A restarting trainer reads memory itself
+// (Writer.Load, or LoadInto to restore into its own buffers) and falls back
+// to LoadDisk; its agent, having called Owner.Load before restarting it,
+// has restored any replica into that memory. Verify and
+// InspectSegment/InspectDir check a
 // disk tier and segments without disturbing them (the flashckpt command
 // wraps them).
 //

@@ -65,7 +65,7 @@ func CRC32C(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
 
 // ErrCorrupt is wrapped by every error that reports bytes failing a check:
 // a bad magic, a field out of range, a checksum mismatch.
-var ErrCorrupt = errors.New("corrupt checkpoint data")
+var ErrCorrupt = errors.New("ckpt: corrupt checkpoint data")
 
 // FormatError says which field of which file is wrong.
 type FormatError struct {
