@@ -230,10 +230,10 @@ func tail(r io.ReaderAt, size int64, n int, maxBytes int64) ([]string, []int64, 
 // splitLines splits b, which starts at offset off, into lines without
 // their line endings ("\n" or "\r\n").
 func splitLines(b []byte, off int64) ([]string, []int64, error) {
-	b = bytes.TrimSuffix(b, []byte("\n"))
 	if len(b) == 0 {
 		return nil, nil, nil
 	}
+	b = bytes.TrimSuffix(b, []byte("\n")) // "\n" alone is one empty line
 	s := string(b)
 	n := strings.Count(s, "\n") + 1
 	lines := make([]string, 0, n)
