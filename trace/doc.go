@@ -37,8 +37,8 @@
 //	c.End()
 //	s.End()
 //
-// With the kind off, a call costs an atomic load and a branch (the check is
-// inlined into the caller). With it on, the call takes a monotonic
+// With the kind off, a call costs an atomic load and a branch: Start,
+// StartStep, StartComm and Span.End inline into the caller. With it on, the call takes a monotonic
 // timestamp and claims a slot of a bounded lock-free ring (one CAS and one
 // store; no allocation, no lock). A goroutine owned by the Recorder drains
 // the ring, encodes records and writes them; names are encoded there, so a

@@ -30,7 +30,7 @@ type RecorderConfig struct {
 	MaxFileBytes  int64         // default 10 MiB
 	FlushInterval time.Duration // records reach the file at least this often; default 5 s
 	// BufferRecords bounds the records waiting for the writer goroutine,
-	// rounded up to a power of two; default 16384 (about 2.5 MiB). When it
+	// rounded up to a power of two; default 16384 (2.7 MiB). When it
 	// is full, new records are dropped and counted.
 	BufferRecords int
 	Switch        Switch                // initial switch; default all off
@@ -40,10 +40,16 @@ type RecorderConfig struct {
 
 // Validate reports the first field that cannot be used.
 func (c RecorderConfig) Validate() error {
-	if err := c.writerConfig().Validate(); err != nil {
-		return err
+	if c.Job != "" {
+		if err := ValidateJob(c.Job); err != nil {
+			return fmt.Errorf("trace: RecorderConfig.Job: %w", err)
+		}
 	}
 	switch {
+	case c.Rank < 0:
+		return fmt.Errorf("trace: RecorderConfig.Rank: %d is negative", c.Rank)
+	case c.MaxFileBytes < 0:
+		return fmt.Errorf("trace: RecorderConfig.MaxFileBytes: %d is negative", c.MaxFileBytes)
 	case c.FlushInterval < 0:
 		return fmt.Errorf("trace: RecorderConfig.FlushInterval: %v is negative", c.FlushInterval)
 	case c.BufferRecords < 0:

@@ -268,8 +268,8 @@ func TestRecorderConfigValidate(t *testing.T) {
 		{FlushInterval: -1},
 		{MaxFileBytes: -5},
 	} {
-		if _, err := NewRecorder(context.Background(), c); err == nil {
-			t.Errorf("NewRecorder(%+v) accepted", c)
+		if _, err := NewRecorder(context.Background(), c); err == nil || !strings.Contains(err.Error(), "RecorderConfig.") {
+			t.Errorf("NewRecorder(%+v) = %v, want an error naming the field", c, err)
 		}
 	}
 }

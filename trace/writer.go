@@ -373,9 +373,25 @@ func (w *Writer) open(now time.Time) error {
 	if err := w.openDir(); err != nil {
 		return err
 	}
+	if w.sec == 0 {
+		// Readers tail files in name order, so the first file of this
+		// process must sort after what an earlier one left, even one that
+		// rotated faster than once a second into names ahead of the clock.
+		ents, err := listDir(w.dirf, w.dir)
+		if err != nil {
+			return err
+		}
+		for _, e := range ents {
+			if IsRecordFileName(e.Name()) {
+				if n, err := strconv.ParseInt(e.Name(), 10, 64); err == nil && n > w.sec {
+					w.sec = n
+				}
+			}
+		}
+	}
 	sec := now.Unix()
 	if sec <= w.sec {
-		sec = w.sec + 1 // rotating faster than once a second
+		sec = w.sec + 1 // rotating faster than once a second, or behind an earlier process
 	}
 	for tries := 0; ; tries++ {
 		name := fmt.Sprintf("%010d", sec)
