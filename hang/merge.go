@@ -168,7 +168,7 @@ func Merge(dumps []*Dump, cfg MergeConfig) (*Merged, error) {
 	}
 	mg := newMerger(world, cfg)
 	for _, d := range sorted {
-		mg.add(d, fmt.Sprintf("rank %d", d.Rank))
+		mg.add(d, "dump")
 	}
 	return mg.finish(), nil
 }
@@ -286,6 +286,8 @@ type merger struct {
 	maxDepth int
 	m        *Merged
 	have     map[Kind]*Ranks // ranks whose stacks of a kind are merged
+
+	lastState, lastStateLabel string // saves building "State@..." per dump
 }
 
 func newMerger(world int, cfg MergeConfig) *merger {
@@ -320,42 +322,57 @@ func (mg *merger) add(d *Dump, source string) {
 	if state == "" {
 		state = "unknown"
 	}
-	state = "State@" + state
+	if state != mg.lastState {
+		mg.lastState, mg.lastStateLabel = state, "State@"+state
+	}
+	state = mg.lastStateLabel
 	// Decide per kind before inserting, so that a dump's many threads of
 	// one kind are not mistaken for a second source of that kind.
-	skip := map[Kind]bool{}
+	type decision struct {
+		kind Kind
+		skip bool
+	}
+	var buf [4]decision
+	decided := buf[:0]
+	skip := func(k Kind) (skip, seen bool) {
+		for _, x := range decided {
+			if x.kind == k {
+				return x.skip, true
+			}
+		}
+		return false, false
+	}
 	for _, t := range d.Threads {
-		if _, seen := skip[t.Kind]; seen {
+		if _, seen := skip(t.Kind); seen {
 			continue
 		}
+		x := decision{kind: t.Kind}
 		if !isToken(string(t.Kind)) {
 			mg.problem(fmt.Errorf("hang: %s: rank %d: thread kind %q is not lower-case letters, digits or _; its threads are ignored", source, d.Rank, t.Kind))
-			skip[t.Kind] = true
-			continue
-		}
-		have := mg.have[t.Kind]
-		skip[t.Kind] = have != nil && have.Has(d.Rank)
-		if skip[t.Kind] {
+			x.skip = true
+		} else if have := mg.have[t.Kind]; have != nil && have.Has(d.Rank) {
 			mg.problem(fmt.Errorf("hang: %s: rank %d already has %s stacks; these are ignored", source, d.Rank, t.Kind))
+			x.skip = true
 		}
+		decided = append(decided, x)
 	}
 	added := false
 	for ti := range d.Threads {
 		t := &d.Threads[ti]
-		if skip[t.Kind] {
+		if s, _ := skip(t.Kind); s {
 			continue
 		}
 		mg.insert(t, d.Rank, state, source)
 		added = true
 	}
-	for k, skipped := range skip {
-		if skipped {
+	for _, x := range decided {
+		if x.skip {
 			continue
 		}
-		if mg.have[k] == nil {
-			mg.have[k] = &Ranks{}
+		if mg.have[x.kind] == nil {
+			mg.have[x.kind] = &Ranks{}
 		}
-		mg.have[k].Add(d.Rank)
+		mg.have[x.kind].Add(d.Rank)
 	}
 	if added {
 		mg.m.Ranks.Add(d.Rank)

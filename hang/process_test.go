@@ -459,3 +459,19 @@ func waitLog(t *testing.T, logs <-chan string, want string) {
 		}
 	}
 }
+
+func slogTo(ch chan string) *slog.Logger { return slog.New(&chanHandler{ch: ch}) }
+
+// newSleeper starts a process that sleeps until killed.
+func newSleeper(t *testing.T) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command("sleep", "600")
+	if err := cmd.Start(); err != nil {
+		t.Skip(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	return cmd
+}
