@@ -90,6 +90,11 @@ func (r *Record) appendHead(dst []byte) []byte {
 	dst = appendUint(dst, r.Timestamp)
 	dst = append(dst, `,"Id":`...)
 	dst = appendUint(dst, r.ID)
+	return r.appendObject(dst)
+}
+
+// appendObject appends the MsptiObjectId field and the Name key.
+func (r *Record) appendObject(dst []byte) []byte {
 	dst = append(dst, `,"MsptiObjectId":{"Pt":{"ProcessId":`...)
 	dst = appendUint(dst, uint64(r.ProcessID))
 	dst = append(dst, `,"ThreadId":`...)
@@ -423,7 +428,12 @@ const hexDigits = "0123456789abcdef"
 // AppendJSONString appends s as a JSON string literal. Invalid UTF-8 is
 // replaced by U+FFFD, control characters are escaped, and so are <, > and &
 // so that the output is safe to embed in HTML as encoding/json does.
-func AppendJSONString(dst []byte, s string) []byte {
+func AppendJSONString(dst []byte, s string) []byte { return appendJSONString(dst, s) }
+
+// appendJSONStringBytes is AppendJSONString of a byte slice.
+func appendJSONStringBytes(dst, s []byte) []byte { return appendJSONString(dst, s) }
+
+func appendJSONString[T string | []byte](dst []byte, s T) []byte {
 	dst = append(dst, '"')
 	start := 0
 	for i := 0; i < len(s); {
@@ -450,7 +460,7 @@ func AppendJSONString(dst []byte, s string) []byte {
 			start = i
 			continue
 		}
-		r, size := utf8.DecodeRuneInString(s[i:])
+		r, size := decodeRune(s[i:])
 		if r == utf8.RuneError && size == 1 {
 			dst = append(dst, s[start:i]...)
 			dst = append(dst, `\ufffd`...)
@@ -469,6 +479,16 @@ func AppendJSONString(dst []byte, s string) []byte {
 	}
 	dst = append(dst, s[start:]...)
 	return append(dst, '"')
+}
+
+func decodeRune[T string | []byte](s T) (rune, int) {
+	switch v := any(s).(type) {
+	case string:
+		return utf8.DecodeRuneInString(v)
+	case []byte:
+		return utf8.DecodeRune(v)
+	}
+	return utf8.RuneError, 1
 }
 
 // interner hands out one string per distinct short name, so that a

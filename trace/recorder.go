@@ -5,11 +5,9 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
-	"unsafe"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -356,8 +354,7 @@ func (r *Recorder) Record(rec *Record) bool {
 // polling faster while records flow, and flushes at FlushInterval.
 func (r *Recorder) loop(ctx context.Context) {
 	defer close(r.done)
-	var scratch []byte
-	write := func(e *entry) { r.writeEntry(e, &scratch) }
+	write := func(e *entry) { r.w.writeEntry(e) }
 	drain := func() int {
 		total := 0
 		for {
@@ -407,30 +404,6 @@ func (r *Recorder) shutdown(drain func() int) {
 	// take what is there, leave the rest.
 	drain()
 	r.closeErr = r.w.Close()
-}
-
-// writeEntry encodes e into the writer's buffer.
-func (r *Recorder) writeEntry(e *entry, scratch *[]byte) {
-	switch e.nameForm {
-	case nameLiteral:
-		r.w.write(int(e.dom), func(dst []byte) []byte { return e.rec.AppendJSON(dst) })
-	case nameStep:
-		r.w.write(int(e.dom), func(dst []byte) []byte {
-			dst = e.rec.appendHead(dst)
-			dst = append(dst, `"step `...)
-			dst = strconv.AppendUint(dst, e.step, 10)
-			dst = append(dst, '"')
-			return e.rec.appendTail(dst)
-		})
-	case nameComm:
-		*scratch = e.op.AppendJSON((*scratch)[:0])
-		name := unsafe.String(unsafe.SliceData(*scratch), len(*scratch)) // read before scratch is reused
-		r.w.write(int(e.dom), func(dst []byte) []byte {
-			dst = e.rec.appendHead(dst)
-			dst = AppendJSONString(dst, name)
-			return e.rec.appendTail(dst)
-		})
-	}
 }
 
 // do runs fn on the writer goroutine after the ring is drained.

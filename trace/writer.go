@@ -159,7 +159,7 @@ type Writer struct {
 
 	buf     []byte
 	pending [numDomains]uint64 // records in buf per domain
-	scratch []byte
+	enc     encoder
 
 	retryAt time.Time
 	backoff *backoff.ExponentialBackOff
@@ -202,12 +202,17 @@ func (w *Writer) Stats() Stats { return w.c.snapshot() }
 // Write buffers one record. It returns an error, and counts the record
 // as dropped, when no file can be opened or a buffer flush fails.
 func (w *Writer) Write(r *Record) error {
-	return w.write(domainIndex(r.Domain), func(dst []byte) []byte { return r.AppendJSON(dst) })
+	return w.put(domainIndex(r.Domain), r, nameLiteral, 0, nil)
 }
 
-// write appends one encoded record; enc must append exactly one line's
-// content without its newline.
-func (w *Writer) write(dom int, enc func([]byte) []byte) error {
+// writeEntry buffers a recorder's entry, whose name may still be a step
+// number or a CommOp.
+func (w *Writer) writeEntry(e *entry) error {
+	return w.put(int(e.dom), &e.rec, e.nameForm, e.step, &e.op)
+}
+
+// put buffers one record; see encoder.appendRecord for the name forms.
+func (w *Writer) put(dom int, r *Record, form uint8, step uint64, op *CommOp) error {
 	if w.closed {
 		w.c.dropped[dom].Add(1)
 		return fmt.Errorf("trace: write: %w", os.ErrClosed)
@@ -219,7 +224,7 @@ func (w *Writer) write(dom int, enc func([]byte) []byte) error {
 		}
 	}
 	n := len(w.buf)
-	w.buf = enc(w.buf)
+	w.buf = w.enc.appendRecord(w.buf, r, form, step, op)
 	if size := len(w.buf) - n; size > MaxLineBytes {
 		// Readers would skip it anyway; keep the file clean.
 		w.buf = w.buf[:n]
