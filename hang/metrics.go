@@ -18,6 +18,8 @@ type metrics struct {
 	faults      *prometheus.CounterVec
 	dumpSeconds prometheus.Histogram
 	opTimeout   *prometheus.GaugeVec
+
+	unregister func() // nil when not registered
 }
 
 func newMetrics(reg prometheus.Registerer, rank int, inFlight func() float64) (*metrics, error) {
@@ -74,6 +76,11 @@ func newMetrics(reg prometheus.Registerer, rank int, inFlight func() float64) (*
 				reg.Unregister(done)
 			}
 			return nil, fmt.Errorf("hang: register metrics of rank %d: %w", rank, err)
+		}
+	}
+	m.unregister = func() {
+		for _, c := range cs {
+			reg.Unregister(c)
 		}
 	}
 	return m, nil

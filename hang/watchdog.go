@@ -529,10 +529,17 @@ func (w *Watchdog) Dump(ctx context.Context, reason string) (string, error) {
 	return path, err
 }
 
-// Close stops Run. It is idempotent and returns nil. Ops and heartbeats
-// may still be used; nothing checks them.
+// Close stops Run and unregisters the watchdog's metrics, so that a new
+// watchdog for the same rank (a restarted worker) can register them. It
+// is idempotent and returns nil. Ops and heartbeats may still be used;
+// nothing checks them.
 func (w *Watchdog) Close() error {
-	w.closed.Do(func() { close(w.closing) })
+	w.closed.Do(func() {
+		close(w.closing)
+		if w.met.unregister != nil {
+			w.met.unregister()
+		}
+	})
 	return nil
 }
 

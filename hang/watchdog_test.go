@@ -304,6 +304,11 @@ func TestMetrics(t *testing.T) {
 	if got := gathered(t, reg, "faultline_hang_hung"); !cmp.Equal(got, map[string]float64{`rank="5"`: 0, `rank="6"`: 0}) {
 		t.Errorf("faultline_hang_hung series %v", got)
 	}
+	// Closed, rank 5 can be watched again (a restarted worker).
+	w.Close()
+	if _, err := New(Config{Rank: 5, World: 8, Registerer: reg}); err != nil {
+		t.Errorf("a new watchdog of rank 5 after Close: %v", err)
+	}
 }
 
 // metricValue returns the value of a collector of one gauge or counter.
