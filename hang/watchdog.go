@@ -32,6 +32,7 @@ var ErrNoDumpDir = errors.New("hang: Config.DumpDir is empty")
 type Watchdog struct {
 	cfg    Config
 	clock  Clock
+	mono   bool      // clock is the system clock
 	base   time.Time // op times are nanoseconds since base
 	log    *slog.Logger
 	tracer trace.Tracer
@@ -88,6 +89,7 @@ func New(cfg Config) (*Watchdog, error) {
 		closing: make(chan struct{}),
 		ops:     map[opKey]*Op{},
 	}
+	_, w.mono = cfg.Clock.(realClock)
 	if w.log == nil {
 		w.log = slog.New(slog.DiscardHandler)
 	}
@@ -108,7 +110,14 @@ func New(cfg Config) (*Watchdog, error) {
 	return w, nil
 }
 
-func (w *Watchdog) now() int64 { return int64(w.clock.Now().Sub(w.base)) }
+func (w *Watchdog) now() int64 {
+	if w.mono {
+		// time.Since on a monotonic base reads only the monotonic clock:
+		// half the cost of time.Now on the hot path.
+		return int64(time.Since(w.base))
+	}
+	return int64(w.clock.Now().Sub(w.base))
+}
 
 func (w *Watchdog) at(ns int64) time.Time { return w.base.Add(time.Duration(ns)) }
 
