@@ -471,3 +471,36 @@ func TestMergeDuplicateRank(t *testing.T) {
 		t.Errorf("%d frames under the state, want a and b", got)
 	}
 }
+
+// FuzzMergeOutputs merges any stack file that parses and checks that every
+// output stays well-formed, whatever bytes the names hold.
+func FuzzMergeOutputs(f *testing.F) {
+	f.Add([]byte(docText))
+	f.Add([]byte("faultline-stacktrace 1\nrank 1\nworld 3\nstate \"<&>\"\nthread go 1 \"\" \"\"\nframe \"a;b\\n]]>\" \"\\xff\" 3\nend 1 1\n"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		d, err := ParseDump(data)
+		if err != nil {
+			return
+		}
+		other := &Dump{Rank: 0, World: d.World, Threads: []Thread{{Kind: KindNative, Frames: []Frame{{Func: "main"}}}}}
+		m, err := Merge([]*Dump{d, other}, MergeConfig{MaxDepth: 64})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, k := range m.Kinds() {
+			var folded, svg bytes.Buffer
+			if err := m.WriteFolded(&folded, k); err != nil {
+				t.Fatal(err)
+			}
+			if err := m.WriteSVG(&svg, k); err != nil {
+				t.Fatal(err)
+			}
+			checkFolded(t, folded.Bytes(), m.Trees[k].Weight())
+			checkSVG(t, svg.Bytes())
+		}
+		if err := m.WritePprof(io.Discard); err != nil {
+			t.Fatal(err)
+		}
+		_ = m.Verdict()
+	})
+}
