@@ -14,7 +14,21 @@ import (
 // 256 MiB by default, FAULTLINE_CKPT_BENCH_MIB=1024 for the 1 GiB
 // in 64 MiB blobs. Each has its baseline beside it: BenchmarkMemcpy (the
 // same bytes with copy()) and BenchmarkRawWriteFsync (the same bytes with
-// plain writes and one fsync).
+// plain writes and one fsync). The disk benchmarks write under
+// FAULTLINE_CKPT_BENCH_DIR (default the test's temporary directory); a
+// tmpfs there measures persist's own cost without the disk's.
+func benchDir(b *testing.B) string {
+	if d := os.Getenv("FAULTLINE_CKPT_BENCH_DIR"); d != "" {
+		dir, err := os.MkdirTemp(d, "bench-")
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { os.RemoveAll(dir) })
+		return dir
+	}
+	return b.TempDir()
+}
+
 func benchSize() int64 {
 	if n, err := strconv.Atoi(os.Getenv("FAULTLINE_CKPT_BENCH_MIB")); err == nil && n >= 16 {
 		return int64(n) << 20
@@ -184,7 +198,7 @@ func BenchmarkLoadMemoryAlloc(b *testing.B) {
 // step, runs outside the timing, as the baseline's removal does.
 func BenchmarkPersist(b *testing.B) {
 	src := benchBlobs(b)
-	dir := b.TempDir()
+	dir := benchDir(b)
 	o, w := benchWriter(b, dir)
 	ctx := context.Background()
 	raw, removeRaw := rawWriteFsync(b, src)
@@ -229,7 +243,7 @@ func BenchmarkPersist(b *testing.B) {
 // written to a new file with plain writes and one fsync, and a function
 // that removes the file it wrote.
 func rawWriteFsync(b *testing.B, src []Blob) (write, remove func()) {
-	dir := b.TempDir()
+	dir := benchDir(b)
 	i := 0
 	name := ""
 	remove = func() {

@@ -33,7 +33,7 @@ func parseStepName(name string) (int64, bool) {
 }
 
 // persistChunk is the unit of a write to disk.
-const persistChunk = 8 << 20
+const persistChunk = 1 << 20
 
 func wrapNoSpace(err error) error {
 	if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
