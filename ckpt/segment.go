@@ -234,7 +234,8 @@ func (s *segment) begin(meta StepMeta) (*halfWriter, error) {
 			return nil, fmt.Errorf("%w: step %d needs %d bytes per half (%d of data in %d blobs), segment %s has %d",
 				ErrTooLarge, meta.Step, end, meta.DataSize(), len(meta.Blobs), s.path, s.hdr.HalfSize)
 		}
-		return nil, err
+		// Bad input from the caller, not corrupt data: do not wrap ErrCorrupt.
+		return nil, fmt.Errorf("ckpt: save step %d: %s", meta.Step, strings.TrimPrefix(err.Error(), "ckpt: "))
 	}
 	// Write over the half that does not hold the newest intact step, so
 	// that a crash mid-save leaves that step as it was.

@@ -134,6 +134,24 @@ func TestSaveTooLarge(t *testing.T) {
 	}
 }
 
+func TestSaveRejectsBadInput(t *testing.T) {
+	_, w := newPair(t, OwnerConfig{})
+	for _, tc := range []struct {
+		step  int64
+		blobs []Blob
+		want  string
+	}{
+		{1, []Blob{{Name: ""}}, "blobs[0].name"},
+		{1, []Blob{{Name: "a"}, {Name: "a"}}, "duplicate"},
+		{-1, nil, "negative"},
+	} {
+		err := w.Save(context.Background(), tc.step, tc.blobs...)
+		if err == nil || errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("Save(%d, %v) = %v, want an input error naming %q", tc.step, tc.blobs, err, tc.want)
+		}
+	}
+}
+
 func TestInterruptedSaveKeepsPrevious(t *testing.T) {
 	ctx := context.Background()
 	o, w := newPair(t, OwnerConfig{})
