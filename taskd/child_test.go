@@ -17,6 +17,10 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -118,6 +122,17 @@ func runChild(role string) int {
 		}()
 		say("ready")
 		err = w.Run(ctx)
+	case "echo": // a bare gRPC health server, the benchmarks' baseline
+		var lis net.Listener
+		lis, err = net.Listen("tcp", a.Listen)
+		if err != nil {
+			break
+		}
+		srv := grpc.NewServer()
+		healthpb.RegisterHealthServer(srv, health.NewServer())
+		go func() { <-ctx.Done(); srv.Stop() }()
+		say("ready %s", lis.Addr())
+		err = srv.Serve(lis)
 	default:
 		err = fmt.Errorf("unknown role %q", role)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/faultline-ml/faultline/trace"
 )
@@ -23,10 +24,11 @@ type cluster struct {
 	applied map[int]trace.Switch
 	onApply func(rank int, sw trace.Switch)
 	onMsg   func(rank int, m Message) error
+	ack     time.Duration // AckTimeout of proxies and workers
 }
 
 func newCluster(t testing.TB, sec Security, mcfg ManagerConfig) *cluster {
-	c := &cluster{t: t, sec: sec, job: "job-1", proxies: map[int]*Proxy{}, workers: map[int]*Worker{}, cancels: map[any]context.CancelFunc{}, applied: map[int]trace.Switch{}}
+	c := &cluster{t: t, sec: sec, job: "job-1", ack: testTimings.ack, proxies: map[int]*Proxy{}, workers: map[int]*Worker{}, cancels: map[any]context.CancelFunc{}, applied: map[int]trace.Switch{}}
 	mcfg.Job = c.job
 	mcfg.Listen = orDefault(mcfg.Listen, "127.0.0.1:0")
 	mcfg.Security = sec
@@ -68,7 +70,7 @@ func (c *cluster) stop(key any, closer interface{ Close() error }) {
 }
 
 func (c *cluster) addProxy(node int) *Proxy {
-	p, err := NewProxy(ProxyConfig{Job: c.job, Node: node, Upstream: c.m.Addr().String(), Listen: "127.0.0.1:0", Security: c.sec, AckTimeout: testTimings.ack, ReconnectMax: 500e6})
+	p, err := NewProxy(ProxyConfig{Job: c.job, Node: node, Upstream: c.m.Addr().String(), Listen: "127.0.0.1:0", Security: c.sec, AckTimeout: c.ack, ReconnectMax: 500e6})
 	if err != nil {
 		c.t.Fatal(err)
 	}
@@ -84,7 +86,7 @@ func (c *cluster) addWorker(node, rank int) *Worker {
 	if p := c.proxies[node]; p != nil {
 		up = p.Addr().String()
 	}
-	w, err := NewWorker(WorkerConfig{Job: c.job, Node: node, Rank: rank, Upstream: up, Security: c.sec, AckTimeout: testTimings.ack, ReconnectMax: 500e6,
+	w, err := NewWorker(WorkerConfig{Job: c.job, Node: node, Rank: rank, Upstream: up, Security: c.sec, AckTimeout: c.ack, ReconnectMax: 500e6,
 		OnSwitch: func(sw trace.Switch) error {
 			c.mu.Lock()
 			c.applied[rank] = sw

@@ -22,6 +22,8 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
@@ -312,6 +314,10 @@ func (m *Manager) step(now time.Time) {
 	var evs []Event
 	var lostFaults []Fault
 	for _, lm := range m.reg.expire(now) {
+		if dl := m.downlinks[lm.key]; dl != nil && dl.instance == lm.instance {
+			dl.detach()
+			delete(m.downlinks, lm.key)
+		}
 		m.met.lost.WithLabelValues(lm.key.role.String()).Inc()
 		m.log.Warn("taskd: member lost: no heartbeat within the deadline", "member", lm.key.String(), "last_seen", lm.lastSeen, "deadline", m.cfg.HeartbeatDeadline)
 		f := Fault{
@@ -375,15 +381,50 @@ func (m *Manager) updateMemberGaugesLocked() {
 	m.met.members.WithLabelValues("proxy").Set(float64(m.reg.count(RoleProxy)))
 }
 
-// downlink is the send queue of one member's downward stream.
+// downlink is the send queue of a registered member. It exists from
+// registration, so that what is sent before the member's stream opens
+// waits for it; each stream that opens takes it over.
 type downlink struct {
 	instance string
 	ch       chan *pb.Envelope
-	stop     chan struct{}
+	stop     chan struct{} // closed to end the stream attached now
 }
 
 func newDownlink(instance string) *downlink {
-	return &downlink{instance: instance, ch: make(chan *pb.Envelope, 4096), stop: make(chan struct{})}
+	return &downlink{instance: instance, ch: make(chan *pb.Envelope, 4096)}
+}
+
+// attach ends the stream attached before, if any, and returns the channel
+// that ends the new one. The owner's lock is held.
+func (d *downlink) attach() <-chan struct{} {
+	d.detach()
+	d.stop = make(chan struct{})
+	return d.stop
+}
+
+// detach ends the stream attached now, if any. The owner's lock is held.
+func (d *downlink) detach() {
+	if d.stop != nil {
+		close(d.stop)
+		d.stop = nil
+	}
+}
+
+// serveDownlink sends what dl queues on stream until the stream ends or
+// another takes over.
+func serveDownlink(ctx context.Context, stop <-chan struct{}, dl *downlink, send func(*pb.Envelope) error) error {
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-stop:
+			return status.Error(codes.Aborted, "taskd: stream replaced or member dropped")
+		case env := <-dl.ch:
+			if err := send(env); err != nil {
+				return err
+			}
+		}
+	}
 }
 
 // routeLocked queues env for each of ranks, through the rank's proxy or its

@@ -86,11 +86,12 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		m.log.Warn("taskd: registration refused: position held by a live instance", "member", key.String(), "addr", nm.addr, "holder_addr", holder.addr)
 		return nil, status.Errorf(codes.AlreadyExists, "taskd: %s: %v", key, ErrRankTaken)
 	}
-	if fresh {
-		if dl := m.downlinks[key]; dl != nil && dl.instance != nm.instance {
-			close(dl.stop)
-			delete(m.downlinks, key)
-		}
+	if dl := m.downlinks[key]; dl != nil && (dl.instance != nm.instance || nm.via >= 0) {
+		dl.detach()
+		delete(m.downlinks, key)
+	}
+	if m.downlinks[key] == nil && nm.via < 0 {
+		m.downlinks[key] = newDownlink(nm.instance)
 	}
 	switch key.role {
 	case RoleWorker:
@@ -227,33 +228,15 @@ func (s *managerControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreami
 		m.mu.Unlock()
 		return status.Errorf(codes.FailedPrecondition, "taskd: %s: register before opening the stream", key)
 	}
-	dl := newDownlink(mm.instance)
-	if old := m.downlinks[key]; old != nil {
-		close(old.stop)
+	dl := m.downlinks[key]
+	if dl == nil || dl.instance != mm.instance {
+		m.mu.Unlock()
+		return status.Errorf(codes.FailedPrecondition, "taskd: %s: no route; register directly before opening the stream", key)
 	}
-	m.downlinks[key] = dl
+	stop := dl.attach()
 	m.mu.Unlock()
 	m.wake()
-	defer func() {
-		m.mu.Lock()
-		if m.downlinks[key] == dl {
-			delete(m.downlinks, key)
-		}
-		m.mu.Unlock()
-	}()
-	ctx := stream.Context()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-dl.stop:
-			return status.Error(codes.Aborted, "taskd: stream replaced")
-		case env := <-dl.ch:
-			if err := stream.Send(env); err != nil {
-				return err
-			}
-		}
-	}
+	return serveDownlink(stream.Context(), stop, dl, stream.Send)
 }
 
 func (s *managerControl) Acknowledge(_ context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -228,15 +229,16 @@ func TestSwitchSourceAndSubscribe(t *testing.T) {
 	if err != nil || next.GetProfilingSwitch().GetStep() != "on" || next.GetProfilingSwitch().GetFP() != "off" {
 		t.Fatalf("next: %v %v", next, err)
 	}
-	if st := c.m.SwitchStatus(); st.Version != 1 || !st.Switch.Step {
+	st := c.m.SwitchStatus()
+	if st.Version == 0 || !st.Switch.Step {
 		t.Fatalf("status %+v", st)
 	}
 	// A bad document leaves the switch in force.
 	if _, err := c.m.SetSwitchDocument([]byte(`{"Step":"maybe"}`)); !errors.Is(err, trace.ErrSwitch) {
 		t.Fatalf("bad document: %v", err)
 	}
-	if st := c.m.SwitchStatus(); st.Version != 1 || !st.Switch.Step {
-		t.Fatalf("status after a bad document %+v", st)
+	if st2 := c.m.SwitchStatus(); st2.Version != st.Version || !st2.Switch.Step {
+		t.Fatalf("status after a bad document %+v", st2)
 	}
 	unknown, err := pb.NewTrainingDataTraceClient(conn).SubscribeDataTraceSwitch(ctx, &pb.DataStatusReq{JobNsName: "nope"})
 	if err != nil {
@@ -295,5 +297,21 @@ func TestConfigValidate(t *testing.T) {
 	}
 	if err := (ManagerConfig{Job: "j", Security: sec}).Validate(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+func TestSwitchFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "profilingSwitch")
+	writeFile(t, path, []byte(`{"Step":"on"}`))
+	c := newCluster(t, insecureSec(), ManagerConfig{SwitchSource: SwitchFile(trace.SwitchWatcherConfig{Path: path, PollInterval: 50 * time.Millisecond})})
+	w := c.addWorker(0, 0)
+	waitFor(t, 20*time.Second, "the file's switch applied", func() bool { sw, _ := w.Switch(); return sw == trace.Switch{Step: true} })
+	writeFile(t, path, []byte(`{"Step":"on","CommunicationOperator":"on"}`))
+	waitFor(t, 20*time.Second, "the change applied", func() bool { sw, _ := w.Switch(); return sw.CommunicationOperator })
+	writeFile(t, path, []byte(`{"Step":"bogus"}`))
+	v := c.m.SwitchStatus().Version
+	time.Sleep(300 * time.Millisecond) // several polls; nothing to wait for
+	if st := c.m.SwitchStatus(); st.Version != v || !st.Switch.CommunicationOperator {
+		t.Fatalf("after a bad document: %+v", st)
 	}
 }

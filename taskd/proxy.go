@@ -123,7 +123,7 @@ type proxyWorker struct {
 	req      *pb.RegisterRequest // as forwarded, for registering again
 	instance string
 	lastBeat time.Time
-	dl       *downlink
+	dl       *downlink // from registration on
 }
 
 // NewProxy validates cfg, listens on cfg.Listen and prepares the
@@ -322,7 +322,24 @@ func (p *Proxy) upSession(ctx context.Context, sessions *int) error {
 			p.route(env)
 		}
 	})
-	g.Go(func() error { return p.heartbeats(gctx, interval, deadline) })
+	again := make(chan []int, 1)
+	g.Go(func() error { return p.heartbeats(gctx, interval, deadline, again) })
+	g.Go(func() error {
+		// Registering workers again takes calls; it runs beside the
+		// heartbeats so that they never wait for it.
+		for {
+			select {
+			case <-gctx.Done():
+				return nil
+			case ranks := <-again:
+				for _, r := range ranks {
+					if err := p.reregister(gctx, r); err != nil {
+						return err
+					}
+				}
+			}
+		}
+	})
 	g.Go(func() error { return p.upq.run(gctx, p.up) })
 	return g.Wait()
 }
@@ -354,9 +371,7 @@ func (p *Proxy) dropWorker(rank int, instance string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if w := p.workers[rank]; w != nil && w.instance == instance {
-		if w.dl != nil {
-			close(w.dl.stop)
-		}
+		w.dl.detach()
 		delete(p.workers, rank)
 		p.met.workers.Set(float64(len(p.workers)))
 	}
@@ -364,7 +379,7 @@ func (p *Proxy) dropWorker(rank int, instance string) {
 
 // heartbeats sends the node's heartbeat, carrying how long ago each worker
 // was heard from, and drops workers silent past the deadline.
-func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration) error {
+func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration, again chan<- []int) error {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	lastOK := time.Now()
@@ -396,12 +411,17 @@ func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration
 			if resp.GetManagerInstance() != p.managerInstance() {
 				return errors.New("taskd: the manager restarted")
 			}
+			var ranks []int
 			for _, u := range resp.GetUnknown() {
 				if keyOf(u) == keyOf(p.self) {
 					return errReregister
 				}
-				if err := p.reregister(ctx, int(u.GetPosition().GetRank())); err != nil {
-					return err
+				ranks = append(ranks, int(u.GetPosition().GetRank()))
+			}
+			if len(ranks) > 0 {
+				select {
+				case again <- ranks:
+				default: // still busy with the last list; the next heartbeat repeats it
 				}
 			}
 		case ctx.Err() != nil:
@@ -441,7 +461,7 @@ func (p *Proxy) route(env *pb.Envelope) {
 	defer p.mu.Unlock()
 	for _, r := range env.GetRanks() {
 		w := p.workers[int(r)]
-		if w == nil || w.dl == nil {
+		if w == nil {
 			continue // the manager re-sends to a worker that does not acknowledge
 		}
 		select {
@@ -510,12 +530,11 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 	}
 	p.mu.Lock()
 	w := p.workers[rank]
-	if w != nil && w.instance != mem.GetInstance() && w.dl != nil {
-		close(w.dl.stop)
-		w.dl = nil
+	if w != nil && w.instance != mem.GetInstance() {
+		w.dl.detach()
 	}
 	if w == nil || w.instance != mem.GetInstance() {
-		w = &proxyWorker{instance: mem.GetInstance()}
+		w = &proxyWorker{instance: mem.GetInstance(), dl: newDownlink(mem.GetInstance())}
 		p.workers[rank] = w
 	}
 	w.req, w.lastBeat = fwd, time.Now()
@@ -569,32 +588,9 @@ func (s *proxyControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreaming
 		p.mu.Unlock()
 		return status.Errorf(codes.FailedPrecondition, "taskd: worker rank %d: register before opening the stream", rank)
 	}
-	if w.dl != nil {
-		close(w.dl.stop)
-	}
-	dl := newDownlink(w.instance)
-	w.dl = dl
+	stop := w.dl.attach()
 	p.mu.Unlock()
-	defer func() {
-		p.mu.Lock()
-		if w.dl == dl {
-			w.dl = nil
-		}
-		p.mu.Unlock()
-	}()
-	ctx := stream.Context()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-dl.stop:
-			return status.Error(codes.Aborted, "taskd: stream replaced or worker dropped")
-		case env := <-dl.ch:
-			if err := stream.Send(env); err != nil {
-				return err
-			}
-		}
-	}
+	return serveDownlink(stream.Context(), stop, w.dl, stream.Send)
 }
 
 func (s *proxyControl) Acknowledge(_ context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {

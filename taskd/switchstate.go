@@ -35,8 +35,9 @@ type WorkerSwitch struct {
 // SwitchStatus is the job's switch and how far its fan-out got.
 type SwitchStatus struct {
 	Switch trace.Switch
-	// Version counts changes of the switch held by this manager, from 1.
-	// Zero means no switch was set.
+	// Version increases with every change (it is the change's time in
+	// nanoseconds, or one more than the last version). Zero means no switch
+	// was set.
 	Version uint64
 	Workers []WorkerSwitch
 }
@@ -94,7 +95,9 @@ func (t *switchTracker) set(sw trace.Switch, now time.Time) bool {
 		return false
 	}
 	t.sw = sw
-	t.version++
+	// The change's time, so that versions keep increasing across manager
+	// restarts and a worker can ignore a late copy of an older switch.
+	t.version = max(t.version+1, uint64(now.UnixNano()))
 	t.doc = sw.String()
 	t.changedAt = now
 	t.completeAt = time.Time{}

@@ -52,7 +52,7 @@ func TestSwitchTracker(t *testing.T) {
 	if tr.complete(t0, isLive) {
 		t.Fatal("complete with rank 2 waiting")
 	}
-	want := SwitchStatus{Switch: sw, Version: 1, Workers: []WorkerSwitch{
+	want := SwitchStatus{Switch: sw, Version: uint64(t0.UnixNano()), Workers: []WorkerSwitch{
 		{Position: Position{0, 0}, Domains: map[string]DomainState{trace.DomainDefault: DomainOpened, trace.DomainCommunication: DomainClosed}},
 		{Position: Position{0, 1}, Domains: domains(DomainFailed), Error: "recorder busy"},
 		{Position: Position{1, 2}, Domains: domains(DomainWaiting)},

@@ -92,6 +92,7 @@ type Worker struct {
 	mu         sync.Mutex
 	sw         trace.Switch
 	hasSwitch  bool
+	swVersion  uint64
 	results    map[uint64]string // recent message ids -> their ack error
 	resultRing []uint64
 	ringNext   int
@@ -314,7 +315,7 @@ func (w *Worker) handle(env *pb.Envelope) {
 	switch body := env.GetBody().(type) {
 	case *pb.Envelope_Switch:
 		kind = "switch"
-		errMsg = w.applySwitch(body.Switch.GetDocument())
+		errMsg = w.applySwitch(body.Switch.GetVersion(), body.Switch.GetDocument())
 	case *pb.Envelope_Message:
 		kind = "message"
 		errMsg = w.applyMessage(env.GetId(), body.Message)
@@ -333,15 +334,17 @@ func (w *Worker) handle(env *pb.Envelope) {
 	}
 }
 
-func (w *Worker) applySwitch(doc string) string {
+// applySwitch applies a switch unless it is the one in force or older
+// than it (a late copy that took another path).
+func (w *Worker) applySwitch(version uint64, doc string) string {
 	sw, err := trace.ParseSwitch([]byte(doc))
 	if err != nil {
 		return err.Error()
 	}
 	w.mu.Lock()
-	same := w.hasSwitch && w.sw == sw
+	skip := w.hasSwitch && (w.sw == sw || version < w.swVersion)
 	w.mu.Unlock()
-	if same {
+	if skip {
 		return ""
 	}
 	if w.cfg.OnSwitch != nil {
@@ -351,7 +354,7 @@ func (w *Worker) applySwitch(doc string) string {
 		}
 	}
 	w.mu.Lock()
-	w.sw, w.hasSwitch = sw, true
+	w.sw, w.hasSwitch, w.swVersion = sw, true, version
 	w.mu.Unlock()
 	w.log.Info("taskd: profiling switch applied", "switch", sw.String())
 	return ""
