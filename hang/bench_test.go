@@ -107,7 +107,7 @@ func job10k() []*Dump {
 	for r := range dumps {
 		s := 0
 		if x := rng.IntN(1000); x < 3 {
-			s = 1 + x // three ranks in three odd places
+			s = 1 + x // about 0.1% of the ranks in each of three odd places
 		}
 		dumps[r] = &Dump{Rank: r, World: 10000, Host: fmt.Sprintf("node-%d", r/8), State: "S (sleeping)", Threads: []Thread{
 			{Kind: KindPython, ID: uint64(r), Name: "MainThread", Frames: py[s]},
@@ -224,8 +224,17 @@ func TestMergeDir10kRanks(t *testing.T) {
 		t.Fatalf("world %d ranks %d problems %v", m.World, m.Ranks.Len(), m.Problems)
 	}
 	splits := m.Splits()
-	if len(splits) != 2 || splits[0].Groups[0].Ranks.Len() != 1 {
-		t.Errorf("splits %+v", splits)
+	if len(splits) != 2 {
+		t.Fatalf("%d splits, want one per kind", len(splits))
+	}
+	for _, s := range splits {
+		total := 0
+		for _, g := range s.Groups {
+			total += g.Ranks.Len()
+		}
+		if len(s.Groups) != 4 || total != 10000 || s.Groups[0].Ranks.Len() > 100 {
+			t.Errorf("%s split: %d groups of %d ranks, smallest %d", s.Kind, len(s.Groups), total, s.Groups[0].Ranks.Len())
+		}
 	}
 	t.Log(m.Verdict())
 }

@@ -85,9 +85,9 @@ func splitAt(k Kind, n *Node, path []*Node) (Split, bool) {
 func (m *Merged) Verdict() string {
 	const maxSplits, maxGroups, maxProblems = 8, 6, 10
 	var b strings.Builder
-	fmt.Fprintf(&b, "world %d: stacks from %d ranks (%s)", m.World, m.Ranks.Len(), rankText(m.Ranks))
+	fmt.Fprintf(&b, "world %d: stacks from %d ranks (%s)", m.World, m.Ranks.Len(), shortRanks(m.Ranks, 48))
 	if !m.Missing.IsEmpty() {
-		fmt.Fprintf(&b, "; %d missing (%s): no readable stack file", m.Missing.Len(), m.Missing)
+		fmt.Fprintf(&b, "; %d missing (%s): no readable stack file", m.Missing.Len(), shortRanks(m.Missing, 48))
 	}
 	b.WriteString("\n")
 	splits := m.Splits()
@@ -101,7 +101,7 @@ func (m *Merged) Verdict() string {
 		}
 		fmt.Fprintf(&b, "%s stacks from %d ranks", k, root.Stuck.Len())
 		if without := m.Ranks.Clone(); !root.Stuck.Equal(without) {
-			fmt.Fprintf(&b, " (none from %s)", subtract(without, root.Stuck))
+			fmt.Fprintf(&b, " (none from %s)", shortRanks(subtract(without, root.Stuck), 48))
 		}
 		if len(mine) == 0 {
 			b.WriteString(": no split, all share every frame\n")
@@ -117,7 +117,7 @@ func (m *Merged) Verdict() string {
 			if len(s.Path) > 0 {
 				at = frameText(s.Path[len(s.Path)-1])
 			}
-			fmt.Fprintf(&b, "  below %s (%d ranks: %s):\n", at, s.Ranks.Len(), s.Ranks)
+			fmt.Fprintf(&b, "  below %s (%d ranks: %s):\n", at, s.Ranks.Len(), shortRanks(s.Ranks, 48))
 			for j, g := range s.Groups {
 				if j == maxGroups {
 					fmt.Fprintf(&b, "      ... %d more groups\n", len(s.Groups)-maxGroups)
@@ -129,7 +129,7 @@ func (m *Merged) Verdict() string {
 				} else if len(s.Path) == 0 {
 					to = g.Frame.Func
 				}
-				fmt.Fprintf(&b, "    %5d %-5s %-16s -> %s\n", g.Ranks.Len(), plural(g.Ranks.Len(), "rank", "ranks"), g.Ranks, to)
+				fmt.Fprintf(&b, "    %5d %-5s %-16s -> %s\n", g.Ranks.Len(), plural(g.Ranks.Len(), "rank", "ranks"), shortRanks(g.Ranks, 48), to)
 			}
 		}
 	}
@@ -167,4 +167,22 @@ func subtract(a, b Ranks) Ranks {
 		}
 	}
 	return out
+}
+
+// shortRanks returns the folded form of r cut after about limit bytes at a
+// run boundary, with "/..." marking the cut; the full sets are in the
+// labels of the other outputs.
+func shortRanks(r Ranks, limit int) string {
+	if r.IsEmpty() {
+		return "none"
+	}
+	s := r.String()
+	if len(s) <= limit {
+		return s
+	}
+	i := strings.LastIndexByte(s[:limit], '/')
+	if i <= 0 {
+		i = strings.IndexByte(s, '/')
+	}
+	return s[:i] + "/..."
 }
