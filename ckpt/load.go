@@ -69,7 +69,9 @@ func (r LoadReport) String() string {
 // when a later one holds a newer step. Every CRC is verified. The report
 // says which tier served, why the others did not and what was passed over
 // (a step with a flipped bit). With several nodes, let the control plane
-// choose one step for every shard and call LoadStep.
+// choose one step for every shard and call LoadStep. A replica is restored
+// by writing the shard's segment: call Load before the shard's trainer
+// starts saving again.
 func (o *Owner) Load(ctx context.Context, shard int) (*Checkpoint, LoadReport, error) {
 	return o.load(ctx, shard, -1)
 }
