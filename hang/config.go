@@ -95,7 +95,8 @@ type Config struct {
 	Stop func(context.Context, Fault) error
 
 	// OnFault is called for every fault, from the goroutine that calls
-	// Check (Run's), before stacks are taken. It must not block.
+	// Check (Run's), before stacks are taken. It must not block or call
+	// Check.
 	OnFault func(Fault)
 
 	// Clock tells the time. nil means the system clock.
