@@ -279,9 +279,9 @@ func (a *Agent) serveTransfer(conn idleConn) error {
 		return err
 	}
 	h := parseTransferHeader(b[:])
-	if h.up > uint64(a.cfg.MaxBytes) || h.down > uint64(a.cfg.MaxBytes) || h.pings > maxPings {
-		msg := fmt.Sprintf("transfer of %d/%d bytes with %d pings exceeds %d bytes or %d pings",
-			h.up, h.down, h.pings, a.cfg.MaxBytes, maxPings)
+	if h.up > uint64(a.cfg.MaxBytes) || h.down > uint64(a.cfg.MaxBytes) || h.pings > maxPings || h.repeats > maxRepeats {
+		msg := fmt.Sprintf("transfer of %d/%d bytes, %d pings, %d repeats exceeds %d bytes, %d pings or %d repeats",
+			h.up, h.down, h.pings, h.repeats, a.cfg.MaxBytes, maxPings, maxRepeats)
 		refuse(conn, msg)
 		return errors.New(msg)
 	}
@@ -298,17 +298,19 @@ func (a *Agent) serveTransfer(conn idleConn) error {
 		}
 	}
 	buf := make([]byte, chunk)
-	if err := receive(conn, buf, int64(h.up)); err != nil {
-		return err
+	for range h.repeats {
+		if err := receive(conn, buf, int64(h.up)); err != nil {
+			return err
+		}
+		a.bytes.WithLabelValues("received").Add(float64(h.up))
+		if _, err := conn.Write(ping[:1]); err != nil {
+			return err
+		}
+		if err := send(conn, buf, int64(h.down)); err != nil {
+			return err
+		}
+		a.bytes.WithLabelValues("sent").Add(float64(h.down))
 	}
-	a.bytes.WithLabelValues("received").Add(float64(h.up))
-	if _, err := conn.Write(ping[:1]); err != nil {
-		return err
-	}
-	if err := send(conn, buf, int64(h.down)); err != nil {
-		return err
-	}
-	a.bytes.WithLabelValues("sent").Add(float64(h.down))
 	return nil
 }
 
@@ -324,6 +326,8 @@ func (a *Agent) serveProbe(ctx context.Context, conn net.Conn) error {
 		m.Error = fmt.Sprintf("probe of %d bytes: want 1 to %d", req.Bytes, a.cfg.MaxBytes)
 	case req.Pings < 0 || req.Pings > maxPings:
 		m.Error = fmt.Sprintf("probe with %d pings: want 0 to %d", req.Pings, maxPings)
+	case req.Repeats < 1 || req.Repeats > maxRepeats:
+		m.Error = fmt.Sprintf("probe with %d repeats: want 1 to %d", req.Repeats, maxRepeats)
 	case req.Timeout <= 0:
 		m.Error = fmt.Sprintf("probe timeout %v: must be positive", req.Timeout)
 	default:
@@ -331,7 +335,7 @@ func (a *Agent) serveProbe(ctx context.Context, conn net.Conn) error {
 		conn.SetDeadline(time.Now().Add(timeout + a.cfg.IdleTimeout))
 		pctx, cancel := context.WithTimeout(ctx, timeout)
 		var err error
-		m, err = measure(pctx, &net.Dialer{}, req.Peer, req.Bytes, req.Pings)
+		m, err = measure(pctx, &net.Dialer{}, req.Peer, load{bytes: req.Bytes, pings: req.Pings, repeats: req.Repeats})
 		cancel()
 		if err != nil {
 			m.Error = err.Error()

@@ -29,14 +29,17 @@ func (p Pair) String() string { return p.From + "→" + p.To }
 type Measurement struct {
 	From string `json:"from"`
 	To   string `json:"to"`
-	// Elapsed is the whole probe: connection, round trips and transfers.
+	// Elapsed is how long the probe's work took: for TCPProber, the
+	// fastest of its transfers (Bytes up and Bytes down), without the
+	// connection and the pings; for a failed probe, the time until it
+	// failed.
 	Elapsed time.Duration `json:"elapsed_ns"`
 	// RTT is the median round trip of small messages; 0 if not measured.
 	RTT time.Duration `json:"rtt_ns,omitempty"`
 	// Bandwidth is in bytes per second, the slower of the two directions;
 	// 0 if not measured.
 	Bandwidth float64 `json:"bandwidth_bytes_per_second,omitempty"`
-	// Bytes is how much the probe sent each way.
+	// Bytes is how much one transfer of the probe sent each way.
 	Bytes int64 `json:"bytes,omitempty"`
 	// Error says why the probe failed; "" if it did not.
 	Error string `json:"error,omitempty"`

@@ -26,27 +26,47 @@ type Prober interface {
 // is the checker itself it probes To's agent directly; otherwise it asks
 // From's agent to probe To's, so that the link measured is the one between
 // the two nodes. The zero value is ready to use.
+//
+// A probe connects, times Pings small round trips, then moves Bytes each
+// way Repeats times on the same connection. The measurement keeps the
+// fastest repeat: a link that is slow is slow every time, while a busy
+// host's scheduling stalls hit one repeat and not the next. (A link that is
+// slow only now and then therefore needs Repeats = 1 to be seen.)
 type TCPProber struct {
-	// Bytes is how much each probe sends each way. Default 16 MiB.
+	// Bytes is how much each repeat sends each way. Default 8 MiB.
 	Bytes int64
+	// Repeats is how many transfers a probe makes. Default 3.
+	Repeats int
 	// Pings is how many small round trips measure latency. Default 5.
 	Pings int
 	// Dialer dials agents; nil means a net.Dialer with defaults.
 	Dialer *net.Dialer
 }
 
-func (p *TCPProber) bytes() int64 {
-	if p.Bytes <= 0 {
-		return 16 << 20
-	}
-	return p.Bytes
+// load is what one probe moves.
+type load struct {
+	bytes          int64
+	pings, repeats int
 }
 
-func (p *TCPProber) pings() int {
-	if p.Pings <= 0 {
-		return 5
+const (
+	maxPings   = 1000
+	maxRepeats = 100
+)
+
+func (p *TCPProber) load() load {
+	l := load{bytes: p.Bytes, pings: p.Pings, repeats: p.Repeats}
+	if l.bytes <= 0 {
+		l.bytes = 8 << 20
 	}
-	return min(p.Pings, maxPings)
+	if l.pings <= 0 {
+		l.pings = 5
+	}
+	if l.repeats <= 0 {
+		l.repeats = 3
+	}
+	l.pings, l.repeats = min(l.pings, maxPings), min(l.repeats, maxRepeats)
+	return l
 }
 
 func (p *TCPProber) dialer() *net.Dialer {
@@ -56,22 +76,21 @@ func (p *TCPProber) dialer() *net.Dialer {
 	return p.Dialer
 }
 
-const maxPings = 1000
-
 // Probe implements Prober.
 func (p *TCPProber) Probe(ctx context.Context, from, to Node) (Measurement, error) {
 	if to.Addr == "" {
 		return Measurement{}, fmt.Errorf("netcheck: node %q has no agent address", to.Name)
 	}
 	if from.Addr == "" {
-		return measure(ctx, p.dialer(), to.Addr, p.bytes(), p.pings())
+		return measure(ctx, p.dialer(), to.Addr, p.load())
 	}
 	return p.remote(ctx, from.Addr, to.Addr)
 }
 
 // remote asks the agent at agent to probe peer.
 func (p *TCPProber) remote(ctx context.Context, agent, peer string) (Measurement, error) {
-	req := probeRequest{Peer: peer, Bytes: p.bytes(), Pings: p.pings(), Timeout: 30 * time.Second}
+	l := p.load()
+	req := probeRequest{Peer: peer, Bytes: l.bytes, Pings: l.pings, Repeats: l.repeats, Timeout: 30 * time.Second}
 	if d, ok := ctx.Deadline(); ok {
 		// Leave the agent time to report its own timeout, which says more
 		// than ours would.
@@ -134,10 +153,11 @@ func ctxErr(ctx context.Context, err error) error {
 	return err
 }
 
-// measure runs one probe against the agent at addr: pings round trips,
-// then bytes up and bytes down.
-func measure(ctx context.Context, d *net.Dialer, addr string, bytes int64, pings int) (Measurement, error) {
-	m := Measurement{Bytes: bytes}
+// measure runs one probe against the agent at addr. Elapsed is the
+// fastest repeat's time to move the bytes up and down; Bandwidth is the
+// slower direction's best rate.
+func measure(ctx context.Context, d *net.Dialer, addr string, l load) (Measurement, error) {
+	m := Measurement{Bytes: l.bytes}
 	start := time.Now()
 	fail := func(what string, err error) (Measurement, error) {
 		m.Elapsed = time.Since(start)
@@ -148,7 +168,7 @@ func measure(ctx context.Context, d *net.Dialer, addr string, bytes int64, pings
 		return fail("connect to", err)
 	}
 	defer conn.Close()
-	hdr := transferHeader{pings: uint16(pings), up: uint64(bytes), down: uint64(bytes)}
+	hdr := transferHeader{pings: uint16(l.pings), repeats: uint16(l.repeats), up: uint64(l.bytes), down: uint64(l.bytes)}
 	if _, err := conn.Write(hdr.append(appendHeader(nil, opTransfer))); err != nil {
 		return fail("send to", err)
 	}
@@ -156,7 +176,7 @@ func measure(ctx context.Context, d *net.Dialer, addr string, bytes int64, pings
 		return fail("transfer with", err)
 	}
 
-	rtts := make([]time.Duration, pings)
+	rtts := make([]time.Duration, l.pings)
 	var ping [8]byte
 	for i := range rtts {
 		t := time.Now()
@@ -174,21 +194,32 @@ func measure(ctx context.Context, d *net.Dialer, addr string, bytes int64, pings
 	}
 
 	buf := make([]byte, chunk)
-	t := time.Now()
-	if err := send(conn, buf, bytes); err != nil {
-		return fail("send to", err)
+	var bestUp, bestDown time.Duration
+	for r := range l.repeats {
+		t := time.Now()
+		if err := send(conn, buf, l.bytes); err != nil {
+			return fail("send to", err)
+		}
+		if _, err := io.ReadFull(conn, ping[:1]); err != nil { // all arrived
+			return fail("send to", err)
+		}
+		up := time.Since(t)
+		t = time.Now()
+		if err := receive(conn, buf, l.bytes); err != nil {
+			return fail("receive from", err)
+		}
+		down := time.Since(t)
+		if r == 0 || up+down < m.Elapsed {
+			m.Elapsed = up + down
+		}
+		if r == 0 || up < bestUp {
+			bestUp = up
+		}
+		if r == 0 || down < bestDown {
+			bestDown = down
+		}
 	}
-	if _, err := io.ReadFull(conn, ping[:1]); err != nil { // all arrived
-		return fail("send to", err)
-	}
-	up := time.Since(t)
-	t = time.Now()
-	if err := receive(conn, buf, bytes); err != nil {
-		return fail("receive from", err)
-	}
-	down := time.Since(t)
-	m.Elapsed = time.Since(start)
-	m.Bandwidth = float64(bytes) / max(up, down).Seconds()
+	m.Bandwidth = float64(l.bytes) / max(bestUp, bestDown, time.Nanosecond).Seconds()
 	return m, nil
 }
 

@@ -3,21 +3,19 @@ package netcheck
 import (
 	"encoding/binary"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
-	"net"
 	"time"
 )
 
 // The agent protocol, one operation per TCP connection, big-endian:
 //
 //	request:  "FLNC" version(1) op(1) ...
-//	op 'T', transfer:  pings(u16) up(u64) down(u64)
+//	op 'T', transfer:  pings(u16) repeats(u16) up(u64) down(u64)
 //	   agent:  status(1); if not 0, a message (u16 length + bytes), close
 //	   pings × (client 8 bytes → agent echoes 8 bytes)
-//	   client sends up bytes → agent answers 1 byte once all are in
-//	   agent sends down bytes
+//	   repeats × (client sends up bytes → agent answers 1 byte once all
+//	              are in → agent sends down bytes)
 //	op 'P', probe a peer:  request JSON (u32 length + bytes)
 //	   agent:  Measurement JSON (u32 length + bytes)
 const (
@@ -26,14 +24,14 @@ const (
 	opTransfer  = 'T'
 	opProbe     = 'P'
 	headerLen   = 6
-	transferLen = 2 + 8 + 8
+	transferLen = 2 + 2 + 8 + 8
 	maxJSON     = 1 << 20 // no request or answer is near this
 	chunk       = 256 << 10
 )
 
 type transferHeader struct {
-	pings    uint16
-	up, down uint64
+	pings, repeats uint16
+	up, down       uint64
 }
 
 func appendHeader(b []byte, op byte) []byte {
@@ -43,15 +41,17 @@ func appendHeader(b []byte, op byte) []byte {
 
 func (h transferHeader) append(b []byte) []byte {
 	b = binary.BigEndian.AppendUint16(b, h.pings)
+	b = binary.BigEndian.AppendUint16(b, h.repeats)
 	b = binary.BigEndian.AppendUint64(b, h.up)
 	return binary.BigEndian.AppendUint64(b, h.down)
 }
 
 func parseTransferHeader(b []byte) transferHeader {
 	return transferHeader{
-		pings: binary.BigEndian.Uint16(b),
-		up:    binary.BigEndian.Uint64(b[2:]),
-		down:  binary.BigEndian.Uint64(b[10:]),
+		pings:   binary.BigEndian.Uint16(b),
+		repeats: binary.BigEndian.Uint16(b[2:]),
+		up:      binary.BigEndian.Uint64(b[4:]),
+		down:    binary.BigEndian.Uint64(b[12:]),
 	}
 }
 
@@ -75,6 +75,7 @@ type probeRequest struct {
 	Peer    string        `json:"peer"`
 	Bytes   int64         `json:"bytes"`
 	Pings   int           `json:"pings"`
+	Repeats int           `json:"repeats"`
 	Timeout time.Duration `json:"timeout_ns"`
 }
 
@@ -127,17 +128,4 @@ func readStatus(r io.Reader) error {
 	msg := make([]byte, binary.BigEndian.Uint16(n[:]))
 	io.ReadFull(r, msg)
 	return fmt.Errorf("agent refused the transfer: %s", msg)
-}
-
-// errRefused marks a request the agent would not serve.
-var errRefused = errors.New("refused")
-
-// netErr strips the wrapping that makes net errors long without making
-// them clearer.
-func netErr(err error) error {
-	var op *net.OpError
-	if errors.As(err, &op) && op.Err != nil {
-		return fmt.Errorf("%s %s: %w", op.Op, op.Addr, op.Err)
-	}
-	return err
 }
