@@ -190,4 +190,3 @@ func TestUsage(t *testing.T) {
 		}
 	}
 }
-
