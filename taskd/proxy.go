@@ -124,6 +124,9 @@ type proxyWorker struct {
 	instance string
 	lastBeat time.Time
 	dl       *downlink // from registration on
+	// registered is set once the manager took the registration; only then
+	// does the node's heartbeat carry the worker's.
+	registered bool
 }
 
 // NewProxy validates cfg, listens on cfg.Listen and prepares the
@@ -388,11 +391,13 @@ func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration
 		req := &pb.HeartbeatRequest{Job: p.cfg.Job, From: p.self, Beats: []*pb.Beat{{Member: p.self}}}
 		var silent []*proxyWorker
 		p.mu.Lock()
-		for r, w := range p.workers {
+		for _, w := range p.workers {
 			age := now.Sub(w.lastBeat)
 			if age > deadline {
 				silent = append(silent, w)
-				_ = r
+				continue
+			}
+			if !w.registered {
 				continue
 			}
 			req.Beats = append(req.Beats, &pb.Beat{Member: w.req.GetMember(), AgeMs: age.Milliseconds()})
@@ -510,35 +515,42 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 	if n := int(mem.GetPosition().GetNode()); n != p.cfg.Node {
 		return nil, status.Errorf(codes.InvalidArgument, "taskd: member.position.node: %d, but this proxy serves node %d", n, p.cfg.Node)
 	}
-	rank := int(mem.GetPosition().GetRank())
-	p.mu.Lock()
-	if w := p.workers[rank]; w != nil && w.instance != mem.GetInstance() && time.Since(w.lastBeat) <= p.deadline {
-		p.mu.Unlock()
-		return nil, status.Errorf(codes.AlreadyExists, "taskd: worker rank %d: %v", rank, ErrRankTaken)
-	}
-	p.mu.Unlock()
+	rank, inst := int(mem.GetPosition().GetRank()), mem.GetInstance()
 	if err := s.ready(); err != nil {
 		return nil, err
 	}
 	fwd := proto.Clone(req).(*pb.RegisterRequest)
 	fwd.Via = p.self
-	cctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
-	resp, err := p.up.Register(cctx, fwd)
-	cancel()
-	if err != nil {
-		return nil, err
-	}
+	// The worker's entry and queue exist before the manager hears of it, so
+	// that what the manager sends it at once is not lost.
 	p.mu.Lock()
 	w := p.workers[rank]
-	if w != nil && w.instance != mem.GetInstance() {
-		w.dl.detach()
+	if w != nil && w.instance != inst && time.Since(w.lastBeat) <= p.deadline {
+		p.mu.Unlock()
+		return nil, status.Errorf(codes.AlreadyExists, "taskd: worker rank %d: %v", rank, ErrRankTaken)
 	}
-	if w == nil || w.instance != mem.GetInstance() {
-		w = &proxyWorker{instance: mem.GetInstance(), dl: newDownlink(mem.GetInstance())}
+	created := w == nil || w.instance != inst
+	if created {
+		if w != nil {
+			w.dl.detach()
+		}
+		w = &proxyWorker{instance: inst, dl: newDownlink(inst)}
 		p.workers[rank] = w
 	}
 	w.req, w.lastBeat = fwd, time.Now()
 	p.met.workers.Set(float64(len(p.workers)))
+	p.mu.Unlock()
+	cctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+	resp, err := p.up.Register(cctx, fwd)
+	cancel()
+	if err != nil {
+		if created {
+			p.dropWorker(rank, inst)
+		}
+		return nil, err
+	}
+	p.mu.Lock()
+	w.registered = true
 	p.mu.Unlock()
 	p.met.forwarded.WithLabelValues("up").Inc()
 	return resp, nil
