@@ -323,6 +323,7 @@ func (p *Policy) decide(f Fault) Decision {
 		return d
 	}
 
+	d.Evidence = facts(f)
 	action := rule.First
 	var prev *entry // the decision that this fault shows failed
 	for _, e := range p.related(f) {
@@ -370,7 +371,7 @@ func (p *Policy) escalate(old Decision, cause error) Decision {
 	}
 	rule.Last = RestartJob // a level that cannot be executed is skipped
 	d.Supersedes = old.ID
-	d.Evidence = append(d.Evidence, "escalated_from=#"+strconv.FormatUint(old.ID, 10)+" ("+old.Action.String()+")")
+	d.Evidence = append(facts(old.Fault), "escalated_from=#"+strconv.FormatUint(old.ID, 10)+" ("+old.Action.String()+")")
 	if cause != nil {
 		d.Evidence = append(d.Evidence, "cause="+cause.Error())
 	}
@@ -536,6 +537,23 @@ func (p *Policy) newBackoff() *backoff.ExponentialBackOff {
 		backoff.WithMaxElapsedTime(0), // budgets end the attempts, not time
 		backoff.WithClockProvider(clock(p.cfg.Now)),
 	)
+}
+
+// facts returns what a decision's evidence starts with: the fault's own
+// fields, then its evidence.
+func facts(f Fault) []string {
+	out := make([]string, 0, 4+len(f.Evidence))
+	out = append(out, "kind="+f.Kind.String())
+	if f.Kind == KindExit {
+		out = append(out, "exit_code="+strconv.Itoa(f.ExitCode))
+	}
+	if f.Signal != 0 {
+		out = append(out, "signal="+f.Signal.String())
+	}
+	if f.Reason != "" {
+		out = append(out, "reason="+f.Reason)
+	}
+	return append(out, f.Evidence...)
 }
 
 // tracerOf returns tp's tracer, or a no-op one that does not even derive

@@ -498,6 +498,19 @@ func TestObservability(t *testing.T) {
 	}
 }
 
+// escalated reports whether d's evidence shows it moved past its rule's
+// first action.
+func escalated(d Decision) bool {
+	for _, e := range d.Evidence {
+		for _, k := range []string{"recurred=", "budget_spent=", "no_pod=", "escalated_from="} {
+			if strings.HasPrefix(e, k) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // gather returns the registry's samples by name{labels}.
 func gather(t testing.TB, reg *prometheus.Registry) map[string]float64 {
 	t.Helper()
@@ -606,7 +619,7 @@ func TestPolicyRandomWalk(t *testing.T) {
 					t.Fatalf("seed %d step %d: attempt %d of %d", seed, step, d.Attempt, d.Budget)
 				}
 			}
-			if d.Action != NoAction && d.Action != GiveUp && len(d.Evidence) == 0 {
+			if d.Action != NoAction && d.Action != GiveUp && !escalated(d) {
 				if r := p.rules[d.Class]; d.Action < r.First {
 					t.Fatalf("seed %d step %d: %s below the rule's first %s", seed, step, d.Action, r.First)
 				}
@@ -617,5 +630,19 @@ func TestPolicyRandomWalk(t *testing.T) {
 			clk.Advance(time.Duration(rng.IntN(20000)) * time.Millisecond)
 			last = append(last, d)
 		}
+	}
+}
+
+func TestDecisionEvidence(t *testing.T) {
+	clk := newClock()
+	p := newTestPolicy(t, clk, Config{})
+	f := Fault{Kind: KindExit, ExitCode: 137, Signal: 9, Reason: "OOMKilled", Node: "n1", Pod: "p1", Evidence: []string{"memory=80Gi/80Gi"}}
+	d := p.Decide(context.Background(), f)
+	want := []string{"kind=exit", "exit_code=137", "signal=killed", "reason=OOMKilled", "memory=80Gi/80Gi"}
+	if diff := cmp.Diff(want, d.Evidence); diff != "" || d.Class != ClassOOM {
+		t.Errorf("class %s, evidence (-want +got):\n%s", d.Class, diff)
+	}
+	if !strings.HasPrefix(d.String(), "#1 exit code 137 (killed) \"OOMKilled\" [oom]: recreate pod p1 of node n1") {
+		t.Errorf("String() = %q", d.String())
 	}
 }

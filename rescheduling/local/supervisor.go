@@ -345,6 +345,9 @@ func (s *Supervisor) start(p *proc) error {
 	// Its own group, so that a stop ends its children too; killed if
 	// the supervisor dies.
 	c.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	// A leftover child holding the output open must not delay the
+	// report of the exit.
+	c.WaitDelay = time.Second
 	if err := c.Start(); err != nil {
 		return fmt.Errorf("local: start %q: %w", p.cmd.Name, err)
 	}
@@ -363,6 +366,9 @@ func (s *Supervisor) wait(p *proc, in *incarnation, c *exec.Cmd) {
 	defer s.waiters.Done()
 	c.Wait() // the exit status is in c.ProcessState; an I/O copy error is not a fault
 	now := time.Now()
+	// What the process started dies with it, so that a restart does not
+	// run beside its predecessor's leftovers.
+	syscall.Kill(-in.pid, syscall.SIGKILL)
 	s.mu.Lock()
 	in.state = c.ProcessState
 	close(in.exited)

@@ -494,3 +494,35 @@ func TestWatchdogRecoversRealProcesses(t *testing.T) {
 		t.Errorf("watchdog Run = %v", err)
 	}
 }
+
+// TestLeftoversDieWithTheirProcess: when a process exits on its own, what
+// it started is killed and the exit is still reported at once.
+func TestLeftoversDieWithTheirProcess(t *testing.T) {
+	pidFile := filepath.Join(t.TempDir(), "grandchild")
+	ready := newReady()
+	c := child(t, "parent", "spawn:"+pidFile)
+	c.Stdout = ready
+	s, err := New(Config{Commands: []Command{c}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	running(t, s)
+	waitReady(t, ready)
+	b, err := os.ReadFile(pidFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	grandchild, _ := strconv.Atoi(string(b))
+	syscall.Kill(s.State()[0].PID, syscall.SIGHUP)
+	f := nextFault(t, s)
+	if f.ExitCode != 128+int(syscall.SIGHUP) || f.Signal != syscall.SIGHUP || rescheduling.Classify(f) != rescheduling.ClassUnknown {
+		t.Errorf("fault %+v", f)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for alive(grandchild) && !zombie(grandchild) {
+		if time.Now().After(deadline) {
+			t.Fatalf("grandchild %d outlived its parent", grandchild)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
