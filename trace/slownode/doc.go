@@ -1,0 +1,93 @@
+// Package slownode finds what makes a training job slow — ranks slow to
+// compute, slow hosts, slow communicators, slow data loading and slow
+// pipeline links — from the dotting files package trace writes (and
+// MindCluster writes: same layout, same records), while the job runs.
+//
+// # Design
+//
+// A Detector is a pure streaming core: it takes each rank's ranges
+// (Add) or whole steps (AddStep), does no I/O, starts no goroutine and
+// reads no clock, and keeps a bounded amount of state per rank and per
+// communicator however long the job runs. Analyze and Watch are a thin
+// shell around it that tails a job folder with trace.RankReader and
+// trace.Pairer:
+//
+//	d, _ := slownode.New(slownode.Config{})
+//	d.AddGroups(groups)      // parallel_group.json of each rank
+//	d.Add(rank, rng)         // each trace.Range, in file order
+//	r := d.Result()          // the verdict so far
+//
+// # Per step and rank
+//
+// The ranges a rank recorded since its previous step make up a Step:
+// step time, forward, dataloader and checkpoint-save time, communication
+// time per communicator and op, and the iteration trajectory of cluster
+// profiling: the gap before the first forward (data wait), forward plus
+// backward, and the trailing run of collectives. Compute is forward plus
+// backward less the communication inside it. Missing markers leave their
+// figures out, and Result.Unavailable says which.
+//
+// # Decisions
+//
+// Steps are compared across ranks by their number, never by timestamp:
+// host clocks are not comparable, and nothing here subtracts one rank's
+// timestamp from another's. A step is evaluated once every live rank has
+// reported it; ranks that stop writing become silent after
+// Config.SilentSteps steps and are listed as such, never as fast.
+//
+// Within each pipeline stage (ranks that do the same work), a rank whose
+// compute, dataloader or send time exceeds the stage's median by
+// RelativeThreshold and NSigma robust deviations (median and MAD) is
+// anomalous for the step. Inside each communicator, MindCluster's
+// homogenisation splits the members' communication times in two: when
+// those who wait more wait ClusterMeanDistance times longer, the others
+// are late, which compute confirms. A communicator that waits more than
+// the others of its kind in the same stage, with no member to blame, is
+// slow; a host is slow when all its ranks are. Lateness that a slow
+// communicator, link or data loading explains is not blamed on compute.
+// Consecutive anomalous steps make a finding (one outlier step does not)
+// and as many normal ones clear it.
+//
+// MindCluster's time detector runs on the job's step time: a trimmed
+// baseline of the first NormalSteps steps, a bound of
+// +DegradationPercentage and NSigma σ, Consecutive anomalies in a row. It
+// gives the degradation level and the onset. A shift no finding explains
+// after Consecutive more steps hit every rank alike (a learning-rate
+// phase, a longer sequence): it is reported as a PhaseChange, the baseline
+// moves to the new level, and no rank is blamed. Each finding carries
+// NVIDIA-style scores: relative (the best rank of the stage over this
+// one) and individual (the rank's own best over its recent time).
+//
+// # Output
+//
+// Result carries MindCluster's ClusterJobResult fields under their JSON
+// names (isSlow, degradationLevel, slowCalculateRanks,
+// slowCommunicationDomains, slowHostNodes, slowIORanks,
+// slowCommunicationRanks) plus per-finding evidence (peer baseline,
+// recent value, ratio, method), the onset step, a confidence, per-rank
+// figures and input counters. WriteText, WriteJSON and WriteHTML render
+// it; the HTML page is self-contained.
+//
+// Hosts come from Config.Nodes (see ParseRankTable for hccl.json), from
+// a <job>/<host>/<rank>/ layout, or from Config.RanksPerNode.
+//
+// # Metrics
+//
+// Analyze and Watch register on Config.Registerer, while they run:
+// faultline_slownode_records_total, faultline_slownode_read_bytes_total,
+// faultline_slownode_garbage_lines_total,
+// faultline_slownode_verdict_changes_total,
+// faultline_slownode_steps_evaluated_total (counters), and
+// faultline_slownode_slow and faultline_slownode_slow_ranks (gauges).
+// They trace each pass (slownode.Analyze, slownode.pass) with
+// Config.TracerProvider.
+//
+// # Tests
+//
+// The tests generate jobs with internal/gen through the real record
+// format and reader: TP, PP and DP layouts of 8 to 64 ranks, with noise
+// and outlier steps, healthy or with one injected slowdown each, and
+// assert precision, recall and a detection latency of at most 3 steps.
+// FAULTLINE_SLOWNODE_LARGE=1 adds 128- and 512-rank layouts; the
+// benchmarks (go test -bench .) generate a 1024-rank, 200-step job.
+package slownode
