@@ -38,6 +38,8 @@ const (
 // collected nodes.
 const HostMappingFile = "host_ips_mapping.txt"
 
+// collectChunk is the most file data one upload message carries; less when
+// MaxMessageBytes is below twice that.
 const collectChunk = 256 << 10
 
 // CollectOptions selects what Collect fetches.
@@ -489,7 +491,7 @@ func (p *Proxy) sendFrom(ctx context.Context, client pb.ControlClient, root *os.
 	var sent int64
 	for pos := off; ; {
 		// A fresh buffer per chunk: gRPC may hold a sent message.
-		buf := make([]byte, min(collectChunk, size-pos))
+		buf := make([]byte, min(int64(collectChunk), int64(p.cfg.MaxMessageBytes/2), size-pos))
 		n, err := io.ReadFull(f, buf)
 		if err != nil {
 			return sent, err

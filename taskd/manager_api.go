@@ -106,6 +106,9 @@ func (s *managerTraceAPI) SubscribeDataTraceSwitch(req *pb.DataStatusReq, stream
 	}
 }
 
+// maxFaultsPerList bounds the faults one ListFaults call returns.
+const maxFaultsPerList = 1000
+
 // managerAdmin serves the Admin service.
 type managerAdmin struct {
 	pb.UnimplementedAdminServer
@@ -133,7 +136,13 @@ func (s *managerAdmin) ListFaults(_ context.Context, req *pb.ListFaultsReq) (*pb
 		return &pb.ListFaultsRes{Code: pb.Code_CODE_UNKNOWN_JOB, Message: "unknown job " + quote(req.GetJobNsName())}, nil
 	}
 	res := &pb.ListFaultsRes{Code: pb.Code_CODE_OK, Message: "ok"}
-	for _, f := range s.m.Faults(req.GetAfter()) {
+	faults := s.m.Faults(req.GetAfter())
+	// One answer stays well under the message size cap; callers page on
+	// with after set to the last seq.
+	if len(faults) > maxFaultsPerList {
+		faults = faults[:maxFaultsPerList]
+	}
+	for _, f := range faults {
 		res.Faults = append(res.Faults, faultToPB(f))
 	}
 	return res, nil

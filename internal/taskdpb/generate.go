@@ -10,6 +10,10 @@
 //	go install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
 //	go install google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.2
 //	go generate ./internal/taskdpb
+//
+// protoc-gen-go v1.36.12 is google.golang.org/protobuf's own version; the
+// code protoc-gen-go-grpc v1.6.2 writes needs google.golang.org/grpc
+// v1.64.0 or later.
 package taskdpb
 
 //go:generate protoc --proto_path=. --go_out=. --go_opt=paths=source_relative --go-grpc_out=. --go-grpc_opt=paths=source_relative taskd.proto

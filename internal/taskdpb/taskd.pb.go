@@ -2303,7 +2303,8 @@ func (x *Fault) GetReporter() *Member {
 type ListFaultsReq struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	JobNsName string                 `protobuf:"bytes,1,opt,name=jobNsName,proto3" json:"jobNsName,omitempty"`
-	// after returns only faults with a larger seq.
+	// after returns only faults with a larger seq. One answer holds at most
+	// 1000 faults, oldest first: page on with after set to the last seq.
 	After         uint64 `protobuf:"varint,2,opt,name=after,proto3" json:"after,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
