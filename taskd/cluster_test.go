@@ -2,9 +2,14 @@ package taskd
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/faultline-ml/faultline/trace"
 )
@@ -141,7 +146,9 @@ func (c *cluster) liveWorkers() int {
 func insecureSec() Security { return Security{Insecure: true} }
 
 func TestSmoke(t *testing.T) {
-	c := newCluster(t, insecureSec(), ManagerConfig{})
+	spans := tracetest.NewSpanRecorder()
+	reg := prometheus.NewRegistry()
+	c := newCluster(t, insecureSec(), ManagerConfig{Registerer: reg, TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))})
 	c.addProxy(0)
 	c.addProxy(1)
 	for r := range 8 {
@@ -185,4 +192,59 @@ func TestSmoke(t *testing.T) {
 	if f := c.m.Faults(0); len(f) != 1 || f[0].Kind != FaultHang || f[0].Position != (Position{0, 3}) || f[0].ReporterRole != RoleWorker {
 		t.Fatalf("faults: %+v", f)
 	}
+	// The fan-out's span ended once every worker acknowledged it.
+	waitFor(t, 20e9, "the fan-out span", func() bool {
+		for _, s := range spans.Ended() {
+			if s.Name() == "taskd.switch.fanout" {
+				return true
+			}
+		}
+		return false
+	})
+	want := map[string]float64{
+		`faultline_taskd_members{role="worker"}`:      9,
+		`faultline_taskd_members{role="proxy"}`:       2,
+		`faultline_taskd_faults_total{kind="hang"}`:   1,
+		`faultline_taskd_switch_fanout_seconds_count`: 1,
+	}
+	got := gathered(t, reg)
+	if n := got[`faultline_taskd_acks_total{result="ok"}`]; n < 18 { // 9 switch, 9 broadcast
+		t.Errorf("acks = %v, want at least 18", n)
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("%s = %v, want %v", k, got[k], v)
+		}
+	}
+}
+
+// gathered returns the registry's samples by name{labels}.
+func gathered(t testing.TB, reg *prometheus.Registry) map[string]float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]float64{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			name := mf.GetName()
+			var labels []string
+			for _, l := range m.GetLabel() {
+				labels = append(labels, l.GetName()+`="`+l.GetValue()+`"`)
+			}
+			if len(labels) > 0 {
+				name += "{" + strings.Join(labels, ",") + "}"
+			}
+			switch {
+			case m.Counter != nil:
+				out[name] = m.GetCounter().GetValue()
+			case m.Gauge != nil:
+				out[name] = m.GetGauge().GetValue()
+			case m.Histogram != nil:
+				out[name+"_count"] = float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return out
 }
