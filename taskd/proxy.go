@@ -104,14 +104,12 @@ type Proxy struct {
 	upq    *uplink
 	acks   chan *pb.Ack
 
-	mu        sync.Mutex
-	workers   map[int]*proxyWorker // by rank
-	upReady   bool
-	mgr       string // the manager's instance
-	interval  time.Duration
-	deadline  time.Duration
-	collectWG sync.WaitGroup
-	collect   chan *pb.CollectRequest
+	mu       sync.Mutex
+	workers  map[int]*proxyWorker // by rank
+	upReady  bool
+	mgr      string        // the manager's instance
+	deadline time.Duration // the manager's heartbeat deadline
+	collect  chan *pb.CollectRequest
 
 	state     atomic.Int32
 	closed    chan struct{}
@@ -156,7 +154,6 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		self:     memberPB(RoleProxy, Position{Node: cfg.Node, Rank: -1}, newInstanceID()),
 		acks:     make(chan *pb.Ack, 16384),
 		workers:  make(map[int]*proxyWorker),
-		interval: DefaultHeartbeatInterval,
 		deadline: DefaultHeartbeatDeadline,
 		collect:  make(chan *pb.CollectRequest, 16),
 		closed:   make(chan struct{}),
@@ -301,7 +298,7 @@ func (p *Proxy) upSession(ctx context.Context, sessions *int) error {
 		p.met.reconnects.Inc()
 	}
 	p.mu.Lock()
-	p.upReady, p.mgr, p.interval, p.deadline = true, resp.GetManagerInstance(), interval, deadline
+	p.upReady, p.mgr, p.deadline = true, resp.GetManagerInstance(), deadline
 	ranks := make([]int, 0, len(p.workers))
 	for r := range p.workers {
 		ranks = append(ranks, r)
