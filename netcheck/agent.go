@@ -57,7 +57,8 @@ func (c AgentConfig) Validate() error {
 
 // Agent is the probe endpoint that runs on every node: it answers
 // transfers from peers and checkers, and runs the probes a checker asks it
-// to run to a peer.
+// to run to a peer. It serves whoever reaches it, within MaxBytes and
+// MaxProbeTimeout, so listen on the cluster network only.
 type Agent struct {
 	cfg      AgentConfig
 	log      *slog.Logger

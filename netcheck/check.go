@@ -73,6 +73,7 @@ func NewChecker(cfg Config) (*Checker, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	cfg.Policy = cfg.Policy.withDefaults()
 	if cfg.Prober == nil {
 		cfg.Prober = &TCPProber{}
 	}
@@ -193,7 +194,7 @@ func (c *Checker) probe(ctx context.Context, from, to Node) Measurement {
 	ctx, span := c.tracer.Start(ctx, "netcheck.Probe", trace.WithAttributes(
 		attribute.String("from", from.Name), attribute.String("to", to.Name)))
 	defer span.End()
-	ctx, cancel := context.WithTimeout(ctx, c.cfg.Policy.withDefaults().ProbeTimeout)
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.Policy.ProbeTimeout)
 	defer cancel()
 	start := time.Now()
 	m, err := c.cfg.Prober.Probe(ctx, from, to)

@@ -297,8 +297,10 @@ func TestNetworkNamespaces(t *testing.T) {
 		{name: "N=2 one cut", n: 2, faults: []degrade{{"cut", 1}}},
 		{name: "N=3 one cut", n: 3, faults: []degrade{{"cut", 0}}},
 		{name: "N=3 shaped and cut", n: 3, faults: []degrade{{"shape", 2}, {"cut", 1}}},
-		{name: "N=4 delay", n: 4, faults: []degrade{{"delay", 3}}},
-		{name: "N=4 loss", n: 4, faults: []degrade{{"loss", 0}}},
+		// 60 ms each way: slow start makes every transfer take several
+		// round trips, so the probe needs more time.
+		{name: "N=4 delay", n: 4, faults: []degrade{{"delay", 3}}, bytes: 128 << 10, timeout: 5 * time.Second},
+		{name: "N=4 loss", n: 4, faults: []degrade{{"loss", 0}}, timeout: 3 * time.Second},
 	}
 	if os.Getenv(heavyEnv) != "" {
 		scenarios = append(scenarios,

@@ -1,6 +1,7 @@
 package netcheck
 
 import (
+	"cmp"
 	"fmt"
 	"math"
 	"slices"
@@ -20,22 +21,28 @@ import (
 //	report := p.Report()
 //
 // Round 0 pairs neighbours in the order given (put the nodes in topology
-// order so that neighbours share a switch). A probe that is slow or fails
-// makes both its ends suspects; round 1 pairs the slowest suspects with the
-// fastest nodes known to be good, as DLRover does, and later rounds go on
-// testing each suspect against further known-good peers until it has passed
-// once (healthy) or failed against ConfirmPeers of them (faulty or
-// straggler). A suspect never pairs with another suspect while known-good
-// peers exist, so k bad nodes among N cost at most about 3k probes beyond
-// round 0's N/2.
+// order so that neighbours share a switch). A probe that fails, or is slow
+// next to the fastest seen (StragglerRatio times it), makes both its ends
+// suspects; round 1 pairs the slowest suspects with the fastest nodes known
+// to be good, as DLRover does, and later rounds go on testing each suspect
+// against further known-good peers until it has passed once (healthy) or
+// failed, or been slow, against ConfirmPeers of them (faulty or straggler).
+// Suspicion is judged against the fastest probe so that slow nodes are
+// re-tested even where they drag the median up; verdicts are judged
+// against the median, as the Policy says. A suspect never pairs with
+// another suspect while known-good peers exist, so k bad nodes among N cost
+// about 3k+2 probes beyond round 0's N/2 (the property tests hold it to
+// that).
 //
-// A good probe proves both its ends good. When no probe has been good yet
-// (N = 2 or 3 with a bad node, or most nodes bad), the planner probes the
-// reference, a participant that is assumed reachable and is never itself
-// reported (the checker's own host, say), and pairs the fastest suspects
-// with the slowest to find good nodes. Without a reference such cases may
-// end with nodes of unknown verdict: the planner never blames a node
-// without evidence from a peer it has seen work.
+// A good probe proves both its ends good. The reference, if given, is a
+// participant reported apart from the nodes (the checker's own host, say):
+// it takes the odd node of round 0, completes probes with at least two
+// nodes so that even a tiny cluster has a fast probe to compare with, and
+// when no probe has been good yet (N = 2 or 3 with a bad node, or most
+// nodes bad) it probes the likeliest good suspect while the others pair
+// fastest with slowest. Without a reference such cases may end with nodes
+// of unknown verdict: the planner never blames a node without evidence
+// from a peer it has seen work.
 type Planner struct {
 	pol    Policy
 	names  []string // the nodes, then the reference if any
@@ -191,7 +198,7 @@ func (p *Planner) plan() [][2]int {
 	}
 	// Faster first; a participant never probed counts as fastest.
 	byBest := func(a, b int) int {
-		if c := cmpDur(st.best[a], st.best[b]); c != 0 {
+		if c := cmp.Compare(st.best[a], st.best[b]); c != 0 {
 			return c
 		}
 		return a - b
@@ -266,17 +273,6 @@ func (p *Planner) completedWith(x int) int {
 		}
 	}
 	return len(seen)
-}
-
-// cmpDur orders durations with -1 (never probed) first.
-func cmpDur(a, b time.Duration) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }
 
 // stats are the figures every judgement starts from.

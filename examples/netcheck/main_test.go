@@ -146,15 +146,21 @@ func TestAgentMetrics(t *testing.T) {
 	if code, _, errOut := runCLI("run", "--nodes", "x="+addr, "--bytes", "65536", "--ratio", "100"); code != 0 {
 		t.Fatalf("exit %d: %s", code, errOut)
 	}
-	resp, err := http.Get(metrics)
-	if err != nil {
-		t.Fatal(err)
+	// The agent counts a request once it has answered: poll for it.
+	want := `faultline_netcheck_agent_requests_total{op="transfer",result="ok"} 1`
+	var body []byte
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		resp, err := http.Get(metrics)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ = io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if strings.Contains(string(body), want) {
+			return
+		}
 	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	if !strings.Contains(string(body), `faultline_netcheck_agent_requests_total{op="transfer",result="ok"} 1`) {
-		t.Fatalf("metrics:\n%s", body)
-	}
+	t.Fatalf("metrics lack %s:\n%s", want, body)
 }
 
 func TestSwitchbox(t *testing.T) {
