@@ -92,7 +92,7 @@ func Parse(data []byte) (*Topology, error) {
 			return nil, err
 		}
 	}
-	return b.t, nil
+	return b.done(), nil
 }
 
 // New builds a Topology from nodes, checked as Parse checks a file; in
@@ -110,7 +110,7 @@ func New(nodes []Node) (*Topology, error) {
 			return nil, err
 		}
 	}
-	return b.t, nil
+	return b.done(), nil
 }
 
 // builder checks nodes as they are added, remembering lines for messages.
@@ -124,6 +124,24 @@ type builder struct {
 func newBuilder() *builder {
 	return &builder{t: &Topology{byIP: make(map[string]int32)},
 		aswFirst: make(map[string]int), pswNum: make(map[string]int32)}
+}
+
+// done returns the topology with its addresses packed into one string, so
+// that looking up a large world reads one block of memory rather than
+// strings scattered over the heap.
+func (b *builder) done() *Topology {
+	t := b.t
+	var all strings.Builder
+	for _, n := range t.nodes {
+		all.WriteString(n.IP)
+	}
+	packed := all.String()
+	t.byIP = make(map[string]int32, len(t.nodes))
+	for i := range t.nodes {
+		t.nodes[i].IP, packed = packed[:len(t.nodes[i].IP)], packed[len(t.nodes[i].IP):]
+		t.byIP[t.nodes[i].IP] = int32(i)
+	}
+	return t
 }
 
 func (b *builder) add(line int, asw, psw, ipText string) error {
