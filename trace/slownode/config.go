@@ -21,8 +21,8 @@ const (
 	DefaultRelativeThreshold     = 0.15
 	DefaultMinEffect             = 0.05
 	DefaultWindow                = 8
-	DefaultSilentSteps           = 10
-	DefaultHorizon               = 64
+	DefaultSilentSteps           = 100
+	DefaultHorizon               = 128
 	DefaultRanksPerNode          = 8
 	DefaultTrailingGap           = 200 * time.Microsecond
 	DefaultHistoryPoints         = 240
@@ -64,10 +64,13 @@ type Config struct {
 	Window int
 	// SilentSteps: a rank whose last step is this many steps behind the
 	// job's latest is silent (it stopped writing); it is reported as
-	// such, not as fast, and no longer holds up evaluation. Default 10.
+	// such, not as fast, and no longer holds up evaluation. Writers flush
+	// every few seconds, so ranks' files grow in bursts: the default, 100,
+	// covers a 5 s flush at 50 ms a step.
 	SilentSteps int
 	// Horizon bounds how many steps may wait for their slowest rank
-	// before they are evaluated without it. Default 64.
+	// before they are evaluated without it; it is raised to SilentSteps+2
+	// when below. Default 128.
 	Horizon int
 	// TrailingGap is the largest gap between two communication ops of
 	// the trailing run (see Step). Default 200µs.

@@ -195,7 +195,7 @@ func TestPhaseChangeIsNotASlowNode(t *testing.T) {
 
 func TestSilentRankIsReportedNotFast(t *testing.T) {
 	j := newSyncJob(16, 4, 5)
-	d := newTestDetector(t, j, Config{})
+	d := newTestDetector(t, j, Config{SilentSteps: 10})
 	j.run(d, 0, 20)
 	for n := int64(20); n < 40; n++ {
 		for r, st := range j.steps(n) {

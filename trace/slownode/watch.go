@@ -28,13 +28,17 @@ var ErrNoRanks = errors.New("no rank folders")
 // the other, meet in the detector a few steps apart.
 const chunkSteps = 8
 
-// pauseReads enables those turns. It is off because RankReader.Read
-// drops the rest of its read buffer when the callback returns an error,
-// although its documentation says the next Read continues with the
-// following record; until that is fixed a pass reads each rank to its
-// end and the detector holds the steps until the pass ends, which costs
-// memory in proportion to the steps a pass reads.
-const pauseReads = false
+// Per-rank reading state stays open while a job is tailed, so it is kept
+// small: a thousand ranks with trace's defaults (a 256 KiB buffer, 8192
+// open ranges and names) would hold over 300 MiB.
+const (
+	// maxOpenRanges bounds the ranges a rank may have started and not
+	// ended, and the names the pairer keeps for a marker's other source; a
+	// rank has a few nested ranges open at a time.
+	maxOpenRanges = 256
+	// readBufferBytes is each rank reader's buffer.
+	readBufferBytes = 32 << 10
+)
 
 // errPause stops a rank's Read when it is far enough ahead.
 var errPause = errors.New("slownode: pause")
@@ -223,7 +227,7 @@ func (s *source) discover() error {
 			}
 			continue
 		}
-		rs := &rankSource{rank: f.rank, dir: f.dir, node: f.node}
+		rs := &rankSource{rank: f.rank, dir: f.dir, node: f.node, pair: trace.Pairer{MaxOpen: maxOpenRanges}}
 		if f.node != "" {
 			if _, ok := s.d.cfg.Nodes[f.rank]; !ok {
 				s.d.setNode(f.rank, f.node)
@@ -302,7 +306,7 @@ func (s *source) pass(ctx context.Context) error {
 // parallel_group.json, retrying on later passes until both work.
 func (s *source) open(rs *rankSource) {
 	if rs.rd == nil {
-		rd, err := trace.OpenRankReader(rs.dir, trace.ReaderConfig{})
+		rd, err := trace.OpenRankReader(rs.dir, trace.ReaderConfig{BufferBytes: readBufferBytes})
 		if err != nil {
 			if rs.err == nil {
 				s.log.Warn("slownode: cannot read rank folder", "rank", rs.rank, "err", err)
@@ -338,7 +342,7 @@ func (s *source) read(rs *rankSource, target int64) (bool, error) {
 			return nil
 		}
 		s.d.Add(rs.rank, r)
-		if pauseReads && s.d.rankLast(rs.rank) >= target {
+		if s.d.rankLast(rs.rank) >= target {
 			return errPause
 		}
 		return nil

@@ -509,7 +509,7 @@ func (s *sim) flushIfDue(r, step int) {
 			name = fmt.Sprintf("%010d", sec+1)
 		}
 		o.file = name
-	} else if len(s.out[r].buf) > 256<<10 {
+	} else if len(s.out[r].buf) > 64<<10 {
 		s.flush(r, false)
 	}
 }
