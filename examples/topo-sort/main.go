@@ -114,7 +114,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		Path:         o.config,
 		PollInterval: 2 * time.Second,
 		OnChange: func(topo *topology.Topology) {
-			if err := o.emit(stdout, topo, nil); err != nil {
+			if err := o.emit(stdout, topo, rt); err != nil {
 				fmt.Fprintln(stderr, "topo-sort:", err)
 				failed = err
 			}
