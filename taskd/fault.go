@@ -36,9 +36,13 @@ type Fault struct {
 	// Position is where the fault is: a rank, or a whole node when Rank is -1.
 	Position Position `json:"position"`
 	// Code is an exit status or error code, 0 when none applies.
-	Code    int               `json:"code,omitempty"`
-	Message string            `json:"message,omitempty"`
-	Attrs   map[string]string `json:"attrs,omitempty"`
+	Code    int    `json:"code,omitempty"`
+	Message string `json:"message,omitempty"`
+	// Attrs carries what else the reporter knows. Well-known keys, which
+	// recovery and rescheduling read: "signal" (the signal that ended a
+	// process, e.g. "SIGKILL"), "host", "pod", "log" (a log line that
+	// matched), "device" (an accelerator index), "link" (a NIC or peer).
+	Attrs map[string]string `json:"attrs,omitempty"`
 	// Time is when the reporter saw the fault; Received when the manager
 	// took it in.
 	Time     time.Time `json:"time"`

@@ -1,13 +1,17 @@
 package taskd
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 )
 
 func TestFaultLog(t *testing.T) {
@@ -160,4 +164,38 @@ func FuzzFaultLog(f *testing.F) {
 			t.Fatal(d)
 		}
 	})
+}
+
+func TestListFaultsPages(t *testing.T) {
+	m, err := NewManager(ManagerConfig{Job: "j", Listen: "127.0.0.1:0", Security: Security{Insecure: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	for i := range 1500 {
+		m.faults.add(Fault{ID: fmt.Sprint(i), Kind: FaultHang}, t0)
+	}
+	api := &managerAdmin{m: m}
+	var got int
+	var after uint64
+	for {
+		res, err := api.ListFaults(context.Background(), &pb.ListFaultsReq{JobNsName: "j", After: after})
+		if err != nil || res.GetCode() != pb.Code_CODE_OK {
+			t.Fatal(res, err)
+		}
+		if len(res.GetFaults()) == 0 {
+			break
+		}
+		if len(res.GetFaults()) > maxFaultsPerList {
+			t.Fatalf("%d faults in one answer", len(res.GetFaults()))
+		}
+		got += len(res.GetFaults())
+		after = res.GetFaults()[len(res.GetFaults())-1].GetSeq()
+	}
+	if got != 1500 {
+		t.Fatalf("paged through %d faults, want 1500", got)
+	}
+	if res, _ := api.ListFaults(context.Background(), &pb.ListFaultsReq{JobNsName: "other"}); res.GetCode() != pb.Code_CODE_UNKNOWN_JOB {
+		t.Fatalf("unknown job: %v", res)
+	}
 }
