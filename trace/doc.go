@@ -88,9 +88,13 @@
 // an end record sharing an Id; end records have an empty Name and Domain.
 // Names are "step <n>", "forward", "dataloader", "save_checkpoint" in
 // domain "default", and a CommOp as JSON (escaped as a JSON string) in
-// domain "communication". Records are written in whole lines: a write that
-// fails is cut back to the last complete line. Buffered records reach the
-// file at least every FlushInterval (5 s) and on Close, which also fsyncs.
+// domain "communication". Buffered records reach the file at least every
+// FlushInterval (5 s) and on Close, which also fsyncs; those flushes end
+// the file on a complete line. A buffer that fills in between is written
+// up to a page boundary of the file (page-aligned writes are much cheaper
+// for the kernel), so the file may end inside a line until the next
+// flush; readers wait for the rest. A write that fails is cut back to the
+// last complete line.
 //
 // parallel_group.json maps communicator names (CommOp.GroupName) to
 // {"group_name", "group_rank", "global_ranks"}; see ParallelGroups.

@@ -19,7 +19,11 @@ func TestEncoderMatchesAppendJSON(t *testing.T) {
 	}
 	var e encoder
 	for i := range 5000 {
-		r := Record{Kind: 1, Flag: Flag(rng.IntN(64)), SourceKind: uint32(rng.IntN(2)), Timestamp: rng.Uint64(), ID: rng.Uint64() >> rng.IntN(64),
+		ts := rng.Uint64()
+		if i%3 != 0 { // mostly close to each other, as a writer's are
+			ts = 1731000000000000000 + rng.Uint64N(3e6)
+		}
+		r := Record{Kind: 1, Flag: Flag(rng.IntN(64)), SourceKind: uint32(rng.IntN(2)), Timestamp: ts, ID: rng.Uint64() >> rng.IntN(64),
 			ProcessID: uint32(rng.IntN(3)), ThreadID: 7, DeviceID: uint32(rng.IntN(2)) * (1<<32 - 1), StreamID: uint32(rng.IntN(2)),
 			Name: names[rng.IntN(len(names))], Domain: []string{DomainDefault, DomainCommunication, ""}[rng.IntN(3)]}
 		form := uint8(rng.IntN(3))

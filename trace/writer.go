@@ -1,6 +1,7 @@
 package trace
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -158,7 +159,8 @@ type Writer struct {
 	size int64 // bytes in the file that end with a complete line
 
 	buf     []byte
-	pending [numDomains]uint64 // records in buf per domain
+	pending []uint8 // domain of each record not yet wholly in the file, in order
+	partial int64   // bytes of the first pending record already in the file
 	enc     encoder
 
 	retryAt time.Time
@@ -217,7 +219,7 @@ func (w *Writer) put(dom int, r *Record, form uint8, step uint64, op *CommOp) er
 		w.c.dropped[dom].Add(1)
 		return fmt.Errorf("trace: write: %w", os.ErrClosed)
 	}
-	if w.f == nil || w.size+int64(len(w.buf)) >= w.cfg.MaxFileBytes {
+	if w.f == nil || w.size+w.partial+int64(len(w.buf)) >= w.cfg.MaxFileBytes {
 		if err := w.rotate(); err != nil {
 			w.c.dropped[dom].Add(1)
 			return err
@@ -232,23 +234,41 @@ func (w *Writer) put(dom int, r *Record, form uint8, step uint64, op *CommOp) er
 		return w.fail("encode", fmt.Errorf("record of %d bytes exceeds MaxLineBytes", size))
 	}
 	w.buf = append(w.buf, '\n')
-	w.pending[dom]++
+	w.pending = append(w.pending, uint8(dom))
 	if len(w.buf) >= w.cfg.BufferBytes {
-		return w.Flush()
+		return w.flush(false)
 	}
 	return nil
 }
 
-// Flush writes the buffered records to the file. On a failed write the
-// file is cut back to its last complete line and the buffered records are
-// dropped.
-func (w *Writer) Flush() error {
+// pageSize aligns the writes of a full buffer: the kernel copies whole
+// pages into its cache markedly faster than writes that end mid-page.
+const pageSize = 4096
+
+// Flush writes the buffered records to the file, which then ends with a
+// complete line. On a failed write the file is cut back to its last
+// complete line and the buffered records are dropped.
+func (w *Writer) Flush() error { return w.flush(true) }
+
+// flush writes the buffer, or with all unset only as much of it as ends
+// the file on a page boundary, the rest waiting for more records; the file
+// may then end inside a line until the next flush. Readers wait for the
+// rest of a line.
+func (w *Writer) flush(all bool) error {
 	if len(w.buf) == 0 || w.f == nil {
 		return nil
 	}
-	n, err := w.f.Write(w.buf)
+	n := len(w.buf)
+	if !all {
+		end := w.size + w.partial + int64(n)
+		n -= int(end % pageSize)
+		if n <= 0 {
+			return nil
+		}
+	}
+	k, err := w.f.Write(w.buf[:n])
 	if err != nil {
-		if n > 0 {
+		if k > 0 || w.partial > 0 {
 			// Never leave a partial line: readers would join it to the next one.
 			if terr := w.f.Truncate(w.size); terr != nil {
 				err = errors.Join(err, terr)
@@ -257,20 +277,26 @@ func (w *Writer) Flush() error {
 		if _, serr := w.f.Seek(w.size, 0); serr != nil {
 			err = errors.Join(err, serr)
 		}
-		for d := range w.pending {
-			w.c.dropped[d].Add(w.pending[d])
-			w.pending[d] = 0
+		for _, d := range w.pending {
+			w.c.dropped[d].Add(1)
 		}
-		w.buf = w.buf[:0]
+		w.pending, w.partial, w.buf = w.pending[:0], 0, w.buf[:0]
 		return w.fail("write "+w.path(), err)
 	}
-	w.size += int64(n)
+	written := w.buf[:n]
 	w.c.bytes.Add(uint64(n))
-	for d := range w.pending {
-		w.c.written[d].Add(w.pending[d])
-		w.pending[d] = 0
+	lines := bytes.Count(written, []byte{'\n'})
+	for _, d := range w.pending[:lines] {
+		w.c.written[d].Add(1)
 	}
-	w.buf = w.buf[:0]
+	w.pending = w.pending[:copy(w.pending, w.pending[lines:])]
+	if last := bytes.LastIndexByte(written, '\n'); last >= 0 {
+		w.size += w.partial + int64(last+1)
+		w.partial = int64(n - last - 1)
+	} else {
+		w.partial += int64(n)
+	}
+	w.buf = w.buf[:copy(w.buf, w.buf[n:])]
 	return nil
 }
 
@@ -415,7 +441,7 @@ func (w *Writer) open(now time.Time) error {
 		}
 		unix.Fchmod(fd, fileMode) // exact mode regardless of the umask
 		w.f = os.NewFile(uintptr(fd), filepath.Join(w.dir, name))
-		w.name, w.sec, w.size = name, sec, 0
+		w.name, w.sec, w.size, w.partial = name, sec, 0, 0
 		w.c.files.Add(1)
 		w.c.mu.Lock()
 		w.c.file = w.path()

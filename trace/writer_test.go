@@ -419,3 +419,49 @@ func TestListRanksAndJobs(t *testing.T) {
 		t.Errorf("ListJobs = %v, %v", jobs, err)
 	}
 }
+
+// TestWriterAlignedFlush fills the buffer: the file grows by whole pages,
+// which may end inside a line; readers wait for its rest, the counts
+// follow whole lines, and Flush ends the file on a line.
+func TestWriterAlignedFlush(t *testing.T) {
+	root := t.TempDir()
+	w, err := NewWriter(WriterConfig{Root: root, Job: "j", BufferBytes: 4 << 10, Now: fixedNow(1731000000)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(root, "j", "0")
+	file := filepath.Join(dir, "1731000000")
+	rr := openReader(t, func() string { os.MkdirAll(dir, 0o750); return dir }(), ReaderConfig{})
+	read := 0
+	for i := range 200 {
+		r := testRecord(i)
+		if err := w.Write(&r); err != nil {
+			t.Fatal(err)
+		}
+		read += len(readIDs(t, rr))
+		fi, err := os.Stat(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Size()%pageSize != 0 {
+			t.Fatalf("after record %d the file has %d bytes, not whole pages", i, fi.Size())
+		}
+		if s := w.Stats(); s.Written.Default != uint64(read) || s.Bytes != uint64(fi.Size()) {
+			t.Fatalf("after record %d: stats %+v, reader saw %d records, file %d bytes", i, s, read, fi.Size())
+		}
+	}
+	if read == 0 {
+		t.Fatal("no page-aligned flush happened")
+	}
+	if err := w.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	read += len(readIDs(t, rr))
+	if read != 200 || rr.Stats().GarbageLines != 0 {
+		t.Fatalf("read %d records after Flush (%+v)", read, rr.Stats())
+	}
+	if b, _ := os.ReadFile(file); b[len(b)-1] != '\n' {
+		t.Fatal("file does not end with a line after Flush")
+	}
+	w.Close()
+}

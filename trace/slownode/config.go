@@ -19,7 +19,7 @@ const (
 	DefaultConsecutive           = 3
 	DefaultClusterMeanDistance   = 1.3
 	DefaultRelativeThreshold     = 0.15
-	DefaultMinEffect             = 0.05
+	DefaultMinEffect             = 0.02
 	DefaultWindow                = 8
 	DefaultSilentSteps           = 100
 	DefaultHorizon               = 128
