@@ -637,7 +637,7 @@ func (m *Manager) Broadcast(ctx context.Context, to Target, kind string, payload
 		delete(m.deliveries, id)
 		m.mu.Unlock()
 	}()
-	bo := m.newAckBackoff()
+	bo := newBackoff(m.cfg.AckTimeout, 30*time.Second)
 	wait := time.Duration(0)
 	for {
 		timer := time.NewTimer(wait)
@@ -691,10 +691,6 @@ func (m *Manager) Broadcast(ctx context.Context, to Target, kind string, payload
 			wait = min(wait, m.cfg.HeartbeatInterval)
 		}
 	}
-}
-
-func (m *Manager) newAckBackoff() *ackBackoff {
-	return newAckBackoff(m.cfg.AckTimeout, 30*time.Second)
 }
 
 func (m *Manager) results(d *delivery, ranks []int) []Delivery {

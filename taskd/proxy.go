@@ -250,7 +250,7 @@ func (p *Proxy) Close() error {
 }
 
 func (p *Proxy) runUpstream(ctx context.Context) error {
-	bo := newAckBackoff(50*time.Millisecond, p.cfg.ReconnectMax)
+	bo := newBackoff(50*time.Millisecond, p.cfg.ReconnectMax)
 	sessions := 0
 	for {
 		start := time.Now()

@@ -6,11 +6,9 @@ import (
 	"github.com/cenkalti/backoff/v4"
 )
 
-type ackBackoff = backoff.ExponentialBackOff
-
-// newAckBackoff returns an exponential backoff from initial to max with
+// newBackoff returns an exponential backoff from initial to max with
 // jitter that never gives up: callers bound it by a context.
-func newAckBackoff(initial, max time.Duration) *ackBackoff {
+func newBackoff(initial, max time.Duration) *backoff.ExponentialBackOff {
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval = initial
 	bo.MaxInterval = max

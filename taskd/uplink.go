@@ -76,7 +76,7 @@ func (u *uplink) send(kind string, payload []byte) error {
 // run sends queued reports until ctx ends; each call is acknowledged by its
 // response or retried with backoff.
 func (u *uplink) run(ctx context.Context, client pb.ControlClient) error {
-	bo := newAckBackoff(100*time.Millisecond, 5*time.Second)
+	bo := newBackoff(100*time.Millisecond, 5*time.Second)
 	for {
 		batch := u.queue.peek(256, u.maxMsg/2)
 		if len(batch) == 0 {

@@ -184,7 +184,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		case <-ctx.Done():
 		}
 	}()
-	bo := newAckBackoff(50*time.Millisecond, w.cfg.ReconnectMax)
+	bo := newBackoff(50*time.Millisecond, w.cfg.ReconnectMax)
 	for {
 		start := time.Now()
 		err := w.session(ctx)
