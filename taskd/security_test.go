@@ -114,13 +114,13 @@ func TestMutualTLS(t *testing.T) {
 	if !tryWorker(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca1)), 0, 20*time.Second) {
 		t.Fatal("a worker with a certificate of the job's CA was refused")
 	}
-	if tryWorker(t, addr, SecurityFromDir(ca2.issue(t, "intruder", ca1)), 1, 2*time.Second) {
+	if tryWorker(t, addr, SecurityFromDir(ca2.issue(t, "intruder", ca1)), 1, time.Second) {
 		t.Fatal("a worker with a certificate of another CA got in")
 	}
-	if tryWorker(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca2)), 2, 2*time.Second) {
+	if tryWorker(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca2)), 2, time.Second) {
 		t.Fatal("a worker that trusts another CA accepted the manager")
 	}
-	if tryWorker(t, addr, Security{Insecure: true}, 3, 2*time.Second) {
+	if tryWorker(t, addr, Security{Insecure: true}, 3, time.Second) {
 		t.Fatal("a plaintext worker got in")
 	}
 
@@ -133,7 +133,7 @@ func TestMutualTLS(t *testing.T) {
 	if !tryWorker(t, addr, SecurityFromDir(ca2.issue(t, "worker", ca2)), 4, 20*time.Second) {
 		t.Fatal("after rotation, a worker of the new CA was refused")
 	}
-	if tryWorker(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca1)), 5, 2*time.Second) {
+	if tryWorker(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca1)), 5, time.Second) {
 		t.Fatal("after rotation, a worker of the old CA got in")
 	}
 
@@ -152,10 +152,10 @@ func TestToken(t *testing.T) {
 	if !tryWorker(t, addr, Security{Insecure: true, Token: "s3cret"}, 0, 20*time.Second) {
 		t.Fatal("a worker with the token was refused")
 	}
-	if tryWorker(t, addr, Security{Insecure: true, Token: "guess"}, 1, 2*time.Second) {
+	if tryWorker(t, addr, Security{Insecure: true, Token: "guess"}, 1, time.Second) {
 		t.Fatal("a worker with a wrong token got in")
 	}
-	if tryWorker(t, addr, Security{Insecure: true}, 2, 2*time.Second) {
+	if tryWorker(t, addr, Security{Insecure: true}, 2, time.Second) {
 		t.Fatal("a worker without a token got in")
 	}
 }
