@@ -115,25 +115,7 @@ func (d *Detector) evaluate(rw *row) {
 			sc.ref[st][i] = math.NaN()
 		}
 		for _, t := range tests {
-			sc.vals = sc.vals[:0]
-			for _, ri := range peers {
-				if v := val(ri, t.m); !math.IsNaN(v) {
-					sc.vals = append(sc.vals, v)
-				}
-			}
-			if len(sc.vals) < 3 {
-				continue
-			}
-			var med, sig float64
-			med, sig, sc.tmp = medianMAD(sc.vals, sc.tmp)
-			sc.ref[st][t.m] = med
-			sig = max(sig, med*minSpread)
-			for _, ri := range peers {
-				v := val(ri, t.m)
-				if v > med*(1+d.cfg.RelativeThreshold) && v-med > d.cfg.NSigma*sig && v-med >= effect {
-					sc.flags[ri] |= t.flag
-				}
-			}
+			sc.ref[st][t.m] = d.peerTest(rw, peers, t.m, t.flag, effect)
 		}
 	}
 
@@ -290,6 +272,77 @@ func (d *Detector) evaluate(rw *row) {
 		}
 	}
 	d.job.update(s, jobStep, jobCompute, anyPending, d)
+}
+
+// peerTest flags the peers whose figure m stands above the healthy ones
+// and returns the healthy peers' median, NaN for fewer than three peers.
+// The peers' values are split in two clusters (1-D 2-means); the lower
+// one, when it holds at least a third of them, is the healthy reference
+// (peeling further while clusters stand apart), so that a slow host
+// holding half a stage still stands out, which a median over all peers
+// would not show. A peer above it by RelativeThreshold,
+// NSigma standard deviations of the healthy cluster and effect is
+// flagged.
+func (d *Detector) peerTest(rw *row, peers []int32, m metric, flag uint8, effect float64) float64 {
+	sc := &d.scratch
+	sc.pairs = sc.pairs[:0]
+	for _, ri := range peers {
+		if v := rw.cells[ri].m[m]; !math.IsNaN(v) {
+			sc.pairs = append(sc.pairs, rankValue{v, ri})
+		}
+	}
+	n := len(sc.pairs)
+	if n < 3 {
+		return math.NaN()
+	}
+	slices.SortFunc(sc.pairs, func(a, b rankValue) int { return cmp.Compare(a.v, b.v) })
+	sc.vals = sc.vals[:0]
+	for _, p := range sc.pairs {
+		sc.vals = append(sc.vals, p.v)
+	}
+	// Peel upper clusters off while they stand apart and the rest still
+	// holds a third of the peers: an outlier step on one rank and a slow
+	// host holding half the stage may both be there.
+	cut := n
+	for {
+		c, lo, hi := split2(sc.vals[:cut])
+		if c*3 < n || hi <= lo*(1+d.cfg.RelativeThreshold) {
+			break
+		}
+		cut = c
+	}
+	if cut == n {
+		c, _, _ := split2(sc.vals)
+		if c*2 < n { // most peers are in the upper cluster: no healthy reference
+			return median(sc.vals)
+		}
+		cut = c
+	}
+	low := sc.vals[:cut]
+	var ref float64
+	if cut%2 == 1 {
+		ref = low[cut/2]
+	} else {
+		ref = (low[cut/2-1] + low[cut/2]) / 2
+	}
+	var mean, sd float64
+	for _, v := range low {
+		mean += v
+	}
+	mean /= float64(cut)
+	for _, v := range low {
+		sd += (v - mean) * (v - mean)
+	}
+	if cut > 1 {
+		sd = math.Sqrt(sd / float64(cut-1))
+	}
+	sd = max(sd, ref*minSpread)
+	for _, p := range sc.pairs[cut:] {
+		if p.v > ref*(1+d.cfg.RelativeThreshold) && p.v-ref > d.cfg.NSigma*sd && p.v-ref >= effect {
+			sc.flags[p.ri] |= flag
+		}
+	}
+	return ref
 }
 
 // neighbourSlow reports whether a pipeline neighbour of ri (the previous
