@@ -207,15 +207,20 @@ func TestSmoke(t *testing.T) {
 		`faultline_taskd_faults_total{kind="hang"}`:   1,
 		`faultline_taskd_switch_fanout_seconds_count`: 1,
 	}
-	got := gathered(t, reg)
+	var got map[string]float64
+	waitFor(t, 20e9, "the metrics", func() bool {
+		got = gathered(t, reg)
+		for k, v := range want {
+			if got[k] != v {
+				return false
+			}
+		}
+		return true
+	})
 	if n := got[`faultline_taskd_acks_total{result="ok"}`]; n < 18 { // 9 switch, 9 broadcast
 		t.Errorf("acks = %v, want at least 18", n)
 	}
-	for k, v := range want {
-		if got[k] != v {
-			t.Errorf("%s = %v, want %v", k, got[k], v)
-		}
-	}
+
 }
 
 // gathered returns the registry's samples by name{labels}.

@@ -22,7 +22,7 @@ type fastTimings struct {
 	interval, deadline, ack time.Duration
 }
 
-var testTimings = fastTimings{interval: 200 * time.Millisecond, deadline: 2 * time.Second, ack: 1 * time.Second}
+var testTimings = fastTimings{interval: 200 * time.Millisecond, deadline: 3 * time.Second, ack: 1 * time.Second}
 
 // waitFor polls cond until it holds or the deadline passes. The tests use
 // it only around real processes and sockets, whose progress no event

@@ -92,7 +92,7 @@ func TestProcesses(t *testing.T) {
 		ppn = 16
 	}
 	world := nodes * ppn
-	base := childArgs{Job: "job-p", Interval: 200 * time.Millisecond, Deadline: 2 * time.Second, Ack: time.Second}
+	base := childArgs{Job: "job-p", Interval: 200 * time.Millisecond, Deadline: 3 * time.Second, Ack: time.Second}
 	state := t.TempDir()
 	mAddr := freeAddr(t)
 	startManager := func() *child {
