@@ -73,6 +73,7 @@ import "C"
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"sync"
 	"unsafe"
@@ -140,7 +141,7 @@ func openDCMI(name string) (Telemetry, error) {
 	}
 	cards, err := t.cards()
 	if err == nil && len(cards) == 0 {
-		err = &LoadError{Library: name, Msg: "the driver reports no device"}
+		err = fmt.Errorf("npu: %s: the driver reports no device: %w", name, ErrNoDevice)
 	}
 	if err != nil {
 		if de, ok := err.(*DriverError); ok {

@@ -231,7 +231,7 @@ type MarkerSource struct {
 	cfg MarkerConfig
 	lib *library
 	fn  struct {
-		subscribe, unsubscribe, register           unsafe.Pointer
+		subscribe, unsubscribe, register             unsafe.Pointer
 		enable, disable, enableDomain, disableDomain unsafe.Pointer
 		getNext, flushAll                            unsafe.Pointer
 	}
@@ -483,8 +483,8 @@ func (s *MarkerSource) setDomain(domain string, on bool) error {
 
 // Run delivers completed buffers to the sink and asks the library for
 // partly filled ones every FlushInterval, until ctx is done or Close is
-// called; then it delivers what the library hands back and returns nil.
-// Run may be called once.
+// called; then it delivers what it holds and returns nil. It returns
+// ErrClosed if Close came first. Run may be called once.
 func (s *MarkerSource) Run(ctx context.Context) error {
 	if !s.running.CompareAndSwap(false, true) {
 		return errors.New("npu: MarkerSource.Run called twice")

@@ -78,6 +78,7 @@ import "C"
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"unsafe"
 )
@@ -87,6 +88,7 @@ const (
 	nvmlSuccess         = 0
 	nvmlInvalidArgument = 2
 	nvmlNotSupported    = 3
+	nvmlNoPermission    = 4
 	nvmlGPUIsLost       = 15
 	nvmlMaxLinks        = 18 // NVML_NVLINK_MAX_LINKS
 
@@ -144,11 +146,11 @@ func openNVML(name string) (Telemetry, error) {
 	}
 	var n C.uint
 	if rc := C.fl_nvml_count(t.fn.count, &n); rc != nvmlSuccess || n == 0 {
-		var err error = t.err("nvmlDeviceGetCount_v2", rc)
-		if rc == nvmlSuccess {
-			err = &LoadError{Library: name, Msg: "the driver reports no device"}
-		} else {
-			err.(*DriverError).err = ErrNoDevice
+		var err error = fmt.Errorf("npu: %s: the driver reports no device: %w", name, ErrNoDevice)
+		if rc != nvmlSuccess {
+			de := t.err("nvmlDeviceGetCount_v2", rc)
+			de.err = ErrNoDevice
+			err = de
 		}
 		C.fl_nvml_void(t.fn.shutdown)
 		lib.close()
@@ -199,13 +201,14 @@ type nvmlDevice struct {
 	unsure bool   // a health query failed
 }
 
-// ok reports whether rc is success; a failure other than "not supported" is
-// kept as the device's error.
+// ok reports whether rc is success; a failure other than "not supported"
+// or "no permission" (an unprivileged container) is kept as the device's
+// error.
 func (q *nvmlDevice) ok(fn string, rc C.int) bool {
 	switch rc {
 	case nvmlSuccess:
 		return true
-	case nvmlNotSupported:
+	case nvmlNotSupported, nvmlNoPermission:
 		return false
 	case nvmlGPUIsLost:
 		q.lost = true
@@ -263,7 +266,7 @@ func (t *nvmlTelemetry) health(q *nvmlDevice, dev unsafe.Pointer) {
 			if n > 0 {
 				q.signal(HealthMajor)
 			}
-		} else if rc != nvmlNotSupported {
+		} else if rc != nvmlNotSupported && rc != nvmlNoPermission {
 			q.unsure = true
 		}
 	}
@@ -276,7 +279,7 @@ func (t *nvmlTelemetry) health(q *nvmlDevice, dev unsafe.Pointer) {
 			} else if pending != 0 {
 				q.signal(HealthMajor)
 			}
-		} else if rc != nvmlNotSupported {
+		} else if rc != nvmlNotSupported && rc != nvmlNoPermission {
 			q.unsure = true
 		}
 	}

@@ -36,7 +36,7 @@ type PairProbe struct {
 	lib *library
 	cfg PairProbeConfig
 	fn  struct {
-		version, count, run unsafe.Pointer
+		version, count, run  unsafe.Pointer
 		init, strerror, fini unsafe.Pointer // optional
 	}
 	mu      sync.Mutex
@@ -84,7 +84,7 @@ func OpenPairProbe(cfg PairProbeConfig) (*PairProbe, error) {
 	p.devices = int(C.fl_pp_void(p.fn.count))
 	if p.devices <= 0 {
 		p.close()
-		return nil, &LoadError{Library: cfg.Library, Msg: "the library reports no device"}
+		return nil, fmt.Errorf("npu: %s: the library reports no device: %w", cfg.Library, ErrNoDevice)
 	}
 	return p, nil
 }

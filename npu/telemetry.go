@@ -28,9 +28,9 @@ type Telemetry interface {
 
 // DeviceStats is one device at one moment.
 type DeviceStats struct {
-	// Index is the device's number as the training job sees it: NVML's
-	// index (CUDA's order unless CUDA_DEVICE_ORDER differs) or Ascend's
-	// logical id.
+	// Index is the device's number: NVML's index (PCI bus order, CUDA's
+	// with CUDA_DEVICE_ORDER=PCI_BUS_ID) or Ascend's logical id (the one
+	// ASCEND_RT_VISIBLE_DEVICES names).
 	Index int
 
 	// Utilization is the percentage of time the compute engines were busy
@@ -49,8 +49,9 @@ type DeviceStats struct {
 	Links []LinkStats
 
 	// Err is the first query of this device that failed, nil when all
-	// succeeded. A query the device does not support is not a failure; the
-	// fields it would fill keep their "not reported" values.
+	// succeeded. A query the device does not support, or that this process
+	// may not make, is not a failure; the fields it would fill keep their
+	// "not reported" values.
 	Err error
 }
 

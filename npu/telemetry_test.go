@@ -334,7 +334,7 @@ func realLibrary(t *testing.T, gate, libEnv, backend string) {
 			t.Logf("  link %d: %v tx %d rx %d crc %d replay %d recovery %d",
 				l.Index, l.State, l.Tx, l.Rx, l.CRCErrors, l.ReplayErrors, l.RecoveryErrors)
 		}
-		if d.MemoryTotal == 0 || d.Utilization < 0 || d.Utilization > 100 {
+		if d.MemoryTotal == 0 || d.MemoryUsed > d.MemoryTotal || d.Utilization < -1 || d.Utilization > 100 {
 			t.Errorf("device %d: implausible %+v", d.Index, d)
 		}
 	}

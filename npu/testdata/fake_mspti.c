@@ -189,6 +189,7 @@ static void emit_markers(int64_t n, uint32_t flag, uint64_t id, const char *name
 	pthread_mutex_lock(&mu);
 	const char *nm = intern(name);
 	const char *dm = (domain == NULL || domain[0] == 0) ? NULL : intern(domain);
+	uint32_t pid = (uint32_t)getpid(), tid = thread_id();
 	for (int64_t i = 0; i < n; i++) {
 		if (!marker_enabled || domain_disabled(dm)) {
 			n_filtered++;
@@ -211,8 +212,8 @@ static void emit_markers(int64_t n, uint32_t flag, uint64_t id, const char *name
 			m->objectId.ds.streamId = stream_id;
 		} else {
 			m->sourceKind = 0;
-			m->objectId.pt.processId = (uint32_t)getpid();
-			m->objectId.pt.threadId = thread_id();
+			m->objectId.pt.processId = pid;
+			m->objectId.pt.threadId = tid;
 		}
 		m->name = nm;
 		m->domain = dm;
