@@ -9,6 +9,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -22,6 +23,7 @@ import (
 
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/topology"
 )
 
 // ErrBadCollect is wrapped by errors of Collect that come from its request
@@ -35,7 +37,7 @@ const (
 )
 
 // HostMappingFile is the name of the anonymisation file written beside the
-// collected nodes.
+// collected nodes, in topology.HostMapping's format.
 const HostMappingFile = "host_ips_mapping.txt"
 
 // collectChunk is the most file data one upload message carries; less when
@@ -72,8 +74,8 @@ type collection struct {
 // Collect asks the proxies of the selected nodes to ship their dotting and
 // stack files for this job, and waits until each reported or ctx ends.
 // Files land in <CollectDir>/<job>/node-<n>/<kind>/<path>, and
-// host_ips_mapping.txt beside them maps each node-<n> alias to its address:
-// the collected tree itself names no host address. A transfer cut short
+// host_ips_mapping.txt beside them numbers each node's host address (node
+// n is number n+1): the collected tree itself names no host address. A transfer cut short
 // resumes at the next Collect.
 func (m *Manager) Collect(ctx context.Context, opts CollectOptions) ([]CollectResult, error) {
 	if m.cfg.CollectDir == "" {
@@ -347,21 +349,38 @@ func (m *Manager) receiveUpload(stream grpc.ClientStreamingServer[pb.UploadChunk
 	return stream.SendAndClose(&pb.UploadResponse{Size: size})
 }
 
-// writeHostMapping merges the nodes' addresses into host_ips_mapping.txt.
+// writeHostMapping merges the nodes' addresses into host_ips_mapping.txt
+// (topology.HostMapping's format): node n's host gets number n+1, its
+// files are under node-<n>. A host already listed keeps its number, so
+// nodes that share a host (several proxies on one machine) share a line.
 func (m *Manager) writeHostMapping(hosts map[int]string) error {
 	if len(hosts) == 0 {
 		return nil
 	}
 	name := filepath.Join(m.cfg.CollectDir, m.cfg.Job, HostMappingFile)
-	var hm HostMapping
+	var hm topology.HostMapping
 	if data, err := os.ReadFile(name); err == nil {
-		if hm, err = ParseHostMapping(data); err != nil {
+		if hm, err = topology.ParseHostMapping(data); err != nil {
 			m.log.Error("taskd: replacing a bad host mapping", "file", name, "err", err)
 			hm = nil
 		}
 	}
-	for node, ip := range hosts {
-		hm = hm.With(nodeDir(node), ip)
+	nodes := make([]int, 0, len(hosts))
+	for n := range hosts {
+		nodes = append(nodes, n)
+	}
+	sort.Ints(nodes)
+	for _, n := range nodes {
+		host, id := hosts[n], n+1
+		if _, listed := hm.ID(host); listed {
+			continue
+		}
+		hm = slices.DeleteFunc(hm, func(a topology.HostAlias) bool { return a.ID == id }) // the node moved
+		hm = append(hm, topology.HostAlias{Host: host, ID: id})
+	}
+	sort.Slice(hm, func(i, j int) bool { return hm[i].ID < hm[j].ID })
+	if err := hm.Validate(); err != nil {
+		return fmt.Errorf("taskd: host mapping: %w", err)
 	}
 	if err := atomicfile.WriteFile(name, hm.Marshal(), 0o600); err != nil {
 		return fmt.Errorf("taskd: host mapping: %w", err)

@@ -71,7 +71,7 @@ func TestCollect(t *testing.T) {
 		"node-0/dotting/1/1700000001":          "rank1\n",
 		"node-0/dotting/parallel_group.json":   "{}",
 		"node-0/stacks/00000-00002.stacktrace": "main@x.go@1\n",
-		HostMappingFile:                        "# alias address\nnode-0 127.0.0.1\n",
+		HostMappingFile:                        "127.0.0.1 1\n",
 	}
 	for k, v := range want {
 		if got[k] != v {
@@ -140,6 +140,28 @@ func TestCleanCollectPath(t *testing.T) {
 	for _, p := range []string{"", "/etc/passwd", "dotting/../../etc/passwd", "dotting/./x", "../x", "dotting//x", "other/x", "dotting", `dotting\..\x`, "dotting/x\x00", "dotting/x.partial", strings.Repeat("a/", 600)} {
 		if err := cleanCollectPath(p); err == nil {
 			t.Errorf("%q accepted", p)
+		}
+	}
+}
+
+func TestHostMappingMerge(t *testing.T) {
+	m := &Manager{cfg: ManagerConfig{Job: "j", CollectDir: t.TempDir()}, log: discardIfNil(nil)}
+	name := filepath.Join(m.cfg.CollectDir, "j", HostMappingFile)
+	os.MkdirAll(filepath.Dir(name), 0o755)
+	for _, step := range []struct {
+		hosts map[int]string
+		want  string
+	}{
+		// Nodes sharing a host share its line.
+		{map[int]string{0: "10.0.0.1", 1: "10.0.0.1", 2: "10.0.0.3"}, "10.0.0.1 1\n10.0.0.3 3\n"},
+		// A node that moved gets its number on the new host.
+		{map[int]string{2: "10.0.0.9", 4: "10.0.0.5"}, "10.0.0.1 1\n10.0.0.9 3\n10.0.0.5 5\n"},
+	} {
+		if err := m.writeHostMapping(step.hosts); err != nil {
+			t.Fatal(err)
+		}
+		if got, _ := os.ReadFile(name); string(got) != step.want {
+			t.Fatalf("got %q, want %q", got, step.want)
 		}
 	}
 }

@@ -39,7 +39,8 @@
 //   - Collection. Collect asks proxies to ship the job's dotting and stack
 //     files: streamed in chunks, resumed where a transfer stopped, capped in
 //     size, confined to the job's folders (no "..", no symlink followed),
-//     filed under node aliases with host_ips_mapping.txt beside them.
+//     filed under node-<n> folders with host_ips_mapping.txt (the format of
+//     topology.HostMapping) beside them, so that the tree names no host.
 //   - Handlers. Named handlers with priorities (profiling, recovery, NIC
 //     switch, ...) run on every Event, so orchestration lands without
 //     touching the transport.
