@@ -137,10 +137,14 @@ func runScenario(t testing.TB, root string, sc scenario) (gen.Truth, *Result) {
 }
 
 func checkScenarios(t *testing.T, layouts []layout, steps int) {
+	checkScenariosSeed(t, layouts, steps, 1)
+}
+
+func checkScenariosSeed(t *testing.T, layouts []layout, steps int, seed uint64) {
 	root := t.TempDir()
 	var total score
 	for _, l := range layouts {
-		for _, sc := range scenarios(l, steps, 1) {
+		for _, sc := range scenarios(l, steps, seed) {
 			truth, r := runScenario(t, root, sc)
 			want, got := truthItems(truth), resultItems(r)
 			var s score
@@ -189,11 +193,17 @@ func TestPrecisionRecall(t *testing.T) {
 	checkScenarios(t, layouts, 60)
 }
 
-// TestPrecisionRecallLarge runs the cases at 128 and 512 ranks; set
-// FAULTLINE_SLOWNODE_LARGE=1 to run it.
+// TestPrecisionRecallLarge runs the cases at 128 and 512 ranks, and the
+// small layouts with ten more seeds; set FAULTLINE_SLOWNODE_LARGE=1 to run
+// it (about two minutes on two cores).
 func TestPrecisionRecallLarge(t *testing.T) {
 	if os.Getenv("FAULTLINE_SLOWNODE_LARGE") == "" {
-		t.Skip("set FAULTLINE_SLOWNODE_LARGE=1 to run the 128- and 512-rank cases")
+		t.Skip("set FAULTLINE_SLOWNODE_LARGE=1 to run the 128- and 512-rank cases and more seeds")
 	}
 	checkScenarios(t, []layout{{8, 4, 4}, {8, 4, 16}}, 60)
+	for seed := uint64(100); seed <= 1000; seed += 100 {
+		t.Run(fmt.Sprint("seed-", seed), func(t *testing.T) {
+			checkScenariosSeed(t, []layout{{8, 1, 1}, {4, 1, 4}, {4, 2, 4}, {8, 2, 4}}, 60, seed)
+		})
+	}
 }

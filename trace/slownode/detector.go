@@ -84,6 +84,7 @@ type Detector struct {
 
 	st       Step
 	stepHook func(rank int, st *Step) // tests: each step derived from ranges
+	dbg      func(*row, *scratch)
 	scratch  scratch
 	stats    Stats
 }
@@ -115,6 +116,7 @@ type group struct {
 	members  []int32
 	value    float64 // this step's median communication time, NaN if none
 	flagged  bool    // homogenisation found a split this step
+	masked   bool    // waited more this step, but a member explains it
 }
 
 type row struct {

@@ -35,21 +35,26 @@
 // reported it; ranks that stop writing become silent after
 // Config.SilentSteps steps and are listed as such, never as fast.
 //
-// Within each pipeline stage (ranks that do the same work), a rank whose
-// compute, dataloader or send time exceeds the stage's median by
-// RelativeThreshold and NSigma robust deviations (median and MAD) is
+// Within each pipeline stage (ranks that do the same work), the healthy
+// ranks are found by splitting the stage's figures in clusters (1-D
+// 2-means, peeling off upper clusters while at least a third remain), so
+// that a slow host holding half a stage, or an outlier step beside it,
+// does not hide in the median. A rank whose compute, dataloader or send
+// time exceeds the healthy median by RelativeThreshold, NSigma of the
+// healthy ranks' standard deviations and MinEffect of the step is
 // anomalous for the step. Inside each communicator, MindCluster's
 // homogenisation splits the members' communication times in two: when
 // those who wait more wait ClusterMeanDistance times longer, the others
-// are late, which compute confirms. A communicator that waits more than
-// the others of its kind in the same stage, with no member to blame, is
-// slow; a host is slow when all its ranks are. Lateness that a slow
-// communicator, link or data loading explains is not blamed on compute.
-// Consecutive anomalous steps make a finding (one outlier step does not)
-// and as many normal ones clear it.
+// are late, which their compute confirms. A communicator that waits
+// ClusterMeanDistance times longer than the healthy ones of its kind in
+// its stage, with no member to blame, is slow; a host is slow when all
+// its ranks are. Lateness that a slow communicator, link or data loading
+// explains is not blamed on compute. Consecutive anomalous steps make a
+// finding (one outlier step does not) and as many normal ones clear it.
 //
 // MindCluster's time detector runs on the job's step time: a trimmed
-// baseline of the first NormalSteps steps, a bound of
+// baseline of the first NormalSteps steps (with a robust σ from the
+// median absolute deviation), a bound of
 // +DegradationPercentage and NSigma σ, Consecutive anomalies in a row. It
 // gives the degradation level and the onset. A shift no finding explains
 // after Consecutive more steps hit every rank alike (a learning-rate
@@ -88,6 +93,7 @@
 // format and reader: TP, PP and DP layouts of 8 to 64 ranks, with noise
 // and outlier steps, healthy or with one injected slowdown each, and
 // assert precision, recall and a detection latency of at most 3 steps.
-// FAULTLINE_SLOWNODE_LARGE=1 adds 128- and 512-rank layouts; the
+// FAULTLINE_SLOWNODE_LARGE=1 adds 128- and 512-rank layouts and ten more
+// seeds (about a minute); the
 // benchmarks (go test -bench .) generate a 1024-rank, 200-step job.
 package slownode

@@ -26,7 +26,8 @@ type scratch struct {
 	ref     [][numMetrics]float64 // per stage: peer medians
 	pairs   []rankValue
 	buckets []groupRef
-	gref    []float64 // per group: the median of its bucket, NaN if untested
+	gref    []float64 // per group: the healthy median of its bucket, NaN if untested
+	above   []int32
 }
 
 type rankValue struct {
@@ -121,7 +122,7 @@ func (d *Detector) evaluate(rw *row) {
 
 	// Homogenisation inside each communicator, and its median wait.
 	for gi, g := range d.groups {
-		g.value, g.flagged = math.NaN(), false
+		g.value, g.flagged, g.masked = math.NaN(), false, false
 		sc.pairs = sc.pairs[:0]
 		for _, ri := range g.members {
 			if int(ri) >= len(rw.cells) || !rw.cells[ri].ok {
@@ -188,22 +189,27 @@ func (d *Detector) evaluate(rw *row) {
 		if len(b) < 3 {
 			continue
 		}
-		sc.vals = sc.vals[:0]
+		sc.pairs = sc.pairs[:0]
 		for _, r := range b {
-			sc.vals = append(sc.vals, d.groups[r.gi].value)
+			sc.pairs = append(sc.pairs, rankValue{d.groups[r.gi].value, r.gi})
 		}
-		var med, sig float64
-		med, sig, sc.tmp = medianMAD(sc.vals, sc.tmp)
-		sig = max(sig, med*minSpread)
+		sc.above = sc.above[:0]
+		// A communicator's wait is the noisier figure (its members' noise
+		// adds up in it): it must exceed the healthy ones by
+		// ClusterMeanDistance, the homogenisation threshold.
+		ref, _ := d.healthy(sc.pairs, d.cfg.ClusterMeanDistance-1, effect, func(gi int32) { sc.above = append(sc.above, gi) })
 		for _, r := range b {
-			g := d.groups[r.gi]
-			sc.gref[r.gi] = med
-			v := g.value
-			if !g.flagged && v > med*(1+d.cfg.RelativeThreshold) && v-med > d.cfg.NSigma*sig && v-med >= effect {
-				d.flagSubject(findingKey{kindDomain, r.gi}, s, v, med, "relative")
-				for _, ri := range g.members {
-					sc.flags[ri] |= fInDomain
-				}
+			sc.gref[r.gi] = ref
+		}
+		for _, gi := range sc.above {
+			g := d.groups[gi]
+			if d.memberToBlame(g, rw) {
+				g.masked = true // neither slow nor healthy this step
+				continue
+			}
+			d.flagSubject(findingKey{kindDomain, gi}, s, g.value, ref, "relative")
+			for _, ri := range g.members {
+				sc.flags[ri] |= fInDomain
 			}
 		}
 	}
@@ -275,14 +281,8 @@ func (d *Detector) evaluate(rw *row) {
 }
 
 // peerTest flags the peers whose figure m stands above the healthy ones
-// and returns the healthy peers' median, NaN for fewer than three peers.
-// The peers' values are split in two clusters (1-D 2-means); the lower
-// one, when it holds at least a third of them, is the healthy reference
-// (peeling further while clusters stand apart), so that a slow host
-// holding half a stage still stands out, which a median over all peers
-// would not show. A peer above it by RelativeThreshold,
-// NSigma standard deviations of the healthy cluster and effect is
-// flagged.
+// (see healthy) and returns the healthy peers' median, NaN for fewer than
+// three peers.
 func (d *Detector) peerTest(rw *row, peers []int32, m metric, flag uint8, effect float64) float64 {
 	sc := &d.scratch
 	sc.pairs = sc.pairs[:0]
@@ -291,18 +291,33 @@ func (d *Detector) peerTest(rw *row, peers []int32, m metric, flag uint8, effect
 			sc.pairs = append(sc.pairs, rankValue{v, ri})
 		}
 	}
-	n := len(sc.pairs)
+	ref, _ := d.healthy(sc.pairs, d.cfg.RelativeThreshold, effect, func(ri int32) { sc.flags[ri] |= flag })
+	return ref
+}
+
+// healthy sorts pairs and calls above for each one that stands above the
+// healthy ones by threshold (a fraction), and returns their median; NaN
+// for fewer than three pairs.
+//
+// The values are split in two clusters (1-D 2-means), peeling upper
+// clusters off while they stand apart by RelativeThreshold and the rest
+// still holds a third of the pairs: an outlier step on one rank and a
+// slow host holding half a stage may both be there, and a median over
+// all would show neither. What remains is the healthy reference; a value
+// above its median by threshold, NSigma of its standard
+// deviations and effect stands above. With no such cluster (most values
+// high), the median of all is returned and nothing stands above.
+func (d *Detector) healthy(pairs []rankValue, threshold, effect float64, above func(id int32)) (ref float64, ok bool) {
+	sc := &d.scratch
+	n := len(pairs)
 	if n < 3 {
-		return math.NaN()
+		return math.NaN(), false
 	}
-	slices.SortFunc(sc.pairs, func(a, b rankValue) int { return cmp.Compare(a.v, b.v) })
+	slices.SortFunc(pairs, func(a, b rankValue) int { return cmp.Compare(a.v, b.v) })
 	sc.vals = sc.vals[:0]
-	for _, p := range sc.pairs {
+	for _, p := range pairs {
 		sc.vals = append(sc.vals, p.v)
 	}
-	// Peel upper clusters off while they stand apart and the rest still
-	// holds a third of the peers: an outlier step on one rank and a slow
-	// host holding half the stage may both be there.
 	cut := n
 	for {
 		c, lo, hi := split2(sc.vals[:cut])
@@ -312,14 +327,13 @@ func (d *Detector) peerTest(rw *row, peers []int32, m metric, flag uint8, effect
 		cut = c
 	}
 	if cut == n {
-		c, _, _ := split2(sc.vals)
-		if c*2 < n { // most peers are in the upper cluster: no healthy reference
-			return median(sc.vals)
+		if c, _, _ := split2(sc.vals); c*2 < n {
+			return median(sc.vals), false
+		} else {
+			cut = c
 		}
-		cut = c
 	}
 	low := sc.vals[:cut]
-	var ref float64
 	if cut%2 == 1 {
 		ref = low[cut/2]
 	} else {
@@ -337,19 +351,50 @@ func (d *Detector) peerTest(rw *row, peers []int32, m metric, flag uint8, effect
 		sd = math.Sqrt(sd / float64(cut-1))
 	}
 	sd = max(sd, ref*minSpread)
-	for _, p := range sc.pairs[cut:] {
-		if p.v > ref*(1+d.cfg.RelativeThreshold) && p.v-ref > d.cfg.NSigma*sd && p.v-ref >= effect {
-			sc.flags[p.ri] |= flag
+	for _, p := range pairs[cut:] {
+		if p.v > ref*(1+threshold) && p.v-ref > d.cfg.NSigma*sd && p.v-ref >= effect {
+			above(p.ri)
 		}
 	}
-	return ref
+	return ref, true
+}
+
+// memberToBlame reports whether a member of g explains its waiting this
+// step: one slow to compute, to load data or to send, or, when
+// homogenisation split g, one that waits least and computes more than its
+// stage's peers or receives from a slow link.
+func (d *Detector) memberToBlame(g *group, rw *row) bool {
+	sc := &d.scratch
+	for _, ri := range g.members {
+		if int(ri) >= len(rw.cells) || !rw.cells[ri].ok {
+			continue
+		}
+		f := sc.flags[ri]
+		if f&(fCompute|fIO|fLink) != 0 {
+			return true
+		}
+		if g.flagged && f&fHomLow != 0 && d.neighbourFlagged(ri, fLink) {
+			return true // late because a pipeline neighbour's send was slow
+		}
+		if g.flagged && f&fHomLow != 0 {
+			ref := sc.ref[d.ranks[ri].stage][mCompute]
+			if c := rw.cells[ri].m[mCompute]; math.IsNaN(ref) || c >= ref*(1+d.cfg.RelativeThreshold/2) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // neighbourSlow reports whether a pipeline neighbour of ri (the previous
 // or next stage of one of its PP communicators) is slow to compute or to
 // load data this step: a send that waits for a late receiver is not a
 // slow link.
-func (d *Detector) neighbourSlow(ri int32) bool {
+func (d *Detector) neighbourSlow(ri int32) bool { return d.neighbourFlagged(ri, fSlowCompute|fIO) }
+
+// neighbourFlagged reports whether a pipeline neighbour of ri has one of
+// the flags this step.
+func (d *Detector) neighbourFlagged(ri int32, flags uint8) bool {
 	for _, gi := range d.ranks[ri].groups {
 		g := d.groups[gi]
 		if !g.pp {
@@ -357,7 +402,7 @@ func (d *Detector) neighbourSlow(ri int32) bool {
 		}
 		k := slices.Index(g.members, ri)
 		for _, j := range []int{k - 1, k + 1} {
-			if j >= 0 && j < len(g.members) && d.scratch.flags[g.members[j]]&(fSlowCompute|fIO) != 0 {
+			if j >= 0 && j < len(g.members) && d.scratch.flags[g.members[j]]&flags != 0 {
 				return true
 			}
 		}
@@ -370,7 +415,7 @@ func (d *Detector) subjectValue(k findingKey, rw *row) (v, ref float64, ok bool)
 	sc := &d.scratch
 	if k.kind == kindDomain {
 		g := d.groups[k.id]
-		if math.IsNaN(g.value) || int(k.id) >= len(sc.gref) || math.IsNaN(sc.gref[k.id]) {
+		if g.masked || math.IsNaN(g.value) || int(k.id) >= len(sc.gref) || math.IsNaN(sc.gref[k.id]) {
 			return 0, 0, false
 		}
 		return g.value, sc.gref[k.id], true

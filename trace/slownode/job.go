@@ -34,6 +34,7 @@ type jobState struct {
 	detected   int64
 	calm       int
 	since      []float64 // step times since onset, for the new baseline
+	tmp        []float64
 	recent     window
 	phases     []PhaseChange
 	hist       series
@@ -58,7 +59,10 @@ func (j *jobState) update(s int64, v, compute float64, explained bool, d *Detect
 	if !j.ready {
 		j.base = append(j.base, v)
 		if len(j.base) >= j.cfg.NormalSteps {
-			j.baseline, j.sigma = trimmedMeanStd(j.base, 0.1)
+			// A trimmed mean, as MindCluster's, and a robust σ: outlier
+			// steps among the first ones must not widen the bound.
+			_, j.sigma, _ = medianMAD(j.base, nil)
+			j.baseline, _ = trimmedMeanStd(j.base, 0.2)
 			j.ready = true
 			j.base = nil
 		}
@@ -101,15 +105,19 @@ func (j *jobState) update(s int64, v, compute float64, explained bool, d *Detect
 	default:
 		j.run, j.low = 0, 0
 		if j.degraded {
+			keep()
 			j.calm++
 			if j.calm >= j.cfg.Consecutive {
 				j.degraded, j.calm, j.onset = false, 0, -1
 			}
 		}
 	}
-	// A degradation no finding explains after Consecutive more steps is
-	// a phase change: the findings had the time to appear.
-	if j.degraded && !explained && s-j.detected >= int64(j.cfg.Consecutive) {
+	// A degradation no finding explains after Consecutive more steps, and
+	// that holds (the step is still anomalous, and so is the median since
+	// the onset: a few outlier steps in a row are not a phase), is a phase
+	// change: the findings had the time to appear.
+	if j.degraded && !explained && j.calm == 0 && s-j.detected >= int64(j.cfg.Consecutive) &&
+		median(append(j.tmp[:0], j.since...)) > bound {
 		j.rebase(s, j.onset, d)
 	}
 }
