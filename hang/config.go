@@ -91,12 +91,13 @@ type Config struct {
 	StopOn FaultKind
 	// StopSignal is the signal that stops it. 0 means SIGKILL.
 	StopSignal syscall.Signal
-	// Stop, when set, replaces sending StopSignal to Pid.
+	// Stop, when set, replaces sending StopSignal to Pid. It runs on Run's
+	// responding goroutine and must not call Close.
 	Stop func(context.Context, Fault) error
 
 	// OnFault is called for every fault, from the goroutine that calls
 	// Check (Run's), before stacks are taken. It must not block or call
-	// Check.
+	// Check or Close.
 	OnFault func(Fault)
 
 	// Clock tells the time. nil means the system clock.

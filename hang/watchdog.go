@@ -41,7 +41,9 @@ type Watchdog struct {
 	wake    chan struct{} // an op failed: check now
 	closing chan struct{}
 	closed  sync.Once
-	running atomic.Bool
+
+	runMu   sync.Mutex
+	runDone chan struct{} // closed when the Run in progress returns; nil when none
 
 	mu        sync.Mutex
 	ops       map[opKey]*Op
@@ -390,10 +392,27 @@ func learnedTimeout(durations []int64, cfg Config) time.Duration {
 // after Close and ctx.Err() when ctx ends; a second concurrent Run
 // returns an error at once.
 func (w *Watchdog) Run(ctx context.Context) error {
-	if !w.running.CompareAndSwap(false, true) {
+	done := make(chan struct{})
+	w.runMu.Lock()
+	if w.runDone != nil {
+		w.runMu.Unlock()
 		return errors.New("hang: Watchdog.Run is already running")
 	}
-	defer w.running.Store(false)
+	select {
+	case <-w.closing:
+		w.runMu.Unlock()
+		return nil
+	default:
+	}
+	w.runDone = done
+	w.runMu.Unlock()
+	defer func() {
+		w.runMu.Lock()
+		w.runDone = nil
+		w.runMu.Unlock()
+		close(done)
+	}()
+
 	ctx, cancel := context.WithCancel(ctx)
 	actions := make(chan action, 64)
 	var wg sync.WaitGroup
@@ -538,13 +557,20 @@ func (w *Watchdog) Dump(ctx context.Context, reason string) (string, error) {
 	return path, err
 }
 
-// Close stops Run and unregisters the watchdog's metrics, so that a new
-// watchdog for the same rank (a restarted worker) can register them. It
-// is idempotent and returns nil. Ops and heartbeats may still be used;
-// nothing checks them.
+// Close stops Run, waits for it to return (a stack capture or a stop in
+// progress is cancelled first), and unregisters the watchdog's metrics,
+// so that a new watchdog for the same rank (a restarted worker) can
+// register them. It is idempotent and returns nil; OnFault and Stop must
+// not call it. Ops and heartbeats may still be used; nothing checks them.
 func (w *Watchdog) Close() error {
 	w.closed.Do(func() {
 		close(w.closing)
+		w.runMu.Lock()
+		done := w.runDone
+		w.runMu.Unlock()
+		if done != nil {
+			<-done
+		}
 		if w.met.unregister != nil {
 			w.met.unregister()
 		}

@@ -396,13 +396,8 @@ func TestRunReportsOpErrorAtOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		if err := w.Run(context.Background()); err != nil {
-			t.Errorf("Run after Close: %v", err)
-		}
-	})
-	defer wg.Wait()
+	runErr := make(chan error, 1)
+	go func() { runErr <- w.Run(context.Background()) }()
 	defer w.Close()
 
 	w.Op("recv", "pp").Start(0).Fail(errors.New("link down"))
@@ -425,10 +420,23 @@ func TestRunReportsOpErrorAtOnce(t *testing.T) {
 	// Stop happens once.
 	w.Op("recv", "pp").Start(0).Fail(errors.New("again"))
 	<-faults
+	// Close returns once Run has: nothing of it runs on after.
+	w.Close()
+	select {
+	case err := <-runErr:
+		if err != nil {
+			t.Errorf("Run after Close: %v", err)
+		}
+	default:
+		t.Fatal("Close returned before Run did")
+	}
 	select {
 	case f := <-stops:
 		t.Errorf("second stop for %v", f)
 	default:
+	}
+	if err := w.Run(context.Background()); err != nil {
+		t.Errorf("Run after Close: %v, want nil at once", err)
 	}
 }
 
