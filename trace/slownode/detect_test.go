@@ -207,3 +207,35 @@ func TestPrecisionRecallLarge(t *testing.T) {
 		})
 	}
 }
+
+// TestMissingMarkerKinds turns marker kinds off in the writer: the slow
+// rank is still found from what is left, and the result says which
+// figures are missing.
+func TestMissingMarkerKinds(t *testing.T) {
+	root := t.TempDir()
+	for _, tc := range []struct {
+		name        string
+		tp, dp      int
+		noComm, noF bool
+		unavailable []string
+	}{
+		// Without communication markers only forward shows compute, and
+		// only where no collective runs inside it: data parallelism.
+		{"no-communication", 1, 16, true, false, []string{"checkpoint", "communication"}},
+		{"no-forward", 4, 4, false, true, []string{"forward", "checkpoint", "trajectory"}},
+	} {
+		_, err := gen.Generate(gen.Config{Root: root, Job: tc.name, TP: tc.tp, DP: tc.dp, PP: 1, Steps: 50, Seed: 5,
+			NoComm: tc.noComm, NoForward: tc.noF, NCCL: true,
+			Inject: []gen.Injection{{Kind: gen.SlowRank, Rank: 10, From: 25, Factor: 1.5}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := Analyze(context.Background(), filepath.Join(root, tc.name), Config{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(r.SlowCalculateRanks, []int{10}) || !slices.Equal(r.Unavailable, tc.unavailable) {
+			t.Errorf("%s: slow %v unavailable %v; want [10] and %v", tc.name, r.SlowCalculateRanks, r.Unavailable, tc.unavailable)
+		}
+	}
+}

@@ -71,7 +71,9 @@ type Step struct {
 	// Compute is busy compute: FPBP less the communication inside it, or,
 	// without forward markers, Time less communication, dataloader and
 	// checkpoint. Communication overlapped with compute on another stream
-	// makes it a lower bound.
+	// makes it a lower bound. Without communication markers it is the
+	// forward time: waiting in a collective then looks like compute, and
+	// only collectives outside forward (data parallelism) leave it clean.
 	Compute time.Duration
 
 	// Comm is the communication time per communicator and op.
@@ -249,6 +251,12 @@ func (a *assembler) finish(st *Step, number int64, start, end uint64, ops []comm
 		}
 		return sum
 	}
+	if haveFwd && a.have&FigComm == 0 {
+		// Without communication markers, waits in collectives cannot be
+		// told from compute except where no collective runs: forward in
+		// data parallelism.
+		st.Compute = st.Forward
+	}
 	if haveFwd {
 		firstFwd = max(firstFwd, start)
 		if firstFwd > runStart {
@@ -257,7 +265,9 @@ func (a *assembler) finish(st *Step, number int64, start, end uint64, ops []comm
 		st.Gap = time.Duration(firstFwd - start)
 		st.FPBP = time.Duration(runStart - firstFwd)
 		st.Trailing = time.Duration(end - runStart)
-		st.Compute = time.Duration(runStart - firstFwd - commIn(firstFwd, runStart))
+		if a.have&FigComm != 0 {
+			st.Compute = time.Duration(runStart - firstFwd - commIn(firstFwd, runStart))
+		}
 	} else {
 		busy := int64(end-start) - int64(commIn(start, end)) - int64(st.DataLoader) - int64(st.Checkpoint)
 		st.Compute = time.Duration(max(busy, 0))

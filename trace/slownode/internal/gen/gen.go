@@ -192,7 +192,7 @@ func Generate(cfg Config) (Truth, error) {
 		}
 	}
 	for r := range s.out {
-		if err := s.flush(r, true); err != nil {
+		if err := s.flush(r); err != nil {
 			return Truth{}, err
 		}
 	}
@@ -351,7 +351,9 @@ func (s *sim) step(step int, outliers map[[2]int]bool) error {
 	stepStart := make([]float64, n)
 	for r := range n {
 		stepStart[r] = s.t[r]
-		s.flushIfDue(r, step)
+		if err := s.flushIfDue(r, step); err != nil {
+			return err
+		}
 	}
 	comp := func(r int) float64 {
 		f := s.scale[injCompute][r]
@@ -499,27 +501,35 @@ func (s *sim) garbage(r int) {
 	o.stepAt = len(o.buf)
 }
 
-func (s *sim) flushIfDue(r, step int) {
-	if step%s.cfg.StepsPerFile == 0 {
-		s.flush(r, false)
-		o := &s.out[r]
-		name := trace.RecordFileName(time.Unix(0, int64(s.start+s.t[r]+o.skew)))
-		if name <= o.file {
-			sec, _ := strconv.ParseInt(o.file, 10, 64)
-			name = fmt.Sprintf("%010d", sec+1)
-		}
-		o.file = name
-	} else if len(s.out[r].buf) > 64<<10 {
-		s.flush(r, false)
-	}
-}
-
-func (s *sim) flush(r int, final bool) error {
+// flushIfDue writes out the rank's buffer, and starts a new record file
+// every StepsPerFile steps, named by the rank's own clock as a writer
+// names them.
+func (s *sim) flushIfDue(r, step int) error {
 	o := &s.out[r]
-	if len(o.buf) == 0 || o.file == "" {
+	if step%s.cfg.StepsPerFile != 0 {
+		if len(o.buf) > 64<<10 {
+			return s.flush(r)
+		}
 		return nil
 	}
-	keep := o.buf[o.stepAt:] // nothing is pending between steps; kept for symmetry
+	if err := s.flush(r); err != nil {
+		return err
+	}
+	name := trace.RecordFileName(time.Unix(0, int64(s.start+s.t[r]+o.skew)))
+	if name <= o.file {
+		sec, _ := strconv.ParseInt(o.file, 10, 64)
+		name = fmt.Sprintf("%010d", sec+1)
+	}
+	o.file = name
+	return nil
+}
+
+// flush appends the rank's finished steps to its current file.
+func (s *sim) flush(r int) error {
+	o := &s.out[r]
+	if o.stepAt == 0 || o.file == "" {
+		return nil
+	}
 	f, err := os.OpenFile(filepath.Join(o.dir, o.file), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o640)
 	if err != nil {
 		return err
@@ -528,9 +538,8 @@ func (s *sim) flush(r int, final bool) error {
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
-	o.buf = append(o.buf[:0], keep...)
+	o.buf = append(o.buf[:0], o.buf[o.stepAt:]...)
 	o.stepAt = 0
-	_ = final
 	return err
 }
 
