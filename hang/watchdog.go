@@ -51,7 +51,8 @@ type Watchdog struct {
 	free      []int32
 	heap      []int32 // slots in flight and not yet hung, by deadline
 	hungCount int
-	pending   []Fault // op errors waiting for Check
+	pending   []Fault // op errors waiting for Check, at most maxPending
+	dropped   int     // op errors past maxPending since the last Check
 	beats     []*Heartbeat
 
 	checkMu sync.Mutex // one Check at a time; guards the fields below
@@ -60,6 +61,11 @@ type Watchdog struct {
 }
 
 type opKey struct{ name, group string }
+
+// maxPending bounds the op errors held between two Checks, so that a storm
+// of failures with nobody checking cannot grow memory without end; the
+// rest are counted and logged, not returned.
+const maxPending = 1024
 
 // slot is one op in flight.
 type slot struct {
@@ -208,7 +214,9 @@ func (o *Op) Start(stream int) Timing {
 func (t Timing) End() { t.finish(nil) }
 
 // Fail records that the op completed with err, a fault reported at once
-// (within one scheduling of Run's goroutine, not on the next tick).
+// (within one scheduling of Run's goroutine, not on the next tick). Of
+// the errors between two Checks, the first 1024 are returned as faults;
+// the rest are only counted and logged.
 func (t Timing) Fail(err error) {
 	if err == nil {
 		err = errors.New("op failed")
@@ -241,9 +249,13 @@ func (t Timing) finish(err error) {
 			o.dirty = true
 		}
 	}
-	if err != nil {
+	switch {
+	case err == nil:
+	case len(w.pending) < maxPending:
 		w.pending = append(w.pending, Fault{Kind: FaultOpError, Rank: w.cfg.Rank, Op: t.op.name, Group: t.op.group,
 			Stream: s.stream, Elapsed: time.Duration(d), Err: err, Time: w.at(now)})
+	default:
+		w.dropped++
 	}
 	s.live, s.hung, s.op = false, false, nil
 	s.gen++
@@ -305,7 +317,10 @@ func (w *Watchdog) check() (faults []Fault, hung int) {
 
 	w.mu.Lock()
 	faults = append(faults, w.pending...)
+	clear(w.pending) // drop the errors they hold
 	w.pending = w.pending[:0]
+	dropped := w.dropped
+	w.dropped = 0
 	for len(w.heap) > 0 {
 		i := w.heap[0]
 		s := &w.slots[i]
@@ -361,6 +376,10 @@ func (w *Watchdog) check() (faults []Fault, hung int) {
 	} else {
 		w.met.hung.Set(0)
 		w.dumped = false // the next hang gets its own dump
+	}
+	if dropped > 0 {
+		w.met.faults.WithLabelValues(FaultOpError.String()).Add(float64(dropped))
+		w.log.Warn("hang: op errors not reported one by one", "rank", w.cfg.Rank, "dropped", dropped, "kept", maxPending)
 	}
 	for _, f := range faults {
 		w.met.faults.WithLabelValues(f.Kind.String()).Inc()

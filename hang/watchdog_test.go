@@ -214,6 +214,27 @@ func TestOpErrorReportedByCheck(t *testing.T) {
 	}
 }
 
+// TestOpErrorStormIsBounded: errors pile up while nobody checks; memory
+// stays bounded and the metric still counts every one.
+func TestOpErrorStormIsBounded(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	w, _ := newTestWatchdog(t, Config{Registerer: reg})
+	op := w.Op("send", "")
+	for range maxPending + 500 {
+		op.Start(0).Fail(errors.New("link down"))
+	}
+	if got := len(w.Check()); got != maxPending {
+		t.Errorf("Check returned %d faults, want the first %d", got, maxPending)
+	}
+	if v := metricValue(t, w.met.faults.WithLabelValues("op_error")); v != maxPending+500 {
+		t.Errorf("op_error faults = %v, want %d", v, maxPending+500)
+	}
+	op.Start(0).Fail(errors.New("again"))
+	if got := len(w.Check()); got != 1 {
+		t.Errorf("after the storm, Check returned %d faults, want 1", got)
+	}
+}
+
 // TestWatchdogModel drives the watchdog with random starts, ends and
 // clock steps, and checks every Check against a direct computation.
 func TestWatchdogModel(t *testing.T) {
