@@ -158,9 +158,12 @@
 //     set persist_seq to its seq.
 //
 // A reader (owner or loader) picks the complete half with the highest seq
-// whose meta_crc holds, notes gen, copies the blobs and checks every CRC,
-// then checks that state is still 2 and gen unchanged; otherwise it
-// discards what it read. The owner also increments pin before reading and
+// whose meta_crc holds. It loads gen first and only then checks that state
+// is 2 (in this order: a save that began before the load of gen shows in
+// the state, one that begins after it changes gen), reads the table again,
+// copies the blobs and checks every CRC, then checks that state is still 2
+// and gen unchanged; otherwise it discards what it read, which is then no
+// evidence of corruption. The owner also increments pin before reading and
 // decrements it after, and resets both pins when it (re)starts. A writer
 // dying anywhere leaves its target half in state 1, which no reader
 // accepts, and the other half as it was.

@@ -484,8 +484,10 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 		for i := range 2 {
 			m, ok := seg.metaOK(i)
 			if !ok {
-				if seg.state(i) != StateEmpty && seg.state(i) != StateWriting {
-					why = append(why, seg.whyNot(i))
+				if st := seg.state(i); st != StateEmpty && st != StateWriting {
+					if err := seg.whyNot(i); err != nil {
+						why = append(why, err)
+					}
 				}
 				continue
 			}

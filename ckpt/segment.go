@@ -315,10 +315,13 @@ func (s *segment) read(i int, pin bool, fn func(m StepMeta, half []byte, valid f
 		atomic.AddUint32(p, 1)
 		defer atomic.AddUint32(p, ^uint32(0))
 	}
-	if s.state(i) != StateComplete {
-		return s.whyNot(i)
-	}
+	// gen before state: a writer sets the state to writing before it
+	// increments gen, so a save that began before this load of gen shows
+	// in the state, and one that begins after it changes gen.
 	g := s.gen(i)
+	if st := s.state(i); st != StateComplete {
+		return s.notComplete(i, st)
+	}
 	valid := func() error {
 		if s.state(i) != StateComplete || s.gen(i) != g {
 			return &halfError{s.path, i, ErrSuperseded}
@@ -341,21 +344,22 @@ func (s *segment) read(i int, pin bool, fn func(m StepMeta, half []byte, valid f
 	return err
 }
 
-// whyNot says why half i is no candidate for loading, cheaply.
-func (s *segment) whyNot(i int) error {
-	switch st := s.state(i); st {
-	case StateComplete:
+// notComplete says why a half in state st holds no step.
+func (s *segment) notComplete(i int, st uint32) error {
+	switch st {
 	case StateWriting:
 		return &halfError{s.path, i, fmt.Errorf("%w (a save was in progress or died)", errNotComplete)}
 	case StateEmpty:
 		return &halfError{s.path, i, fmt.Errorf("%w (empty)", errNotComplete)}
-	default:
-		return &halfError{s.path, i, formatErr(s.halfBase(i)+offState, "state", "value %d is no known state", st)}
 	}
-	if _, err := ParseStepMeta(s.half(i), s.hdr.HalfSize); err != nil {
-		return &halfError{s.path, i, err}
-	}
-	return nil
+	return &halfError{s.path, i, formatErr(s.halfBase(i)+offState, "state", "value %d is no known state", st)}
+}
+
+// whyNot says why half i is no candidate for loading, cheaply: it checks
+// the state and the table, not the data. It returns nil for a half that
+// holds a complete step with a valid table.
+func (s *segment) whyNot(i int) error {
+	return s.read(i, false, func(StepMeta, []byte, func() error) error { return nil })
 }
 
 // load returns the newest step of the segment whose every CRC holds, and

@@ -1,0 +1,63 @@
+package ckpt
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+)
+
+// TestReadWhileSaving reads a segment while a writer saves into it as
+// fast as it can. A reader may find no step it can use (the writer
+// overwrote it meanwhile), but it must never load a torn step nor call an
+// interrupted or overwritten half corrupt: only a flipped bit is that.
+func TestReadWhileSaving(t *testing.T) {
+	_, w := newPair(t, OwnerConfig{Capacity: 1 << 20})
+	tb := newTestBlobs(4 << 10)
+	ro, err := openSegment(w.cfg.Path, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ro.close()
+
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		defer stop.Store(true)
+		for step := int64(0); step < 3000 && !stop.Load(); step++ {
+			if err := w.Save(context.Background(), step, tb.step(step)...); err != nil {
+				t.Errorf("save step %d: %v", step, err)
+				return
+			}
+		}
+	})
+	tbr := newTestBlobs(4 << 10) // the readers' own copy: tb belongs to the writer
+	loads, misses := 0, 0
+	for !stop.Load() {
+		ck, why := ro.load(1, nil)
+		for _, err := range why {
+			if errors.Is(err, ErrCorrupt) {
+				stop.Store(true)
+				t.Fatalf("after %d loads, a half read during a save was called corrupt: %v", loads, err)
+			}
+		}
+		for i := range 2 {
+			if err := verifyHalf(ro, i); errors.Is(err, ErrCorrupt) {
+				stop.Store(true)
+				t.Fatalf("after %d loads, verifying half %d during a save: %v", loads, i, err)
+			}
+		}
+		if ck == nil {
+			misses++
+			continue
+		}
+		if err := tbr.check(ck); err != nil {
+			stop.Store(true)
+			t.Fatalf("torn step loaded: %v", err)
+		}
+		loads++
+	}
+	wg.Wait()
+	t.Logf("%d loads, %d found no step", loads, misses)
+}
