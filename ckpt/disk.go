@@ -123,7 +123,7 @@ func committedShard(stepDir string, shard int) (ShardManifest, bool) {
 		return ShardManifest{}, false
 	}
 	sm, err := ParseStepManifest(b)
-	if err != nil || shard >= len(sm.Shards) {
+	if err != nil || shard < 0 || shard >= len(sm.Shards) {
 		return ShardManifest{}, false
 	}
 	mb, err := os.ReadFile(filepath.Join(stepDir, ShardManifestFile(shard)))
@@ -314,6 +314,9 @@ func checkDiskShard(dir string, step int64, shard int) (ShardManifest, error) {
 	}
 	if sm.Step != step {
 		return ShardManifest{}, &FormatError{File: cname, Offset: -1, Field: "step", Msg: fmt.Sprintf("value %d in the directory of step %d", sm.Step, step)}
+	}
+	if shard < 0 {
+		return ShardManifest{}, fmt.Errorf("ckpt: load step %d from %s: shard %d is negative", step, dir, shard)
 	}
 	if shard >= len(sm.Shards) {
 		return ShardManifest{}, &FormatError{File: cname, Offset: -1, Field: "num_shards", Msg: fmt.Sprintf("value %d has no shard %d", len(sm.Shards), shard)}

@@ -384,3 +384,17 @@ func TestPersistNewestNeedsAgreement(t *testing.T) {
 		t.Fatalf("tracker = %+v, %v", tr, err)
 	}
 }
+
+func TestLoadDiskBadShard(t *testing.T) {
+	dir := t.TempDir()
+	nd := newNode(t, OwnerConfig{Dir: dir}, 1)
+	nd.persistAll(t, 1)
+	for _, shard := range []int{-1, 1} {
+		if _, err := LoadDiskStep(dir, 1, shard); err == nil || !strings.Contains(err.Error(), "shard") {
+			t.Errorf("LoadDiskStep(shard %d) = %v, want an error naming the shard", shard, err)
+		}
+		if _, _, err := LoadDisk(dir, shard); !errors.Is(err, ErrNoStep) {
+			t.Errorf("LoadDisk(shard %d) = %v, want ErrNoStep", shard, err)
+		}
+	}
+}
