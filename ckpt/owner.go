@@ -162,7 +162,7 @@ type Owner struct {
 	conns    map[net.Conn]bool
 
 	persisting sync.Map // shard -> *sync.Mutex: one persist per shard at a time
-	verified   sync.Map // verifiedKey -> true: halves whose CRCs held
+	verified   sync.Map // halfKey -> halfVersion: the version of a half whose CRCs held
 }
 
 type replicaSlot struct {
@@ -491,8 +491,8 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 				}
 				continue
 			}
-			key := verifiedKey{shard, i, seg.gen(i), m.Seq}
-			if _, ok := o.verified.Load(key); !ok {
+			key, version := halfKey{shard, i}, halfVersion{seg.gen(i), m.Seq}
+			if v, ok := o.verified.Load(key); !ok || v != version {
 				if err := verifyHalf(seg, i); err != nil {
 					if errors.Is(err, ErrCorrupt) {
 						o.m.crcFailures.Inc()
@@ -500,7 +500,7 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 					why = append(why, err)
 					continue
 				}
-				o.verified.Store(key, true)
+				o.verified.Store(key, version)
 			}
 			steps = append(steps, m.Step)
 		}
@@ -524,18 +524,17 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 
 // forget drops what is remembered of shard's verified halves.
 func (o *Owner) forget(shard int) {
-	o.verified.Range(func(k, _ any) bool {
-		if k.(verifiedKey).shard == shard {
-			o.verified.Delete(k)
-		}
-		return true
-	})
+	for i := range 2 {
+		o.verified.Delete(halfKey{shard, i})
+	}
 }
 
-type verifiedKey struct {
-	shard, half int
-	gen, seq    uint64
-}
+// halfKey names a half of a local shard's segment.
+type halfKey struct{ shard, half int }
+
+// halfVersion is what a half held when it was verified: a writer changes
+// gen before it touches the half, and seq with each save.
+type halfVersion struct{ gen, seq uint64 }
 
 // verifyHalf checks every CRC of half i without copying it.
 func verifyHalf(seg *segment, i int) error {
