@@ -43,10 +43,14 @@ func wrapNoSpace(err error) error {
 }
 
 // mkdirSynced creates dir (whose parent must exist) and makes its entry
-// durable.
+// durable. An existing dir must be a directory, not a symlink: a persist
+// writes nothing outside the disk tier.
 func mkdirSynced(dir string) error {
 	err := os.Mkdir(dir, 0o750)
 	if errors.Is(err, fs.ErrExist) {
+		if fi, err := os.Lstat(dir); err != nil || !fi.IsDir() {
+			return fmt.Errorf("ckpt: step directory %s exists and is not a directory (a symlink?)", dir)
+		}
 		return nil
 	}
 	if err != nil {

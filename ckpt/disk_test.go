@@ -398,3 +398,18 @@ func TestLoadDiskBadShard(t *testing.T) {
 		}
 	}
 }
+
+func TestPersistRefusesSymlinkedStepDir(t *testing.T) {
+	dir, elsewhere := t.TempDir(), t.TempDir()
+	nd := newNode(t, OwnerConfig{Dir: dir}, 1)
+	nd.saveAll(t, 7)
+	if err := os.Symlink(elsewhere, StepDir(dir, 7)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nd.o.Persist(context.Background(), 0); err == nil || !strings.Contains(err.Error(), "symlink") {
+		t.Fatalf("Persist through a symlinked step directory = %v, want an error", err)
+	}
+	if ents, _ := os.ReadDir(elsewhere); len(ents) != 0 {
+		t.Fatalf("persist wrote %d files through the symlink", len(ents))
+	}
+}
