@@ -30,7 +30,7 @@ func runChild(role string) int {
 	}
 	log := slog.New(slog.NewTextHandler(os.Stdout, nil))
 	w, err := New(Config{Rank: 1, World: 4, DumpDir: os.Getenv(childDirEnv), LearnTimeouts: true,
-		LearnFloor: 300 * time.Millisecond, LearnMinSamples: 20, Tick: 20 * time.Millisecond, Logger: log})
+		LearnFactor: 1, LearnFloor: 300 * time.Millisecond, LearnMinSamples: 20, Tick: 20 * time.Millisecond, Logger: log})
 	if err != nil {
 		fmt.Println("error", err)
 		return 1
@@ -200,8 +200,11 @@ sleep_loop()
 
 	logs := make(chan string, 16)
 	faults := make(chan Fault, 16)
+	// LearnFactor 1: the learned timeout stays at the floor unless an op
+	// is seen to take 300ms, which a loaded machine's scheduling of the
+	// line reader alone should not make it.
 	w, err := New(Config{Rank: 2, World: 4, Pid: cmd.Process.Pid, DumpDir: dir, LearnTimeouts: true,
-		LearnFloor: 300 * time.Millisecond, LearnMinSamples: 20, Tick: 20 * time.Millisecond,
+		LearnFactor: 1, LearnFloor: 300 * time.Millisecond, LearnMinSamples: 20, Tick: 20 * time.Millisecond,
 		Logger:  slog.New(&chanHandler{ch: logs}),
 		OnFault: func(f Fault) { faults <- f }})
 	if err != nil {
@@ -325,16 +328,13 @@ for _ in range(10):
 while True:
     time.sleep(0.05)
 `)
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	lines := lineReader(out)
+	lines := startChild(t, cmd)
 	faults := make(chan Fault, 4)
-	w, err := New(Config{Pid: cmd.Process.Pid, StopOn: FaultHeartbeat | FaultOpError, OnFault: func(f Fault) { faults <- f }})
+	// A heartbeat timeout well above the 50ms between beats, so that a
+	// loaded machine's stall does not end the child before its 10 beats;
+	// detection within 1s is checked with a fake clock in TestHeartbeat.
+	w, err := New(Config{Pid: cmd.Process.Pid, HeartbeatTimeout: 2 * time.Second, StopOn: FaultHeartbeat | FaultOpError,
+		OnFault: func(f Fault) { faults <- f }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -350,7 +350,10 @@ while True:
 	deadline := time.After(60 * time.Second)
 	for beats < 10 {
 		select {
-		case l := <-lines:
+		case l, ok := <-lines:
+			if !ok {
+				t.Fatalf("child output ended after %d beats", beats)
+			}
 			if l == "beat" {
 				hb.Beat()
 				last = time.Now()

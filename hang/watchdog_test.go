@@ -525,6 +525,47 @@ func TestDumpSelf(t *testing.T) {
 	}
 }
 
+// TestDecideOncePerHang drives Run's choice of responses with a fake
+// clock: one dump per hang however many ops hang in it, a dump for the
+// next hang once no op is hung, one per silent heartbeat, and one stop.
+func TestDecideOncePerHang(t *testing.T) {
+	w, clock := newTestWatchdog(t, Config{DumpDir: t.TempDir(), Timeout: time.Second, HeartbeatTimeout: time.Minute, StopOn: FaultHang})
+	op := w.Op("allreduce", "dp")
+	type response struct{ Kind, Dump, Stop string }
+	var got []response
+	step := func(d time.Duration) {
+		clock.Advance(d)
+		faults, hung := w.check()
+		for _, f := range faults {
+			a := w.decide(f, hung)
+			got = append(got, response{f.Kind.String(), strconv.FormatBool(a.dump), strconv.FormatBool(a.stop)})
+		}
+	}
+	a, b := op.Start(0), op.Start(1)
+	step(time.Second) // two ops hang at once
+	c := op.Start(2)
+	step(time.Second) // a third joins the hang
+	a.End()
+	b.End()
+	step(0) // c still hangs
+	c.End()
+	step(0) // no op hung: the hang is over
+	op.Start(3)
+	step(time.Second) // a new hang
+	w.Heartbeat("trainer")
+	step(2 * time.Minute) // a heartbeat goes silent
+	want := []response{
+		{"hang", "true", "true"},
+		{"hang", "false", "false"},
+		{"hang", "false", "false"},
+		{"hang", "true", "false"},
+		{"heartbeat", "true", "false"},
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("responses (-want +got):\n%s", diff)
+	}
+}
+
 // TestRunDumpsOncePerHangAndStops checks Run's responses with a real
 // clock: a hang of two ops writes one stack file, then the stop.
 func TestRunDumpsOncePerHangAndStops(t *testing.T) {
