@@ -622,8 +622,14 @@ func (o *Owner) serve(ctx context.Context, wg *sync.WaitGroup) {
 		o.mu.Lock()
 		o.conns[conn] = true
 		o.mu.Unlock()
-		if ctx.Err() != nil {
+		// Run's end and Close close the registered connections after they
+		// mark themselves: one registered too late for them is closed here.
+		select {
+		case <-ctx.Done():
 			conn.Close()
+		case <-o.closing:
+			conn.Close()
+		default:
 		}
 		wg.Go(func() {
 			defer func() {

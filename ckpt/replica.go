@@ -62,7 +62,7 @@ func readReq(r io.Reader) (replicaReq, error) {
 	}
 	q := replicaReq{op: b[5], shard: int(binary.LittleEndian.Uint32(b[8:])),
 		metaLen: int(binary.LittleEndian.Uint32(b[12:])), step: int64(binary.LittleEndian.Uint64(b[16:]))}
-	if q.metaLen > maxMetaLen || q.shard > MaxShards {
+	if q.metaLen > maxMetaLen || q.shard >= MaxShards {
 		return replicaReq{}, formatErr(8, "request", "shard %d or meta length %d out of range", q.shard, q.metaLen)
 	}
 	return q, nil
