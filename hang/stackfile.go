@@ -111,6 +111,7 @@ type ParseError struct {
 	Err  error // ErrTruncated or ErrFormat
 }
 
+// Error returns "hang: <file>:<line>: <msg>", leaving out what is unknown.
 func (e *ParseError) Error() string {
 	var b strings.Builder
 	b.WriteString("hang: ")

@@ -100,8 +100,8 @@ func (m *Merged) Verdict() string {
 			}
 		}
 		fmt.Fprintf(&b, "%s stacks from %d ranks", k, root.Stuck.Len())
-		if without := m.Ranks.Clone(); !root.Stuck.Equal(without) {
-			fmt.Fprintf(&b, " (none from %s)", shortRanks(subtract(without, root.Stuck), 48))
+		if !root.Stuck.Equal(m.Ranks) {
+			fmt.Fprintf(&b, " (none from %s)", shortRanks(subtract(m.Ranks, root.Stuck), 48))
 		}
 		if len(mine) == 0 {
 			b.WriteString(": no split, all share every frame\n")

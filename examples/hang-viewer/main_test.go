@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/google/pprof/profile"
+	"go.uber.org/goleak"
 )
 
 const job8 = "../../hang/testdata/job8"
@@ -20,7 +21,7 @@ func TestMain(m *testing.M) {
 	if os.Getenv("HANG_VIEWER_MAIN") == "1" {
 		main()
 	}
-	os.Exit(m.Run())
+	goleak.VerifyTestMain(m)
 }
 
 func TestViewerWritesEverything(t *testing.T) {
