@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"strings"
@@ -39,6 +40,8 @@ type ParseError struct {
 	Msg    string
 }
 
+// Error returns "<format>: <file>:<line>: field <f>: value <v>: <msg>",
+// leaving out what is unknown.
 func (e *ParseError) Error() string {
 	var b strings.Builder
 	b.WriteString(e.Format)
@@ -176,15 +179,48 @@ func (b *builder) add(line int, asw, psw, ipText string) error {
 	return nil
 }
 
-// ReadFile parses the node-topology-config in file name; errors name the
-// file.
+// maxConfigBytes bounds the node-topology-config files that ReadFile and
+// a Watcher read, so that a wrong path cannot exhaust memory: 100,000
+// nodes take about 4 MB.
+const maxConfigBytes = 64 << 20
+
+// ReadFile parses the node-topology-config in file name, of at most 64
+// MiB; errors name the file.
 func ReadFile(name string) (*Topology, error) {
-	data, err := os.ReadFile(name)
+	data, err := readConfig(name)
+	if err != nil {
+		return nil, err
+	}
+	return parseConfig(name, data)
+}
+
+// readConfig reads the file name, of at most maxConfigBytes.
+func readConfig(name string) ([]byte, error) {
+	f, err := os.Open(name)
 	if err != nil {
 		return nil, fmt.Errorf("topology: %w", err)
 	}
+	defer f.Close()
+	tooBig := &ParseError{Format: configFormat, File: name, Msg: fmt.Sprintf("larger than %d bytes", maxConfigBytes)}
+	if fi, err := f.Stat(); err == nil && fi.Size() > maxConfigBytes {
+		return nil, tooBig
+	}
+	// The bound holds too for a file that grows, or is not regular.
+	data, err := io.ReadAll(io.LimitReader(f, maxConfigBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("topology: read %s: %w", name, err)
+	}
+	if len(data) > maxConfigBytes {
+		return nil, tooBig
+	}
+	return data, nil
+}
+
+// parseConfig parses data read from the file name, naming it in errors.
+func parseConfig(name string, data []byte) (*Topology, error) {
 	t, err := Parse(data)
-	if pe, ok := err.(*ParseError); ok {
+	var pe *ParseError
+	if errors.As(err, &pe) {
 		pe.File = name
 	}
 	return t, err

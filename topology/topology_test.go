@@ -95,6 +95,20 @@ func TestReadFileNamesFileAndLine(t *testing.T) {
 	if _, err := ReadFile(filepath.Join(t.TempDir(), "missing")); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("missing file: err = %v", err)
 	}
+	// A file past the bound is refused before it is parsed (sparse: no
+	// disk is used).
+	huge := filepath.Join(t.TempDir(), "huge")
+	f, err := os.Create(huge)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Truncate(maxConfigBytes + 1); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if _, err := ReadFile(huge); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), huge+": larger than") {
+		t.Fatalf("huge file: err = %v", err)
+	}
 }
 
 func TestNew(t *testing.T) {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -182,7 +181,7 @@ func (w *Watcher) Run(ctx context.Context) error {
 // reload reads the file and, if its content is new and parses, puts it in
 // force and calls OnChange (but not before Run).
 func (w *Watcher) reload() {
-	data, err := os.ReadFile(w.cfg.Path)
+	data, err := readConfig(w.cfg.Path)
 	if err != nil {
 		w.fail(err)
 		return
@@ -191,11 +190,8 @@ func (w *Watcher) reload() {
 		return
 	}
 	w.seen = data
-	t, err := Parse(data)
+	t, err := parseConfig(w.cfg.Path, data)
 	if err != nil {
-		if pe, ok := err.(*ParseError); ok {
-			pe.File = w.cfg.Path
-		}
 		w.fail(err)
 		return
 	}
