@@ -86,7 +86,11 @@
 // _save_bytes_total, _save_skipped_total (writer); _persist_seconds,
 // _persist_bytes_total, _persist_failures_total, _commits_total,
 // _crc_failures_total, _loads_total{tier}, _replica_bytes_total{direction},
-// _replica_failures_total (owner). Spans: ckpt.Save, ckpt.LoadMemory,
+// _replica_failures_total (owner). Each Writer and Owner registers its
+// collectors in its constructor and unregisters them in Close; two on one
+// Registerer collide, which is an error of the second constructor: give
+// each a Registerer wrapped with its own label
+// (prometheus.WrapRegistererWith). Spans: ckpt.Save, ckpt.LoadMemory,
 // ckpt.Persist, ckpt.Replicate, ckpt.Load, ckpt.FetchReplica.
 //
 // # FORMAT

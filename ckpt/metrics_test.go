@@ -84,3 +84,40 @@ func TestMetricsAndSpans(t *testing.T) {
 		}
 	}
 }
+
+func TestMetricsCollide(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	o, err := NewOwner(OwnerConfig{ShmDir: shmDir(t), Shards: []int{0, 1}, Capacity: 1 << 20, Registerer: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Remove()
+	if _, err := NewOwner(OwnerConfig{ShmDir: shmDir(t), Shards: []int{0}, Capacity: 1 << 20, Registerer: reg}); err == nil {
+		t.Fatal("a second Owner on one Registerer registered its metrics")
+	}
+	shardReg := func(s string) prometheus.Registerer {
+		return prometheus.WrapRegistererWith(prometheus.Labels{"shard": s}, reg)
+	}
+	w0, err := NewWriter(WriterConfig{Path: o.SegmentPath(0), Registerer: shardReg("0")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A second writer with the same labels collides, with an error, not a
+	// panic.
+	if _, err := NewWriter(WriterConfig{Path: o.SegmentPath(1), Registerer: shardReg("0")}); err == nil {
+		t.Fatal("a second Writer on one Registerer registered its metrics")
+	}
+	// Labelled apart, it does not.
+	w1, err := NewWriter(WriterConfig{Path: o.SegmentPath(1), Registerer: shardReg("1")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w1.Close()
+	// Close unregisters, so a writer opened again registers afresh.
+	w0.Close()
+	w0, err = NewWriter(WriterConfig{Path: o.SegmentPath(0), Registerer: shardReg("0")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w0.Close()
+}

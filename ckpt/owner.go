@@ -177,10 +177,14 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 		return nil, err
 	}
 	cfg = cfg.withDefaults()
+	m, err := newOwnerMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, err
+	}
 	o := &Owner{
 		cfg:      cfg,
 		segs:     map[int]*segment{},
-		m:        newOwnerMetrics(cfg.Registerer),
+		m:        m,
 		tracer:   tracerOf(cfg.TracerProvider),
 		log:      loggerOf(cfg.Logger),
 		closing:  make(chan struct{}),
@@ -193,6 +197,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 	}
 	if cfg.Dir != "" {
 		if err := os.MkdirAll(cfg.Dir, 0o750); err != nil {
+			o.m.unregister()
 			return nil, fmt.Errorf("ckpt: disk tier: %w", err)
 		}
 	}
@@ -200,6 +205,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 	for _, s := range cfg.Shards {
 		seg, err := createSegment(SegmentPath(cfg.ShmDir, cfg.Name, s), s, 0, cfg.Capacity)
 		if err != nil {
+			o.m.unregister()
 			o.unmapAll()
 			return nil, err
 		}
@@ -208,6 +214,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 	if cfg.ListenAddr != "" {
 		ln, err := net.Listen("tcp", cfg.ListenAddr)
 		if err != nil {
+			o.m.unregister()
 			o.unmapAll()
 			return nil, fmt.Errorf("ckpt: replica server: %w", err)
 		}
@@ -777,8 +784,8 @@ func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, shard, metaLen in
 	return m, nil
 }
 
-// Close stops Run, waits for the operations in flight and unmaps the
-// segments. The steps stay in shared memory for the next owner; Remove
+// Close stops Run, waits for the operations in flight, unregisters the
+// metrics and unmaps the segments. The steps stay in shared memory for the next owner; Remove
 // deletes them. Close is idempotent.
 func (o *Owner) Close() error {
 	o.mu.Lock()
@@ -798,6 +805,7 @@ func (o *Owner) Close() error {
 		return nil
 	}
 	o.closed = true
+	o.m.unregister()
 	return o.unmapAll()
 }
 

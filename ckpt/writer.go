@@ -109,7 +109,12 @@ func NewWriter(cfg WriterConfig) (*Writer, error) {
 		seg.close()
 		return nil, fmt.Errorf("ckpt: %s holds a peer's replica, not a shard to write", cfg.Path)
 	}
-	return &Writer{cfg: cfg, seg: seg, m: newWriterMetrics(cfg.Registerer),
+	m, err := newWriterMetrics(cfg.Registerer)
+	if err != nil {
+		seg.close()
+		return nil, err
+	}
+	return &Writer{cfg: cfg, seg: seg, m: m,
 		tracer: tracerOf(cfg.TracerProvider), log: loggerOf(cfg.Logger)}, nil
 }
 
@@ -272,7 +277,8 @@ func (w *Writer) load(ctx context.Context, reuse *Checkpoint) (*Checkpoint, erro
 	return ck, nil
 }
 
-// Close unmaps the segment. The steps it holds stay in shared memory.
+// Close unmaps the segment and unregisters the metrics. The steps it holds
+// stay in shared memory.
 func (w *Writer) Close() error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -281,5 +287,6 @@ func (w *Writer) Close() error {
 	}
 	err := w.seg.close()
 	w.seg = nil
+	w.m.unregister()
 	return err
 }
