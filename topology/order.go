@@ -1,8 +1,9 @@
 package topology
 
 import (
+	"cmp"
 	"fmt"
-	"sort"
+	"slices"
 )
 
 // Order returns world, a list of node addresses in rank order (world[0] is
@@ -37,7 +38,6 @@ func (t *Topology) perm(world []string) []int {
 		aswSeen[i] = unknown // ASW position in order of first appearance
 	}
 	var aswOrder []int32 // ASWs in order of first appearance in world
-	var pswSeen map[int32]int32
 	for i, ip := range world {
 		n, ok := t.index(ip)
 		if !ok {
@@ -52,14 +52,14 @@ func (t *Topology) perm(world []string) []int {
 		}
 	}
 	// Keep ASWs under one PSW adjacent, PSWs in order of first appearance.
-	pswSeen = make(map[int32]int32)
+	pswSeen := make(map[int32]int32) // PSW -> position of first appearance
 	for _, a := range aswOrder {
 		if _, ok := pswSeen[t.aswPSW[a]]; !ok {
 			pswSeen[t.aswPSW[a]] = int32(len(pswSeen))
 		}
 	}
-	sort.SliceStable(aswOrder, func(i, j int) bool {
-		return pswSeen[t.aswPSW[aswOrder[i]]] < pswSeen[t.aswPSW[aswOrder[j]]]
+	slices.SortStableFunc(aswOrder, func(a, b int32) int {
+		return cmp.Compare(pswSeen[t.aswPSW[a]], pswSeen[t.aswPSW[b]])
 	})
 	// Bucket start offsets in the final order; unknown nodes after all.
 	count := make([]int, len(t.aswPSW))
