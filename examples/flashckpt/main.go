@@ -14,7 +14,8 @@
 // S's segment (creating it, sized to fit, if it is missing), then persists
 // the step to D and commits it once all N shards of it are there. load
 // writes the blobs of the newest intact step (memory first, then disk) to
-// files in --out and says which tier served and why the others did not.
+// files in --out, one per blob named after it ('%' and '/' escaped as in
+// URLs), and says which tier served and why the others did not.
 // inspect lists steps, tiers, sizes and CRC status; verify checks every
 // CRC and exits 1 on any corruption.
 package main
@@ -32,6 +33,7 @@ import (
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/internal/atomicfile"
 )
 
 func main() { os.Exit(run(os.Args[1:], os.Stdout, os.Stderr)) }
@@ -212,12 +214,26 @@ func load(o options, stdout io.Writer) error {
 		return err
 	}
 	for _, b := range ck.Blobs {
-		if err := os.WriteFile(filepath.Join(o.out, filepath.Base(b.Name)), b.Data, 0o640); err != nil {
+		if err := atomicfile.WriteFile(filepath.Join(o.out, blobFile(b.Name)), b.Data, 0o640); err != nil {
 			return err
 		}
 	}
 	fmt.Fprintf(stdout, "loaded step %d shard %d from %s: %d blobs, %d bytes to %s\n", ck.Step, o.shard, tier, len(ck.Blobs), ck.Size(), o.out)
 	return nil
+}
+
+// blobFile is the file name a loaded blob is written to: its name with
+// '%' and '/' escaped as in URLs, and "." and ".." escaped whole, so that
+// "model/layer.0" and "optim/layer.0" land in two files inside --out and
+// no name reaches outside it.
+func blobFile(name string) string {
+	switch name {
+	case ".":
+		return "%2E"
+	case "..":
+		return "%2E%2E"
+	}
+	return strings.NewReplacer("%", "%25", "/", "%2F").Replace(name)
 }
 
 func segments(o options) []string {

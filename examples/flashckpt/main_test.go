@@ -1,6 +1,8 @@
 package main
 
 import (
+	"context"
+
 	"bytes"
 	"encoding/binary"
 	"os"
@@ -9,6 +11,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/faultline-ml/faultline/ckpt"
 	"go.uber.org/goleak"
 )
 
@@ -165,5 +168,47 @@ func TestUsage(t *testing.T) {
 	var out bytes.Buffer
 	if code := run([]string{"verify"}, &out, &out); code != exitUsage || !strings.Contains(out.String(), "--dir") {
 		t.Errorf("verify without --dir: exit %d\n%s", code, out.String())
+	}
+}
+
+// TestLoadBlobNames loads a step whose blob names hold slashes and dots,
+// as a trainer may save them: each lands in its own file inside --out.
+func TestLoadBlobNames(t *testing.T) {
+	e := newEnv(t)
+	names := []string{"model/layer.0", "optim/layer.0", "..", "100%"}
+	var blobs []ckpt.Blob
+	var sizes []int64
+	for i, n := range names {
+		blobs = append(blobs, ckpt.Blob{Name: n, Data: []byte{byte(i)}})
+		sizes = append(sizes, 1)
+	}
+	o, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: e.shm, Shards: []int{0}, Capacity: ckpt.StepSize(names, sizes)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Close()
+	w, err := ckpt.NewWriter(ckpt.WriterConfig{Path: o.SegmentPath(0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	if err := w.Save(context.Background(), 1, blobs...); err != nil {
+		t.Fatal(err)
+	}
+	outDir := filepath.Join(e.tmp, "out")
+	if code, out := e.run("load", "--out", outDir); code != 0 {
+		t.Fatalf("load: exit %d\n%s", code, out)
+	}
+	for i, f := range []string{"model%2Flayer.0", "optim%2Flayer.0", "%2E%2E", "100%25"} {
+		if got, err := os.ReadFile(filepath.Join(outDir, f)); err != nil || !bytes.Equal(got, []byte{byte(i)}) {
+			t.Errorf("blob %q: file %s holds %v, %v", names[i], f, got, err)
+		}
+	}
+	if ents, _ := os.ReadDir(e.tmp); len(ents) != 1 { // out/ and nothing else
+		var got []string
+		for _, e := range ents {
+			got = append(got, e.Name())
+		}
+		t.Errorf("load wrote outside --out: %s holds %v", e.tmp, got)
 	}
 }
