@@ -22,8 +22,9 @@ const DefaultAgentAddr = ":9700"
 type AgentConfig struct {
 	// Listen is the TCP address to serve on. Default DefaultAgentAddr.
 	Listen string
-	// MaxBytes is the largest transfer served each way, so that a stray
-	// client cannot keep the link busy. Default 1 GiB.
+	// MaxBytes is the most one request moves each way, all its repeats
+	// together, so that a stray client cannot keep the link busy.
+	// Default 1 GiB.
 	MaxBytes int64
 	// IdleTimeout closes a connection on which nothing moves for this
 	// long. Default 30 s.
@@ -280,9 +281,11 @@ func (a *Agent) serveTransfer(conn idleConn) error {
 		return err
 	}
 	h := parseTransferHeader(b[:])
-	if h.up > uint64(a.cfg.MaxBytes) || h.down > uint64(a.cfg.MaxBytes) || h.pings > maxPings || h.repeats > maxRepeats {
-		msg := fmt.Sprintf("transfer of %d/%d bytes, %d pings, %d repeats exceeds %d bytes, %d pings or %d repeats",
-			h.up, h.down, h.pings, h.repeats, a.cfg.MaxBytes, maxPings, maxRepeats)
+	// Divide rather than multiply, so that no header can overflow.
+	perRepeat := uint64(a.cfg.MaxBytes) / uint64(max(h.repeats, 1))
+	if h.pings > maxPings || h.repeats > maxRepeats || max(h.up, h.down) > perRepeat {
+		msg := fmt.Sprintf("transfer of %d up and %d down bytes × %d repeats, %d pings exceeds %d bytes each way, %d pings or %d repeats",
+			h.up, h.down, h.repeats, h.pings, a.cfg.MaxBytes, maxPings, maxRepeats)
 		refuse(conn, msg)
 		return errors.New(msg)
 	}
@@ -323,12 +326,12 @@ func (a *Agent) serveProbe(ctx context.Context, conn net.Conn) error {
 	}
 	var m Measurement
 	switch {
-	case req.Bytes <= 0 || req.Bytes > a.cfg.MaxBytes:
-		m.Error = fmt.Sprintf("probe of %d bytes: want 1 to %d", req.Bytes, a.cfg.MaxBytes)
 	case req.Pings < 0 || req.Pings > maxPings:
 		m.Error = fmt.Sprintf("probe with %d pings: want 0 to %d", req.Pings, maxPings)
 	case req.Repeats < 1 || req.Repeats > maxRepeats:
 		m.Error = fmt.Sprintf("probe with %d repeats: want 1 to %d", req.Repeats, maxRepeats)
+	case req.Bytes <= 0 || req.Bytes > a.cfg.MaxBytes/int64(req.Repeats):
+		m.Error = fmt.Sprintf("probe of %d bytes × %d repeats: want 1 to %d bytes in all", req.Bytes, req.Repeats, a.cfg.MaxBytes)
 	case req.Timeout <= 0:
 		m.Error = fmt.Sprintf("probe timeout %v: must be positive", req.Timeout)
 	default:

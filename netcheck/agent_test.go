@@ -76,10 +76,22 @@ func TestAgentRefuses(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "exceeds") {
 		t.Fatalf("oversized transfer: err = %v", err)
 	}
-	// A probe command asking a to move more than it allows.
-	_, err = p.Probe(ctxTimeout(t, 20*time.Second), Node{Name: "a", Addr: a.Addr().String()}, Node{Name: "b", Addr: b.Addr().String()})
-	if err == nil || !strings.Contains(err.Error(), "want 1 to") {
-		t.Fatalf("oversized probe command: err = %v", err)
+	// Repeats count: three transfers of 512 KiB are 1.5 MiB.
+	_, err = (&TCPProber{Bytes: 512 << 10, Repeats: 3}).Probe(ctxTimeout(t, 20*time.Second), Node{}, Node{Name: "a", Addr: a.Addr().String()})
+	if err == nil || !strings.Contains(err.Error(), "exceeds") {
+		t.Fatalf("oversized repeated transfer: err = %v", err)
+	}
+	// A probe command asking a to move more than it allows, at once or
+	// repeated.
+	for _, p := range []*TCPProber{p, {Bytes: 512 << 10, Repeats: 3}} {
+		_, err = p.Probe(ctxTimeout(t, 20*time.Second), Node{Name: "a", Addr: a.Addr().String()}, Node{Name: "b", Addr: b.Addr().String()})
+		if err == nil || !strings.Contains(err.Error(), "want 1 to 1048576 bytes in all") {
+			t.Fatalf("oversized probe command (%d bytes × %d): err = %v", p.Bytes, p.Repeats, err)
+		}
+	}
+	// Within the bound, repeated.
+	if _, err := (&TCPProber{Bytes: 256 << 10, Repeats: 4}).Probe(ctxTimeout(t, 20*time.Second), Node{}, Node{Name: "a", Addr: a.Addr().String()}); err != nil {
+		t.Fatalf("transfer of 4 × 256 KiB within a 1 MiB bound: %v", err)
 	}
 	// Garbage is closed and counted.
 	c, err := net.Dial("tcp", a.Addr().String())
