@@ -52,9 +52,9 @@
 // explains is not blamed on compute. Consecutive anomalous steps make a
 // finding (one outlier step does not) and as many normal ones clear it.
 //
-// MindCluster's time detector runs on the job's step time: a trimmed
-// baseline of the first NormalSteps steps (with a robust σ from the
-// median absolute deviation), a bound of
+// MindCluster's time detector runs on the job's step time: a baseline of
+// the first NormalSteps steps (their median, and σ from their median
+// absolute deviation, where MindCluster trims the mean), a bound of
 // +DegradationPercentage and NSigma σ, Consecutive anomalies in a row. It
 // gives the degradation level and the onset. A shift no finding explains
 // after Consecutive more steps hit every rank alike (a learning-rate

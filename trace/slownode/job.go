@@ -16,7 +16,7 @@ type PhaseChange struct {
 }
 
 // jobState is MindCluster's time detector over the job's step time (the
-// median over ranks of each step): a trimmed baseline of the first
+// median over ranks of each step): a robust baseline of the first
 // NormalSteps steps, a bound of +DegradationPercentage and NSigma σ, and
 // Consecutive anomalies in a row. A shift that no finding explains is a
 // phase change and moves the baseline, up or down.
@@ -59,10 +59,10 @@ func (j *jobState) update(s int64, v, compute float64, explained bool, d *Detect
 	if !j.ready {
 		j.base = append(j.base, v)
 		if len(j.base) >= j.cfg.NormalSteps {
-			// A trimmed mean, as MindCluster's, and a robust σ: outlier
-			// steps among the first ones must not widen the bound.
-			_, j.sigma, _ = medianMAD(j.base, nil)
-			j.baseline, _ = trimmedMeanStd(j.base, 0.2)
+			// The median and a robust σ (MindCluster trims the mean):
+			// outlier steps among the first ones must move neither the
+			// baseline nor the bound.
+			j.baseline, j.sigma, _ = medianMAD(j.base, nil)
 			j.ready = true
 			j.base = nil
 		}

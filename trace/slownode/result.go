@@ -305,16 +305,18 @@ func (d *Detector) Result() *Result {
 		}
 		slices.Sort(ranks)
 		r.SlowHostNodes = append(r.SlowHostNodes, node)
-		var ratio, conf float64
+		var ratio, conf, base, rec float64
 		for _, f := range r.Findings {
 			if f.Kind == KindCompute && slices.Contains(ranks, f.Ranks[0]) {
 				ratio += f.Ratio / float64(len(ranks))
+				base += f.Baseline / float64(len(ranks))
+				rec += f.Recent / float64(len(ranks))
 				conf = max(conf, f.Confidence)
 				detected = max(detected, f.DetectedStep)
 			}
 		}
 		hostFindings = append(hostFindings, Finding{Kind: KindHost, Ranks: ranks, Node: node, Metric: "compute",
-			Method: "all ranks of the node", Ratio: round3(ratio), OnsetStep: onset, DetectedStep: detected, Confidence: conf})
+			Method: "all ranks of the node", Baseline: round3(base), Recent: round3(rec), Ratio: round3(ratio), OnsetStep: onset, DetectedStep: detected, Confidence: conf})
 		for _, rk := range ranks {
 			flags[rk] = append(flags[rk], KindHost)
 		}

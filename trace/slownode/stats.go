@@ -33,33 +33,6 @@ func medianMAD(xs, scratch []float64) (med, sigma float64, _ []float64) {
 	return med, madScale * median(scratch), scratch
 }
 
-// trimmedMeanStd returns the mean and standard deviation of xs after
-// dropping the lowest and highest trim fraction of values (at least one at
-// each end when there are five or more), as MindCluster's time detector
-// builds its baseline. xs is reordered.
-func trimmedMeanStd(xs []float64, trim float64) (mean, std float64) {
-	if len(xs) == 0 {
-		return math.NaN(), math.NaN()
-	}
-	slices.Sort(xs)
-	k := int(float64(len(xs)) * trim)
-	if k == 0 && len(xs) >= 5 {
-		k = 1
-	}
-	xs = xs[k : len(xs)-k]
-	for _, x := range xs {
-		mean += x
-	}
-	mean /= float64(len(xs))
-	for _, x := range xs {
-		std += (x - mean) * (x - mean)
-	}
-	if len(xs) > 1 {
-		std = math.Sqrt(std / float64(len(xs)-1))
-	}
-	return mean, std
-}
-
 // split2 divides values into a low and a high cluster with the boundary
 // that minimises the within-cluster sum of squares (1-D 2-means, exact).
 // It returns the index in sorted order of the first high value and the
