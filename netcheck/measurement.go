@@ -23,6 +23,7 @@ type Pair struct {
 	To   string `json:"to"`
 }
 
+// String returns "from→to".
 func (p Pair) String() string { return p.From + "→" + p.To }
 
 // Measurement is what one probe saw.

@@ -22,6 +22,7 @@ type DevicePair struct {
 	A, B int
 }
 
+// String returns "a:b", as ParseDevicePairs reads it.
 func (p DevicePair) String() string { return strconv.Itoa(p.A) + ":" + strconv.Itoa(p.B) }
 
 // MarshalText writes the pair as "a:b".

@@ -126,6 +126,8 @@ func readStatus(r io.Reader) error {
 		return fmt.Errorf("agent refused the transfer")
 	}
 	msg := make([]byte, binary.BigEndian.Uint16(n[:]))
-	io.ReadFull(r, msg)
+	if k, err := io.ReadFull(r, msg); err != nil {
+		return fmt.Errorf("agent refused the transfer: %s (message cut short: %v)", msg[:k], err)
+	}
 	return fmt.Errorf("agent refused the transfer: %s", msg)
 }
