@@ -43,21 +43,7 @@ func InspectSegment(path string) (SegmentReport, error) {
 		h.State = seg.state(i)
 		h.Err = seg.read(i, false, func(m StepMeta, half []byte, _ func() error) error {
 			h.Meta = m
-			src := make([][]byte, len(m.Blobs))
-			for k, e := range m.Blobs {
-				src[k] = half[e.Offset : e.Offset+e.Size]
-			}
-			crcs, err := copyCRC(nil, src, 0)
-			if err != nil {
-				return err
-			}
-			var errs []error
-			for k, e := range m.Blobs {
-				if crcs[k] != e.CRC32C {
-					errs = append(errs, crcMismatch(k, e, crcs[k]))
-				}
-			}
-			return errors.Join(errs...)
+			return checkBlobs(m, half)
 		})
 		h.Corrupt = h.State != StateEmpty && h.State != StateWriting && errors.Is(h.Err, ErrCorrupt)
 	}

@@ -546,21 +546,28 @@ type halfVersion struct{ gen, seq uint64 }
 // verifyHalf checks every CRC of half i without copying it.
 func verifyHalf(seg *segment, i int) error {
 	return seg.read(i, false, func(m StepMeta, half []byte, _ func() error) error {
-		src := make([][]byte, len(m.Blobs))
-		for k, e := range m.Blobs {
-			src[k] = half[e.Offset : e.Offset+e.Size]
-		}
-		crcs, err := copyCRC(nil, src, 0)
-		if err != nil {
-			return err
-		}
-		for k, e := range m.Blobs {
-			if crcs[k] != e.CRC32C {
-				return crcMismatch(k, e, crcs[k])
-			}
-		}
-		return nil
+		return checkBlobs(m, half)
 	})
+}
+
+// checkBlobs checks the CRC of every blob of m in half, in parallel, and
+// returns every mismatch, joined.
+func checkBlobs(m StepMeta, half []byte) error {
+	src := make([][]byte, len(m.Blobs))
+	for k, e := range m.Blobs {
+		src[k] = half[e.Offset : e.Offset+e.Size]
+	}
+	crcs, err := copyCRC(nil, src, 0)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for k, e := range m.Blobs {
+		if crcs[k] != e.CRC32C {
+			errs = append(errs, crcMismatch(k, e, crcs[k]))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // Replicate copies shard's newest step to its peers (PickPeers). It
