@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -11,21 +12,30 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 )
 
 // recorder is an Executor that records calls and fails as told. It
 // stands for the real executors (tested in their own packages) so that
 // the watchdog's own logic is tested alone.
 type recorder struct {
-	mu    sync.Mutex
-	calls []string
-	fail  map[string][]error // by method: errors returned in turn
-	block chan struct{}      // if set, RestartProcesses waits on it
+	mu     sync.Mutex
+	calls  []string
+	events []string           // "start " or "end " and the call, in order
+	fail   map[string][]error // by method: errors returned in turn
+	block  chan struct{}      // if set, RestartProcesses waits on it
 }
 
 func (r *recorder) do(ctx context.Context, method string, d Decision) error {
+	call := fmt.Sprintf("%s #%d %s/%s/%s", method, d.ID, d.Node, d.Pod, d.Process)
+	defer func() {
+		r.mu.Lock()
+		r.events = append(r.events, "end "+call)
+		r.mu.Unlock()
+	}()
 	r.mu.Lock()
-	r.calls = append(r.calls, fmt.Sprintf("%s #%d %s/%s/%s", method, d.ID, d.Node, d.Pod, d.Process))
+	r.calls = append(r.calls, call)
+	r.events = append(r.events, "start "+call)
 	var err error
 	if errs := r.fail[method]; len(errs) > 0 {
 		err, r.fail[method] = errs[0], errs[1:]
@@ -59,6 +69,12 @@ func (r *recorder) Calls() []string {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return append([]string(nil), r.calls...)
+}
+
+func (r *recorder) Events() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.events...)
 }
 
 // harness runs a watchdog over a real-time policy and collects outcomes.
@@ -265,16 +281,36 @@ func TestWatchdogSerialisesANode(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	h.faults <- Fault{Kind: KindExit, ExitCode: 247, Node: "n1", Pod: "p1", Time: time.Now()}
+	// Once the recreation is dispatched, give it a moment in which it
+	// would start if n1 were not serialised: it must not. (A wrong start
+	// may slip past this window; a right run never fails it.)
+	inFlight := func() float64 {
+		var m dto.Metric
+		h.w.m.inFlight.Write(&m)
+		return m.GetGauge().GetValue()
+	}
+	for inFlight() < 3 {
+		if time.Now().After(deadline) {
+			t.Fatalf("recreation not dispatched; calls %v", ex.Calls())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if slices.ContainsFunc(ex.Events(), func(e string) bool { return strings.HasPrefix(e, "start RecreatePods") }) {
+		t.Fatalf("n1's recreation started while its restart ran: %v", ex.Events())
+	}
 	close(ex.block)
 	var got []string
 	for range 3 {
 		o := h.next(t)
 		got = append(got, o.Decision.Node+" "+o.Decision.Action.String()+" "+o.Result)
 	}
-	// n1's recreation ran after n1's restart finished.
-	calls := ex.Calls()
-	if calls[len(calls)-1] != "RecreatePods #3 n1/p1/" {
-		t.Errorf("calls %v, outcomes %v", calls, got)
+	// n1's recreation started only after n1's restart ended.
+	events := ex.Events()
+	restartEnd := slices.Index(events, "end RestartProcesses #1 n1/p1/0")
+	recreate := slices.Index(events, "start RecreatePods #3 n1/p1/")
+	if restartEnd < 0 || recreate < restartEnd {
+		t.Errorf("events %v, outcomes %v: want #3 to start after #1 ended", events, got)
 	}
 	h.w.Close()
 	if err := h.wait(t); err != nil {
