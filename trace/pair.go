@@ -167,7 +167,8 @@ func (p *Pairer) Add(rec *Record) (Range, bool) {
 }
 
 // evict drops the oldest open starts beyond MaxOpen and compacts the
-// order queue, whose entries for starts already ended are stale.
+// order queue, whose entries for starts already ended are stale and whose
+// consumed head would otherwise keep growing.
 func (p *Pairer) evict() {
 	for len(p.open) > p.maxOpen() {
 		k, seq := p.order[p.ohead], p.oseq[p.ohead]
@@ -177,7 +178,7 @@ func (p *Pairer) evict() {
 			p.stats.Evicted++
 		}
 	}
-	if len(p.order)-p.ohead > 2*len(p.open)+1024 {
+	if len(p.order)-p.ohead > 2*len(p.open)+1024 || (p.ohead > 1024 && p.ohead > len(p.order)/2) {
 		keep := p.order[:0]
 		kseq := p.oseq[:0]
 		for i := p.ohead; i < len(p.order); i++ {

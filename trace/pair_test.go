@@ -56,6 +56,15 @@ func TestPairerBounded(t *testing.T) {
 	if len(p.names) > 100 || len(p.order)-p.ohead > 2*len(p.open)+1024 {
 		t.Fatalf("memory not bounded: %d names, %d queued", len(p.names), len(p.order)-p.ohead)
 	}
+	// A long stream of starts whose ends never come: what the pairer
+	// holds, consumed queue heads included, stays bounded.
+	for i := range uint64(200000) {
+		p.Add(rec(FlagHostStart, 0, 10000+i, i, "x", DomainDefault))
+	}
+	if n := max(cap(p.order), cap(p.oseq), cap(p.norder)); n > 8*100+4096 {
+		t.Fatalf("memory not bounded: queues of %d, %d and %d entries for %d open starts",
+			cap(p.order), cap(p.oseq), cap(p.norder), len(p.open))
+	}
 }
 
 // TestPairerProperty interleaves many nested ranges at random, some with
