@@ -28,6 +28,7 @@ const (
 	DefaultHistoryPoints         = 240
 	DefaultPollInterval          = time.Second
 	DefaultMaxPendingRanges      = 1 << 14
+	DefaultMaxRanks              = 1 << 16
 )
 
 // Config configures a Detector, and Analyze and Watch, which drive one.
@@ -81,6 +82,10 @@ type Config struct {
 	// MaxPendingRanges bounds the ranges a rank may accumulate inside
 	// one step; beyond it ranges are dropped and counted. Default 16384.
 	MaxPendingRanges int
+	// MaxRanks bounds the ranks a Detector keeps state for (a few KiB
+	// each); input for further ranks is counted and ignored. Default
+	// 65536.
+	MaxRanks int
 
 	// Nodes maps ranks to host names (from a rank table, see
 	// ParseRankTable). Ranks not in it are mapped by RanksPerNode.
@@ -154,6 +159,8 @@ func (c Config) Validate() error {
 		return bad("HistoryPoints", c.HistoryPoints, "is outside [0, 65536]")
 	case c.MaxPendingRanges < 0:
 		return bad("MaxPendingRanges", c.MaxPendingRanges, "is negative")
+	case c.MaxRanks < 0:
+		return bad("MaxRanks", c.MaxRanks, "is negative")
 	case c.RanksPerNode < 0:
 		return bad("RanksPerNode", c.RanksPerNode, "is negative")
 	case c.PollInterval < 0:
@@ -190,6 +197,7 @@ func (c *Config) setDefaults() {
 	def(&c.Horizon, DefaultHorizon)
 	def(&c.HistoryPoints, DefaultHistoryPoints)
 	def(&c.MaxPendingRanges, DefaultMaxPendingRanges)
+	def(&c.MaxRanks, DefaultMaxRanks)
 	def(&c.RanksPerNode, DefaultRanksPerNode)
 	if c.TrailingGap == 0 {
 		c.TrailingGap = DefaultTrailingGap

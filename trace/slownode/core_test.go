@@ -338,6 +338,7 @@ func TestConfigValidateNamesTheField(t *testing.T) {
 		{Config{TrailingGap: -1}, "TrailingGap"},
 		{Config{HistoryPoints: -1}, "HistoryPoints"},
 		{Config{MaxPendingRanges: -1}, "MaxPendingRanges"},
+		{Config{MaxRanks: -1}, "MaxRanks"},
 		{Config{RanksPerNode: -8}, "RanksPerNode"},
 		{Config{PollInterval: -time.Second}, "PollInterval"},
 		{Config{Nodes: map[int]string{-1: "x"}}, "Nodes"},
@@ -352,5 +353,35 @@ func TestConfigValidateNamesTheField(t *testing.T) {
 	}
 	if err := (Config{}).Validate(); err != nil {
 		t.Errorf("zero Config: %v", err)
+	}
+}
+
+func TestHostileInputIsBounded(t *testing.T) {
+	d, err := New(Config{MaxRanks: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A parallel_group.json naming a million ranks, and ops naming
+	// ever new communicators.
+	huge := make([]int, 1_000_000)
+	for i := range huge {
+		huge[i] = i
+	}
+	d.AddGroups(trace.ParallelGroups{"g": {GroupName: "pp", GlobalRanks: huge}})
+	for i := range 3 * maxOps {
+		name := commName("HcclAllReduce", fmt.Sprint("g", i))
+		d.Add(i%10, rng(name, trace.DomainCommunication, uint64(i), uint64(i)+1))
+	}
+	if len(d.ranks) != 100 || d.Stats().IgnoredRanks != 1_000_000-100 {
+		t.Errorf("%d ranks kept, %d ignored", len(d.ranks), d.Stats().IgnoredRanks)
+	}
+	if len(d.ops) > maxOps+1 || len(d.opIdx) > maxOpCache || len(d.groups) > maxGroups {
+		t.Errorf("%d ops, %d cached names, %d groups", len(d.ops), len(d.opIdx), len(d.groups))
+	}
+	for i := range 10 {
+		d.Add(i, rng("step 1", trace.DomainDefault, 0, uint64(4*maxOps)))
+	}
+	if _, err := d.Result().Marshal(); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -28,8 +28,12 @@ const (
 	numMetrics
 )
 
-// maxOpCache bounds the interned communication op names.
-const maxOpCache = 4096
+// Bounds on what hostile or unusual input can make the detector keep.
+const (
+	maxOpCache = 4096    // op names (JSON) whose parse is cached
+	maxOps     = 1 << 14 // distinct (communicator, op) pairs
+	maxGroups  = 1 << 14 // communicators
+)
 
 // minSpread floors the robust σ of a peer set at this fraction of its
 // median, so that near-identical peers do not make noise significant.
@@ -37,16 +41,17 @@ const minSpread = 0.01
 
 // Stats counts input the Detector set aside.
 type Stats struct {
-	Ranges         uint64 // ranges taken
-	Steps          uint64 // rank steps taken
-	Evaluated      uint64 // job steps evaluated
-	IgnoredRanges  uint64 // ranges of no kind the detector uses
-	BadRanges      uint64 // ranges that end before they start
-	BadCommOps     uint64 // communication ranges whose name is not an op
-	DroppedRanges  uint64 // ranges beyond MaxPendingRanges in one step
-	LateSteps      uint64 // rank steps that arrived after their step was evaluated
-	RepeatedSteps  uint64 // rank steps not after the rank's previous one
-	IncompleteRows uint64 // steps evaluated before every live rank had reported them
+	Ranges         uint64 `json:"ranges"`         // ranges taken
+	Steps          uint64 `json:"steps"`          // rank steps taken
+	Evaluated      uint64 `json:"evaluated"`      // job steps evaluated
+	IgnoredRanges  uint64 `json:"ignoredRanges"`  // ranges of no kind the detector uses, or of an ignored rank
+	IgnoredRanks   uint64 `json:"ignoredRanks"`   // ranks refused: negative, or beyond MaxRanks
+	BadRanges      uint64 `json:"badRanges"`      // ranges that end before they start
+	BadCommOps     uint64 `json:"badCommOps"`     // communication ranges whose name is not an op
+	DroppedRanges  uint64 `json:"droppedRanges"`  // ranges beyond MaxPendingRanges in one step
+	LateSteps      uint64 `json:"lateSteps"`      // rank steps that arrived after their step was evaluated
+	RepeatedSteps  uint64 `json:"repeatedSteps"`  // rank steps not after the rank's previous one
+	IncompleteRows uint64 `json:"incompleteRows"` // steps evaluated before every live rank had reported them
 }
 
 // Detector is the streaming core: it takes ranges (or whole steps) per
@@ -65,8 +70,10 @@ type Detector struct {
 	groups []*group
 	gindex map[string]int32
 
-	ops   []commOp
-	opIdx map[string]int32
+	ops        []commOp
+	opIdx      map[string]int32
+	opKey      map[string]int32
+	opOverflow int32
 
 	rows      map[int64]*row
 	open      []int64 // steps with a row, increasing
@@ -98,7 +105,6 @@ type rankState struct {
 	stage   int
 	groups  []int32 // communicators, in the order of cell.comm
 	win     [numMetrics]window
-	hasData [numMetrics]bool
 	commWin window // total communication
 	best    float64
 	bestEp  int
@@ -139,16 +145,18 @@ func New(cfg Config) (*Detector, error) {
 	cfg.setDefaults()
 	cfg.Nodes = maps.Clone(cfg.Nodes) // setNode must not write to the caller's map
 	d := &Detector{
-		cfg:       cfg,
-		index:     make(map[int]int32),
-		lastIdx:   -1,
-		gindex:    make(map[string]int32),
-		opIdx:     make(map[string]int32),
-		rows:      make(map[int64]*row),
-		findings:  make(map[findingKey]*finding),
-		firstStep: -1,
-		maxStep:   -1,
-		evaluated: -1,
+		cfg:        cfg,
+		index:      make(map[int]int32),
+		lastIdx:    -1,
+		gindex:     make(map[string]int32),
+		opIdx:      make(map[string]int32),
+		opKey:      make(map[string]int32),
+		opOverflow: -1,
+		rows:       make(map[int64]*row),
+		findings:   make(map[findingKey]*finding),
+		firstStep:  -1,
+		maxStep:    -1,
+		evaluated:  -1,
 	}
 	d.job = newJobState(&d.cfg)
 	return d, nil
@@ -167,13 +175,18 @@ func (d *Detector) nodeOf(rank int) string {
 	return fmt.Sprintf("node-%d", rank/d.cfg.RanksPerNode)
 }
 
-// rankIdx returns the dense index of rank, adding it when new.
+// rankIdx returns the dense index of rank, adding it when new, or -1
+// for a rank beyond MaxRanks.
 func (d *Detector) rankIdx(rank int) int32 {
 	if d.lastIdx >= 0 && d.ranks[d.lastIdx].rank == rank {
 		return d.lastIdx
 	}
 	i, ok := d.index[rank]
 	if !ok {
+		if rank < 0 || len(d.ranks) >= d.cfg.MaxRanks {
+			d.stats.IgnoredRanks++
+			return -1
+		}
 		i = int32(len(d.ranks))
 		rs := &rankState{rank: rank, node: d.nodeOf(rank), last: -1,
 			hist: newSeries(d.cfg.HistoryPoints), histC: newSeries(d.cfg.HistoryPoints)}
@@ -196,11 +209,7 @@ func (d *Detector) rankIdx(rank int) int32 {
 
 // AddRank declares a rank of the job before it reports anything, so that
 // steps wait for it (until it is silent) and it is listed.
-func (d *Detector) AddRank(rank int) {
-	if rank >= 0 {
-		d.rankIdx(rank)
-	}
-}
+func (d *Detector) AddRank(rank int) { d.rankIdx(rank) }
 
 // AddGroups declares the communicators of a rank's parallel_group.json:
 // their kind ("tp", "dp", "pp", ...) and members. A communicator declared
@@ -214,6 +223,9 @@ func (d *Detector) AddGroups(g trace.ParallelGroups) {
 	for _, name := range names {
 		p := g[name]
 		gi := d.groupIdx(name)
+		if gi < 0 {
+			continue
+		}
 		gr := d.groups[gi]
 		if gr.declared {
 			continue
@@ -221,29 +233,30 @@ func (d *Detector) AddGroups(g trace.ParallelGroups) {
 		gr.declared = true
 		gr.kind = p.GroupName
 		gr.pp = strings.EqualFold(p.GroupName, "pp")
+		members := make([]int32, 0, len(p.GlobalRanks))
 		for pos, r := range p.GlobalRanks {
-			if r < 0 {
+			ri := d.rankIdx(r)
+			if ri < 0 {
 				continue
 			}
-			ri := d.rankIdx(r)
 			d.join(ri, gi)
 			if gr.pp {
 				d.ranks[ri].stage = pos
 			}
+			members = append(members, ri)
 		}
-		// Keep declared order (a PP group's order is its stages).
-		gr.members = gr.members[:0]
-		for _, r := range p.GlobalRanks {
-			if r >= 0 {
-				gr.members = append(gr.members, d.index[r])
-			}
-		}
+		gr.members = members // in declared order: a PP group's is its stages
 	}
 }
 
+// groupIdx returns the index of the communicator name, adding it when
+// new, or -1 beyond maxGroups.
 func (d *Detector) groupIdx(name string) int32 {
 	if i, ok := d.gindex[name]; ok {
 		return i
+	}
+	if len(d.groups) >= maxGroups {
+		return -1
 	}
 	i := int32(len(d.groups))
 	d.groups = append(d.groups, &group{name: name})
@@ -268,7 +281,8 @@ func (d *Detector) join(ri, gi int32) int {
 // Add takes a completed range of rank, in the order the rank's file holds
 // them. Ranges of no kind the detector uses are counted and ignored.
 func (d *Detector) Add(rank int, r trace.Range) {
-	if rank < 0 {
+	ri := d.rankIdx(rank)
+	if ri < 0 {
 		d.stats.IgnoredRanges++
 		return
 	}
@@ -277,7 +291,6 @@ func (d *Detector) Add(rank int, r trace.Range) {
 		d.stats.BadRanges++
 		return
 	}
-	ri := d.rankIdx(rank)
 	rs := d.ranks[ri]
 	a := &rs.asm
 	var kind spanKind
@@ -291,8 +304,7 @@ func (d *Detector) Add(rank int, r trace.Range) {
 				d.stats.BadCommOps++
 				return
 			}
-			i = int32(len(d.ops))
-			d.ops = append(d.ops, commOp{group: c.GroupName, op: c.OpName, send: isSend(c.OpName)})
+			i = d.opOf(c.GroupName, c.OpName)
 			if len(d.opIdx) < maxOpCache {
 				d.opIdx[r.Name] = i
 			}
@@ -344,11 +356,36 @@ func (d *Detector) Add(rank int, r trace.Range) {
 // agent). Steps of one rank must come in increasing order; others are
 // counted and dropped.
 func (d *Detector) AddStep(rank int, st Step) {
-	if rank < 0 || st.Number < 0 {
+	ri := d.rankIdx(rank)
+	switch {
+	case ri < 0:
+		return
+	case st.Number < 0:
 		d.stats.RepeatedSteps++
 		return
 	}
-	d.addStep(d.rankIdx(rank), &st)
+	d.addStep(ri, &st)
+}
+
+// opOf interns a (communicator, op) pair. Beyond maxOps distinct pairs,
+// further ones share one entry with no communicator: their time still
+// counts for the rank, not for a communicator.
+func (d *Detector) opOf(group, op string) int32 {
+	k := group + "\x00" + op
+	if i, ok := d.opKey[k]; ok {
+		return i
+	}
+	if len(d.ops) >= maxOps {
+		if d.opOverflow < 0 {
+			d.opOverflow = int32(len(d.ops))
+			d.ops = append(d.ops, commOp{})
+		}
+		return d.opOverflow
+	}
+	i := int32(len(d.ops))
+	d.ops = append(d.ops, commOp{group: group, op: op, send: isSend(op)})
+	d.opKey[k] = i
+	return i
 }
 
 func ms(d time.Duration) float64 { return float64(d) / 1e6 }
@@ -414,7 +451,11 @@ func (d *Detector) addStep(ri int32, st *Step) {
 			if ct.Group == "" {
 				continue
 			}
-			slot := d.join(ri, d.groupIdx(ct.Group))
+			gi := d.groupIdx(ct.Group)
+			if gi < 0 {
+				continue
+			}
+			slot := d.join(ri, gi)
 			for len(c.comm) <= slot {
 				c.comm = append(c.comm, nan)
 			}

@@ -76,7 +76,6 @@ func (d *Detector) evaluate(rw *row) {
 		for m := metric(0); m < numMetrics; m++ {
 			if v := c.m[m]; !math.IsNaN(v) {
 				rs.win[m].push(v)
-				rs.hasData[m] = true
 			}
 		}
 		rs.hist.add(s, c.m[mStep])

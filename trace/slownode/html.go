@@ -21,8 +21,8 @@ func WriteHTML(w io.Writer, r *Result) error {
 	page := htmlPage{R: r, Ranks: rankedRanks(r)}
 	if r.History != nil {
 		page.Charts = []chart{
-			buildChart("Step time per rank (ms)", r, func(s Series2) []Point { return s.Step }, r.History.JobStep),
-			buildChart("Compute time per rank (ms)", r, func(s Series2) []Point { return s.Compute }, r.History.JobCompute),
+			buildChart("Step time per rank (ms)", r, func(s RankHistory) []Point { return s.Step }, r.History.JobStep),
+			buildChart("Compute time per rank (ms)", r, func(s RankHistory) []Point { return s.Compute }, r.History.JobCompute),
 		}
 	}
 	if err := htmlTemplate.Execute(w, page); err != nil {
@@ -62,7 +62,7 @@ const (
 	padL, padR, padTop, padBott = 60, 120, 10, 30
 )
 
-func buildChart(title string, r *Result, pick func(Series2) []Point, job []Point) chart {
+func buildChart(title string, r *Result, pick func(RankHistory) []Point, job []Point) chart {
 	c := chart{Title: title, W: chartW, H: chartH}
 	type sel struct {
 		rank int

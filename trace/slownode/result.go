@@ -82,7 +82,7 @@ type RankSummary struct {
 	FPBPMs          float64  `json:"fpbpMs"`
 	TrailingMs      float64  `json:"trailingMs"`
 	DataLoaderMs    float64  `json:"dataloaderMs"`
-	CheckpointMs    float64  `json:"checkpointMs"`
+	CheckpointMs    float64  `json:"checkpointMs"` // median of the recent saves among the last Window steps
 	CommMs          float64  `json:"commMs"`
 	SendMs          float64  `json:"sendMs"`
 	RelativeScore   float64  `json:"relativeScore"`
@@ -103,13 +103,13 @@ type InputStats struct {
 
 // History is what the charts of the HTML report draw.
 type History struct {
-	JobStep    []Point         // median over ranks of each step time
-	JobCompute []Point         // median over ranks of each compute time
-	Ranks      map[int]Series2 // per rank
+	JobStep    []Point             // median over ranks of each step time
+	JobCompute []Point             // median over ranks of each compute time
+	Ranks      map[int]RankHistory // per rank
 }
 
-// Series2 is a rank's step and compute time series.
-type Series2 struct {
+// RankHistory is a rank's step and compute time series.
+type RankHistory struct {
 	Step, Compute []Point
 }
 
@@ -379,9 +379,9 @@ func (d *Detector) Result() *Result {
 		r.Ranks = []RankSummary{}
 	}
 
-	h := &History{JobStep: d.job.hist.points(), JobCompute: d.job.histC.points(), Ranks: make(map[int]Series2, len(d.ranks))}
+	h := &History{JobStep: d.job.hist.points(), JobCompute: d.job.histC.points(), Ranks: make(map[int]RankHistory, len(d.ranks))}
 	for _, rs := range d.ranks {
-		h.Ranks[rs.rank] = Series2{Step: rs.hist.points(), Compute: rs.histC.points()}
+		h.Ranks[rs.rank] = RankHistory{Step: rs.hist.points(), Compute: rs.histC.points()}
 	}
 	r.History = h
 	return r

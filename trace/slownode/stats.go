@@ -100,6 +100,7 @@ func (w *window) reset() { w.next, w.full = 0, false }
 // when full, adjacent points are merged (averaged) and the stride doubles,
 // so memory stays fixed however long a job runs.
 type series struct {
+	max    int // points kept; the slice is allocated at the first point
 	pts    []Point
 	stride int64 // steps per point
 	acc    Point // point being accumulated
@@ -113,13 +114,14 @@ type Point struct {
 	Value float64 `json:"ms"`
 }
 
-func newSeries(capacity int) series {
-	return series{pts: make([]Point, 0, capacity), stride: 1}
-}
+func newSeries(capacity int) series { return series{max: capacity, stride: 1} }
 
 func (s *series) add(step int64, v float64) {
-	if cap(s.pts) == 0 || math.IsNaN(v) {
+	if s.max == 0 || math.IsNaN(v) {
 		return
+	}
+	if s.pts == nil {
+		s.pts = make([]Point, 0, s.max)
 	}
 	if s.accN == 0 {
 		s.acc.Step = step

@@ -107,7 +107,7 @@ func TestBadRangesAreCountedNotFatal(t *testing.T) {
 	d.Add(0, rng("step x", "", 0, 10))  // no number: follows the last (none: 0)
 	d.Add(0, rng("step 0", "", 10, 20)) // repeated
 	st := d.Stats()
-	want := Stats{Ranges: 11, Steps: 2, Evaluated: 1, IgnoredRanges: 2, BadRanges: 1, BadCommOps: 1, DroppedRanges: 2, RepeatedSteps: 1}
+	want := Stats{Ranges: 11, Steps: 2, Evaluated: 1, IgnoredRanges: 2, IgnoredRanks: 1, BadRanges: 1, BadCommOps: 1, DroppedRanges: 2, RepeatedSteps: 1}
 	if diff := cmp.Diff(want, st); diff != "" {
 		t.Fatalf("stats (-want +got):\n%s", diff)
 	}
