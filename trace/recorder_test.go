@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -112,6 +113,25 @@ func TestRecorderOffWritesNothing(t *testing.T) {
 	if ents, _ := os.ReadDir(root); len(ents) != 0 {
 		t.Fatalf("files created while off: %v", ents)
 	}
+}
+
+// TestRecorderFlushesPeriodically records without Flush or Close: the
+// records reach the file within FlushInterval, as complete lines.
+func TestRecorderFlushesPeriodically(t *testing.T) {
+	root := t.TempDir()
+	rec := newTestRecorder(t, RecorderConfig{Root: root, Switch: AllOn(), FlushInterval: 50 * time.Millisecond})
+	rec.StartStep(1, 0, 0).End()
+	dir := filepath.Join(root, "job", "0")
+	waitFor(t, "the periodic flush", func() bool {
+		if _, err := os.Stat(dir); err != nil {
+			return false
+		}
+		recs, st := readAll(t, dir)
+		if st.GarbageLines != 0 {
+			t.Fatalf("garbage after a periodic flush: %v", st.LastGarbage)
+		}
+		return len(recs) == 2
+	})
 }
 
 func TestRecorderSwitchPerKind(t *testing.T) {
