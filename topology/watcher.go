@@ -33,7 +33,7 @@ type WatcherConfig struct {
 	DisableInotify bool
 	// OnChange, if set, is called on Run's goroutine with the topology in
 	// force when Run starts, if any, and with each new one after. It must
-	// not block for long.
+	// not block for long, nor call Close.
 	OnChange func(*Topology)
 	// Logger receives reload failures; nil discards them.
 	Logger *slog.Logger
