@@ -121,6 +121,7 @@ type Ager struct {
 	closing chan struct{}
 	once    sync.Once
 	m       *agerMetrics
+	reg     prometheus.Registerer // where m is registered, nil without metrics
 
 	mu       sync.Mutex
 	stats    AgerStats
@@ -133,6 +134,10 @@ type agerMetrics struct {
 	deletedBytes prometheus.Counter
 	errors       prometheus.Counter
 	scans        *prometheus.CounterVec
+}
+
+func (m *agerMetrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.bytes, m.deletedFiles, m.deletedBytes, m.errors, m.scans}
 }
 
 // NewAger returns an Ager; Run does the checking, Check one check.
@@ -175,12 +180,15 @@ func NewAger(cfg AgerConfig) (*Ager, error) {
 			scans: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "faultline_trace_ager_checks_total",
 				Help: "Checks of the dotting root, by kind (light, full)."}, []string{"kind"}),
 		}
-		for _, c := range []prometheus.Collector{m.bytes, m.deletedFiles, m.deletedBytes, m.errors, m.scans} {
+		for i, c := range m.collectors() {
 			if err := cfg.Registerer.Register(c); err != nil {
+				for _, d := range m.collectors()[:i] {
+					cfg.Registerer.Unregister(d)
+				}
 				return nil, fmt.Errorf("trace: register ager metrics: %w", err)
 			}
 		}
-		a.m = m
+		a.m, a.reg = m, cfg.Registerer
 	}
 	return a, nil
 }
@@ -209,9 +217,17 @@ func (a *Ager) Run(ctx context.Context) error {
 	}
 }
 
-// Close stops Run and waits for it to return. It is idempotent.
+// Close stops Run, waits for it to return and unregisters the metrics. It
+// is idempotent.
 func (a *Ager) Close() error {
-	a.once.Do(func() { close(a.closing) })
+	a.once.Do(func() {
+		close(a.closing)
+		if a.reg != nil {
+			for _, c := range a.m.collectors() {
+				a.reg.Unregister(c)
+			}
+		}
+	})
 	a.running.Lock() // held by Run until it returns
 	a.running.Unlock()
 	return nil

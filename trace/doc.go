@@ -135,7 +135,9 @@
 //
 // # Metrics
 //
-// With a prometheus.Registerer in the config:
+// With a prometheus.Registerer in the config (registered by the
+// constructor, unregistered by Close; two live objects of one type collide
+// on one Registerer, which is an error of the second constructor):
 //
 //	faultline_trace_records_written_total{domain}
 //	faultline_trace_records_dropped_total{domain,reason="buffer_full"|"write_error"}

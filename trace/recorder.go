@@ -100,14 +100,15 @@ type Recorder struct {
 
 	dropped [numDomains]atomic.Uint64 // ring full
 
-	w        *Writer
-	cfg      RecorderConfig
-	reqs     chan func(*Writer)
-	stop     chan struct{}
-	done     chan struct{}
-	swMu     sync.Mutex
-	stopOnce sync.Once
-	closeErr error
+	w          *Writer
+	cfg        RecorderConfig
+	reqs       chan func(*Writer)
+	stop       chan struct{}
+	done       chan struct{}
+	swMu       sync.Mutex
+	stopOnce   sync.Once
+	closeErr   error
+	unregister func() // undoes the metrics' registration; nil without a Registerer
 }
 
 // NewRecorder starts a Recorder and the goroutine that writes its records.
@@ -145,9 +146,11 @@ func NewRecorder(ctx context.Context, cfg RecorderConfig) (*Recorder, error) {
 	}
 	r.bits.Store(bitOpen | switchBits(cfg.Switch))
 	if cfg.Registerer != nil {
-		if err := cfg.Registerer.Register(newStatsCollector(w.c, &r.dropped, &r.bits)); err != nil {
+		c := newStatsCollector(w.c, &r.dropped, &r.bits)
+		if err := cfg.Registerer.Register(c); err != nil {
 			return nil, fmt.Errorf("trace: register recorder metrics: %w", err)
 		}
+		r.unregister = func() { cfg.Registerer.Unregister(c) }
 	}
 	go r.loop(ctx)
 	return r, nil
@@ -442,9 +445,15 @@ func (r *Recorder) Stats() Stats {
 }
 
 // Close stops recording, writes what is buffered, fsyncs and closes the
-// file. It is idempotent and returns the final write error, if any.
+// file, and unregisters the metrics. It is idempotent and returns the
+// final write error, if any.
 func (r *Recorder) Close() error {
-	r.stopOnce.Do(func() { close(r.stop) })
+	r.stopOnce.Do(func() {
+		close(r.stop)
+		if r.unregister != nil {
+			r.unregister()
+		}
+	})
 	<-r.done
 	return r.closeErr
 }

@@ -3,6 +3,7 @@ package trace
 import (
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -262,6 +263,50 @@ func TestRecorderMetrics(t *testing.T) {
 	}
 	if n := gatherValue(t, reg, "faultline_trace_written_bytes_total"); n <= 0 {
 		t.Errorf("written bytes %v", n)
+	}
+}
+
+// TestCloseUnregistersMetrics builds each metered type twice on one
+// registry: the second collides while the first lives, and registers once
+// it is closed.
+func TestCloseUnregistersMetrics(t *testing.T) {
+	root := t.TempDir()
+	for _, tc := range []struct {
+		name string
+		make func(prometheus.Registerer) (io.Closer, error)
+	}{
+		{"Writer", func(reg prometheus.Registerer) (io.Closer, error) {
+			return NewWriter(WriterConfig{Root: root, Job: "job", Registerer: reg})
+		}},
+		{"Recorder", func(reg prometheus.Registerer) (io.Closer, error) {
+			return NewRecorder(context.Background(), RecorderConfig{Root: root, Job: "job", Registerer: reg})
+		}},
+		{"Ager", func(reg prometheus.Registerer) (io.Closer, error) {
+			return NewAger(AgerConfig{Root: root, Registerer: reg})
+		}},
+		{"SwitchWatcher", func(reg prometheus.Registerer) (io.Closer, error) {
+			return NewSwitchWatcher(SwitchWatcherConfig{Path: filepath.Join(root, "switch"), Registerer: reg})
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reg := prometheus.NewPedanticRegistry()
+			first, err := tc.make(reg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if second, err := tc.make(reg); err == nil {
+				second.Close()
+				t.Fatal("a second one registered its metrics beside the first")
+			}
+			if err := first.Close(); err != nil {
+				t.Fatal(err)
+			}
+			again, err := tc.make(reg)
+			if err != nil {
+				t.Fatalf("after Close: %v", err)
+			}
+			again.Close()
+		})
 	}
 }
 

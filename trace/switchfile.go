@@ -58,7 +58,7 @@ func (c SwitchWatcherConfig) Validate() error {
 // reported (Err, log, metric) and the last good switch stays in force.
 type SwitchWatcher struct {
 	cfg     SwitchWatcherConfig
-	loads   *prometheus.CounterVec
+	loads   *prometheus.CounterVec // nil without a Registerer
 	closing chan struct{}
 	once    sync.Once
 	running sync.Mutex
@@ -177,9 +177,15 @@ func (w *SwitchWatcher) Run(ctx context.Context) error {
 	}
 }
 
-// Close stops Run and waits for it to return. It is idempotent.
+// Close stops Run, waits for it to return and unregisters the metrics. It
+// is idempotent.
 func (w *SwitchWatcher) Close() error {
-	w.once.Do(func() { close(w.closing) })
+	w.once.Do(func() {
+		close(w.closing)
+		if w.loads != nil {
+			w.cfg.Registerer.Unregister(w.loads)
+		}
+	})
 	w.running.Lock() // held by Run until it returns
 	w.running.Unlock()
 	return nil

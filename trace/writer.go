@@ -170,8 +170,9 @@ type Writer struct {
 	lastLog    time.Time
 	lastLogMsg string
 
-	c      *counters
-	closed bool
+	c          *counters
+	closed     bool
+	unregister func() // undoes the metrics' registration; nil without a Registerer
 }
 
 // NewWriter returns a Writer; it touches no file until the first record.
@@ -187,9 +188,11 @@ func NewWriter(cfg WriterConfig) (*Writer, error) {
 		backoff.WithMaxInterval(30*time.Second),
 		backoff.WithMaxElapsedTime(0))
 	if cfg.Registerer != nil {
-		if err := cfg.Registerer.Register(newStatsCollector(w.c, nil, nil)); err != nil {
+		c := newStatsCollector(w.c, nil, nil)
+		if err := cfg.Registerer.Register(c); err != nil {
 			return nil, fmt.Errorf("trace: register writer metrics: %w", err)
 		}
+		w.unregister = func() { cfg.Registerer.Unregister(c) }
 	}
 	return w, nil
 }
@@ -317,10 +320,14 @@ func (w *Writer) Sync() error {
 	return nil
 }
 
-// Close flushes, fsyncs and closes the file. It is idempotent.
+// Close flushes, fsyncs and closes the file, and unregisters the metrics.
+// It is idempotent.
 func (w *Writer) Close() error {
 	if w.closed {
 		return nil
+	}
+	if w.unregister != nil {
+		w.unregister()
 	}
 	err := w.Sync()
 	if cerr := w.closeFile(); err == nil {
