@@ -222,7 +222,8 @@ func worker(rankEnv string) int {
 	if err != nil {
 		return fail(err)
 	}
-	go w.Run(ctx)
+	watched := make(chan error, 1)
+	go func() { watched <- w.Run(ctx) }()
 
 	// Tensor parallelism over pairs of ranks, data parallelism across them.
 	tp := rank / 2 * 2
@@ -266,6 +267,9 @@ func worker(rankEnv string) int {
 		s.End()
 	}
 	w.Close()
+	if err := <-watched; err != nil {
+		return fail(err)
+	}
 	if err := rec.Close(); err != nil {
 		return fail(err)
 	}
