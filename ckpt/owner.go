@@ -224,11 +224,11 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 }
 
 // sweep removes what a killed predecessor left half made for this node's
-// shards: temporary segment files in ShmDir and temporary shard files in
-// the step directories. Other nodes' files, on a shared disk, are left
-// alone.
+// shards: temporary segment files and the larger replica segments of cut
+// transfers in ShmDir, and temporary shard files in the step directories.
+// Other nodes' files, on a shared disk, are left alone.
 func (o *Owner) sweep() {
-	var globs []string
+	globs := []string{filepath.Join(o.cfg.ShmDir, o.cfg.Name+"-replica-*.next")}
 	for _, s := range o.cfg.Shards {
 		globs = append(globs, filepath.Join(o.cfg.ShmDir, "."+filepath.Base(o.SegmentPath(s))+".tmp-*"))
 		if o.cfg.Dir != "" {

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -288,6 +289,25 @@ func TestReplicaPeerKilledMidTransfer(t *testing.T) {
 		t.Fatalf("step %d: %v", ck.Step, err)
 	}
 	t.Logf("%s", rep)
+
+	// The killed peer left the larger segment it was receiving into (unless
+	// it died before reading the request); its successor removes it,
+	// freeing the shared memory.
+	next := filepath.Join(shm, "peer-replica-0.next")
+	if _, err := os.Stat(next); err != nil {
+		t.Logf("the peer died before it made %s; planting one", next)
+		if err := os.WriteFile(next, []byte("cut"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	o, err := NewOwner(OwnerConfig{ShmDir: shm, Name: "peer", Shards: []int{9}, Capacity: 4096})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Remove()
+	if _, err := os.Stat(next); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("%s is left after a new owner started: %v", next, err)
+	}
 }
 
 // childSender is a node agent that saves step 1, copies it to its peer,
