@@ -36,8 +36,11 @@ func Create(name string, perm fs.FileMode) (*File, error) {
 }
 
 // Commit syncs the written data, renames the temporary file to the final
-// name and syncs the directory. After an error the temporary file is
-// removed and the final name keeps its previous content.
+// name and syncs the directory. After an error in the sync or the rename
+// the temporary file is removed and the final name keeps its previous
+// content; an error in syncing the directory comes after the rename, when
+// the new content is in place but may not survive a power loss. A final
+// name that is a symlink is replaced, not followed.
 func (f *File) Commit() error {
 	if f.done {
 		return fmt.Errorf("atomicfile: %s: %w", f.name, os.ErrClosed)
