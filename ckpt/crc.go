@@ -114,12 +114,7 @@ func copyCRC(dst, src [][]byte, workers int) ([]uint32, error) {
 
 	errs := make([]error, workers)
 	run := func(w int) {
-		defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
-		defer func() {
-			if r := recover(); r != nil {
-				errs[w] = asFault(r)
-			}
-		}()
+		defer recoverFault(&errs[w], debug.SetPanicOnFault(true))
 		for i := bounds[w]; i < bounds[w+1]; i++ {
 			p := &pieces[i]
 			s := src[p.blob][p.lo:p.hi]
@@ -170,11 +165,22 @@ func fusedCopyCRC(dst, src []byte) uint32 {
 	return c
 }
 
-// asFault turns the panic of a memory fault (debug.SetPanicOnFault) into
-// an error and re-panics anything else.
-func asFault(r any) error {
-	if f, ok := r.(interface{ Addr() uintptr }); ok {
-		return fmt.Errorf("memory fault at %#x (shared-memory file truncated?): %v", f.Addr(), r)
+// recoverFault is deferred, with the previous setting of
+// debug.SetPanicOnFault, by every function that touches a mapped segment:
+//
+//	defer recoverFault(&err, debug.SetPanicOnFault(true))
+//
+// A segment file cut short under its mapping (say, by a trainer that
+// opened it for writing with truncation) then fails that call with an
+// error in *err instead of killing the process with SIGBUS. Any other
+// panic goes on.
+func recoverFault(err *error, old bool) {
+	debug.SetPanicOnFault(old)
+	if r := recover(); r != nil {
+		f, ok := r.(interface{ Addr() uintptr })
+		if !ok {
+			panic(r)
+		}
+		*err = fmt.Errorf("ckpt: memory fault at %#x (shared-memory file truncated?): %v", f.Addr(), r)
 	}
-	panic(r)
 }

@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"slices"
 )
 
@@ -30,12 +31,13 @@ type SegmentReport struct {
 
 // InspectSegment maps the segment at path read-only and checks both
 // halves, every CRC included. It does not disturb a writer or an owner.
-func InspectSegment(path string) (SegmentReport, error) {
+func InspectSegment(path string) (_ SegmentReport, err error) {
 	seg, err := openSegment(path, true)
 	if err != nil {
 		return SegmentReport{}, err
 	}
 	defer seg.close()
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	r := SegmentReport{Path: path, Header: seg.hdr, NewestHalf: -1}
 	r.Header.Active, r.Header.PersistSeq = seg.active(), seg.persistSeq()
 	for i := range 2 {
@@ -224,12 +226,13 @@ func Verify(dir string, paths ...string) error {
 // a read-only mapping, verifying every CRC, without disturbing a writer or
 // an owner: what a tool or a trainer without an owner at hand uses. The
 // error wraps ErrNoStep and says why each half was refused.
-func LoadSegment(path string) (*Checkpoint, error) {
+func LoadSegment(path string) (_ *Checkpoint, err error) {
 	seg, err := openSegment(path, true)
 	if err != nil {
 		return nil, err
 	}
 	defer seg.close()
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	ck, why := seg.load(0, nil)
 	if ck == nil {
 		return nil, fmt.Errorf("%w in %s: %w", ErrNoStep, path, errors.Join(why...))

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"net"
+	"runtime/debug"
 	"slices"
 	"strings"
 
@@ -85,6 +86,7 @@ func (o *Owner) LoadStep(ctx context.Context, shard int, step int64) (*Checkpoin
 }
 
 func (o *Owner) load(ctx context.Context, shard int, step int64) (ck *Checkpoint, rep LoadReport, err error) {
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	rep = LoadReport{Shard: shard, Step: -1}
 	if err := o.acquire(); err != nil {
 		return nil, rep, err

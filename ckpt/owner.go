@@ -12,6 +12,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"sync"
@@ -314,19 +315,12 @@ func (o *Owner) Run(ctx context.Context) error {
 		}
 		wg.Go(func() { defer busy.Delete(key); f() })
 	}
-	t := time.NewTicker(o.cfg.PollInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-o.closing:
-			return nil
-		case <-t.C:
-		}
-		if o.acquire() != nil {
-			return nil
-		}
+	// poll reads the segments' header words, which fault if a segment
+	// file was cut short under its mapping: that is logged, once, and
+	// polling goes on.
+	lastFault := ""
+	poll := func() (err error) {
+		defer recoverFault(&err, debug.SetPanicOnFault(true))
 		for _, shard := range o.cfg.Shards {
 			seg := o.segs[shard]
 			if req := seg.persistSeq(); req != 0 && req != lastPersist[shard] && o.cfg.Dir != "" {
@@ -354,7 +348,30 @@ func (o *Owner) Run(ctx context.Context) error {
 				}
 			}
 		}
+		return nil
+	}
+	t := time.NewTicker(o.cfg.PollInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-o.closing:
+			return nil
+		case <-t.C:
+		}
+		if o.acquire() != nil {
+			return nil
+		}
+		err := poll()
 		o.ops.RUnlock()
+		switch {
+		case err == nil:
+			lastFault = ""
+		case err.Error() != lastFault:
+			lastFault = err.Error()
+			o.log.Error("ckpt: cannot read a segment", "err", err)
+		}
 	}
 }
 
@@ -371,6 +388,7 @@ func (o *Owner) Persist(ctx context.Context, shard int) (ShardManifest, error) {
 }
 
 func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardManifest, err error) {
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	if o.cfg.Dir == "" {
 		return ShardManifest{}, errors.New("ckpt: persist: OwnerConfig.Dir is empty")
 	}
@@ -449,7 +467,11 @@ func (o *Owner) PersistNewest(ctx context.Context) (int64, error) {
 	if err := o.acquire(); err != nil {
 		return -1, err
 	}
-	steps, _, err := o.intactSteps()
+	steps, err := func() (steps []int64, err error) {
+		defer recoverFault(&err, debug.SetPanicOnFault(true))
+		steps, _, err = o.intactSteps()
+		return steps, err
+	}()
 	o.ops.RUnlock()
 	if err != nil {
 		return -1, err
@@ -573,6 +595,7 @@ func checkBlobs(m StepMeta, half []byte) error {
 // Replicate copies shard's newest step to its peers (PickPeers). It
 // returns the errors of the peers that did not take it.
 func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	if err := o.acquire(); err != nil {
 		return err
 	}
@@ -668,7 +691,8 @@ func (o *Owner) closeConns() {
 }
 
 // handle serves one replica request.
-func (o *Owner) handle(conn net.Conn) error {
+func (o *Owner) handle(conn net.Conn) (err error) {
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	if err := o.acquire(); err != nil {
 		return err
 	}

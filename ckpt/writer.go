@@ -192,12 +192,7 @@ func (w *Writer) save(ctx context.Context, step int64, names []string, sizes []i
 	}()
 	// A segment file cut short under the mapping faults on access: make
 	// that an error of this save, not the death of the trainer.
-	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
-	defer func() {
-		if r := recover(); r != nil {
-			err = fmt.Errorf("ckpt: save to %s: %w", w.cfg.Path, asFault(r))
-		}
-	}()
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	hw, err := w.seg.begin(meta)
 	if errors.Is(err, ErrBusy) {
 		w.m.saveSkipped.Inc()
@@ -225,7 +220,8 @@ var errClosed = errors.New("closed")
 // Persist asks the owner to write step to disk. The step must be the
 // newest one saved. The owner picks the request up asynchronously; the
 // trainer does not wait.
-func (w *Writer) Persist(step int64) error {
+func (w *Writer) Persist(step int64) (err error) {
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.seg == nil {
@@ -258,7 +254,8 @@ func (w *Writer) LoadInto(ctx context.Context, dst *Checkpoint) error {
 	return err
 }
 
-func (w *Writer) load(ctx context.Context, reuse *Checkpoint) (*Checkpoint, error) {
+func (w *Writer) load(ctx context.Context, reuse *Checkpoint) (_ *Checkpoint, err error) {
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	_, span := w.tracer.Start(ctx, "ckpt.LoadMemory")
 	defer span.End()
 	w.mu.Lock()
