@@ -23,13 +23,13 @@ type CommOp struct {
 // AppendJSON appends op's JSON form to dst.
 func (op *CommOp) AppendJSON(dst []byte) []byte {
 	dst = append(dst, `{"opName":`...)
-	dst = AppendJSONString(dst, op.OpName)
+	dst = appendJSONString(dst, op.OpName)
 	dst = append(dst, `,"groupName":`...)
-	dst = AppendJSONString(dst, op.GroupName)
+	dst = appendJSONString(dst, op.GroupName)
 	dst = append(dst, `,"count":"`...)
 	dst = appendUint(dst, op.Count)
 	dst = append(dst, `","dataType":`...)
-	dst = AppendJSONString(dst, op.DataType)
+	dst = appendJSONString(dst, op.DataType)
 	dst = append(dst, `,"streamId":"`...)
 	dst = appendUint(dst, op.StreamID)
 	return append(dst, `"}`...)

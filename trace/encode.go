@@ -81,17 +81,17 @@ func (e *encoder) appendRecord(dst []byte, r *Record, form uint8, step uint64, o
 		if *op != e.op || e.opJSON == nil {
 			e.op = *op
 			e.opScratch = op.AppendJSON(e.opScratch[:0])
-			e.opJSON = appendJSONStringBytes(e.opJSON[:0], e.opScratch)
+			e.opJSON = appendJSONString(e.opJSON[:0], e.opScratch)
 		}
 		dst = append(dst, e.opJSON...)
 	default:
 		if len(r.Name) < memoMinName {
-			dst = AppendJSONString(dst, r.Name)
+			dst = appendJSONString(dst, r.Name)
 			break
 		}
 		if r.Name != e.name || e.nameJSON == nil {
 			e.name = r.Name
-			e.nameJSON = AppendJSONString(e.nameJSON[:0], r.Name)
+			e.nameJSON = appendJSONString(e.nameJSON[:0], r.Name)
 		}
 		dst = append(dst, e.nameJSON...)
 	}

@@ -73,7 +73,7 @@ type Record struct {
 // does not allocate when dst has room.
 func (r *Record) AppendJSON(dst []byte) []byte {
 	dst = r.appendHead(dst)
-	dst = AppendJSONString(dst, r.Name)
+	dst = appendJSONString(dst, r.Name)
 	return r.appendTail(dst)
 }
 
@@ -109,7 +109,7 @@ func (r *Record) appendObject(dst []byte) []byte {
 // appendTail appends the JSON form after the Name's value.
 func (r *Record) appendTail(dst []byte) []byte {
 	dst = append(dst, `,"Domain":`...)
-	dst = AppendJSONString(dst, r.Domain)
+	dst = appendJSONString(dst, r.Domain)
 	return append(dst, '}')
 }
 
@@ -425,14 +425,9 @@ func unescape(raw []byte) ([]byte, bool) {
 
 const hexDigits = "0123456789abcdef"
 
-// AppendJSONString appends s as a JSON string literal. Invalid UTF-8 is
-// replaced by U+FFFD, control characters are escaped, and so are <, > and &
-// so that the output is safe to embed in HTML as encoding/json does.
-func AppendJSONString(dst []byte, s string) []byte { return appendJSONString(dst, s) }
-
-// appendJSONStringBytes is AppendJSONString of a byte slice.
-func appendJSONStringBytes(dst, s []byte) []byte { return appendJSONString(dst, s) }
-
+// appendJSONString appends s as a JSON string literal, as encoding/json
+// writes it: invalid UTF-8 is replaced by U+FFFD, control characters are
+// escaped, and so are <, >, &, U+2028 and U+2029.
 func appendJSONString[T string | []byte](dst []byte, s T) []byte {
 	dst = append(dst, '"')
 	start := 0

@@ -93,11 +93,11 @@ func TestParseRecordErrors(t *testing.T) {
 	}
 }
 
-func TestAppendJSONStringMatchesEncodingJSON(t *testing.T) {
+func TestJSONStringMatchesEncodingJSON(t *testing.T) {
 	for _, s := range []string{"", "plain", `q"uote\back`, "tab\tnl\ncr\r", "\x00\x1f", "<a&b>", "ünï©ødé", "bad\xffutf8", "\u2028\u2029"} {
 		want, _ := json.Marshal(s)
-		if got := AppendJSONString(nil, s); string(got) != string(want) {
-			t.Errorf("AppendJSONString(%q) = %s, want %s", s, got, want)
+		if got := appendJSONString(nil, s); string(got) != string(want) {
+			t.Errorf("appendJSONString(%q) = %s, want %s", s, got, want)
 		}
 	}
 }
