@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math"
 	"path/filepath"
 	"slices"
@@ -348,7 +349,7 @@ func (a *Ager) Check() (AgeReport, error) {
 			unix.Close(r.fd)
 		}
 	}()
-	for _, job := range sortedKeys(a.jobs) {
+	for _, job := range slices.Sorted(maps.Keys(a.jobs)) {
 		ji := a.jobs[job]
 		jobPath := filepath.Join(a.cfg.Root, job)
 		jobfd, err := openDirAt(rootfd, a.cfg.Root, job)
@@ -381,7 +382,7 @@ func (a *Ager) Check() (AgeReport, error) {
 				}
 			}
 		}
-		for _, rank := range sortedKeys(ji.ranks) {
+		for _, rank := range slices.Sorted(maps.Keys(ji.ranks)) {
 			ri := ji.ranks[rank]
 			rankPath := filepath.Join(jobPath, rank)
 			fd, err := openDirAt(jobfd, jobPath, rank)
@@ -560,13 +561,4 @@ func planAging(ranks []openRank, frac float64, keep int) []deletion {
 		}
 	}
 	return plan
-}
-
-func sortedKeys[V any](m map[string]V) []string {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	slices.Sort(keys)
-	return keys
 }
