@@ -45,6 +45,28 @@
 //     switch, ...) run on every Event, so orchestration lands without
 //     touching the transport.
 //
+// # Trainer
+//
+// A training process that wants online recovery, link failover and stress
+// tests implements Trainer and passes it as WorkerConfig.Trainer:
+//
+//	Pause(ctx) (step, error)              stop at the next step boundary
+//	Resume(ctx, ResumeRequest) error      start, or continue (loading Step unless -1)
+//	Strategies(ctx, FaultNotice) ([]Strategy, error)
+//	RetryStep(ctx) error                  redo the interrupted step from memory
+//	SwitchLink(ctx, LinkRequest) error    move device links to standby or primary
+//	StressTest(ctx, StressRequest) error  run a test on its devices
+//	Stop(ctx, reason) error               end training for good
+//
+// The worker makes these calls one at a time, off its receive loop, with a
+// context that ends at the manager's deadline, and acknowledges the
+// manager's message when the call returns; a call the trainer cannot carry
+// out returns an error wrapping ErrUnsupported. A trainer begins paused:
+// the worker resumes it once registered, unless a recovery holds the job,
+// in which case the recovery resumes it together with the other ranks.
+// Orchestration messages travel as application messages whose kinds start
+// with "taskd/"; that prefix is reserved.
+//
 // Security is mutual TLS with certificates read from files and read again
 // when they change (SecurityFromDir takes a Kubernetes TLS secret), a
 // shared token, or both; plaintext only when Security.Insecure is set, and

@@ -585,6 +585,8 @@ type Delivery struct {
 	// *DeliveryError when it refused it, ErrNotConnected when no route to it
 	// existed, or ErrAckTimeout.
 	Err error
+	// reply is the worker's answer to an orchestration message.
+	reply []byte
 }
 
 // Errors of Broadcast.
@@ -606,6 +608,7 @@ func (e *DeliveryError) Error() string { return fmt.Sprintf("taskd: rank %d: %s"
 type delivery struct {
 	waiting map[int]time.Time // rank -> last sent, zero when never routed
 	results map[int]error
+	replies map[int][]byte
 	done    chan struct{}
 }
 
@@ -621,7 +624,7 @@ func (m *Manager) Broadcast(ctx context.Context, to Target, kind string, payload
 	defer cancel()
 	id := m.nextID.Add(1)
 	env := &pb.Envelope{Id: id, Body: &pb.Envelope_Message{Message: &pb.UserMessage{Kind: kind, Payload: payload}}}
-	d := &delivery{waiting: make(map[int]time.Time), results: make(map[int]error), done: make(chan struct{})}
+	d := &delivery{waiting: make(map[int]time.Time), results: make(map[int]error), replies: make(map[int][]byte), done: make(chan struct{})}
 	m.mu.Lock()
 	ranks := m.resolveLocked(to)
 	for _, r := range ranks {
@@ -698,7 +701,7 @@ func (m *Manager) results(d *delivery, ranks []int) []Delivery {
 	defer m.mu.Unlock()
 	out := make([]Delivery, 0, len(ranks))
 	for _, r := range ranks {
-		out = append(out, Delivery{Rank: r, Err: d.results[r]})
+		out = append(out, Delivery{Rank: r, Err: d.results[r], reply: d.replies[r]})
 	}
 	return out
 }
@@ -752,6 +755,9 @@ func (m *Manager) ackLocked(a *pb.Ack, now time.Time) {
 	delete(d.waiting, rank)
 	if a.GetError() != "" {
 		d.results[rank] = &DeliveryError{Rank: rank, Msg: a.GetError()}
+	}
+	if len(a.GetReply()) > 0 {
+		d.replies[rank] = a.GetReply()
 	}
 	if len(d.waiting) == 0 {
 		close(d.done)

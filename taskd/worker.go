@@ -40,6 +40,12 @@ type WorkerConfig struct {
 	// OnMessage handles an application message from the manager; its error
 	// is reported back. Nil acknowledges every message.
 	OnMessage func(Message) error
+	// Trainer is the training loop that orchestration (recovery, link
+	// switch, stress test) pauses, repairs and resumes; see Trainer. The
+	// worker starts it (Resume with Step -1) once registered, unless a
+	// recovery holds the job. Nil: the worker refuses orchestration
+	// messages, and recovery treats its rank as one it cannot pause.
+	Trainer Trainer
 	// QueueSize bounds the reports waiting for the manager (default 1024);
 	// past it ReportFault and Send return ErrQueueFull.
 	QueueSize int
@@ -89,14 +95,17 @@ type Worker struct {
 	self   *pb.Member
 	acks   chan *pb.Ack
 
+	ops chan trainerOp // trainer calls, one at a time
+
 	mu         sync.Mutex
 	sw         trace.Switch
 	hasSwitch  bool
 	swVersion  uint64
-	results    map[uint64]string // recent message ids -> their ack error
+	results    map[uint64]msgResult // recent message ids -> their outcome
 	resultRing []uint64
 	ringNext   int
-	registered int // registrations so far
+	registered int  // registrations so far
+	started    bool // the trainer was started, or left for a recovery to start
 
 	connected atomic.Bool
 	state     atomic.Int32
@@ -128,7 +137,8 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 		client:     pb.NewControlClient(conn),
 		self:       memberPB(RoleWorker, Position{Node: cfg.Node, Rank: cfg.Rank}, newInstanceID()),
 		acks:       make(chan *pb.Ack, 4096),
-		results:    make(map[uint64]string),
+		ops:        make(chan trainerOp, 64),
+		results:    make(map[uint64]msgResult),
 		resultRing: make([]uint64, 1024),
 		closed:     make(chan struct{}),
 		runDone:    make(chan struct{}),
@@ -184,6 +194,13 @@ func (w *Worker) Run(ctx context.Context) error {
 		case <-ctx.Done():
 		}
 	}()
+	var trainer sync.WaitGroup
+	trainer.Add(1)
+	go func() {
+		defer trainer.Done()
+		w.runTrainer(ctx)
+	}()
+	defer trainer.Wait()
 	bo := newBackoff(50*time.Millisecond, w.cfg.ReconnectMax)
 	for {
 		start := time.Now()
@@ -252,7 +269,19 @@ func (w *Worker) session(ctx context.Context) error {
 	if w.registered > 1 {
 		w.met.reconnects.Inc()
 	}
+	start := !w.started && w.cfg.Trainer != nil && !resp.GetHeld()
+	if resp.GetHeld() {
+		w.log.Info("taskd: an orchestration holds the job; the trainer waits for it to resume")
+	}
+	w.started = true
 	w.mu.Unlock()
+	if start {
+		select {
+		case w.ops <- trainerOp{kind: kindResume, payload: []byte(`{"resume":{"step":-1}}`)}:
+		case <-ctx.Done():
+			return nil
+		}
+	}
 	w.connected.Store(true)
 	defer w.connected.Store(false)
 	w.log.Debug("taskd: registered", "upstream", w.cfg.Upstream)
@@ -312,24 +341,34 @@ func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *
 // handle applies one envelope and queues its acknowledgement.
 func (w *Worker) handle(env *pb.Envelope) {
 	var errMsg, kind string
+	var reply []byte
 	switch body := env.GetBody().(type) {
 	case *pb.Envelope_Switch:
 		kind = "switch"
 		errMsg = w.applySwitch(body.Switch.GetVersion(), body.Switch.GetDocument())
 	case *pb.Envelope_Message:
 		kind = "message"
-		errMsg = w.applyMessage(env.GetId(), body.Message)
+		res := w.applyMessage(env.GetId(), body.Message)
+		if !res.done {
+			return // acknowledged when the trainer call ends
+		}
+		errMsg, reply = res.err, res.reply
 	default:
 		kind = "other"
 		errMsg = "taskd: a worker does not handle this message"
 	}
+	w.ack(env.GetId(), kind, errMsg, reply)
+}
+
+// ack counts a message handled and queues its acknowledgement.
+func (w *Worker) ack(id uint64, kind, errMsg string, reply []byte) {
 	result := "ok"
 	if errMsg != "" {
 		result = "error"
 	}
 	w.met.applied.WithLabelValues(kind, result).Inc()
 	select {
-	case w.acks <- &pb.Ack{Id: env.GetId(), From: w.self, Error: errMsg}:
+	case w.acks <- &pb.Ack{Id: id, From: w.self, Error: errMsg, Reply: reply}:
 	default: // the manager re-sends what it does not see acknowledged
 	}
 }
@@ -360,28 +399,108 @@ func (w *Worker) applySwitch(version uint64, doc string) string {
 	return ""
 }
 
-// applyMessage hands a message to OnMessage once; a re-sent copy gets the
-// first result again.
-func (w *Worker) applyMessage(id uint64, msg *pb.UserMessage) string {
+// msgResult is the outcome of a message: its ack error and reply, or not
+// done while a trainer call for it runs.
+type msgResult struct {
+	err   string
+	reply []byte
+	done  bool
+}
+
+// trainerOp is one call of the trainer: an orchestration message (id > 0)
+// or the start (id 0).
+type trainerOp struct {
+	id      uint64
+	kind    string
+	payload []byte
+}
+
+// applyMessage hands a message to OnMessage, or an orchestration message
+// to the trainer, once; a re-sent copy gets the first result again, or
+// nothing while the trainer call runs.
+func (w *Worker) applyMessage(id uint64, msg *pb.UserMessage) msgResult {
 	w.mu.Lock()
 	if res, seen := w.results[id]; seen {
 		w.mu.Unlock()
 		return res
 	}
 	w.mu.Unlock()
-	var res string
-	if w.cfg.OnMessage != nil {
-		if err := w.cfg.OnMessage(Message{ID: strconv.FormatUint(id, 10), Kind: msg.GetKind(), Payload: msg.GetPayload()}); err != nil {
-			res = err.Error()
+	if isOrchestration(msg.GetKind()) {
+		if w.cfg.Trainer == nil {
+			res := msgResult{err: "taskd: this worker has no trainer", done: true}
+			w.remember(id, res)
+			return res
+		}
+		w.remember(id, msgResult{})
+		select {
+		case w.ops <- trainerOp{id: id, kind: msg.GetKind(), payload: msg.GetPayload()}:
+			return msgResult{}
+		default:
+			res := msgResult{err: "taskd: trainer busy: too many calls queued", done: true}
+			w.remember(id, res)
+			return res
 		}
 	}
+	res := msgResult{done: true}
+	if w.cfg.OnMessage != nil {
+		if err := w.cfg.OnMessage(Message{ID: strconv.FormatUint(id, 10), Kind: msg.GetKind(), Payload: msg.GetPayload()}); err != nil {
+			res.err = err.Error()
+		}
+	}
+	w.remember(id, res)
+	return res
+}
+
+// remember records the outcome of message id, replacing an earlier one.
+func (w *Worker) remember(id uint64, res msgResult) {
 	w.mu.Lock()
+	defer w.mu.Unlock()
+	if _, ok := w.results[id]; ok {
+		w.results[id] = res
+		return
+	}
 	if old := w.resultRing[w.ringNext]; old != 0 {
 		delete(w.results, old)
 	}
 	w.resultRing[w.ringNext] = id
 	w.ringNext = (w.ringNext + 1) % len(w.resultRing)
 	w.results[id] = res
-	w.mu.Unlock()
-	return res
+}
+
+// runTrainer makes the trainer calls one at a time until ctx ends, and
+// acknowledges each message when its call returns.
+func (w *Worker) runTrainer(ctx context.Context) {
+	for {
+		var op trainerOp
+		select {
+		case <-ctx.Done():
+			return
+		case op = <-w.ops:
+		}
+		start := time.Now()
+		reply, err := callTrainer(ctx, w.cfg.Trainer, op.kind, op.payload)
+		if ctx.Err() != nil {
+			return
+		}
+		if err != nil {
+			w.log.Warn("taskd: trainer call failed", "call", op.kind, "took", time.Since(start), "err", err)
+		} else {
+			w.log.Debug("taskd: trainer call done", "call", op.kind, "took", time.Since(start))
+		}
+		if op.id == 0 {
+			if err != nil {
+				w.log.Error("taskd: the trainer did not start", "err", err)
+				if ferr := w.ReportFault(Fault{Kind: FaultOpError, Message: "trainer did not start: " + err.Error()}); ferr != nil {
+					w.log.Error("taskd: fault not reported", "err", ferr)
+				}
+			}
+			continue
+		}
+		res := msgResult{reply: reply, done: true}
+		if err != nil {
+			res.err = err.Error()
+		}
+		w.remember(op.id, res)
+		w.ack(op.id, "message", res.err, res.reply)
+	}
 }

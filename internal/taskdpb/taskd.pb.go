@@ -86,6 +86,11 @@ const (
 	Code_CODE_BAD_PARAMETER Code = 1
 	Code_CODE_UNKNOWN_JOB   Code = 2
 	Code_CODE_INTERNAL      Code = 3
+	// CODE_BUSY: another orchestration is running; the request was refused.
+	Code_CODE_BUSY Code = 4
+	// CODE_FAILED: the orchestration ran and did not succeed, or
+	// orchestration is off on this manager.
+	Code_CODE_FAILED Code = 5
 )
 
 // Enum value maps for Code.
@@ -95,12 +100,16 @@ var (
 		1: "CODE_BAD_PARAMETER",
 		2: "CODE_UNKNOWN_JOB",
 		3: "CODE_INTERNAL",
+		4: "CODE_BUSY",
+		5: "CODE_FAILED",
 	}
 	Code_value = map[string]int32{
 		"CODE_OK":            0,
 		"CODE_BAD_PARAMETER": 1,
 		"CODE_UNKNOWN_JOB":   2,
 		"CODE_INTERNAL":      3,
+		"CODE_BUSY":          4,
+		"CODE_FAILED":        5,
 	}
 )
 
@@ -349,8 +358,12 @@ type RegisterResponse struct {
 	HeartbeatIntervalMs int64                  `protobuf:"varint,1,opt,name=heartbeat_interval_ms,json=heartbeatIntervalMs,proto3" json:"heartbeat_interval_ms,omitempty"`
 	HeartbeatDeadlineMs int64                  `protobuf:"varint,2,opt,name=heartbeat_deadline_ms,json=heartbeatDeadlineMs,proto3" json:"heartbeat_deadline_ms,omitempty"`
 	ManagerInstance     string                 `protobuf:"bytes,3,opt,name=manager_instance,json=managerInstance,proto3" json:"manager_instance,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// held is set when an orchestration holds the job paused: a worker
+	// registering for the first time does not start its trainer, and the
+	// orchestration resumes it with the others.
+	Held          bool `protobuf:"varint,4,opt,name=held,proto3" json:"held,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RegisterResponse) Reset() {
@@ -402,6 +415,13 @@ func (x *RegisterResponse) GetManagerInstance() string {
 		return x.ManagerInstance
 	}
 	return ""
+}
+
+func (x *RegisterResponse) GetHeld() bool {
+	if x != nil {
+		return x.Held
+	}
+	return false
 }
 
 // Beat says a member was heard from age_ms before the heartbeat was sent.
@@ -1202,7 +1222,10 @@ type Ack struct {
 	Id    uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
 	From  *Member                `protobuf:"bytes,2,opt,name=from,proto3" json:"from,omitempty"`
 	// error is empty when the envelope was applied.
-	Error         string `protobuf:"bytes,3,opt,name=error,proto3" json:"error,omitempty"`
+	Error string `protobuf:"bytes,3,opt,name=error,proto3" json:"error,omitempty"`
+	// reply is what the worker answers to an orchestration message (a JSON
+	// document), empty for others.
+	Reply         []byte `protobuf:"bytes,4,opt,name=reply,proto3" json:"reply,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1256,6 +1279,13 @@ func (x *Ack) GetError() string {
 		return x.Error
 	}
 	return ""
+}
+
+func (x *Ack) GetReply() []byte {
+	if x != nil {
+		return x.Reply
+	}
+	return nil
 }
 
 type AckRequest struct {
@@ -2732,6 +2762,786 @@ func (x *ListMembersRes) GetMembers() []*MemberStatus {
 	return nil
 }
 
+// Transition is one change of an orchestration's state.
+type Transition struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	From          string                 `protobuf:"bytes,1,opt,name=from,proto3" json:"from,omitempty"`
+	To            string                 `protobuf:"bytes,2,opt,name=to,proto3" json:"to,omitempty"`
+	TimeUnixNano  int64                  `protobuf:"varint,3,opt,name=time_unix_nano,json=timeUnixNano,proto3" json:"time_unix_nano,omitempty"`
+	Reason        string                 `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Transition) Reset() {
+	*x = Transition{}
+	mi := &file_taskd_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Transition) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Transition) ProtoMessage() {}
+
+func (x *Transition) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Transition.ProtoReflect.Descriptor instead.
+func (*Transition) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *Transition) GetFrom() string {
+	if x != nil {
+		return x.From
+	}
+	return ""
+}
+
+func (x *Transition) GetTo() string {
+	if x != nil {
+		return x.To
+	}
+	return ""
+}
+
+func (x *Transition) GetTimeUnixNano() int64 {
+	if x != nil {
+		return x.TimeUnixNano
+	}
+	return 0
+}
+
+func (x *Transition) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+// LinkRequest moves the links of a node's devices to a target link.
+type LinkRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Node    int32                  `protobuf:"varint,1,opt,name=node,proto3" json:"node,omitempty"`
+	Devices []int32                `protobuf:"varint,2,rep,packed,name=devices,proto3" json:"devices,omitempty"`
+	// target is "standby" or "primary".
+	Target string `protobuf:"bytes,3,opt,name=target,proto3" json:"target,omitempty"`
+	// ranks, when set, are the workers affected; default every worker of
+	// the node.
+	Ranks         []int32 `protobuf:"varint,4,rep,packed,name=ranks,proto3" json:"ranks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LinkRequest) Reset() {
+	*x = LinkRequest{}
+	mi := &file_taskd_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LinkRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LinkRequest) ProtoMessage() {}
+
+func (x *LinkRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LinkRequest.ProtoReflect.Descriptor instead.
+func (*LinkRequest) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *LinkRequest) GetNode() int32 {
+	if x != nil {
+		return x.Node
+	}
+	return 0
+}
+
+func (x *LinkRequest) GetDevices() []int32 {
+	if x != nil {
+		return x.Devices
+	}
+	return nil
+}
+
+func (x *LinkRequest) GetTarget() string {
+	if x != nil {
+		return x.Target
+	}
+	return ""
+}
+
+func (x *LinkRequest) GetRanks() []int32 {
+	if x != nil {
+		return x.Ranks
+	}
+	return nil
+}
+
+// StressRequest runs an online stress test on some workers.
+type StressRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Nodes         []int32                `protobuf:"varint,1,rep,packed,name=nodes,proto3" json:"nodes,omitempty"`
+	Ranks         []int32                `protobuf:"varint,2,rep,packed,name=ranks,proto3" json:"ranks,omitempty"`
+	Test          string                 `protobuf:"bytes,3,opt,name=test,proto3" json:"test,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StressRequest) Reset() {
+	*x = StressRequest{}
+	mi := &file_taskd_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StressRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StressRequest) ProtoMessage() {}
+
+func (x *StressRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StressRequest.ProtoReflect.Descriptor instead.
+func (*StressRequest) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *StressRequest) GetNodes() []int32 {
+	if x != nil {
+		return x.Nodes
+	}
+	return nil
+}
+
+func (x *StressRequest) GetRanks() []int32 {
+	if x != nil {
+		return x.Ranks
+	}
+	return nil
+}
+
+func (x *StressRequest) GetTest() string {
+	if x != nil {
+		return x.Test
+	}
+	return ""
+}
+
+// Orchestration is one run of a state machine: a recovery, a link switch
+// or switchback, or a stress test.
+type Orchestration struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	// kind is recovery, link-switch, switchback or stress-test.
+	Kind string `protobuf:"bytes,2,opt,name=kind,proto3" json:"kind,omitempty"`
+	// state is the current state, or the terminal one when done.
+	State         string   `protobuf:"bytes,3,opt,name=state,proto3" json:"state,omitempty"`
+	Done          bool     `protobuf:"varint,4,opt,name=done,proto3" json:"done,omitempty"`
+	StartUnixNano int64    `protobuf:"varint,5,opt,name=start_unix_nano,json=startUnixNano,proto3" json:"start_unix_nano,omitempty"`
+	EndUnixNano   int64    `protobuf:"varint,6,opt,name=end_unix_nano,json=endUnixNano,proto3" json:"end_unix_nano,omitempty"`
+	Round         int32    `protobuf:"varint,7,opt,name=round,proto3" json:"round,omitempty"`
+	Strategy      string   `protobuf:"bytes,8,opt,name=strategy,proto3" json:"strategy,omitempty"`
+	FaultyRanks   []int32  `protobuf:"varint,9,rep,packed,name=faulty_ranks,json=faultyRanks,proto3" json:"faulty_ranks,omitempty"`
+	Faults        []*Fault `protobuf:"bytes,10,rep,name=faults,proto3" json:"faults,omitempty"`
+	// resumed_step is the checkpoint step the job resumed from, -1 when it
+	// continued where it paused.
+	ResumedStep int64 `protobuf:"varint,11,opt,name=resumed_step,json=resumedStep,proto3" json:"resumed_step,omitempty"`
+	// Durations from the first fault to its detection, to training stopped
+	// and to training resumed; 0 when not reached.
+	DetectNs       int64          `protobuf:"varint,12,opt,name=detect_ns,json=detectNs,proto3" json:"detect_ns,omitempty"`
+	StopNs         int64          `protobuf:"varint,13,opt,name=stop_ns,json=stopNs,proto3" json:"stop_ns,omitempty"`
+	ResumeNs       int64          `protobuf:"varint,14,opt,name=resume_ns,json=resumeNs,proto3" json:"resume_ns,omitempty"`
+	Transitions    []*Transition  `protobuf:"bytes,15,rep,name=transitions,proto3" json:"transitions,omitempty"`
+	Outcome        string         `protobuf:"bytes,16,opt,name=outcome,proto3" json:"outcome,omitempty"`
+	HandedOverTo   uint64         `protobuf:"varint,17,opt,name=handed_over_to,json=handedOverTo,proto3" json:"handed_over_to,omitempty"`
+	HandedOverFrom uint64         `protobuf:"varint,18,opt,name=handed_over_from,json=handedOverFrom,proto3" json:"handed_over_from,omitempty"`
+	Link           *LinkRequest   `protobuf:"bytes,19,opt,name=link,proto3" json:"link,omitempty"`
+	Stress         *StressRequest `protobuf:"bytes,20,opt,name=stress,proto3" json:"stress,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *Orchestration) Reset() {
+	*x = Orchestration{}
+	mi := &file_taskd_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Orchestration) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Orchestration) ProtoMessage() {}
+
+func (x *Orchestration) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Orchestration.ProtoReflect.Descriptor instead.
+func (*Orchestration) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *Orchestration) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *Orchestration) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *Orchestration) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *Orchestration) GetDone() bool {
+	if x != nil {
+		return x.Done
+	}
+	return false
+}
+
+func (x *Orchestration) GetStartUnixNano() int64 {
+	if x != nil {
+		return x.StartUnixNano
+	}
+	return 0
+}
+
+func (x *Orchestration) GetEndUnixNano() int64 {
+	if x != nil {
+		return x.EndUnixNano
+	}
+	return 0
+}
+
+func (x *Orchestration) GetRound() int32 {
+	if x != nil {
+		return x.Round
+	}
+	return 0
+}
+
+func (x *Orchestration) GetStrategy() string {
+	if x != nil {
+		return x.Strategy
+	}
+	return ""
+}
+
+func (x *Orchestration) GetFaultyRanks() []int32 {
+	if x != nil {
+		return x.FaultyRanks
+	}
+	return nil
+}
+
+func (x *Orchestration) GetFaults() []*Fault {
+	if x != nil {
+		return x.Faults
+	}
+	return nil
+}
+
+func (x *Orchestration) GetResumedStep() int64 {
+	if x != nil {
+		return x.ResumedStep
+	}
+	return 0
+}
+
+func (x *Orchestration) GetDetectNs() int64 {
+	if x != nil {
+		return x.DetectNs
+	}
+	return 0
+}
+
+func (x *Orchestration) GetStopNs() int64 {
+	if x != nil {
+		return x.StopNs
+	}
+	return 0
+}
+
+func (x *Orchestration) GetResumeNs() int64 {
+	if x != nil {
+		return x.ResumeNs
+	}
+	return 0
+}
+
+func (x *Orchestration) GetTransitions() []*Transition {
+	if x != nil {
+		return x.Transitions
+	}
+	return nil
+}
+
+func (x *Orchestration) GetOutcome() string {
+	if x != nil {
+		return x.Outcome
+	}
+	return ""
+}
+
+func (x *Orchestration) GetHandedOverTo() uint64 {
+	if x != nil {
+		return x.HandedOverTo
+	}
+	return 0
+}
+
+func (x *Orchestration) GetHandedOverFrom() uint64 {
+	if x != nil {
+		return x.HandedOverFrom
+	}
+	return 0
+}
+
+func (x *Orchestration) GetLink() *LinkRequest {
+	if x != nil {
+		return x.Link
+	}
+	return nil
+}
+
+func (x *Orchestration) GetStress() *StressRequest {
+	if x != nil {
+		return x.Stress
+	}
+	return nil
+}
+
+type LinkState struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Node          int32                  `protobuf:"varint,1,opt,name=node,proto3" json:"node,omitempty"`
+	Device        int32                  `protobuf:"varint,2,opt,name=device,proto3" json:"device,omitempty"`
+	Target        string                 `protobuf:"bytes,3,opt,name=target,proto3" json:"target,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LinkState) Reset() {
+	*x = LinkState{}
+	mi := &file_taskd_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LinkState) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LinkState) ProtoMessage() {}
+
+func (x *LinkState) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LinkState.ProtoReflect.Descriptor instead.
+func (*LinkState) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{45}
+}
+
+func (x *LinkState) GetNode() int32 {
+	if x != nil {
+		return x.Node
+	}
+	return 0
+}
+
+func (x *LinkState) GetDevice() int32 {
+	if x != nil {
+		return x.Device
+	}
+	return 0
+}
+
+func (x *LinkState) GetTarget() string {
+	if x != nil {
+		return x.Target
+	}
+	return ""
+}
+
+type GetOrchestrationReq struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	JobNsName string                 `protobuf:"bytes,1,opt,name=jobNsName,proto3" json:"jobNsName,omitempty"`
+	// after returns only finished orchestrations with a larger id.
+	After         uint64 `protobuf:"varint,2,opt,name=after,proto3" json:"after,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetOrchestrationReq) Reset() {
+	*x = GetOrchestrationReq{}
+	mi := &file_taskd_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetOrchestrationReq) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetOrchestrationReq) ProtoMessage() {}
+
+func (x *GetOrchestrationReq) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetOrchestrationReq.ProtoReflect.Descriptor instead.
+func (*GetOrchestrationReq) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{46}
+}
+
+func (x *GetOrchestrationReq) GetJobNsName() string {
+	if x != nil {
+		return x.JobNsName
+	}
+	return ""
+}
+
+func (x *GetOrchestrationReq) GetAfter() uint64 {
+	if x != nil {
+		return x.After
+	}
+	return 0
+}
+
+type GetOrchestrationRes struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Message string                 `protobuf:"bytes,1,opt,name=message,proto3" json:"message,omitempty"`
+	Code    Code                   `protobuf:"varint,2,opt,name=code,proto3,enum=faultline.taskd.v1.Code" json:"code,omitempty"`
+	// current is the orchestration running now, unset when idle.
+	Current *Orchestration `protobuf:"bytes,3,opt,name=current,proto3" json:"current,omitempty"`
+	// history holds finished orchestrations, oldest first.
+	History []*Orchestration `protobuf:"bytes,4,rep,name=history,proto3" json:"history,omitempty"`
+	// links are the device links moved off their primary.
+	Links         []*LinkState `protobuf:"bytes,5,rep,name=links,proto3" json:"links,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetOrchestrationRes) Reset() {
+	*x = GetOrchestrationRes{}
+	mi := &file_taskd_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetOrchestrationRes) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetOrchestrationRes) ProtoMessage() {}
+
+func (x *GetOrchestrationRes) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetOrchestrationRes.ProtoReflect.Descriptor instead.
+func (*GetOrchestrationRes) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *GetOrchestrationRes) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+func (x *GetOrchestrationRes) GetCode() Code {
+	if x != nil {
+		return x.Code
+	}
+	return Code_CODE_OK
+}
+
+func (x *GetOrchestrationRes) GetCurrent() *Orchestration {
+	if x != nil {
+		return x.Current
+	}
+	return nil
+}
+
+func (x *GetOrchestrationRes) GetHistory() []*Orchestration {
+	if x != nil {
+		return x.History
+	}
+	return nil
+}
+
+func (x *GetOrchestrationRes) GetLinks() []*LinkState {
+	if x != nil {
+		return x.Links
+	}
+	return nil
+}
+
+type SwitchLinkReq struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	JobNsName string                 `protobuf:"bytes,1,opt,name=jobNsName,proto3" json:"jobNsName,omitempty"`
+	Link      *LinkRequest           `protobuf:"bytes,2,opt,name=link,proto3" json:"link,omitempty"`
+	// timeout_ms bounds the wait for the switch to finish; 0: the call's
+	// deadline.
+	TimeoutMs     int64 `protobuf:"varint,3,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SwitchLinkReq) Reset() {
+	*x = SwitchLinkReq{}
+	mi := &file_taskd_proto_msgTypes[48]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SwitchLinkReq) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SwitchLinkReq) ProtoMessage() {}
+
+func (x *SwitchLinkReq) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[48]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SwitchLinkReq.ProtoReflect.Descriptor instead.
+func (*SwitchLinkReq) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{48}
+}
+
+func (x *SwitchLinkReq) GetJobNsName() string {
+	if x != nil {
+		return x.JobNsName
+	}
+	return ""
+}
+
+func (x *SwitchLinkReq) GetLink() *LinkRequest {
+	if x != nil {
+		return x.Link
+	}
+	return nil
+}
+
+func (x *SwitchLinkReq) GetTimeoutMs() int64 {
+	if x != nil {
+		return x.TimeoutMs
+	}
+	return 0
+}
+
+type StressTestReq struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	JobNsName     string                 `protobuf:"bytes,1,opt,name=jobNsName,proto3" json:"jobNsName,omitempty"`
+	Stress        *StressRequest         `protobuf:"bytes,2,opt,name=stress,proto3" json:"stress,omitempty"`
+	TimeoutMs     int64                  `protobuf:"varint,3,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StressTestReq) Reset() {
+	*x = StressTestReq{}
+	mi := &file_taskd_proto_msgTypes[49]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StressTestReq) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StressTestReq) ProtoMessage() {}
+
+func (x *StressTestReq) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[49]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StressTestReq.ProtoReflect.Descriptor instead.
+func (*StressTestReq) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{49}
+}
+
+func (x *StressTestReq) GetJobNsName() string {
+	if x != nil {
+		return x.JobNsName
+	}
+	return ""
+}
+
+func (x *StressTestReq) GetStress() *StressRequest {
+	if x != nil {
+		return x.Stress
+	}
+	return nil
+}
+
+func (x *StressTestReq) GetTimeoutMs() int64 {
+	if x != nil {
+		return x.TimeoutMs
+	}
+	return 0
+}
+
+type OrchestrationRes struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Message       string                 `protobuf:"bytes,1,opt,name=message,proto3" json:"message,omitempty"`
+	Code          Code                   `protobuf:"varint,2,opt,name=code,proto3,enum=faultline.taskd.v1.Code" json:"code,omitempty"`
+	Orchestration *Orchestration         `protobuf:"bytes,3,opt,name=orchestration,proto3" json:"orchestration,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OrchestrationRes) Reset() {
+	*x = OrchestrationRes{}
+	mi := &file_taskd_proto_msgTypes[50]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OrchestrationRes) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OrchestrationRes) ProtoMessage() {}
+
+func (x *OrchestrationRes) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[50]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OrchestrationRes.ProtoReflect.Descriptor instead.
+func (*OrchestrationRes) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{50}
+}
+
+func (x *OrchestrationRes) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+func (x *OrchestrationRes) GetCode() Code {
+	if x != nil {
+		return x.Code
+	}
+	return Code_CODE_OK
+}
+
+func (x *OrchestrationRes) GetOrchestration() *Orchestration {
+	if x != nil {
+		return x.Orchestration
+	}
+	return nil
+}
+
 var File_taskd_proto protoreflect.FileDescriptor
 
 const file_taskd_proto_rawDesc = "" +
@@ -2753,11 +3563,12 @@ const file_taskd_proto_rawDesc = "" +
 	"\n" +
 	"has_switch\x18\x05 \x01(\bR\thasSwitch\x12\x1a\n" +
 	"\bhostname\x18\x06 \x01(\tR\bhostname\x12\x10\n" +
-	"\x03pid\x18\a \x01(\x03R\x03pid\"\xa5\x01\n" +
+	"\x03pid\x18\a \x01(\x03R\x03pid\"\xb9\x01\n" +
 	"\x10RegisterResponse\x122\n" +
 	"\x15heartbeat_interval_ms\x18\x01 \x01(\x03R\x13heartbeatIntervalMs\x122\n" +
 	"\x15heartbeat_deadline_ms\x18\x02 \x01(\x03R\x13heartbeatDeadlineMs\x12)\n" +
-	"\x10manager_instance\x18\x03 \x01(\tR\x0fmanagerInstance\"Q\n" +
+	"\x10manager_instance\x18\x03 \x01(\tR\x0fmanagerInstance\x12\x12\n" +
+	"\x04held\x18\x04 \x01(\bR\x04held\"Q\n" +
 	"\x04Beat\x122\n" +
 	"\x06member\x18\x01 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x06member\x12\x15\n" +
 	"\x06age_ms\x18\x02 \x01(\x03R\x05ageMs\"\x84\x01\n" +
@@ -2814,11 +3625,12 @@ const file_taskd_proto_rawDesc = "" +
 	"collection\x18\x01 \x01(\x04R\n" +
 	"collection\x12\x18\n" +
 	"\adotting\x18\x02 \x01(\bR\adotting\x12\x16\n" +
-	"\x06stacks\x18\x03 \x01(\bR\x06stacks\"[\n" +
+	"\x06stacks\x18\x03 \x01(\bR\x06stacks\"q\n" +
 	"\x03Ack\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12.\n" +
 	"\x04from\x18\x02 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x04from\x12\x14\n" +
-	"\x05error\x18\x03 \x01(\tR\x05error\"K\n" +
+	"\x05error\x18\x03 \x01(\tR\x05error\x12\x14\n" +
+	"\x05reply\x18\x04 \x01(\fR\x05reply\"K\n" +
 	"\n" +
 	"AckRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12+\n" +
@@ -2930,18 +3742,84 @@ const file_taskd_proto_rawDesc = "" +
 	"\x0eListMembersRes\x12\x18\n" +
 	"\amessage\x18\x01 \x01(\tR\amessage\x12,\n" +
 	"\x04code\x18\x02 \x01(\x0e2\x18.faultline.taskd.v1.CodeR\x04code\x12:\n" +
-	"\amembers\x18\x03 \x03(\v2 .faultline.taskd.v1.MemberStatusR\amembers*O\n" +
+	"\amembers\x18\x03 \x03(\v2 .faultline.taskd.v1.MemberStatusR\amembers\"n\n" +
+	"\n" +
+	"Transition\x12\x12\n" +
+	"\x04from\x18\x01 \x01(\tR\x04from\x12\x0e\n" +
+	"\x02to\x18\x02 \x01(\tR\x02to\x12$\n" +
+	"\x0etime_unix_nano\x18\x03 \x01(\x03R\ftimeUnixNano\x12\x16\n" +
+	"\x06reason\x18\x04 \x01(\tR\x06reason\"i\n" +
+	"\vLinkRequest\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\x05R\x04node\x12\x18\n" +
+	"\adevices\x18\x02 \x03(\x05R\adevices\x12\x16\n" +
+	"\x06target\x18\x03 \x01(\tR\x06target\x12\x14\n" +
+	"\x05ranks\x18\x04 \x03(\x05R\x05ranks\"O\n" +
+	"\rStressRequest\x12\x14\n" +
+	"\x05nodes\x18\x01 \x03(\x05R\x05nodes\x12\x14\n" +
+	"\x05ranks\x18\x02 \x03(\x05R\x05ranks\x12\x12\n" +
+	"\x04test\x18\x03 \x01(\tR\x04test\"\xc3\x05\n" +
+	"\rOrchestration\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x12\n" +
+	"\x04kind\x18\x02 \x01(\tR\x04kind\x12\x14\n" +
+	"\x05state\x18\x03 \x01(\tR\x05state\x12\x12\n" +
+	"\x04done\x18\x04 \x01(\bR\x04done\x12&\n" +
+	"\x0fstart_unix_nano\x18\x05 \x01(\x03R\rstartUnixNano\x12\"\n" +
+	"\rend_unix_nano\x18\x06 \x01(\x03R\vendUnixNano\x12\x14\n" +
+	"\x05round\x18\a \x01(\x05R\x05round\x12\x1a\n" +
+	"\bstrategy\x18\b \x01(\tR\bstrategy\x12!\n" +
+	"\ffaulty_ranks\x18\t \x03(\x05R\vfaultyRanks\x121\n" +
+	"\x06faults\x18\n" +
+	" \x03(\v2\x19.faultline.taskd.v1.FaultR\x06faults\x12!\n" +
+	"\fresumed_step\x18\v \x01(\x03R\vresumedStep\x12\x1b\n" +
+	"\tdetect_ns\x18\f \x01(\x03R\bdetectNs\x12\x17\n" +
+	"\astop_ns\x18\r \x01(\x03R\x06stopNs\x12\x1b\n" +
+	"\tresume_ns\x18\x0e \x01(\x03R\bresumeNs\x12@\n" +
+	"\vtransitions\x18\x0f \x03(\v2\x1e.faultline.taskd.v1.TransitionR\vtransitions\x12\x18\n" +
+	"\aoutcome\x18\x10 \x01(\tR\aoutcome\x12$\n" +
+	"\x0ehanded_over_to\x18\x11 \x01(\x04R\fhandedOverTo\x12(\n" +
+	"\x10handed_over_from\x18\x12 \x01(\x04R\x0ehandedOverFrom\x123\n" +
+	"\x04link\x18\x13 \x01(\v2\x1f.faultline.taskd.v1.LinkRequestR\x04link\x129\n" +
+	"\x06stress\x18\x14 \x01(\v2!.faultline.taskd.v1.StressRequestR\x06stress\"O\n" +
+	"\tLinkState\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\x05R\x04node\x12\x16\n" +
+	"\x06device\x18\x02 \x01(\x05R\x06device\x12\x16\n" +
+	"\x06target\x18\x03 \x01(\tR\x06target\"I\n" +
+	"\x13GetOrchestrationReq\x12\x1c\n" +
+	"\tjobNsName\x18\x01 \x01(\tR\tjobNsName\x12\x14\n" +
+	"\x05after\x18\x02 \x01(\x04R\x05after\"\x8c\x02\n" +
+	"\x13GetOrchestrationRes\x12\x18\n" +
+	"\amessage\x18\x01 \x01(\tR\amessage\x12,\n" +
+	"\x04code\x18\x02 \x01(\x0e2\x18.faultline.taskd.v1.CodeR\x04code\x12;\n" +
+	"\acurrent\x18\x03 \x01(\v2!.faultline.taskd.v1.OrchestrationR\acurrent\x12;\n" +
+	"\ahistory\x18\x04 \x03(\v2!.faultline.taskd.v1.OrchestrationR\ahistory\x123\n" +
+	"\x05links\x18\x05 \x03(\v2\x1d.faultline.taskd.v1.LinkStateR\x05links\"\x81\x01\n" +
+	"\rSwitchLinkReq\x12\x1c\n" +
+	"\tjobNsName\x18\x01 \x01(\tR\tjobNsName\x123\n" +
+	"\x04link\x18\x02 \x01(\v2\x1f.faultline.taskd.v1.LinkRequestR\x04link\x12\x1d\n" +
+	"\n" +
+	"timeout_ms\x18\x03 \x01(\x03R\ttimeoutMs\"\x87\x01\n" +
+	"\rStressTestReq\x12\x1c\n" +
+	"\tjobNsName\x18\x01 \x01(\tR\tjobNsName\x129\n" +
+	"\x06stress\x18\x02 \x01(\v2!.faultline.taskd.v1.StressRequestR\x06stress\x12\x1d\n" +
+	"\n" +
+	"timeout_ms\x18\x03 \x01(\x03R\ttimeoutMs\"\xa3\x01\n" +
+	"\x10OrchestrationRes\x12\x18\n" +
+	"\amessage\x18\x01 \x01(\tR\amessage\x12,\n" +
+	"\x04code\x18\x02 \x01(\x0e2\x18.faultline.taskd.v1.CodeR\x04code\x12G\n" +
+	"\rorchestration\x18\x03 \x01(\v2!.faultline.taskd.v1.OrchestrationR\rorchestration*O\n" +
 	"\x04Role\x12\x14\n" +
 	"\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n" +
 	"\fROLE_MANAGER\x10\x01\x12\x0e\n" +
 	"\n" +
 	"ROLE_PROXY\x10\x02\x12\x0f\n" +
-	"\vROLE_WORKER\x10\x03*T\n" +
+	"\vROLE_WORKER\x10\x03*t\n" +
 	"\x04Code\x12\v\n" +
 	"\aCODE_OK\x10\x00\x12\x16\n" +
 	"\x12CODE_BAD_PARAMETER\x10\x01\x12\x14\n" +
 	"\x10CODE_UNKNOWN_JOB\x10\x02\x12\x11\n" +
-	"\rCODE_INTERNAL\x10\x032\xb4\x05\n" +
+	"\rCODE_INTERNAL\x10\x03\x12\r\n" +
+	"\tCODE_BUSY\x10\x04\x12\x0f\n" +
+	"\vCODE_FAILED\x10\x052\xb4\x05\n" +
 	"\aControl\x12U\n" +
 	"\bRegister\x12#.faultline.taskd.v1.RegisterRequest\x1a$.faultline.taskd.v1.RegisterResponse\x12X\n" +
 	"\tHeartbeat\x12$.faultline.taskd.v1.HeartbeatRequest\x1a%.faultline.taskd.v1.HeartbeatResponse\x12I\n" +
@@ -2954,13 +3832,18 @@ const file_taskd_proto_rawDesc = "" +
 	"\x11TrainingDataTrace\x12a\n" +
 	"\x1dModifyTrainingDataTraceSwitch\x12\x1f.faultline.taskd.v1.DataTypeReq\x1a\x1f.faultline.taskd.v1.DataTypeRes\x12b\n" +
 	"\x1aGetTrainingDataTraceSwitch\x12!.faultline.taskd.v1.DataStatusReq\x1a!.faultline.taskd.v1.DataStatusRes\x12b\n" +
-	"\x18SubscribeDataTraceSwitch\x12!.faultline.taskd.v1.DataStatusReq\x1a!.faultline.taskd.v1.DataStatusRes0\x012\xd8\x02\n" +
+	"\x18SubscribeDataTraceSwitch\x12!.faultline.taskd.v1.DataStatusReq\x1a!.faultline.taskd.v1.DataStatusRes0\x012\xec\x04\n" +
 	"\x05Admin\x12U\n" +
 	"\vListMembers\x12\".faultline.taskd.v1.ListMembersReq\x1a\".faultline.taskd.v1.ListMembersRes\x12Y\n" +
 	"\x0fGetSwitchStatus\x12!.faultline.taskd.v1.DataStatusReq\x1a#.faultline.taskd.v1.SwitchStatusRes\x12R\n" +
 	"\n" +
 	"ListFaults\x12!.faultline.taskd.v1.ListFaultsReq\x1a!.faultline.taskd.v1.ListFaultsRes\x12I\n" +
-	"\aCollect\x12\x1e.faultline.taskd.v1.CollectReq\x1a\x1e.faultline.taskd.v1.CollectResB4Z2github.com/faultline-ml/faultline/internal/taskdpbb\x06proto3"
+	"\aCollect\x12\x1e.faultline.taskd.v1.CollectReq\x1a\x1e.faultline.taskd.v1.CollectRes\x12d\n" +
+	"\x10GetOrchestration\x12'.faultline.taskd.v1.GetOrchestrationReq\x1a'.faultline.taskd.v1.GetOrchestrationRes\x12U\n" +
+	"\n" +
+	"SwitchLink\x12!.faultline.taskd.v1.SwitchLinkReq\x1a$.faultline.taskd.v1.OrchestrationRes\x12U\n" +
+	"\n" +
+	"StressTest\x12!.faultline.taskd.v1.StressTestReq\x1a$.faultline.taskd.v1.OrchestrationResB4Z2github.com/faultline-ml/faultline/internal/taskdpbb\x06proto3"
 
 var (
 	file_taskd_proto_rawDescOnce sync.Once
@@ -2975,7 +3858,7 @@ func file_taskd_proto_rawDescGZIP() []byte {
 }
 
 var file_taskd_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_taskd_proto_msgTypes = make([]protoimpl.MessageInfo, 43)
+var file_taskd_proto_msgTypes = make([]protoimpl.MessageInfo, 53)
 var file_taskd_proto_goTypes = []any{
 	(Role)(0),                     // 0: faultline.taskd.v1.Role
 	(Code)(0),                     // 1: faultline.taskd.v1.Code
@@ -3020,8 +3903,18 @@ var file_taskd_proto_goTypes = []any{
 	(*ListMembersReq)(nil),        // 40: faultline.taskd.v1.ListMembersReq
 	(*MemberStatus)(nil),          // 41: faultline.taskd.v1.MemberStatus
 	(*ListMembersRes)(nil),        // 42: faultline.taskd.v1.ListMembersRes
-	nil,                           // 43: faultline.taskd.v1.FaultReport.AttrsEntry
-	nil,                           // 44: faultline.taskd.v1.Fault.AttrsEntry
+	(*Transition)(nil),            // 43: faultline.taskd.v1.Transition
+	(*LinkRequest)(nil),           // 44: faultline.taskd.v1.LinkRequest
+	(*StressRequest)(nil),         // 45: faultline.taskd.v1.StressRequest
+	(*Orchestration)(nil),         // 46: faultline.taskd.v1.Orchestration
+	(*LinkState)(nil),             // 47: faultline.taskd.v1.LinkState
+	(*GetOrchestrationReq)(nil),   // 48: faultline.taskd.v1.GetOrchestrationReq
+	(*GetOrchestrationRes)(nil),   // 49: faultline.taskd.v1.GetOrchestrationRes
+	(*SwitchLinkReq)(nil),         // 50: faultline.taskd.v1.SwitchLinkReq
+	(*StressTestReq)(nil),         // 51: faultline.taskd.v1.StressTestReq
+	(*OrchestrationRes)(nil),      // 52: faultline.taskd.v1.OrchestrationRes
+	nil,                           // 53: faultline.taskd.v1.FaultReport.AttrsEntry
+	nil,                           // 54: faultline.taskd.v1.Fault.AttrsEntry
 }
 var file_taskd_proto_depIdxs = []int32{
 	0,  // 0: faultline.taskd.v1.Member.role:type_name -> faultline.taskd.v1.Role
@@ -3035,7 +3928,7 @@ var file_taskd_proto_depIdxs = []int32{
 	3,  // 8: faultline.taskd.v1.Report.from:type_name -> faultline.taskd.v1.Member
 	10, // 9: faultline.taskd.v1.Report.fault:type_name -> faultline.taskd.v1.FaultReport
 	11, // 10: faultline.taskd.v1.Report.message:type_name -> faultline.taskd.v1.UserMessage
-	43, // 11: faultline.taskd.v1.FaultReport.attrs:type_name -> faultline.taskd.v1.FaultReport.AttrsEntry
+	53, // 11: faultline.taskd.v1.FaultReport.attrs:type_name -> faultline.taskd.v1.FaultReport.AttrsEntry
 	9,  // 12: faultline.taskd.v1.SendRequest.reports:type_name -> faultline.taskd.v1.Report
 	3,  // 13: faultline.taskd.v1.StreamRequest.member:type_name -> faultline.taskd.v1.Member
 	16, // 14: faultline.taskd.v1.Envelope.switch:type_name -> faultline.taskd.v1.SwitchUpdate
@@ -3051,7 +3944,7 @@ var file_taskd_proto_depIdxs = []int32{
 	32, // 24: faultline.taskd.v1.WorkerSwitchStatus.domains:type_name -> faultline.taskd.v1.DomainStatus
 	1,  // 25: faultline.taskd.v1.SwitchStatusRes.code:type_name -> faultline.taskd.v1.Code
 	33, // 26: faultline.taskd.v1.SwitchStatusRes.workers:type_name -> faultline.taskd.v1.WorkerSwitchStatus
-	44, // 27: faultline.taskd.v1.Fault.attrs:type_name -> faultline.taskd.v1.Fault.AttrsEntry
+	54, // 27: faultline.taskd.v1.Fault.attrs:type_name -> faultline.taskd.v1.Fault.AttrsEntry
 	3,  // 28: faultline.taskd.v1.Fault.reporter:type_name -> faultline.taskd.v1.Member
 	1,  // 29: faultline.taskd.v1.ListFaultsRes.code:type_name -> faultline.taskd.v1.Code
 	35, // 30: faultline.taskd.v1.ListFaultsRes.faults:type_name -> faultline.taskd.v1.Fault
@@ -3060,41 +3953,59 @@ var file_taskd_proto_depIdxs = []int32{
 	3,  // 33: faultline.taskd.v1.MemberStatus.member:type_name -> faultline.taskd.v1.Member
 	1,  // 34: faultline.taskd.v1.ListMembersRes.code:type_name -> faultline.taskd.v1.Code
 	41, // 35: faultline.taskd.v1.ListMembersRes.members:type_name -> faultline.taskd.v1.MemberStatus
-	4,  // 36: faultline.taskd.v1.Control.Register:input_type -> faultline.taskd.v1.RegisterRequest
-	7,  // 37: faultline.taskd.v1.Control.Heartbeat:input_type -> faultline.taskd.v1.HeartbeatRequest
-	12, // 38: faultline.taskd.v1.Control.Send:input_type -> faultline.taskd.v1.SendRequest
-	14, // 39: faultline.taskd.v1.Control.Stream:input_type -> faultline.taskd.v1.StreamRequest
-	19, // 40: faultline.taskd.v1.Control.Acknowledge:input_type -> faultline.taskd.v1.AckRequest
-	21, // 41: faultline.taskd.v1.Control.UploadOffsets:input_type -> faultline.taskd.v1.UploadOffsetRequest
-	23, // 42: faultline.taskd.v1.Control.Upload:input_type -> faultline.taskd.v1.UploadChunk
-	25, // 43: faultline.taskd.v1.Control.CollectDone:input_type -> faultline.taskd.v1.CollectResult
-	28, // 44: faultline.taskd.v1.TrainingDataTrace.ModifyTrainingDataTraceSwitch:input_type -> faultline.taskd.v1.DataTypeReq
-	30, // 45: faultline.taskd.v1.TrainingDataTrace.GetTrainingDataTraceSwitch:input_type -> faultline.taskd.v1.DataStatusReq
-	30, // 46: faultline.taskd.v1.TrainingDataTrace.SubscribeDataTraceSwitch:input_type -> faultline.taskd.v1.DataStatusReq
-	40, // 47: faultline.taskd.v1.Admin.ListMembers:input_type -> faultline.taskd.v1.ListMembersReq
-	30, // 48: faultline.taskd.v1.Admin.GetSwitchStatus:input_type -> faultline.taskd.v1.DataStatusReq
-	36, // 49: faultline.taskd.v1.Admin.ListFaults:input_type -> faultline.taskd.v1.ListFaultsReq
-	38, // 50: faultline.taskd.v1.Admin.Collect:input_type -> faultline.taskd.v1.CollectReq
-	5,  // 51: faultline.taskd.v1.Control.Register:output_type -> faultline.taskd.v1.RegisterResponse
-	8,  // 52: faultline.taskd.v1.Control.Heartbeat:output_type -> faultline.taskd.v1.HeartbeatResponse
-	13, // 53: faultline.taskd.v1.Control.Send:output_type -> faultline.taskd.v1.SendResponse
-	15, // 54: faultline.taskd.v1.Control.Stream:output_type -> faultline.taskd.v1.Envelope
-	20, // 55: faultline.taskd.v1.Control.Acknowledge:output_type -> faultline.taskd.v1.AckResponse
-	22, // 56: faultline.taskd.v1.Control.UploadOffsets:output_type -> faultline.taskd.v1.UploadOffsetResponse
-	24, // 57: faultline.taskd.v1.Control.Upload:output_type -> faultline.taskd.v1.UploadResponse
-	26, // 58: faultline.taskd.v1.Control.CollectDone:output_type -> faultline.taskd.v1.CollectResultResponse
-	29, // 59: faultline.taskd.v1.TrainingDataTrace.ModifyTrainingDataTraceSwitch:output_type -> faultline.taskd.v1.DataTypeRes
-	31, // 60: faultline.taskd.v1.TrainingDataTrace.GetTrainingDataTraceSwitch:output_type -> faultline.taskd.v1.DataStatusRes
-	31, // 61: faultline.taskd.v1.TrainingDataTrace.SubscribeDataTraceSwitch:output_type -> faultline.taskd.v1.DataStatusRes
-	42, // 62: faultline.taskd.v1.Admin.ListMembers:output_type -> faultline.taskd.v1.ListMembersRes
-	34, // 63: faultline.taskd.v1.Admin.GetSwitchStatus:output_type -> faultline.taskd.v1.SwitchStatusRes
-	37, // 64: faultline.taskd.v1.Admin.ListFaults:output_type -> faultline.taskd.v1.ListFaultsRes
-	39, // 65: faultline.taskd.v1.Admin.Collect:output_type -> faultline.taskd.v1.CollectRes
-	51, // [51:66] is the sub-list for method output_type
-	36, // [36:51] is the sub-list for method input_type
-	36, // [36:36] is the sub-list for extension type_name
-	36, // [36:36] is the sub-list for extension extendee
-	0,  // [0:36] is the sub-list for field type_name
+	35, // 36: faultline.taskd.v1.Orchestration.faults:type_name -> faultline.taskd.v1.Fault
+	43, // 37: faultline.taskd.v1.Orchestration.transitions:type_name -> faultline.taskd.v1.Transition
+	44, // 38: faultline.taskd.v1.Orchestration.link:type_name -> faultline.taskd.v1.LinkRequest
+	45, // 39: faultline.taskd.v1.Orchestration.stress:type_name -> faultline.taskd.v1.StressRequest
+	1,  // 40: faultline.taskd.v1.GetOrchestrationRes.code:type_name -> faultline.taskd.v1.Code
+	46, // 41: faultline.taskd.v1.GetOrchestrationRes.current:type_name -> faultline.taskd.v1.Orchestration
+	46, // 42: faultline.taskd.v1.GetOrchestrationRes.history:type_name -> faultline.taskd.v1.Orchestration
+	47, // 43: faultline.taskd.v1.GetOrchestrationRes.links:type_name -> faultline.taskd.v1.LinkState
+	44, // 44: faultline.taskd.v1.SwitchLinkReq.link:type_name -> faultline.taskd.v1.LinkRequest
+	45, // 45: faultline.taskd.v1.StressTestReq.stress:type_name -> faultline.taskd.v1.StressRequest
+	1,  // 46: faultline.taskd.v1.OrchestrationRes.code:type_name -> faultline.taskd.v1.Code
+	46, // 47: faultline.taskd.v1.OrchestrationRes.orchestration:type_name -> faultline.taskd.v1.Orchestration
+	4,  // 48: faultline.taskd.v1.Control.Register:input_type -> faultline.taskd.v1.RegisterRequest
+	7,  // 49: faultline.taskd.v1.Control.Heartbeat:input_type -> faultline.taskd.v1.HeartbeatRequest
+	12, // 50: faultline.taskd.v1.Control.Send:input_type -> faultline.taskd.v1.SendRequest
+	14, // 51: faultline.taskd.v1.Control.Stream:input_type -> faultline.taskd.v1.StreamRequest
+	19, // 52: faultline.taskd.v1.Control.Acknowledge:input_type -> faultline.taskd.v1.AckRequest
+	21, // 53: faultline.taskd.v1.Control.UploadOffsets:input_type -> faultline.taskd.v1.UploadOffsetRequest
+	23, // 54: faultline.taskd.v1.Control.Upload:input_type -> faultline.taskd.v1.UploadChunk
+	25, // 55: faultline.taskd.v1.Control.CollectDone:input_type -> faultline.taskd.v1.CollectResult
+	28, // 56: faultline.taskd.v1.TrainingDataTrace.ModifyTrainingDataTraceSwitch:input_type -> faultline.taskd.v1.DataTypeReq
+	30, // 57: faultline.taskd.v1.TrainingDataTrace.GetTrainingDataTraceSwitch:input_type -> faultline.taskd.v1.DataStatusReq
+	30, // 58: faultline.taskd.v1.TrainingDataTrace.SubscribeDataTraceSwitch:input_type -> faultline.taskd.v1.DataStatusReq
+	40, // 59: faultline.taskd.v1.Admin.ListMembers:input_type -> faultline.taskd.v1.ListMembersReq
+	30, // 60: faultline.taskd.v1.Admin.GetSwitchStatus:input_type -> faultline.taskd.v1.DataStatusReq
+	36, // 61: faultline.taskd.v1.Admin.ListFaults:input_type -> faultline.taskd.v1.ListFaultsReq
+	38, // 62: faultline.taskd.v1.Admin.Collect:input_type -> faultline.taskd.v1.CollectReq
+	48, // 63: faultline.taskd.v1.Admin.GetOrchestration:input_type -> faultline.taskd.v1.GetOrchestrationReq
+	50, // 64: faultline.taskd.v1.Admin.SwitchLink:input_type -> faultline.taskd.v1.SwitchLinkReq
+	51, // 65: faultline.taskd.v1.Admin.StressTest:input_type -> faultline.taskd.v1.StressTestReq
+	5,  // 66: faultline.taskd.v1.Control.Register:output_type -> faultline.taskd.v1.RegisterResponse
+	8,  // 67: faultline.taskd.v1.Control.Heartbeat:output_type -> faultline.taskd.v1.HeartbeatResponse
+	13, // 68: faultline.taskd.v1.Control.Send:output_type -> faultline.taskd.v1.SendResponse
+	15, // 69: faultline.taskd.v1.Control.Stream:output_type -> faultline.taskd.v1.Envelope
+	20, // 70: faultline.taskd.v1.Control.Acknowledge:output_type -> faultline.taskd.v1.AckResponse
+	22, // 71: faultline.taskd.v1.Control.UploadOffsets:output_type -> faultline.taskd.v1.UploadOffsetResponse
+	24, // 72: faultline.taskd.v1.Control.Upload:output_type -> faultline.taskd.v1.UploadResponse
+	26, // 73: faultline.taskd.v1.Control.CollectDone:output_type -> faultline.taskd.v1.CollectResultResponse
+	29, // 74: faultline.taskd.v1.TrainingDataTrace.ModifyTrainingDataTraceSwitch:output_type -> faultline.taskd.v1.DataTypeRes
+	31, // 75: faultline.taskd.v1.TrainingDataTrace.GetTrainingDataTraceSwitch:output_type -> faultline.taskd.v1.DataStatusRes
+	31, // 76: faultline.taskd.v1.TrainingDataTrace.SubscribeDataTraceSwitch:output_type -> faultline.taskd.v1.DataStatusRes
+	42, // 77: faultline.taskd.v1.Admin.ListMembers:output_type -> faultline.taskd.v1.ListMembersRes
+	34, // 78: faultline.taskd.v1.Admin.GetSwitchStatus:output_type -> faultline.taskd.v1.SwitchStatusRes
+	37, // 79: faultline.taskd.v1.Admin.ListFaults:output_type -> faultline.taskd.v1.ListFaultsRes
+	39, // 80: faultline.taskd.v1.Admin.Collect:output_type -> faultline.taskd.v1.CollectRes
+	49, // 81: faultline.taskd.v1.Admin.GetOrchestration:output_type -> faultline.taskd.v1.GetOrchestrationRes
+	52, // 82: faultline.taskd.v1.Admin.SwitchLink:output_type -> faultline.taskd.v1.OrchestrationRes
+	52, // 83: faultline.taskd.v1.Admin.StressTest:output_type -> faultline.taskd.v1.OrchestrationRes
+	66, // [66:84] is the sub-list for method output_type
+	48, // [48:66] is the sub-list for method input_type
+	48, // [48:48] is the sub-list for extension type_name
+	48, // [48:48] is the sub-list for extension extendee
+	0,  // [0:48] is the sub-list for field type_name
 }
 
 func init() { file_taskd_proto_init() }
@@ -3117,7 +4028,7 @@ func file_taskd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_taskd_proto_rawDesc), len(file_taskd_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   43,
+			NumMessages:   53,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

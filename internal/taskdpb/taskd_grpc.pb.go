@@ -578,10 +578,13 @@ var TrainingDataTrace_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	Admin_ListMembers_FullMethodName     = "/faultline.taskd.v1.Admin/ListMembers"
-	Admin_GetSwitchStatus_FullMethodName = "/faultline.taskd.v1.Admin/GetSwitchStatus"
-	Admin_ListFaults_FullMethodName      = "/faultline.taskd.v1.Admin/ListFaults"
-	Admin_Collect_FullMethodName         = "/faultline.taskd.v1.Admin/Collect"
+	Admin_ListMembers_FullMethodName      = "/faultline.taskd.v1.Admin/ListMembers"
+	Admin_GetSwitchStatus_FullMethodName  = "/faultline.taskd.v1.Admin/GetSwitchStatus"
+	Admin_ListFaults_FullMethodName       = "/faultline.taskd.v1.Admin/ListFaults"
+	Admin_Collect_FullMethodName          = "/faultline.taskd.v1.Admin/Collect"
+	Admin_GetOrchestration_FullMethodName = "/faultline.taskd.v1.Admin/GetOrchestration"
+	Admin_SwitchLink_FullMethodName       = "/faultline.taskd.v1.Admin/SwitchLink"
+	Admin_StressTest_FullMethodName       = "/faultline.taskd.v1.Admin/StressTest"
 )
 
 // AdminClient is the client API for Admin service.
@@ -594,6 +597,15 @@ type AdminClient interface {
 	GetSwitchStatus(ctx context.Context, in *DataStatusReq, opts ...grpc.CallOption) (*SwitchStatusRes, error)
 	ListFaults(ctx context.Context, in *ListFaultsReq, opts ...grpc.CallOption) (*ListFaultsRes, error)
 	Collect(ctx context.Context, in *CollectReq, opts ...grpc.CallOption) (*CollectRes, error)
+	// GetOrchestration returns the orchestration running now and the
+	// history.
+	GetOrchestration(ctx context.Context, in *GetOrchestrationReq, opts ...grpc.CallOption) (*GetOrchestrationRes, error)
+	// SwitchLink moves links to the standby or back to the primary, and
+	// waits for the switch to finish; CODE_BUSY when another orchestration
+	// runs.
+	SwitchLink(ctx context.Context, in *SwitchLinkReq, opts ...grpc.CallOption) (*OrchestrationRes, error)
+	// StressTest runs an online stress test and waits for it to finish.
+	StressTest(ctx context.Context, in *StressTestReq, opts ...grpc.CallOption) (*OrchestrationRes, error)
 }
 
 type adminClient struct {
@@ -644,6 +656,36 @@ func (c *adminClient) Collect(ctx context.Context, in *CollectReq, opts ...grpc.
 	return out, nil
 }
 
+func (c *adminClient) GetOrchestration(ctx context.Context, in *GetOrchestrationReq, opts ...grpc.CallOption) (*GetOrchestrationRes, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(GetOrchestrationRes)
+	err := c.cc.Invoke(ctx, Admin_GetOrchestration_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminClient) SwitchLink(ctx context.Context, in *SwitchLinkReq, opts ...grpc.CallOption) (*OrchestrationRes, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(OrchestrationRes)
+	err := c.cc.Invoke(ctx, Admin_SwitchLink_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminClient) StressTest(ctx context.Context, in *StressTestReq, opts ...grpc.CallOption) (*OrchestrationRes, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(OrchestrationRes)
+	err := c.cc.Invoke(ctx, Admin_StressTest_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServer is the server API for Admin service.
 // All implementations must embed UnimplementedAdminServer
 // for forward compatibility.
@@ -654,6 +696,15 @@ type AdminServer interface {
 	GetSwitchStatus(context.Context, *DataStatusReq) (*SwitchStatusRes, error)
 	ListFaults(context.Context, *ListFaultsReq) (*ListFaultsRes, error)
 	Collect(context.Context, *CollectReq) (*CollectRes, error)
+	// GetOrchestration returns the orchestration running now and the
+	// history.
+	GetOrchestration(context.Context, *GetOrchestrationReq) (*GetOrchestrationRes, error)
+	// SwitchLink moves links to the standby or back to the primary, and
+	// waits for the switch to finish; CODE_BUSY when another orchestration
+	// runs.
+	SwitchLink(context.Context, *SwitchLinkReq) (*OrchestrationRes, error)
+	// StressTest runs an online stress test and waits for it to finish.
+	StressTest(context.Context, *StressTestReq) (*OrchestrationRes, error)
 	mustEmbedUnimplementedAdminServer()
 }
 
@@ -675,6 +726,15 @@ func (UnimplementedAdminServer) ListFaults(context.Context, *ListFaultsReq) (*Li
 }
 func (UnimplementedAdminServer) Collect(context.Context, *CollectReq) (*CollectRes, error) {
 	return nil, status.Error(codes.Unimplemented, "method Collect not implemented")
+}
+func (UnimplementedAdminServer) GetOrchestration(context.Context, *GetOrchestrationReq) (*GetOrchestrationRes, error) {
+	return nil, status.Error(codes.Unimplemented, "method GetOrchestration not implemented")
+}
+func (UnimplementedAdminServer) SwitchLink(context.Context, *SwitchLinkReq) (*OrchestrationRes, error) {
+	return nil, status.Error(codes.Unimplemented, "method SwitchLink not implemented")
+}
+func (UnimplementedAdminServer) StressTest(context.Context, *StressTestReq) (*OrchestrationRes, error) {
+	return nil, status.Error(codes.Unimplemented, "method StressTest not implemented")
 }
 func (UnimplementedAdminServer) mustEmbedUnimplementedAdminServer() {}
 func (UnimplementedAdminServer) testEmbeddedByValue()               {}
@@ -769,6 +829,60 @@ func _Admin_Collect_Handler(srv interface{}, ctx context.Context, dec func(inter
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Admin_GetOrchestration_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetOrchestrationReq)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).GetOrchestration(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_GetOrchestration_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).GetOrchestration(ctx, req.(*GetOrchestrationReq))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Admin_SwitchLink_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(SwitchLinkReq)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).SwitchLink(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_SwitchLink_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).SwitchLink(ctx, req.(*SwitchLinkReq))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Admin_StressTest_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(StressTestReq)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).StressTest(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_StressTest_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).StressTest(ctx, req.(*StressTestReq))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Admin_ServiceDesc is the grpc.ServiceDesc for Admin service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -791,6 +905,18 @@ var Admin_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Collect",
 			Handler:    _Admin_Collect_Handler,
+		},
+		{
+			MethodName: "GetOrchestration",
+			Handler:    _Admin_GetOrchestration_Handler,
+		},
+		{
+			MethodName: "SwitchLink",
+			Handler:    _Admin_SwitchLink_Handler,
+		},
+		{
+			MethodName: "StressTest",
+			Handler:    _Admin_StressTest_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
