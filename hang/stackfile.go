@@ -139,8 +139,9 @@ func (e *ParseError) Unwrap() error {
 // Validate reports what would make d unfit for a stack file.
 func (d *Dump) Validate() error {
 	switch {
-	case d.World < 1:
-		return fmt.Errorf("hang: dump: World %d: must be at least 1", d.World)
+	case d.World < 1 || d.World > maxRank:
+		// Above maxRank, FileName would write a name ParseFileName rejects.
+		return fmt.Errorf("hang: dump: World %d: must be in [1, %d]", d.World, maxRank)
 	case d.Rank < 0 || d.Rank >= d.World:
 		return fmt.Errorf("hang: dump: Rank %d: must be in [0, %d)", d.Rank, d.World)
 	case d.Pid < 0:

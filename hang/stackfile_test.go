@@ -100,6 +100,7 @@ func TestDumpRoundTrip(t *testing.T) {
 func TestDumpMarshalRejectsInvalid(t *testing.T) {
 	for _, d := range []*Dump{
 		{World: 0},
+		{World: maxRank + 1}, // its file name would not parse back
 		{Rank: 8, World: 8},
 		{Rank: -1, World: 8},
 		{World: 1, Pid: -1},
