@@ -17,6 +17,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"flag"
@@ -95,7 +96,6 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 	fmt.Fprintf(out, "faultline demo: %d workers, %d switch phases of %v, output under %s\n\n", cfg.Workers, len(phases), cfg.Phase, dir)
 
 	cm := configMap{dir: mount, key: "profilingSwitch"}
-	start := time.Now()
 	if err := cm.update(phases[0]); err != nil {
 		return err
 	}
@@ -123,19 +123,33 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 			}
 		}
 	}()
+	var ready []chan struct{}
 	for rank := range cfg.Workers {
 		cmd := exec.Command(exe)
 		cmd.Env = append(slices.Clip(env), envWorker+"="+strconv.Itoa(rank), envWorld+"="+strconv.Itoa(cfg.Workers),
 			envRoot+"="+root, envSwitch+"="+switchPath)
-		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+		r := make(chan struct{})
+		cmd.Stdout, cmd.Stderr = &readyWriter{ready: r}, os.Stderr
 		if err := cmd.Start(); err != nil {
 			return fmt.Errorf("start worker %d: %w", rank, err)
 		}
-		cmds = append(cmds, cmd)
+		cmds, ready = append(cmds, cmd), append(ready, r)
+	}
+	// The first phase starts once every worker trains with its switch, so
+	// that a slow start on a loaded machine does not eat into it.
+	deadline := time.After(time.Minute)
+	for rank, r := range ready {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-deadline:
+			return fmt.Errorf("worker %d not ready after a minute", rank)
+		case <-r:
+		}
 	}
 
 	changed := make([]time.Time, len(phases))
-	changed[0] = start
+	changed[0] = time.Now()
 	for i := 1; i < len(phases); i++ {
 		select {
 		case <-ctx.Done():
@@ -202,6 +216,21 @@ func (c *configMap) update(s trace.Switch) error {
 	return nil
 }
 
+// readyWriter is a worker's standard output, where it says "ready" once
+// its switch is in force.
+type readyWriter struct {
+	ready chan struct{}
+	seen  bool
+}
+
+func (w *readyWriter) Write(p []byte) (int, error) {
+	if !w.seen && bytes.Contains(p, []byte("ready")) {
+		w.seen = true
+		close(w.ready)
+	}
+	return len(p), nil
+}
+
 // worker is one rank of the synthetic job.
 func worker(rankEnv string) int {
 	rank, _ := strconv.Atoi(rankEnv)
@@ -218,12 +247,24 @@ func worker(rankEnv string) int {
 	if err != nil {
 		return fail(err)
 	}
-	w, err := trace.NewSwitchWatcher(trace.SwitchWatcherConfig{Path: os.Getenv(envSwitch), OnChange: rec.SetSwitch})
+	switched := make(chan struct{}, 1)
+	w, err := trace.NewSwitchWatcher(trace.SwitchWatcherConfig{Path: os.Getenv(envSwitch), OnChange: func(s trace.Switch) {
+		rec.SetSwitch(s)
+		select {
+		case switched <- struct{}{}:
+		default:
+		}
+	}})
 	if err != nil {
 		return fail(err)
 	}
 	watched := make(chan error, 1)
 	go func() { watched <- w.Run(ctx) }()
+	select {
+	case <-switched:
+		fmt.Println("ready")
+	case <-ctx.Done():
+	}
 
 	// Tensor parallelism over pairs of ranks, data parallelism across them.
 	tp := rank / 2 * 2
