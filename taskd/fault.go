@@ -21,6 +21,7 @@ const (
 	FaultSlowNode    FaultKind = "slow_node"    // a slow-node verdict for the position
 	FaultLink        FaultKind = "link"         // a network link or NIC is down or degraded
 	FaultLost        FaultKind = "lost"         // raised by the manager: heartbeats stopped
+	FaultStressTest  FaultKind = "stress_test"  // an online stress test found the rank's devices failing
 )
 
 // Fault is one entry of a job's fault log. Later orchestration (process
