@@ -320,7 +320,7 @@ func (d *Detector) healthy(pairs []rankValue, threshold, effect float64, above f
 	cut := n
 	for {
 		c, lo, hi := split2(sc.vals[:cut])
-		if c*3 < n || hi <= lo*(1+d.cfg.RelativeThreshold) {
+		if c >= cut || c*3 < n || !(hi > lo*(1+d.cfg.RelativeThreshold)) {
 			break
 		}
 		cut = c
