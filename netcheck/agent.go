@@ -32,6 +32,10 @@ type AgentConfig struct {
 	// MaxProbeTimeout caps the deadline a checker may give a probe this
 	// agent runs to a peer. Default 2 min.
 	MaxProbeTimeout time.Duration
+	// MaxConns bounds the connections served at once; more are closed at
+	// once, so that stray clients cannot pile up buffers. A check needs
+	// two per agent at a time. Default 256.
+	MaxConns int
 	// Logger receives failed requests at debug level; nil discards them.
 	Logger *slog.Logger
 	// Registerer receives the agent's metrics; nil means none.
@@ -49,6 +53,9 @@ func (c AgentConfig) Validate() error {
 	}
 	if c.MaxProbeTimeout < 0 {
 		errs = append(errs, fmt.Errorf("AgentConfig.MaxProbeTimeout = %v: must not be negative", c.MaxProbeTimeout))
+	}
+	if c.MaxConns < 0 {
+		errs = append(errs, fmt.Errorf("AgentConfig.MaxConns = %d: must not be negative", c.MaxConns))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("netcheck: %w", err)
@@ -93,6 +100,9 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 	if cfg.MaxProbeTimeout == 0 {
 		cfg.MaxProbeTimeout = 2 * time.Minute
 	}
+	if cfg.MaxConns == 0 {
+		cfg.MaxConns = 256
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -108,7 +118,7 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 		ln:  ln,
 		requests: f.NewCounterVec(prometheus.CounterOpts{
 			Name: "faultline_netcheck_agent_requests_total",
-			Help: "Requests served by the netcheck agent, by operation (transfer, probe) and result (ok, error).",
+			Help: "Requests served by the netcheck agent, by operation (transfer, probe; connect for connections past MaxConns) and result (ok, error, refused).",
 		}, []string{"op", "result"}),
 		bytes: f.NewCounterVec(prometheus.CounterOpts{
 			Name: "faultline_netcheck_agent_bytes_total",
@@ -163,7 +173,11 @@ func (a *Agent) Run(ctx context.Context) error {
 			}
 			return fmt.Errorf("netcheck: agent: %w", err)
 		}
-		if !a.track(conn) {
+		if tracked, full := a.track(conn); !tracked {
+			if full {
+				a.requests.WithLabelValues("connect", "refused").Inc()
+				a.log.Debug("netcheck agent: too many connections", "peer", conn.RemoteAddr().String(), "max", a.cfg.MaxConns)
+			}
 			conn.Close()
 			continue
 		}
@@ -190,14 +204,19 @@ func (a *Agent) shutdown() {
 	}
 }
 
-func (a *Agent) track(c net.Conn) bool {
+// track adds c to the connections served, unless the agent is closed or
+// serves MaxConns already (full).
+func (a *Agent) track(c net.Conn) (tracked, full bool) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.closed {
-		return false
+	switch {
+	case a.closed:
+		return false, false
+	case len(a.conns) >= a.cfg.MaxConns:
+		return false, true
 	}
 	a.conns[c] = struct{}{}
-	return true
+	return true, false
 }
 
 func (a *Agent) untrack(c net.Conn) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -105,6 +106,39 @@ func TestAgentRefuses(t *testing.T) {
 	}
 	c.Close()
 	waitFor(t, func() bool { return metric(t, reg, "faultline_netcheck_agent_requests_total", "unknown", "error") == 1 })
+}
+
+func TestAgentMaxConns(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	a := startAgent(t, AgentConfig{MaxConns: 1, Registerer: reg})
+	// The first connection, idle, takes the only place; the agent
+	// accepts in order, so the second is refused.
+	idle, err := net.Dial("tcp", a.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	extra, err := net.Dial("tcp", a.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer extra.Close()
+	extra.SetReadDeadline(time.Now().Add(20 * time.Second))
+	if n, err := extra.Read(make([]byte, 1)); n != 0 || err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("connection past MaxConns: read %d, %v; want it closed", n, err)
+	}
+	if got := metric(t, reg, "faultline_netcheck_agent_requests_total", "connect", "refused"); got != 1 {
+		t.Fatalf("refused connections = %v, want 1", got)
+	}
+	// Its place freed, the agent serves again.
+	idle.Close()
+	p := &TCPProber{Bytes: 64 << 10, Repeats: 1}
+	waitFor(t, func() bool {
+		_, err := p.Probe(ctxTimeout(t, 20*time.Second), Node{}, Node{Name: "a", Addr: a.Addr().String()})
+		return err == nil
+	})
+	if _, err := NewAgent(AgentConfig{Listen: "127.0.0.1:0", MaxConns: -1}); err == nil || !strings.Contains(err.Error(), "MaxConns") {
+		t.Fatalf("MaxConns -1: err = %v", err)
+	}
 }
 
 func TestProbeDeadlines(t *testing.T) {
