@@ -318,24 +318,37 @@ func TestKilledWriterKeepsFlushedRecords(t *testing.T) {
 func TestResolveJobOncePerLauncher(t *testing.T) {
 	root := t.TempDir()
 	t.Setenv(EnvTaskID, "")
-	run := func(cmd *exec.Cmd) string {
+	// output runs cmd; it may run on any goroutine, so it reports with
+	// t.Errorf and leaves stopping to the caller.
+	output := func(cmd *exec.Cmd) string {
 		out, err := cmd.Output()
 		if err != nil {
-			t.Fatalf("%v: %v", cmd, err)
+			t.Errorf("%v: %v", cmd, err)
 		}
 		return strings.TrimSpace(string(out))
 	}
+	run := func(cmd *exec.Cmd) string {
+		t.Helper()
+		out := output(cmd)
+		if t.Failed() {
+			t.FailNow()
+		}
+		return out
+	}
 	const n = 6
 	jobs := make([]string, n)
+	cmds := make([]*exec.Cmd, n)
+	for i := range cmds {
+		cmds[i] = child(t, "resolve-job", "TRACE_ROOT="+root)
+	}
 	var wg sync.WaitGroup
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			jobs[i] = run(child(t, "resolve-job", "TRACE_ROOT="+root))
-		}()
+	for i, cmd := range cmds {
+		wg.Go(func() { jobs[i] = output(cmd) })
 	}
 	wg.Wait()
+	if t.Failed() {
+		t.FailNow()
+	}
 	for _, j := range jobs {
 		if j != jobs[0] || !strings.HasPrefix(j, DefaultJobPrefix) {
 			t.Fatalf("jobs %v: want one default_task_id_ job", jobs)
