@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"net"
 	"runtime/debug"
 	"slices"
@@ -262,18 +261,14 @@ func newestCommitted(dir string) int64 {
 }
 
 // fetch asks peers for their copy of seg's shard at step (-1: newest),
-// the peers that hold it by PickPeers first, restores it into seg and
-// copies it out.
+// in PickPeers's order (so those that received this node's saves first),
+// restores it into seg and copies it out.
 func (o *Owner) fetch(ctx context.Context, seg *segment, step int64) (*Checkpoint, error) {
 	shard := seg.hdr.Shard
 	ctx, span := o.tracer.Start(ctx, "ckpt.FetchReplica", trace.WithAttributes(attribute.Int("ckpt.shard", shard)))
 	defer span.End()
-	nodes := slices.Collect(maps.Keys(o.cfg.Peers))
-	first := PickPeers(o.cfg.Node, nodes, o.cfg.Domains, o.cfg.Replicas)
-	order := append(first, slices.DeleteFunc(PickPeers(o.cfg.Node, nodes, o.cfg.Domains, len(nodes)),
-		func(n string) bool { return slices.Contains(first, n) })...)
 	var errs []error
-	for _, p := range order {
+	for _, p := range o.peers {
 		m, _, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (StepMeta, int64, error) {
 			m, err := getReplica(conn, shard, step, o.cfg.IOTimeout, func(need int64) (*segment, error) {
 				if need > seg.hdr.HalfSize {

@@ -150,6 +150,9 @@ type Owner struct {
 	tracer    trace.Tracer
 	log       *slog.Logger
 	ln        net.Listener
+	// peers are the other nodes of Peers in PickPeers's order of
+	// preference: the first Replicas of them receive this node's saves.
+	peers []string
 
 	// ops is held for reading by every operation that touches a segment,
 	// and for writing by Close, which unmaps them.
@@ -192,6 +195,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 		replicas: map[int]*replicaSlot{},
 		conns:    map[net.Conn]bool{},
 	}
+	o.peers = PickPeers(cfg.Node, slices.Collect(maps.Keys(cfg.Peers)), cfg.Domains, len(cfg.Peers))
 	o.committer = cfg.Committer
 	if o.committer == nil && cfg.Dir != "" {
 		o.committer = &LocalCommitter{Dir: cfg.Dir, Retention: cfg.Retention, OnCommit: o.onCommit}
@@ -333,7 +337,7 @@ func (o *Owner) Run(ctx context.Context) error {
 					})
 				}
 			}
-			if o.replicating() {
+			if len(o.replicaTargets()) > 0 {
 				if c := seg.newest(); len(c) > 0 {
 					if seq := seg.seq(c[0]); seq != lastReplica[shard] {
 						if _, running := busy.Load(fmt.Sprint("r", shard)); !running {
@@ -375,9 +379,9 @@ func (o *Owner) Run(ctx context.Context) error {
 	}
 }
 
-// replicating says whether there are peers to send saves to.
-func (o *Owner) replicating() bool {
-	return o.cfg.Replicas > 0 && len(PickPeers(o.cfg.Node, slices.Collect(maps.Keys(o.cfg.Peers)), nil, 1)) > 0
+// replicaTargets are the peers that receive this node's saves.
+func (o *Owner) replicaTargets() []string {
+	return o.peers[:min(max(o.cfg.Replicas, 0), len(o.peers))]
 }
 
 // Persist writes shard's newest intact step in memory to disk and tells
@@ -604,7 +608,7 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 	if err != nil {
 		return err
 	}
-	peers := PickPeers(o.cfg.Node, slices.Collect(maps.Keys(o.cfg.Peers)), o.cfg.Domains, o.cfg.Replicas)
+	peers := o.replicaTargets()
 	if len(peers) == 0 {
 		return errors.New("ckpt: replicate: no peers")
 	}
