@@ -75,6 +75,7 @@ type FormatError struct {
 	Msg    string // what is wrong, with the value
 }
 
+// Error names the file, the offset and the field, and says what is wrong.
 func (e *FormatError) Error() string {
 	var b bytes.Buffer
 	b.WriteString("ckpt: ")

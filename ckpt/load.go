@@ -29,6 +29,7 @@ type TierError struct {
 	Err  error
 }
 
+// Error is "tier: reason".
 func (e *TierError) Error() string { return fmt.Sprintf("%s: %v", e.Tier, e.Err) }
 
 // Unwrap returns the reason.
@@ -46,6 +47,7 @@ type LoadReport struct {
 	Notes []error
 }
 
+// String says, on one line, which tier served and why the others did not.
 func (r LoadReport) String() string {
 	var b strings.Builder
 	if r.Tier == "" {

@@ -24,6 +24,7 @@ type LineError struct {
 	Err  error
 }
 
+// Error is "file:line: cause".
 func (e *LineError) Error() string { return fmt.Sprintf("%s:%d: %v", e.File, e.Line, e.Err) }
 
 // Unwrap returns the cause.

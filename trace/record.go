@@ -135,6 +135,7 @@ type RecordError struct {
 	Msg   string
 }
 
+// Error names the field and says what is wrong with it.
 func (e *RecordError) Error() string {
 	if e.Field == "" {
 		return "record: " + e.Msg

@@ -37,6 +37,7 @@ type SwitchError struct {
 	Msg   string
 }
 
+// Error names the field and the value and says what is wrong.
 func (e *SwitchError) Error() string {
 	switch {
 	case e.Field == "":
