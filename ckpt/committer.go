@@ -14,7 +14,8 @@ import (
 // shards: that is how a trainer dying mid-save cannot get an empty step
 // committed. The control plane implements Committer across nodes (it
 // gathers ShardDurable from every node's owner, then has each node call
-// CommitStep); LocalCommitter implements it for one node.
+// CommitStep with a StepManifest of the shards' Refs); LocalCommitter
+// implements it for one node.
 type Committer interface {
 	// ShardDurable reports that the shard m describes is durable: its data
 	// file and manifest are fsynced under their final names.

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -411,5 +412,93 @@ func TestPersistRefusesSymlinkedStepDir(t *testing.T) {
 	}
 	if ents, _ := os.ReadDir(elsewhere); len(ents) != 0 {
 		t.Fatalf("persist wrote %d files through the symlink", len(ents))
+	}
+}
+
+// controlPlane is a Committer across nodes that share no filesystem: it
+// gathers every shard's ShardDurable and then commits the step on each
+// node, as the control plane does.
+type controlPlane struct {
+	mu        sync.Mutex
+	numShards int
+	dirs      []string
+	refs      map[int64][]*ShardRef
+}
+
+func (c *controlPlane) ShardDurable(ctx context.Context, m ShardManifest) error {
+	ref, err := m.Ref()
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.refs[m.Step] == nil {
+		c.refs[m.Step] = make([]*ShardRef, c.numShards)
+	}
+	c.refs[m.Step][m.Shard] = &ref
+	sm := StepManifest{Step: m.Step}
+	for _, r := range c.refs[m.Step] {
+		if r == nil {
+			return nil // not yet
+		}
+		sm.Shards = append(sm.Shards, *r)
+	}
+	for _, d := range c.dirs {
+		if err := CommitStep(d, sm); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// TestCommitAcrossNodes persists a step's two shards on two nodes with
+// disks of their own: the step commits on both only once both shards are
+// durable, each node loads its shard, and neither calls the other's
+// absent shard a problem.
+func TestCommitAcrossNodes(t *testing.T) {
+	ctx := context.Background()
+	dirs := []string{t.TempDir(), t.TempDir()}
+	cp := &controlPlane{numShards: 2, dirs: dirs, refs: map[int64][]*ShardRef{}}
+	var nodes []*node
+	for s, d := range dirs {
+		nd := newNode(t, OwnerConfig{Shards: []int{s}, NumShards: 2, Dir: d, Committer: cp}, 1)
+		if err := nd.ws[0].Save(ctx, 7, shardBlobs(s, 7)...); err != nil {
+			t.Fatal(err)
+		}
+		nodes = append(nodes, nd)
+	}
+	if _, err := nodes[0].o.Persist(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range dirs {
+		if _, err := os.Stat(filepath.Join(d, TrackerFile)); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("%s: tracker written with one shard of two durable: %v", d, err)
+		}
+	}
+	if _, err := nodes[1].o.Persist(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	for s, d := range dirs {
+		if got := readFile(t, filepath.Join(d, DLRoverTrackerFile)); got != "7" {
+			t.Fatalf("%s: %s = %q", d, DLRoverTrackerFile, got)
+		}
+		ck, why, err := LoadDisk(d, s)
+		if err != nil || len(why) != 0 {
+			t.Fatalf("LoadDisk(%s, %d) = %v, %v", d, s, why, err)
+		}
+		checkShard(t, ck, s, 7)
+		if _, _, err := LoadDisk(d, 1-s); !errors.Is(err, ErrNoStep) {
+			t.Fatalf("LoadDisk(%s, %d) of the other node's shard = %v, want ErrNoStep", d, 1-s, err)
+		}
+		if err := Verify(d); err != nil {
+			t.Fatalf("Verify(%s) = %v", d, err)
+		}
+		rep, err := InspectDir(d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sh := rep.Steps[0].Shards; len(sh) != 2 || sh[s].Absent || !sh[1-s].Absent {
+			t.Fatalf("InspectDir(%s) shards %+v, want %d here and %d absent", d, sh, s, 1-s)
+		}
 	}
 }

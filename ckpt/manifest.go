@@ -153,6 +153,18 @@ func decodeStrict(b []byte, v any) error {
 	return nil
 }
 
+// Ref returns m's entry in the StepManifest of its step: what a
+// Committer across nodes gathers from each node's ShardDurable to build
+// the StepManifest that every node's CommitStep writes. The CRC is that of
+// the manifest file the persist wrote, m.Marshal().
+func (m ShardManifest) Ref() (ShardRef, error) {
+	b, err := m.Marshal()
+	if err != nil {
+		return ShardRef{}, err
+	}
+	return ShardRef{Shard: m.Shard, Size: m.Size, ManifestCRC32C: CRC32C(b)}, nil
+}
+
 // ShardRef is a StepManifest's entry for one shard: enough to tell that
 // the shard's manifest on some node is the one that was committed.
 type ShardRef struct {
