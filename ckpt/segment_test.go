@@ -15,30 +15,12 @@ import (
 	"time"
 )
 
-// newPair returns an owner of shard 0 in a fresh shared-memory directory
-// and a writer on its segment.
+// newPair returns an owner of shard 0 (or cfg.Shards) in a fresh
+// shared-memory directory and a writer on its first shard's segment.
 func newPair(t *testing.T, cfg OwnerConfig) (*Owner, *Writer) {
 	t.Helper()
-	if cfg.ShmDir == "" {
-		cfg.ShmDir = shmDir(t)
-	}
-	if cfg.Shards == nil {
-		cfg.Shards = []int{0}
-	}
-	if cfg.Capacity == 0 {
-		cfg.Capacity = 1 << 20
-	}
-	o, err := NewOwner(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { o.Remove() })
-	w, err := NewWriter(WriterConfig{Path: o.SegmentPath(cfg.Shards[0])})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { w.Close() })
-	return o, w
+	nd := newNode(t, cfg, 1)
+	return nd.o, nd.ws[0]
 }
 
 func blobs(step int64) []Blob {
