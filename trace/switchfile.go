@@ -15,6 +15,7 @@ import (
 
 	"github.com/fsnotify/fsnotify"
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
 )
 
 // DefaultPollInterval is how often a SwitchWatcher re-reads the file when
@@ -256,9 +257,15 @@ func (w *SwitchWatcher) apply(s Switch, first bool) {
 }
 
 // readSwitchFile reads the switch document. The path itself is followed
-// (the kubelet makes it a symlink into ..data); the size is bounded.
+// (the kubelet makes it a symlink into ..data) but must lead to a regular
+// file: a FIFO there would block the watcher for good. The size is
+// bounded.
 func readSwitchFile(path string) ([]byte, error) {
-	f, err := os.Open(path)
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: path, Err: err}
+	}
+	f, err := regularFile(fd, path)
 	if err != nil {
 		return nil, err
 	}

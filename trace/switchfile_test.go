@@ -12,6 +12,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
 )
 
 // kubeletUpdate does what the kubelet's atomic writer does to a ConfigMap
@@ -159,6 +160,24 @@ func TestSwitchWatcherBadFirstDocumentIsAllOff(t *testing.T) {
 	nextSwitch(t, ch, Switch{}, time.Now())
 	if err := w.Err(); !errors.Is(err, ErrSwitch) || !strings.Contains(err.Error(), path) {
 		t.Fatalf("Err() = %v", err)
+	}
+}
+
+// TestSwitchWatcherRefusesFIFO puts a FIFO where the switch file should
+// be: opening it for reading would block until a writer came, so the
+// watcher would never stop. It is refused instead, as all off.
+func TestSwitchWatcherRefusesFIFO(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "profilingSwitch")
+	if err := unix.Mkfifo(path, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	w, ch := startWatcher(t, SwitchWatcherConfig{Path: path})
+	nextSwitch(t, ch, Switch{}, time.Now())
+	if err := w.Err(); err == nil || !strings.Contains(err.Error(), "not a regular file") {
+		t.Fatalf("Err() = %v, want a refusal of the FIFO", err)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
 	}
 }
 
