@@ -244,6 +244,10 @@ func (w *Writer) put(dom int, r *Record, form uint8, step uint64, op *CommOp) er
 	return nil
 }
 
+// maxNameAhead bounds how far ahead of the clock the name of an earlier
+// writer's file may be for this one to follow it.
+const maxNameAhead = 24 * time.Hour
+
 // pageSize aligns the writes of a full buffer: the kernel copies whole
 // pages into its cache markedly faster than writes that end mid-page.
 const pageSize = 4096
@@ -415,13 +419,18 @@ func (w *Writer) open(now time.Time) error {
 		// Readers tail files in name order, so the first file of this
 		// process must sort after what an earlier one left, even one that
 		// rotated faster than once a second into names ahead of the clock.
+		// Names further ahead than maxNameAhead did not come from a writer
+		// (one would need to rotate a day's worth of seconds ahead) and are
+		// ignored: following one to the top of the int64 range would
+		// overflow into names that are no record file names.
 		ents, err := listDir(w.dirf, w.dir)
 		if err != nil {
 			return err
 		}
+		limit := now.Unix() + int64(maxNameAhead/time.Second)
 		for _, e := range ents {
 			if IsRecordFileName(e.Name()) {
-				if n, err := strconv.ParseInt(e.Name(), 10, 64); err == nil && n > w.sec {
+				if n, err := strconv.ParseInt(e.Name(), 10, 64); err == nil && n > w.sec && n <= limit {
 					w.sec = n
 				}
 			}

@@ -132,6 +132,36 @@ func TestWriterRotatesAndNeverAppends(t *testing.T) {
 	}
 }
 
+// TestWriterIgnoresFarFutureNames plants a record file named at the top
+// of the int64 range: the writer's next name must not overflow into one
+// that readers and the ager do not see as a record file.
+func TestWriterIgnoresFarFutureNames(t *testing.T) {
+	root := t.TempDir()
+	dir := filepath.Join(root, "j", "0")
+	os.MkdirAll(dir, 0o750)
+	os.WriteFile(filepath.Join(dir, "9223372036854775807"), nil, 0o640)
+	w, err := NewWriter(WriterConfig{Root: root, Job: "j", Now: fixedNow(1731000000)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := testRecord(0)
+	if err := w.Write(&r); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		if !IsRecordFileName(e.Name()) {
+			t.Fatalf("the writer created %q, which is no record file name", e.Name())
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, "1731000000")); err != nil {
+		t.Fatalf("the writer did not name its file by the clock: %v", err)
+	}
+}
+
 func TestJobValidation(t *testing.T) {
 	for _, job := range []string{"", ".", "..", "../../etc", "a/b", ".hidden", "x\x00y", "tab\there", strings.Repeat("x", 256)} {
 		if err := ValidateJob(job); !errors.Is(err, ErrPath) {
