@@ -16,7 +16,6 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -159,7 +158,7 @@ type Owner struct {
 	ops     sync.RWMutex
 	closed  bool
 	closing chan struct{}
-	ran     atomic.Bool
+	running sync.Mutex // held by Run until it returns
 
 	mu       sync.Mutex
 	replicas map[int]*replicaSlot // peers' shards held here
@@ -293,9 +292,10 @@ func (o *Owner) seg(shard int) (*segment, error) {
 // writers ask for, copies new saves to peers, and serves peers' replica
 // transfers. It returns nil after a Close, else ctx's error.
 func (o *Owner) Run(ctx context.Context) error {
-	if !o.ran.CompareAndSwap(false, true) {
+	if !o.running.TryLock() {
 		return errors.New("ckpt: Owner.Run called twice")
 	}
+	defer o.running.Unlock()
 	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	defer func() {
@@ -819,8 +819,8 @@ func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, shard, metaLen in
 	return m, nil
 }
 
-// Close stops Run, waits for the operations in flight, unregisters the
-// metrics and unmaps the segments. The steps stay in shared memory for the next owner; Remove
+// Close stops Run and waits for it to return, waits for the operations in
+// flight, unregisters the metrics and unmaps the segments. The steps stay in shared memory for the next owner; Remove
 // deletes them. Close is idempotent.
 func (o *Owner) Close() error {
 	o.mu.Lock()
@@ -834,6 +834,8 @@ func (o *Owner) Close() error {
 		o.ln.Close()
 	}
 	o.closeConns()
+	o.running.Lock() // held by Run until it returns
+	o.running.Unlock()
 	o.ops.Lock()
 	defer o.ops.Unlock()
 	if o.closed {
