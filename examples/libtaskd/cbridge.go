@@ -23,10 +23,10 @@ static const char *taskd_get_error(void) { return taskd_err; }
 
 // The trampoline through which Go calls a trainer's callback: Go keeps the
 // function and user pointers as integers and never dereferences them.
-typedef int (*taskd_callback_fn)(void *user, const char *arg, char *err, size_t errlen);
+typedef int (*taskd_callback_fn)(void *user, const char *arg, char *out, size_t outlen);
 
-static int taskd_call(uintptr_t fn, uintptr_t user, const char *arg, char *err, size_t errlen) {
-	return ((taskd_callback_fn)fn)((void *)user, arg, err, errlen);
+static int taskd_call(uintptr_t fn, uintptr_t user, const char *arg, char *out, size_t outlen) {
+	return ((taskd_callback_fn)fn)((void *)user, arg, out, outlen);
 }
 */
 import "C"
@@ -36,32 +36,43 @@ import (
 	"unsafe"
 )
 
-// errBufLen is the room a callback has for its error message.
-const errBufLen = 1024
-
 // setError makes msg this thread's last error.
 func setError(msg string) { C.taskd_set_error(msg) }
 
 // lastError returns this thread's last error, owned by the library.
 func lastError() *C.char { return C.taskd_get_error() }
 
+// taskdEUnsupported is TASKD_EUNSUPPORTED of the header, which this
+// file's C cannot see.
+const taskdEUnsupported = -7
+
+// replyLen is the room a callback has for its reply or error message.
+const replyLen = 64 << 10
+
 // cCallback wraps a C function pointer and its user pointer, both C
 // memory that Go only passes back to C.
 func cCallback(fn, user uintptr) callback {
-	return func(arg string) error {
+	return func(arg string) (string, error) {
 		carg := C.CString(arg)
 		defer C.free(unsafe.Pointer(carg))
-		buf := (*C.char)(C.calloc(errBufLen, 1))
+		buf := (*C.char)(C.calloc(replyLen, 1))
 		defer C.free(unsafe.Pointer(buf))
-		rc := C.taskd_call(C.uintptr_t(fn), C.uintptr_t(user), carg, buf, errBufLen)
-		if rc == 0 {
-			return nil
+		rc := C.taskd_call(C.uintptr_t(fn), C.uintptr_t(user), carg, buf, replyLen)
+		*(*C.char)(unsafe.Add(unsafe.Pointer(buf), replyLen-1)) = 0
+		out := C.GoString(buf)
+		switch rc {
+		case 0:
+			return out, nil
+		case taskdEUnsupported:
+			if out == "" {
+				return "", errUnsupported
+			}
+			return "", fmt.Errorf("%w: %s", errUnsupported, out)
 		}
-		*(*C.char)(unsafe.Add(unsafe.Pointer(buf), errBufLen-1)) = 0
-		if msg := C.GoString(buf); msg != "" {
-			return fmt.Errorf("callback failed (%d): %s", int(rc), msg)
+		if out == "" {
+			return "", fmt.Errorf("callback failed (%d)", int(rc))
 		}
-		return fmt.Errorf("callback failed (%d)", int(rc))
+		return "", fmt.Errorf("callback failed (%d): %s", int(rc), out)
 	}
 }
 

@@ -7,9 +7,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"os"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -67,26 +69,43 @@ func (e *configError) Error() string {
 }
 
 // decodeStrict decodes a JSON object into v, refusing unknown fields,
-// values of the wrong type and anything after the object. An empty or
-// all-blank document leaves v as it is.
+// values of the wrong type and anything after the object; each error names
+// its field. Fields are decoded one at a time, in name order, so that an
+// error from a value's own decoding (a duration, a switch) names its field
+// too. An empty or all-blank document leaves v as it is.
 func decodeStrict(config string, doc []byte, v any) error {
 	if len(bytes.TrimSpace(doc)) == 0 {
 		return nil
 	}
+	var fields map[string]json.RawMessage
 	dec := json.NewDecoder(bytes.NewReader(doc))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
-		var te *json.UnmarshalTypeError
-		if errors.As(err, &te) {
-			return &configError{Config: config, Field: te.Field, Msg: fmt.Sprintf("a JSON %s cannot be a %s", te.Value, te.Type)}
+	if err := dec.Decode(&fields); err != nil || fields == nil {
+		msg := "not a JSON object"
+		if err != nil {
+			msg += ": " + err.Error()
 		}
-		if f, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
-			return &configError{Config: config, Field: strings.Trim(f, `"`), Msg: "unknown field"}
-		}
-		return &configError{Config: config, Msg: "malformed JSON: " + err.Error()}
+		return &configError{Config: config, Msg: msg}
 	}
 	if _, err := dec.Token(); err != io.EOF {
 		return &configError{Config: config, Msg: "data after the JSON object"}
+	}
+	for _, name := range slices.Sorted(maps.Keys(fields)) {
+		one, err := json.Marshal(map[string]json.RawMessage{name: fields[name]})
+		if err != nil {
+			return &configError{Config: config, Field: name, Msg: err.Error()}
+		}
+		d := json.NewDecoder(bytes.NewReader(one))
+		d.DisallowUnknownFields()
+		if err := d.Decode(v); err != nil {
+			var te *json.UnmarshalTypeError
+			switch {
+			case errors.As(err, &te):
+				return &configError{Config: config, Field: name, Msg: fmt.Sprintf("a JSON %s is not a %s", te.Value, te.Type)}
+			case strings.HasPrefix(err.Error(), "json: unknown field "):
+				return &configError{Config: config, Field: name, Msg: "unknown field"}
+			}
+			return &configError{Config: config, Field: name, Msg: err.Error()}
+		}
 	}
 	return nil
 }
@@ -148,7 +167,7 @@ func (o securityOptions) resolve(config string, getenv func(string) string) (tas
 		sec.Insecure = b
 	}
 	if err := sec.Validate(); err != nil {
-		return sec, &configError{Config: config, Field: "tls_dir", Msg: err.Error() + " (set tls_dir, token or insecure)"}
+		return sec, &configError{Config: config, Field: "tls_dir", Msg: err.Error() + " (options tls_dir, insecure)"}
 	}
 	return sec, nil
 }
@@ -194,7 +213,10 @@ type workerOptions struct {
 	Ager          string   `json:"ager"`           // auto (local rank 0), on, off
 	MarkerLibrary string   `json:"marker_library"` // default $TASKD_MARKER_LIBRARY, libmspti.so; "off"
 	FlushInterval duration `json:"flush_interval"` // default 5 s
-	LogLevel      string   `json:"log_level"`      // default $TASKD_LOG_LEVEL, warn
+	// Switch is the profiling switch until the manager sends one (a
+	// profilingSwitch document); default all off.
+	Switch   *trace.Switch `json:"switch"`
+	LogLevel string        `json:"log_level"` // default $TASKD_LOG_LEVEL, warn
 }
 
 // workerSettings is a worker's resolved configuration.
@@ -210,6 +232,7 @@ type workerSettings struct {
 	RunAger               bool
 	MarkerLibrary         string // "" when off
 	FlushInterval         time.Duration
+	Switch                trace.Switch
 	LogLevel              slog.Level
 }
 
@@ -223,6 +246,9 @@ func resolveWorker(rank, diskLimitMB int, framework string, options []byte, gete
 	}
 	s := workerSettings{Rank: rank, Job: o.Job, Upstream: o.Upstream, Root: o.Root, Framework: framework,
 		FlushInterval: time.Duration(o.FlushInterval)}
+	if o.Switch != nil {
+		s.Switch = *o.Switch
+	}
 	if rank < 0 {
 		return s, &configError{Config: cfgName, Field: "rank_id", Msg: fmt.Sprintf("%d is negative", rank)}
 	}

@@ -14,6 +14,19 @@ user changes one import:
             with span("forward"):
                 loss = model(batch)
 
+For online recovery and link failover, register the trainer's callbacks
+between init_taskd_worker and start_taskd_worker; StepGate gives a training
+loop the pause point that pause, resume and stop need:
+
+    gate = StepGate(on_resume=lambda req: load_checkpoint(req["step"]) if req["step"] >= 0 else None)
+    gate.register()
+    register_switch_link_callback(lambda req: move_links(req["devices"], req["target"]))
+    start_taskd_worker()
+    step = -1
+    while gate.wait(step):
+        train(step + 1)
+        step += 1
+
 The library is found through $FAULTLINE_LIBTASKD (a path), else beside this
 file, else by the dynamic loader's search for libtaskd.so. Only the standard
 library is used. The TaskD functions return True on success and False on
@@ -26,7 +39,6 @@ nothing at all before init_taskd_worker or after destroy_taskd_worker.
 """
 
 import atexit
-import contextlib
 import ctypes
 import json
 import logging
@@ -55,8 +67,13 @@ __all__ = [
     "register_stop_callback",
     "register_switch_link_callback",
     "register_profiling_switch_callback",
+    "register_strategies_callback",
+    "register_retry_step_callback",
+    "register_stress_test_callback",
+    "StepGate",
     "last_error",
     "TaskdError",
+    "Unsupported",
 ]
 
 _log = logging.getLogger("faultline_taskd")
@@ -64,13 +81,22 @@ _log = logging.getLogger("faultline_taskd")
 # The C ABI's codes and events (libtaskd.h).
 _OK = 0
 _EHANDLE = -3
+_EUNSUPPORTED = -7
 _EVENT_PAUSE = 1
 _EVENT_RESUME = 2
 _EVENT_STOP = 3
 _EVENT_SWITCH_LINK = 4
-_EVENT_PROFILING_SWITCH = 5
+_EVENT_STRATEGIES = 5
+_EVENT_RETRY_STEP = 6
+_EVENT_STRESS_TEST = 7
+_EVENT_PROFILING_SWITCH = 8
 
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t)
+
+
+class Unsupported(Exception):
+    """Raised by a callback for a request the trainer cannot carry out;
+    recovery then takes its next strategy. NotImplementedError counts too."""
 
 
 class TaskdError(RuntimeError):
@@ -273,17 +299,28 @@ def mark(name, domain="default"):
         raise ValueError(str(_error(lib, r)))
 
 
-@contextlib.contextmanager
-def span(name, domain="default"):
-    """A range around a block: with span("forward"): ..."""
-    rid = range_start(name, domain)
-    try:
-        yield rid
-    finally:
-        range_end(rid)
+class span:
+    """A range around a block: with span("forward"): ... The id is the
+    value of the with statement."""
+
+    __slots__ = ("_name", "_domain", "_id")
+
+    def __init__(self, name, domain="default"):
+        self._name, self._domain, self._id = name, domain, 0
+
+    def __enter__(self):
+        self._id = range_start(self._name, self._domain)
+        return self._id
+
+    def __exit__(self, *exc):
+        range_end(self._id)
+        return False
 
 
-def _register(event, fn, with_arg):
+def _register(event, fn, adapt):
+    """Registers fn for event. adapt(fn, arg) calls fn with the decoded
+    argument and returns the reply to encode (None for none)."""
+
     def do():
         lib = _load()
         if fn is None:
@@ -291,22 +328,22 @@ def _register(event, fn, with_arg):
             _state.callbacks.pop(event, None)
             return
 
-        def trampoline(_user, arg, err, errlen):
+        def trampoline(_user, arg, out, outlen):
+            code, text = _OK, ""
             try:
-                if with_arg:
-                    text = arg.decode("utf-8", "replace") if arg else ""
-                    ok = fn(json.loads(text) if text else None)
-                else:
-                    ok = fn()
-                if ok is False:
-                    raise RuntimeError("%s returned False" % getattr(fn, "__name__", "callback"))
-                return 0
-            except Exception as e:  # reported to the manager as the worker's refusal
-                msg = ("%s: %s" % (type(e).__name__, e)).encode("utf-8", "replace")[: max(errlen - 1, 0)]
-                if errlen:
-                    ctypes.memmove(err, msg, len(msg))
-                    ctypes.memset(err + len(msg), 0, 1)
-                return 1
+                raw = arg.decode("utf-8", "replace") if arg else ""
+                reply = adapt(fn, json.loads(raw) if raw else {})
+                if reply is not None:
+                    text = json.dumps(reply)
+            except (Unsupported, NotImplementedError) as e:
+                code, text = _EUNSUPPORTED, "%s: %s" % (type(e).__name__, e)
+            except Exception as e:  # reported to the manager as the trainer's failure
+                code, text = 1, "%s: %s" % (type(e).__name__, e)
+            if out and outlen:
+                b = text.encode("utf-8", "replace")[: outlen - 1]
+                ctypes.memmove(out, b, len(b))
+                ctypes.memset(out + len(b), 0, 1)
+            return code
 
         cb = _CALLBACK(trampoline)
         _check(lib, lib.taskd_register_callback(_state.worker, event, cb, None))
@@ -315,32 +352,158 @@ def _register(event, fn, with_arg):
     return _ok(do)
 
 
+def _refuse_false(fn, result):
+    if result is False:
+        raise RuntimeError("%s returned False" % getattr(fn, "__name__", "callback"))
+
+
+def _pause_adapter(fn, arg):
+    step = fn()
+    _refuse_false(fn, step)
+    return None if step is None else {"step": int(step)}
+
+
+def _plain_adapter(fn, arg):
+    _refuse_false(fn, fn())
+
+
+def _arg_adapter(fn, arg):
+    _refuse_false(fn, fn(arg))
+
+
+def _stop_adapter(fn, arg):
+    _refuse_false(fn, fn(arg.get("reason", "")))
+
+
+def _strategies_adapter(fn, arg):
+    return [str(s) for s in fn(arg)]
+
+
 def register_pause_callback(fn):
-    """fn() pauses training at the next safe point; it returns when paused.
-    An exception (or False) refuses. None unregisters."""
-    return _register(_EVENT_PAUSE, fn, False)
+    """fn() stops training at the next step boundary and returns once it
+    has stopped, with the last step completed (an int; None: unknown).
+    Raising refuses; Unsupported says it cannot pause. None unregisters.
+    Orchestration callbacks (pause, resume, stop, switch_link, strategies,
+    retry_step, stress_test) are registered between init_taskd_worker and
+    start_taskd_worker; a worker that has any begins paused and is resumed
+    once registered with the manager (see StepGate)."""
+    return _register(_EVENT_PAUSE, fn, _pause_adapter)
 
 
 def register_resume_callback(fn):
-    """fn() resumes a paused training loop."""
-    return _register(_EVENT_RESUME, fn, False)
+    """fn(request) starts or continues training; request["step"] is the
+    checkpoint step to load first, or -1 to continue from where it is;
+    request.get("strategy") and request.get("restarted") (ranks whose
+    processes were replaced) say what recovery did."""
+    return _register(_EVENT_RESUME, fn, _arg_adapter)
 
 
 def register_stop_callback(fn):
-    """fn() stops training for good."""
-    return _register(_EVENT_STOP, fn, False)
+    """fn(reason) ends training for good."""
+    return _register(_EVENT_STOP, fn, _stop_adapter)
 
 
 def register_switch_link_callback(fn):
-    """fn(request) moves this rank's traffic to the link request names (a
-    dict decoded from the manager's JSON)."""
-    return _register(_EVENT_SWITCH_LINK, fn, True)
+    """fn(request) moves this rank's traffic on request["devices"] of
+    request["node"] to request["target"] ("standby" or "primary")."""
+    return _register(_EVENT_SWITCH_LINK, fn, _arg_adapter)
+
+
+def register_strategies_callback(fn):
+    """fn(notice) returns the recovery strategies this rank supports now
+    ("retry", "recover-in-place", "recover", "dump", "exit"), given
+    notice["faults"]. Without it, those the registered callbacks allow."""
+    return _register(_EVENT_STRATEGIES, fn, _strategies_adapter)
+
+
+def register_retry_step_callback(fn):
+    """fn() repairs what a transient fault broke and runs the interrupted
+    step again from memory; training stays paused after it."""
+    return _register(_EVENT_RETRY_STEP, fn, _plain_adapter)
+
+
+def register_stress_test_callback(fn):
+    """fn(request) runs the online stress test request["test"] on this
+    rank's devices and raises if they fail it."""
+    return _register(_EVENT_STRESS_TEST, fn, _arg_adapter)
 
 
 def register_profiling_switch_callback(fn):
     """fn(switch) hears every profiling switch the worker applies, as the
     profilingSwitch dict ({"Step": "on", ...})."""
-    return _register(_EVENT_PROFILING_SWITCH, fn, True)
+    return _register(_EVENT_PROFILING_SWITCH, fn, _arg_adapter)
+
+
+class StepGate:
+    """The pause point of a training loop, behind the pause, resume and stop
+    callbacks. Call wait(last_step) at the top of every iteration (-1
+    before the first step); it returns True to go on, blocking while
+    training is paused, and False once stopped:
+
+        gate = StepGate(on_resume=load_checkpoint)
+        gate.register()          # before start_taskd_worker
+        start_taskd_worker()
+        step = -1
+        while gate.wait(step):
+            train_one_step(step + 1)
+            step += 1
+
+    Training begins paused, as the manager expects: the worker resumes it
+    once registered. on_resume(request) runs before training continues
+    (load request["step"] unless it is -1); on_stop(reason) when stopped."""
+
+    def __init__(self, on_resume=None, on_stop=None):
+        self._cv = threading.Condition()
+        self._paused = True
+        self._parked = False
+        self._stopped = False
+        self._step = -1
+        self._on_resume = on_resume
+        self._on_stop = on_stop
+        self.stop_reason = None
+
+    def register(self):
+        """Registers the pause, resume and stop callbacks."""
+
+        def pause(fn, arg):  # waits as long as the manager allows
+            ms = arg.get("timeout_ms")
+            return {"step": fn(ms / 1000.0 if ms else None)}
+
+        return (_register(_EVENT_PAUSE, self.pause, pause) and register_resume_callback(self.resume)
+                and register_stop_callback(self.stop))
+
+    def wait(self, last_step):
+        with self._cv:
+            self._step = last_step
+            while self._paused and not self._stopped:
+                self._parked = True
+                self._cv.notify_all()
+                self._cv.wait()
+            self._parked = False
+            return not self._stopped
+
+    def pause(self, timeout=None):
+        with self._cv:
+            self._paused = True
+            self._cv.notify_all()
+            if not self._cv.wait_for(lambda: self._parked or self._stopped, timeout):
+                raise TimeoutError("the training loop did not reach a step boundary")
+            return self._step
+
+    def resume(self, request=None):
+        if self._on_resume is not None:
+            self._on_resume(request or {"step": -1})
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def stop(self, reason=""):
+        with self._cv:
+            self._stopped = True
+            self.stop_reason = reason
+            self._cv.notify_all()
+        if self._on_stop is not None:
+            self._on_stop(reason)
 
 
 # --- manager and proxy ----------------------------------------------------

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os/exec"
 	"path/filepath"
@@ -301,7 +302,10 @@ func TestAllInOne(t *testing.T) {
 // files while their domain is on, and the communication domain stays off.
 func TestMarkersFromProfilingLibrary(t *testing.T) {
 	lib := library(t)
-	cc, _ := cCompiler()
+	cc, ok := cCompiler()
+	if !ok {
+		t.Skip("no C compiler for the fake profiling library")
+	}
 	fake := filepath.Join(t.TempDir(), "libmspti.so")
 	src := filepath.Join("..", "..", "npu", "testdata", "fake_mspti.c")
 	if out, err := exec.Command(cc, "-shared", "-fPIC", "-O1", "-o", fake, src, "-lpthread").CombinedOutput(); err != nil {
@@ -339,5 +343,134 @@ func TestMarkersFromProfilingLibrary(t *testing.T) {
 	}
 	if starts != 4 || ends != 4 {
 		t.Errorf("%d starts and %d ends from the profiling library, want 4 and 4", starts, ends)
+	}
+}
+
+// Orchestration messages as the manager's recovery and link failover send
+// them (kinds and payload of taskd's wire protocol).
+const (
+	kindPause      = "taskd/pause"
+	kindNotice     = "taskd/notice"
+	kindRetry      = "taskd/retry"
+	kindResume     = "taskd/resume"
+	kindSwitchLink = "taskd/switch-link"
+	kindStress     = "taskd/stress-test"
+	kindStop       = "taskd/stop"
+)
+
+type orchestration struct {
+	TimeoutMS int64                `json:"timeout_ms,omitempty"`
+	Resume    *taskd.ResumeRequest `json:"resume,omitempty"`
+	Notice    *taskd.FaultNotice   `json:"notice,omitempty"`
+	Link      *taskd.LinkRequest   `json:"link,omitempty"`
+	Stress    *taskd.StressRequest `json:"stress,omitempty"`
+	Reason    string               `json:"reason,omitempty"`
+}
+
+// TestRecoveryCallbacks drives a Python trainer's StepGate and callbacks
+// from the manager: it starts paused and is resumed on registration,
+// pauses for real (no step is recorded while paused), switches a link,
+// refuses what it cannot do, resumes from a checkpoint step and stops.
+func TestRecoveryCallbacks(t *testing.T) {
+	lib := library(t)
+	root := t.TempDir()
+	m := startManager(t, taskd.ManagerConfig{})
+	const rank = 2
+	py := startPython(t, lib, "recovery", workerEnv(t, m, root, rank, nil)...)
+	py.expect("started", 30*time.Second)
+	if got := py.expect("resumed", 30*time.Second); got != "resumed -1 - []" {
+		t.Errorf("start: %q, want the worker's resume with step -1", got)
+	}
+	waitFor(t, "the worker to register", 30*time.Second, func() bool { return registered(m, rank) })
+	setSwitch(t, m, rank, trace.Switch{Step: true})
+	for range 10 {
+		py.expect("step", 30*time.Second)
+	}
+
+	send := func(kind string, o orchestration) error {
+		t.Helper()
+		b, err := json.Marshal(o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ds, err := m.Broadcast(context.Background(), taskd.RankList(rank), kind, b)
+		if err != nil || len(ds) != 1 {
+			t.Fatalf("%s: %+v, %v", kind, ds, err)
+		}
+		return ds[0].Err
+	}
+	refused := func(kind string, err error, want string) {
+		t.Helper()
+		var de *taskd.DeliveryError
+		if !errors.As(err, &de) || !strings.Contains(de.Msg, want) {
+			t.Errorf("%s: %v, want a refusal with %q", kind, err, want)
+		}
+	}
+	if err := send(kindPause, orchestration{TimeoutMS: 20000}); err != nil {
+		t.Fatalf("pause: %v", err)
+	}
+	pausedAt := time.Now()
+	notice := &taskd.FaultNotice{Faults: []taskd.Fault{{Kind: taskd.FaultOpError, Position: taskd.Position{Node: 0, Rank: 1}}}}
+	if err := send(kindNotice, orchestration{Notice: notice}); err != nil {
+		t.Errorf("fault notice: %v", err)
+	}
+	link := taskd.LinkRequest{Node: 0, Devices: []int{0, 1}, Target: taskd.LinkStandby}
+	if err := send(kindSwitchLink, orchestration{Link: &link}); err != nil {
+		t.Errorf("switch link: %v", err)
+	}
+	if got := py.expect("switch_link", 30*time.Second); got != "switch_link 0 [0, 1] standby" {
+		t.Errorf("switch link callback: %q", got)
+	}
+	link.Target = taskd.LinkPrimary
+	refused("switch back", send(kindSwitchLink, orchestration{Link: &link}), "RuntimeError: primary link still down")
+	refused("stress test", send(kindStress, orchestration{Stress: &taskd.StressRequest{Ranks: []int{rank}, Test: "hbm"}}), "Unsupported: no stress test hbm")
+	refused("retry", send(kindRetry, orchestration{}), "no retry_step callback")
+	// Stay paused long enough that a loop that kept stepping would have
+	// recorded dozens of steps.
+	time.Sleep(500 * time.Millisecond)
+	resumedAt := time.Now()
+	resume := &taskd.ResumeRequest{Step: 7, Strategy: taskd.StrategyRecoverInPlace, Restarted: []int{1}}
+	if err := send(kindResume, orchestration{Resume: resume}); err != nil {
+		t.Fatalf("resume: %v", err)
+	}
+	if got := py.expect("resumed", 30*time.Second); got != "resumed 7 recover-in-place [1]" {
+		t.Errorf("resume callback: %q", got)
+	}
+	for range 10 {
+		py.expect("step", 30*time.Second)
+	}
+	// The trainer's process may exit as soon as it has stopped, before its
+	// worker sent the acknowledgement: the stop is checked on the trainer's
+	// side, and the delivery is not waited for.
+	stopCtx, cancelStop := context.WithCancel(context.Background())
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		b, _ := json.Marshal(orchestration{Reason: "job ends"})
+		m.Broadcast(stopCtx, taskd.RankList(rank), kindStop, b)
+	}()
+	py.expect("stopped job ends", 30*time.Second)
+	py.expect("done", 30*time.Second)
+	py.wait(30 * time.Second)
+	cancelStop()
+	<-stopped
+
+	const skew = 50 * time.Millisecond
+	var before, during, after int
+	for _, r := range readRank(t, filepath.Join(root, testJob, strconv.Itoa(rank))) {
+		if !r.Flag.IsStart() {
+			continue
+		}
+		switch ts := time.Unix(0, int64(r.Timestamp)); {
+		case ts.Before(pausedAt):
+			before++
+		case ts.After(resumedAt):
+			after++
+		case ts.After(pausedAt.Add(skew)) && ts.Before(resumedAt.Add(-skew)):
+			during++
+		}
+	}
+	if before < 5 || after < 5 || during != 0 {
+		t.Errorf("step starts: %d before the pause, %d while paused, %d after the resume", before, during, after)
 	}
 }

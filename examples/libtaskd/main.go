@@ -14,25 +14,35 @@ package main
 // given, and hands out none into Go memory.
 
 #define TASKD_OK 0
-#define TASKD_ERR (-1)     // failed; see taskd_last_error
-#define TASKD_EINVAL (-2)  // bad argument or configuration
-#define TASKD_EHANDLE (-3) // not a live handle of the right kind
-#define TASKD_ESTATE (-4)  // already started, or destroyed
-#define TASKD_ENOENT (-5)  // no open range with this id
-#define TASKD_EFULL (-6)   // too many ranges open
+#define TASKD_ERR (-1)          // failed; see taskd_last_error
+#define TASKD_EINVAL (-2)       // bad argument or configuration
+#define TASKD_EHANDLE (-3)      // not a live handle of the right kind
+#define TASKD_ESTATE (-4)       // already started, or destroyed
+#define TASKD_ENOENT (-5)       // no open range with this id
+#define TASKD_EFULL (-6)        // too many ranges open
+#define TASKD_EUNSUPPORTED (-7) // returned by a callback: the trainer cannot do this
 
-// Events a worker's callbacks are registered for.
-#define TASKD_EVENT_PAUSE 1            // stop stepping at the next safe point
-#define TASKD_EVENT_RESUME 2           // continue stepping
-#define TASKD_EVENT_STOP 3             // stop training for good
-#define TASKD_EVENT_SWITCH_LINK 4      // arg: JSON naming the link to use
-#define TASKD_EVENT_PROFILING_SWITCH 5 // arg: the profilingSwitch JSON
+// Events a worker's callbacks are registered for. The first seven are the
+// trainer's side of the manager's orchestration (recovery, link switch,
+// stress test); register them before taskd_start_worker. A worker started
+// with any of them is a trainer: it begins paused and is resumed (step -1)
+// once registered with the manager. The argument is a JSON object, with
+// "timeout_ms", the time the manager allows, added.
+#define TASKD_EVENT_PAUSE 1            // stop at the next step boundary; reply {"step": last completed}
+#define TASKD_EVENT_RESUME 2           // {"step": checkpoint to load or -1, "strategy", "restarted": [ranks]}
+#define TASKD_EVENT_STOP 3             // {"reason": ...}: end training for good
+#define TASKD_EVENT_SWITCH_LINK 4      // {"node", "devices": [...], "target": "standby"|"primary", "ranks"}
+#define TASKD_EVENT_STRATEGIES 5       // {"faults": [...]}; reply ["retry", "recover-in-place", ...]
+#define TASKD_EVENT_RETRY_STEP 6       // redo the interrupted step from memory
+#define TASKD_EVENT_STRESS_TEST 7      // {"nodes", "ranks", "test"}
+#define TASKD_EVENT_PROFILING_SWITCH 8 // the profilingSwitch document, as applied
 
-// taskd_callback is a trainer's handler of an event. arg is a JSON
-// document or "" and lives for the call. Return 0 on success; otherwise
-// write a NUL-terminated reason of at most errlen bytes into err. It runs
-// on a thread of the library's, never twice at once for one event.
-typedef int (*taskd_callback)(void *user, const char *arg, char *err, size_t errlen);
+// taskd_callback is a trainer's handler of an event. arg lives for the
+// call. Return TASKD_OK, optionally writing a NUL-terminated JSON reply of
+// at most outlen bytes into out; TASKD_EUNSUPPORTED when the trainer
+// cannot do this; anything else for a failure, with its reason in out. It
+// runs on a thread of the library's, never twice at once for one event.
+typedef int (*taskd_callback)(void *user, const char *arg, char *out, size_t outlen);
 */
 import "C"
 
@@ -69,11 +79,6 @@ func fail(fn string, err error) C.int {
 	setError(fn + ": " + err.Error())
 	return codeOf(err)
 }
-
-var (
-	errBadHandle   = errors.New("not a live handle")
-	errBadArgument = errors.New("bad argument")
-)
 
 // lookup returns the object handle h stands for. cgo.Handle panics on a
 // handle it does not hold (never issued, or destroyed); that is the
@@ -209,8 +214,8 @@ func taskd_register_callback(h C.uintptr_t, ev C.int, cb C.taskd_callback, user 
 	if cb != nil {
 		f = cCallback(uintptr(unsafe.Pointer(cb)), uintptr(user))
 	}
-	if !w.cbs.set(event(ev), f) {
-		return fail(fn, fmt.Errorf("%w: event %d", errBadArgument, int(ev)))
+	if err := w.register(event(ev), f); err != nil {
+		return fail(fn, err)
 	}
 	return C.TASKD_OK
 }

@@ -58,12 +58,16 @@ func cCompiler() (string, bool) {
 	return "", false
 }
 
-// library returns libtaskd.so, building it on first use; it skips the test
-// where python3 or a C compiler is missing.
-func library(t *testing.T) string {
+// library returns libtaskd.so, building it on first use, or the library
+// $LIBTASKD_TEST_LIBRARY names (built beforehand, say by CI, to skip the
+// link here). It skips the test where python3 or a C compiler is missing.
+func library(t testing.TB) string {
 	t.Helper()
 	if _, err := exec.LookPath("python3"); err != nil {
 		t.Skip("python3 not found: the library's tests drive it from Python")
+	}
+	if p := os.Getenv("LIBTASKD_TEST_LIBRARY"); p != "" {
+		return p
 	}
 	if _, ok := cCompiler(); !ok {
 		t.Skip("no C compiler (gcc, cc, clang): libtaskd.so is a cgo build")
@@ -93,7 +97,7 @@ func library(t *testing.T) string {
 
 // python is a trainer.py process.
 type python struct {
-	t     *testing.T
+	t     testing.TB
 	cmd   *exec.Cmd
 	stdin io.WriteCloser
 	lines chan string
@@ -106,7 +110,7 @@ type python struct {
 // startPython runs testdata/trainer.py in mode with env added to the
 // environment; the process is killed at the end of the test if still
 // running.
-func startPython(t *testing.T, lib, mode string, env ...string) *python {
+func startPython(t testing.TB, lib, mode string, env ...string) *python {
 	t.Helper()
 	here, err := os.Getwd()
 	if err != nil {

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"time"
 
 	"github.com/faultline-ml/faultline/npu"
 	"github.com/faultline-ml/faultline/taskd"
@@ -15,9 +16,12 @@ import (
 
 const defaultMarkerLibrary = npu.DefaultMarkerLibrary
 
+// Errors the C ABI turns into codes (see codeOf).
 var (
-	errStarted = errors.New("already started")
-	errClosed  = errors.New("destroyed")
+	errStarted     = errors.New("already started")
+	errClosed      = errors.New("destroyed")
+	errBadHandle   = errors.New("not a live handle")
+	errBadArgument = errors.New("bad argument")
 )
 
 // worker is a training process's end of libtaskd: a dotting recorder, the
@@ -31,12 +35,13 @@ type worker struct {
 	cancel context.CancelFunc
 	rec    *trace.Recorder
 	ranges *rangeTable
-	tw     *taskd.Worker
 	cbs    *callbacks
 
 	mu      sync.Mutex
 	started bool
+	trained bool // tw has a trainer
 	closed  bool
+	tw      *taskd.Worker
 	ager    *trace.Ager
 	markers *npu.MarkerSource
 	wg      sync.WaitGroup
@@ -46,30 +51,55 @@ func newLogger(level slog.Level, component string) *slog.Logger {
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})).With("component", component)
 }
 
-// newWorker builds the recorder and the control-plane worker. Ranges may be
-// recorded from here on; the switch is all off until the manager sends one.
+// switchCallbackTimeout bounds the profiling-switch callback, which runs
+// on the control plane's receive loop.
+const switchCallbackTimeout = 30 * time.Second
+
+// newWorker builds the recorder, so that ranges may be recorded from here
+// on; the switch is all off until the manager sends one.
 func newWorker(set workerSettings) (*worker, error) {
 	w := &worker{set: set, log: newLogger(set.LogLevel, "libtaskd-worker"), cbs: newCallbacks()}
-	w.ctx, w.cancel = context.WithCancel(context.Background())
+	if err := w.taskdConfig().Validate(); err != nil {
+		return nil, &configError{Config: "worker", Msg: err.Error()}
+	}
+	// The recorder has a context of its own: it is closed last, after the
+	// marker source has handed it its last records.
 	rec, err := trace.NewRecorder(context.Background(), trace.RecorderConfig{
-		Root: set.Root, Job: set.Job, Rank: set.Rank, FlushInterval: set.FlushInterval, Logger: w.log,
+		Root: set.Root, Job: set.Job, Rank: set.Rank, FlushInterval: set.FlushInterval, Switch: set.Switch, Logger: w.log,
 	})
 	if err != nil {
-		w.cancel()
 		return nil, err
 	}
 	w.rec = rec
 	w.ranges = newRangeTable(rec, set.Device)
-	w.tw, err = taskd.NewWorker(taskd.WorkerConfig{
-		Job: set.Job, Node: set.Node, Rank: set.Rank, Upstream: set.Upstream, Security: set.Security,
-		OnSwitch: w.applySwitch, OnMessage: w.onMessage, Logger: w.log,
-	})
-	if err != nil {
-		rec.Close()
-		w.cancel()
-		return nil, err
-	}
+	w.ctx, w.cancel = context.WithCancel(context.Background())
 	return w, nil
+}
+
+// taskdConfig is the control-plane worker's configuration. The trainer is
+// set when any orchestration callback is registered; without one the
+// worker refuses orchestration, and recovery treats the rank as one it
+// cannot pause.
+func (w *worker) taskdConfig() taskd.WorkerConfig {
+	cfg := taskd.WorkerConfig{
+		Job: w.set.Job, Node: w.set.Node, Rank: w.set.Rank, Upstream: w.set.Upstream, Security: w.set.Security,
+		OnSwitch: w.applySwitch, Logger: w.log,
+	}
+	if w.cbs.anyRecovery() {
+		cfg.Trainer = trainer{cbs: w.cbs}
+	}
+	return cfg
+}
+
+// register sets the callback of e. Orchestration callbacks must come
+// before start, which decides whether the worker has a trainer.
+func (w *worker) register(e event, fn callback) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if e.recovery() && w.started && !w.trained {
+		return fmt.Errorf("%w: register %s callbacks before starting the worker", errStarted, e)
+	}
+	return w.cbs.set(e, fn)
 }
 
 // start connects to the control plane, starts the ager if this process
@@ -83,16 +113,25 @@ func (w *worker) start() error {
 	case w.started:
 		return errStarted
 	}
+	cfg := w.taskdConfig()
+	tw, err := taskd.NewWorker(cfg)
+	if err != nil {
+		return err
+	}
+	var ager *trace.Ager
 	if w.set.RunAger {
-		a, err := trace.NewAger(trace.AgerConfig{Root: w.set.Root, BudgetBytes: w.set.BudgetBytes, Logger: w.log})
-		if err != nil {
+		if ager, err = trace.NewAger(trace.AgerConfig{Root: w.set.Root, BudgetBytes: w.set.BudgetBytes, Logger: w.log}); err != nil {
+			tw.Close()
 			return err
 		}
-		w.ager = a
-		w.goRun("ager", a.Run)
 	}
-	w.started = true
-	w.goRun("control plane", w.tw.Run)
+	w.started, w.tw, w.trained, w.ager = true, tw, cfg.Trainer != nil, ager
+	if ager != nil {
+		w.goRun("ager", ager.Run)
+	}
+	w.goRun("control plane", tw.Run)
+	w.log.Info("worker started", "job", w.set.Job, "node", w.set.Node, "rank", w.set.Rank,
+		"framework", w.set.Framework, "upstream", w.set.Upstream, "trainer", w.trained, "ager", ager != nil)
 	if w.set.MarkerLibrary == "" {
 		return nil
 	}
@@ -137,18 +176,13 @@ func (w *worker) applySwitch(sw trace.Switch) error {
 			return fmt.Errorf("marker source: %w", err)
 		}
 	}
-	return w.cbs.call(eventProfilingSwitch, sw.String())
-}
-
-// onMessage is the control plane's OnMessage: messages whose kind names a
-// callback event run that callback with the payload.
-func (w *worker) onMessage(m taskd.Message) error {
-	ev, ok := eventByName(m.Kind)
-	if !ok || ev == eventProfilingSwitch {
-		w.log.Debug("message ignored", "kind", m.Kind)
+	if !w.cbs.registered(eventProfilingSwitch) {
 		return nil
 	}
-	return w.cbs.call(ev, string(m.Payload))
+	ctx, cancel := context.WithTimeout(w.ctx, switchCallbackTimeout)
+	defer cancel()
+	_, err := w.cbs.call(ctx, eventProfilingSwitch, sw.String())
+	return err
 }
 
 // flush writes the records taken so far to the file.
@@ -165,18 +199,20 @@ func (w *worker) close() error {
 		return nil
 	}
 	w.closed = true
-	src, ager := w.markers, w.ager
+	tw, src, ager := w.tw, w.markers, w.ager
 	w.mu.Unlock()
 	// Run of each part returns when the context ends; Close then releases
-	// it. The recorder, on a context of its own, goes last so that it
-	// takes the marker source's last records.
+	// it. The recorder goes last so that it takes the marker source's last
+	// records.
 	w.cancel()
 	w.wg.Wait()
 	var errs []error
 	if src != nil {
 		errs = append(errs, src.Close())
 	}
-	errs = append(errs, w.tw.Close())
+	if tw != nil {
+		errs = append(errs, tw.Close())
+	}
 	if ager != nil {
 		errs = append(errs, ager.Close())
 	}

@@ -37,62 +37,14 @@ def start_worker():
         fail("start_taskd_worker: " + taskd.last_error())
 
 
-class Loop:
-    """A step loop that really pauses: the pause callback returns once the
-    loop is parked between steps."""
-
-    def __init__(self):
-        self.cv = threading.Condition()
-        self.want_pause = False
-        self.parked = False
-        self.stopped = False
-        self.step = 0
-
-    def pause(self):
-        with self.cv:
-            self.want_pause = True
-            self.cv.notify_all()
-            if not self.cv.wait_for(lambda: self.parked or self.stopped, timeout=30):
-                raise TimeoutError("the loop did not park")
-        say("paused", self.step)
-
-    def resume(self):
-        with self.cv:
-            self.want_pause = False
-            self.cv.notify_all()
-        say("resumed", self.step)
-
-    def stop(self):
-        with self.cv:
-            self.stopped = True
-            self.cv.notify_all()
-        say("stopped", self.step)
-
-    def run(self, steps=None):
-        while steps is None or self.step < steps:
-            with self.cv:
-                if self.want_pause:
-                    self.parked = True
-                    self.cv.notify_all()
-                    self.cv.wait_for(lambda: not self.want_pause or self.stopped)
-                    self.parked = False
-                if self.stopped:
-                    return
-            with taskd.span("step %d" % self.step):
-                with taskd.span("dataloader"):
-                    time.sleep(0.002)
-                with taskd.span("forward"):
-                    time.sleep(0.003)
-            say("step", self.step)
-            self.step += 1
-            time.sleep(0.001)
-
-
-def stdin_commands(loop):
-    for line in sys.stdin:
-        if line.strip() == "stop":
-            break
-    loop.stop()
+def one_step(step):
+    with taskd.span("step %d" % step):
+        with taskd.span("dataloader"):
+            time.sleep(0.002)
+        with taskd.span("forward"):
+            time.sleep(0.003)
+    say("step", step)
+    time.sleep(0.001)
 
 
 def mode_loop():
@@ -100,32 +52,59 @@ def mode_loop():
     init_worker()
     start_worker()
     say("started", os.getpid())
-    loop = Loop()
-    threading.Thread(target=stdin_commands, args=(loop,), daemon=True).start()
-    loop.run()
+    stop = threading.Event()
+
+    def read():
+        for line in sys.stdin:
+            if line.strip() == "stop":
+                break
+        stop.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    step = 0
+    while not stop.is_set():
+        one_step(step)
+        step += 1
     if not taskd.destroy_taskd_worker():
         fail("destroy: " + taskd.last_error())
-    say("done", loop.step)
+    say("done", step)
 
 
 def mode_recovery():
-    """Steps with pause, resume and stop callbacks registered."""
+    """Steps behind a StepGate: the manager pauses, resumes, switches links
+    and stops it."""
     init_worker()
-    loop = Loop()
-    switches = []
-    for reg, fn in ((taskd.register_pause_callback, loop.pause),
-                    (taskd.register_resume_callback, loop.resume),
-                    (taskd.register_stop_callback, loop.stop),
-                    (taskd.register_switch_link_callback, lambda req: say("switch_link", json.dumps(req, sort_keys=True))),
-                    (taskd.register_profiling_switch_callback, switches.append)):
+
+    def on_resume(req):
+        say("resumed", req.get("step"), req.get("strategy", "-"), json.dumps(req.get("restarted", [])))
+
+    gate = taskd.StepGate(on_resume=on_resume, on_stop=lambda reason: say("stopped", reason))
+    if not gate.register():
+        fail("register: " + taskd.last_error())
+
+    def switch_link(req):
+        if req["target"] == "primary":
+            raise RuntimeError("primary link still down")
+        say("switch_link", req["node"], json.dumps(req["devices"]), req["target"])
+
+    def stress_test(req):
+        raise taskd.Unsupported("no stress test " + req["test"])
+
+    for reg, fn in ((taskd.register_switch_link_callback, switch_link),
+                    (taskd.register_stress_test_callback, stress_test)):
         if not reg(fn):
             fail("register: " + taskd.last_error())
     start_worker()
+    if not taskd.register_stress_test_callback(stress_test):
+        fail("replacing a callback after start: " + taskd.last_error())
     say("started", os.getpid())
-    threading.Thread(target=stdin_commands, args=(loop,), daemon=True).start()
-    loop.run()
-    taskd.destroy_taskd_worker()
-    say("done", loop.step)
+    step = -1
+    while gate.wait(step):
+        one_step(step + 1)
+        step += 1
+    if not taskd.destroy_taskd_worker():
+        fail("destroy: " + taskd.last_error())
+    say("done", step)
 
 
 def mode_errors():
@@ -168,6 +147,12 @@ def mode_errors():
         fail("second start accepted")
     if "already started" not in taskd.last_error():
         fail("second start: " + taskd.last_error())
+    if taskd.register_pause_callback(lambda: 0):
+        fail("a pause callback registered after a start without a trainer")
+    if "before starting" not in taskd.last_error():
+        fail("late pause callback: " + taskd.last_error())
+    if not taskd.register_profiling_switch_callback(print):
+        fail("profiling switch callback after start: " + taskd.last_error())
     lib = ctypes.CDLL(os.environ["FAULTLINE_LIBTASKD"])
     lib.taskd_destroy.argtypes = [ctypes.c_size_t]
     lib.taskd_last_error.restype = ctypes.c_char_p
@@ -258,6 +243,49 @@ def mode_mspti():
     say("done")
 
 
+def mode_bench():
+    """Times BENCH_N range pairs through the module against two baselines
+    measured in the same run: a bare ctypes call into libc, and a ctypes
+    call into the library that does no work (taskd_last_error)."""
+    n = int(os.environ["BENCH_N"])
+    init_worker()  # the options turn every kind on; no manager is needed
+    libc = ctypes.CDLL(None)
+    libc.abs.argtypes, libc.abs.restype = [ctypes.c_int], ctypes.c_int
+    noop = taskd._load().taskd_last_error
+
+    def timed(fn):
+        t0 = time.perf_counter_ns()
+        fn()
+        return (time.perf_counter_ns() - t0) / n
+
+    def bare():
+        for _ in range(n):
+            libc.abs(-1)
+
+    def into_library():
+        for _ in range(n):
+            noop()
+
+    def ranges():
+        start, end = taskd.range_start, taskd.range_end
+        for _ in range(n):
+            end(start("forward"))
+
+    def spans():
+        for _ in range(n):
+            with taskd.span("forward"):
+                pass
+
+    def ranges_off():
+        start, end = taskd.range_start, taskd.range_end
+        for _ in range(n):
+            end(start("save_checkpoint"))
+
+    say("bench", json.dumps({"ctypes_libc": timed(bare), "ctypes_libtaskd_noop": timed(into_library),
+                             "range_pair": timed(ranges), "span": timed(spans), "range_pair_off": timed(ranges_off)}))
+    taskd.destroy_taskd_worker()
+
+
 if __name__ == "__main__":
     {"loop": mode_loop, "recovery": mode_recovery, "errors": mode_errors,
-     "all_in_one": mode_all_in_one, "mspti": mode_mspti}[sys.argv[1]]()
+     "all_in_one": mode_all_in_one, "mspti": mode_mspti, "bench": mode_bench}[sys.argv[1]]()
