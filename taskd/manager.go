@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -82,6 +83,10 @@ type ManagerConfig struct {
 	SwitchSource SwitchSource
 	// Handlers run on every event (see Handler).
 	Handlers []Handler
+	// Orchestration, when set, turns on process-level recovery from the
+	// faults taken in, and link switches and stress tests on request
+	// (see OrchestrationConfig); nil: off.
+	Orchestration *OrchestrationConfig
 	// Observability; nil means off.
 	Registerer     prometheus.Registerer
 	TracerProvider oteltrace.TracerProvider
@@ -128,6 +133,11 @@ func (c ManagerConfig) Validate() error {
 			return fmt.Errorf("taskd: ManagerConfig.Handlers[%d]: needs a Name and a Handle func", i)
 		}
 	}
+	if c.Orchestration != nil {
+		if err := c.Orchestration.validate(); err != nil {
+			return err
+		}
+	}
 	return c.Security.Validate()
 }
 
@@ -140,6 +150,7 @@ type Manager struct {
 	tracer   oteltrace.Tracer
 	met      *managerMetrics
 	handlers []Handler
+	orch     *orchestrator // nil when orchestration is off
 	lis      net.Listener
 	srv      *grpc.Server
 	instance string
@@ -154,6 +165,7 @@ type Manager struct {
 	fanSpan     oteltrace.Span
 	swSubs      map[chan trace.Switch]struct{}
 	faults      *faultLog
+	evicted     *idSet // instances evicted by recovery: refused from then on
 	faultFile   *os.File
 	fileFaults  int // lines in faultFile
 	recentMsgs  *idSet
@@ -188,6 +200,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		sw:          newSwitchTracker(cfg.AckTimeout, 30*time.Second),
 		swSubs:      make(map[chan trace.Switch]struct{}),
 		faults:      newFaultLog(cfg.MaxFaults),
+		evicted:     newIDSet(4096),
 		recentMsgs:  newIDSet(4096),
 		deliveries:  make(map[uint64]*delivery),
 		collections: make(map[uint64]*collection),
@@ -200,6 +213,14 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		tp = noop.NewTracerProvider()
 	}
 	m.tracer = tp.Tracer("github.com/faultline-ml/faultline/taskd")
+	if cfg.Orchestration != nil {
+		orch, err := newOrchestrator(m, *cfg.Orchestration)
+		if err != nil {
+			return nil, err
+		}
+		m.orch = orch
+		m.handlers = sortHandlers(append(slices.Clone(cfg.Handlers), orch.handler()))
+	}
 	if cfg.Nodes > 0 && cfg.ProcsPerNode > 0 {
 		for r := range cfg.Nodes * cfg.ProcsPerNode {
 			m.sw.expect(r, r/cfg.ProcsPerNode)
@@ -254,6 +275,9 @@ func (m *Manager) Run(ctx context.Context) error {
 	})
 	g.Go(func() error { return m.housekeep(ctx) })
 	g.Go(func() error { return m.runHandlers(ctx) })
+	if m.orch != nil {
+		g.Go(func() error { return m.orch.run(ctx) })
+	}
 	if src := m.cfg.SwitchSource; src != nil {
 		g.Go(func() error {
 			err := src.Watch(ctx, func(sw trace.Switch) {
@@ -325,7 +349,7 @@ func (m *Manager) step(now time.Time) {
 			Kind:         FaultLost,
 			Position:     lm.pos,
 			Message:      fmt.Sprintf("%s not heard from since %s (deadline %v)", lm.key, lm.lastSeen.Format(time.RFC3339Nano), m.cfg.HeartbeatDeadline),
-			Time:         now,
+			Time:         lm.lastSeen, // heartbeats stopped then
 			ReporterRole: RoleManager,
 			Reporter:     Position{Node: -1, Rank: -1},
 		}
@@ -546,6 +570,70 @@ func (m *Manager) subscribeSwitch() (<-chan trace.Switch, func()) {
 	}
 }
 
+// ReportFault takes f into the job's fault log as the manager's own report,
+// for a detector embedded beside the manager (a launcher that saw a
+// process exit, a hang detector). An empty ID is filled in, a zero Time
+// means now, and an empty ReporterRole means the manager. It returns the
+// fault as logged, and false when a fault with its ID was logged already.
+func (m *Manager) ReportFault(f Fault) (Fault, bool, error) {
+	if f.Kind == "" {
+		return Fault{}, false, errors.New("taskd: Fault.Kind: empty")
+	}
+	now := time.Now()
+	if f.ID == "" {
+		f.ID = fmt.Sprintf("manager/%s/%d", m.instance, m.nextID.Add(1))
+	}
+	if f.Time.IsZero() {
+		f.Time = now
+	}
+	if f.ReporterRole == 0 {
+		f.ReporterRole, f.Reporter = RoleManager, Position{Node: -1, Rank: -1}
+	}
+	m.mu.Lock()
+	stored, fresh := m.faults.add(f, now)
+	if fresh {
+		m.persistFaultsLocked([]Fault{stored})
+	}
+	m.mu.Unlock()
+	if !fresh {
+		m.met.faultDups.Inc()
+		return stored, false, nil
+	}
+	m.met.faults.WithLabelValues(string(stored.Kind)).Inc()
+	m.log.Warn("taskd: fault", "seq", stored.Seq, "kind", stored.Kind, "position", stored.Position.String(), "code", stored.Code, "message", stored.Message)
+	m.events.push(Event{Kind: EventFault, Time: now, Role: stored.ReporterRole, Position: stored.Reporter, Fault: stored})
+	return stored, true, nil
+}
+
+// liveWorkers returns the ranks of the live workers, sorted.
+func (m *Manager) liveWorkers() []int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.resolveLocked(AllWorkers())
+}
+
+// evict drops the live instances of ranks, whose processes recovery is
+// about to restart or replace, so that their successors may register at
+// once, and refuses those instances from now on.
+func (m *Manager) evict(ranks []int, why string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, r := range ranks {
+		wm := m.reg.get(workerKey(r))
+		if wm == nil {
+			continue
+		}
+		m.evicted.add(wm.instance)
+		m.reg.remove(wm.key, wm.instance)
+		if dl := m.downlinks[wm.key]; dl != nil && dl.instance == wm.instance {
+			dl.detach()
+			delete(m.downlinks, wm.key)
+		}
+		m.log.Info("taskd: member evicted", "member", wm.key.String(), "instance", wm.instance, "why", why)
+	}
+	m.updateMemberGaugesLocked()
+}
+
 // Faults returns the job's faults with Seq above after, oldest first.
 func (m *Manager) Faults(after uint64) []Fault {
 	m.mu.Lock()
@@ -617,11 +705,16 @@ type delivery struct {
 // not, for at most DeliveryTimeout or until ctx ends. It returns one
 // Delivery per targeted rank, in rank order.
 func (m *Manager) Broadcast(ctx context.Context, to Target, kind string, payload []byte) ([]Delivery, error) {
+	ctx, cancel := context.WithTimeout(ctx, m.cfg.DeliveryTimeout)
+	defer cancel()
+	return m.broadcast(ctx, to, kind, payload)
+}
+
+// broadcast is Broadcast bounded by ctx alone.
+func (m *Manager) broadcast(ctx context.Context, to Target, kind string, payload []byte) ([]Delivery, error) {
 	if len(kind)+len(payload) > m.cfg.MaxMessageBytes-1024 {
 		return nil, fmt.Errorf("%w: %d bytes, cap %d", ErrTooLarge, len(kind)+len(payload), m.cfg.MaxMessageBytes-1024)
 	}
-	ctx, cancel := context.WithTimeout(ctx, m.cfg.DeliveryTimeout)
-	defer cancel()
 	id := m.nextID.Add(1)
 	env := &pb.Envelope{Id: id, Body: &pb.Envelope_Message{Message: &pb.UserMessage{Kind: kind, Payload: payload}}}
 	d := &delivery{waiting: make(map[int]time.Time), results: make(map[int]error), replies: make(map[int][]byte), done: make(chan struct{})}
@@ -893,6 +986,12 @@ type idSet struct {
 
 func newIDSet(n int) *idSet {
 	return &idSet{ring: make([]string, n), set: make(map[string]struct{}, n)}
+}
+
+// has reports whether id was seen.
+func (s *idSet) has(id string) bool {
+	_, ok := s.set[id]
+	return ok
 }
 
 // add reports false when id was seen already.

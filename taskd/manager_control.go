@@ -66,6 +66,11 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 	}
 	now := time.Now()
 	m.mu.Lock()
+	if m.evicted.has(nm.instance) {
+		m.mu.Unlock()
+		m.met.refused.Inc()
+		return nil, status.Errorf(codes.AlreadyExists, "taskd: %s: this instance was evicted by recovery; its successor takes the rank", key)
+	}
 	if via := req.GetVia(); via != nil {
 		if key.role != RoleWorker || roleFromPB(via.GetRole()) != RoleProxy {
 			m.mu.Unlock()
@@ -110,6 +115,9 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		HeartbeatIntervalMs: m.cfg.HeartbeatInterval.Milliseconds(),
 		HeartbeatDeadlineMs: m.cfg.HeartbeatDeadline.Milliseconds(),
 		ManagerInstance:     m.instance,
+		// Checked after registering: a worker held here registered before
+		// the resume picked its targets, so the resume reaches it.
+		Held: key.role == RoleWorker && m.orch != nil && m.orch.holding(),
 	}, nil
 }
 

@@ -54,6 +54,7 @@ const (
 // core waits for is stale and dropped.
 type action struct {
 	id      uint64
+	run     uint64 // the orchestration that asks
 	kind    actionKind
 	msg     string  // actBroadcast: the message kind
 	to      Target  // actBroadcast: the workers
@@ -241,12 +242,16 @@ func newMachine(cfg coreConfig) *machine {
 }
 
 // ready returns what the core asks for and what changed since the last
-// call.
+// call. Of the actions, only the last may still be awaited: the others
+// were overtaken by the inputs that followed them.
 func (m *machine) ready() ([]action, []transitionEvent) {
 	a, t := m.out, m.trans
 	m.out, m.trans = nil, nil
 	return a, t
 }
+
+// awaited reports whether the core still waits for action id.
+func (m *machine) awaited(id uint64) bool { return m.run != nil && m.run.action == id }
 
 // deadline returns when the state in progress times out; zero when idle.
 func (m *machine) deadline() time.Time {
@@ -433,7 +438,7 @@ func grace(d time.Duration) time.Duration {
 
 func (m *machine) act(now time.Time, a action) {
 	m.nextAction++
-	a.id = m.nextAction
+	a.id, a.run = m.nextAction, m.run.o.ID
 	m.run.action = a.id
 	m.run.deadline = now.Add(a.timeout + grace(a.timeout))
 	m.out = append(m.out, a)

@@ -125,6 +125,9 @@ type proxyWorker struct {
 	// registered is set once the manager took the registration; only then
 	// does the node's heartbeat carry the worker's.
 	registered bool
+	// gone is set when the worker's stream ended because the worker went
+	// away (its process died): a new instance may take the rank at once.
+	gone bool
 }
 
 // NewProxy validates cfg, listens on cfg.Listen and prepares the
@@ -522,7 +525,7 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 	// that what the manager sends it at once is not lost.
 	p.mu.Lock()
 	w := p.workers[rank]
-	if w != nil && w.instance != inst && time.Since(w.lastBeat) <= p.deadline {
+	if w != nil && w.instance != inst && !w.gone && time.Since(w.lastBeat) <= p.deadline {
 		p.mu.Unlock()
 		return nil, status.Errorf(codes.AlreadyExists, "taskd: worker rank %d: %v", rank, ErrRankTaken)
 	}
@@ -598,8 +601,17 @@ func (s *proxyControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreaming
 		return status.Errorf(codes.FailedPrecondition, "taskd: worker rank %d: register before opening the stream", rank)
 	}
 	stop := w.dl.attach()
+	w.gone = false
 	p.mu.Unlock()
-	return serveDownlink(stream.Context(), stop, w.dl, stream.Send)
+	err := serveDownlink(stream.Context(), stop, w.dl, stream.Send)
+	if stream.Context().Err() != nil {
+		p.mu.Lock()
+		if p.workers[rank] == w && w.dl.stop == stop {
+			w.gone = true
+		}
+		p.mu.Unlock()
+	}
+	return err
 }
 
 func (s *proxyControl) Acknowledge(_ context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {

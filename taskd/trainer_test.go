@@ -36,7 +36,7 @@ func (r *callTrainerRecorder) Resume(_ context.Context, q ResumeRequest) error {
 	return r.record(fmt.Sprintf("resume %d %s %v", q.Step, q.Strategy, q.Restarted))
 }
 func (r *callTrainerRecorder) Strategies(_ context.Context, n FaultNotice) ([]Strategy, error) {
-	return []Strategy{StrategyRetry, StrategyRecoverInPlace}, r.record(fmt.Sprintf("strategies %v", n.Ranks()))
+	return AllStrategies(), r.record(fmt.Sprintf("strategies %v", n.Ranks()))
 }
 func (r *callTrainerRecorder) RetryStep(context.Context) error { return r.record("retry") }
 func (r *callTrainerRecorder) SwitchLink(_ context.Context, l LinkRequest) error {
@@ -76,7 +76,7 @@ func TestWorkerTrainer(t *testing.T) {
 	}
 	d = send(kindNotice, orchMsg{Notice: &FaultNotice{Faults: []Fault{{Kind: FaultOpError, Position: Position{0, 3}}}}})
 	rep, _ = parseReply(d.reply)
-	if d.Err != nil || !slices.Equal(rep.Strategies, []Strategy{StrategyRetry, StrategyRecoverInPlace}) {
+	if d.Err != nil || !slices.Equal(rep.Strategies, AllStrategies()) {
 		t.Fatalf("notice: %+v %+v", d, rep)
 	}
 	send(kindRetry, orchMsg{})

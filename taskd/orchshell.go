@@ -1,0 +1,635 @@
+package taskd
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	oteltrace "go.opentelemetry.io/otel/trace"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/faultline-ml/faultline/rescheduling"
+)
+
+// orchestrator is the shell around the orchestration core: it feeds the
+// core the manager's events, performs the core's actions over Broadcast,
+// the rescheduling policy and executor and the checkpoints, and logs,
+// counts and traces every transition.
+type orchestrator struct {
+	m        *Manager
+	cfg      OrchestrationConfig
+	log      *slog.Logger
+	tracer   oteltrace.Tracer
+	met      *orchMetrics
+	policy   *rescheduling.Policy
+	target   func(Position) RescheduleTarget
+	wake     chan struct{}
+	inflight sync.WaitGroup // goroutines performing actions
+
+	mu        sync.Mutex
+	core      *machine
+	nodeOf    map[int]int                            // rank -> node, as last seen
+	decisions map[int]rescheduling.Decision          // rank -> latest decision of the run in progress
+	decRun    uint64                                 // the run the decisions belong to
+	gaveUp    map[uint64]bool                        // ids of the policy's GiveUp decisions
+	spans     map[uint64]oteltrace.Span              // run -> its span
+	waiters   map[uint64]chan Orchestration          // run -> a request waiting for its end
+	actions   map[uint64]context.CancelFunc          // actions in flight
+	bcast     struct{ id uint64; done chan struct{} } // the broadcast in flight
+}
+
+type orchMetrics struct {
+	runs        *prometheus.CounterVec
+	transitions *prometheus.CounterVec
+	running     *prometheus.GaugeVec
+	phase       *prometheus.HistogramVec
+	refused     prometheus.Counter
+	actionErrs  *prometheus.CounterVec
+}
+
+func newOrchMetrics(reg prometheus.Registerer) *orchMetrics {
+	f := promauto.With(reg)
+	return &orchMetrics{
+		runs:        f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_orchestrations_total", Help: "Orchestrations finished, by kind and terminal state."}, []string{"kind", "state"}),
+		transitions: f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_transitions_total", Help: "State transitions of orchestrations, by kind, from and to."}, []string{"kind", "from", "to"}),
+		running:     f.NewGaugeVec(prometheus.GaugeOpts{Name: "faultline_taskd_orchestration_running", Help: "1 while an orchestration of the kind runs."}, []string{"kind"}),
+		phase: f.NewHistogramVec(prometheus.HistogramOpts{Name: "faultline_taskd_orchestration_phase_seconds",
+			Help:    "Time from the first fault (or the request) to detected, stopped (training paused) and resumed, by kind and phase.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 20)}, []string{"kind", "phase"}),
+		refused:    f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_refused_total", Help: "Link switch and stress test requests refused because another orchestration ran."}),
+		actionErrs: f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_action_errors_total", Help: "Actions of orchestrations that failed, by action (decide, repair, load, persist)."}, []string{"action"}),
+	}
+}
+
+func newOrchestrator(m *Manager, cfg OrchestrationConfig) (*orchestrator, error) {
+	policy := cfg.Policy
+	if policy == nil {
+		var err error
+		policy, err = rescheduling.NewPolicy(rescheduling.Config{Logger: m.log, TracerProvider: m.cfg.TracerProvider})
+		if err != nil {
+			return nil, err
+		}
+	}
+	target := cfg.Target
+	if target == nil {
+		target = defaultTarget
+	}
+	return &orchestrator{
+		m:         m,
+		cfg:       cfg,
+		log:       m.log.With("component", "taskd-orchestration"),
+		tracer:    m.tracer,
+		met:       newOrchMetrics(m.cfg.Registerer),
+		policy:    policy,
+		target:    target,
+		wake:      make(chan struct{}, 1),
+		core:      newMachine(newCoreConfig(cfg)),
+		nodeOf:    make(map[int]int),
+		decisions: make(map[int]rescheduling.Decision),
+		gaveUp:    make(map[uint64]bool),
+		spans:     make(map[uint64]oteltrace.Span),
+		waiters:   make(map[uint64]chan Orchestration),
+		actions:   make(map[uint64]context.CancelFunc),
+	}, nil
+}
+
+// handler plugs the orchestrator into the manager's events.
+func (o *orchestrator) handler() Handler {
+	return Handler{Name: "orchestration", Priority: 100, Handle: func(_ context.Context, _ *Manager, ev Event) error {
+		switch ev.Kind {
+		case EventFault:
+			o.feed(func(now time.Time, c *machine) {
+				if ev.Fault.Position.Rank >= 0 {
+					o.nodeOf[ev.Fault.Position.Rank] = ev.Fault.Position.Node
+				}
+				c.fault(now, ev.Fault)
+			})
+		case EventRegistered:
+			if ev.Role == RoleWorker {
+				o.feed(func(now time.Time, c *machine) {
+					o.nodeOf[ev.Position.Rank] = ev.Position.Node
+					c.registered(now, ev.Position.Rank)
+				})
+			}
+		}
+		return nil
+	}}
+}
+
+// feed gives the core an input and wakes the loop to act on what follows.
+func (o *orchestrator) feed(f func(time.Time, *machine)) {
+	o.mu.Lock()
+	f(time.Now(), o.core)
+	o.mu.Unlock()
+	select {
+	case o.wake <- struct{}{}:
+	default:
+	}
+}
+
+// holding reports whether a new worker must wait for the orchestration to
+// resume it.
+func (o *orchestrator) holding() bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.core.holding()
+}
+
+func (o *orchestrator) status(after uint64) OrchestrationStatus {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.core.status(after)
+}
+
+// run performs the core's actions and times its states out until ctx
+// ends; then it cancels the actions in flight and waits for them.
+func (o *orchestrator) run(ctx context.Context) error {
+	defer func() {
+		o.mu.Lock()
+		for _, cancel := range o.actions {
+			cancel()
+		}
+		for id, span := range o.spans {
+			span.SetStatus(codes.Error, "manager stopped")
+			span.End()
+			delete(o.spans, id)
+		}
+		o.mu.Unlock()
+		o.inflight.Wait()
+	}()
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		o.mu.Lock()
+		acts, trans := o.core.ready()
+		acts = slices.DeleteFunc(acts, func(a action) bool { return !o.core.awaited(a.id) })
+		deadline := o.core.deadline()
+		o.mu.Unlock()
+		o.observe(trans)
+		for _, a := range acts {
+			o.perform(ctx, a)
+		}
+		wait := time.Hour
+		if !deadline.IsZero() {
+			wait = max(time.Until(deadline), 0)
+		}
+		timer.Reset(wait)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-o.wake:
+		case <-timer.C:
+			o.feed(func(now time.Time, c *machine) { c.tick(now) })
+		}
+	}
+}
+
+// observe logs, counts and traces transitions, and answers the requests
+// whose orchestration ended.
+func (o *orchestrator) observe(trans []transitionEvent) {
+	for _, te := range trans {
+		rec, t := te.o, te.t
+		kind := string(rec.Kind)
+		o.met.transitions.WithLabelValues(kind, string(t.From), string(t.To)).Inc()
+		attrs := []any{"id", rec.ID, "kind", rec.Kind, "from", t.From, "to", t.To, "round", rec.Round, "reason", t.Reason}
+		if rec.Strategy != "" {
+			attrs = append(attrs, "strategy", rec.Strategy)
+		}
+		o.mu.Lock()
+		if t.From == StateIdle {
+			_, span := o.tracer.Start(context.Background(), "taskd.orchestration", oteltrace.WithTimestamp(rec.Start),
+				oteltrace.WithAttributes(attribute.String("taskd.job", o.m.cfg.Job), attribute.String("taskd.orchestration.kind", kind), attribute.Int64("taskd.orchestration.id", int64(rec.ID))))
+			o.spans[rec.ID] = span
+			o.met.running.WithLabelValues(kind).Set(1)
+			if rec.Kind == KindRecovery {
+				o.met.phase.WithLabelValues(kind, "detected").Observe(rec.Detected.Seconds())
+			}
+		}
+		span := o.spans[rec.ID]
+		o.mu.Unlock()
+		if span != nil {
+			span.AddEvent(string(t.To), oteltrace.WithTimestamp(t.Time), oteltrace.WithAttributes(attribute.String("from", string(t.From)), attribute.String("reason", t.Reason)))
+		}
+		if t.From == StatePausing || t.From == StateStopping && rec.Round == 1 {
+			o.met.phase.WithLabelValues(kind, "stopped").Observe(rec.Stopped.Seconds())
+		}
+		switch {
+		case !t.To.Terminal():
+			o.log.Info("taskd: orchestration", attrs...)
+		case t.To == StateRecovered || t.To == StateSwitched || t.To == StatePassed:
+			o.met.phase.WithLabelValues(kind, "resumed").Observe(rec.Resumed.Seconds())
+			o.log.Info("taskd: orchestration done", append(attrs, "stopped_after", rec.Stopped, "resumed_after", rec.Resumed, "resumed_step", rec.ResumedStep)...)
+		default:
+			o.log.Warn("taskd: orchestration failed", attrs...)
+		}
+		if t.To.Terminal() {
+			o.met.runs.WithLabelValues(kind, string(t.To)).Inc()
+			o.met.running.WithLabelValues(kind).Set(0)
+			o.mu.Lock()
+			if span != nil {
+				span.SetAttributes(attribute.String("taskd.orchestration.state", string(t.To)), attribute.String("taskd.orchestration.strategy", string(rec.Strategy)))
+				if t.To == StateExited || t.To == StateFailed {
+					span.SetStatus(codes.Error, t.Reason)
+				}
+				span.End(oteltrace.WithTimestamp(t.Time))
+				delete(o.spans, rec.ID)
+			}
+			if ch := o.waiters[rec.ID]; ch != nil {
+				ch <- rec
+				delete(o.waiters, rec.ID)
+			}
+			o.mu.Unlock()
+		}
+		if o.cfg.OnTransition != nil {
+			o.cfg.OnTransition(rec, t)
+		}
+	}
+}
+
+// perform starts an action. What was in flight is stale once the core
+// asks for something else: it is cancelled, and a stale broadcast is
+// waited for, so that no copy of it (a resume, say) reaches a worker
+// after the messages that follow.
+func (o *orchestrator) perform(ctx context.Context, a action) {
+	o.mu.Lock()
+	for id, cancel := range o.actions {
+		cancel()
+		delete(o.actions, id)
+	}
+	prev := o.bcast.done
+	o.mu.Unlock()
+	if prev != nil {
+		<-prev
+	}
+	actx, cancel := context.WithTimeout(ctx, a.timeout)
+	o.mu.Lock()
+	o.actions[a.id] = cancel
+	span := o.spans[a.run]
+	var done chan struct{}
+	if a.kind == actBroadcast {
+		done = make(chan struct{})
+		o.bcast.id, o.bcast.done = a.id, done
+	}
+	o.mu.Unlock()
+	if span != nil {
+		actx = oteltrace.ContextWithSpan(actx, span)
+	}
+	o.inflight.Add(1)
+	go func() {
+		defer o.inflight.Done()
+		defer cancel()
+		if done != nil {
+			defer close(done)
+		}
+		o.do(actx, a)
+		o.mu.Lock()
+		delete(o.actions, a.id)
+		o.mu.Unlock()
+	}()
+}
+
+func (o *orchestrator) do(ctx context.Context, a action) {
+	name := map[actionKind]string{actBroadcast: "broadcast", actDecide: "decide", actRepair: "repair", actLoad: "load", actPersist: "persist"}[a.kind]
+	ctx, span := o.tracer.Start(ctx, "taskd.orchestration."+name, oteltrace.WithAttributes(attribute.String("taskd.message", a.msg)))
+	defer span.End()
+	fail := func(err error) {
+		if ctx.Err() == nil || errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			o.met.actionErrs.WithLabelValues(name).Inc()
+			o.log.Warn("taskd: orchestration action failed", "action", name, "err", err)
+		}
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+	}
+	switch a.kind {
+	case actBroadcast:
+		results := o.broadcast(ctx, a)
+		o.feed(func(now time.Time, c *machine) { c.delivered(now, a.id, results) })
+	case actDecide:
+		lvl, why := o.decide(ctx, a)
+		o.feed(func(now time.Time, c *machine) { c.decided(now, a.id, lvl, why) })
+	case actRepair:
+		ranks, err := o.repair(ctx, a)
+		if err != nil {
+			fail(err)
+		}
+		o.feed(func(now time.Time, c *machine) { c.repaired(now, a.id, ranks, err) })
+	case actLoad:
+		step, err := o.cfg.Checkpoints.LoadNewest(ctx)
+		if err != nil {
+			fail(err)
+		}
+		o.feed(func(now time.Time, c *machine) { c.loaded(now, a.id, step, err) })
+	case actPersist:
+		step, err := o.cfg.Checkpoints.PersistNewest(ctx)
+		if err != nil {
+			fail(err)
+		}
+		o.feed(func(now time.Time, c *machine) { c.persisted(now, a.id, step, err) })
+	}
+}
+
+// broadcast sends an orchestration message and returns each rank's
+// outcome.
+func (o *orchestrator) broadcast(ctx context.Context, a action) []rankResult {
+	to := a.to
+	if to.All && len(a.except) > 0 {
+		to = Target{Ranks: slices.DeleteFunc(o.m.liveWorkers(), func(r int) bool { return slices.Contains(a.except, r) })}
+		if len(to.Ranks) == 0 {
+			return nil
+		}
+	}
+	payload, err := json.Marshal(a.payload)
+	if err != nil {
+		o.log.Error("taskd: orchestration message", "kind", a.msg, "err", err)
+		return nil
+	}
+	ds, _ := o.m.broadcast(ctx, to, a.msg, payload)
+	out := make([]rankResult, 0, len(ds))
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for _, d := range ds {
+		res := rankResult{rank: d.Rank, node: -1, err: d.Err}
+		if n, ok := o.nodeOf[d.Rank]; ok {
+			res.node = n
+		}
+		if d.Err == nil {
+			if res.reply, err = parseReply(d.reply); err != nil {
+				res.err = fmt.Errorf("taskd: bad answer to %s: %w", a.msg, err)
+			}
+		}
+		out = append(out, res)
+	}
+	return out
+}
+
+// decide asks the policy about each faulty rank and returns how far the
+// repair must go: as far as the strongest decision.
+func (o *orchestrator) decide(ctx context.Context, a action) (level, string) {
+	o.mu.Lock()
+	if o.decRun != a.run {
+		o.decRun, o.decisions = a.run, make(map[int]rescheduling.Decision)
+	}
+	o.mu.Unlock()
+	lvl := levelInPlace
+	var why []string
+	for _, f := range a.faults {
+		d := o.policy.Decide(ctx, o.rescheduleFault(f))
+		l := levelInPlace
+		switch d.Action {
+		case rescheduling.RecreatePods:
+			l = levelReplace
+		case rescheduling.RestartJob:
+			l = levelJob
+		case rescheduling.GiveUp:
+			l = levelGiveUp
+		case rescheduling.NoAction:
+			o.mu.Lock()
+			if o.gaveUp[d.Covered] {
+				l = levelGiveUp
+			}
+			o.mu.Unlock()
+		}
+		o.mu.Lock()
+		if d.Action == rescheduling.GiveUp {
+			o.gaveUp[d.ID] = true
+		}
+		o.decisions[f.Position.Rank] = d
+		o.mu.Unlock()
+		lvl = max(lvl, l)
+		why = append(why, fmt.Sprintf("rank %d: %s", f.Position.Rank, d.Reason))
+	}
+	return lvl, strings.Join(why, "; ")
+}
+
+// rescheduleFault says what a fault is to the rescheduling policy.
+func (o *orchestrator) rescheduleFault(f Fault) rescheduling.Fault {
+	t := o.target(f.Position)
+	rf := rescheduling.Fault{Time: faultTime(f), Node: t.Node, Pod: t.Pod, Process: t.Process, Reason: f.Message, Evidence: []string{"taskd_fault=" + f.ID}}
+	switch f.Kind {
+	case FaultProcessExit:
+		rf.Kind, rf.ExitCode, rf.Signal = rescheduling.KindExit, f.Code, signalNamed(f.Attrs["signal"])
+	case FaultHang:
+		rf.Kind = rescheduling.KindHang
+	case FaultLost:
+		rf.Kind = rescheduling.KindHeartbeat
+	case FaultSlowNode:
+		rf.Kind = rescheduling.KindSlow
+	case FaultLink, FaultStressTest:
+		rf.Kind = rescheduling.KindNode
+	default: // an op error that retry did not clear, or a kind of the embedder's
+		rf.Kind, rf.Class = rescheduling.KindLog, rescheduling.ClassUnknown
+	}
+	return rf
+}
+
+// signalNamed returns the signal a fault's "signal" attribute names.
+func signalNamed(name string) syscall.Signal {
+	switch strings.TrimPrefix(strings.ToUpper(name), "SIG") {
+	case "KILL":
+		return syscall.SIGKILL
+	case "TERM":
+		return syscall.SIGTERM
+	case "ABRT":
+		return syscall.SIGABRT
+	case "SEGV":
+		return syscall.SIGSEGV
+	case "BUS":
+		return syscall.SIGBUS
+	case "INT":
+		return syscall.SIGINT
+	}
+	return 0
+}
+
+// repair restarts the faulty processes in place, or replaces the
+// processes of their pods or nodes, and returns the ranks restarted. The
+// old instances are evicted first, so that their replacements may take
+// their ranks at once.
+func (o *orchestrator) repair(ctx context.Context, a action) ([]int, error) {
+	ex := o.cfg.Executor
+	o.mu.Lock()
+	decisions := make(map[int]rescheduling.Decision, len(a.faults))
+	for _, f := range a.faults {
+		d, ok := o.decisions[f.Position.Rank]
+		if !ok || o.decRun != a.run {
+			d = o.policy.Decide(ctx, o.rescheduleFault(f))
+		}
+		decisions[f.Position.Rank] = d
+	}
+	known := maps.Clone(o.nodeOf)
+	o.mu.Unlock()
+	if a.strategy == StrategyRecoverInPlace {
+		return o.restartInPlace(ctx, a, decisions)
+	}
+	// Replace: one recreation per pod (or node), of every rank in it.
+	type scope struct{ node, pod string }
+	scopes := make(map[scope]rescheduling.Decision)
+	for _, f := range a.faults {
+		d := decisions[f.Position.Rank]
+		if d.Action < rescheduling.RecreatePods {
+			if d.Action == rescheduling.RestartProcesses || d.Action == rescheduling.NoAction {
+				d = o.policy.Escalate(ctx, o.inPlaceDecision(d, f), errors.New("restart in place failed or does not apply"))
+			}
+		}
+		if d.Action != rescheduling.RecreatePods {
+			return nil, fmt.Errorf("policy: %s", d.Reason)
+		}
+		o.mu.Lock()
+		o.decisions[f.Position.Rank] = d
+		o.mu.Unlock()
+		scopes[scope{d.Node, d.Pod}] = d
+	}
+	var ranks []int
+	for rank, node := range known {
+		t := o.target(Position{Node: node, Rank: rank})
+		for sc := range scopes {
+			if t.Node == sc.node && (sc.pod == "" || t.Pod == sc.pod) {
+				ranks = append(ranks, rank)
+			}
+		}
+	}
+	for _, f := range a.faults {
+		ranks = append(ranks, f.Position.Rank)
+	}
+	ranks = sortedUnique(ranks)
+	o.m.evict(ranks, fmt.Sprintf("replaced by orchestration #%d", a.run))
+	g, gctx := errgroup.WithContext(ctx)
+	for _, d := range scopes {
+		g.Go(func() error {
+			if err := waitBackoff(gctx, d.Backoff); err != nil {
+				return err
+			}
+			o.policy.Executing(d, time.Now())
+			if d.AvoidNode != "" {
+				if err := ex.AvoidNode(gctx, d); err != nil && !errors.Is(err, rescheduling.ErrUnsupported) {
+					return fmt.Errorf("avoid node %s: %w", d.AvoidNode, err)
+				}
+			}
+			return ex.RecreatePods(gctx, d)
+		})
+	}
+	return ranks, g.Wait()
+}
+
+// restartInPlace restarts each faulty process. The Executor restarts the
+// named process and every process of its target that is not running, so
+// a process already dead is restarted by the first call for its pod, and
+// named only when no call for its pod names another: none is restarted
+// twice.
+func (o *orchestrator) restartInPlace(ctx context.Context, a action, decisions map[int]rescheduling.Decision) ([]int, error) {
+	type scope struct{ node, pod string }
+	named := make(map[scope][]rescheduling.Decision)
+	dead := make(map[scope][]rescheduling.Decision)
+	var ranks []int
+	for _, f := range a.faults {
+		d := o.inPlaceDecision(decisions[f.Position.Rank], f)
+		sc := scope{d.Node, d.Pod}
+		if deadKind(f.Kind) {
+			dead[sc] = append(dead[sc], d)
+		} else {
+			named[sc] = append(named[sc], d)
+		}
+		ranks = append(ranks, f.Position.Rank)
+	}
+	for sc, ds := range dead {
+		if len(named[sc]) == 0 {
+			named[sc] = ds[:1]
+		}
+	}
+	o.m.evict(ranks, fmt.Sprintf("restarted by orchestration #%d", a.run))
+	var calls []rescheduling.Decision
+	for _, ds := range named {
+		calls = append(calls, ds...)
+	}
+	slices.SortFunc(calls, func(x, y rescheduling.Decision) int { return strings.Compare(x.Process, y.Process) })
+	// One at a time: a call restarts what is dead in its pod, and the
+	// next must find it running.
+	for _, d := range calls {
+		if err := waitBackoff(ctx, d.Backoff); err != nil {
+			return nil, err
+		}
+		o.policy.Executing(d, time.Now())
+		if err := o.cfg.Executor.RestartProcesses(ctx, d); err != nil {
+			return nil, fmt.Errorf("restart %s: %w", d.Process, err)
+		}
+	}
+	return sortedUnique(ranks), nil
+}
+
+// inPlaceDecision is d as an in-place restart of f's process: the policy
+// covers the faults of a pod with one decision, and each faulty process
+// needs its own call.
+func (o *orchestrator) inPlaceDecision(d rescheduling.Decision, f Fault) rescheduling.Decision {
+	if d.Action == rescheduling.RestartProcesses && d.Process != "" {
+		return d
+	}
+	t := o.target(f.Position)
+	d.Action, d.Node, d.Pod, d.Process = rescheduling.RestartProcesses, t.Node, t.Pod, t.Process
+	return d
+}
+
+func waitBackoff(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// request starts a link switch, switchback or stress test and waits for
+// it to end or ctx to.
+func (o *orchestrator) request(ctx context.Context, kind OrchestrationKind, link *LinkRequest, stress *StressRequest) (Orchestration, error) {
+	o.mu.Lock()
+	id, err := o.core.request(time.Now(), kind, link, stress)
+	if err != nil {
+		o.mu.Unlock()
+		o.met.refused.Inc()
+		return Orchestration{}, err
+	}
+	ch := make(chan Orchestration, 1)
+	o.waiters[id] = ch
+	o.mu.Unlock()
+	select {
+	case o.wake <- struct{}{}:
+	default:
+	}
+	select {
+	case rec := <-ch:
+		want := StateSwitched
+		if kind == KindStressTest {
+			want = StatePassed
+		}
+		if rec.State != want {
+			return rec, fmt.Errorf("%w: %s #%d ended %s: %s", ErrOrchestrationFailed, rec.Kind, rec.ID, rec.State, rec.Outcome)
+		}
+		return rec, nil
+	case <-ctx.Done():
+		o.mu.Lock()
+		delete(o.waiters, id)
+		st := o.core.status(id - 1)
+		o.mu.Unlock()
+		var rec Orchestration
+		if st.Current != nil && st.Current.ID == id {
+			rec = *st.Current
+		}
+		return rec, fmt.Errorf("taskd: %s #%d still running: %w", kind, id, ctx.Err())
+	}
+}

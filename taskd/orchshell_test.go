@@ -1,0 +1,242 @@
+package taskd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/rescheduling"
+)
+
+// trainerJob is an in-process job whose workers have recording trainers,
+// and whose executor restarts a worker by replacing it with a new one.
+type trainerJob struct {
+	*cluster
+	mu       sync.Mutex
+	trainers map[int]*callTrainerRecorder
+	restarts map[int]int
+	trans    chan Transition
+	ppn      int
+}
+
+func newTrainerJob(t *testing.T, nodes, ppn int, oc OrchestrationConfig) *trainerJob {
+	j := &trainerJob{trainers: map[int]*callTrainerRecorder{}, restarts: map[int]int{}, trans: make(chan Transition, 1024), ppn: ppn}
+	oc.Executor = j
+	oc.OnTransition = func(_ Orchestration, tr Transition) { j.trans <- tr }
+	j.cluster = newCluster(t, insecureSec(), ManagerConfig{Orchestration: &oc, Registerer: prometheus.NewRegistry()})
+	for n := range nodes {
+		j.addProxy(n)
+	}
+	for r := range nodes * ppn {
+		j.start(r)
+	}
+	waitFor(t, 30*time.Second, "every trainer started", func() bool {
+		for r := range nodes * ppn {
+			if !slices.Contains(j.trainer(r).Calls(), "resume -1  []") {
+				return false
+			}
+		}
+		return true
+	})
+	return j
+}
+
+func (j *trainerJob) trainer(rank int) *callTrainerRecorder {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.trainers[rank]
+}
+
+func (j *trainerJob) start(rank int) {
+	tr := &callTrainerRecorder{fail: map[string]error{}}
+	j.mu.Lock()
+	j.trainers[rank] = tr
+	j.mu.Unlock()
+	node := rank / j.ppn
+	w, err := NewWorker(WorkerConfig{Job: j.job, Node: node, Rank: rank, Upstream: j.proxies[node].Addr().String(), Security: j.sec, AckTimeout: j.ack, ReconnectMax: 200 * time.Millisecond, Trainer: tr})
+	if err != nil {
+		j.t.Fatal(err)
+	}
+	j.workers[rank] = w
+	j.run(w, w.Run)
+}
+
+func (j *trainerJob) restart(rank int) {
+	j.mu.Lock()
+	j.restarts[rank]++
+	j.mu.Unlock()
+	j.stop(j.workers[rank], j.workers[rank])
+	j.start(rank)
+}
+
+func rankOf(process string) (int, error) {
+	return strconv.Atoi(strings.TrimPrefix(process, "rank-"))
+}
+
+func (j *trainerJob) RestartProcesses(_ context.Context, d rescheduling.Decision) error {
+	r, err := rankOf(d.Process)
+	if err != nil {
+		return err
+	}
+	j.restart(r)
+	return nil
+}
+
+func (j *trainerJob) RecreatePods(_ context.Context, d rescheduling.Decision) error {
+	n, err := strconv.Atoi(strings.TrimPrefix(d.Node, "node-"))
+	if err != nil {
+		return err
+	}
+	for r := n * j.ppn; r < (n+1)*j.ppn; r++ {
+		j.restart(r)
+	}
+	return nil
+}
+
+func (j *trainerJob) RestartJob(context.Context, rescheduling.Decision) error {
+	return rescheduling.ErrUnsupported
+}
+func (j *trainerJob) AvoidNode(context.Context, rescheduling.Decision) error {
+	return rescheduling.ErrUnsupported
+}
+
+// until reads transitions until one enters a state in states.
+func (j *trainerJob) until(states ...State) []State {
+	j.t.Helper()
+	var seen []State
+	timeout := time.After(60 * time.Second)
+	for {
+		select {
+		case tr := <-j.trans:
+			seen = append(seen, tr.To)
+			if slices.Contains(states, tr.To) {
+				return seen
+			}
+		case <-timeout:
+			j.t.Fatalf("no %v within 60 s; saw %v", states, seen)
+		}
+	}
+}
+
+func shortTimeouts() Timeouts {
+	return Timeouts{Pause: 5 * time.Second, Notify: 5 * time.Second, Retry: 5 * time.Second, Restart: 20 * time.Second, Replace: 20 * time.Second, Resume: 5 * time.Second, Switch: 5 * time.Second, Stress: 5 * time.Second, Exit: 5 * time.Second}
+}
+
+func TestOrchestrationInProcess(t *testing.T) {
+	j := newTrainerJob(t, 2, 2, OrchestrationConfig{Timeouts: shortTimeouts()})
+	m := j.m
+
+	// An op error: every rank retries the step and resumes.
+	if err := j.workers[1].ReportFault(Fault{Kind: FaultOpError, Message: "HCCL timeout"}); err != nil {
+		t.Fatal(err)
+	}
+	got := j.until(StateRecovered, StateExited)
+	want := []State{StateStopping, StateNotifying, StateRetrying, StateResuming, StateRecovered}
+	if !slices.Equal(got, want) {
+		t.Fatalf("op error: %v, want %v", got, want)
+	}
+	for r := range 4 {
+		calls := j.trainer(r).Calls()
+		if !slices.Equal(calls[1:], []string{"pause", "strategies [1]", "retry", "resume -1 retry []"}) {
+			t.Errorf("rank %d: %q", r, calls)
+		}
+	}
+
+	// A process exit: the rank restarts in place, and the others resume
+	// with it.
+	if _, _, err := m.ReportFault(Fault{Kind: FaultProcessExit, Code: 137, Position: Position{1, 2}, Attrs: map[string]string{"signal": "SIGKILL"}}); err != nil {
+		t.Fatal(err)
+	}
+	got = j.until(StateRecovered, StateExited)
+	want = []State{StateStopping, StateNotifying, StateDeciding, StateRestarting, StateResuming, StateRecovered}
+	if !slices.Equal(got, want) {
+		t.Fatalf("exit: %v, want %v", got, want)
+	}
+	if calls := j.trainer(2).Calls(); !slices.Equal(calls, []string{"resume -1 recover-in-place [2]"}) {
+		t.Errorf("restarted rank 2: %q (it must wait for the recovery to start it)", calls)
+	}
+	if calls := j.trainer(0).Calls(); calls[len(calls)-1] != "resume -1 recover-in-place [2]" {
+		t.Errorf("rank 0: %q", calls)
+	}
+
+	// A link switch and its switchback.
+	ctx := context.Background()
+	rec, err := m.SwitchLink(ctx, LinkRequest{Node: 1, Devices: []int{0, 1}, Target: LinkStandby})
+	if err != nil || rec.State != StateSwitched {
+		t.Fatalf("switch: %+v %v", rec, err)
+	}
+	if calls := j.trainer(3).Calls(); !slices.Contains(calls, "switch 1 [0 1] standby") {
+		t.Errorf("rank 3: %q", calls)
+	}
+	if st := m.Orchestrations(0); len(st.Links) != 2 {
+		t.Fatalf("links: %+v", st.Links)
+	}
+	if _, err := m.SwitchLink(ctx, LinkRequest{Node: 1, Devices: []int{0, 1}, Target: LinkPrimary}); err != nil {
+		t.Fatal(err)
+	}
+	if st := m.Orchestrations(0); len(st.Links) != 0 {
+		t.Fatalf("links after switchback: %+v", st.Links)
+	}
+	j.until(StateSwitched)
+	j.until(StateSwitched)
+
+	// A switch that fails on rank 3 hands over to a recovery, which
+	// replaces rank 3 (a link fault moves the node's processes).
+	j.trainer(3).mu.Lock()
+	j.trainer(3).fail["switch 1 [0] standby"] = errors.New("NIC down")
+	j.trainer(3).mu.Unlock()
+	rec, err = m.SwitchLink(ctx, LinkRequest{Node: 1, Devices: []int{0}, Target: LinkStandby})
+	if !errors.Is(err, ErrOrchestrationFailed) || rec.State != StateFailed || rec.HandedOverTo == 0 {
+		t.Fatalf("failed switch: %+v %v", rec, err)
+	}
+	got = j.until(StateRecovered, StateExited)
+	want = []State{StatePausing, StateSwitching, StateFailed, StateStopping, StateNotifying, StateDeciding, StateReplacing, StateResuming, StateRecovered}
+	if !slices.Equal(got, want) {
+		t.Fatalf("handover: %v, want %v", got, want)
+	}
+	st := m.Orchestrations(0)
+	last := st.History[len(st.History)-1]
+	if last.HandedOverFrom != rec.ID || last.Strategy != StrategyRecover || !slices.Equal(last.FaultyRanks, []int{3}) {
+		t.Fatalf("recovery: %+v", last)
+	}
+	j.mu.Lock()
+	restarts := fmt.Sprint(j.restarts)
+	j.mu.Unlock()
+	if restarts != "map[2:2 3:1]" {
+		t.Fatalf("restarts %s", restarts)
+	}
+
+	// The Admin service reports the same.
+	conn, err := grpc.NewClient("passthrough:///"+m.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	admin := pb.NewAdminClient(conn)
+	res, err := admin.GetOrchestration(ctx, &pb.GetOrchestrationReq{JobNsName: j.job})
+	if err != nil || res.GetCode() != pb.Code_CODE_OK || res.GetCurrent() != nil || len(res.GetHistory()) != len(st.History) {
+		t.Fatalf("GetOrchestration: %v %v", res, err)
+	}
+	if h := res.GetHistory()[len(res.GetHistory())-1]; h.GetState() != string(StateRecovered) || len(h.GetTransitions()) != 6 || h.GetResumeNs() <= 0 {
+		t.Fatalf("last: %v", h)
+	}
+	sres, err := admin.StressTest(ctx, &pb.StressTestReq{JobNsName: j.job, Stress: &pb.StressRequest{Nodes: []int32{0}, Test: "hbm"}, TimeoutMs: 30000})
+	if err != nil || sres.GetCode() != pb.Code_CODE_OK || sres.GetOrchestration().GetState() != string(StatePassed) {
+		t.Fatalf("StressTest: %v %v", sres, err)
+	}
+	bad, _ := admin.SwitchLink(ctx, &pb.SwitchLinkReq{JobNsName: j.job, Link: &pb.LinkRequest{Node: 0, Target: "sideways"}})
+	if bad.GetCode() != pb.Code_CODE_BAD_PARAMETER {
+		t.Fatalf("bad switch: %v", bad)
+	}
+}
