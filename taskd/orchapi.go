@@ -187,4 +187,3 @@ func (s *managerAdmin) StressTest(ctx context.Context, req *pb.StressTestReq) (*
 	defer cancel()
 	return orchestrationRes(s.m.StressTest(ctx, StressRequest{Nodes: ints(st.GetNodes()), Ranks: ints(st.GetRanks()), Test: st.GetTest()})), nil
 }
-

@@ -40,14 +40,17 @@ type orchestrator struct {
 
 	mu        sync.Mutex
 	core      *machine
-	nodeOf    map[int]int                            // rank -> node, as last seen
-	decisions map[int]rescheduling.Decision          // rank -> latest decision of the run in progress
-	decRun    uint64                                 // the run the decisions belong to
-	gaveUp    map[uint64]bool                        // ids of the policy's GiveUp decisions
-	spans     map[uint64]oteltrace.Span              // run -> its span
-	waiters   map[uint64]chan Orchestration          // run -> a request waiting for its end
-	actions   map[uint64]context.CancelFunc          // actions in flight
-	bcast     struct{ id uint64; done chan struct{} } // the broadcast in flight
+	nodeOf    map[int]int                   // rank -> node, as last seen
+	decisions map[int]rescheduling.Decision // rank -> latest decision of the run in progress
+	decRun    uint64                        // the run the decisions belong to
+	gaveUp    map[uint64]bool               // ids of the policy's GiveUp decisions
+	spans     map[uint64]oteltrace.Span     // run -> its span
+	waiters   map[uint64]chan Orchestration // run -> a request waiting for its end
+	actions   map[uint64]context.CancelFunc // actions in flight
+	bcast     struct {
+		id   uint64
+		done chan struct{}
+	} // the broadcast in flight
 }
 
 type orchMetrics struct {
