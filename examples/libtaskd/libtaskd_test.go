@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -472,5 +473,39 @@ func TestRecoveryCallbacks(t *testing.T) {
 	}
 	if before < 5 || after < 5 || during != 0 {
 		t.Errorf("step starts: %d before the pause, %d while paused, %d after the resume", before, during, after)
+	}
+}
+
+// TestCHeader compiles a C caller against the generated libtaskd.h and
+// runs it: the header is valid C, and codes, handles and errors behave as
+// documented.
+func TestCHeader(t *testing.T) {
+	lib := library(t)
+	header := strings.TrimSuffix(lib, ".so") + ".h"
+	if _, err := os.Stat(header); err != nil {
+		t.Skipf("no header beside %s: %v", lib, err)
+	}
+	cc, ok := cCompiler()
+	if !ok {
+		t.Skip("no C compiler")
+	}
+	bin := filepath.Join(t.TempDir(), "abi")
+	out, err := exec.Command(cc, "-std=c11", "-Wall", "-Werror", "-o", bin, filepath.Join("testdata", "abi.c"),
+		"-I", filepath.Dir(header), lib, "-Wl,-rpath,"+filepath.Dir(lib)).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s: %v\n%s", cc, err, out)
+	}
+	root := t.TempDir()
+	if out, err := exec.Command(bin, root).CombinedOutput(); err != nil || string(out) != "ok\n" {
+		t.Fatalf("abi: %v\n%s", err, out)
+	}
+	var n int
+	for _, r := range readRank(t, filepath.Join(root, "c-abi", "0")) {
+		if r.Name == trace.MarkerForward || r.Flag.IsEnd() {
+			n++
+		}
+	}
+	if n != 3 { // the range's start and end, and the mark
+		t.Errorf("%d records, want 3", n)
 	}
 }

@@ -52,6 +52,8 @@ import (
 	"os"
 	"runtime/cgo"
 	"unsafe"
+
+	"github.com/faultline-ml/faultline/trace"
 )
 
 func main() {}
@@ -257,7 +259,7 @@ func taskd_set_switch(h C.uintptr_t, doc *C.char) C.int {
 	m, err := lookup[*manager](h)
 	if err == nil {
 		_, err = m.m.SetSwitchDocument([]byte(goString(doc)))
-		if err != nil {
+		if errors.Is(err, trace.ErrSwitch) {
 			err = fmt.Errorf("%w: %w", errBadArgument, err)
 		}
 	}

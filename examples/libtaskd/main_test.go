@@ -118,7 +118,7 @@ func startPython(t testing.TB, lib, mode string, env ...string) *python {
 	}
 	p := &python{t: t, lines: make(chan string, 1<<16), done: make(chan struct{})}
 	p.cmd = exec.Command("python3", filepath.Join(here, "testdata", "trainer.py"), mode)
-	p.cmd.Env = append(os.Environ(), "PYTHONPATH="+here, "FAULTLINE_LIBTASKD="+lib, "PYTHONUNBUFFERED=1")
+	p.cmd.Env = append(os.Environ(), "PYTHONPATH="+here, "FAULTLINE_LIBTASKD="+lib, "PYTHONUNBUFFERED=1", "PYTHONDONTWRITEBYTECODE=1")
 	p.cmd.Env = append(p.cmd.Env, env...)
 	p.cmd.Stderr = writerFunc(func(b []byte) (int, error) {
 		p.errMu.Lock()
