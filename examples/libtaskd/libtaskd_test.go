@@ -370,12 +370,14 @@ type orchestration struct {
 
 // TestRecoveryCallbacks drives a Python trainer's StepGate and callbacks
 // from the manager: it starts paused and is resumed on registration,
-// pauses for real (no step is recorded while paused), switches a link,
-// refuses what it cannot do, resumes from a checkpoint step and stops.
+// pauses for real (no step is recorded while paused), refuses what it
+// cannot do, resumes from a checkpoint step, switches a link through the
+// manager's link failover, and is stopped by the recovery that a failed
+// switchback hands over to.
 func TestRecoveryCallbacks(t *testing.T) {
 	lib := library(t)
 	root := t.TempDir()
-	m := startManager(t, taskd.ManagerConfig{})
+	m := startManager(t, taskd.ManagerConfig{Orchestration: &taskd.OrchestrationConfig{}})
 	const rank = 2
 	py := startPython(t, lib, "recovery", workerEnv(t, m, root, rank, nil)...)
 	py.expect("started", 30*time.Second)
@@ -440,21 +442,47 @@ func TestRecoveryCallbacks(t *testing.T) {
 	for range 10 {
 		py.expect("step", 30*time.Second)
 	}
-	// The trainer's process may exit as soon as it has stopped, before its
-	// worker sent the acknowledgement: the stop is checked on the trainer's
-	// side, and the delivery is not waited for.
-	stopCtx, cancelStop := context.WithCancel(context.Background())
-	stopped := make(chan struct{})
-	go func() {
-		defer close(stopped)
-		b, _ := json.Marshal(orchestration{Reason: "job ends"})
-		m.Broadcast(stopCtx, taskd.RankList(rank), kindStop, b)
-	}()
-	py.expect("stopped job ends", 30*time.Second)
+	// The manager's link failover, through its Go API: a switch to the
+	// standby link pauses the job, runs the callback and continues.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	link.Target = taskd.LinkStandby
+	o, err := m.SwitchLink(ctx, link)
+	if err != nil || o.State != taskd.StateSwitched {
+		t.Fatalf("link switch: %v, %s (%s)", err, o.State, o.Outcome)
+	}
+	if got := py.expect("switch_link", 30*time.Second); got != "switch_link 0 [0, 1] standby" {
+		t.Errorf("switch link callback: %q", got)
+	}
+	py.expect("step", 30*time.Second)
+	// Switching back fails on the trainer's side: the switchback hands over
+	// to a recovery which, with no executor and no checkpoints to offer
+	// another strategy, ends the job by stopping every rank.
+	link.Target = taskd.LinkPrimary
+	o, err = m.SwitchLink(ctx, link)
+	if !errors.Is(err, taskd.ErrOrchestrationFailed) || o.HandedOverTo == 0 {
+		t.Fatalf("failing switchback: %v, %+v", err, o)
+	}
+	py.expect("stopped", 30*time.Second)
 	py.expect("done", 30*time.Second)
 	py.wait(30 * time.Second)
-	cancelStop()
-	<-stopped
+	var rec taskd.Orchestration
+	waitFor(t, "the recovery to end", 30*time.Second, func() bool {
+		for _, h := range m.Orchestrations(0).History {
+			if h.ID == o.HandedOverTo {
+				rec = h
+				return true
+			}
+		}
+		return false
+	})
+	t.Logf("recovery %d: %v, %s; stopped after %v", rec.ID, rec.States(), rec.Outcome, rec.Stopped)
+	if d := rec.End.Sub(rec.Start); d > 10*time.Second {
+		t.Errorf("the recovery took %v: the stop's acknowledgement was lost when the trainer exited", d)
+	}
+	if rec.State != taskd.StateExited || rec.Strategy != taskd.StrategyExit {
+		t.Errorf("recovery ended %s by %q (%s), states %v", rec.State, rec.Strategy, rec.Outcome, rec.States())
+	}
 
 	const skew = 50 * time.Millisecond
 	var before, during, after int

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/faultline-ml/faultline/taskd"
@@ -13,7 +14,36 @@ import (
 // or Python: each call runs the callback registered for its event with
 // the request as JSON, and reads the reply back.
 type trainer struct {
-	cbs *callbacks
+	cbs  *callbacks
+	stop *stopTrack // nil: not tracked
+}
+
+// stopTrack lets closing the worker wait for a Stop call in progress and
+// then leave its acknowledgement time to go: a trainer typically exits as
+// soon as its stop callback has stopped the loop, before the call returns.
+type stopTrack struct {
+	call chan struct{} // held during a Stop call
+	at   atomic.Int64  // when the last Stop call returned, unix nanoseconds
+}
+
+func newStopTrack() *stopTrack { return &stopTrack{call: make(chan struct{}, 1)} }
+
+// wait waits up to within for a Stop call in progress, then until grace
+// after the last Stop call returned.
+func (s *stopTrack) wait(within, grace time.Duration) {
+	timer := time.NewTimer(within)
+	defer timer.Stop()
+	select {
+	case s.call <- struct{}{}:
+		<-s.call
+	case <-timer.C:
+		return
+	}
+	if t := s.at.Load(); t != 0 {
+		if d := time.Until(time.Unix(0, t).Add(grace)); d > 0 {
+			time.Sleep(d)
+		}
+	}
 }
 
 var _ taskd.Trainer = trainer{}
@@ -124,6 +154,13 @@ func (t trainer) StressTest(ctx context.Context, s taskd.StressRequest) error {
 
 // Stop runs the stop callback with {"reason": reason}.
 func (t trainer) Stop(ctx context.Context, reason string) error {
+	if t.stop != nil {
+		t.stop.call <- struct{}{}
+		defer func() {
+			t.stop.at.Store(time.Now().UnixNano())
+			<-t.stop.call
+		}()
+	}
 	_, err := t.run(ctx, eventStop, struct {
 		Reason string `json:"reason"`
 	}{reason})

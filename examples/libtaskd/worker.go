@@ -36,6 +36,7 @@ type worker struct {
 	rec    *trace.Recorder
 	ranges *rangeTable
 	cbs    *callbacks
+	stop   *stopTrack
 
 	mu      sync.Mutex
 	started bool
@@ -55,10 +56,20 @@ func newLogger(level slog.Level, component string) *slog.Logger {
 // on the control plane's receive loop.
 const switchCallbackTimeout = 30 * time.Second
 
+// Closing waits for a Stop call in progress (up to stopCallWait) and then
+// stopAckGrace after it returned before it stops the control plane:
+// taskd.Worker.Close drops the acknowledgements it has not sent, and a
+// trainer typically exits as soon as it stopped, which would leave the
+// manager waiting out its deadline for the stop.
+const (
+	stopCallWait = 5 * time.Second
+	stopAckGrace = 500 * time.Millisecond
+)
+
 // newWorker builds the recorder, so that ranges may be recorded from here
 // on; the switch is all off until the manager sends one.
 func newWorker(set workerSettings) (*worker, error) {
-	w := &worker{set: set, log: newLogger(set.LogLevel, "libtaskd-worker"), cbs: newCallbacks()}
+	w := &worker{set: set, log: newLogger(set.LogLevel, "libtaskd-worker"), cbs: newCallbacks(), stop: newStopTrack()}
 	if err := w.taskdConfig().Validate(); err != nil {
 		return nil, &configError{Config: "worker", Msg: err.Error()}
 	}
@@ -86,7 +97,7 @@ func (w *worker) taskdConfig() taskd.WorkerConfig {
 		OnSwitch: w.applySwitch, Logger: w.log,
 	}
 	if w.cbs.anyRecovery() {
-		cfg.Trainer = trainer{cbs: w.cbs}
+		cfg.Trainer = trainer{cbs: w.cbs, stop: w.stop}
 	}
 	return cfg
 }
@@ -201,6 +212,9 @@ func (w *worker) close() error {
 	w.closed = true
 	tw, src, ager := w.tw, w.markers, w.ager
 	w.mu.Unlock()
+	if tw != nil && w.trained {
+		w.stop.wait(stopCallWait, stopAckGrace)
+	}
 	// Run of each part returns when the context ends; Close then releases
 	// it. The recorder goes last so that it takes the marker source's last
 	// records.
