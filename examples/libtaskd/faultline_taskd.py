@@ -111,7 +111,7 @@ class _State:
     def __init__(self):
         self.lock = threading.Lock()
         self.lib = None
-        self.pid = os.getpid()
+        self.forked = False
         self.worker = 0
         self.manager = 0
         self.proxy = 0
@@ -123,12 +123,13 @@ _state = _State()
 
 
 def _forked():
-    # The child of a fork has none of the library's threads: forget the
-    # handles so that every call is a no-op there.
-    _state.pid = os.getpid()
+    # The child of a fork has none of the library's threads, so its Go
+    # runtime cannot run: forget the handles and never call in again.
+    _state.forked = True
     _state.worker = _state.manager = _state.proxy = 0
     _state.lib = None
     _state.callbacks = {}
+    _state.lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -146,6 +147,8 @@ def _library_path():
 
 
 def _load():
+    if _state.forked:
+        raise TaskdError(-4, "libtaskd cannot be used in a forked child")
     if _state.lib is not None:
         return _state.lib
     lib = ctypes.CDLL(_library_path())
@@ -189,7 +192,8 @@ def _check(lib, code):
 
 def _ok(fn, *args):
     """Runs fn under the lock, turning a TaskdError or a load failure into False."""
-    if _state.pid != os.getpid():
+    if _state.forked:
+        _state.last_error = "libtaskd cannot be used in a forked child"
         return False
     with _state.lock:
         try:
@@ -600,7 +604,7 @@ def proxy_address():
 
 @atexit.register
 def _shutdown():
-    if _state.pid != os.getpid():
+    if _state.forked:
         return
     destroy_taskd_worker()
     destroy_taskd_proxy()

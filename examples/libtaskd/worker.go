@@ -210,9 +210,9 @@ func (w *worker) close() error {
 		return nil
 	}
 	w.closed = true
-	tw, src, ager := w.tw, w.markers, w.ager
+	tw, src, ager, trained := w.tw, w.markers, w.ager, w.trained
 	w.mu.Unlock()
-	if tw != nil && w.trained {
+	if trained {
 		w.stop.wait(stopCallWait, stopAckGrace)
 	}
 	// Run of each part returns when the context ends; Close then releases

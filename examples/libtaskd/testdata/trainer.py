@@ -153,6 +153,15 @@ def mode_errors():
         fail("late pause callback: " + taskd.last_error())
     if not taskd.register_profiling_switch_callback(print):
         fail("profiling switch callback after start: " + taskd.last_error())
+    with taskd.span("forward"):
+        pid = os.fork()
+        if pid == 0:  # a DataLoader worker: everything is a no-op
+            ok = (taskd.range_start("step 1") == 0 and not taskd.init_taskd_worker(1, 100)
+                  and "forked" in taskd.last_error() and not taskd.start_taskd_worker())
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            fail("the forked child used the library")
     lib = ctypes.CDLL(os.environ["FAULTLINE_LIBTASKD"])
     lib.taskd_destroy.argtypes = [ctypes.c_size_t]
     lib.taskd_last_error.restype = ctypes.c_char_p
