@@ -275,7 +275,7 @@ def range_start(name, domain="default"):
     lib, h = _state.lib, _state.worker
     if not h:
         return 0
-    r = lib.taskd_range_start(h, name.encode(), domain.encode())
+    r = lib.taskd_range_start(h, name.encode(), None if domain == "default" else domain.encode())
     if r < 0:
         if r == _EHANDLE:  # destroyed meanwhile by another thread
             return 0
@@ -298,7 +298,7 @@ def mark(name, domain="default"):
     lib, h = _state.lib, _state.worker
     if not h:
         return
-    r = lib.taskd_mark(h, name.encode(), domain.encode())
+    r = lib.taskd_mark(h, name.encode(), None if domain == "default" else domain.encode())
     if r < 0 and r != _EHANDLE:
         raise ValueError(str(_error(lib, r)))
 
