@@ -50,7 +50,7 @@
 // # Example
 //
 //	src, err := npu.OpenMarkers(npu.MarkerConfig{
-//		Sink:   func(r *trace.Record) { recorder.Raw(r) },
+//		Sink:   func(r *trace.Record) { recorder.Record(r) },
 //		Switch: sw,
 //	})
 //	if errors.Is(err, npu.ErrNoDevice) || errors.Is(err, npu.ErrUnsupported) {
