@@ -37,6 +37,8 @@ func (e Event) String() string {
 type Config struct {
 	// StepTime is how long a step takes (default 10 ms).
 	StepTime time.Duration
+	// SwitchTime is how long a link switch takes (default 0).
+	SwitchTime time.Duration
 	// Strategies are the recovery strategies the trainer reports (default
 	// taskd.AllStrategies).
 	Strategies []taskd.Strategy
@@ -51,7 +53,7 @@ type Config struct {
 	// trainer holds none and cannot load a given step.
 	Load func(ctx context.Context, step int64) (int64, error)
 	// OnEvent, when set, sees every event, in order, from the loop's
-	// goroutine or a taskd.Trainer call's.
+	// goroutine or a taskd.Trainer call's. It must not call the Trainer.
 	OnEvent func(Event)
 }
 
@@ -323,8 +325,16 @@ func (t *Trainer) RetryStep(ctx context.Context) error {
 	return nil
 }
 
-// SwitchLink records l.Target for each of l.Devices.
-func (t *Trainer) SwitchLink(_ context.Context, l taskd.LinkRequest) error {
+// SwitchLink takes SwitchTime and records l.Target for each of
+// l.Devices.
+func (t *Trainer) SwitchLink(ctx context.Context, l taskd.LinkRequest) error {
+	if t.cfg.SwitchTime > 0 {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(t.cfg.SwitchTime):
+		}
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if err := t.injected("SwitchLink"); err != nil {

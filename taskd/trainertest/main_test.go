@@ -1,0 +1,18 @@
+package trainertest_test
+
+import (
+	"os"
+	"testing"
+
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) {
+	if role := os.Getenv(childRoleEnv); role != "" {
+		os.Exit(runChild(role))
+	}
+	goleak.VerifyTestMain(m)
+}
+
+// heavy reports whether the heavier variants run (TASKD_HEAVY=1).
+func heavy() bool { return os.Getenv("TASKD_HEAVY") != "" }

@@ -1,0 +1,191 @@
+package trainertest_test
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/faultline-ml/faultline/taskd"
+)
+
+func recoveryTimeouts() taskd.Timeouts {
+	return taskd.Timeouts{Pause: 5 * time.Second, Notify: 5 * time.Second, Decide: 5 * time.Second, Retry: 5 * time.Second,
+		Restart: 30 * time.Second, Replace: 30 * time.Second, Load: 10 * time.Second, Resume: 10 * time.Second,
+		Dump: 10 * time.Second, Exit: 5 * time.Second, Switch: 10 * time.Second, Stress: 10 * time.Second}
+}
+
+// TestRecovery runs a job of real processes on loopback, 2 nodes of 4
+// ranks (4 of 8 with TASKD_HEAVY=1), breaks it in each way recovery
+// handles, and checks the states each orchestration went through, how it
+// ended, and that the ranks lost no step beyond the newest intact
+// checkpoint.
+func TestRecovery(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a job of real processes")
+	}
+	cfg := jobConfig{nodes: 2, ppn: 4, stepTime: 20 * time.Millisecond, switchTime: 300 * time.Millisecond, saveEvery: 5, hangAfter: time.Second, timeouts: recoveryTimeouts()}
+	if heavy() {
+		cfg.nodes, cfg.ppn = 4, 8
+	}
+	j := startJob(t, cfg)
+	last := cfg.ppn + 1 // a rank of node 1
+	inPlace := []taskd.State{taskd.StateStopping, taskd.StateNotifying, taskd.StateDeciding, taskd.StateRestarting, taskd.StateLoading, taskd.StateResuming, taskd.StateRecovered}
+
+	t.Run("SIGKILL: the rank restarts in place and every rank resumes from the newest intact checkpoint", func(t *testing.T) {
+		j.t = t
+		time.Sleep(500 * time.Millisecond) // some steps and saves
+		from, committed := j.marks(), j.committed()
+		j.signal(last, syscall.SIGKILL)
+		rec := j.next(taskd.KindRecovery)
+		wantStates(t, rec, inPlace...)
+		if rec.Strategy != taskd.StrategyRecoverInPlace || !slices.Equal(rec.FaultyRanks, []int{last}) || rec.Round != 1 {
+			t.Fatalf("recovery: %+v", rec)
+		}
+		j.checkResumed(rec, from, committed, j.lastSaveBefore(last, from[last], "event start"))
+		if rec.Detected <= 0 || rec.Stopped < rec.Detected || rec.Resumed < rec.Stopped {
+			t.Fatalf("figures: detected %v, stopped %v, resumed %v", rec.Detected, rec.Stopped, rec.Resumed)
+		}
+		t.Logf("fault -> detected %v, stopped %v, resumed %v (step %d)", rec.Detected, rec.Stopped, rec.Resumed, rec.ResumedStep)
+	})
+
+	t.Run("hang: the detector's verdict restarts the hung rank", func(t *testing.T) {
+		j.t = t
+		from, committed := j.marks(), j.committed()
+		j.signal(2, syscall.SIGUSR1)
+		rec := j.next(taskd.KindRecovery)
+		wantStates(t, rec, inPlace...)
+		if rec.Faults[0].Kind != taskd.FaultHang || !slices.Equal(rec.FaultyRanks, []int{2}) {
+			t.Fatalf("recovery: %+v", rec)
+		}
+		j.checkResumed(rec, from, committed, j.lastSaveBefore(2, from[2], "event hang"))
+	})
+
+	t.Run("op error: every rank retries the step, nothing restarts", func(t *testing.T) {
+		j.t = t
+		from := j.marks()
+		j.signal(1, syscall.SIGHUP)
+		rec := j.next(taskd.KindRecovery)
+		wantStates(t, rec, taskd.StateStopping, taskd.StateNotifying, taskd.StateRetrying, taskd.StateResuming, taskd.StateRecovered)
+		if rec.ResumedStep != -1 || rec.Strategy != taskd.StrategyRetry {
+			t.Fatalf("recovery: %+v", rec)
+		}
+		for r, l := range j.out {
+			for _, line := range l.from(from[r]) {
+				if strings.HasPrefix(line, "event start") {
+					t.Fatalf("rank %d restarted: %q", r, l.from(from[r]))
+				}
+			}
+			pause := l.wait(t, from[r], "event pause", 10*time.Second)
+			_, paused, _, _ := event(l.from(pause)[0])
+			resume := l.wait(t, pause, "event resume", 10*time.Second)
+			if _, step, _, _ := event(l.from(resume)[0]); step != paused {
+				t.Fatalf("rank %d paused after step %d and resumed after %d", r, paused, step)
+			}
+		}
+	})
+
+	t.Run("a link switch that fails on one rank hands over to recovery, which replaces the node", func(t *testing.T) {
+		j.t = t
+		from, committed := j.marks(), j.committed()
+		j.signal(last, syscall.SIGUSR2)
+		sw, err := j.m.SwitchLink(context.Background(), taskd.LinkRequest{Node: 1, Devices: []int{0, 1}, Target: taskd.LinkStandby})
+		if !errors.Is(err, taskd.ErrOrchestrationFailed) {
+			t.Fatalf("switch: %v", err)
+		}
+		wantStates(t, sw, taskd.StatePausing, taskd.StateSwitching, taskd.StateFailed)
+		rec := j.next(taskd.KindRecovery)
+		wantStates(t, rec, taskd.StateStopping, taskd.StateNotifying, taskd.StateDeciding, taskd.StateReplacing, taskd.StateLoading, taskd.StateResuming, taskd.StateRecovered)
+		if rec.HandedOverFrom != sw.ID || sw.HandedOverTo != rec.ID || rec.Faults[0].Kind != taskd.FaultLink || !slices.Equal(rec.FaultyRanks, []int{last}) {
+			t.Fatalf("handover: %+v\n%+v", sw, rec)
+		}
+		if st := j.m.Orchestrations(0); len(st.Links) != 0 {
+			t.Fatalf("links after a failed switch: %+v", st.Links)
+		}
+		j.checkResumed(rec, from, committed, j.lastSaveBefore(last, from[last], "event switch-link"))
+		// Every rank of node 1 was replaced.
+		for r := cfg.ppn; r < 2*cfg.ppn; r++ {
+			j.out[r].wait(t, from[r], "event start", 10*time.Second)
+		}
+	})
+
+	t.Run("a link switch and its switchback", func(t *testing.T) {
+		j.t = t
+		ctx := context.Background()
+		sw, err := j.m.SwitchLink(ctx, taskd.LinkRequest{Node: 1, Devices: []int{0, 1}, Target: taskd.LinkStandby})
+		if err != nil {
+			t.Fatal(err)
+		}
+		wantStates(t, sw, taskd.StatePausing, taskd.StateSwitching, taskd.StateContinuing, taskd.StateSwitched)
+		if st := j.m.Orchestrations(0); len(st.Links) != 2 {
+			t.Fatalf("links: %+v", st.Links)
+		}
+		if _, err := j.m.SwitchLink(ctx, taskd.LinkRequest{Node: 1, Devices: []int{0, 1}, Target: taskd.LinkPrimary}); err != nil {
+			t.Fatal(err)
+		}
+		if st := j.m.Orchestrations(0); len(st.Links) != 0 {
+			t.Fatalf("links after the switchback: %+v", st.Links)
+		}
+	})
+
+	t.Run("a fault during recovery starts another round", func(t *testing.T) {
+		j.t = t
+		from, committed := j.marks(), j.committed()
+		second := cfg.ppn + 2
+		killed := make(chan struct{})
+		go func() {
+			defer close(killed)
+			for tr := range j.trans {
+				if tr.t.To == taskd.StateRestarting {
+					j.signal(second, syscall.SIGKILL)
+					return
+				}
+			}
+		}()
+		j.signal(0, syscall.SIGKILL)
+		<-killed
+		rec := j.next(taskd.KindRecovery)
+		if rec.State != taskd.StateRecovered || rec.Round < 2 || !slices.Equal(rec.FaultyRanks, []int{0, second}) {
+			t.Fatalf("recovery: %+v", rec)
+		}
+		j.checkResumed(rec, from, committed, max(j.lastSaveBefore(0, from[0], "event start"), j.lastSaveBefore(second, from[second], "event start")))
+	})
+
+	t.Run("a second fault during a link switch: the switch ends its step and hands over", func(t *testing.T) {
+		j.t = t
+		from, committed := j.marks(), j.committed()
+		killed := make(chan struct{})
+		go func() {
+			defer close(killed)
+			for tr := range j.trans {
+				if tr.t.To == taskd.StateSwitching {
+					j.signal(last, syscall.SIGKILL) // node 1, not switching
+					return
+				}
+			}
+		}()
+		sw, err := j.m.SwitchLink(context.Background(), taskd.LinkRequest{Node: 0, Devices: []int{3}, Target: taskd.LinkStandby})
+		<-killed
+		if !errors.Is(err, taskd.ErrOrchestrationFailed) {
+			t.Fatalf("switch: %v", err)
+		}
+		wantStates(t, sw, taskd.StatePausing, taskd.StateSwitching, taskd.StateFailed)
+		rec := j.next(taskd.KindRecovery)
+		wantStates(t, rec, inPlace...)
+		if rec.HandedOverFrom != sw.ID || !slices.Equal(rec.FaultyRanks, []int{last}) {
+			t.Fatalf("recovery: %+v", rec)
+		}
+		j.checkResumed(rec, from, committed, j.lastSaveBefore(last, from[last], "event start"))
+	})
+
+	st := j.m.Orchestrations(0)
+	if st.Current != nil {
+		t.Fatalf("still running: %+v", st.Current)
+	}
+	for _, o := range st.History {
+		t.Logf("#%d %s %s round %d strategy %s: detected %v stopped %v resumed %v", o.ID, o.Kind, o.State, o.Round, o.Strategy, o.Detected, o.Stopped, o.Resumed)
+	}
+}
