@@ -3,8 +3,11 @@ package taskd_test
 import (
 	"context"
 	"fmt"
+	"sync"
+	"time"
 
 	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/taskd/trainertest"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -67,4 +70,50 @@ func ExampleHandler() {
 	w.Close()
 	m.Close()
 	// Output: 1 process_exit node 1 rank 9 137 trainer killed
+}
+
+// With orchestration on, a link switch pauses the job, moves the links of
+// a node's devices to the standby and continues; the switchback takes the
+// same path to the primary. Each worker's Trainer (here a fake one) does
+// the pausing and switching.
+func ExampleManager_SwitchLink() {
+	sec := taskd.Security{Insecure: true}
+	m, err := taskd.NewManager(taskd.ManagerConfig{Job: "job-1", Listen: "127.0.0.1:0", Security: sec, Orchestration: &taskd.OrchestrationConfig{}})
+	if err != nil {
+		panic(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	start := func(run func(context.Context) error) {
+		wg.Add(1)
+		go func() { defer wg.Done(); run(ctx) }()
+	}
+	start(m.Run)
+	var trainers []*trainertest.Trainer
+	for rank := range 2 {
+		tr := trainertest.New(trainertest.Config{StepTime: time.Millisecond})
+		w, err := taskd.NewWorker(taskd.WorkerConfig{Job: "job-1", Node: 0, Rank: rank, Upstream: m.Addr().String(), Security: sec, Trainer: tr})
+		if err != nil {
+			panic(err)
+		}
+		start(w.Run)
+		start(tr.Run)
+		trainers = append(trainers, tr)
+	}
+	for _, tr := range trainers {
+		for !tr.Running() { // started by its worker once registered
+			time.Sleep(time.Millisecond)
+		}
+	}
+
+	o, err := m.SwitchLink(ctx, taskd.LinkRequest{Node: 0, Devices: []int{0, 1}, Target: taskd.LinkStandby})
+	fmt.Println(o.States(), err, trainers[1].Links())
+	o, err = m.SwitchLink(ctx, taskd.LinkRequest{Node: 0, Devices: []int{0, 1}, Target: taskd.LinkPrimary})
+	fmt.Println(o.Kind, o.State, err, len(m.Orchestrations(0).Links))
+
+	cancel()
+	wg.Wait()
+	// Output:
+	// [pausing switching continuing switched] <nil> map[0:standby 1:standby]
+	// switchback switched <nil> 0
 }

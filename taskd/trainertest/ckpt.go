@@ -93,7 +93,7 @@ func (c *CkptState) Load(_ context.Context, step int64) (int64, error) {
 			return decodeState(ck)
 		}
 		if step >= 0 {
-			return -1, fmt.Errorf("trainertest: step %d of shard %d neither in %s (%v) nor on disk: %w", step, c.Shard, c.Path, err, derr)
+			return -1, fmt.Errorf("trainertest: step %d of shard %d: %w in %s (%v) nor on disk (%v)", step, c.Shard, ckpt.ErrNoStep, c.Path, err, derr)
 		}
 	}
 	if step < 0 {
