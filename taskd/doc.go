@@ -44,6 +44,61 @@
 //   - Handlers. Named handlers with priorities (profiling, recovery, NIC
 //     switch, ...) run on every Event, so orchestration lands without
 //     touching the transport.
+//   - Orchestration (ManagerConfig.Orchestration): online recovery from
+//     the faults taken in, link failover and switchback, and online stress
+//     tests; see below.
+//
+// # Orchestration
+//
+// With ManagerConfig.Orchestration set, a fault of a trigger kind (process
+// exit, lost heartbeat, hang verdict, op error) on a rank starts a
+// recovery, which keeps the job alive instead of restarting it:
+//
+//	stopping    pause every live rank (the dead ones are left out)
+//	notifying   tell every rank the faults; each answers the strategies it supports
+//	retrying    retry: every rank runs the step again (op errors only)
+//	deciding    ask the rescheduling Policy how far a repair must go
+//	restarting  recover-in-place: the Executor restarts the faulty processes
+//	replacing   recover: the Executor replaces the processes of their pods or nodes
+//	loading     Checkpoints readies the newest intact step
+//	resuming    every rank resumes, from that step
+//	dumping     dump: Checkpoints persists the newest intact step
+//	exiting     exit: every rank stops
+//
+// ending recovered or exited. Strategies are tried cheapest first (retry,
+// recover-in-place, recover, dump, exit); one is skipped when it does not
+// apply, a rank does not support it, the policy's decision rules it out or
+// it failed. A rank that does not pause, answer or resume in time becomes
+// faulty too; a fault that arrives during a repair or a resume starts
+// another round (at most MaxRounds). A restarted process registers again
+// while the job is held: it does not start training until the recovery
+// resumes every rank together. Its predecessor is evicted first, so that
+// it takes the rank at once, and a fault older than the restart is
+// ignored.
+//
+// SwitchLink moves a node's device links to the standby ("borrowing a
+// track") or back: pausing, switching (the node's workers), continuing,
+// ending switched; a rank that fails to switch, a timeout or a fault
+// hands over to a recovery (the switch ends failed). StressTest takes the
+// same path (pausing, testing, continuing, passed). A request is refused
+// (ErrBusy) while another orchestration runs: there is never more than
+// one.
+//
+// Every state has a timeout (Timeouts). Every transition is logged,
+// counted (faultline_taskd_orchestration_transitions_total), traced (one
+// span per orchestration, an event per transition) and kept: Orchestrations
+// and the Admin service's GetOrchestration return the one running and the
+// history, each with its transitions, faults and the figures it measured:
+// the time from the first fault to its detection, to training paused and
+// to training resumed (faultline_taskd_orchestration_phase_seconds).
+//
+// The state machines are pure (no I/O, no clock; tested step by step,
+// exhaustively over short input sequences and randomly over long ones);
+// the manager performs what they ask over Broadcast, the rescheduling
+// Executor and Checkpoints. Package trainertest has a fake Trainer and, in
+// its tests, a job of real processes on loopback broken each way (SIGKILL,
+// hang, op error, failed switch, faults during a recovery and a switch)
+// and the recovery benchmark.
 //
 // # Trainer
 //
@@ -75,7 +130,8 @@
 //
 // Observability is injected: a prometheus.Registerer (metrics named
 // faultline_taskd_*), an OpenTelemetry TracerProvider (spans on switch
-// fan-out and collection) and a *slog.Logger; nil means off.
+// fan-out, collection and orchestration) and a *slog.Logger; nil means
+// off.
 //
 // The pure parts (liveness registry, switch tracker, fault log) take the
 // time from their caller and are tested deterministically. The package's
@@ -85,6 +141,10 @@
 //
 // The wire protocol lives in internal/taskdpb (taskd.proto); see its
 // package doc for regenerating it.
+//
+// TASKD_HEAVY=1 also deepens the exhaustive test of the orchestration core
+// and lengthens its random one, and makes trainertest's job of real
+// processes 32 workers.
 //
 // A minimal job on one machine:
 //

@@ -20,7 +20,7 @@ const (
 	FaultHang        FaultKind = "hang"         // a kernel or collective exceeded its timeout
 	FaultSlowNode    FaultKind = "slow_node"    // a slow-node verdict for the position
 	FaultLink        FaultKind = "link"         // a network link or NIC is down or degraded
-	FaultLost        FaultKind = "lost"         // raised by the manager: heartbeats stopped
+	FaultLost        FaultKind = "lost"         // raised by the manager: heartbeats stopped; Time is the last one
 	FaultStressTest  FaultKind = "stress_test"  // an online stress test found the rank's devices failing
 )
 

@@ -92,7 +92,7 @@ func newOrchestrator(m *Manager, cfg OrchestrationConfig) (*orchestrator, error)
 	return &orchestrator{
 		m:         m,
 		cfg:       cfg,
-		log:       m.log.With("component", "taskd-orchestration"),
+		log:       m.log,
 		tracer:    m.tracer,
 		met:       newOrchMetrics(m.cfg.Registerer),
 		policy:    policy,
@@ -225,7 +225,7 @@ func (o *orchestrator) observe(trans []transitionEvent) {
 		if span != nil {
 			span.AddEvent(string(t.To), oteltrace.WithTimestamp(t.Time), oteltrace.WithAttributes(attribute.String("from", string(t.From)), attribute.String("reason", t.Reason)))
 		}
-		if t.From == StatePausing || t.From == StateStopping && rec.Round == 1 {
+		if t.From == StatePausing || (t.From == StateStopping && rec.Round == 1) {
 			o.met.phase.WithLabelValues(kind, "stopped").Observe(rec.Stopped.Seconds())
 		}
 		switch {

@@ -26,7 +26,8 @@ type Trainer interface {
 	// Pausing a paused trainer returns at once.
 	Pause(ctx context.Context) (step int64, err error)
 	// Resume starts or continues the step loop, first loading r.Step when
-	// it is not -1.
+	// it is not -1. Resuming a running trainer with Step -1 changes
+	// nothing.
 	Resume(ctx context.Context, r ResumeRequest) error
 	// Strategies says which recovery strategies the trainer supports now,
 	// given the job's faults. The trainer is paused.

@@ -4,13 +4,21 @@
 // switch out to every worker.
 //
 //	taskd-manager --listen :9601 --job ID --nodes N --procs-per-node P \
-//	    [--switch-file F] [--tls-dir D] [--state-dir S] [--collect-dir C]
+//	    [--switch-file F] [--tls-dir D] [--state-dir S] [--collect-dir C] \
+//	    [--orchestrate [--pause-timeout D]]
 //
 // --tls-dir holds ca.crt, tls.crt and tls.key (a Kubernetes TLS secret);
 // without it --insecure must be given. The shared token is read from
 // --token-file or TASKD_TOKEN. --switch-file follows a profilingSwitch file
 // such as a mounted ConfigMap; the switch can also be changed through the
 // TrainingDataTrace gRPC service on the same port.
+//
+// --orchestrate turns on online recovery, link switches and stress tests
+// (the Admin service's SwitchLink, StressTest and GetOrchestration) for
+// workers with a trainer. This command has no executor and no checkpoint
+// store, so its recoveries retry a step or stop the job; an embedder that
+// can restart processes builds the manager with its own
+// taskd.OrchestrationConfig.
 package main
 
 import (
@@ -42,19 +50,21 @@ func main() {
 
 func run() error {
 	var (
-		listen     = flag.String("listen", taskd.DefaultManagerAddr, "address to serve the job on")
-		job        = flag.String("job", os.Getenv("MINDX_TASK_ID"), "job identifier (default $MINDX_TASK_ID)")
-		nodes      = flag.Int("nodes", 0, "number of nodes in the job (0: unknown)")
-		ppn        = flag.Int("procs-per-node", 0, "training processes per node (0: unknown)")
-		switchFile = flag.String("switch-file", "", "profilingSwitch file to follow, e.g. "+trace.DefaultSwitchPath)
-		tlsDir     = flag.String("tls-dir", "", "directory with ca.crt, tls.crt and tls.key for mutual TLS")
-		tokenFile  = flag.String("token-file", "", "file holding the shared token (default $TASKD_TOKEN)")
-		plaintext  = flag.Bool("insecure", false, "allow plaintext connections (no TLS)")
-		stateDir   = flag.String("state-dir", "", "directory keeping the fault log and switch across restarts")
-		collectDir = flag.String("collect-dir", "", "directory receiving collected dotting and stack files")
-		metrics    = flag.String("metrics-listen", "", "address to serve Prometheus metrics on (/metrics)")
-		interval   = flag.Duration("heartbeat-interval", taskd.DefaultHeartbeatInterval, "how often members send heartbeats")
-		deadline   = flag.Duration("heartbeat-deadline", taskd.DefaultHeartbeatDeadline, "silence after which a member is lost")
+		listen      = flag.String("listen", taskd.DefaultManagerAddr, "address to serve the job on")
+		job         = flag.String("job", os.Getenv("MINDX_TASK_ID"), "job identifier (default $MINDX_TASK_ID)")
+		nodes       = flag.Int("nodes", 0, "number of nodes in the job (0: unknown)")
+		ppn         = flag.Int("procs-per-node", 0, "training processes per node (0: unknown)")
+		switchFile  = flag.String("switch-file", "", "profilingSwitch file to follow, e.g. "+trace.DefaultSwitchPath)
+		tlsDir      = flag.String("tls-dir", "", "directory with ca.crt, tls.crt and tls.key for mutual TLS")
+		tokenFile   = flag.String("token-file", "", "file holding the shared token (default $TASKD_TOKEN)")
+		plaintext   = flag.Bool("insecure", false, "allow plaintext connections (no TLS)")
+		stateDir    = flag.String("state-dir", "", "directory keeping the fault log and switch across restarts")
+		collectDir  = flag.String("collect-dir", "", "directory receiving collected dotting and stack files")
+		metrics     = flag.String("metrics-listen", "", "address to serve Prometheus metrics on (/metrics)")
+		interval    = flag.Duration("heartbeat-interval", taskd.DefaultHeartbeatInterval, "how often members send heartbeats")
+		deadline    = flag.Duration("heartbeat-deadline", taskd.DefaultHeartbeatDeadline, "silence after which a member is lost")
+		orchestrate = flag.Bool("orchestrate", false, "recover from faults online, and serve link switches and stress tests")
+		pause       = flag.Duration("pause-timeout", 0, "how long orchestration waits for every rank to pause (default 30s)")
 	)
 	flag.Parse()
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
@@ -68,6 +78,9 @@ func run() error {
 		HeartbeatInterval: *interval, HeartbeatDeadline: *deadline,
 		StateDir: *stateDir, CollectDir: *collectDir,
 		Registerer: reg, Logger: log,
+	}
+	if *orchestrate {
+		cfg.Orchestration = &taskd.OrchestrationConfig{Timeouts: taskd.Timeouts{Pause: *pause}}
 	}
 	if *switchFile != "" {
 		cfg.SwitchSource = taskd.SwitchFile(trace.SwitchWatcherConfig{Path: *switchFile, Registerer: reg, Logger: log})

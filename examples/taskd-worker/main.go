@@ -2,17 +2,24 @@
 // control plane, for tests and the demo: it registers a rank, prints each
 // profiling switch it is sent, and reports what it reads on stdin.
 //
-//	taskd-worker --upstream 127.0.0.1:9602 --job ID --node N --rank R [--tls-dir D]
+//	taskd-worker --upstream 127.0.0.1:9602 --job ID --node N --rank R [--tls-dir D] [--fake-trainer [--step-time D]]
+//
+// --fake-trainer runs a fake training loop (taskd/trainertest) that the
+// manager's orchestration pauses, retries, switches and resumes; it prints
+// "event KIND STEP [DETAIL]" for what it does.
 //
 // Stdin lines:
 //
 //	fault KIND [MESSAGE...]   report a fault (process_exit, op_error, hang, ...)
 //	msg KIND [PAYLOAD...]     send an application message to the manager
+//	hang                      hang the fake trainer's step loop
+//	fail METHOD               make the fake trainer's next METHOD call fail (SwitchLink, StressTest, ...)
 package main
 
 import (
 	"bufio"
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -21,8 +28,10 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/taskd/trainertest"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -44,6 +53,8 @@ func run() error {
 		tlsDir    = flag.String("tls-dir", "", "directory with ca.crt, tls.crt and tls.key for mutual TLS")
 		tokenFile = flag.String("token-file", "", "file holding the shared token (default $TASKD_TOKEN)")
 		plaintext = flag.Bool("insecure", false, "allow plaintext connections (no TLS)")
+		fake      = flag.Bool("fake-trainer", false, "run a fake training loop that orchestration controls")
+		stepTime  = flag.Duration("step-time", 100*time.Millisecond, "how long a step of the fake trainer takes")
 	)
 	flag.Parse()
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
@@ -60,8 +71,15 @@ func run() error {
 		}
 		sec.Token = strings.TrimSpace(string(b))
 	}
+	var tr *trainertest.Trainer
+	var trainer taskd.Trainer
+	if *fake {
+		tr = trainertest.New(trainertest.Config{StepTime: *stepTime, OnEvent: func(e trainertest.Event) { fmt.Println("event", e) }})
+		trainer = tr
+	}
 	w, err := taskd.NewWorker(taskd.WorkerConfig{
-		Job: *job, Node: *nodeRank, Rank: *procRank, Upstream: *upstream, Security: sec, Logger: log,
+		Trainer: trainer,
+		Job:     *job, Node: *nodeRank, Rank: *procRank, Upstream: *upstream, Security: sec, Logger: log,
 		OnSwitch: func(sw trace.Switch) error {
 			fmt.Println("switch", sw)
 			return nil
@@ -80,6 +98,10 @@ func run() error {
 		sc := bufio.NewScanner(os.Stdin)
 		for sc.Scan() {
 			f := strings.Fields(sc.Text())
+			if len(f) == 1 && f[0] == "hang" && tr != nil {
+				tr.Hang()
+				continue
+			}
 			if len(f) < 2 {
 				continue
 			}
@@ -90,6 +112,12 @@ func run() error {
 				err = w.ReportFault(taskd.Fault{Kind: taskd.FaultKind(f[1]), Message: rest})
 			case "msg":
 				err = w.Send(f[1], []byte(rest))
+			case "fail":
+				if tr == nil {
+					err = errors.New("no fake trainer")
+					break
+				}
+				tr.FailNext(f[1], fmt.Errorf("%s failed on request", f[1]))
 			default:
 				err = fmt.Errorf("unknown command %q", f[0])
 			}
@@ -98,5 +126,10 @@ func run() error {
 			}
 		}
 	}()
-	return w.Run(ctx)
+	if tr == nil {
+		return w.Run(ctx)
+	}
+	go w.Run(ctx)
+	defer w.Close()
+	return tr.Run(ctx) // until the manager stops the job, or a signal
 }
