@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
@@ -23,6 +25,8 @@ import (
 // and whose executor restarts a worker by replacing it with a new one.
 type trainerJob struct {
 	*cluster
+	reg      *prometheus.Registry
+	spans    *tracetest.SpanRecorder
 	mu       sync.Mutex
 	trainers map[int]*callTrainerRecorder
 	restarts map[int]int
@@ -31,10 +35,12 @@ type trainerJob struct {
 }
 
 func newTrainerJob(t *testing.T, nodes, ppn int, oc OrchestrationConfig) *trainerJob {
-	j := &trainerJob{trainers: map[int]*callTrainerRecorder{}, restarts: map[int]int{}, trans: make(chan Transition, 1024), ppn: ppn}
+	j := &trainerJob{trainers: map[int]*callTrainerRecorder{}, restarts: map[int]int{}, trans: make(chan Transition, 1024), ppn: ppn,
+		reg: prometheus.NewRegistry(), spans: tracetest.NewSpanRecorder()}
 	oc.Executor = j
 	oc.OnTransition = func(_ Orchestration, tr Transition) { j.trans <- tr }
-	j.cluster = newCluster(t, insecureSec(), ManagerConfig{Orchestration: &oc, Registerer: prometheus.NewRegistry()})
+	j.cluster = newCluster(t, insecureSec(), ManagerConfig{Orchestration: &oc, Registerer: j.reg,
+		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(j.spans))})
 	for n := range nodes {
 		j.addProxy(n)
 	}
@@ -238,5 +244,31 @@ func TestOrchestrationInProcess(t *testing.T) {
 	bad, _ := admin.SwitchLink(ctx, &pb.SwitchLinkReq{JobNsName: j.job, Link: &pb.LinkRequest{Node: 0, Target: "sideways"}})
 	if bad.GetCode() != pb.Code_CODE_BAD_PARAMETER {
 		t.Fatalf("bad switch: %v", bad)
+	}
+
+	// Counted and traced.
+	wantMetrics := map[string]float64{
+		`faultline_taskd_orchestrations_total{kind="recovery",state="recovered"}`:                          3,
+		`faultline_taskd_orchestrations_total{kind="link-switch",state="failed"}`:                          1,
+		`faultline_taskd_orchestration_transitions_total{from="deciding",kind="recovery",to="restarting"}`: 1,
+		`faultline_taskd_orchestration_phase_seconds{kind="recovery",phase="resumed"}_count`:               3,
+		`faultline_taskd_orchestration_phase_seconds{kind="recovery",phase="detected"}_count`:              3,
+		`faultline_taskd_orchestration_running{kind="recovery"}`:                                           0,
+	}
+	metrics := gathered(t, j.reg)
+	for k, v := range wantMetrics {
+		if metrics[k] != v {
+			t.Errorf("%s = %v, want %v", k, metrics[k], v)
+		}
+	}
+	var runs, events int
+	for _, sp := range j.spans.Ended() {
+		if sp.Name() == "taskd.orchestration" {
+			runs++
+			events += len(sp.Events())
+		}
+	}
+	if runs != len(st.History)+1 || events < 20 {
+		t.Errorf("%d orchestration spans with %d events, want %d", runs, events, len(st.History)+1)
 	}
 }
