@@ -7,7 +7,8 @@
 // directly), send upward by unary call and receive downward on a server
 // stream. Every position is claimed by one live instance: a second process
 // claiming a live rank is refused (ErrRankTaken), while a process that
-// restarted takes its rank back once the old one is declared lost.
+// restarted takes its rank back once the old one is declared lost, or at
+// once when a recovery restarted it (the old instance is evicted).
 //
 // What the manager does:
 //
