@@ -3,20 +3,23 @@ package ckpt
 import (
 	"context"
 	"fmt"
+	"hash/crc32"
 	"os"
 	"path/filepath"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 )
 
-// The benchmarks save, load and persist benchSize bytes in 16 blobs:
-// 256 MiB by default, FAULTLINE_CKPT_BENCH_MIB=1024 for the 1 GiB
-// in 64 MiB blobs. Each has its baseline beside it: BenchmarkMemcpy (the
-// same bytes with copy()) and BenchmarkRawWriteFsync (the same bytes with
-// plain writes and one fsync). The disk benchmarks write under
-// FAULTLINE_CKPT_BENCH_DIR (default the test's temporary directory); a
-// tmpfs there measures persist's own cost without the disk's.
+// The benchmarks save, seal, load and persist benchSize bytes in 16
+// blobs: 256 MiB by default, FAULTLINE_CKPT_BENCH_MIB=1024 for the issue's
+// 1 GiB in 64 MiB blobs. Each has its baseline beside it: BenchmarkMemcpy
+// (the same bytes with copy()), BenchmarkCRC32C (hash/crc32 Castagnoli
+// over the same bytes, on one goroutine) and BenchmarkRawWriteFsync (the
+// same bytes with plain writes and one fsync). The disk benchmarks write
+// under FAULTLINE_CKPT_BENCH_DIR (default the test's temporary directory);
+// a tmpfs there measures persist's own cost without the disk's.
 func benchDir(b *testing.B) string {
 	if d := os.Getenv("FAULTLINE_CKPT_BENCH_DIR"); d != "" {
 		dir, err := os.MkdirTemp(d, "bench-")
@@ -80,10 +83,18 @@ func BenchmarkMemcpy(b *testing.B) {
 	}
 }
 
+func BenchmarkCRC32C(b *testing.B) {
+	crc := crcBaseline(benchBlobs(b))
+	b.SetBytes(benchSize())
+	for b.Loop() {
+		crc()
+	}
+}
+
 // paired measures a baseline beside the benchmark, iteration by
 // iteration with the timer stopped, and reports the benchmark's bandwidth
-// as a fraction of the baseline's ("x-memcpy", "x-rawwrite"): on a shared
-// machine, pairing cancels most of the load's swings.
+// as a fraction of the baseline's ("x-memcpy", "x-crc32", "x-rawwrite"):
+// on a shared machine, pairing cancels most of the load's swings.
 type paired struct {
 	name      string
 	base, run time.Duration
@@ -122,6 +133,8 @@ func memcpyBaseline(src []Blob) func() {
 	}
 }
 
+// BenchmarkSaveMemory times what blocks the trainer: the copy into shared
+// memory, over GOMAXPROCS goroutines.
 func BenchmarkSaveMemory(b *testing.B) {
 	src := benchBlobs(b)
 	_, w := benchWriter(b, "")
@@ -144,31 +157,85 @@ func BenchmarkSaveMemory(b *testing.B) {
 	p.report(b)
 }
 
-// BenchmarkLoadMemory restores into the buffers of the previous load, as a
-// trainer restores into its tensors.
+// BenchmarkLoadMemory restores a sealed step into the buffers of the
+// previous load, as a trainer restores into its tensors, checking every
+// CRC.
 func BenchmarkLoadMemory(b *testing.B) {
 	src := benchBlobs(b)
-	_, w := benchWriter(b, "")
+	o, w := benchWriter(b, "")
 	ctx := context.Background()
 	if err := w.Save(ctx, 1, src...); err != nil {
 		b.Fatal(err)
 	}
+	if err := o.Seal(ctx, 0); err != nil {
+		b.Fatal(err)
+	}
 	var ck Checkpoint
-	if err := w.LoadInto(ctx, &ck); err != nil {
+	if err := w.LoadInto(ctx, &ck); err != nil || ck.Unverified {
 		b.Fatal(err)
 	}
 	memcpy := memcpyBaseline(src)
 	p := paired{name: "x-memcpy"}
+	// The CRC bounds a verified load: its ratio to one goroutine's CRC32C
+	// says how much of the CRC's speed the load keeps.
+	q := paired{name: "x-crc32"}
 	b.SetBytes(benchSize())
 	b.ReportAllocs()
 	b.ResetTimer()
 	for b.Loop() {
 		p.baseline(b, memcpy)
+		q.baseline(b, crcBaseline(src))
 		p.timed(func() {
 			if err := w.LoadInto(ctx, &ck); err != nil {
 				b.Fatal(err)
 			}
 		})
+	}
+	q.run = p.run
+	p.report(b)
+	q.report(b)
+}
+
+// crcBaseline returns the CRC32C of src on one goroutine: the baseline of
+// what checksums.
+func crcBaseline(src []Blob) func() {
+	return func() {
+		for i := range src {
+			crc32.Checksum(src[i].Data, castagnoli)
+		}
+	}
+}
+
+// BenchmarkSeal times the owner's seal of a save: the CRC of every blob,
+// read from shared memory over GOMAXPROCS goroutines, and the stores of
+// the seal.
+func BenchmarkSeal(b *testing.B) {
+	src := benchBlobs(b)
+	o, w := benchWriter(b, "")
+	ctx := context.Background()
+	if err := w.Save(ctx, 1, src...); err != nil {
+		b.Fatal(err)
+	}
+	seg := o.segs[0]
+	i := seg.newest()[0]
+	crc := crcBaseline(src)
+	p := paired{name: "x-crc32"}
+	b.SetBytes(benchSize())
+	b.ReportAllocs()
+	for b.Loop() {
+		b.StopTimer()
+		atomic.StoreUint32(seg.u32(seg.halfBase(i)+offSeal), Unsealed) // as a new save would leave it
+		b.StartTimer()
+		p.baseline(b, crc)
+		p.timed(func() {
+			if err := o.Seal(ctx, 0); err != nil {
+				b.Fatal(err)
+			}
+		})
+	}
+	b.StopTimer()
+	if m, _ := seg.metaOK(i); !m.Sealed {
+		b.Fatal("not sealed")
 	}
 	p.report(b)
 }
@@ -177,9 +244,12 @@ func BenchmarkLoadMemory(b *testing.B) {
 // must fault in and zero.
 func BenchmarkLoadMemoryAlloc(b *testing.B) {
 	src := benchBlobs(b)
-	_, w := benchWriter(b, "")
+	o, w := benchWriter(b, "")
 	ctx := context.Background()
 	if err := w.Save(ctx, 1, src...); err != nil {
+		b.Fatal(err)
+	}
+	if err := o.Seal(ctx, 0); err != nil {
 		b.Fatal(err)
 	}
 	b.SetBytes(benchSize())
@@ -192,10 +262,11 @@ func BenchmarkLoadMemoryAlloc(b *testing.B) {
 	}
 }
 
-// BenchmarkPersist times the persist of one shard's step: data file and
-// manifest (each written, fsynced, renamed, directory fsynced), the
-// commit and the three trackers. Retention, which removes the previous
-// step, runs outside the timing, as the baseline's removal does.
+// BenchmarkPersist times the persist of one shard's sealed step: data
+// file and manifest (each written, fsynced, renamed, directory fsynced),
+// the commit and the three trackers. The seal, which Run does as soon as
+// the save is made (BenchmarkSeal), and retention, which removes the
+// previous step, run outside the timing, as the baseline's removal does.
 func BenchmarkPersist(b *testing.B) {
 	src := benchBlobs(b)
 	dir := benchDir(b)
@@ -209,6 +280,9 @@ func BenchmarkPersist(b *testing.B) {
 	for b.Loop() {
 		b.StopTimer()
 		if err := w.Save(ctx, step, src...); err != nil {
+			b.Fatal(err)
+		}
+		if err := o.Seal(ctx, 0); err != nil {
 			b.Fatal(err)
 		}
 		if step > 0 {

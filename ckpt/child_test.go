@@ -42,6 +42,8 @@ func runChild(role string) int {
 		err = childSaver()
 	case "persister":
 		err = childPersister()
+	case "sealer":
+		err = childSealer()
 	case "peer":
 		err = childPeer()
 	case "sender":
@@ -153,6 +155,35 @@ func childPersister() error {
 			}
 		}
 		if _, err := o.PersistNewest(ctx); err != nil {
+			return err
+		}
+	}
+}
+
+// childSealer is a node agent and its trainer in one process: it saves a
+// step and seals it, pausing between the stores of the seal so that a
+// kill is likely to land inside one, step after step until it is killed.
+func childSealer() error {
+	o, err := NewOwner(OwnerConfig{ShmDir: os.Getenv("FAULTLINE_CKPT_SHM"), Shards: []int{0}, Capacity: 2 << 20})
+	if err != nil {
+		return err
+	}
+	w, err := NewWriter(WriterConfig{Path: o.SegmentPath(0)})
+	if err != nil {
+		return err
+	}
+	seg := o.segs[0]
+	tb := newTestBlobs(64 << 10)
+	ctx := context.Background()
+	pause := func() { time.Sleep(200 * time.Microsecond) }
+	for step := envInt("FAULTLINE_CKPT_START"); ; step++ {
+		if err := w.Save(ctx, step, tb.step(step)...); err != nil {
+			return err
+		}
+		if step == envInt("FAULTLINE_CKPT_START") {
+			fmt.Println("ready")
+		}
+		if err := o.sealHalf(ctx, seg, seg.newest()[0], pause); err != nil {
 			return err
 		}
 	}

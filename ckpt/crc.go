@@ -6,123 +6,109 @@ import (
 	"runtime"
 	"runtime/debug"
 	"sync"
+	"sync/atomic"
 )
 
 // crcCombine returns the CRC32C of a||b from crcA = CRC32C(a),
-// crcB = CRC32C(b) and lenB = len(b): zlib's crc32_combine with the
-// Castagnoli polynomial. It lets workers checksum pieces of one blob in
-// parallel.
+// crcB = CRC32C(b) and lenB = len(b), as zlib's crc32_combine does: crcA
+// times x^(8*lenB) modulo the polynomial, plus crcB. It lets workers
+// checksum pieces of one blob in parallel, in O(log lenB).
 func crcCombine(crcA, crcB uint32, lenB int64) uint32 {
 	if lenB <= 0 {
 		return crcA
 	}
-	var even, odd [32]uint32
-	odd[0] = crc32.Castagnoli // the operator for one zero bit
-	row := uint32(1)
-	for n := 1; n < 32; n++ {
-		odd[n] = row
-		row <<= 1
-	}
-	gf2Square(&even, &odd) // two zero bits
-	gf2Square(&odd, &even) // four zero bits
-	for {
-		gf2Square(&even, &odd)
-		if lenB&1 != 0 {
-			crcA = gf2Times(&even, crcA)
-		}
-		lenB >>= 1
-		if lenB == 0 {
-			break
-		}
-		gf2Square(&odd, &even)
-		if lenB&1 != 0 {
-			crcA = gf2Times(&odd, crcA)
-		}
-		lenB >>= 1
-		if lenB == 0 {
-			break
-		}
-	}
-	return crcA ^ crcB
+	return multModP(xPow8N(lenB), crcA) ^ crcB
 }
 
-func gf2Times(mat *[32]uint32, vec uint32) uint32 {
-	var sum uint32
-	for i := 0; vec != 0; i, vec = i+1, vec>>1 {
-		if vec&1 != 0 {
-			sum ^= mat[i]
+// multModP returns a(x)*b(x) modulo the Castagnoli polynomial, in the
+// reflected bit order of CRC-32 (bit 31 is x^0).
+func multModP(a, b uint32) uint32 {
+	var p uint32
+	for m := uint32(1) << 31; m != 0 && a != 0; m >>= 1 {
+		if a&m != 0 {
+			p ^= b
+			a ^= m
+		}
+		if b&1 != 0 {
+			b = b>>1 ^ crc32.Castagnoli
+		} else {
+			b >>= 1
 		}
 	}
-	return sum
+	return p
 }
 
-func gf2Square(square, mat *[32]uint32) {
-	for n := range 32 {
-		square[n] = gf2Times(mat, mat[n])
+// xPow8N returns x^(8n) modulo the polynomial: the operator that appends
+// n zero bytes to a CRC.
+func xPow8N(n int64) uint32 {
+	p := uint32(1) << 31  // x^0
+	sq := uint32(1) << 23 // x^8
+	for ; n > 0; n >>= 1 {
+		if n&1 != 0 {
+			p = multModP(sq, p)
+		}
+		sq = multModP(sq, sq)
 	}
+	return p
 }
 
 const (
 	// fuseChunk is the unit of a fused copy and checksum: small enough that
-	// the checksum reads the bytes the copy just brought into cache.
+	// the checksum reads the bytes the copy just brought into cache (the
+	// L1 and L2 of one core).
 	fuseChunk = 64 << 10
-	// minPiece is the least work worth handing to another goroutine.
-	minPiece = 4 << 20
+	// pieceSize is the unit of work a copy or checksum worker takes at a
+	// time. Workers take pieces until none is left, so that on a loaded
+	// machine a worker that gets less CPU does less of the work.
+	pieceSize = 4 << 20
+	// minParallel is the least data per worker worth another goroutine.
+	minParallel = 4 << 20
 )
 
-// copyCRC copies each src[i] into dst[i] (which must have the same length,
-// or be nil to checksum only) and returns the CRC32C of each src. The work
-// is split over up to workers goroutines, by byte ranges that may cut a
-// blob; their CRCs are combined. A fault while touching the memory (a
-// shared-memory file truncated under its mapping) is returned as an error
-// rather than crashing the process.
-func copyCRC(dst, src [][]byte, workers int) ([]uint32, error) {
+// copyBlobs copies each src[i] into dst[i] (which must have the same
+// length; dst nil: no copy) and, with sum, returns the CRC32C of each
+// blob. The work is cut into pieces of at most pieceSize bytes of one
+// blob, which up to workers goroutines (default GOMAXPROCS) take in turn;
+// the CRCs of a blob's pieces are then combined. A fault while touching
+// the memory (a shared-memory file truncated under its mapping) is
+// returned as an error rather than crashing the process.
+func copyBlobs(dst, src [][]byte, workers int, sum bool) ([]uint32, error) {
+	type piece struct {
+		blob, lo, hi int
+		crc          uint32
+	}
+	var pieces []piece
 	var total int64
-	for _, s := range src {
+	for b, s := range src {
 		total += int64(len(s))
+		for lo := 0; lo < len(s); lo += pieceSize {
+			pieces = append(pieces, piece{blob: b, lo: lo, hi: min(lo+pieceSize, len(s))})
+		}
 	}
 	if workers <= 0 {
 		workers = runtime.GOMAXPROCS(0)
 	}
-	workers = int(max(1, min(int64(workers), total/minPiece)))
+	workers = int(max(1, min(int64(workers), int64(len(pieces)), total/minParallel)))
 
-	type piece struct {
-		blob   int
-		lo, hi int
-		crc    uint32
-	}
-	// Cut the concatenation of all blobs into workers equal ranges, then
-	// cut those at blob boundaries.
-	var pieces []piece
-	bounds := make([]int, workers+1) // piece index where each worker starts
-	var pos int64
-	blob, inBlob := 0, 0
-	for w := range workers {
-		bounds[w] = len(pieces)
-		end := total * int64(w+1) / int64(workers)
-		for pos < end {
-			for inBlob == len(src[blob]) {
-				blob, inBlob = blob+1, 0
-			}
-			n := int(min(int64(len(src[blob])-inBlob), end-pos))
-			pieces = append(pieces, piece{blob: blob, lo: inBlob, hi: inBlob + n})
-			inBlob += n
-			pos += int64(n)
-		}
-	}
-	bounds[workers] = len(pieces)
-
+	var next atomic.Int64
 	errs := make([]error, workers)
 	run := func(w int) {
 		defer recoverFault(&errs[w], debug.SetPanicOnFault(true))
-		for i := bounds[w]; i < bounds[w+1]; i++ {
+		for {
+			i := next.Add(1) - 1
+			if i >= int64(len(pieces)) {
+				return
+			}
 			p := &pieces[i]
 			s := src[p.blob][p.lo:p.hi]
-			var d []byte
-			if dst != nil {
-				d = dst[p.blob][p.lo:p.hi]
+			switch {
+			case dst == nil:
+				p.crc = crc32.Update(0, castagnoli, s)
+			case sum:
+				p.crc = fusedCopyCRC(dst[p.blob][p.lo:p.hi], s)
+			default:
+				copy(dst[p.blob][p.lo:p.hi], s)
 			}
-			p.crc = fusedCopyCRC(d, s)
 		}
 	}
 	var wg sync.WaitGroup
@@ -136,12 +122,13 @@ func copyCRC(dst, src [][]byte, workers int) ([]uint32, error) {
 			return nil, err
 		}
 	}
-
+	if !sum {
+		return nil, nil
+	}
 	crcs := make([]uint32, len(src))
-	started := make([]bool, len(src))
 	for _, p := range pieces {
-		if !started[p.blob] {
-			crcs[p.blob], started[p.blob] = p.crc, true
+		if p.lo == 0 {
+			crcs[p.blob] = p.crc
 			continue
 		}
 		crcs[p.blob] = crcCombine(crcs[p.blob], p.crc, int64(p.hi-p.lo))
@@ -149,18 +136,14 @@ func copyCRC(dst, src [][]byte, workers int) ([]uint32, error) {
 	return crcs, nil
 }
 
-// fusedCopyCRC copies src into dst (nil: no copy) chunk by chunk and
-// returns the CRC32C of src, reading each chunk from cache the second time.
+// fusedCopyCRC copies src into dst chunk by chunk and returns the CRC32C
+// of what it copied, reading each chunk from cache the second time.
 func fusedCopyCRC(dst, src []byte) uint32 {
 	var c uint32
 	for o := 0; o < len(src); o += fuseChunk {
 		e := min(o+fuseChunk, len(src))
-		if dst != nil {
-			copy(dst[o:e], src[o:e])
-			c = crc32.Update(c, castagnoli, dst[o:e])
-		} else {
-			c = crc32.Update(c, castagnoli, src[o:e])
-		}
+		copy(dst[o:e], src[o:e])
+		c = crc32.Update(c, castagnoli, dst[o:e])
 	}
 	return c
 }

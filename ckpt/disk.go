@@ -59,13 +59,16 @@ func mkdirSynced(dir string) error {
 	return atomicfile.SyncDir(filepath.Dir(dir))
 }
 
-// persistHalf writes the step in half i of seg to dir as shard numShards:
-// the data file (CRC-checked while written, fsynced, renamed) and then its
-// manifest. A step already committed there is left alone.
+// persistHalf writes the sealed step in half i of seg to dir as shard
+// numShards: the data file (CRC-checked while written, fsynced, renamed)
+// and then its manifest. A step already committed there is left alone.
 func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards int) (ShardManifest, error) {
 	shard := seg.hdr.Shard
 	var man ShardManifest
 	err := seg.read(i, true, func(m StepMeta, half []byte, valid func() error) error {
+		if !m.Sealed {
+			return fmt.Errorf("ckpt: step %d in %s half %d is not sealed", m.Step, seg.path, i)
+		}
 		stepDir := StepDir(dir, m.Step)
 		if prev, ok := committedShard(stepDir, shard); ok {
 			man = prev

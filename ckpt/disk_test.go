@@ -180,13 +180,17 @@ func TestLoadPreference(t *testing.T) {
 	nd.saveAll(t, 12) // in memory only
 
 	ck, rep, err := nd.o.Load(ctx, 1)
-	if err != nil || rep.Tier != TierMemory {
-		t.Fatalf("Load = %s, %v; want memory", rep, err)
+	if err != nil || rep.Tier != TierMemory || !rep.SealedOnLoad || !ck.Unverified {
+		t.Fatalf("Load = %s, %v; want memory, the unsealed step sealed on load", rep, err)
 	}
 	checkShard(t, ck, 1, 12)
 
-	// Shard 0 loses step 12 (a flipped bit) and shard 1 step 10 is
-	// overwritten by 13: no step is intact in both, so disk serves.
+	// Shard 0 loses step 12, once sealed, to a flipped bit, and shard 1
+	// step 10 is overwritten by 13: no step is intact in both, so disk
+	// serves.
+	if err := nd.o.Seal(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
 	seg := nd.o.segs[0]
 	i := seg.newest()[0]
 	m, _ := seg.metaOK(i)

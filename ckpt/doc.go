@@ -8,14 +8,16 @@
 //   - The Owner is the node agent. It creates one segment per local shard in
 //     /dev/shm (checking the free space first and reserving every page, so a
 //     small /dev/shm is a clear ErrNoSpace, never a SIGBUS), keeps it across
-//     trainer crashes and its own restarts, persists steps when writers ask
-//     (Run) or when the trainer dies (PersistNewest), sends each new save to
-//     its peers and holds theirs, and loads by preference (Load).
+//     trainer crashes and its own restarts, seals each new save (computes
+//     the CRC32C of its blobs, off the trainer's path), persists steps when
+//     writers ask (Run) or when the trainer dies (PersistNewest), sends each
+//     new save to its peers and holds theirs, and loads by preference (Load).
 //   - The Writer is the trainer. Save copies named blobs into the half of
-//     the segment that does not hold the newest step and then flips a word,
-//     so a save never waits for a persist and a trainer killed mid-save
-//     leaves the previous step intact. Persist asks the owner to write the
-//     step to disk; the trainer does not wait for it.
+//     the segment that does not hold the newest step and then flips a word:
+//     it blocks for the copy only, computes no checksum, never waits for a
+//     persist, and a trainer killed mid-save leaves the previous step
+//     intact. Persist asks the owner to write the step to disk; the trainer
+//     does not wait for it.
 //
 // A node agent:
 //
@@ -71,7 +73,10 @@
 // local shard holds intact), a replica (restored into local memory, so the
 // trainer then reads it there), or the newest committed disk step; every
 // CRC is verified, and the LoadReport says which tier served and why each
-// other one did not. Across nodes a control plane picks one step for every
+// other one did not. A memory step its owner died before sealing is
+// complete but has no CRCs to check: Load computes them as it copies the
+// step, seals it with them, and says so (LoadReport.SealedOnLoad,
+// Checkpoint.Unverified). Across nodes a control plane picks one step for every
 // shard and calls LoadStep. A restarting trainer reads memory itself
 // (Writer.Load, or LoadInto to restore into its own buffers) and falls back
 // to LoadDisk; its agent, having called Owner.Load before restarting it,
@@ -83,7 +88,7 @@
 // # Observability
 //
 // Metrics (Registerer; nil is off): faultline_ckpt_save_blocking_seconds,
-// _save_bytes_total, _save_skipped_total (writer); _persist_seconds,
+// _save_bytes_total, _save_skipped_total (writer); _seal_seconds, _persist_seconds,
 // _persist_bytes_total, _persist_failures_total, _commits_total,
 // _crc_failures_total, _loads_total{tier}, _replica_bytes_total{direction},
 // _replica_failures_total (owner). Each Writer and Owner registers its
@@ -91,7 +96,7 @@
 // Registerer collide, which is an error of the second constructor: give
 // each a Registerer wrapped with its own label
 // (prometheus.WrapRegistererWith). Spans: ckpt.Save, ckpt.LoadMemory,
-// ckpt.Persist, ckpt.Replicate, ckpt.Load, ckpt.FetchReplica.
+// ckpt.Seal, ckpt.Persist, ckpt.Replicate, ckpt.Load, ckpt.FetchReplica.
 //
 // # FORMAT
 //
@@ -99,14 +104,18 @@
 // any process may map and write with plain loads and stores, such as a
 // Python trainer with mmap and struct. All integers are little-endian. The
 // CRC is CRC-32C (Castagnoli, as in iSCSI, ext4 and google-crc32c) with the
-// usual pre- and post-inversion: CRC32C("123456789") = 0xe3069283.
+// usual pre- and post-inversion: CRC32C("123456789") = 0xe3069283. A
+// writer computes it only over the small headers and the table, never over
+// the blobs: the owner does that afterwards ("seals" the step), so that a
+// save costs the copy alone and a writer without a fast CRC32C (Python's
+// standard library has none) can save gigabytes.
 //
 // The file is a 4096-byte header followed by two halves of half_size bytes
 // each: half i starts at 4096 + i*half_size. Header:
 //
 //	off size field
 //	  0    8 magic        "FLTCKPT\x00"
-//	  8    4 version      1
+//	  8    4 version      2 (1: see Version 1 below)
 //	 12    4 header_size  4096
 //	 16    8 half_size    a multiple of 4096
 //	 24    4 shard        the shard the segment holds
@@ -117,7 +126,7 @@
 //	 48   16 reserved     0
 //
 // A half starts with a 64-byte step header, then its blob table, then the
-// blob data:
+// CRC array, then the blob data:
 //
 //	off size field
 //	  0    4 state        0 empty, 1 writing, 2 complete (live)
@@ -128,56 +137,98 @@
 //	 32    8 time         unix nanoseconds of the save, 0 if unknown
 //	 40    4 nblobs       number of table entries
 //	 44    4 table_size   bytes of the table
-//	 48   12 reserved     0
-//	 60    4 meta_crc     CRC32C of bytes [16,60) followed by the table_size table bytes
-//	 64      table        nblobs entries, back to back
+//	 48    4 seal         0 unsealed: the blob CRCs are not known; 1 sealed (live)
+//	 52    4 seal_crc     with seal 1: CRC32C of bytes [16,48), the table and the CRC array
+//	 56    4 reserved     0
+//	 60    4 meta_crc     CRC32C of bytes [16,48) followed by the table
+//	 64      table        nblobs entries, back to back: table_size bytes
+//	         crc array    at 64 + table_size: nblobs u32, the CRC32C of each blob
+//	                      in table order, meaningful with seal 1 only
 //
 // A table entry:
 //
 //	off size field
 //	  0    8 offset       of the blob's first byte, from the start of the half
 //	  8    8 size         bytes
-//	 16    4 crc32c       of the blob's bytes
+//	 16    4 reserved     0
 //	 20    2 name_len     1..1024
 //	 22    2 reserved     0
 //	 24      name         UTF-8, no NUL, then zero bytes up to a multiple of 8
 //
 // Blobs are listed in increasing offset, start at or after the end of the
-// table, do not overlap and end within the half; names are unique. This
-// package places each blob at the next multiple of 64 (DataAlign), the
-// first after 64 + table_size.
+// CRC array (64 + table_size + 4*nblobs), do not overlap and end within
+// the half; names are unique. This package places each blob at the next
+// multiple of 64 (DataAlign), the first after the CRC array.
 //
 // The live words are read and written whole (aligned 4- and 8-byte
-// accesses) and sit outside every checksum. A writer saves a step so:
+// accesses); meta_crc covers none of them, nor seal_crc and the CRC array,
+// which the owner writes into a complete step. A writer saves a step so:
 //
 //  1. Pick the target half: not the one holding the newest complete step
 //     (highest seq among complete halves whose meta_crc holds; with none,
 //     1 - active).
-//  2. If its pin is non-zero, skip this save (the owner is persisting it).
+//  2. If its pin is non-zero, skip this save (the owner is reading it).
 //  3. Set its state to 1; read pin again, and if it is now non-zero, set
 //     the state back and skip; otherwise increment gen.
 //  4. Write the blobs, then the table, then bytes [16,64) of the header
-//     with seq, step, time, nblobs, table_size and meta_crc.
+//     with seq, step, time, nblobs, table_size, seal 0, seal_crc 0 and
+//     meta_crc. The CRC array is left as it is (this package zeroes it).
 //  5. Set state to 2, then active to the half. To have the step persisted,
 //     set persist_seq to its seq.
+//
+// The owner seals each complete step with seal 0 soon after it appears
+// (Run polls for them), and before it persists, sends or loads one:
+//
+//  1. Increment the half's pin; load gen; check that state is 2, then load
+//     seal and check that it is 0 and that meta_crc holds.
+//  2. Compute the CRC32C of every blob.
+//  3. Check that state is still 2 and gen unchanged; otherwise unpin and
+//     give up (a writer took the half over: its save is the next to seal).
+//  4. Write the CRC array, then seal_crc, then set seal to 1.
+//  5. Decrement the pin.
+//
+// The pin keeps writers off the half from step 1 (a writer checks it after
+// setting its state), and steps 1 and 3 catch one that claimed the half
+// before. seal is the last word written: a reader that loads it as 1
+// finds the whole seal in place, and one that loads 0 ignores the CRC
+// array and seal_crc, whatever part of them an owner killed in step 4
+// left, which the next seal overwrites. A reader therefore meets two kinds
+// of complete steps, never a half-written seal: a sealed one, whose every
+// blob it checks against the CRC array, and an unsealed one, which it can
+// take only as the save left it (an owner loading one computes the CRCs as
+// it copies and seals it with them). seal 1 with a seal_crc that does not
+// hold is corruption, like any failed checksum. An owner writing a step
+// whose CRCs it holds anyway (a replica it received, checked on arrival)
+// writes it sealed: the CRC array, seal_crc and seal 1 in step 4 of a save.
 //
 // A reader (owner or loader) picks the complete half with the highest seq
 // whose meta_crc holds. It loads gen first and only then checks that state
 // is 2 (in this order: a save that began before the load of gen shows in
-// the state, one that begins after it changes gen), reads the table again,
-// copies the blobs and checks every CRC, then checks that state is still 2
-// and gen unchanged; otherwise it discards what it read, which is then no
-// evidence of corruption. The owner also increments pin before reading and
+// the state, one that begins after it changes gen), loads seal before it
+// reads the CRC array, reads the table again, copies the blobs and checks
+// every CRC of a sealed step, then checks that state is still 2 and gen
+// unchanged; otherwise it discards what it read, which is then no evidence
+// of corruption. The owner also increments pin before reading and
 // decrements it after, and resets both pins when it (re)starts. A writer
 // dying anywhere leaves its target half in state 1, which no reader
 // accepts, and the other half as it was.
+//
+// Version 1, written by earlier releases, had no seal: the writer computed
+// every CRC and put it in bytes [16,20) of the blob's table entry, bytes
+// [48,60) of the step header were reserved, meta_crc covered bytes
+// [16,60) and the table, and there was no CRC array. LoadSegment,
+// InspectSegment and Verify read such segments, whose complete steps count
+// as sealed; NewOwner and NewWriter refuse them, naming the file: load its
+// step (flashckpt load), then remove it, and the owner creates a version 2
+// segment. The replica protocol's version went from 1 to 2 with it.
 //
 // # Tests
 //
 // The crash tests re-execute the test binary as a trainer or an agent and
 // SIGKILL it at random points. FAULTLINE_CKPT_TRIALS sets the number of
 // kills of a saving trainer (default 20; 200 for the full run) and, a
-// quarter of it, of a persisting agent. Tests that mount a small tmpfs
+// quarter of it (at least 5), of a persisting agent and of an agent in the
+// middle of sealing. Tests that mount a small tmpfs
 // (a 64 MiB /dev/shm, a full disk) need root and skip without it;
 // TestPythonWriter needs python3 and skips without it.
 //
@@ -186,5 +237,5 @@
 // targets, and FAULTLINE_CKPT_BENCH_DIR puts the disk benchmarks on
 // another filesystem. Each reports, beside its own figures, its bandwidth
 // as a fraction of its baseline measured in the same iterations
-// (x-memcpy, x-rawwrite).
+// (x-memcpy, x-crc32, x-rawwrite).
 package ckpt

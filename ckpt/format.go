@@ -2,6 +2,7 @@ package ckpt
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -16,8 +17,9 @@ import (
 const (
 	// Magic opens every segment.
 	Magic = "FLTCKPT\x00"
-	// Version is the layout version this package reads and writes.
-	Version = 1
+	// Version is the layout version this package writes. It also reads
+	// version 1 (see the FORMAT section).
+	Version = 2
 	// HeaderSize is the size of the segment header; half 0 starts here.
 	HeaderSize = 4096
 	// StepHeaderSize is the size of the fixed part of a half, before its
@@ -47,6 +49,12 @@ const (
 // FlagReplica marks a segment that holds a copy of a peer's shard.
 const FlagReplica = 1
 
+// Seal words, at offset 48 of each half.
+const (
+	Unsealed = 0 // the blob CRCs are not computed yet
+	Sealed   = 1 // the CRC array holds every blob's CRC32C
+)
+
 // Offsets of the live words that writers and readers touch with atomic
 // loads and stores. They are outside every checksum.
 const (
@@ -55,6 +63,8 @@ const (
 	offState      = 0  // half: u32
 	offPin        = 4  // half: u32
 	offGen        = 8  // half: u64
+	offSeal       = 48 // half: u32, written last by the sealer
+	offSealCRC    = 52 // half: u32, written by the sealer before the seal
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -113,6 +123,8 @@ func withFile(err error, file string) error {
 
 // SegmentHeader is the first 64 bytes of a segment.
 type SegmentHeader struct {
+	// Version is the layout version: 1 or 2. Zero marshals as Version.
+	Version  uint32
 	HalfSize int64  // bytes per half, a multiple of PageSize
 	Shard    int    // the shard the segment holds
 	Flags    uint32 // FlagReplica
@@ -132,7 +144,7 @@ func (h SegmentHeader) MarshalBinary() ([]byte, error) {
 	b := make([]byte, 64)
 	copy(b, Magic)
 	le := binary.LittleEndian
-	le.PutUint32(b[8:], Version)
+	le.PutUint32(b[8:], cmp.Or(h.Version, Version))
 	le.PutUint32(b[12:], HeaderSize)
 	le.PutUint64(b[16:], uint64(h.HalfSize))
 	le.PutUint32(b[24:], uint32(h.Shard))
@@ -148,6 +160,8 @@ const maxHalfSize = 1 << 46
 
 func (h SegmentHeader) check() error {
 	switch {
+	case h.Version > Version:
+		return formatErr(8, "version", "value %d, want 1 or %d", h.Version, Version)
 	case h.HalfSize < PageSize || h.HalfSize > maxHalfSize || h.HalfSize%PageSize != 0:
 		return formatErr(16, "half_size", "value %d is not a multiple of %d between %d and %d", h.HalfSize, PageSize, PageSize, int64(maxHalfSize))
 	case h.Shard < 0 || h.Shard > math.MaxInt32:
@@ -170,8 +184,9 @@ func ParseSegmentHeader(b []byte) (SegmentHeader, error) {
 		return SegmentHeader{}, formatErr(0, "magic", "value %q, want %q", b[:8], Magic)
 	}
 	le := binary.LittleEndian
-	if v := le.Uint32(b[8:]); v != Version {
-		return SegmentHeader{}, formatErr(8, "version", "value %d, want %d", v, Version)
+	v := le.Uint32(b[8:])
+	if v != 1 && v != Version {
+		return SegmentHeader{}, formatErr(8, "version", "value %d, want 1 or %d", v, Version)
 	}
 	if v := le.Uint32(b[12:]); v != HeaderSize {
 		return SegmentHeader{}, formatErr(12, "header_size", "value %d, want %d", v, HeaderSize)
@@ -186,6 +201,7 @@ func ParseSegmentHeader(b []byte) (SegmentHeader, error) {
 	}
 	hs := le.Uint64(b[16:])
 	h := SegmentHeader{
+		Version:    v,
 		HalfSize:   int64(min(hs, math.MaxInt64)),
 		Shard:      int(le.Uint32(b[24:])),
 		Flags:      le.Uint32(b[28:]),
@@ -208,13 +224,18 @@ type BlobEntry struct {
 	CRC32C uint32 `json:"crc32c"`
 }
 
-// StepMeta is the checksummed part of a half: the step it holds and the
-// blob table. The live words (state, pin, gen) are not part of it.
+// StepMeta is the checksummed part of a half: the step it holds, the blob
+// table and, once the step is sealed, the blob CRCs. The live words
+// (state, pin, gen) are not part of it.
 type StepMeta struct {
 	Seq   uint64    // save sequence number inside the segment
 	Step  int64     // training step
 	Time  time.Time // when the save began
 	Blobs []BlobEntry
+	// Sealed says that the CRC32C of every blob is known: the owner
+	// computed it after the save (or, in a version 1 segment, the writer
+	// during it). Unsealed, every CRC32C is zero.
+	Sealed bool
 }
 
 // TableSize is the size in bytes of the blob table of m.
@@ -226,9 +247,23 @@ func (m StepMeta) TableSize() int64 {
 	return n
 }
 
+// MetaSize is the size of the header, the table and the CRC array: the
+// bytes MarshalBinary returns.
+func (m StepMeta) MetaSize() int64 { return m.metaEnd(Version) }
+
+// metaEnd is where the meta of a layout version ends and blob data may
+// begin: version 1 has no CRC array.
+func (m StepMeta) metaEnd(version uint32) int64 {
+	n := StepHeaderSize + m.TableSize()
+	if version >= 2 {
+		n += 4 * int64(len(m.Blobs))
+	}
+	return n
+}
+
 // DataStart is the first offset in a half at which this package places
-// blob data: after the header and table, aligned to DataAlign.
-func (m StepMeta) DataStart() int64 { return alignUp(StepHeaderSize+m.TableSize(), DataAlign) }
+// blob data: after the header, table and CRC array, aligned to DataAlign.
+func (m StepMeta) DataStart() int64 { return alignUp(m.MetaSize(), DataAlign) }
 
 // End is the offset just past the last blob, or DataStart when there is
 // none: the bytes of a half that the step occupies.
@@ -263,8 +298,8 @@ func entryLen(nameLen int) int64 { return EntrySize + alignUp(int64(nameLen), 8)
 
 func alignUp(n, a int64) int64 { return (n + a - 1) / a * a }
 
-// layoutStep returns the meta of a step made of blobs with these names and
-// sizes, each placed at the next DataAlign boundary. CRCs are left zero.
+// layoutStep returns the unsealed meta of a step made of blobs with these
+// names and sizes, each placed at the next DataAlign boundary.
 func layoutStep(step int64, names []string, sizes []int64) StepMeta {
 	m := StepMeta{Step: step, Blobs: make([]BlobEntry, len(names))}
 	for i := range names {
@@ -279,29 +314,37 @@ func layoutStep(step int64, names []string, sizes []int64) StepMeta {
 }
 
 // MarshalBinary encodes m as the bytes of a half from its start through
-// the end of the table, with the live words zero. It fails if m would not
-// parse back.
+// the CRC array (MetaSize bytes), with the live words state, pin and gen
+// zero. A sealed m has its seal word, seal_crc and CRC array set; an
+// unsealed one has them zero. It fails if m would not parse back.
 func (m StepMeta) MarshalBinary() ([]byte, error) {
-	if err := m.check(math.MaxInt64); err != nil {
+	if err := m.check(math.MaxInt64, Version); err != nil {
 		return nil, err
 	}
-	b := make([]byte, StepHeaderSize+m.TableSize())
+	ts := m.TableSize()
+	b := make([]byte, m.MetaSize())
 	le := binary.LittleEndian
 	le.PutUint64(b[16:], m.Seq)
 	le.PutUint64(b[24:], uint64(m.Step))
 	le.PutUint64(b[32:], uint64(unixNano(m.Time)))
 	le.PutUint32(b[40:], uint32(len(m.Blobs)))
-	le.PutUint32(b[44:], uint32(len(b)-StepHeaderSize))
+	le.PutUint32(b[44:], uint32(ts))
 	p := b[StepHeaderSize:]
 	for _, e := range m.Blobs {
 		le.PutUint64(p[0:], uint64(e.Offset))
 		le.PutUint64(p[8:], uint64(e.Size))
-		le.PutUint32(p[16:], e.CRC32C)
 		le.PutUint16(p[20:], uint16(len(e.Name)))
 		copy(p[EntrySize:], e.Name)
 		p = p[entryLen(len(e.Name)):]
 	}
-	le.PutUint32(b[60:], metaCRC(b))
+	le.PutUint32(b[60:], metaCRC(b, ts))
+	if m.Sealed {
+		for k, e := range m.Blobs {
+			le.PutUint32(p[4*k:], e.CRC32C)
+		}
+		le.PutUint32(b[offSealCRC:], sealCRC(b))
+		le.PutUint32(b[offSeal:], Sealed)
+	}
 	return b, nil
 }
 
@@ -312,14 +355,29 @@ func unixNano(t time.Time) int64 {
 	return t.UnixNano()
 }
 
-// metaCRC is the CRC32C of bytes [16,60) of a half followed by its table.
-func metaCRC(b []byte) uint32 {
-	c := crc32.Update(0, castagnoli, b[16:60])
+// metaCRC is meta_crc: the CRC32C of bytes [16,48) of a half followed by
+// its table of ts bytes.
+func metaCRC(b []byte, ts int64) uint32 {
+	c := crc32.Update(0, castagnoli, b[16:offSeal])
+	return crc32.Update(c, castagnoli, b[StepHeaderSize:StepHeaderSize+ts])
+}
+
+// sealCRC is seal_crc: the CRC32C of bytes [16,48) of a half followed by
+// its table and CRC array, which b ends with.
+func sealCRC(b []byte) uint32 {
+	c := crc32.Update(0, castagnoli, b[16:offSeal])
 	return crc32.Update(c, castagnoli, b[StepHeaderSize:])
 }
 
-// check validates m against a half of halfSize bytes.
-func (m StepMeta) check(halfSize int64) error {
+// metaCRCv1 is the meta_crc of layout version 1: bytes [16,60) and the
+// table.
+func metaCRCv1(b []byte, ts int64) uint32 {
+	c := crc32.Update(0, castagnoli, b[16:60])
+	return crc32.Update(c, castagnoli, b[StepHeaderSize:StepHeaderSize+ts])
+}
+
+// check validates m against a half of halfSize bytes in a layout version.
+func (m StepMeta) check(halfSize int64, version uint32) error {
 	if m.Step < 0 {
 		return formatErr(24, "step", "value %d is negative", m.Step)
 	}
@@ -329,8 +387,11 @@ func (m StepMeta) check(halfSize int64) error {
 	if ts := m.TableSize(); ts > math.MaxUint32-StepHeaderSize {
 		return formatErr(44, "table_size", "value %d too large", ts)
 	}
+	end := m.metaEnd(version)
+	if end > halfSize {
+		return formatErr(44, "table_size", "the table and CRC array of %d blobs end at %d, past the half of %d bytes", len(m.Blobs), end, halfSize)
+	}
 	seen := make(map[string]bool, len(m.Blobs))
-	end := StepHeaderSize + m.TableSize()
 	for i, e := range m.Blobs {
 		field := fmt.Sprintf("blobs[%d]", i)
 		if err := checkName(e.Name); err != nil {
@@ -344,9 +405,11 @@ func (m StepMeta) check(halfSize int64) error {
 		case e.Size < 0 || e.Size > halfSize:
 			return formatErr(-1, field+".size", "value %d out of range [0,%d]", e.Size, halfSize)
 		case e.Offset < end:
-			return formatErr(-1, field+".offset", "value %d overlaps the table or the previous blob ending at %d", e.Offset, end)
+			return formatErr(-1, field+".offset", "value %d overlaps the meta or the previous blob ending at %d", e.Offset, end)
 		case e.Offset > halfSize-e.Size:
 			return formatErr(-1, field+".offset", "blob [%d,+%d) runs past the half of %d bytes", e.Offset, e.Size, halfSize)
+		case !m.Sealed && e.CRC32C != 0:
+			return formatErr(-1, field+".crc32c", "value %#08x in an unsealed step, whose CRCs are not known", e.CRC32C)
 		}
 		end = e.Offset + e.Size
 	}
@@ -367,11 +430,23 @@ func checkName(name string) error {
 	return nil
 }
 
-// ParseStepMeta decodes the header and blob table of a half from b, which
-// starts at the half and holds at least its header and table. halfSize
-// bounds the blob offsets. The live words are ignored; the meta checksum
-// is verified. Errors are *FormatError and wrap ErrCorrupt.
+// ParseStepMeta decodes the header, blob table and CRC array of a half
+// from b, which starts at the half and holds at least MetaSize bytes.
+// halfSize bounds the blob offsets. The live words state, pin and gen are
+// ignored; the seal word says whether the CRC array counts. meta_crc, and
+// seal_crc of a sealed step, are verified. Errors are *FormatError and
+// wrap ErrCorrupt.
 func ParseStepMeta(b []byte, halfSize int64) (StepMeta, error) {
+	if len(b) < StepHeaderSize {
+		return StepMeta{}, formatErr(0, "", "half of %d bytes, want at least %d", len(b), StepHeaderSize)
+	}
+	return parseStepMeta(b, halfSize, Version, binary.LittleEndian.Uint32(b[offSeal:]))
+}
+
+// parseStepMeta is ParseStepMeta for a layout version, with the seal word
+// given: the reader of a live half loads it atomically, before it reads
+// the CRC array that the seal covers.
+func parseStepMeta(b []byte, halfSize int64, version, seal uint32) (StepMeta, error) {
 	if len(b) < StepHeaderSize {
 		return StepMeta{}, formatErr(0, "", "half of %d bytes, want at least %d", len(b), StepHeaderSize)
 	}
@@ -384,24 +459,45 @@ func ParseStepMeta(b []byte, halfSize int64) (StepMeta, error) {
 	if nblobs > MaxBlobs || nblobs*EntrySize > tableSize {
 		return StepMeta{}, formatErr(40, "nblobs", "value %d does not fit a table of %d bytes", nblobs, tableSize)
 	}
-	for i := 48; i < 60; i++ {
+	tableEnd := StepHeaderSize + tableSize
+	metaEnd, reserved, crc := tableEnd, offSeal, metaCRCv1(b, tableSize)
+	if version >= 2 {
+		metaEnd, reserved, crc = tableEnd+4*nblobs, 56, metaCRC(b, tableSize)
+		if metaEnd > int64(len(b)) || metaEnd > halfSize {
+			return StepMeta{}, formatErr(40, "nblobs", "the CRC array of %d blobs runs past the half", nblobs)
+		}
+	}
+	for i := reserved; i < 60; i++ {
 		if b[i] != 0 {
 			return StepMeta{}, formatErr(int64(i), "reserved", "byte %#02x is not zero", b[i])
 		}
 	}
-	raw := b[:StepHeaderSize+tableSize]
-	if got, want := le.Uint32(b[60:]), metaCRC(raw); got != want {
-		return StepMeta{}, formatErr(60, "meta_crc32c", "value %#08x, computed %#08x", got, want)
+	if got := le.Uint32(b[60:]); got != crc {
+		return StepMeta{}, formatErr(60, "meta_crc32c", "value %#08x, computed %#08x", got, crc)
 	}
 	m := StepMeta{
-		Seq:   le.Uint64(b[16:]),
-		Step:  int64(le.Uint64(b[24:])),
-		Blobs: make([]BlobEntry, 0, nblobs),
+		Seq:    le.Uint64(b[16:]),
+		Step:   int64(le.Uint64(b[24:])),
+		Blobs:  make([]BlobEntry, 0, nblobs),
+		Sealed: version < 2,
+	}
+	if version >= 2 {
+		switch seal {
+		case Unsealed:
+		case Sealed:
+			if got, want := le.Uint32(b[offSealCRC:]), sealCRC(b[:metaEnd]); got != want {
+				return StepMeta{}, formatErr(offSealCRC, "seal_crc32c", "value %#08x, computed %#08x", got, want)
+			}
+			m.Sealed = true
+		default:
+			return StepMeta{}, formatErr(offSeal, "seal", "value %d is neither %d nor %d", seal, Unsealed, Sealed)
+		}
 	}
 	if ns := int64(le.Uint64(b[32:])); ns != 0 {
 		m.Time = time.Unix(0, ns)
 	}
-	p := raw[StepHeaderSize:]
+	p := b[StepHeaderSize:tableEnd]
+	crcs := b[tableEnd:metaEnd]
 	off := int64(StepHeaderSize)
 	for i := range nblobs {
 		field := fmt.Sprintf("blobs[%d]", i)
@@ -424,8 +520,15 @@ func ParseStepMeta(b []byte, halfSize int64) (StepMeta, error) {
 		e := BlobEntry{
 			Offset: int64(min(le.Uint64(p[0:]), math.MaxInt64)),
 			Size:   int64(min(le.Uint64(p[8:]), math.MaxInt64)),
-			CRC32C: le.Uint32(p[16:]),
 			Name:   string(p[EntrySize : EntrySize+nameLen]),
+		}
+		switch {
+		case version < 2:
+			e.CRC32C = le.Uint32(p[16:])
+		case le.Uint32(p[16:]) != 0:
+			return StepMeta{}, formatErr(off+16, field+".reserved", "value %d is not zero", le.Uint32(p[16:]))
+		case m.Sealed:
+			e.CRC32C = le.Uint32(crcs[4*i:])
 		}
 		m.Blobs = append(m.Blobs, e)
 		p = p[n:]
@@ -434,7 +537,7 @@ func ParseStepMeta(b []byte, halfSize int64) (StepMeta, error) {
 	if len(p) != 0 {
 		return StepMeta{}, formatErr(off, "table_size", "%d bytes left after %d entries", len(p), nblobs)
 	}
-	if err := m.check(halfSize); err != nil {
+	if err := m.check(halfSize, version); err != nil {
 		return StepMeta{}, err
 	}
 	return m, nil

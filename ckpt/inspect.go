@@ -13,8 +13,10 @@ import (
 // HalfReport is what InspectSegment found in one half.
 type HalfReport struct {
 	State uint32
-	Meta  StepMeta // when the table is valid
-	// Err says why the half holds no intact step; nil when it does.
+	Meta  StepMeta // when the table is valid; Meta.Sealed says whether the CRCs are known
+	// Err says why the half holds no intact step; nil when it does: a
+	// sealed step whose every CRC holds, or a complete step not sealed yet,
+	// which has nothing to check.
 	Err error
 	// Corrupt is set when the half claims a complete step that fails a
 	// check: a flipped bit, not an interrupted save.
@@ -30,7 +32,8 @@ type SegmentReport struct {
 }
 
 // InspectSegment maps the segment at path read-only and checks both
-// halves, every CRC included. It does not disturb a writer or an owner.
+// halves, every CRC of a sealed step included. It does not disturb a
+// writer or an owner, and seals nothing.
 func InspectSegment(path string) (_ SegmentReport, err error) {
 	seg, err := openSegment(path, true)
 	if err != nil {
@@ -197,7 +200,8 @@ func inspectShard(dir string, step int64, shard int, committed bool) ShardReport
 // Verify checks the disk tier at dir and the segments at paths and
 // returns every corruption found, joined, or nil. Interrupted saves and
 // persists are not corruption: the design leaves them behind and never
-// loads them.
+// loads them; nor are steps not sealed yet, or seals cut short, which
+// only leave a step unsealed.
 func Verify(dir string, paths ...string) error {
 	var errs []error
 	if dir != "" {
@@ -223,9 +227,11 @@ func Verify(dir string, paths ...string) error {
 }
 
 // LoadSegment reads the newest intact step of the segment at path through
-// a read-only mapping, verifying every CRC, without disturbing a writer or
-// an owner: what a tool or a trainer without an owner at hand uses. The
-// error wraps ErrNoStep and says why each half was refused.
+// a read-only mapping, verifying every CRC of a sealed step, without
+// disturbing a writer or an owner: what a tool or a trainer without an
+// owner at hand uses. A step not sealed yet is loaded Unverified. It reads
+// segments of layout version 1 too. The error wraps ErrNoStep and says why
+// each half was refused.
 func LoadSegment(path string) (_ *Checkpoint, err error) {
 	seg, err := openSegment(path, true)
 	if err != nil {

@@ -45,6 +45,12 @@ type LoadReport struct {
 	// Notes are what the serving tier passed over on its way, such as a
 	// newer disk step whose shard file was truncated.
 	Notes []error
+	// SealedOnLoad is set when memory served a step that was complete but
+	// not sealed (its owner died before it computed the CRCs): Load
+	// computed them as it copied the step and sealed it, so they guard the
+	// step from now on, but nothing checked this copy (the Checkpoint is
+	// Unverified).
+	SealedOnLoad bool
 }
 
 // String says, on one line, which tier served and why the others did not.
@@ -54,6 +60,9 @@ func (r LoadReport) String() string {
 		fmt.Fprintf(&b, "shard %d: no tier holds an intact step", r.Shard)
 	} else {
 		fmt.Fprintf(&b, "shard %d: step %d from %s", r.Shard, r.Step, r.Tier)
+	}
+	if r.SealedOnLoad {
+		b.WriteString(" (unsealed: CRCs computed and sealed on load)")
 	}
 	for _, e := range r.Refused {
 		fmt.Fprintf(&b, "; %s refused: %v", e.Tier, e.Err)
@@ -68,7 +77,9 @@ func (r LoadReport) String() string {
 // newest step every local shard holds intact (so the node's shards load
 // one step); else this shard's newest copy on a peer, restored into local
 // memory; else the newest committed step on disk; a tier is passed over
-// when a later one holds a newer step. Every CRC is verified. The report
+// when a later one holds a newer step. Every CRC is verified; a memory
+// step not yet sealed is sealed as it is copied (LoadReport.SealedOnLoad).
+// The report
 // says which tier served, why the others did not and what was passed over
 // (a step with a flipped bit). With several nodes, let the control plane
 // choose one step for every shard and call LoadStep. A replica is restored
@@ -117,7 +128,7 @@ func (o *Owner) load(ctx context.Context, shard int, step int64) (ck *Checkpoint
 	}
 	served := func(t Tier, c *Checkpoint) (*Checkpoint, LoadReport, error) {
 		rep.Tier, rep.Step = t, c.Step
-		o.log.Info("ckpt: loaded", "shard", shard, "step", c.Step, "tier", t, "bytes", c.Size())
+		o.log.Info("ckpt: loaded", "shard", shard, "step", c.Step, "tier", t, "bytes", c.Size(), "sealed_on_load", rep.SealedOnLoad)
 		return c, rep, nil
 	}
 
@@ -144,7 +155,7 @@ func (o *Owner) load(ctx context.Context, shard int, step int64) (ck *Checkpoint
 			refuse(TierMemory, fmt.Errorf("newest intact step %d is older than committed disk step %d", mem[0], diskStep))
 			break
 		}
-		c, err := loadStep(seg, mem[0], o.cfg.Workers)
+		c, err := o.loadStep(seg, mem[0], &rep)
 		if err == nil {
 			return served(TierMemory, c)
 		}
@@ -191,7 +202,7 @@ func (o *Owner) load(ctx context.Context, shard int, step int64) (ck *Checkpoint
 
 	// Last resort: an intact memory step older than what disk claimed.
 	if len(mem) > 0 {
-		if c, err := loadStep(seg, mem[0], o.cfg.Workers); err == nil {
+		if c, err := o.loadStep(seg, mem[0], &rep); err == nil {
 			return served(TierMemory, c)
 		}
 	}
@@ -201,7 +212,7 @@ func (o *Owner) load(ctx context.Context, shard int, step int64) (ck *Checkpoint
 // loadGiven loads a given step: from memory, a replica or disk.
 func (o *Owner) loadGiven(ctx context.Context, seg *segment, step int64, rep *LoadReport,
 	refuse func(Tier, error), served func(Tier, *Checkpoint) (*Checkpoint, LoadReport, error)) (*Checkpoint, LoadReport, error) {
-	c, err := loadStep(seg, step, o.cfg.Workers)
+	c, err := o.loadStep(seg, step, rep)
 	if err == nil {
 		return served(TierMemory, c)
 	}
@@ -224,15 +235,22 @@ func (o *Owner) loadGiven(ctx context.Context, seg *segment, step int64, rep *Lo
 }
 
 // loadStep copies step out of seg, from the newest half that holds it
-// intact.
-func loadStep(seg *segment, step int64, workers int) (*Checkpoint, error) {
+// intact, and seals that half as it copies it if it was not, saying so in
+// rep.
+func (o *Owner) loadStep(seg *segment, step int64, rep *LoadReport) (*Checkpoint, error) {
+	mu := o.sealMu(seg.hdr.Shard)
+	mu.Lock()
+	defer mu.Unlock()
 	var why []error
 	for _, i := range seg.newest() {
 		if m, ok := seg.metaOK(i); !ok || m.Step != step {
 			continue
 		}
-		c, err := seg.loadHalf(i, workers, nil)
+		c, sealed, err := seg.loadHalf(i, o.cfg.Workers, nil, true)
 		if err == nil {
+			if rep != nil {
+				rep.SealedOnLoad = sealed
+			}
 			return c, nil
 		}
 		why = append(why, err)
@@ -285,7 +303,7 @@ func (o *Owner) fetch(ctx context.Context, seg *segment, step int64) (*Checkpoin
 			continue
 		}
 		o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
-		c, err := loadStep(seg, m.Step, o.cfg.Workers)
+		c, err := o.loadStep(seg, m.Step, nil)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("peer %s: restored step %d: %w", p, m.Step, err))
 			continue

@@ -75,6 +75,7 @@ func newWriterMetrics(reg prometheus.Registerer) (*writerMetrics, error) {
 // ownerMetrics are an Owner's collectors.
 type ownerMetrics struct {
 	registered
+	sealSeconds     prometheus.Histogram
 	persistSeconds  prometheus.Histogram
 	persistBytes    prometheus.Counter
 	persistFailures prometheus.Counter
@@ -87,6 +88,11 @@ type ownerMetrics struct {
 
 func newOwnerMetrics(reg prometheus.Registerer) (*ownerMetrics, error) {
 	m := &ownerMetrics{
+		sealSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "faultline_ckpt_seal_seconds",
+			Help:    "Time to seal one shard's save: compute and write the CRCs of its blobs.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16),
+		}),
 		persistSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "faultline_ckpt_persist_seconds",
 			Help:    "Time to persist one shard of a step to disk, fsync included.",
@@ -122,7 +128,7 @@ func newOwnerMetrics(reg prometheus.Registerer) (*ownerMetrics, error) {
 		}),
 	}
 	var err error
-	m.registered, err = register(reg, m.persistSeconds, m.persistBytes, m.persistFailures, m.commits,
+	m.registered, err = register(reg, m.sealSeconds, m.persistSeconds, m.persistBytes, m.persistFailures, m.commits,
 		m.crcFailures, m.loads, m.replicaBytes, m.replicaFailures)
 	return m, err
 }

@@ -52,11 +52,12 @@ type OwnerConfig struct {
 	Committer Committer
 	// OnCommit, if set, is called after the default committer commits.
 	OnCommit func(StepManifest)
-	// PollInterval is how often Run looks for persist requests and new
-	// saves to replicate; default 100ms.
+	// PollInterval is how often Run looks for new saves to seal and
+	// replicate and for persist requests; default 100ms. A save stays
+	// unsealed (its CRCs unknown) for up to about this long.
 	PollInterval time.Duration
-	// Workers is the number of goroutines that copy a load; default
-	// GOMAXPROCS.
+	// Workers is the number of goroutines that seal a step and copy a
+	// load; default GOMAXPROCS.
 	Workers int
 
 	// Node names this node among Peers.
@@ -138,9 +139,10 @@ func (c OwnerConfig) withDefaults() OwnerConfig {
 
 // Owner is the node agent's side of the memory tier. It creates and keeps
 // one segment per local shard (so that a trainer's death loses nothing it
-// saved), persists steps to disk when writers ask or when the trainer dies,
-// copies them to peers, holds peers' copies, and loads by preference:
-// memory, then replica, then disk.
+// saved), seals each new save (computes the CRCs of its blobs), persists
+// steps to disk when writers ask or when the trainer dies, copies them to
+// peers, holds peers' copies, and loads by preference: memory, then
+// replica, then disk.
 type Owner struct {
 	cfg       OwnerConfig
 	segs      map[int]*segment
@@ -165,6 +167,7 @@ type Owner struct {
 	conns    map[net.Conn]bool
 
 	persisting sync.Map // shard -> *sync.Mutex: one persist per shard at a time
+	sealing    sync.Map // shard -> *sync.Mutex: one sealer per shard at a time
 	verified   sync.Map // halfKey -> halfVersion: the version of a half whose CRCs held
 }
 
@@ -288,9 +291,10 @@ func (o *Owner) seg(shard int) (*segment, error) {
 	return s, nil
 }
 
-// Run serves until ctx is done or Close is called: it persists the steps
-// writers ask for, copies new saves to peers, and serves peers' replica
-// transfers. It returns nil after a Close, else ctx's error.
+// Run serves until ctx is done or Close is called: it seals new saves,
+// persists the steps writers ask for, copies new saves to peers, and
+// serves peers' replica transfers. It returns nil after a Close, else
+// ctx's error.
 func (o *Owner) Run(ctx context.Context) error {
 	if !o.running.TryLock() {
 		return errors.New("ckpt: Owner.Run called twice")
@@ -327,6 +331,13 @@ func (o *Owner) Run(ctx context.Context) error {
 		defer recoverFault(&err, debug.SetPanicOnFault(true))
 		for _, shard := range o.cfg.Shards {
 			seg := o.segs[shard]
+			if seg.unsealed() {
+				start(fmt.Sprint("s", shard), func() {
+					if err := o.Seal(ctx, shard); err != nil {
+						o.log.Error("ckpt: seal failed", "shard", shard, "err", err)
+					}
+				})
+			}
 			if req := seg.persistSeq(); req != 0 && req != lastPersist[shard] && o.cfg.Dir != "" {
 				if _, running := busy.Load(fmt.Sprint("p", shard)); !running {
 					lastPersist[shard] = req
@@ -384,9 +395,10 @@ func (o *Owner) replicaTargets() []string {
 	return o.peers[:min(max(o.cfg.Replicas, 0), len(o.peers))]
 }
 
-// Persist writes shard's newest intact step in memory to disk and tells
-// the committer. It returns the shard's manifest. It is what Run does when
-// a writer asks; call it directly to persist on a control-plane command.
+// Persist writes shard's newest intact step in memory to disk, sealing it
+// first if its owner has not yet, and tells the committer. It returns the
+// shard's manifest. It is what Run does when a writer asks; call it
+// directly to persist on a control-plane command.
 func (o *Owner) Persist(ctx context.Context, shard int) (ShardManifest, error) {
 	return o.persist(ctx, shard, -1)
 }
@@ -427,7 +439,9 @@ func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardMa
 		if m, ok := seg.metaOK(i); !ok || (step >= 0 && m.Step != step) {
 			continue
 		}
-		man, err = persistHalf(ctx, seg, i, o.cfg.Dir, o.cfg.NumShards)
+		if err = o.sealHalf(ctx, seg, i, nil); err == nil {
+			man, err = persistHalf(ctx, seg, i, o.cfg.Dir, o.cfg.NumShards)
+		}
 		if err == nil {
 			done = true
 			break
@@ -463,10 +477,10 @@ func stepDesc(step int64) string {
 }
 
 // PersistNewest persists the newest step that every local shard holds
-// intact in memory (every CRC verified), all shards in parallel, and
-// returns it: what a node
-// agent calls when its trainer dies (save on failure). It returns an error
-// wrapping ErrNoStep when the shards agree on no step.
+// intact in memory (every CRC verified, or complete and then sealed), all
+// shards in parallel, and returns it: what a node agent calls when its
+// trainer dies (save on failure). It returns an error wrapping ErrNoStep
+// when the shards agree on no step.
 func (o *Owner) PersistNewest(ctx context.Context) (int64, error) {
 	if err := o.acquire(); err != nil {
 		return -1, err
@@ -503,10 +517,12 @@ func memorySteps(seg *segment) []int64 {
 	return steps
 }
 
-// intactSteps returns the steps every local shard holds intact in memory
-// (every CRC verified), newest first, or an error that says why there is
-// none. A half's verification is remembered until it is written again, so
-// that loading each of n shards does not read every shard n times.
+// intactSteps returns the steps every local shard holds intact in memory,
+// newest first, or an error that says why there is none. A sealed step is
+// intact when every CRC holds; an unsealed one, when it is complete (there
+// is nothing to check it against). A half's verification is remembered
+// until it is written again, so that loading each of n shards does not
+// read every shard n times.
 func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 	var common []int64
 	var held []string
@@ -525,7 +541,7 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 				continue
 			}
 			key, version := halfKey{shard, i}, halfVersion{seg.gen(i), m.Seq}
-			if v, ok := o.verified.Load(key); !ok || v != version {
+			if v, ok := o.verified.Load(key); m.Sealed && (!ok || v != version) {
 				if err := verifyHalf(seg, i); err != nil {
 					if errors.Is(err, ErrCorrupt) {
 						o.m.crcFailures.Inc()
@@ -569,35 +585,88 @@ type halfKey struct{ shard, half int }
 // gen before it touches the half, and seq with each save.
 type halfVersion struct{ gen, seq uint64 }
 
-// verifyHalf checks every CRC of half i without copying it.
+// verifyHalf checks every CRC of half i, if it is sealed, without copying
+// it.
 func verifyHalf(seg *segment, i int) error {
 	return seg.read(i, false, func(m StepMeta, half []byte, _ func() error) error {
 		return checkBlobs(m, half)
 	})
 }
 
-// checkBlobs checks the CRC of every blob of m in half, in parallel, and
-// returns every mismatch, joined.
+// checkBlobs checks the CRC of every blob of a sealed m in half, in
+// parallel, and returns every mismatch, joined. An unsealed m has none to
+// check.
 func checkBlobs(m StepMeta, half []byte) error {
-	src := make([][]byte, len(m.Blobs))
-	for k, e := range m.Blobs {
-		src[k] = half[e.Offset : e.Offset+e.Size]
+	if !m.Sealed {
+		return nil
 	}
-	crcs, err := copyCRC(nil, src, 0)
+	crcs, err := copyBlobs(nil, blobData(m, half), 0, true)
 	if err != nil {
 		return err
 	}
-	var errs []error
-	for k, e := range m.Blobs {
-		if crcs[k] != e.CRC32C {
-			errs = append(errs, crcMismatch(k, e, crcs[k]))
-		}
-	}
-	return errors.Join(errs...)
+	return checkCRCs(m, crcs)
 }
 
-// Replicate copies shard's newest step to its peers (PickPeers). It
-// returns the errors of the peers that did not take it.
+// Seal computes the CRCs of the blobs of each complete step of shard that
+// is not sealed yet, and writes them into the segment (Sealing in the
+// FORMAT section). Run does it for every new save within PollInterval;
+// Persist, PersistNewest, Replicate and Load do it first where needed. A
+// node agent that does not Run may call it after each save.
+func (o *Owner) Seal(ctx context.Context, shard int) (err error) {
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
+	if err := o.acquire(); err != nil {
+		return err
+	}
+	defer o.ops.RUnlock()
+	seg, err := o.seg(shard)
+	if err != nil {
+		return err
+	}
+	return errors.Join(o.sealHalf(ctx, seg, 0, nil), o.sealHalf(ctx, seg, 1, nil))
+}
+
+// sealMu serialises the sealers of shard: Run's, and the persist, replica
+// and load that seal first.
+func (o *Owner) sealMu(shard int) *sync.Mutex {
+	mu, _ := o.sealing.LoadOrStore(shard, &sync.Mutex{})
+	return mu.(*sync.Mutex)
+}
+
+// sealHalf seals half i of seg if it holds a complete, unsealed step. A
+// writer taking the half over meanwhile is no error: its save is the next
+// to seal. pause is segment.seal's.
+func (o *Owner) sealHalf(ctx context.Context, seg *segment, i int, pause func()) (err error) {
+	if m, ok := seg.metaOK(i); !ok || m.Sealed {
+		return nil
+	}
+	mu := o.sealMu(seg.hdr.Shard)
+	mu.Lock()
+	defer mu.Unlock()
+	start := time.Now()
+	_, span := o.tracer.Start(ctx, "ckpt.Seal", trace.WithAttributes(attribute.Int("ckpt.shard", seg.hdr.Shard), attribute.Int("ckpt.half", i)))
+	defer span.End()
+	sealed, err := seg.seal(i, o.cfg.Workers, pause)
+	if errors.Is(err, ErrSuperseded) || errors.Is(err, errNotComplete) {
+		return nil
+	}
+	if err != nil {
+		if errors.Is(err, ErrCorrupt) {
+			o.m.crcFailures.Inc()
+		}
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+		return fmt.Errorf("ckpt: seal shard %d: %w", seg.hdr.Shard, err)
+	}
+	if sealed {
+		o.m.sealSeconds.Observe(time.Since(start).Seconds())
+		o.log.Debug("ckpt: step sealed", "shard", seg.hdr.Shard, "half", i, "took", time.Since(start))
+	}
+	return nil
+}
+
+// Replicate copies shard's newest step to its peers (PickPeers), sealing
+// it first if need be. It returns the errors of the peers that did not
+// take it.
 func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	if err := o.acquire(); err != nil {
@@ -618,6 +687,9 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 	}
 	ctx, span := o.tracer.Start(ctx, "ckpt.Replicate", trace.WithAttributes(attribute.Int("ckpt.shard", shard)))
 	defer span.End()
+	if err := o.sealHalf(ctx, seg, c[0], nil); err != nil {
+		return err
+	}
 	var errs []error
 	for _, p := range peers {
 		m, n, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (StepMeta, int64, error) {
@@ -790,7 +862,7 @@ func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, shard, metaLen in
 	var fresh *segment
 	m, err := recvHalf(r, metaLen, func(need int64) (*segment, error) {
 		seg, err := o.replicaSeg(slot, shard)
-		if err == nil && seg.hdr.HalfSize >= need {
+		if err == nil && seg.hdr.HalfSize >= need && seg.writable() == nil {
 			return seg, nil
 		}
 		if err != nil && !errors.Is(err, errNoReplica) {

@@ -5,13 +5,15 @@ import (
 	"context"
 	"fmt"
 	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 )
 
 // TestPythonWriter saves steps with testdata/pywriter.py, which knows only
-// the FORMAT section (mmap and struct), and loads and persists them here.
+// the FORMAT section (mmap and struct) and computes no blob CRC, and shows
+// the owner sealing them, persisting them and loading them here.
 func TestPythonWriter(t *testing.T) {
 	py, err := exec.LookPath("python3")
 	if err != nil {
@@ -22,19 +24,16 @@ func TestPythonWriter(t *testing.T) {
 	commits := make(chan StepManifest, 4)
 	o, w := newPair(t, OwnerConfig{Dir: dir, PollInterval: 5 * time.Millisecond,
 		OnCommit: func(m StepManifest) { commits <- m }})
-	running(t, o)
-	for step := 1; step <= 3; step++ {
-		args := []string{"testdata/pywriter.py", o.SegmentPath(0), fmt.Sprint(step)}
-		if step == 3 {
-			args = append(args, "--persist")
-		}
+	pywrite := func(step int64, args ...string) int {
+		t.Helper()
+		args = append([]string{"testdata/pywriter.py", o.SegmentPath(0), fmt.Sprint(step)}, args...)
 		out, err := exec.Command(py, args...).CombinedOutput()
-		if err != nil {
+		f := strings.Fields(string(out))
+		if err != nil || len(f) < 2 || f[0] != "half" {
 			t.Fatalf("pywriter step %d: %v\n%s", step, err, out)
 		}
-		if !strings.HasPrefix(string(out), "half") {
-			t.Fatalf("pywriter step %d: %s", step, out)
-		}
+		half, _ := strconv.Atoi(f[1])
+		return half
 	}
 	want := func(step int64) []Blob {
 		return []Blob{{Name: "model", Data: bytes.Repeat([]byte{byte(step)}, 1000)}, {Name: "optimizer", Data: bytes.Repeat([]byte("py\n"), 700)}}
@@ -46,11 +45,54 @@ func TestPythonWriter(t *testing.T) {
 			t.Fatalf("loaded step %d with blobs %v, want step %d", ck.Step, ck.Blobs, step)
 		}
 	}
-	ck, err := w.Load(ctx)
+	checkCRCs := func(blobs []BlobEntry, step int64) {
+		t.Helper()
+		for i, b := range want(step) {
+			if blobs[i].Name != b.Name || blobs[i].CRC32C != CRC32C(b.Data) {
+				t.Fatalf("step %d blob %d: %+v, want %q with CRC32C %#08x", step, i, blobs[i], b.Name, CRC32C(b.Data))
+			}
+		}
+	}
+
+	// Saved by Python: complete, not sealed; a trainer may load it as it is.
+	half := pywrite(1)
+	rep, err := InspectSegment(o.SegmentPath(0))
 	if err != nil {
 		t.Fatal(err)
 	}
-	check(ck, 3)
+	if h := rep.Halves[half]; h.Err != nil || h.State != StateComplete || h.Meta.Sealed || h.Meta.Step != 1 {
+		t.Fatalf("half %d after the Python save: %+v", half, h)
+	}
+	ck, err := w.Load(ctx)
+	if err != nil || !ck.Unverified {
+		t.Fatalf("Load of the unsealed step = %+v, %v", ck, err)
+	}
+	check(ck, 1)
+
+	// The owner seals it in its Run loop, with the CRC of every blob.
+	running(t, o)
+	for deadline := time.Now().Add(30 * time.Second); !rep.Halves[half].Meta.Sealed; {
+		if time.Now().After(deadline) {
+			t.Fatalf("the owner did not seal the Python save in 30s: %+v", rep.Halves[half])
+		}
+		time.Sleep(5 * time.Millisecond)
+		if rep, err = InspectSegment(o.SegmentPath(0)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := rep.Halves[half].Err; err != nil {
+		t.Fatal(err)
+	}
+	checkCRCs(rep.Halves[half].Meta.Blobs, 1)
+	if ck, err = w.Load(ctx); err != nil || ck.Unverified {
+		t.Fatalf("Load of the sealed step = %+v, %v", ck, err)
+	}
+	check(ck, 1)
+
+	// Python asks for a persist: the owner seals and persists the step, and
+	// the manifest carries the CRCs the owner computed.
+	pywrite(2)
+	pywrite(3, "--persist")
 	select {
 	case m := <-commits:
 		if m.Step != 3 {
@@ -64,18 +106,25 @@ func TestPythonWriter(t *testing.T) {
 		t.Fatal(err)
 	}
 	check(ck, 3)
+	man, err := checkDiskShard(dir, 3, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkCRCs(man.Blobs, 3)
+
 	// Go and Python writers take turns on one segment.
 	if err := w.Save(ctx, 4, want(4)...); err != nil {
 		t.Fatal(err)
 	}
-	if out, err := exec.Command(py, "testdata/pywriter.py", o.SegmentPath(0), "5").CombinedOutput(); err != nil {
-		t.Fatalf("pywriter: %v\n%s", err, out)
-	}
+	pywrite(5)
 	ck, err = w.Load(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	check(ck, 5)
+	if err := o.Seal(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
 	if err := Verify(dir, o.SegmentPath(0)); err != nil {
 		t.Fatal(err)
 	}

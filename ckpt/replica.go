@@ -15,9 +15,9 @@ import (
 
 // The replica protocol, over one TCP connection per transfer, little-endian:
 //
-//	request:  "FLRP" u8 version=1, u8 op (1 put, 2 get), u16 0,
+//	request:  "FLRP" u8 version=2, u8 op (1 put, 2 get), u16 0,
 //	          u32 shard, u32 meta length (put) or 0, i64 step (get: -1 newest)
-//	put:      then the StepMeta bytes (MarshalBinary) and each blob's bytes
+//	put:      then the sealed StepMeta bytes (MarshalBinary) and each blob's bytes
 //	          in table order
 //	response: u8 status (0 ok, 1 error), 3 bytes 0, u32 length, then the
 //	          error text, or for a get the StepMeta bytes and the blob bytes
@@ -27,7 +27,7 @@ import (
 // short leaves the previous copy intact.
 const (
 	replicaMagic   = "FLRP"
-	replicaVersion = 1
+	replicaVersion = 2 // 1 sent the StepMeta of segment layout version 1
 	opPut          = 1
 	opGet          = 2
 	reqSize        = 24
@@ -124,13 +124,16 @@ func (c deadlineConn) Write(p []byte) (int, error) {
 	return c.Conn.Write(p)
 }
 
-// sendHalf writes the meta and blobs of half i of seg to w, pinned, and
-// verifies the CRCs of what it sent. head, if not nil, is written first
-// with the meta length.
+// sendHalf writes the meta and blobs of the sealed half i of seg to w,
+// pinned, and verifies the CRCs of what it sent. head, if not nil, is
+// written first with the meta length.
 func sendHalf(w io.Writer, seg *segment, i int, head func(metaLen int) []byte) (StepMeta, int64, error) {
 	var sent int64
 	var meta StepMeta
 	err := seg.read(i, true, func(m StepMeta, half []byte, valid func() error) error {
+		if !m.Sealed {
+			return fmt.Errorf("ckpt: step %d in %s half %d is not sealed", m.Step, seg.path, i)
+		}
 		meta = m
 		mb, err := m.MarshalBinary()
 		if err != nil {
@@ -159,9 +162,10 @@ func sendHalf(w io.Writer, seg *segment, i int, head func(metaLen int) []byte) (
 	return meta, sent, err
 }
 
-// recvHalf reads a meta of metaLen bytes and its blobs from r into a new
-// save of the segment that open returns (given the half size the step
-// needs), checking every CRC before the save completes.
+// recvHalf reads a sealed meta of metaLen bytes and its blobs from r into
+// a new save of the segment that open returns (given the half size the
+// step needs), checking every CRC before the save completes, which it
+// writes sealed.
 func recvHalf(r io.Reader, metaLen int, open func(need int64) (*segment, error)) (StepMeta, error) {
 	if metaLen < StepHeaderSize {
 		return StepMeta{}, formatErr(12, "meta length", "value %d is shorter than a step header", metaLen)
@@ -174,8 +178,11 @@ func recvHalf(r io.Reader, metaLen int, open func(need int64) (*segment, error))
 	if err != nil {
 		return StepMeta{}, err
 	}
-	if int(StepHeaderSize+m.TableSize()) != metaLen {
-		return StepMeta{}, formatErr(44, "table_size", "meta of %d bytes holds a table of %d", metaLen, m.TableSize())
+	if int(m.MetaSize()) != metaLen {
+		return StepMeta{}, formatErr(44, "table_size", "meta of %d bytes holds a table of %d and %d blobs", metaLen, m.TableSize(), len(m.Blobs))
+	}
+	if !m.Sealed {
+		return StepMeta{}, formatErr(offSeal, "seal", "the peer sent an unsealed step, whose CRCs are unknown")
 	}
 	seg, err := open(m.End())
 	if err != nil {

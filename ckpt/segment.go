@@ -1,6 +1,7 @@
 package ckpt
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -65,9 +66,13 @@ func freeBytes(dir string) (int64, error) {
 // page with fallocate, so that a full /dev/shm is an error here rather
 // than a SIGBUS on a later write.
 func createSegment(path string, shard int, flags uint32, halfSize int64) (*segment, error) {
-	h := SegmentHeader{HalfSize: alignUp(max(halfSize, PageSize), PageSize), Shard: shard, Flags: flags}
+	h := SegmentHeader{Version: Version, HalfSize: alignUp(max(halfSize, PageSize), PageSize), Shard: shard, Flags: flags}
 	s, err := openSegment(path, false)
 	if err == nil {
+		if err := s.writable(); err != nil {
+			s.close()
+			return nil, err
+		}
 		if s.hdr.HalfSize != h.HalfSize || s.hdr.Shard != shard || s.hdr.Flags != flags {
 			s.close()
 			return nil, fmt.Errorf("ckpt: segment %s exists with half size %d, shard %d, flags %d; want %d, %d, %d: remove it or keep its size",
@@ -171,6 +176,16 @@ func openSegment(path string, readOnly bool) (*segment, error) {
 	return &segment{path: path, mem: mem, hdr: h, ro: readOnly}, nil
 }
 
+// writable says why a writer may not write the segment: it is of an
+// earlier layout version, which this package reads but does not write.
+func (s *segment) writable() error {
+	if s.hdr.Version != Version {
+		return fmt.Errorf("ckpt: segment %s has layout version %d, of an earlier release, and this one writes version %d: read its step with LoadSegment (flashckpt load), then remove the file",
+			s.path, s.hdr.Version, Version)
+	}
+	return nil
+}
+
 func (s *segment) close() error {
 	if s.mem == nil {
 		return nil
@@ -199,11 +214,22 @@ func (s *segment) seq(i int) uint64 {
 	return atomic.LoadUint64(s.u64(s.halfBase(i) + 16))
 }
 
+func (s *segment) sealWord(i int) uint32 {
+	return atomic.LoadUint32(s.u32(s.halfBase(i) + offSeal))
+}
+
 func (s *segment) active() uint32     { return atomic.LoadUint32(s.u32(offActive)) }
 func (s *segment) persistSeq() uint64 { return atomic.LoadUint64(s.u64(offPersistSeq)) }
 
 // setPersistSeq asks the owner to persist the save with this seq.
 func (s *segment) setPersistSeq(seq uint64) { atomic.StoreUint64(s.u64(offPersistSeq), seq) }
+
+// parse decodes the meta of half i. It loads the seal word (atomically)
+// before it reads the CRC array, which the sealer writes before the seal.
+func (s *segment) parse(i int) (StepMeta, error) {
+	seal := s.sealWord(i)
+	return parseStepMeta(s.half(i), s.hdr.HalfSize, s.hdr.Version, seal)
+}
 
 // metaOK says whether half i is complete with a valid meta checksum: cheap,
 // it does not read the data.
@@ -211,8 +237,19 @@ func (s *segment) metaOK(i int) (StepMeta, bool) {
 	if s.state(i) != StateComplete {
 		return StepMeta{}, false
 	}
-	m, err := ParseStepMeta(s.half(i), s.hdr.HalfSize)
+	m, err := s.parse(i)
 	return m, err == nil
+}
+
+// unsealed says whether a half looks complete but unsealed, from its live
+// words alone: cheap enough to poll.
+func (s *segment) unsealed() bool {
+	for i := range 2 {
+		if s.hdr.Version >= 2 && s.state(i) == StateComplete && s.sealWord(i) == Unsealed {
+			return true
+		}
+	}
+	return false
 }
 
 // halfWriter is a save in progress into one half.
@@ -229,7 +266,10 @@ func (s *segment) begin(meta StepMeta) (*halfWriter, error) {
 	if s.ro {
 		return nil, fmt.Errorf("ckpt: segment %s is open read-only", s.path)
 	}
-	if err := meta.check(s.hdr.HalfSize); err != nil {
+	if err := s.writable(); err != nil {
+		return nil, err
+	}
+	if err := meta.check(s.hdr.HalfSize, Version); err != nil {
 		if end := meta.End(); end > s.hdr.HalfSize {
 			return nil, fmt.Errorf("%w: step %d needs %d bytes per half (%d of data in %d blobs), segment %s has %d",
 				ErrTooLarge, meta.Step, end, meta.DataSize(), len(meta.Blobs), s.path, s.hdr.HalfSize)
@@ -270,11 +310,16 @@ func (w *halfWriter) blob(i int) []byte {
 	return w.s.half(w.idx)[e.Offset : e.Offset+e.Size : e.Offset+e.Size]
 }
 
-// commit writes the table with these CRCs, marks the half complete and
-// makes it the active one.
+// commit writes the table, marks the half complete and makes it the
+// active one. With crcs, the CRCs of the blobs that the caller computed
+// anyway (a replica it received), it writes the step sealed; without, it
+// leaves the CRCs to the owner.
 func (w *halfWriter) commit(crcs []uint32) error {
-	for i := range w.meta.Blobs {
-		w.meta.Blobs[i].CRC32C = crcs[i]
+	if crcs != nil {
+		for i := range w.meta.Blobs {
+			w.meta.Blobs[i].CRC32C = crcs[i]
+		}
+		w.meta.Sealed = true
 	}
 	b, err := w.meta.MarshalBinary()
 	if err != nil {
@@ -305,9 +350,9 @@ var errNotComplete = errors.New("holds no complete step")
 // read runs fn on half i if it holds a complete step, and checks
 // afterwards that no writer touched the half meanwhile (a sequence lock
 // on the gen word); fn may call valid to check it earlier, before it makes
-// what it read visible. With pin, it also pins the half so that a
-// conforming writer leaves it alone. fn must verify the CRCs of what it
-// reads.
+// what it read visible (or seals the half). With pin, it also pins the
+// half so that a conforming writer leaves it alone. fn must verify the
+// CRCs of what it reads, if m is sealed.
 func (s *segment) read(i int, pin bool, fn func(m StepMeta, half []byte, valid func() error) error) error {
 	base := s.halfBase(i)
 	if pin {
@@ -329,7 +374,7 @@ func (s *segment) read(i int, pin bool, fn func(m StepMeta, half []byte, valid f
 		return nil
 	}
 	half := s.half(i)
-	m, err := ParseStepMeta(half, s.hdr.HalfSize)
+	m, err := s.parse(i)
 	if err == nil {
 		err = fn(m, half, valid)
 	}
@@ -362,8 +407,9 @@ func (s *segment) whyNot(i int) error {
 	return s.read(i, false, func(StepMeta, []byte, func() error) error { return nil })
 }
 
-// load returns the newest step of the segment whose every CRC holds, and
-// why each half that did not serve was refused.
+// load returns the newest step of the segment whose every CRC holds (or,
+// unsealed, that is complete), and why each half that did not serve was
+// refused.
 func (s *segment) load(workers int, reuse *Checkpoint) (*Checkpoint, []error) {
 	var why []error
 	cands := s.newest()
@@ -376,7 +422,7 @@ func (s *segment) load(workers int, reuse *Checkpoint) (*Checkpoint, []error) {
 		}
 	}
 	for _, i := range cands {
-		ck, err := s.loadHalf(i, workers, reuse)
+		ck, _, err := s.loadHalf(i, workers, reuse, false)
 		if err == nil {
 			return ck, why
 		}
@@ -403,31 +449,101 @@ func (s *segment) newest() []int {
 	return nil
 }
 
-// loadHalf copies the step of half i out, verifying every CRC.
-func (s *segment) loadHalf(i int, workers int, reuse *Checkpoint) (*Checkpoint, error) {
-	var ck *Checkpoint
-	err := s.read(i, false, func(m StepMeta, half []byte, _ func() error) error {
-		c, err := copyOut(m, half, workers, reuse)
+// loadHalf copies the step of half i out. It checks every CRC of a sealed
+// step; an unsealed one it takes as the save left it (Unverified), its
+// CRCs computed on the way, and with seal (the owner, holding the shard's
+// seal lock) it pins the half meanwhile and seals it with them.
+func (s *segment) loadHalf(i int, workers int, reuse *Checkpoint, seal bool) (ck *Checkpoint, sealed bool, err error) {
+	pin := seal && s.hdr.Version >= 2 && s.sealWord(i) == Unsealed
+	err = s.read(i, pin, func(m StepMeta, half []byte, valid func() error) error {
+		c, crcs, err := copyOut(m, half, workers, reuse)
+		if err != nil {
+			return err
+		}
 		ck = c
-		return err
+		if pin && !m.Sealed {
+			if err := valid(); err != nil {
+				return err
+			}
+			s.writeSeal(i, m, crcs, nil)
+			sealed = true
+		}
+		return nil
 	})
-	return ck, err
+	if err != nil {
+		return nil, false, err
+	}
+	return ck, sealed, nil
 }
 
-// copyOut copies the blobs of m out of half, verifying their CRCs. It
-// copies into the buffers of reuse's blobs of the same names where they
-// are large enough, and returns reuse then.
-func copyOut(m StepMeta, half []byte, workers int, reuse *Checkpoint) (*Checkpoint, error) {
+// seal computes the CRCs of the blobs of half i, if it holds a complete,
+// unsealed step, and seals it, pinned: Sealing in the FORMAT section. It
+// returns whether it sealed the half (false: it was sealed already).
+// pause, if not nil, runs between the stores of the seal.
+func (s *segment) seal(i int, workers int, pause func()) (sealed bool, err error) {
+	err = s.read(i, true, func(m StepMeta, half []byte, valid func() error) error {
+		if m.Sealed {
+			return nil
+		}
+		crcs, err := copyBlobs(nil, blobData(m, half), workers, true)
+		if err != nil {
+			return err
+		}
+		if err := valid(); err != nil {
+			return err
+		}
+		s.writeSeal(i, m, crcs, pause)
+		sealed = true
+		return nil
+	})
+	return sealed, err
+}
+
+// writeSeal seals half i, which holds m, with the CRCs of its blobs: the
+// CRC array, then seal_crc, then the seal word. The caller pinned the half
+// and checked, after computing crcs, that no writer took it over; the
+// pin keeps them off until it is done. A reader that loads the seal word
+// as Sealed finds every store before it in place.
+func (s *segment) writeSeal(i int, m StepMeta, crcs []uint32, pause func()) {
+	h := s.half(i)
+	end := m.MetaSize()
+	arr := h[StepHeaderSize+m.TableSize() : end]
+	for k, c := range crcs {
+		binary.LittleEndian.PutUint32(arr[4*k:], c)
+		if pause != nil {
+			pause()
+		}
+	}
+	binary.LittleEndian.PutUint32(h[offSealCRC:], sealCRC(h[:end]))
+	if pause != nil {
+		pause()
+	}
+	atomic.StoreUint32(s.u32(s.halfBase(i)+offSeal), Sealed)
+}
+
+// blobData returns the bytes of each blob of m in half.
+func blobData(m StepMeta, half []byte) [][]byte {
 	src := make([][]byte, len(m.Blobs))
+	for k, e := range m.Blobs {
+		src[k] = half[e.Offset : e.Offset+e.Size : e.Offset+e.Size]
+	}
+	return src
+}
+
+// copyOut copies the blobs of m out of half and returns their CRCs,
+// which for a sealed m must match the table's. It copies into the buffers
+// of reuse's blobs of the same names where they are large enough, and
+// returns reuse then.
+func copyOut(m StepMeta, half []byte, workers int, reuse *Checkpoint) (*Checkpoint, []uint32, error) {
+	src := blobData(m, half)
 	dst := make([][]byte, len(m.Blobs))
 	ck := &Checkpoint{}
 	if reuse != nil {
 		ck = reuse
 	}
 	old := ck.Blobs
-	ck.Step, ck.Blobs = m.Step, make([]Blob, len(m.Blobs))
+	ck.Step, ck.Blobs, ck.Unverified = m.Step, make([]Blob, len(m.Blobs)), !m.Sealed
 	for k, e := range m.Blobs {
-		src[k] = half[e.Offset : e.Offset+e.Size]
 		for _, b := range old {
 			if b.Name == e.Name && int64(cap(b.Data)) >= e.Size {
 				dst[k] = b.Data[:e.Size]
@@ -439,16 +555,28 @@ func copyOut(m StepMeta, half []byte, workers int, reuse *Checkpoint) (*Checkpoi
 		}
 		ck.Blobs[k] = Blob{Name: e.Name, Data: dst[k]}
 	}
-	crcs, err := copyCRC(dst, src, workers)
+	crcs, err := copyBlobs(dst, src, workers, true)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	for k, e := range m.Blobs {
-		if crcs[k] != e.CRC32C {
-			return nil, crcMismatch(k, e, crcs[k])
+	if m.Sealed {
+		if err := checkCRCs(m, crcs); err != nil {
+			return nil, nil, err
 		}
 	}
-	return ck, nil
+	return ck, crcs, nil
+}
+
+// checkCRCs compares the CRCs computed of m's blobs with m's, and returns
+// every mismatch, joined.
+func checkCRCs(m StepMeta, crcs []uint32) error {
+	var errs []error
+	for k, e := range m.Blobs {
+		if crcs[k] != e.CRC32C {
+			errs = append(errs, crcMismatch(k, e, crcs[k]))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 func crcMismatch(k int, e BlobEntry, got uint32) error {

@@ -3,6 +3,7 @@ package ckpt
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"log/slog"
 	"os"
@@ -167,7 +168,10 @@ func TestBitFlipFallsBackToPreviousStep(t *testing.T) {
 		}
 	}
 	// Flip one bit of step 2's optimizer blob through the file, as a
-	// faulty DIMM or a stray writer would.
+	// faulty DIMM or a stray writer would, once the owner sealed it.
+	if err := o.Seal(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
 	seg := o.segs[0]
 	i := seg.newest()[0]
 	m, _ := seg.metaOK(i)
@@ -387,5 +391,55 @@ func TestConfigValidate(t *testing.T) {
 	}
 	if err := (WriterConfig{}).Validate(); err == nil || !strings.Contains(err.Error(), "Path") {
 		t.Errorf("WriterConfig{}.Validate() = %v", err)
+	}
+}
+
+// TestVersion1Segment reads a segment of the earlier layout, in which the
+// writer computed every CRC: its steps count as sealed and load, but no
+// owner or writer of this release writes into it.
+func TestVersion1Segment(t *testing.T) {
+	dir := shmDir(t)
+	path := SegmentPath(dir, "faultline-ckpt", 0)
+	const halfSize = 8192
+	h, err := SegmentHeader{Version: 1, HalfSize: halfSize}.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	file := make([]byte, HeaderSize+2*halfSize)
+	copy(file, h)
+	data := []byte("weights of an earlier release")
+	m := StepMeta{Seq: 1, Step: 3, Sealed: true, Blobs: []BlobEntry{{Name: "model", Offset: 128, Size: int64(len(data)), CRC32C: CRC32C(data)}}}
+	half := file[HeaderSize:]
+	copy(half, marshalUnchecked(m, true))
+	copy(half[128:], data)
+	binary.LittleEndian.PutUint32(half[offState:], StateComplete)
+	if err := os.WriteFile(path, file, 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	ck, err := LoadSegment(path)
+	if err != nil || ck.Step != 3 || ck.Unverified || !bytes.Equal(ck.Blob("model"), data) {
+		t.Fatalf("LoadSegment = %+v, %v", ck, err)
+	}
+	rep, err := InspectSegment(path)
+	if err != nil || rep.Header.Version != 1 || !rep.Halves[0].Meta.Sealed || rep.Halves[0].Err != nil || rep.NewestHalf != 0 {
+		t.Fatalf("InspectSegment = %+v, %v", rep, err)
+	}
+	if err := Verify("", path); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := NewWriter(WriterConfig{Path: path}); err == nil || !strings.Contains(err.Error(), "layout version 1") {
+		t.Fatalf("NewWriter on a version 1 segment = %v", err)
+	}
+	if _, err := NewOwner(OwnerConfig{ShmDir: dir, Shards: []int{0}, Capacity: halfSize}); err == nil || !strings.Contains(err.Error(), "LoadSegment") {
+		t.Fatalf("NewOwner on a version 1 segment = %v", err)
+	}
+	// The writer's CRC still guards the data.
+	flipBit(t, path, HeaderSize+128+4)
+	if _, err := LoadSegment(path); !errors.Is(err, ErrNoStep) || !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("LoadSegment of a flipped bit = %v", err)
+	}
+	if err := Verify("", path); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("Verify = %v", err)
 	}
 }

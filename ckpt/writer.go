@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"io"
 	"log/slog"
 	"runtime/debug"
@@ -35,6 +34,10 @@ type Source struct {
 type Checkpoint struct {
 	Step  int64
 	Blobs []Blob
+	// Unverified is set when the step was loaded from memory before its
+	// owner sealed it (the owner was down): the step is complete, as the
+	// save left it, but no CRC checked these bytes.
+	Unverified bool
 }
 
 // Blob returns the data of the blob named name, or nil.
@@ -83,8 +86,9 @@ func (c WriterConfig) Validate() error {
 }
 
 // Writer saves a trainer's shard into the shared-memory segment its owner
-// created. A save blocks only for the copy; persisting it to disk and
-// copying it to peers is the owner's work. Methods are safe for
+// created. A save blocks only for the copy; computing the CRCs of what it
+// saved (sealing the step), persisting it to disk and copying it to peers
+// is the owner's work. Methods are safe for
 // concurrent use; saves are serialised.
 type Writer struct {
 	cfg    WriterConfig
@@ -109,6 +113,10 @@ func NewWriter(cfg WriterConfig) (*Writer, error) {
 		seg.close()
 		return nil, fmt.Errorf("ckpt: %s holds a peer's replica, not a shard to write", cfg.Path)
 	}
+	if err := seg.writable(); err != nil {
+		seg.close()
+		return nil, err
+	}
 	m, err := newWriterMetrics(cfg.Registerer)
 	if err != nil {
 		seg.close()
@@ -125,24 +133,27 @@ func (w *Writer) Shard() int { return w.seg.hdr.Shard }
 // data), that the segment holds.
 func (w *Writer) Capacity() int64 { return w.seg.hdr.HalfSize }
 
-// Save copies blobs into shared memory as the given step. When it returns
-// nil the step is complete in memory and survives the trainer's death; a
-// crash during Save leaves the previous step intact. It returns ErrBusy,
-// without copying, when the owner is still reading the only half it could
-// write, and ErrTooLarge when the step does not fit.
+// Save copies blobs into shared memory as the given step, over
+// WriterConfig.Workers goroutines, and computes nothing else: the owner
+// seals the step (computes its CRCs) afterwards. When Save returns nil the
+// step is complete in memory and survives the trainer's death; a crash
+// during Save leaves the previous step intact. It returns ErrBusy, without
+// copying, when the owner is still reading the only half it could write,
+// and ErrTooLarge when the step does not fit.
 func (w *Writer) Save(ctx context.Context, step int64, blobs ...Blob) error {
 	names := make([]string, len(blobs))
 	sizes := make([]int64, len(blobs))
 	for i, b := range blobs {
 		names[i], sizes[i] = b.Name, int64(len(b.Data))
 	}
-	return w.save(ctx, step, names, sizes, func(hw *halfWriter) ([]uint32, error) {
+	return w.save(ctx, step, names, sizes, func(hw *halfWriter) error {
 		dst := make([][]byte, len(blobs))
 		src := make([][]byte, len(blobs))
 		for i, b := range blobs {
 			dst[i], src[i] = hw.blob(i), b.Data
 		}
-		return copyCRC(dst, src, w.cfg.Workers)
+		_, err := copyBlobs(dst, src, w.cfg.Workers, false)
+		return err
 	})
 }
 
@@ -156,23 +167,18 @@ func (w *Writer) SaveFrom(ctx context.Context, step int64, srcs ...Source) error
 			return fmt.Errorf("ckpt: source %q: size %d is negative", s.Name, s.Size)
 		}
 	}
-	return w.save(ctx, step, names, sizes, func(hw *halfWriter) ([]uint32, error) {
-		crcs := make([]uint32, len(srcs))
+	return w.save(ctx, step, names, sizes, func(hw *halfWriter) error {
 		for i, s := range srcs {
 			dst := hw.blob(i)
-			for o := 0; o < len(dst); o += fuseChunk {
-				e := min(o+fuseChunk, len(dst))
-				if _, err := io.ReadFull(s.R, dst[o:e]); err != nil {
-					return nil, fmt.Errorf("ckpt: read source %q at byte %d of %d: %w", s.Name, o, len(dst), err)
-				}
-				crcs[i] = crc32.Update(crcs[i], castagnoli, dst[o:e])
+			if n, err := io.ReadFull(s.R, dst); err != nil {
+				return fmt.Errorf("ckpt: read source %q at byte %d of %d: %w", s.Name, n, len(dst), err)
 			}
 		}
-		return crcs, nil
+		return nil
 	})
 }
 
-func (w *Writer) save(ctx context.Context, step int64, names []string, sizes []int64, fill func(*halfWriter) ([]uint32, error)) (err error) {
+func (w *Writer) save(ctx context.Context, step int64, names []string, sizes []int64, fill func(*halfWriter) error) (err error) {
 	start := time.Now()
 	meta := layoutStep(step, names, sizes)
 	w.mu.Lock()
@@ -201,13 +207,12 @@ func (w *Writer) save(ctx context.Context, step int64, names []string, sizes []i
 	if err != nil {
 		return err
 	}
-	crcs, err := fill(hw)
-	if err != nil {
+	if err := fill(hw); err != nil {
 		// The half stays in the writing state: it holds no step, and the
 		// other half keeps the previous one.
 		return err
 	}
-	if err := hw.commit(crcs); err != nil {
+	if err := hw.commit(nil); err != nil {
 		return err
 	}
 	w.m.saveSeconds.Observe(time.Since(start).Seconds())
@@ -239,8 +244,10 @@ func (w *Writer) Persist(step int64) (err error) {
 	return nil
 }
 
-// Load returns the newest step in memory whose every CRC holds. Its error
-// wraps ErrNoStep and says why each half was refused.
+// Load returns the newest step in memory whose every CRC holds, or which
+// is complete but not yet sealed by its owner (then the Checkpoint is
+// Unverified). Its error wraps ErrNoStep and says why each half was
+// refused.
 func (w *Writer) Load(ctx context.Context) (*Checkpoint, error) {
 	return w.load(ctx, nil)
 }
@@ -270,7 +277,11 @@ func (w *Writer) load(ctx context.Context, reuse *Checkpoint) (_ *Checkpoint, er
 		span.SetStatus(codes.Error, err.Error())
 		return nil, err
 	}
-	span.SetAttributes(attribute.Int64("ckpt.step", ck.Step), attribute.Int64("ckpt.bytes", ck.Size()))
+	span.SetAttributes(attribute.Int64("ckpt.step", ck.Step), attribute.Int64("ckpt.bytes", ck.Size()),
+		attribute.Bool("ckpt.unverified", ck.Unverified))
+	if ck.Unverified {
+		w.log.Warn("ckpt: loaded a step its owner has not sealed: complete, but no CRC checked it", "step", ck.Step, "segment", w.cfg.Path)
+	}
 	return ck, nil
 }
 

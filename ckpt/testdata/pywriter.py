@@ -5,6 +5,10 @@ following the FORMAT section of the package documentation.
 usage: pywriter.py SEGMENT STEP [--persist]
 It saves blobs "model" (1000 bytes of the step's low byte) and
 "optimizer" (3 bytes "py\\n" repeated 700 times) and prints the half it wrote.
+
+A writer computes no CRC of the blobs: the owner seals the step after the
+save. The only checksums here cover the small headers and the table, which
+pure Python computes fast enough.
 """
 import mmap
 import os
@@ -29,7 +33,7 @@ def crc32c(data, crc=0):
 
 assert crc32c(b"123456789") == 0xE3069283
 
-HEADER_SIZE, STEP_HEADER, ENTRY, ALIGN = 4096, 64, 24, 64
+VERSION, HEADER_SIZE, STEP_HEADER, ENTRY, ALIGN = 2, 4096, 64, 24, 64
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 
 
@@ -43,20 +47,22 @@ def main():
     fd = os.open(path, os.O_RDWR)
     m = mmap.mmap(fd, os.fstat(fd).st_size)
     magic, version, header_size, half_size, shard, flags, header_crc = struct.unpack_from("<8sIIQIII", m, 0)
-    assert magic == b"FLTCKPT\x00" and version == 1 and header_size == HEADER_SIZE
+    assert magic == b"FLTCKPT\x00" and version == VERSION and header_size == HEADER_SIZE
     assert header_crc == crc32c(m[0:32]), "header checksum"
 
     def base(i):
         return HEADER_SIZE + i * half_size
 
     def meta(i):
-        state, pin, gen, seq = struct.unpack_from("<IIQQ", m, base(i))
-        nblobs, table_size = struct.unpack_from("<II", m, base(i) + 40)
+        # Complete with a valid meta_crc, which covers bytes [16,48) and the
+        # table, not the seal words nor the CRC array that the owner writes.
+        b = base(i)
+        state, pin, gen, seq = struct.unpack_from("<IIQQ", m, b)
+        nblobs, table_size = struct.unpack_from("<II", m, b + 40)
         ok = state == COMPLETE and table_size <= half_size - STEP_HEADER
         if ok:
-            (meta_crc,) = struct.unpack_from("<I", m, base(i) + 60)
-            b = base(i)
-            ok = meta_crc == crc32c(m[b + 16:b + 60] + m[b + STEP_HEADER:b + STEP_HEADER + table_size])
+            (meta_crc,) = struct.unpack_from("<I", m, b + 60)
+            ok = meta_crc == crc32c(m[b + 16:b + 48] + m[b + STEP_HEADER:b + STEP_HEADER + table_size])
         return ok, seq
 
     # 1. The target half does not hold the newest complete step.
@@ -83,20 +89,24 @@ def main():
         return 3
     (gen,) = struct.unpack_from("<Q", m, b + 8)
     struct.pack_into("<Q", m, b + 8, gen + 1)
-    # 4. Blobs, table, header.
+    # 4. Blobs, table (the CRC array after it stays zero), header with
+    # seal 0 and seal_crc 0.
     table = b""
-    entries = []
     table_size = sum(ENTRY + align(len(n.encode()), 8) for n, _ in blobs)
-    off = align(STEP_HEADER + table_size, ALIGN)
+    crc_array = 4 * len(blobs)
+    off = align(STEP_HEADER + table_size + crc_array, ALIGN)
     for name, data in blobs:
         m[b + off:b + off + len(data)] = data
         nb = name.encode()
-        table += struct.pack("<QQIHH", off, len(data), crc32c(data), len(nb), 0) + nb + b"\0" * (align(len(nb), 8) - len(nb))
+        table += struct.pack("<QQIHH", off, len(data), 0, len(nb), 0) + nb + b"\0" * (align(len(nb), 8) - len(nb))
         off = align(off + len(data), ALIGN)
-    m[b + STEP_HEADER:b + STEP_HEADER + len(table)] = table
+    end = b + STEP_HEADER + table_size
+    m[b + STEP_HEADER:end] = table
+    m[end:end + crc_array] = bytes(crc_array)
     seq = max(halves[0][1], halves[1][1]) + 1
-    head = struct.pack("<QqqII12x", seq, step, time.time_ns(), len(blobs), len(table))
-    m[b + 16:b + 60] = head
+    head = struct.pack("<QqqII", seq, step, time.time_ns(), len(blobs), len(table))
+    m[b + 16:b + 48] = head
+    m[b + 48:b + 60] = bytes(12)
     struct.pack_into("<I", m, b + 60, crc32c(head + table))
     # 5. Complete, flip, ask for a persist.
     struct.pack_into("<I", m, b, COMPLETE)

@@ -11,13 +11,15 @@
 // <shm>/<name>-replica-<shard> for peers' copies.
 //
 // save copies the files, as blobs named by their base names, into shard
-// S's segment (creating it, sized to fit, if it is missing), then persists
-// the step to D and commits it once all N shards of it are there. load
-// writes the blobs of the newest intact step (memory first, then disk) to
-// files in --out, one per blob named after it ('%' and '/' escaped as in
-// URLs), and says which tier served and why the others did not.
-// inspect lists steps, tiers, sizes and CRC status; verify checks every
-// CRC and exits 1 on any corruption.
+// S's segment (creating it, sized to fit, if it is missing), seals the
+// step (computes the CRC of each blob, as a node agent does after a
+// trainer's save), then persists it to D and commits it once all N shards
+// of it are there. load writes the blobs of the newest intact step (memory
+// first, then disk) to files in --out, one per blob named after it ('%'
+// and '/' escaped as in URLs), and says which tier served and why the
+// others did not. inspect lists steps, tiers, sizes and CRC status (a
+// memory step is sealed, with its CRCs, or not yet sealed); verify checks
+// every CRC and exits 1 on any corruption.
 package main
 
 import (
@@ -157,6 +159,11 @@ func save(ctx context.Context, o options, files []string, stdout io.Writer) erro
 		total += s
 	}
 	fmt.Fprintf(stdout, "saved step %d shard %d: %d blobs, %d bytes to %s in %v\n", o.step, o.shard, len(files), total, path, time.Since(start).Round(time.Microsecond))
+	start = time.Now()
+	if err := owner.Seal(ctx, o.shard); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "sealed step %d shard %d: CRC32C of %d blobs in %v\n", o.step, o.shard, len(files), time.Since(start).Round(time.Microsecond))
 	if o.memoryOnly {
 		return nil
 	}
@@ -210,6 +217,9 @@ func load(o options, stdout io.Writer) error {
 	if ck == nil {
 		return fmt.Errorf("no intact step of shard %d", o.shard)
 	}
+	if ck.Unverified {
+		fmt.Fprintf(stdout, "   memory: step %d is not sealed yet (its owner has not computed the CRCs): loaded as saved, unchecked\n", ck.Step)
+	}
 	if err := os.MkdirAll(o.out, 0o750); err != nil {
 		return err
 	}
@@ -254,8 +264,8 @@ func inspect(o options, stdout io.Writer) error {
 		if r.Header.Flags&ckpt.FlagReplica != 0 {
 			kind = "replica of shard"
 		}
-		fmt.Fprintf(stdout, "memory %s: %s %d, halves of %d bytes, active %d, persist seq %d\n",
-			p, kind, r.Header.Shard, r.Header.HalfSize, r.Header.Active, r.Header.PersistSeq)
+		fmt.Fprintf(stdout, "memory %s: %s %d, layout version %d, halves of %d bytes, active %d, persist seq %d\n",
+			p, kind, r.Header.Shard, r.Header.Version, r.Header.HalfSize, r.Header.Active, r.Header.PersistSeq)
 		for i, h := range r.Halves {
 			mark := " "
 			if i == r.NewestHalf {
@@ -263,10 +273,18 @@ func inspect(o options, stdout io.Writer) error {
 			}
 			switch {
 			case h.Err == nil:
-				fmt.Fprintf(stdout, "  %s half %d: step %d seq %d saved %s, %d blobs, %d bytes, CRC ok\n",
-					mark, i, h.Meta.Step, h.Meta.Seq, h.Meta.Time.UTC().Format(time.RFC3339), len(h.Meta.Blobs), h.Meta.DataSize())
+				status := "sealed, CRC ok"
+				if !h.Meta.Sealed {
+					status = "unsealed (CRCs not computed yet)"
+				}
+				fmt.Fprintf(stdout, "  %s half %d: step %d seq %d saved %s, %d blobs, %d bytes, %s\n",
+					mark, i, h.Meta.Step, h.Meta.Seq, h.Meta.Time.UTC().Format(time.RFC3339), len(h.Meta.Blobs), h.Meta.DataSize(), status)
 				for _, b := range h.Meta.Blobs {
-					fmt.Fprintf(stdout, "      %-24s %12d bytes  crc32c %08x\n", b.Name, b.Size, b.CRC32C)
+					crc := fmt.Sprintf("%08x", b.CRC32C)
+					if !h.Meta.Sealed {
+						crc = "-"
+					}
+					fmt.Fprintf(stdout, "      %-24s %12d bytes  crc32c %s\n", b.Name, b.Size, crc)
 				}
 			case h.Corrupt:
 				fmt.Fprintf(stdout, "  %s half %d: CORRUPT: %v\n", mark, i, h.Err)

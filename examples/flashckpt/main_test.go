@@ -72,7 +72,7 @@ func TestSaveInspectVerifyLoad(t *testing.T) {
 		}
 	}
 	code, out := e.run("inspect")
-	for _, want := range []string{"half 0: step", "model.bin", "tracker dlrover_latest.txt: step 20",
+	for _, want := range []string{"half 0: step", "sealed, CRC ok", "model.bin", "tracker dlrover_latest.txt: step 20",
 		"tracker latest_checkpointed_iteration.txt: step 20", "disk step 20: committed", "disk step 10: committed", "CRC ok"} {
 		if code != 0 || !strings.Contains(out, want) {
 			t.Fatalf("inspect: exit %d, output lacks %q:\n%s", code, want, out)
@@ -195,8 +195,13 @@ func TestLoadBlobNames(t *testing.T) {
 	if err := w.Save(context.Background(), 1, blobs...); err != nil {
 		t.Fatal(err)
 	}
+	// Saved by a trainer, not yet sealed by an owner: inspect says so, and
+	// load takes the step as saved.
+	if code, out := e.run("inspect"); !strings.Contains(out, "unsealed (CRCs not computed yet)") || !strings.Contains(out, "crc32c -") {
+		t.Fatalf("inspect of an unsealed step: exit %d\n%s", code, out)
+	}
 	outDir := filepath.Join(e.tmp, "out")
-	if code, out := e.run("load", "--out", outDir); code != 0 {
+	if code, out := e.run("load", "--out", outDir); code != 0 || !strings.Contains(out, "not sealed yet") {
 		t.Fatalf("load: exit %d\n%s", code, out)
 	}
 	for i, f := range []string{"model%2Flayer.0", "optim%2Flayer.0", "%2E%2E", "100%25"} {
