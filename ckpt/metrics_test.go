@@ -63,6 +63,7 @@ func TestMetricsAndSpans(t *testing.T) {
 	}
 	for name, want := range map[string]float64{
 		"faultline_ckpt_save_blocking_seconds": 1,
+		"faultline_ckpt_seal_seconds":          1,
 		"faultline_ckpt_save_bytes_total":      float64(len(blobs(1)[0].Data) + len(blobs(1)[1].Data)),
 		"faultline_ckpt_persist_seconds":       1,
 		"faultline_ckpt_persist_bytes_total":   float64(len(blobs(1)[0].Data) + len(blobs(1)[1].Data)),
@@ -78,7 +79,7 @@ func TestMetricsAndSpans(t *testing.T) {
 	for _, s := range spans.Ended() {
 		names = append(names, s.Name())
 	}
-	for _, want := range []string{"ckpt.Save", "ckpt.Persist", "ckpt.Load"} {
+	for _, want := range []string{"ckpt.Save", "ckpt.Seal", "ckpt.Persist", "ckpt.Load"} {
 		if !slices.Contains(names, want) {
 			t.Errorf("spans %v lack %s", names, want)
 		}

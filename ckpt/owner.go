@@ -848,6 +848,11 @@ func (o *Owner) replicaSeg(slot *replicaSlot, shard int) (*segment, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := seg.writable(); err != nil {
+		// A copy an earlier release received: the next one replaces it.
+		seg.close()
+		return nil, fmt.Errorf("%w of shard %d here: %w", errNoReplica, shard, err)
+	}
 	slot.seg = seg
 	return seg, nil
 }
@@ -862,7 +867,7 @@ func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, shard, metaLen in
 	var fresh *segment
 	m, err := recvHalf(r, metaLen, func(need int64) (*segment, error) {
 		seg, err := o.replicaSeg(slot, shard)
-		if err == nil && seg.hdr.HalfSize >= need && seg.writable() == nil {
+		if err == nil && seg.hdr.HalfSize >= need {
 			return seg, nil
 		}
 		if err != nil && !errors.Is(err, errNoReplica) {
