@@ -218,6 +218,24 @@ func BenchmarkParseRecord(b *testing.B) {
 	}
 }
 
+// BenchmarkParseRecordInterned parses the same lines as a RankReader
+// does, with a table of the names it has seen.
+func BenchmarkParseRecordInterned(b *testing.B) {
+	lines, n := benchLines()
+	split := bytes.SplitN(lines, []byte{'\n'}, n)
+	b.SetBytes(int64(len(lines)))
+	b.ReportAllocs()
+	var r Record
+	var in interner
+	for b.Loop() {
+		for _, l := range split {
+			if err := parseRecordInto(l, &r, &in); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+}
+
 // benchFile writes about 32 MiB of records to a rank folder.
 func benchFile(b *testing.B) (dir string, size int64) {
 	dir = filepath.Join(b.TempDir(), "0")
@@ -292,4 +310,36 @@ func BenchmarkCopyLines(b *testing.B) {
 	for b.Loop() {
 		buf = append(buf[:0], lines...)
 	}
+}
+
+// BenchmarkPairer pairs the records of a step as a rank writes them:
+// nested ranges, each start named and each end not.
+func BenchmarkPairer(b *testing.B) {
+	recs := make([]Record, 0, 24)
+	id := uint64(0)
+	var open []uint64
+	for i := range 24 {
+		if i%2 == 0 || len(open) == 0 {
+			id++
+			open = append(open, id)
+			recs = append(recs, Record{Flag: FlagDeviceStart, SourceKind: SourceKindDevice, ID: id, Timestamp: uint64(i),
+				Name: MarkerForward, Domain: DomainDefault})
+			continue
+		}
+		recs = append(recs, Record{Flag: FlagDeviceEnd, SourceKind: SourceKindDevice, ID: open[len(open)-1], Timestamp: uint64(i)})
+		open = open[:len(open)-1]
+	}
+	p := Pairer{MaxOpen: 256}
+	b.ReportAllocs()
+	n := 0
+	for b.Loop() {
+		for i := range recs {
+			r := &recs[i]
+			r.ID += 1000 // fresh Ids each round
+			if _, ok := p.Add(r); ok {
+				n++
+			}
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(recs)), "ns/record")
 }

@@ -1,6 +1,8 @@
 package trace
 
 import (
+	"math/bits"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"time"
@@ -69,23 +71,6 @@ type PairerStats struct {
 	Open          int    // starts waiting for their ends
 }
 
-type pairKey struct {
-	id  uint64
-	src uint32
-}
-
-type openStart struct {
-	seq       uint64
-	ts        uint64
-	name, dom string
-	pid, tid  uint32
-	dev, strm uint32
-}
-
-type nameEntry struct {
-	name, dom string
-}
-
 // Pairer pairs start and end records by Id into Ranges, separately per
 // source kind (mspti writes a host and a device range under one Id). Names
 // travel from whichever start carried one: mspti names only the host start,
@@ -96,15 +81,28 @@ type nameEntry struct {
 type Pairer struct {
 	MaxOpen int // default DefaultMaxOpen
 
-	open   map[pairKey]openStart
-	order  []pairKey // open keys in start order, possibly stale
-	oseq   []uint64  // seq of each order entry
-	ohead  int
-	names  map[uint64]nameEntry
-	norder []uint64
-	nhead  int
-	seq    uint64
-	stats  PairerStats
+	// The open starts live in a slab, linked from the oldest to the
+	// newest so that the oldest goes first in O(1), and are found by
+	// (Id, source) in an open-addressing table.
+	open           idTable // (Id, source) → ref of the start in starts
+	starts         []openStart
+	free           int32 // ref of the first free entry of starts, 0 if none
+	oldest, newest int32 // refs, 0 when nothing is open
+	names          nameRing
+	stats          PairerStats
+}
+
+// A ref is an index into a slice plus one, so that 0 is none and the zero
+// Pairer needs no set-up.
+
+type openStart struct {
+	id         uint64
+	src        uint32
+	prev, next int32 // refs of the neighbours in start order; next also links the free entries
+	ts         uint64
+	name, dom  string
+	pid, tid   uint32
+	dev, strm  uint32
 }
 
 func (p *Pairer) maxOpen() int {
@@ -117,100 +115,328 @@ func (p *Pairer) maxOpen() int {
 // Add takes one record. It returns a Range when rec ends a range or is an
 // instant; for a start, an unmatched end or anything else it returns false.
 // rec need not outlive the call.
-func (p *Pairer) Add(rec *Record) (Range, bool) {
-	if p.open == nil {
-		p.open = make(map[pairKey]openStart)
-		p.names = make(map[uint64]nameEntry)
-	}
-	key := pairKey{rec.ID, rec.SourceKind}
+func (p *Pairer) Add(rec *Record) (r Range, ok bool) {
+	// The result is filled field by field and returned bare: a Range built
+	// whole and then returned is copied in wider words than it was stored
+	// in, which the processor cannot forward.
 	switch {
 	case rec.Flag.IsStart():
-		name, dom := rec.Name, rec.Domain
-		if name != "" {
-			p.remember(rec.ID, name, dom)
-		} else if n, ok := p.names[rec.ID]; ok {
-			name, dom = n.name, n.dom
-		}
-		if _, dup := p.open[key]; dup {
-			p.stats.Evicted++
-		}
-		p.seq++
-		p.open[key] = openStart{seq: p.seq, ts: rec.Timestamp, name: name, dom: dom,
-			pid: rec.ProcessID, tid: rec.ThreadID, dev: rec.DeviceID, strm: rec.StreamID}
-		p.order = append(p.order, key)
-		p.oseq = append(p.oseq, p.seq)
-		p.evict()
-		return Range{}, false
+		p.start(rec)
+		return
 	case rec.Flag.IsEnd():
-		s, ok := p.open[key]
-		if !ok {
+		pos, ref := p.open.find(rec.ID, rec.SourceKind)
+		if ref == 0 {
 			p.stats.UnmatchedEnds++
-			return Range{}, false
+			return
 		}
-		delete(p.open, key)
-		if s.name == "" {
-			if n, ok := p.names[rec.ID]; ok {
-				s.name, s.dom = n.name, n.dom
+		s := &p.starts[ref-1]
+		r.Name, r.Domain = s.name, s.dom
+		r.ID, r.Start, r.End = rec.ID, s.ts, rec.Timestamp
+		r.ProcessID, r.ThreadID, r.DeviceID, r.StreamID = s.pid, s.tid, s.dev, s.strm
+		r.SourceKind = rec.SourceKind
+		p.remove(pos, ref)
+		if r.Name == "" {
+			if n, ok := p.names.get(rec.ID); ok {
+				r.Name, r.Domain = n.name, n.dom
 			}
 		}
 		p.stats.Ranges++
-		return Range{Name: s.name, Domain: s.dom, ID: rec.ID, Start: s.ts, End: rec.Timestamp,
-			ProcessID: s.pid, ThreadID: s.tid, DeviceID: s.dev, StreamID: s.strm, SourceKind: rec.SourceKind}, true
+		ok = true
+		return
 	case rec.Flag.IsInstant():
 		p.stats.Instants++
-		return Range{Name: rec.Name, Domain: rec.Domain, ID: rec.ID, Start: rec.Timestamp, End: rec.Timestamp,
-			ProcessID: rec.ProcessID, ThreadID: rec.ThreadID, DeviceID: rec.DeviceID, StreamID: rec.StreamID,
-			SourceKind: rec.SourceKind}, true
+		r.Name, r.Domain = rec.Name, rec.Domain
+		r.ID, r.Start, r.End = rec.ID, rec.Timestamp, rec.Timestamp
+		r.ProcessID, r.ThreadID, r.DeviceID, r.StreamID = rec.ProcessID, rec.ThreadID, rec.DeviceID, rec.StreamID
+		r.SourceKind = rec.SourceKind
+		ok = true
+		return
 	}
 	p.stats.Ignored++
-	return Range{}, false
+	return
 }
 
-// evict drops the oldest open starts beyond MaxOpen and compacts the
-// order queue, whose entries for starts already ended are stale and whose
-// consumed head would otherwise keep growing.
-func (p *Pairer) evict() {
-	for len(p.open) > p.maxOpen() {
-		k, seq := p.order[p.ohead], p.oseq[p.ohead]
-		p.ohead++
-		if s, ok := p.open[k]; ok && s.seq == seq {
-			delete(p.open, k)
-			p.stats.Evicted++
-		}
+func (p *Pairer) start(rec *Record) {
+	name, dom := rec.Name, rec.Domain
+	if name != "" {
+		p.names.put(rec.ID, name, dom, p.maxOpen())
+	} else if n, ok := p.names.get(rec.ID); ok {
+		name, dom = n.name, n.dom
 	}
-	if len(p.order)-p.ohead > 2*len(p.open)+1024 || (p.ohead > 1024 && p.ohead > len(p.order)/2) {
-		keep := p.order[:0]
-		kseq := p.oseq[:0]
-		for i := p.ohead; i < len(p.order); i++ {
-			if s, ok := p.open[p.order[i]]; ok && s.seq == p.oseq[i] {
-				keep = append(keep, p.order[i])
-				kseq = append(kseq, p.oseq[i])
-			}
-		}
-		p.order, p.oseq, p.ohead = keep, kseq, 0
+	pos, ref := p.open.find(rec.ID, rec.SourceKind)
+	if ref != 0 {
+		p.stats.Evicted++ // replaced by the newer start; it becomes the newest
+		p.unlink(ref)
+	} else {
+		ref = p.alloc()
+		p.open.insert(pos, rec.ID, rec.SourceKind, ref)
+	}
+	// Field by field: a composite literal would be built on the stack and
+	// copied in words that the processor cannot forward from the stores.
+	s := &p.starts[ref-1]
+	s.id, s.src, s.ts = rec.ID, rec.SourceKind, rec.Timestamp
+	s.name, s.dom = name, dom
+	s.pid, s.tid, s.dev, s.strm = rec.ProcessID, rec.ThreadID, rec.DeviceID, rec.StreamID
+	p.link(ref)
+	for p.open.n > p.maxOpen() {
+		old := &p.starts[p.oldest-1]
+		pos, _ := p.open.find(old.id, old.src)
+		p.remove(pos, p.oldest)
+		p.stats.Evicted++
 	}
 }
 
-// remember keeps the name of a start for the other source's records of
-// the same Id, bounded like the open starts.
-func (p *Pairer) remember(id uint64, name, dom string) {
-	if _, ok := p.names[id]; !ok {
-		p.norder = append(p.norder, id)
+// alloc returns the ref of a free entry of starts.
+func (p *Pairer) alloc() int32 {
+	if ref := p.free; ref != 0 {
+		p.free = p.starts[ref-1].next
+		return ref
 	}
-	p.names[id] = nameEntry{name, dom}
-	for len(p.names) > p.maxOpen() {
-		delete(p.names, p.norder[p.nhead])
-		p.nhead++
+	p.starts = append(p.starts, openStart{})
+	return int32(len(p.starts))
+}
+
+// remove drops the open start ref, found at pos of the table.
+func (p *Pairer) remove(pos int, ref int32) {
+	p.open.delete(pos)
+	p.unlink(ref)
+	s := &p.starts[ref-1]
+	s.name, s.dom = "", "" // for the collector
+	s.next = p.free
+	p.free = ref
+}
+
+// link makes ref the newest open start.
+func (p *Pairer) link(ref int32) {
+	s := &p.starts[ref-1]
+	s.prev, s.next = p.newest, 0
+	if p.newest != 0 {
+		p.starts[p.newest-1].next = ref
+	} else {
+		p.oldest = ref
 	}
-	if p.nhead > 1024 && p.nhead > len(p.norder)/2 {
-		p.norder = append(p.norder[:0], p.norder[p.nhead:]...)
-		p.nhead = 0
+	p.newest = ref
+}
+
+// unlink takes ref out of the start order.
+func (p *Pairer) unlink(ref int32) {
+	s := &p.starts[ref-1]
+	if s.prev != 0 {
+		p.starts[s.prev-1].next = s.next
+	} else {
+		p.oldest = s.next
+	}
+	if s.next != 0 {
+		p.starts[s.next-1].prev = s.prev
+	} else {
+		p.newest = s.prev
 	}
 }
 
 // Stats returns the pairer's counters.
 func (p *Pairer) Stats() PairerStats {
 	s := p.stats
-	s.Open = len(p.open)
+	s.Open = p.open.n
 	return s
+}
+
+type nameEntry struct {
+	id        uint64
+	name, dom string
+}
+
+// nameRing keeps the names of the latest named starts for the other
+// source's records of the same Id, which mspti leaves unnamed. Keeping one
+// costs a store into the ring; the index that finds them by Id is built
+// only once a record asks for a name, so that records of one source only
+// (what Writer writes) never pay for it.
+type nameRing struct {
+	ents    []nameEntry // a ring from head, n long; grows up to the bound
+	head, n int
+	index   idTable // Id → ref into ents, once indexed
+	indexed bool
+}
+
+// put keeps the name of id, the oldest going beyond limit names. A name
+// already kept for id is replaced in place.
+func (r *nameRing) put(id uint64, name, dom string, limit int) {
+	if r.indexed {
+		if _, ref := r.index.find(id, 0); ref != 0 {
+			e := &r.ents[ref-1]
+			e.name, e.dom = name, dom
+			return
+		}
+	}
+	for r.n > 0 && r.n >= limit {
+		r.drop()
+	}
+	if r.n == len(r.ents) {
+		r.grow(limit)
+	}
+	k := r.head + r.n
+	if k >= len(r.ents) {
+		k -= len(r.ents)
+	}
+	e := &r.ents[k]
+	e.id, e.name, e.dom = id, name, dom
+	r.n++
+	if r.indexed {
+		pos, _ := r.index.find(id, 0)
+		r.index.insert(pos, id, 0, int32(k+1))
+	}
+}
+
+// drop forgets the oldest name.
+func (r *nameRing) drop() {
+	e := &r.ents[r.head]
+	if r.indexed {
+		// Without an index an Id may be in the ring twice; the index
+		// points at the newer.
+		if pos, ref := r.index.find(e.id, 0); ref == int32(r.head+1) {
+			r.index.delete(pos)
+		}
+	}
+	e.name, e.dom = "", ""
+	if r.head++; r.head == len(r.ents) {
+		r.head = 0
+	}
+	r.n--
+}
+
+// grow makes room for more names, up to limit.
+func (r *nameRing) grow(limit int) {
+	size := min(max(2*len(r.ents), 16), limit)
+	ents := make([]nameEntry, size)
+	for i := range r.n {
+		ents[i] = r.ents[(r.head+i)%len(r.ents)]
+	}
+	r.ents, r.head = ents, 0
+	if r.indexed {
+		r.reindex()
+	}
+}
+
+// get returns the name kept for id.
+func (r *nameRing) get(id uint64) (nameEntry, bool) {
+	if r.n == 0 {
+		return nameEntry{}, false
+	}
+	if !r.indexed {
+		r.indexed = true
+		r.reindex()
+	}
+	_, ref := r.index.find(id, 0)
+	if ref == 0 {
+		return nameEntry{}, false
+	}
+	return r.ents[ref-1], true
+}
+
+// reindex builds the index from the ring, newer entries winning.
+func (r *nameRing) reindex() {
+	r.index.reset()
+	for i := range r.n {
+		k := (r.head + i) % len(r.ents)
+		pos, ref := r.index.find(r.ents[k].id, 0)
+		if ref != 0 {
+			r.index.slots[pos].ref = int32(k + 1)
+			continue
+		}
+		r.index.insert(pos, r.ents[k].id, 0, int32(k+1))
+	}
+}
+
+// idTable maps (Id, source) keys to refs: open addressing with linear
+// probing, at most half full, with deletion by backward shift so that no
+// tombstones build up.
+type idTable struct {
+	slots []idSlot // len a power of two, or nil
+	shift uint     // 64 - log2(len(slots))
+	seed  uint64
+	n     int
+}
+
+type idSlot struct {
+	id  uint64
+	src uint32
+	ref int32 // 0: free
+}
+
+const idTableMinSlots = 16
+
+// home returns the slot where a key's probe starts. The seed keeps keys
+// chosen to collide from lining up.
+func (t *idTable) home(id uint64, src uint32) int {
+	return int(((id ^ t.seed) + uint64(src)*0xC2B2AE3D27D4EB4F) * 0x9E3779B97F4A7C15 >> t.shift)
+}
+
+// find returns the slot holding the key and its ref, or, with ref 0, the
+// free slot where insert puts it.
+func (t *idTable) find(id uint64, src uint32) (pos int, ref int32) {
+	if t.slots == nil {
+		t.seed = rand.Uint64()
+		t.resize(idTableMinSlots)
+	}
+	mask := len(t.slots) - 1
+	for k := t.home(id, src); ; k = (k + 1) & mask {
+		s := &t.slots[k]
+		if s.ref == 0 || (s.id == id && s.src == src) {
+			return k, s.ref
+		}
+	}
+}
+
+// insert puts a key that find did not find at the pos it returned.
+func (t *idTable) insert(pos int, id uint64, src uint32, ref int32) {
+	t.slots[pos] = idSlot{id, src, ref}
+	if t.n++; 2*t.n > len(t.slots) {
+		t.resize(2 * len(t.slots))
+	}
+}
+
+// delete empties pos and moves back the entries after it whose probe
+// would otherwise cross the hole.
+func (t *idTable) delete(pos int) {
+	mask := len(t.slots) - 1
+	t.n--
+	for hole, k := pos, pos; ; {
+		t.slots[hole] = idSlot{}
+		for {
+			k = (k + 1) & mask
+			s := t.slots[k]
+			if s.ref == 0 {
+				return
+			}
+			// s stays if its home lies cyclically in (hole, k].
+			if h := t.home(s.id, s.src); (k-h)&mask < (k-hole)&mask {
+				continue
+			}
+			t.slots[hole] = s
+			hole = k
+			break
+		}
+	}
+}
+
+func (t *idTable) resize(size int) {
+	old := t.slots
+	t.slots = make([]idSlot, size)
+	t.shift = uint(64 - bits.TrailingZeros(uint(size)))
+	mask := size - 1
+	for _, s := range old {
+		if s.ref == 0 {
+			continue
+		}
+		k := t.home(s.id, s.src)
+		for t.slots[k].ref != 0 {
+			k = (k + 1) & mask
+		}
+		t.slots[k] = s
+	}
+}
+
+// reset empties the table, keeping its room.
+func (t *idTable) reset() {
+	clear(t.slots)
+	t.n = 0
 }

@@ -1,6 +1,7 @@
 package trace
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -10,6 +11,12 @@ import (
 
 func rec(flag Flag, src uint32, id, ts uint64, name, dom string) *Record {
 	return &Record{Kind: 1, Flag: flag, SourceKind: src, ID: id, Timestamp: ts, Name: name, Domain: dom}
+}
+
+// footprint returns the names a Pairer keeps and the most entries any of
+// its tables and slabs has room for.
+func footprint(p *Pairer) (names, held int) {
+	return p.names.n, max(cap(p.starts), len(p.open.slots)/2, len(p.names.ents), len(p.names.index.slots)/2)
 }
 
 func TestPairerBasics(t *testing.T) {
@@ -53,17 +60,16 @@ func TestPairerBounded(t *testing.T) {
 	if _, ok := p.Add(rec(FlagHostEnd, 0, 0, 2000, "", "")); ok {
 		t.Fatal("oldest start was kept")
 	}
-	if len(p.names) > 100 || len(p.order)-p.ohead > 2*len(p.open)+1024 {
-		t.Fatalf("memory not bounded: %d names, %d queued", len(p.names), len(p.order)-p.ohead)
+	if names, held := footprint(&p); names > 100 || held > 2*p.open.n+1024 {
+		t.Fatalf("memory not bounded: %d names, %d entries held", names, held)
 	}
 	// A long stream of starts whose ends never come: what the pairer
 	// holds, consumed queue heads included, stays bounded.
 	for i := range uint64(200000) {
 		p.Add(rec(FlagHostStart, 0, 10000+i, i, "x", DomainDefault))
 	}
-	if n := max(cap(p.order), cap(p.oseq), cap(p.norder)); n > 8*100+4096 {
-		t.Fatalf("memory not bounded: queues of %d, %d and %d entries for %d open starts",
-			cap(p.order), cap(p.oseq), cap(p.norder), len(p.open))
+	if _, held := footprint(&p); held > 8*100+4096 {
+		t.Fatalf("memory not bounded: %d entries held for %d open starts", held, p.open.n)
 	}
 }
 
@@ -122,8 +128,8 @@ func TestPairerProperty(t *testing.T) {
 		if st.Evicted != evicted || st.UnmatchedEnds != unmatched || st.Open != len(pairerOpen) {
 			t.Fatalf("trial %d: stats %+v, model: %d evicted, %d unmatched, %d open", trial, st, evicted, unmatched, len(pairerOpen))
 		}
-		if len(p.order)-p.ohead > 2*st.Open+1024 || len(p.names) > maxOpen {
-			t.Fatalf("trial %d: %d queued, %d names", trial, len(p.order)-p.ohead, len(p.names))
+		if names, held := footprint(&p); held > 2*st.Open+1024 || names > maxOpen {
+			t.Fatalf("trial %d: %d entries held, %d names", trial, held, names)
 		}
 	}
 }
@@ -147,5 +153,65 @@ func TestKindOf(t *testing.T) {
 	}
 	if _, ok := (Range{Name: "step x"}).Step(); ok {
 		t.Error(`Step() of "step x"`)
+	}
+}
+
+// TestPairerNamesProperty pairs host ranges, named, with device twins,
+// unnamed, that come before, during or long after them, against a model:
+// a twin takes the name of its Id while that name is among the MaxOpen
+// latest ones.
+func TestPairerNamesProperty(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	for trial := range 60 {
+		maxOpen := 16 + trial%3*20 // some rings grow after they are indexed
+		p := Pairer{MaxOpen: maxOpen}
+		var named []uint64 // the model: named Ids, oldest first, at most maxOpen
+		lookup := func(id uint64) string {
+			if slices.Contains(named, id) {
+				return fmt.Sprint("n", id)
+			}
+			return ""
+		}
+		name := func(id uint64) {
+			p.Add(rec(FlagHostStart, SourceKindHost, id, id, fmt.Sprint("n", id), DomainDefault))
+			if named = append(named, id); len(named) > maxOpen {
+				named = named[1:]
+			}
+			if r, ok := p.Add(rec(FlagHostEnd, SourceKindHost, id, id+1, "", "")); !ok || r.Name != fmt.Sprint("n", id) {
+				t.Fatalf("trial %d: host range %d: %+v, %v", trial, id, r, ok)
+			}
+		}
+		var twins []uint64 // named Ids whose device twin is still to come
+		var next uint64
+		for step := range 2000 {
+			next++
+			switch k := rng.IntN(4); {
+			case k == 0 && len(twins) > 0:
+				// A twin after its host range, maybe long after.
+				i := rng.IntN(len(twins))
+				id := twins[i]
+				twins = append(twins[:i], twins[i+1:]...)
+				want := lookup(id)
+				p.Add(rec(FlagDeviceStart, SourceKindDevice, id, id, "", ""))
+				if r, ok := p.Add(rec(FlagDeviceEnd, SourceKindDevice, id, id+2, "", "")); !ok || r.Name != want {
+					t.Fatalf("trial %d step %d: twin %d named %q, want %q", trial, step, id, r.Name, want)
+				}
+			case k == 1:
+				// A twin that starts before its host range and ends after it.
+				p.Add(rec(FlagDeviceStart, SourceKindDevice, next, next, "", ""))
+				name(next)
+				if r, ok := p.Add(rec(FlagDeviceEnd, SourceKindDevice, next, next+2, "", "")); !ok || r.Name != lookup(next) {
+					t.Fatalf("trial %d step %d: early twin %d named %q", trial, step, next, r.Name)
+				}
+			default:
+				name(next)
+				if rng.IntN(2) == 0 {
+					twins = append(twins, next)
+				}
+			}
+		}
+		if names, held := footprint(&p); names > maxOpen || held > 4*maxOpen {
+			t.Fatalf("trial %d: %d names, %d entries held", trial, names, held)
+		}
 	}
 }

@@ -61,6 +61,7 @@ func (g ParallelGroups) Validate() error {
 		names = append(names, name)
 	}
 	slices.Sort(names)
+	var scratch []int
 	for _, name := range names {
 		p := g[name]
 		bad := func(field, msg string, args ...any) error {
@@ -69,21 +70,41 @@ func (g ParallelGroups) Validate() error {
 		if name == "" {
 			return bad("", "empty communicator name")
 		}
-		seen := make(map[int]bool, len(p.GlobalRanks))
-		for _, r := range p.GlobalRanks {
-			if r < 0 {
-				return bad("global_ranks", "rank %d is negative", r)
+		if !distinctNonNegative(p.GlobalRanks, &scratch) {
+			// Name the first rank at fault, in file order.
+			seen := make(map[int]bool, len(p.GlobalRanks))
+			for _, r := range p.GlobalRanks {
+				if r < 0 {
+					return bad("global_ranks", "rank %d is negative", r)
+				}
+				if seen[r] {
+					return bad("global_ranks", "rank %d appears twice", r)
+				}
+				seen[r] = true
 			}
-			if seen[r] {
-				return bad("global_ranks", "rank %d appears twice", r)
-			}
-			seen[r] = true
 		}
 		if p.GroupRank < 0 || p.GroupRank >= len(p.GlobalRanks) {
 			return bad("group_rank", "%d is outside global_ranks (%d members)", p.GroupRank, len(p.GlobalRanks))
 		}
 	}
 	return nil
+}
+
+// distinctNonNegative reports whether ranks holds no negative rank and
+// none twice, sorting a copy in *scratch.
+func distinctNonNegative(ranks []int, scratch *[]int) bool {
+	s := append((*scratch)[:0], ranks...)
+	*scratch = s
+	slices.Sort(s)
+	if len(s) > 0 && s[0] < 0 {
+		return false
+	}
+	for i := 1; i < len(s); i++ {
+		if s[i] == s[i-1] {
+			return false
+		}
+	}
+	return true
 }
 
 // Marshal returns the indented JSON form, communicators in name order.

@@ -57,9 +57,10 @@ type RankReader struct {
 
 	cur      string   // current file's name, "" before the first
 	f        *os.File // current file, nil between files
-	off      int64    // bytes of cur read so far, carry included
+	off      int64    // bytes of cur read so far, carry and pending included
 	line     int      // complete lines of cur seen
 	buf      []byte
+	pending  []byte // what a Read stopped by its callback left of buf, for the next
 	carry    []byte // the start of an unfinished line
 	skipping bool   // inside an over-long line, until its newline
 
@@ -93,14 +94,18 @@ func (r *RankReader) Read(fn func(*Record) error) error {
 	if r.dirfd < 0 {
 		return fmt.Errorf("trace: read %s: %w", r.dir, os.ErrClosed)
 	}
+	next := "" // the file after cur, when the last listing found one
 	for {
 		if r.f == nil {
-			next, err := r.nextFile()
-			if err != nil || next == "" {
-				return err
+			if next == "" {
+				var err error
+				if next, err = r.nextFile(); err != nil || next == "" {
+					return err
+				}
 			}
 			r.cur, r.off, r.line, r.carry, r.skipping = next, 0, 0, r.carry[:0], false
-			f, err := openFileAt(r.dirfd, r.dir, next)
+			next = ""
+			f, err := openFileAt(r.dirfd, r.dir, r.cur)
 			if err != nil {
 				r.stats.SkippedFiles++
 				r.stats.LastSkip = err
@@ -112,8 +117,8 @@ func (r *RankReader) Read(fn func(*Record) error) error {
 		if err := r.readToEOF(fn); err != nil {
 			return err
 		}
-		next, err := r.nextFile()
-		if err != nil || next == "" {
+		var err error
+		if next, err = r.nextFile(); err != nil || next == "" {
 			return err // caught up; the current file may still grow
 		}
 		// A newer file exists, so the writer has finished this one; what it
@@ -153,6 +158,17 @@ func (r *RankReader) nextFile() (string, error) {
 
 func (r *RankReader) readToEOF(fn func(*Record) error) error {
 	for {
+		if len(r.pending) > 0 {
+			// What a callback's error left, in place: not read again.
+			data := r.pending
+			r.pending = nil
+			unread, err := r.lines(data, fn)
+			r.stats.Bytes += uint64(len(data) - unread)
+			if err != nil {
+				r.pending = data[len(data)-unread:]
+				return err
+			}
+		}
 		n, err := r.f.ReadAt(r.buf, r.off)
 		if n == 0 && err == io.EOF {
 			return r.checkShrunk()
@@ -165,13 +181,7 @@ func (r *RankReader) readToEOF(fn func(*Record) error) error {
 			return nil
 		}
 		r.off += int64(n)
-		r.stats.Bytes += uint64(n)
-		if unread, err := r.lines(r.buf[:n], fn); err != nil {
-			// Read again from the record after the one fn refused.
-			r.off -= int64(unread)
-			r.stats.Bytes -= uint64(unread)
-			return err
-		}
+		r.pending = r.buf[:n]
 	}
 }
 

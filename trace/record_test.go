@@ -127,9 +127,16 @@ func FuzzParseRecord(f *testing.F) {
 	f.Add([]byte("{\"Kind\":1,\xff"))
 	f.Add([]byte(`{"Kind":1,"Flag":16,"SourceKind":0,"Timestamp":5,"Id":9,"MsptiObjectId":{"Pt":{"ProcessId":1,"ThreadId":1},"Ds":{"DeviceId":0,"StreamId":0}},"Name":"a\u00e9\ud83d\ude00\/\b\f\n\r\t\\","Domain":"default"}`))
 	f.Fuzz(func(t *testing.T, line []byte) {
-		// The fast path must agree with encoding/json wherever it answers.
-		var c Record
-		if trimmed := bytes.TrimSpace(line); parseCanonical(trimmed, &c, &interner{}) {
+		// The fast path must agree with encoding/json wherever it answers:
+		// without a table of names, with one that meets the names for the
+		// first time, and with one that has seen them.
+		trimmed := bytes.TrimSpace(line)
+		in := &interner{}
+		for _, in := range []*interner{nil, in, in} {
+			var c Record
+			if !parseCanonical(trimmed, &c, in) {
+				continue
+			}
 			g, err := parseGeneric(trimmed)
 			if err != nil {
 				t.Fatalf("canonical path accepts what the generic path rejects (%v): %q", err, line)
@@ -156,4 +163,27 @@ func FuzzParseRecord(f *testing.F) {
 			t.Fatalf("round trip changed the record: %+v != %+v", again, r)
 		}
 	})
+}
+
+// TestCanonicalFastPath checks that the lines Writer and MindCluster write
+// take the fast path, names seen before included, and read as the generic
+// path reads them.
+func TestCanonicalFastPath(t *testing.T) {
+	lines, n := benchLines()
+	all := bytes.SplitN(lines, []byte{'\n'}, n)
+	all[len(all)-1] = bytes.TrimSuffix(all[len(all)-1], []byte{'\n'})
+	all = append(all, []byte(`{"Kind":1,"Flag":2,"SourceKind":0,"Timestamp":500,"Id":3,"MsptiObjectId":{"Pt":{"ProcessId":4242,"ThreadId":4243},"Ds":{"DeviceId":-1,"StreamId":-1}},"Name":"dataloader","Domain":"default"}`))
+	var in interner
+	for round := range 2 {
+		for _, l := range all {
+			var c Record
+			if !parseCanonical(l, &c, &in) {
+				t.Fatalf("round %d: %s: not on the fast path", round, l)
+			}
+			g, err := parseGeneric(l)
+			if err != nil || g != c {
+				t.Fatalf("round %d: %s:\ncanonical %+v\ngeneric   %+v, %v", round, l, c, g, err)
+			}
+		}
+	}
 }

@@ -280,7 +280,10 @@ func (d *Detector) join(ri, gi int32) int {
 
 // Add takes a completed range of rank, in the order the rank's file holds
 // them. Ranges of no kind the detector uses are counted and ignored.
-func (d *Detector) Add(rank int, r trace.Range) {
+func (d *Detector) Add(rank int, r trace.Range) { d.add(rank, &r) }
+
+// add is Add without the copy of the range.
+func (d *Detector) add(rank int, r *trace.Range) {
 	ri := d.rankIdx(rank)
 	if ri < 0 {
 		d.stats.IgnoredRanges++

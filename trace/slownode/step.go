@@ -94,7 +94,9 @@ type CommTime struct {
 // isSend reports whether op is a point-to-point send (HcclSend,
 // ncclSend, ...), which pipeline stages use to pass activations.
 func isSend(op string) bool {
-	return strings.HasSuffix(strings.ToLower(op), "send")
+	// Only ASCII letters lower to those of "send", so the last four bytes
+	// decide, compared without allocating a lowered copy.
+	return len(op) >= 4 && strings.EqualFold(op[len(op)-4:], "send")
 }
 
 type spanKind uint8

@@ -25,8 +25,10 @@ var ErrNoRanks = errors.New("no rank folders")
 
 // chunkSteps is how far one rank is read ahead of the slowest before the
 // others get their turn, so that a finished job's files, read one after
-// the other, meet in the detector a few steps apart.
-const chunkSteps = 8
+// the other, meet in the detector a few steps apart (well within
+// DefaultHorizon). Longer turns keep a rank's reading state in the cache
+// for more of its records: a thousand ranks' worth does not fit.
+const chunkSteps = 32
 
 // Per-rank reading state stays open while a job is tailed, so it is kept
 // small: a thousand ranks with trace's defaults (a 256 KiB buffer, 8192
@@ -336,13 +338,17 @@ func (s *source) open(rs *rankSource) {
 // finished step target; it reports whether the rank caught up instead.
 func (s *source) read(rs *rankSource, target int64) (bool, error) {
 	before := rs.rd.Stats()
+	var st *rankState // nil for a rank the detector refused, which never pauses
+	if i, ok := s.d.index[rs.rank]; ok {
+		st = s.d.ranks[i]
+	}
 	err := rs.rd.Read(func(rec *trace.Record) error {
 		r, ok := rs.pair.Add(rec)
 		if !ok {
 			return nil
 		}
-		s.d.Add(rs.rank, r)
-		if s.d.rankLast(rs.rank) >= target {
+		s.d.add(rs.rank, &r)
+		if st != nil && st.asm.last >= target {
 			return errPause
 		}
 		return nil

@@ -1,0 +1,404 @@
+package trace
+
+import (
+	"hash/maphash"
+	"math"
+	"unicode/utf16"
+	"unicode/utf8"
+)
+
+// The canonical form, as Record.AppendJSON writes it (and MindCluster's
+// writer, which uses the same order), is a fixed skeleton of literals
+// around nine numbers and two strings. The fast path below matches the
+// literals in place, reads the numbers eight digits at a time and looks
+// the strings up by their raw bytes, so a line costs little more than one
+// pass over it. Anything else goes to encoding/json, which decides.
+
+// The literals of the canonical form, each before the value it names.
+// The longer ones are split in parts of at most 16 bytes: a comparison
+// with a constant that short compiles to a few word compares in place.
+const (
+	litKind   = `{"Kind":`
+	litFlag   = `,"Flag":`
+	litSource = `,"SourceKind":`
+	litTime   = `,"Timestamp":`
+	litID     = `,"Id":`
+	litPid    = litPidA + litPidB + litPidC
+	litPidA   = `,"MsptiObjectId"`
+	litPidB   = `:{"Pt":{"Process`
+	litPidC   = `Id":`
+	litTid    = `,"ThreadId":`
+	litDev    = litDevA + litDevB
+	litDevA   = `},"Ds":{"DeviceI`
+	litDevB   = `d":`
+	litStream = `,"StreamId":`
+	litName   = `}},"Name":"`  // up to the name's opening quote
+	litDomain = `","Domain":"` // from the name's closing quote to the domain's opening one
+)
+
+// The ends of lines of the usual domains, from the name's closing quote.
+// A line that ends so has its name between litName and the tail, which
+// spares a scan for the closing quote (escaped quotes and all, in the JSON
+// of a communication op) whenever the name is one seen before.
+const (
+	tailDefault = `","Domain":"default"}`
+	tailComm    = `","Domain":"communication"}`
+	tailNone    = `","Domain":""}`
+)
+
+// The numbers of the canonical form, in order.
+const (
+	fKind = iota
+	fFlag
+	fSource
+	fTime
+	fID
+	fPid
+	fTid
+	fDev
+	fStream
+	numFields
+)
+
+// parseCanonical parses the canonical form into *r. It reports false for
+// anything else, leaving the generic path to decide; where it answers, the
+// generic path gives the same record (FuzzParseRecord checks it).
+func parseCanonical(b []byte, r *Record, in *interner) bool {
+	var v [numFields]uint64
+	i := 0
+	for f := range numFields {
+		rest := b[i:]
+		var n int // the literal's length, 0 if it is not there
+		switch f {
+		case fKind:
+			if len(rest) >= len(litKind) && string(rest[:len(litKind)]) == litKind {
+				n = len(litKind)
+			}
+		case fFlag:
+			if len(rest) >= len(litFlag) && string(rest[:len(litFlag)]) == litFlag {
+				n = len(litFlag)
+			}
+		case fSource:
+			if len(rest) >= len(litSource) && string(rest[:len(litSource)]) == litSource {
+				n = len(litSource)
+			}
+		case fTime:
+			if len(rest) >= len(litTime) && string(rest[:len(litTime)]) == litTime {
+				n = len(litTime)
+			}
+		case fID:
+			if len(rest) >= len(litID) && string(rest[:len(litID)]) == litID {
+				n = len(litID)
+			}
+		case fPid:
+			if len(rest) >= len(litPid) && string(rest[:16]) == litPidA && string(rest[16:32]) == litPidB &&
+				string(rest[32:len(litPid)]) == litPidC {
+				n = len(litPid)
+			}
+		case fTid:
+			if len(rest) >= len(litTid) && string(rest[:len(litTid)]) == litTid {
+				n = len(litTid)
+			}
+		case fDev:
+			if len(rest) >= len(litDev) && string(rest[:16]) == litDevA && string(rest[16:len(litDev)]) == litDevB {
+				n = len(litDev)
+			}
+		case fStream:
+			if len(rest) >= len(litStream) && string(rest[:len(litStream)]) == litStream {
+				n = len(litStream)
+			}
+		}
+		if n == 0 {
+			return false
+		}
+		i += n
+		// Digit by digit: the loop runs ahead on the branch predictor,
+		// which wins over reading eight digits at a time, whose every step
+		// waits on the last.
+		j := i
+		var u uint64
+		for ; j < len(b); j++ {
+			c := b[j] - '0'
+			if c > 9 {
+				break
+			}
+			u = u*10 + uint64(c)
+		}
+		switch d := j - i; {
+		case d == 0 && f != fTime && f != fID && minusOne(b, i):
+			// mspti writes -1 in the half of its object id union that
+			// does not apply; the generic path reads it as 1<<32-1 too.
+			u, j = math.MaxUint32, i+2
+		case d == 0 || d > 19 || (d > 1 && b[i] == '0'):
+			// No number, or one JSON refuses, or one of 20 digits that may
+			// overflow: the generic path decides.
+			return false
+		case u > math.MaxUint32 && f != fTime && f != fID:
+			return false
+		}
+		v[f] = u
+		i = j
+	}
+	if len(b)-i < len(litName) || string(b[i:i+len(litName)]) != litName {
+		return false
+	}
+	r.Kind, r.Flag, r.SourceKind = uint32(v[fKind]), Flag(v[fFlag]), uint32(v[fSource])
+	r.Timestamp, r.ID = v[fTime], v[fID]
+	r.ProcessID, r.ThreadID = uint32(v[fPid]), uint32(v[fTid])
+	r.DeviceID, r.StreamID = uint32(v[fDev]), uint32(v[fStream])
+	return parseStrings(b, i+len(litName), r, in)
+}
+
+// parseStrings reads the Name from b[i:], just after its opening quote,
+// and the Domain after it, to the end of the line.
+func parseStrings(b []byte, i int, r *Record, in *interner) bool {
+	end, dom := -1, ""
+	if len(b) >= len(tailComm) {
+		switch b[len(b)-3] { // tells the tails apart before they are compared
+		case 't':
+			if string(b[len(b)-len(tailDefault):]) == tailDefault {
+				end, dom = len(b)-len(tailDefault), DomainDefault
+			}
+		case 'n':
+			if string(b[len(b)-len(tailComm):]) == tailComm {
+				end, dom = len(b)-len(tailComm), DomainCommunication
+			}
+		case '"':
+			if string(b[len(b)-len(tailNone):]) == tailNone {
+				end = len(b) - len(tailNone)
+			}
+		}
+	}
+	if end >= i {
+		// The name is valid only if no unescaped quote ends it earlier:
+		// in.get checks that, and finds a name seen before at the cost of a
+		// hash of its bytes.
+		if name, ok := in.get(b[i:end]); ok {
+			r.Name, r.Domain = name, dom
+			return true
+		}
+	}
+	// Another domain, or a line that only looks like it ends with one.
+	j := closingQuote(b, i)
+	if j < 0 || len(b)-j < len(litDomain) || string(b[j:j+len(litDomain)]) != litDomain {
+		return false
+	}
+	k := closingQuote(b, j+len(litDomain))
+	if k != len(b)-2 || b[k+1] != '}' {
+		return false
+	}
+	name, ok := in.get(b[i:j])
+	if !ok {
+		return false
+	}
+	domain, ok := in.get(b[j+len(litDomain) : k])
+	if !ok {
+		return false
+	}
+	r.Name, r.Domain = name, domain
+	return true
+}
+
+// closingQuote returns the index of the quote that ends the JSON string
+// whose content starts at b[i], or -1.
+func closingQuote(b []byte, i int) int {
+	for i < len(b) {
+		switch b[i] {
+		case '"':
+			return i
+		case '\\':
+			i += 2
+		default:
+			i++
+		}
+	}
+	return -1
+}
+
+// minusOne reports whether b holds the number -1 at i.
+func minusOne(b []byte, i int) bool {
+	return len(b)-i >= 2 && b[i] == '-' && b[i+1] == '1' && (len(b)-i == 2 || b[i+2]-'0' > 9)
+}
+
+// interner hands out one string per distinct short name, so that a
+// reader allocates neither the names it has seen before nor, for those,
+// decodes and validates them again. Its table is keyed by the raw bytes
+// of the JSON string, escapes and all, and holds only strings that
+// decoded without fault, so a hit is as good as a full decode. A nil
+// interner decodes every time.
+type interner struct {
+	seed  maphash.Seed
+	slots []internSlot // open addressing, linear probing; len a power of two
+	n     int
+}
+
+type internSlot struct {
+	hash uint64
+	raw  string // the key: the JSON string's content as in the line; "" when the slot is free
+	s    string // raw decoded
+}
+
+const (
+	internMaxEntries = 1024
+	internMaxLen     = 256
+	internMinSlots   = 16
+)
+
+// get decodes the content of a JSON string (what lies between its
+// quotes). It reports false for what is left to encoding/json: an
+// unescaped quote or control character, a bad escape, an escaped UTF-16
+// surrogate, or invalid UTF-8 (which encoding/json replaces by U+FFFD).
+func (in *interner) get(raw []byte) (string, bool) {
+	if len(raw) == 0 {
+		return "", true
+	}
+	// Step names are used twice at most; they would only churn the table.
+	if in == nil || len(raw) > internMaxLen || (len(raw) > len(StepMarkerPrefix) && string(raw[:len(StepMarkerPrefix)]) == StepMarkerPrefix) {
+		return decodeString(raw)
+	}
+	if in.slots == nil {
+		in.seed = maphash.MakeSeed()
+		in.slots = make([]internSlot, internMinSlots)
+	}
+	h := maphash.Bytes(in.seed, raw)
+	mask := len(in.slots) - 1
+	k := int(h) & mask
+	for ; in.slots[k].raw != ""; k = (k + 1) & mask {
+		if e := &in.slots[k]; e.hash == h && e.raw == string(raw) {
+			return e.s, true
+		}
+	}
+	s, ok := decodeString(raw)
+	if !ok {
+		return "", false
+	}
+	key := s
+	if len(s) != len(raw) || s != string(raw) {
+		key = string(raw)
+	}
+	if 2*(in.n+1) > len(in.slots) {
+		in.grow()
+		mask = len(in.slots) - 1
+		for k = int(h) & mask; in.slots[k].raw != ""; k = (k + 1) & mask {
+		}
+	}
+	in.slots[k] = internSlot{hash: h, raw: key, s: s}
+	in.n++
+	return s, true
+}
+
+// grow doubles the table, or empties it once it holds internMaxEntries:
+// a reader of hostile input keeps a bounded table.
+func (in *interner) grow() {
+	if in.n >= internMaxEntries {
+		clear(in.slots)
+		in.n = 0
+		return
+	}
+	old := in.slots
+	in.slots = make([]internSlot, 2*len(old))
+	mask := len(in.slots) - 1
+	for _, e := range old {
+		if e.raw == "" {
+			continue
+		}
+		k := int(e.hash) & mask
+		for in.slots[k].raw != "" {
+			k = (k + 1) & mask
+		}
+		in.slots[k] = e
+	}
+}
+
+// decodeString is interner.get without the table.
+func decodeString(raw []byte) (string, bool) {
+	escaped := false
+	for j := 0; j < len(raw); j++ {
+		switch c := raw[j]; {
+		case c == '\\':
+			escaped = true
+			j++ // unescape checks the escape
+		case c == '"' || c < 0x20:
+			return "", false
+		}
+	}
+	if escaped {
+		v, ok := unescape(raw)
+		if !ok {
+			return "", false
+		}
+		raw = v
+	}
+	if !utf8.Valid(raw) {
+		return "", false
+	}
+	switch string(raw) { // compared in place, not converted
+	case DomainDefault:
+		return DomainDefault, true
+	case DomainCommunication:
+		return DomainCommunication, true
+	case MarkerForward:
+		return MarkerForward, true
+	case MarkerDataLoader:
+		return MarkerDataLoader, true
+	case MarkerSaveCheckpoint:
+		return MarkerSaveCheckpoint, true
+	}
+	return string(raw), true
+}
+
+// unescape decodes the escapes of a JSON string's content. It reports
+// false for an invalid escape or a \u escape of a surrogate.
+func unescape(raw []byte) ([]byte, bool) {
+	out := make([]byte, 0, len(raw))
+	for i := 0; i < len(raw); i++ {
+		c := raw[i]
+		if c != '\\' {
+			out = append(out, c)
+			continue
+		}
+		if i+1 >= len(raw) {
+			return nil, false
+		}
+		i++
+		switch raw[i] {
+		case '"', '\\', '/':
+			out = append(out, raw[i])
+		case 'b':
+			out = append(out, '\b')
+		case 'f':
+			out = append(out, '\f')
+		case 'n':
+			out = append(out, '\n')
+		case 'r':
+			out = append(out, '\r')
+		case 't':
+			out = append(out, '\t')
+		case 'u':
+			if i+5 > len(raw) {
+				return nil, false
+			}
+			var r rune
+			for _, h := range raw[i+1 : i+5] {
+				switch {
+				case h >= '0' && h <= '9':
+					r = r<<4 | rune(h-'0')
+				case h >= 'a' && h <= 'f':
+					r = r<<4 | rune(h-'a'+10)
+				case h >= 'A' && h <= 'F':
+					r = r<<4 | rune(h-'A'+10)
+				default:
+					return nil, false
+				}
+			}
+			if utf16.IsSurrogate(r) {
+				return nil, false
+			}
+			out = utf8.AppendRune(out, r)
+			i += 4
+		default:
+			return nil, false
+		}
+	}
+	return out, true
+}
