@@ -285,8 +285,8 @@ func BenchmarkRankReader(b *testing.B) {
 	}
 }
 
-// BenchmarkAppendJSON encodes records without writing them. Compare with
-// BenchmarkCopyLines.
+// BenchmarkAppendJSON encodes records without writing them, with no
+// memory of earlier ones. Compare with BenchmarkCopyLines.
 func BenchmarkAppendJSON(b *testing.B) {
 	recs := benchRecords()
 	lines, _ := benchLines()
@@ -296,6 +296,24 @@ func BenchmarkAppendJSON(b *testing.B) {
 		buf = buf[:0]
 		for i := range recs {
 			buf = recs[i].AppendJSON(buf)
+			buf = append(buf, '\n')
+		}
+	}
+}
+
+// BenchmarkEncoder encodes records as a Writer does, with its memory of
+// the last heads, object ids, names and leading digits. Compare with
+// BenchmarkCopyLines.
+func BenchmarkEncoder(b *testing.B) {
+	recs := benchRecords()
+	lines, _ := benchLines()
+	b.SetBytes(int64(len(lines)))
+	buf := make([]byte, 0, 2*len(lines))
+	var e encoder
+	for b.Loop() {
+		buf = buf[:0]
+		for i := range recs {
+			buf = e.appendRecord(buf, &recs[i], nameLiteral, 0, nil)
 			buf = append(buf, '\n')
 		}
 	}

@@ -1,14 +1,16 @@
 package trace
 
-import "slices"
+import (
+	"math/bits"
+	"slices"
+)
 
 // encoder writes records as Record.AppendJSON does, byte for byte, with a
 // memory of the last object id and names: the records of one writer
 // mostly repeat them, and copying is cheaper than formatting and escaping
 // again.
 type encoder struct {
-	head     [3]uint32 // Kind, Flag, SourceKind of headJSON
-	headJSON []byte    // `{"Kind":1,"Flag":16,"SourceKind":0,"Timestamp":`
+	heads [7]head // by flag bit: a writer's records mostly alternate between a few flags
 
 	obj     [4]uint32 // ProcessID, ThreadID, DeviceID, StreamID of objJSON
 	objJSON []byte    // `,"MsptiObjectId":{...}},"Name":`
@@ -23,6 +25,12 @@ type encoder struct {
 	ts, id bigMemo
 }
 
+// head is the JSON form of a record up to the Timestamp's value.
+type head struct {
+	key  [3]uint32 // Kind, Flag, SourceKind
+	json []byte    // `{"Kind":1,"Flag":16,"SourceKind":0,"Timestamp":`
+}
+
 // bigMemo remembers the decimal digits of a large number but its last six:
 // successive timestamps and ids share them, so only six digits are new.
 type bigMemo struct {
@@ -35,7 +43,8 @@ func (m *bigMemo) append(dst []byte, v uint64) []byte {
 	if v < 1e12 {
 		return appendUint(dst, v)
 	}
-	hi, lo := v/1e6, v%1e6
+	hi := v / 1e6
+	lo := uint32(v - hi*1e6) // six digits, in cheaper 32-bit arithmetic
 	if hi != m.hi || m.digits == nil {
 		m.hi = hi
 		m.digits = appendUint(m.digits[:0], hi)
@@ -53,17 +62,18 @@ const memoMinName = 32
 // from: r.Name, "step <step>" or *op as JSON.
 func (e *encoder) appendRecord(dst []byte, r *Record, form uint8, step uint64, op *CommOp) []byte {
 	dst = slices.Grow(dst, 320)
-	if key := [3]uint32{r.Kind, uint32(r.Flag), r.SourceKind}; key != e.head || e.headJSON == nil {
-		e.head = key
-		b := append(e.headJSON[:0], `{"Kind":`...)
+	h := &e.heads[bits.TrailingZeros32(uint32(r.Flag)|1<<6)] // one per flag bit, one for none
+	if key := [3]uint32{r.Kind, uint32(r.Flag), r.SourceKind}; key != h.key || h.json == nil {
+		h.key = key
+		b := append(h.json[:0], `{"Kind":`...)
 		b = appendUint(b, uint64(r.Kind))
 		b = append(b, `,"Flag":`...)
 		b = appendUint(b, uint64(r.Flag))
 		b = append(b, `,"SourceKind":`...)
 		b = appendUint(b, uint64(r.SourceKind))
-		e.headJSON = append(b, `,"Timestamp":`...)
+		h.json = append(b, `,"Timestamp":`...)
 	}
-	dst = append(dst, e.headJSON...)
+	dst = append(dst, h.json...)
 	dst = e.ts.append(dst, r.Timestamp)
 	dst = append(dst, `,"Id":`...)
 	dst = e.id.append(dst, r.ID)
@@ -86,7 +96,7 @@ func (e *encoder) appendRecord(dst []byte, r *Record, form uint8, step uint64, o
 		dst = append(dst, e.opJSON...)
 	default:
 		if len(r.Name) < memoMinName {
-			dst = appendJSONString(dst, r.Name)
+			dst = appendShortName(dst, r.Name)
 			break
 		}
 		if r.Name != e.name || e.nameJSON == nil {
@@ -96,4 +106,20 @@ func (e *encoder) appendRecord(dst []byte, r *Record, form uint8, step uint64, o
 		dst = append(dst, e.nameJSON...)
 	}
 	return r.appendTail(dst)
+}
+
+// appendShortName appends a short name as appendJSONString does, the
+// markers' names without escaping them again.
+func appendShortName(dst []byte, name string) []byte {
+	switch name {
+	case "":
+		return append(dst, `""`...)
+	case MarkerForward:
+		return append(dst, `"`+MarkerForward+`"`...)
+	case MarkerDataLoader:
+		return append(dst, `"`+MarkerDataLoader+`"`...)
+	case MarkerSaveCheckpoint:
+		return append(dst, `"`+MarkerSaveCheckpoint+`"`...)
+	}
+	return appendJSONString(dst, name)
 }

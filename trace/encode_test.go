@@ -12,7 +12,7 @@ import (
 // Record.AppendJSON writes.
 func TestEncoderMatchesAppendJSON(t *testing.T) {
 	rng := rand.New(rand.NewPCG(5, 6))
-	names := []string{"", "step 1", MarkerForward, strings.Repeat("long name <&> ", 4), strings.Repeat("other long name \"q\" ", 3), "bad\xffutf8 " + strings.Repeat("x", 40)}
+	names := []string{"", "step 1", MarkerForward, MarkerDataLoader, MarkerSaveCheckpoint, strings.Repeat("long name <&> ", 4), strings.Repeat("other long name \"q\" ", 3), "bad\xffutf8 " + strings.Repeat("x", 40)}
 	ops := []CommOp{
 		{OpName: "HcclAllReduce", GroupName: "tp<0>", Count: 4096, DataType: "fp16", StreamID: 3},
 		{OpName: "HcclAllGather", GroupName: "dp", Count: 1, DataType: "bf16"},

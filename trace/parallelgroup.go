@@ -37,6 +37,21 @@ const maxParallelGroupsBytes = 16 << 20
 // non-negative, distinct global ranks and a group rank that indexes them.
 // Errors wrap ErrParallelGroups and name the communicator and field.
 func ParseParallelGroups(data []byte) (ParallelGroups, error) {
+	g, ok := parseGroupsPlain(data)
+	if !ok {
+		var err error
+		if g, err = parseGroupsJSON(data); err != nil {
+			return nil, err
+		}
+	}
+	if err := g.Validate(); err != nil {
+		return nil, err
+	}
+	return g, nil
+}
+
+// parseGroupsJSON is ParseParallelGroups' decoding, by encoding/json.
+func parseGroupsJSON(data []byte) (ParallelGroups, error) {
 	var g ParallelGroups
 	dec := json.NewDecoder(bytes.NewReader(data))
 	if err := dec.Decode(&g); err != nil {
@@ -48,10 +63,175 @@ func ParseParallelGroups(data []byte) (ParallelGroups, error) {
 	if g == nil {
 		return nil, fmt.Errorf("trace: parallel groups: want an object, got null: %w", ErrParallelGroups)
 	}
-	if err := g.Validate(); err != nil {
-		return nil, err
-	}
 	return g, nil
+}
+
+// parseGroupsPlain decodes the plain form that Marshal and MindCluster
+// write, several times faster than encoding/json, whose reflection over
+// arrays of ranks dominates a job's start-up: names without escapes, and
+// in each group the three fields, once each, with integers. It reports
+// false for anything else, which parseGroupsJSON then decides; where it
+// answers, it answers as parseGroupsJSON does (FuzzParseParallelGroups
+// checks it).
+func parseGroupsPlain(data []byte) (ParallelGroups, bool) {
+	p := plainJSON{b: data}
+	if !p.byte('{') {
+		return nil, false
+	}
+	g := ParallelGroups{}
+	if p.byte('}') {
+		return g, p.end()
+	}
+	for {
+		name, ok := p.str()
+		if !ok || !p.byte(':') || !p.byte('{') {
+			return nil, false
+		}
+		if _, dup := g[name]; dup {
+			return nil, false // encoding/json would merge the two
+		}
+		var grp ParallelGroup
+		var seen uint8
+		for {
+			field, ok := p.str()
+			if !ok || !p.byte(':') {
+				return nil, false
+			}
+			switch field {
+			case "group_name":
+				grp.GroupName, ok = p.str()
+				seen, ok = seen|1, ok && seen&1 == 0
+			case "group_rank":
+				grp.GroupRank, ok = p.int()
+				seen, ok = seen|2, ok && seen&2 == 0
+			case "global_ranks":
+				grp.GlobalRanks, ok = p.ints()
+				seen, ok = seen|4, ok && seen&4 == 0
+			default:
+				ok = false
+			}
+			if !ok {
+				return nil, false
+			}
+			if p.byte('}') {
+				break
+			}
+			if !p.byte(',') {
+				return nil, false
+			}
+		}
+		if seen != 7 {
+			return nil, false
+		}
+		g[name] = grp
+		if p.byte('}') {
+			return g, p.end()
+		}
+		if !p.byte(',') {
+			return nil, false
+		}
+	}
+}
+
+// plainJSON reads the few JSON forms parseGroupsPlain takes.
+type plainJSON struct {
+	b []byte
+	i int
+}
+
+func (p *plainJSON) space() {
+	for p.i < len(p.b) {
+		switch p.b[p.i] {
+		case ' ', '\t', '\n', '\r':
+			p.i++
+		default:
+			return
+		}
+	}
+}
+
+// byte consumes c, after white space, if it comes next.
+func (p *plainJSON) byte(c byte) bool {
+	p.space()
+	if p.i < len(p.b) && p.b[p.i] == c {
+		p.i++
+		return true
+	}
+	return false
+}
+
+// end reports whether nothing but white space is left.
+func (p *plainJSON) end() bool {
+	p.space()
+	return p.i == len(p.b)
+}
+
+// str reads a string of printable ASCII without escapes.
+func (p *plainJSON) str() (string, bool) {
+	if !p.byte('"') {
+		return "", false
+	}
+	start := p.i
+	for ; p.i < len(p.b); p.i++ {
+		switch c := p.b[p.i]; {
+		case c == '"':
+			s := string(p.b[start:p.i])
+			p.i++
+			return s, true
+		case c == '\\' || c < 0x20 || c >= 0x7F:
+			return "", false
+		}
+	}
+	return "", false
+}
+
+// int reads an integer of at most 18 digits, in JSON's form.
+func (p *plainJSON) int() (int, bool) {
+	p.space()
+	neg := p.i < len(p.b) && p.b[p.i] == '-'
+	if neg {
+		p.i++
+	}
+	start := p.i
+	v := 0
+	for ; p.i < len(p.b) && p.b[p.i]-'0' <= 9; p.i++ {
+		v = v*10 + int(p.b[p.i]-'0')
+	}
+	n := p.i - start
+	if n == 0 || n > 18 || (n > 1 && p.b[start] == '0') || (neg && v == 0) {
+		return 0, false // -0 and the like: encoding/json decides
+	}
+	if p.i < len(p.b) && (p.b[p.i] == '.' || p.b[p.i] == 'e' || p.b[p.i] == 'E') {
+		return 0, false
+	}
+	if neg {
+		v = -v
+	}
+	return v, true
+}
+
+// ints reads an array of integers.
+func (p *plainJSON) ints() ([]int, bool) {
+	if !p.byte('[') {
+		return nil, false
+	}
+	out := []int{}
+	if p.byte(']') {
+		return out, true
+	}
+	for {
+		v, ok := p.int()
+		if !ok {
+			return nil, false
+		}
+		out = append(out, v)
+		if p.byte(']') {
+			return out, true
+		}
+		if !p.byte(',') {
+			return nil, false
+		}
+	}
 }
 
 // Validate reports the first group, in name order, that is inconsistent.

@@ -128,6 +128,16 @@ func FuzzParseParallelGroups(f *testing.F) {
 	f.Add([]byte(`{"g":{"group_name":"tp","group_rank":0,"global_ranks":[0]}}`))
 	f.Add([]byte(`{"g":{"global_ranks":[1,1]}}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
+		// The plain path must decode as encoding/json does wherever it answers.
+		if plain, ok := parseGroupsPlain(data); ok {
+			generic, err := parseGroupsJSON(data)
+			if err != nil {
+				t.Fatalf("plain path accepts what encoding/json rejects (%v): %q", err, data)
+			}
+			if !cmp.Equal(plain, generic) {
+				t.Fatalf("paths disagree on %q:\nplain   %v\ngeneric %v", data, plain, generic)
+			}
+		}
 		g, err := ParseParallelGroups(data)
 		if err != nil {
 			if !errors.Is(err, ErrParallelGroups) {
@@ -144,4 +154,27 @@ func FuzzParseParallelGroups(f *testing.F) {
 			t.Fatalf("round trip of %s: %v, %v", b, again, err)
 		}
 	})
+}
+
+// TestParallelGroupsPlainPath checks that what Marshal and MindCluster
+// write takes the fast path, and decodes as encoding/json decodes it.
+func TestParallelGroupsPlainPath(t *testing.T) {
+	g := ParallelGroups{
+		"group_tp-0": {GroupName: "tp", GroupRank: 1, GlobalRanks: []int{0, 1, 2, 3}},
+		"group_dp-1": {GroupName: "dp", GroupRank: 0, GlobalRanks: []int{1, 9}},
+	}
+	b, err := g.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, in := range [][]byte{b, []byte(mindClusterGroups)} {
+		plain, ok := parseGroupsPlain(in)
+		if !ok {
+			t.Fatalf("not on the plain path: %s", in)
+		}
+		generic, err := parseGroupsJSON(in)
+		if err != nil || !cmp.Equal(plain, generic) {
+			t.Fatalf("%s:\nplain   %v\ngeneric %v, %v", in, plain, generic, err)
+		}
+	}
 }

@@ -106,6 +106,14 @@ func (r *Record) appendObject(dst []byte) []byte {
 
 // appendTail appends the JSON form after the Name's value.
 func (r *Record) appendTail(dst []byte) []byte {
+	switch r.Domain { // the usual domains need no escaping
+	case DomainDefault:
+		return append(dst, `,"Domain":"default"}`...)
+	case DomainCommunication:
+		return append(dst, `,"Domain":"communication"}`...)
+	case "":
+		return append(dst, `,"Domain":""}`...)
+	}
 	dst = append(dst, `,"Domain":`...)
 	dst = appendJSONString(dst, r.Domain)
 	return append(dst, '}')

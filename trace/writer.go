@@ -292,9 +292,17 @@ func (w *Writer) flush(all bool) error {
 	}
 	written := w.buf[:n]
 	w.c.bytes.Add(uint64(n))
-	lines := bytes.Count(written, []byte{'\n'})
+	// Every pending record's newline is in the buffer: those left in the
+	// unwritten tail, shorter than a page, tell how many are now written.
+	lines := len(w.pending) - bytes.Count(w.buf[n:], []byte{'\n'})
+	var count [numDomains]uint64
 	for _, d := range w.pending[:lines] {
-		w.c.written[d].Add(1)
+		count[d]++
+	}
+	for d, c := range count {
+		if c > 0 {
+			w.c.written[d].Add(c)
+		}
 	}
 	w.pending = w.pending[:copy(w.pending, w.pending[lines:])]
 	if last := bytes.LastIndexByte(written, '\n'); last >= 0 {

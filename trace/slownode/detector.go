@@ -97,6 +97,8 @@ type Detector struct {
 }
 
 type rankState struct {
+	ops     [recentOps]recentOp // the rank's latest communication names
+	nextOp  int                 // the entry of ops to replace next
 	rank    int
 	node    string
 	asm     assembler
@@ -112,6 +114,35 @@ type rankState struct {
 	hist    series
 	histC   series
 	steps   uint64
+}
+
+// recentOps is how many communication names a rank remembers. A rank
+// repeats a few ops (its tensor-, data- and pipeline-parallel
+// collectives) step after step, and a reader hands it the same string for
+// each, which compares equal at once; opIdx would hash the whole name.
+const recentOps = 8
+
+type recentOp struct {
+	name string
+	op   int32
+}
+
+// recentOp returns the op index of a communication name the rank used
+// lately.
+func (rs *rankState) recentOp(name string) (int32, bool) {
+	for k := range rs.ops {
+		if e := &rs.ops[k]; e.name == name && name != "" {
+			return e.op, true
+		}
+	}
+	return 0, false
+}
+
+// keepOp remembers the op index of a communication name in place of the
+// one remembered longest ago.
+func (rs *rankState) keepOp(name string, op int32) {
+	rs.ops[rs.nextOp] = recentOp{name, op}
+	rs.nextOp = (rs.nextOp + 1) % recentOps
 }
 
 type group struct {
@@ -300,17 +331,20 @@ func (d *Detector) add(rank int, r *trace.Range) {
 	var op int32
 	switch {
 	case r.Domain == trace.DomainCommunication:
-		i, ok := d.opIdx[r.Name]
+		i, ok := rs.recentOp(r.Name)
 		if !ok {
-			c, err := trace.ParseCommOp(r.Name)
-			if err != nil {
-				d.stats.BadCommOps++
-				return
+			if i, ok = d.opIdx[r.Name]; !ok {
+				c, err := trace.ParseCommOp(r.Name)
+				if err != nil {
+					d.stats.BadCommOps++
+					return
+				}
+				i = d.opOf(c.GroupName, c.OpName)
+				if len(d.opIdx) < maxOpCache {
+					d.opIdx[r.Name] = i
+				}
 			}
-			i = d.opOf(c.GroupName, c.OpName)
-			if len(d.opIdx) < maxOpCache {
-				d.opIdx[r.Name] = i
-			}
+			rs.keepOp(r.Name, i)
 		}
 		if !a.useSource(1<<spanComm, r.SourceKind) {
 			return

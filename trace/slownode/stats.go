@@ -2,6 +2,7 @@ package slownode
 
 import (
 	"math"
+	"math/bits"
 	"slices"
 )
 
@@ -9,17 +10,80 @@ import (
 // standard deviation of normally distributed data.
 const madScale = 1.4826
 
-// median returns the median of xs, reordering xs. It returns NaN for none.
+// median returns the median of xs, reordering xs. It returns NaN for
+// none. NaNs count as the smallest values, as slices.Sort orders them.
+// It selects the middle values instead of sorting: the detector takes a
+// median over every rank several times a step.
 func median(xs []float64) float64 {
 	n := len(xs)
 	if n == 0 {
 		return math.NaN()
 	}
-	slices.Sort(xs)
-	if n%2 == 1 {
-		return xs[n/2]
+	nan := 0
+	for i, x := range xs {
+		if math.IsNaN(x) {
+			xs[i], xs[nan] = xs[nan], x
+			nan++
+		}
 	}
-	return (xs[n/2-1] + xs[n/2]) / 2
+	k := n / 2
+	if k < nan || (n%2 == 0 && k-1 < nan) {
+		return math.NaN()
+	}
+	rest, j := xs[nan:], k-nan
+	hi := nth(rest, j)
+	if n%2 == 1 {
+		return hi
+	}
+	return (slices.Max(rest[:j]) + hi) / 2
+}
+
+// nth reorders xs, which holds no NaN, so that xs[k] is the value sorting
+// would put there, those before it no greater and those after no smaller,
+// and returns it: quickselect, which sorts what is left once it has
+// partitioned more times than a well-chosen pivot would need.
+func nth(xs []float64, k int) float64 {
+	lo, hi := 0, len(xs)-1
+	for budget := 2 * bits.Len(uint(len(xs))); hi-lo >= 16; budget-- {
+		if budget == 0 {
+			break
+		}
+		m := lo + (hi-lo)/2
+		if xs[m] < xs[lo] {
+			xs[m], xs[lo] = xs[lo], xs[m]
+		}
+		if xs[hi] < xs[lo] {
+			xs[hi], xs[lo] = xs[lo], xs[hi]
+		}
+		if xs[hi] < xs[m] {
+			xs[hi], xs[m] = xs[m], xs[hi]
+		}
+		p := xs[m]
+		i, j := lo, hi
+		for i <= j {
+			for xs[i] < p {
+				i++
+			}
+			for xs[j] > p {
+				j--
+			}
+			if i <= j {
+				xs[i], xs[j] = xs[j], xs[i]
+				i++
+				j--
+			}
+		}
+		switch {
+		case k <= j:
+			hi = j
+		case k >= i:
+			lo = i
+		default:
+			return xs[k] // between the two parts, equal to the pivot
+		}
+	}
+	slices.Sort(xs[lo : hi+1])
+	return xs[k]
 }
 
 // medianMAD returns the median and the scaled median absolute deviation
