@@ -1,6 +1,7 @@
 package trace
 
 import (
+	"encoding/binary"
 	"hash/maphash"
 	"math"
 	"unicode/utf16"
@@ -117,6 +118,16 @@ func parseCanonical(b []byte, r *Record, in *interner) bool {
 		// waits on the last.
 		j := i
 		var u uint64
+		var memo *leading
+		if in != nil && (f == fTime || f == fID) {
+			// Timestamps, and Ids that count from one, share their leading
+			// digits with the previous line's: those are not read again.
+			memo = &in.leading[f-fTime]
+			if memo.digits != 0 && len(b)-i >= 8 && binary.LittleEndian.Uint64(b[i:]) == memo.digits {
+				u, j = memo.value, i+8
+				memo = nil
+			}
+		}
 		for ; j < len(b); j++ {
 			c := b[j] - '0'
 			if c > 9 {
@@ -135,6 +146,9 @@ func parseCanonical(b []byte, r *Record, in *interner) bool {
 			return false
 		case u > math.MaxUint32 && f != fTime && f != fID:
 			return false
+		}
+		if memo != nil && j-i > 8 {
+			memo.digits, memo.value = binary.LittleEndian.Uint64(b[i:]), u/pow10[j-i-8]
 		}
 		v[f] = u
 		i = j
@@ -227,10 +241,27 @@ func minusOne(b []byte, i int) bool {
 // decoded without fault, so a hit is as good as a full decode. A nil
 // interner decodes every time.
 type interner struct {
-	seed  maphash.Seed
-	slots []internSlot // open addressing, linear probing; len a power of two
-	n     int
+	leading [2]leading // of the last Timestamp and Id of more than eight digits
+	seed    maphash.Seed
+	slots   []internSlot // open addressing, linear probing; len a power of two
+	n       int
 }
+
+// leading is the first eight digits of a number, as the bytes of the line
+// read little-endian, and their value.
+type leading struct {
+	digits uint64 // 0: none yet
+	value  uint64
+}
+
+// pow10 holds the powers of ten a number of at most 19 digits divides by.
+var pow10 = func() (p [12]uint64) {
+	p[0] = 1
+	for i := 1; i < len(p); i++ {
+		p[i] = p[i-1] * 10
+	}
+	return p
+}()
 
 type internSlot struct {
 	hash uint64

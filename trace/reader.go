@@ -2,6 +2,7 @@ package trace
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -63,6 +64,8 @@ type RankReader struct {
 	pending  []byte // what a Read stopped by its callback left of buf, for the next
 	carry    []byte // the start of an unfinished line
 	skipping bool   // inside an over-long line, until its newline
+
+	dents []byte // nextFile's buffer
 
 	rec   Record
 	names interner
@@ -138,23 +141,76 @@ func (r *RankReader) Read(fn func(*Record) error) error {
 }
 
 // nextFile returns the first record file after r.cur in name order, or "".
+// It reads the folder's entries through the reader's own descriptor,
+// rewound, into a buffer it keeps: a reader that tails a thousand ranks
+// lists each at every poll.
 func (r *RankReader) nextFile() (string, error) {
-	ents, err := listDir(r.dirfd, r.dir)
-	if err != nil {
-		return "", fmt.Errorf("trace: list %s: %w", r.dir, err)
+	fail := func(err error) (string, error) {
+		return "", fmt.Errorf("trace: list %s: %w", r.dir, &os.PathError{Op: "getdents", Path: r.dir, Err: err})
 	}
-	next := ""
-	for _, e := range ents {
-		name := e.Name()
-		if !IsRecordFileName(name) || e.Type()&(os.ModeSymlink|os.ModeDir) != 0 {
+	if _, err := unix.Seek(r.dirfd, 0, io.SeekStart); err != nil {
+		return fail(err)
+	}
+	if r.dents == nil {
+		r.dents = make([]byte, 4096)
+	}
+	var next []byte
+	for {
+		n, err := unix.Getdents(r.dirfd, r.dents)
+		if errors.Is(err, unix.EINTR) {
 			continue
 		}
-		if (r.cur == "" || recordNameCmp(name, r.cur) > 0) && (next == "" || recordNameCmp(name, next) < 0) {
-			next = name
+		if err != nil {
+			return fail(err)
+		}
+		if n <= 0 {
+			return string(next), nil
+		}
+		// Each entry is a linux_dirent64: inode (8 bytes), offset (8),
+		// length (2), type (1), and the name ending in a NUL.
+		for b := r.dents[:n]; len(b) >= direntName; {
+			size := int(binary.NativeEndian.Uint16(b[direntSize:]))
+			if size < direntName || size > len(b) {
+				return fail(unix.EINVAL)
+			}
+			name, typ := b[direntName:size], b[direntType]
+			b = b[size:]
+			if i := bytes.IndexByte(name, 0); i >= 0 {
+				name = name[:i]
+			}
+			if !IsRecordFileName(string(name)) {
+				continue
+			}
+			if typ == unix.DT_UNKNOWN { // file systems that do not say
+				var st unix.Stat_t
+				if err := unix.Fstatat(r.dirfd, string(name), &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+					continue // gone since
+				}
+				typ = unix.DT_REG
+				switch st.Mode & unix.S_IFMT {
+				case unix.S_IFLNK:
+					typ = unix.DT_LNK
+				case unix.S_IFDIR:
+					typ = unix.DT_DIR
+				}
+			}
+			if typ == unix.DT_LNK || typ == unix.DT_DIR {
+				continue
+			}
+			if (r.cur == "" || recordNameCmp(string(name), r.cur) > 0) &&
+				(next == nil || recordNameCmp(string(name), string(next)) < 0) {
+				next = append(next[:0], name...)
+			}
 		}
 	}
-	return next, nil
 }
+
+// Offsets in a linux_dirent64.
+const (
+	direntSize = 16
+	direntType = 18
+	direntName = 19
+)
 
 func (r *RankReader) readToEOF(fn func(*Record) error) error {
 	for {
@@ -249,7 +305,7 @@ func (r *RankReader) record(line []byte, fn func(*Record) error) error {
 		r.garbage(r.line, ErrLineTooLong)
 		return nil
 	}
-	if len(bytes.TrimSpace(line)) == 0 {
+	if (len(line) == 0 || line[0] != '{') && len(bytes.TrimSpace(line)) == 0 {
 		return nil // blank lines are not records, nor damage
 	}
 	if err := parseRecordInto(line, &r.rec, &r.names); err != nil {

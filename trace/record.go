@@ -165,7 +165,9 @@ func ParseRecord(line []byte) (Record, error) {
 // parseRecordInto is ParseRecord into *r, which is undefined on error.
 // Names found in in are not allocated again; in may be nil.
 func parseRecordInto(line []byte, r *Record, in *interner) error {
-	line = bytes.TrimSpace(line)
+	if len(line) == 0 || line[0] != '{' || line[len(line)-1] != '}' {
+		line = bytes.TrimSpace(line) // a record line has nothing to trim
+	}
 	if len(line) > MaxLineBytes {
 		return &RecordError{Msg: fmt.Sprintf("line of %d bytes exceeds %d", len(line), MaxLineBytes)}
 	}
