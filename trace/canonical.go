@@ -10,10 +10,12 @@ import (
 
 // The canonical form, as Record.AppendJSON writes it (and MindCluster's
 // writer, which uses the same order), is a fixed skeleton of literals
-// around nine numbers and two strings. The fast path below matches the
-// literals in place, reads the numbers eight digits at a time and looks
-// the strings up by their raw bytes, so a line costs little more than one
-// pass over it. Anything else goes to encoding/json, which decides.
+// around nine numbers and two strings. The fast path below compares the
+// literals in place, reads each digit once (and the leading digits of a
+// timestamp not at all when the previous line had them), and finds the
+// strings by their raw bytes in a table of those seen before, so a line
+// costs little more than one pass over it. Anything else goes to
+// encoding/json, which decides.
 
 // The literals of the canonical form, each before the value it names.
 // The longer ones are split in parts of at most 16 bytes: a comparison
@@ -114,8 +116,8 @@ func parseCanonical(b []byte, r *Record, in *interner) bool {
 		}
 		i += n
 		// Digit by digit: the loop runs ahead on the branch predictor,
-		// which wins over reading eight digits at a time, whose every step
-		// waits on the last.
+		// which measured faster than reading eight digits at a time, whose
+		// every step waits on the one before.
 		j := i
 		var u uint64
 		var memo *leading
@@ -234,12 +236,13 @@ func minusOne(b []byte, i int) bool {
 	return len(b)-i >= 2 && b[i] == '-' && b[i+1] == '1' && (len(b)-i == 2 || b[i+2]-'0' > 9)
 }
 
-// interner hands out one string per distinct short name, so that a
-// reader allocates neither the names it has seen before nor, for those,
-// decodes and validates them again. Its table is keyed by the raw bytes
-// of the JSON string, escapes and all, and holds only strings that
-// decoded without fault, so a hit is as good as a full decode. A nil
-// interner decodes every time.
+// interner is what a reader remembers of the lines it has read. It hands
+// out one string per distinct short name, so that a reader allocates
+// neither the names it has seen before nor, for those, decodes and
+// validates them again: its table is keyed by the raw bytes of the JSON
+// string, escapes and all, and holds only strings that decoded without
+// fault, so a hit is as good as a full decode. It also keeps the leading
+// digits of the last timestamp and id. A nil interner decodes every time.
 type interner struct {
 	leading [2]leading // of the last Timestamp and Id of more than eight digits
 	seed    maphash.Seed
@@ -254,14 +257,9 @@ type leading struct {
 	value  uint64
 }
 
-// pow10 holds the powers of ten a number of at most 19 digits divides by.
-var pow10 = func() (p [12]uint64) {
-	p[0] = 1
-	for i := 1; i < len(p); i++ {
-		p[i] = p[i-1] * 10
-	}
-	return p
-}()
+// pow10 holds the powers of ten that leave the first eight of 8 to 19
+// digits.
+var pow10 = [12]uint64{1, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11}
 
 type internSlot struct {
 	hash uint64
