@@ -108,3 +108,44 @@ func mustJSON(t testing.TB, v any) []byte {
 	}
 	return b
 }
+
+// exitingTrainer is a process that exits once stopped: its Stop returns
+// only after the worker is being closed, and reports the exit on the way.
+type exitingTrainer struct {
+	callTrainerRecorder
+	w       *Worker
+	stopped chan struct{}
+}
+
+func (e *exitingTrainer) Stop(_ context.Context, reason string) error {
+	close(e.stopped)
+	<-e.w.closed
+	return e.w.ReportFault(Fault{Kind: FaultProcessExit, Message: "exiting: " + reason})
+}
+
+// Close lets the trainer's Stop end and then sends its acknowledgement and
+// the fault reported with it: the manager does not wait out its deadline
+// for a trainer that exits right after stopping.
+func TestWorkerCloseSendsWhatIsQueued(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{DeliveryTimeout: 20 * time.Second})
+	tr := &exitingTrainer{stopped: make(chan struct{})}
+	w, err := NewWorker(WorkerConfig{Job: c.job, Node: 0, Rank: 3, Upstream: c.m.Addr().String(), Security: c.sec, AckTimeout: c.ack, Trainer: tr})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr.w = w
+	c.run(w, w.Run)
+	waitFor(t, 20*time.Second, "the trainer started", func() bool { return slices.Contains(tr.Calls(), "resume -1  []") })
+	go func() {
+		<-tr.stopped
+		w.Close()
+	}()
+	ds, err := c.m.Broadcast(context.Background(), RankList(3), kindStop, mustJSON(t, orchMsg{Reason: "done"}))
+	if err != nil || len(ds) != 1 || ds[0].Err != nil {
+		t.Fatalf("stop: %+v %v", ds, err)
+	}
+	fs := c.m.Faults(0)
+	if len(fs) != 1 || fs[0].Message != "exiting: done" {
+		t.Fatalf("faults: %+v", fs)
+	}
+}

@@ -78,8 +78,7 @@ func (u *uplink) send(kind string, payload []byte) error {
 func (u *uplink) run(ctx context.Context, client pb.ControlClient) error {
 	bo := newBackoff(100*time.Millisecond, 5*time.Second)
 	for {
-		batch := u.queue.peek(256, u.maxMsg/2)
-		if len(batch) == 0 {
+		if u.queue.len() == 0 {
 			select {
 			case <-ctx.Done():
 				return nil
@@ -87,23 +86,7 @@ func (u *uplink) run(ctx context.Context, client pb.ControlClient) error {
 				continue
 			}
 		}
-		cctx, cancel := context.WithTimeout(ctx, u.ackTimeout)
-		resp, err := client.Send(cctx, &pb.SendRequest{Job: u.job, Reports: batch})
-		cancel()
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			if status.Code(err) == codes.InvalidArgument {
-				// Retrying cannot help; keep the queue moving.
-				u.log.Error("taskd: reports refused by the manager, dropped", "count", len(batch), "err", err)
-				ids := make([]string, len(batch))
-				for i, r := range batch {
-					ids[i] = r.GetId()
-				}
-				u.queue.remove(ids)
-				continue
-			}
+		if err := u.sendBatch(ctx, client); err != nil {
 			select {
 			case <-ctx.Done():
 				return nil
@@ -112,14 +95,43 @@ func (u *uplink) run(ctx context.Context, client pb.ControlClient) error {
 			continue
 		}
 		bo.Reset()
-		u.queue.remove(resp.GetAccepted())
-		u.queued(u.queue.len())
 	}
 }
 
+// sendBatch sends the oldest queued reports in one call and drops those
+// the manager accepted, or refused as invalid (retrying cannot help them).
+func (u *uplink) sendBatch(ctx context.Context, client pb.ControlClient) error {
+	batch := u.queue.peek(256, u.maxMsg/2)
+	if len(batch) == 0 {
+		return nil
+	}
+	cctx, cancel := context.WithTimeout(ctx, u.ackTimeout)
+	resp, err := client.Send(cctx, &pb.SendRequest{Job: u.job, Reports: batch})
+	cancel()
+	switch {
+	case status.Code(err) == codes.InvalidArgument:
+		u.log.Error("taskd: reports refused by the manager, dropped", "count", len(batch), "err", err)
+		ids := make([]string, len(batch))
+		for i, r := range batch {
+			ids[i] = r.GetId()
+		}
+		u.queue.remove(ids)
+	case err != nil:
+		return err
+	default:
+		u.queue.remove(resp.GetAccepted())
+	}
+	u.queued(u.queue.len())
+	return nil
+}
+
+// maxAckBatch bounds the acknowledgements sent in one call.
+const maxAckBatch = 1024
+
 // runAcks forwards acknowledgements in batches; one that fails is dropped,
-// since the sender re-sends what it does not see acknowledged.
-func runAcks(ctx context.Context, client pb.ControlClient, job string, acks <-chan *pb.Ack, timeout time.Duration, log *slog.Logger) error {
+// since the sender re-sends what it does not see acknowledged. A batch cut
+// short by ctx goes back to acks, for a flush on the way out.
+func runAcks(ctx context.Context, client pb.ControlClient, job string, acks chan *pb.Ack, timeout time.Duration, log *slog.Logger) error {
 	for {
 		var batch []*pb.Ack
 		select {
@@ -129,7 +141,7 @@ func runAcks(ctx context.Context, client pb.ControlClient, job string, acks <-ch
 			batch = append(batch, a)
 		}
 	drain:
-		for len(batch) < 1024 {
+		for len(batch) < maxAckBatch {
 			select {
 			case a := <-acks:
 				batch = append(batch, a)
@@ -140,7 +152,17 @@ func runAcks(ctx context.Context, client pb.ControlClient, job string, acks <-ch
 		cctx, cancel := context.WithTimeout(ctx, timeout)
 		_, err := client.Acknowledge(cctx, &pb.AckRequest{Job: job, Acks: batch})
 		cancel()
-		if err != nil && ctx.Err() == nil {
+		switch {
+		case err == nil:
+		case ctx.Err() != nil:
+			for _, a := range batch {
+				select {
+				case acks <- a:
+				default:
+				}
+			}
+			return nil
+		default:
 			log.Debug("taskd: acknowledgements not delivered; the sender will re-send", "count", len(batch), "err", err)
 		}
 	}

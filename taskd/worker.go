@@ -178,35 +178,64 @@ func (w *Worker) Connected() bool { return w.connected.Load() }
 func (w *Worker) Pending() int { return w.up.queue.len() }
 
 // Run keeps the worker registered until ctx ends or Close is called, then
-// returns nil. Run may be called once.
+// returns nil. On the way out it lets a trainer call in progress end and
+// sends what is queued (see Close). Run may be called once.
 func (w *Worker) Run(ctx context.Context) error {
 	if !w.state.CompareAndSwap(0, 1) {
 		return errors.New("taskd: Worker.Run called twice or after Close")
 	}
 	defer close(w.runDone)
 	defer w.conn.Close()
-	ctx, cancel := context.WithCancel(ctx)
+	// Sessions end at once; the trainer's context outlives them by up to
+	// closeGrace, so that a call that is ending (a Stop, after which the
+	// process exits) is acknowledged rather than cut short.
+	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	tctx, tcancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer tcancel()
+	stopping := make(chan struct{})
+	watched := make(chan struct{})
 	go func() {
+		defer close(watched)
 		select {
 		case <-w.closed:
-			cancel()
 		case <-ctx.Done():
 		}
+		close(stopping)
+		cancel()
 	}()
-	var trainer sync.WaitGroup
-	trainer.Add(1)
+	trainerDone := make(chan struct{})
 	go func() {
-		defer trainer.Done()
-		w.runTrainer(ctx)
+		defer close(trainerDone)
+		w.runTrainer(tctx, stopping)
 	}()
-	defer trainer.Wait()
+	w.serve(sctx)
+	<-watched
+	grace := time.NewTimer(closeGrace)
+	select {
+	case <-trainerDone:
+	case <-grace.C:
+		tcancel()
+		<-trainerDone
+	}
+	grace.Stop()
+	w.flush()
+	return nil
+}
+
+// closeGrace bounds how long a worker that stops waits for a trainer call
+// in progress, and then how long it spends sending what is queued.
+const closeGrace = time.Second
+
+// serve registers again after each session ends, with backoff, until ctx
+// ends.
+func (w *Worker) serve(ctx context.Context) {
 	bo := newBackoff(50*time.Millisecond, w.cfg.ReconnectMax)
 	for {
 		start := time.Now()
 		err := w.session(ctx)
 		if ctx.Err() != nil {
-			return nil
+			return
 		}
 		if time.Since(start) > 2*w.cfg.ReconnectMax {
 			bo.Reset()
@@ -220,13 +249,57 @@ func (w *Worker) Run(ctx context.Context) error {
 		}
 		select {
 		case <-ctx.Done():
-			return nil
+			return
 		case <-time.After(wait):
 		}
 	}
 }
 
-// Close stops the worker and waits for Run to return. It is idempotent.
+// flush sends the reports and then the acknowledgements still queued (a
+// fault the trainer reported before its call returned is logged before
+// the call is acknowledged), for at most closeGrace (AckTimeout if
+// shorter). What does not get through is lost: the manager re-sends its
+// messages and times out its calls.
+func (w *Worker) flush() {
+	ctx, cancel := context.WithTimeout(context.Background(), min(closeGrace, w.cfg.AckTimeout))
+	defer cancel()
+	for n := w.up.queue.len(); n > 0; {
+		if err := w.up.sendBatch(ctx, w.client); err != nil {
+			w.log.Debug("taskd: reports not delivered on close", "pending", n, "err", err)
+			break
+		}
+		left := w.up.queue.len()
+		if left >= n {
+			break
+		}
+		n = left
+	}
+	for {
+		var acks []*pb.Ack
+	drain:
+		for len(acks) < maxAckBatch {
+			select {
+			case a := <-w.acks:
+				acks = append(acks, a)
+			default:
+				break drain
+			}
+		}
+		if len(acks) == 0 {
+			break
+		}
+		if _, err := w.client.Acknowledge(ctx, &pb.AckRequest{Job: w.cfg.Job, Acks: acks}); err != nil {
+			w.log.Debug("taskd: acknowledgements not delivered on close", "count", len(acks), "err", err)
+			return
+		}
+	}
+}
+
+// Close stops the worker and waits for Run to return. A trainer call in
+// progress gets up to a second to end, its context still live; then the
+// acknowledgements and reports queued are sent, for up to a second more
+// (AckTimeout if shorter), so that a trainer that exits right after a Stop
+// does not leave the manager waiting out its deadline. It is idempotent.
 func (w *Worker) Close() error {
 	w.closeOnce.Do(func() {
 		close(w.closed)
@@ -467,28 +540,30 @@ func (w *Worker) remember(id uint64, res msgResult) {
 	w.results[id] = res
 }
 
-// runTrainer makes the trainer calls one at a time until ctx ends, and
-// acknowledges each message when its call returns.
-func (w *Worker) runTrainer(ctx context.Context) {
+// runTrainer makes the trainer calls one at a time until stopping is
+// closed, and acknowledges each message when its call returns.
+func (w *Worker) runTrainer(ctx context.Context, stopping <-chan struct{}) {
 	for {
 		var op trainerOp
 		select {
-		case <-ctx.Done():
+		case <-stopping:
 			return
 		case op = <-w.ops:
 		}
+		select {
+		case <-stopping:
+			return // a call that came with the stop is not started
+		default:
+		}
 		start := time.Now()
 		reply, err := callTrainer(ctx, w.cfg.Trainer, op.kind, op.payload)
-		if ctx.Err() != nil {
-			return
-		}
 		if err != nil {
 			w.log.Warn("taskd: trainer call failed", "call", op.kind, "took", time.Since(start), "err", err)
 		} else {
 			w.log.Debug("taskd: trainer call done", "call", op.kind, "took", time.Since(start))
 		}
 		if op.id == 0 {
-			if err != nil {
+			if err != nil && ctx.Err() == nil {
 				w.log.Error("taskd: the trainer did not start", "err", err)
 				if ferr := w.ReportFault(Fault{Kind: FaultOpError, Message: "trainer did not start: " + err.Error()}); ferr != nil {
 					w.log.Error("taskd: fault not reported", "err", ferr)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"sync/atomic"
 	"time"
 
 	"github.com/faultline-ml/faultline/taskd"
@@ -18,31 +17,24 @@ type trainer struct {
 	stop *stopTrack // nil: not tracked
 }
 
-// stopTrack lets closing the worker wait for a Stop call in progress and
-// then leave its acknowledgement time to go: a trainer typically exits as
-// soon as its stop callback has stopped the loop, before the call returns.
+// stopTrack lets closing the worker wait for a Stop call in progress: a
+// trainer typically exits as soon as its stop callback has stopped the
+// loop, before the call returns, and the call's acknowledgement is sent
+// by taskd.Worker.Close only once the call has ended.
 type stopTrack struct {
 	call chan struct{} // held during a Stop call
-	at   atomic.Int64  // when the last Stop call returned, unix nanoseconds
 }
 
 func newStopTrack() *stopTrack { return &stopTrack{call: make(chan struct{}, 1)} }
 
-// wait waits up to within for a Stop call in progress, then until grace
-// after the last Stop call returned.
-func (s *stopTrack) wait(within, grace time.Duration) {
+// wait waits up to within for a Stop call in progress.
+func (s *stopTrack) wait(within time.Duration) {
 	timer := time.NewTimer(within)
 	defer timer.Stop()
 	select {
 	case s.call <- struct{}{}:
 		<-s.call
 	case <-timer.C:
-		return
-	}
-	if t := s.at.Load(); t != 0 {
-		if d := time.Until(time.Unix(0, t).Add(grace)); d > 0 {
-			time.Sleep(d)
-		}
 	}
 }
 
@@ -156,10 +148,7 @@ func (t trainer) StressTest(ctx context.Context, s taskd.StressRequest) error {
 func (t trainer) Stop(ctx context.Context, reason string) error {
 	if t.stop != nil {
 		t.stop.call <- struct{}{}
-		defer func() {
-			t.stop.at.Store(time.Now().UnixNano())
-			<-t.stop.call
-		}()
+		defer func() { <-t.stop.call }()
 	}
 	_, err := t.run(ctx, eventStop, struct {
 		Reason string `json:"reason"`

@@ -56,15 +56,11 @@ func newLogger(level slog.Level, component string) *slog.Logger {
 // on the control plane's receive loop.
 const switchCallbackTimeout = 30 * time.Second
 
-// Closing waits for a Stop call in progress (up to stopCallWait) and then
-// stopAckGrace after it returned before it stops the control plane:
-// taskd.Worker.Close drops the acknowledgements it has not sent, and a
-// trainer typically exits as soon as it stopped, which would leave the
-// manager waiting out its deadline for the stop.
-const (
-	stopCallWait = 5 * time.Second
-	stopAckGrace = 500 * time.Millisecond
-)
+// stopCallWait bounds how long closing waits for a Stop call in progress
+// before it stops the control plane, which then sends the call's
+// acknowledgement: a trainer typically exits as soon as it stopped, and
+// an unacknowledged stop would leave the manager waiting out its deadline.
+const stopCallWait = 5 * time.Second
 
 // newWorker builds the recorder, so that ranges may be recorded from here
 // on; the switch is all off until the manager sends one.
@@ -213,7 +209,7 @@ func (w *worker) close() error {
 	tw, src, ager, trained := w.tw, w.markers, w.ager, w.trained
 	w.mu.Unlock()
 	if trained {
-		w.stop.wait(stopCallWait, stopAckGrace)
+		w.stop.wait(stopCallWait)
 	}
 	// Run of each part returns when the context ends; Close then releases
 	// it. The recorder goes last so that it takes the marker source's last
