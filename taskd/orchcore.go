@@ -144,9 +144,11 @@ type coreRun struct {
 	// supports; nil when none answered.
 	supported map[Strategy]bool
 	level     level
-	// A repair in progress: when it began, whether the executor is done,
-	// the ranks it restarted and those registered again since it began.
+	// A repair in progress: when it began, the faults it repairs (by
+	// rank), whether the executor is done, the ranks it restarted and
+	// those registered again since it began.
 	repairStart time.Time
+	repairing   map[int]Fault
 	repairDone  bool
 	awaited     []int
 	registered  map[int]bool
@@ -341,6 +343,12 @@ func (m *machine) fault(now time.Time, f Fault) {
 	}
 	why := describeFault(f)
 	switch r.o.State {
+	case StateStopping:
+		if deadKind(f.Kind) {
+			// Asked to pause, a hung rank would hold the pause up until its
+			// timeout: ask again without it. Those paused answer at once.
+			m.broadcast(now, kindPause, AllWorkers(), r.dead(), orchMsg{}, m.cfg.timeouts.Pause)
+		}
 	case StateNotifying, StateDeciding:
 		m.enter(now, StateNotifying, why+"; telling the ranks again")
 	case StateRestarting, StateReplacing:
@@ -354,7 +362,7 @@ func (m *machine) fault(now time.Time, f Fault) {
 	case StateLoading, StateResuming:
 		m.newRound(now, why+" while resuming")
 	}
-	// stopping: the pause covers it; dumping, exiting: the job ends anyway.
+	// dumping, exiting: the job ends anyway.
 }
 
 // linkFault takes in a fault during a link switch or stress test: the run
@@ -495,8 +503,13 @@ func (m *machine) enter(now time.Time, to State, why string) {
 		if to == StateReplacing {
 			timeout = T.Replace
 		}
+		faults := r.primaries()
 		r.repairStart, r.repairDone, r.awaited, r.registered = now, false, nil, make(map[int]bool)
-		m.act(now, action{kind: actRepair, strategy: r.o.Strategy, faults: r.primaries(), timeout: timeout})
+		r.repairing = make(map[int]Fault, len(faults))
+		for _, f := range faults {
+			r.repairing[f.Position.Rank] = f
+		}
+		m.act(now, action{kind: actRepair, strategy: r.o.Strategy, faults: faults, timeout: timeout})
 	case StateLoading:
 		m.act(now, action{kind: actLoad, timeout: T.Load})
 	case StateResuming:
@@ -699,6 +712,13 @@ func (m *machine) retryable() bool {
 }
 
 func (m *machine) afterNotify(now time.Time, why string) {
+	if len(m.run.faults) == 0 {
+		// A link switch that timed out hands over no faulty rank: there
+		// is nothing to repair. Ranks resume from the step the last round
+		// readied, if any.
+		m.enter(now, StateResuming, why+"; no faulty rank left")
+		return
+	}
 	if m.retryable() {
 		m.enter(now, StateRetrying, why+"; the faults are transient")
 		return
@@ -784,12 +804,45 @@ func (m *machine) repaired(now time.Time, id uint64, ranks []int, err error) {
 
 func (m *machine) repairFailed(now time.Time, why string) {
 	r := m.run
+	m.unregistered(now)
 	r.failed[r.o.Strategy] = true
 	if r.pending {
 		m.newRound(now, why)
 		return
 	}
 	m.pickRepair(now, why)
+}
+
+// unregistered takes the ranks the repair in progress restarted that have
+// not registered again back among the faulty ones, as lost: the repair
+// that follows must cover them, or the job would resume without them.
+func (m *machine) unregistered(now time.Time) {
+	r := m.run
+	if !r.repairDone {
+		return // the faults of the ranks it was to restart are still held
+	}
+	for _, rank := range r.awaited {
+		if r.registered[rank] {
+			continue
+		}
+		if _, faulty := r.faults[rank]; faulty {
+			continue
+		}
+		node := -1
+		if f, ok := r.repairing[rank]; ok {
+			node = f.Position.Node
+		}
+		r.addFault(Fault{
+			ID:           fmt.Sprintf("orchestration/%d/%d/%d", r.o.ID, r.action, rank),
+			Kind:         FaultLost,
+			Position:     Position{Node: node, Rank: rank},
+			Message:      fmt.Sprintf("%s restarted it %v ago; it has not registered since", r.o.Strategy, now.Sub(r.repairStart).Round(time.Millisecond)),
+			Time:         now,
+			Received:     now,
+			Reporter:     Position{Node: -1, Rank: -1},
+			ReporterRole: RoleManager,
+		})
+	}
 }
 
 // checkRepaired moves on once the executor is done and every process it

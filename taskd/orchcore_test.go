@@ -50,6 +50,9 @@ func (w *coreWorld) drain() {
 			w.t.Fatalf("action id %d used twice", a.id)
 		}
 		w.ids[a.id] = true
+		if a.kind == actRepair && len(a.faults) == 0 {
+			w.t.Fatalf("action %d: a repair of no fault:\n%s", a.id, w.reasons())
+		}
 	}
 	w.actions = append(w.actions, as...)
 	w.trans = append(w.trans, ts...)
@@ -240,6 +243,75 @@ func TestCoreInPlaceRecovery(t *testing.T) {
 	w.drain()
 	if w.m.run != nil {
 		t.Fatalf("a fault from before the restart started %+v", w.m.run.o)
+	}
+}
+
+// TestCoreRestartOnTwoNodes: hangs on ranks of two nodes, the later ones
+// arriving while the job stops. Every faulty rank is repaired; one that
+// its restart did not bring back stays faulty, and the repair that
+// follows covers it.
+func TestCoreRestartOnTwoNodes(t *testing.T) {
+	w := newCoreWorld(t, testCoreConfig())
+	w.fault(0, FaultHang) // node 0
+	first := w.last()
+	w.fault(1, FaultHang) // node 0
+	w.fault(3, FaultHang) // node 1
+	// The pause is asked again without the hung ranks, which would hold
+	// it up; the first one's outcome is stale.
+	if a := w.last(); a.msg != kindPause || a.id == first.id || !slices.Equal(a.except, []int{0, 1, 3}) {
+		t.Fatalf("pause: %+v", a)
+	}
+	w.step()
+	w.m.delivered(w.now, first.id, []rankResult{{rank: 1, err: ErrAckTimeout}})
+	w.drain()
+	w.deliver(orchReply{})
+	if a := w.last(); a.msg != kindNotice || !slices.Equal(targets(a), []int{2}) || !slices.Equal(a.payload.Notice.Ranks(), []int{0, 1, 3}) {
+		t.Fatalf("notice: %+v", a)
+	}
+	w.deliver(all())
+	if dec := w.last(); dec.kind != actDecide || len(dec.faults) != 3 {
+		t.Fatalf("decide: %+v", dec)
+	}
+	w.step()
+	w.m.decided(w.now, w.last().id, levelInPlace, "in place")
+	w.drain()
+	rep := w.last()
+	var pos []Position
+	for _, f := range rep.faults {
+		pos = append(pos, f.Position)
+	}
+	if rep.kind != actRepair || rep.strategy != StrategyRecoverInPlace || !slices.Equal(pos, []Position{{0, 0}, {0, 1}, {1, 3}}) {
+		t.Fatalf("repair: %+v", rep)
+	}
+	w.step()
+	w.m.repaired(w.now, rep.id, []int{0, 1, 3}, nil)
+	w.m.registered(w.now, 0)
+	w.m.registered(w.now, 3)
+	w.drain()
+	w.tick() // rank 1 never registers again
+	rep = w.last()
+	if rep.kind != actRepair || rep.strategy != StrategyRecover || len(rep.faults) != 1 ||
+		rep.faults[0].Position != (Position{0, 1}) || rep.faults[0].Kind != FaultLost {
+		t.Fatalf("after the restart timed out: %+v\n%s", rep, w.reasons())
+	}
+	w.step()
+	w.m.repaired(w.now, rep.id, []int{0, 1}, nil) // node 0 replaced
+	w.m.registered(w.now, 1)
+	w.drain()
+	if w.m.run.o.State != StateReplacing {
+		t.Fatalf("moved on before rank 0's replacement registered:\n%s", w.reasons())
+	}
+	w.m.registered(w.now, 0)
+	w.drain()
+	w.m.loaded(w.now, w.last().id, 40, nil)
+	w.drain()
+	if a := w.last(); a.msg != kindResume || len(a.except) != 0 || !slices.Equal(a.payload.Resume.Restarted, []int{0, 1, 3}) {
+		t.Fatalf("resume: %+v %+v", a, a.payload.Resume)
+	}
+	w.deliver(orchReply{})
+	w.wantStates(StateStopping, StateNotifying, StateDeciding, StateRestarting, StateReplacing, StateLoading, StateResuming, StateRecovered)
+	if o := w.m.history[0]; !slices.Equal(o.FaultyRanks, []int{0, 1, 3}) || o.Round != 1 || o.ResumedStep != 40 {
+		t.Fatalf("record: %+v", o)
 	}
 }
 

@@ -278,6 +278,16 @@ func (o *orchestrator) perform(ctx context.Context, a action) {
 	}
 	actx, cancel := context.WithTimeout(ctx, a.timeout)
 	o.mu.Lock()
+	// A fault the core raised for a rank it knew no node of (one that a
+	// replacement restarted and that never came back) is placed where
+	// the rank was last seen, so that its executor call finds the node.
+	for i := range a.faults {
+		if p := &a.faults[i].Position; p.Node < 0 {
+			if n, ok := o.nodeOf[p.Rank]; ok {
+				p.Node = n
+			}
+		}
+	}
 	o.actions[a.id] = cancel
 	span := o.spans[a.run]
 	var done chan struct{}
@@ -477,14 +487,35 @@ func (o *orchestrator) repair(ctx context.Context, a action) ([]int, error) {
 		return o.restartInPlace(ctx, a, decisions)
 	}
 	// Replace: one recreation per pod (or node), of every rank in it.
+	// The faults the policy decided to replace come first, so that the
+	// other faulty ranks of their pods or nodes need no escalation, and
+	// spend no budget, of their own.
 	type scope struct{ node, pod string }
 	scopes := make(map[scope]rescheduling.Decision)
-	for _, f := range a.faults {
-		d := decisions[f.Position.Rank]
-		if d.Action < rescheduling.RecreatePods {
-			if d.Action == rescheduling.RestartProcesses || d.Action == rescheduling.NoAction {
-				d = o.policy.Escalate(ctx, o.inPlaceDecision(d, f), errors.New("restart in place failed or does not apply"))
+	covered := func(f Fault) bool {
+		t := o.target(f.Position)
+		for sc := range scopes {
+			if t.Node == sc.node && (sc.pod == "" || t.Pod == sc.pod) {
+				return true
 			}
+		}
+		return false
+	}
+	var rest []Fault
+	for _, f := range a.faults {
+		if d := decisions[f.Position.Rank]; d.Action == rescheduling.RecreatePods {
+			scopes[scope{d.Node, d.Pod}] = d
+		} else {
+			rest = append(rest, f)
+		}
+	}
+	for _, f := range rest {
+		if covered(f) {
+			continue
+		}
+		d := decisions[f.Position.Rank]
+		if d.Action == rescheduling.RestartProcesses || d.Action == rescheduling.NoAction {
+			d = o.policy.Escalate(ctx, o.inPlaceDecision(d, f), errors.New("restart in place failed or does not apply"))
 		}
 		if d.Action != rescheduling.RecreatePods {
 			return nil, fmt.Errorf("policy: %s", d.Reason)
@@ -526,49 +557,75 @@ func (o *orchestrator) repair(ctx context.Context, a action) ([]int, error) {
 	return ranks, g.Wait()
 }
 
-// restartInPlace restarts each faulty process. The Executor restarts the
-// named process and every process of its target that is not running, so
-// a process already dead is restarted by the first call for its pod, and
-// named only when no call for its pod names another: none is restarted
-// twice.
+// restartInPlace restarts each faulty process on its own node (or pod):
+// the nodes at once, the processes of one node one after the other.
 func (o *orchestrator) restartInPlace(ctx context.Context, a action, decisions map[int]rescheduling.Decision) ([]int, error) {
-	type scope struct{ node, pod string }
-	named := make(map[scope][]rescheduling.Decision)
-	dead := make(map[scope][]rescheduling.Decision)
 	var ranks []int
 	for _, f := range a.faults {
+		ranks = append(ranks, f.Position.Rank)
+	}
+	o.m.evict(ranks, fmt.Sprintf("restarted by orchestration #%d", a.run))
+	var g errgroup.Group
+	for _, calls := range o.inPlaceCalls(a.faults, decisions) {
+		g.Go(func() error {
+			// One at a time: a call restarts what is dead in its pod, and
+			// the next must find it running.
+			for _, d := range calls {
+				if err := waitBackoff(ctx, d.Backoff); err != nil {
+					return err
+				}
+				o.policy.Executing(d, time.Now())
+				if err := o.cfg.Executor.RestartProcesses(ctx, d); err != nil {
+					return fmt.Errorf("restart %s on node %s: %w", d.Process, d.Node, err)
+				}
+			}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return nil, err
+	}
+	return sortedUnique(ranks), nil
+}
+
+// inPlaceCalls returns the executor calls that restart the faulty
+// processes in place, grouped by node and pod, each group sorted by
+// process. The Executor restarts the named process and every process of
+// its target that is not running. So a process that exited is restarted
+// by any call for its pod, and named only when no call for its pod names
+// another: none is restarted twice. Every other faulty process is named:
+// a hung or silent one may well be running still, and only a call that
+// names it restarts it.
+func (o *orchestrator) inPlaceCalls(faults []Fault, decisions map[int]rescheduling.Decision) [][]rescheduling.Decision {
+	type scope struct{ node, pod string }
+	named := make(map[scope][]rescheduling.Decision)
+	exited := make(map[scope][]rescheduling.Decision)
+	for _, f := range faults {
 		d := o.inPlaceDecision(decisions[f.Position.Rank], f)
 		sc := scope{d.Node, d.Pod}
-		if deadKind(f.Kind) {
-			dead[sc] = append(dead[sc], d)
+		if f.Kind == FaultProcessExit {
+			exited[sc] = append(exited[sc], d)
 		} else {
 			named[sc] = append(named[sc], d)
 		}
-		ranks = append(ranks, f.Position.Rank)
 	}
-	for sc, ds := range dead {
+	for sc, ds := range exited {
 		if len(named[sc]) == 0 {
 			named[sc] = ds[:1]
 		}
 	}
-	o.m.evict(ranks, fmt.Sprintf("restarted by orchestration #%d", a.run))
-	var calls []rescheduling.Decision
+	out := make([][]rescheduling.Decision, 0, len(named))
 	for _, ds := range named {
-		calls = append(calls, ds...)
+		slices.SortFunc(ds, func(x, y rescheduling.Decision) int { return strings.Compare(x.Process, y.Process) })
+		out = append(out, ds)
 	}
-	slices.SortFunc(calls, func(x, y rescheduling.Decision) int { return strings.Compare(x.Process, y.Process) })
-	// One at a time: a call restarts what is dead in its pod, and the
-	// next must find it running.
-	for _, d := range calls {
-		if err := waitBackoff(ctx, d.Backoff); err != nil {
-			return nil, err
+	slices.SortFunc(out, func(x, y []rescheduling.Decision) int {
+		if c := strings.Compare(x[0].Node, y[0].Node); c != 0 {
+			return c
 		}
-		o.policy.Executing(d, time.Now())
-		if err := o.cfg.Executor.RestartProcesses(ctx, d); err != nil {
-			return nil, fmt.Errorf("restart %s: %w", d.Process, err)
-		}
-	}
-	return sortedUnique(ranks), nil
+		return strings.Compare(x[0].Pod, y[0].Pod)
+	})
+	return out
 }
 
 // inPlaceDecision is d as an in-place restart of f's process: the policy

@@ -272,3 +272,47 @@ func TestOrchestrationInProcess(t *testing.T) {
 		t.Errorf("%d orchestration spans with %d events, want %d", runs, events, len(st.History)+1)
 	}
 }
+
+// TestInPlaceCalls: every faulty process that may still run is named in a
+// call of its own node; one that exited is restarted by a call for its
+// node that names another, or named itself when there is none.
+func TestInPlaceCalls(t *testing.T) {
+	policy, err := rescheduling.NewPolicy(rescheduling.Config{FailWindow: -1, DedupeWindow: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := &orchestrator{target: defaultTarget, policy: policy}
+	now := time.Now()
+	fault := func(kind FaultKind, rank int) Fault {
+		return Fault{ID: fmt.Sprint(kind, rank), Kind: kind, Position: Position{Node: rank / 4, Rank: rank}, Time: now.Add(-time.Second)}
+	}
+	for _, tc := range []struct {
+		name   string
+		faults []Fault
+		want   string
+	}{
+		{"hangs on two nodes", []Fault{fault(FaultHang, 1), fault(FaultHang, 3), fault(FaultHang, 7)}, "[node-0/rank-1 node-0/rank-3] [node-1/rank-7]"},
+		{"exits on two nodes", []Fault{fault(FaultProcessExit, 1), fault(FaultProcessExit, 3), fault(FaultProcessExit, 7)}, "[node-0/rank-1] [node-1/rank-7]"},
+		{"an exit beside a hang", []Fault{fault(FaultProcessExit, 1), fault(FaultHang, 3), fault(FaultLost, 7)}, "[node-0/rank-3] [node-1/rank-7]"},
+		{"op errors", []Fault{fault(FaultOpError, 0), fault(FaultOpError, 2)}, "[node-0/rank-0 node-0/rank-2]"},
+	} {
+		decisions := map[int]rescheduling.Decision{}
+		for _, f := range tc.faults {
+			decisions[f.Position.Rank] = policy.Decide(context.Background(), o.rescheduleFault(f))
+		}
+		var got []string
+		for _, calls := range o.inPlaceCalls(tc.faults, decisions) {
+			var names []string
+			for _, d := range calls {
+				if d.Action != rescheduling.RestartProcesses {
+					t.Errorf("%s: %s", tc.name, d)
+				}
+				names = append(names, d.Node+"/"+d.Process)
+			}
+			got = append(got, fmt.Sprint(names))
+		}
+		if s := strings.Join(got, " "); s != tc.want {
+			t.Errorf("%s: calls %s, want %s", tc.name, s, tc.want)
+		}
+	}
+}

@@ -64,6 +64,58 @@ func TestRecovery(t *testing.T) {
 		j.checkResumed(rec, from, committed, j.lastSaveBefore(2, from[2], "event hang"))
 	})
 
+	t.Run("hangs on ranks of two nodes at once: each restarts on its own node", func(t *testing.T) {
+		j.t = t
+		from, committed := j.marks(), j.committed()
+		// A hang verdict names the stuck ranks, one report each, in quick
+		// succession: the first starts the recovery, the others arrive
+		// while it stops the job. Their processes still run.
+		hung := []int{1, 3, cfg.ppn + 3}
+		for _, r := range hung {
+			if _, _, err := j.m.ReportFault(taskd.Fault{Kind: taskd.FaultHang, Position: taskd.Position{Node: r / cfg.ppn, Rank: r}, Message: "allreduce stuck"}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		rec := j.next(taskd.KindRecovery)
+		wantStates(t, rec, inPlace...)
+		if rec.Strategy != taskd.StrategyRecoverInPlace || !slices.Equal(rec.FaultyRanks, hung) || rec.Round != 1 {
+			t.Fatalf("recovery: %+v", rec)
+		}
+		lastSaved := int64(-1)
+		for r := range j.out {
+			restarted := slices.ContainsFunc(j.out[r].from(from[r]), func(l string) bool { return strings.HasPrefix(l, "event start") })
+			if restarted != slices.Contains(hung, r) {
+				t.Errorf("rank %d restarted: %v", r, restarted)
+			}
+			if restarted {
+				lastSaved = max(lastSaved, j.lastSaveBefore(r, from[r], "event start"))
+			}
+		}
+		j.checkResumed(rec, from, committed, lastSaved)
+	})
+
+	t.Run("faults on two nodes that need their replacement: both nodes are replaced", func(t *testing.T) {
+		j.t = t
+		from, committed := j.marks(), j.committed()
+		lost := []int{2, cfg.ppn + 1}
+		for _, r := range lost {
+			if _, _, err := j.m.ReportFault(taskd.Fault{Kind: taskd.FaultLost, Position: taskd.Position{Node: r / cfg.ppn, Rank: r}, Message: "heartbeats stopped"}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		rec := j.next(taskd.KindRecovery)
+		wantStates(t, rec, taskd.StateStopping, taskd.StateNotifying, taskd.StateDeciding, taskd.StateReplacing, taskd.StateLoading, taskd.StateResuming, taskd.StateRecovered)
+		if rec.Strategy != taskd.StrategyRecover || !slices.Equal(rec.FaultyRanks, lost) || rec.Round != 1 {
+			t.Fatalf("recovery: %+v", rec)
+		}
+		lastSaved := int64(-1)
+		for r := range j.out {
+			j.out[r].wait(t, from[r], "event start", 10*time.Second) // every rank of both nodes
+			lastSaved = max(lastSaved, j.lastSaveBefore(r, from[r], "event start"))
+		}
+		j.checkResumed(rec, from, committed, lastSaved)
+	})
+
 	t.Run("op error: every rank retries the step, nothing restarts", func(t *testing.T) {
 		j.t = t
 		from := j.marks()
