@@ -342,6 +342,9 @@ func (m *Manager) step(now time.Time) {
 			dl.detach()
 			delete(m.downlinks, lm.key)
 		}
+		if lm.key.role == RoleWorker {
+			m.sw.gone(lm.key.id)
+		}
 		m.met.lost.WithLabelValues(lm.key.role.String()).Inc()
 		m.log.Warn("taskd: member lost: no heartbeat within the deadline", "member", lm.key.String(), "last_seen", lm.lastSeen, "deadline", m.cfg.HeartbeatDeadline)
 		f := Fault{
@@ -363,7 +366,7 @@ func (m *Manager) step(now time.Time) {
 		evs = append(evs, Event{Kind: EventFault, Time: now, Fault: f, Position: f.Position, Role: RoleManager})
 	}
 	m.updateMemberGaugesLocked()
-	if due := m.sw.due(now, m.liveWorkerLocked); len(due) > 0 {
+	if due := m.sw.due(now); len(due) > 0 {
 		id := m.nextID.Add(1)
 		env := &pb.Envelope{Id: id, Body: &pb.Envelope_Switch{Switch: &pb.SwitchUpdate{Version: m.sw.version, Document: m.sw.doc}}}
 		unrouted := m.routeLocked(env, due)
@@ -382,7 +385,7 @@ func (m *Manager) step(now time.Time) {
 }
 
 func (m *Manager) checkFanoutLocked(now time.Time) {
-	if m.fanSpan == nil || !m.sw.complete(now, m.liveWorkerLocked) {
+	if m.fanSpan == nil || !m.sw.complete(now) {
 		return
 	}
 	m.met.fanout.Observe(now.Sub(m.sw.changedAt).Seconds())
@@ -397,8 +400,6 @@ func (m *Manager) wake() {
 	default:
 	}
 }
-
-func (m *Manager) liveWorkerLocked(rank int) bool { return m.reg.get(workerKey(rank)) != nil }
 
 func (m *Manager) updateMemberGaugesLocked() {
 	m.met.members.WithLabelValues("worker").Set(float64(m.reg.count(RoleWorker)))
@@ -625,6 +626,7 @@ func (m *Manager) evict(ranks []int, why string) {
 		}
 		m.evicted.add(wm.instance)
 		m.reg.remove(wm.key, wm.instance)
+		m.sw.gone(r)
 		if dl := m.downlinks[wm.key]; dl != nil && dl.instance == wm.instance {
 			dl.detach()
 			delete(m.downlinks, wm.key)

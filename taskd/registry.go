@@ -28,10 +28,11 @@ type member struct {
 type registry struct {
 	deadline time.Duration
 	members  map[memberKey]*member
+	counts   map[Role]int // members by role, kept as they come and go
 }
 
 func newRegistry(deadline time.Duration) *registry {
-	return &registry{deadline: deadline, members: make(map[memberKey]*member)}
+	return &registry{deadline: deadline, members: make(map[memberKey]*member), counts: make(map[Role]int)}
 }
 
 // register records m as live at now. A different instance may not take a
@@ -51,6 +52,9 @@ func (r *registry) register(m member, now time.Time) (fresh bool, err error) {
 		}
 	}
 	r.members[m.key] = &m
+	if old == nil {
+		r.counts[m.key.role]++
+	}
 	return old == nil || old.instance != m.instance, nil
 }
 
@@ -74,6 +78,7 @@ func (r *registry) get(k memberKey) *member { return r.members[k] }
 func (r *registry) remove(k memberKey, instance string) {
 	if m := r.members[k]; m != nil && m.instance == instance {
 		delete(r.members, k)
+		r.counts[k.role]--
 	}
 }
 
@@ -85,6 +90,7 @@ func (r *registry) expire(now time.Time) []member {
 		if now.Sub(m.lastSeen) > r.deadline {
 			lost = append(lost, *m)
 			delete(r.members, k)
+			r.counts[k.role]--
 		}
 	}
 	sortMembers(lost)
@@ -101,15 +107,8 @@ func (r *registry) list() []member {
 	return out
 }
 
-func (r *registry) count(role Role) int {
-	n := 0
-	for k := range r.members {
-		if k.role == role {
-			n++
-		}
-	}
-	return n
-}
+// count returns how many members of role are live, in O(1).
+func (r *registry) count(role Role) int { return r.counts[role] }
 
 func sortMembers(ms []member) {
 	sort.Slice(ms, func(i, j int) bool {

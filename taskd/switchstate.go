@@ -55,10 +55,15 @@ type switchTracker struct {
 	maxBackoff time.Duration
 	workers    map[int]*workerSwitch // by rank
 	ids        map[uint64]time.Time  // envelopes carrying the current version, and when each was sent
+	// lagging counts the live workers that have not acknowledged the
+	// current version, so that each acknowledgement tells in O(1)
+	// whether the fan-out is complete.
+	lagging int
 }
 
 type workerSwitch struct {
 	node     int
+	live     bool   // registered and not lost or evicted since
 	acked    uint64 // the version the worker acknowledged last
 	err      string // its error for acked, "" when applied
 	nextSend time.Time
@@ -102,11 +107,32 @@ func (t *switchTracker) set(sw trace.Switch, now time.Time) bool {
 	t.changedAt = now
 	t.completeAt = time.Time{}
 	clear(t.ids)
+	t.lagging = 0
 	for _, w := range t.workers {
 		w.nextSend = time.Time{}
 		w.bo.Reset()
+		if w.live {
+			t.lagging++
+		}
 	}
 	return true
+}
+
+// lags reports whether w counts in lagging.
+func (t *switchTracker) lags(w *workerSwitch) bool {
+	return w.live && t.version != 0 && w.acked != t.version
+}
+
+// update applies f to w, keeping lagging right.
+func (t *switchTracker) update(w *workerSwitch, f func()) {
+	before := t.lags(w)
+	f()
+	switch after := t.lags(w); {
+	case before && !after:
+		t.lagging--
+	case !before && after:
+		t.lagging++
+	}
 }
 
 // registered notes that rank registered, applying the switch bits it
@@ -116,30 +142,40 @@ func (t *switchTracker) set(sw trace.Switch, now time.Time) bool {
 func (t *switchTracker) registered(rank, node int, bits uint32, has bool) {
 	t.expect(rank, node)
 	w := t.workers[rank]
-	w.node = node
-	if t.version == 0 {
-		return
+	t.update(w, func() {
+		w.node, w.live = node, true
+		if t.version == 0 {
+			return
+		}
+		if has && trace.SwitchFromBits(bits) == t.sw {
+			w.acked, w.err = t.version, ""
+			return
+		}
+		if w.acked == t.version && w.err == "" {
+			w.acked = 0 // it restarted with another switch: send again
+		}
+		w.nextSend = time.Time{}
+		w.bo.Reset()
+	})
+}
+
+// gone notes that rank is no longer live (lost or evicted): the fan-out
+// no longer waits for it.
+func (t *switchTracker) gone(rank int) {
+	if w := t.workers[rank]; w != nil {
+		t.update(w, func() { w.live = false })
 	}
-	if has && trace.SwitchFromBits(bits) == t.sw {
-		w.acked, w.err = t.version, ""
-		return
-	}
-	if w.acked == t.version && w.err == "" {
-		w.acked = 0 // it restarted with another switch: send again
-	}
-	w.nextSend = time.Time{}
-	w.bo.Reset()
 }
 
 // due returns, in order, the live ranks that need the switch at now and
 // schedules their next re-send.
-func (t *switchTracker) due(now time.Time, live func(rank int) bool) []int {
-	if t.version == 0 {
+func (t *switchTracker) due(now time.Time) []int {
+	if t.lagging == 0 {
 		return nil
 	}
 	var out []int
 	for rank, w := range t.workers {
-		if w.acked == t.version || now.Before(w.nextSend) || !live(rank) {
+		if !t.lags(w) || now.Before(w.nextSend) {
 			continue
 		}
 		w.nextSend = now.Add(w.bo.NextBackOff())
@@ -169,20 +205,15 @@ func (t *switchTracker) ack(id uint64, rank int, errMsg string) (time.Time, bool
 	if !ok || w == nil {
 		return time.Time{}, false
 	}
-	w.acked, w.err = t.version, errMsg
+	t.update(w, func() { w.acked, w.err = t.version, errMsg })
 	return at, true
 }
 
 // complete reports whether every live worker acknowledged the current
-// version, and marks when that first happened.
-func (t *switchTracker) complete(now time.Time, live func(rank int) bool) bool {
-	if t.version == 0 {
+// version, and marks when that first happened. It takes O(1).
+func (t *switchTracker) complete(now time.Time) bool {
+	if t.version == 0 || t.lagging > 0 {
 		return false
-	}
-	for rank, w := range t.workers {
-		if w.acked != t.version && live(rank) {
-			return false
-		}
 	}
 	if t.completeAt.IsZero() {
 		t.completeAt = now
