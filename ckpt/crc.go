@@ -53,10 +53,16 @@ func xPow8N(n int64) uint32 {
 }
 
 const (
-	// fuseChunk is the unit of a fused copy and checksum: small enough that
-	// the checksum reads the bytes the copy just brought into cache (the
-	// L1 and L2 of one core).
+	// fuseChunk is the unit in which a replica is read and checksummed:
+	// small enough that the checksum reads from cache what was just read.
 	fuseChunk = 64 << 10
+	// warmChunk is the unit of copyBlobs's checksums: small, so that warm
+	// has all of its cache lines in flight at once and the copy and the
+	// CRC that follow read them from L1 (2 KiB measured best on an EPYC
+	// core; 4 and 8 KiB within 10%).
+	warmChunk = 2 << 10
+	// cacheLine is the stride of warm.
+	cacheLine = 64
 	// pieceSize is the unit of work a copy or checksum worker takes at a
 	// time. Workers take pieces until none is left, so that on a loaded
 	// machine a worker that gets less CPU does less of the work.
@@ -76,6 +82,7 @@ func copyBlobs(dst, src [][]byte, workers int, sum bool) ([]uint32, error) {
 	type piece struct {
 		blob, lo, hi int
 		crc          uint32
+		warm         byte // what warm read, kept so that its loads stay
 	}
 	var pieces []piece
 	var total int64
@@ -103,9 +110,9 @@ func copyBlobs(dst, src [][]byte, workers int, sum bool) ([]uint32, error) {
 			s := src[p.blob][p.lo:p.hi]
 			switch {
 			case dst == nil:
-				p.crc = crc32.Update(0, castagnoli, s)
+				p.crc, p.warm = warmCRC(s)
 			case sum:
-				p.crc = fusedCopyCRC(dst[p.blob][p.lo:p.hi], s)
+				p.crc, p.warm = fusedCopyCRC(dst[p.blob][p.lo:p.hi], s)
 			default:
 				copy(dst[p.blob][p.lo:p.hi], s)
 			}
@@ -136,16 +143,53 @@ func copyBlobs(dst, src [][]byte, workers int, sum bool) ([]uint32, error) {
 	return crcs, nil
 }
 
-// fusedCopyCRC copies src into dst chunk by chunk and returns the CRC32C
-// of what it copied, reading each chunk from cache the second time.
-func fusedCopyCRC(dst, src []byte) uint32 {
-	var c uint32
-	for o := 0; o < len(src); o += fuseChunk {
-		e := min(o+fuseChunk, len(src))
-		copy(dst[o:e], src[o:e])
-		c = crc32.Update(c, castagnoli, dst[o:e])
+// fusedCopyCRC copies src into dst a chunk at a time and returns the
+// CRC32C of what it copied, the bytes handed on to the caller: each chunk
+// of both is warmed first, then copied and checksummed from L1. It also
+// returns what warm read.
+func fusedCopyCRC(dst, src []byte) (crc uint32, w byte) {
+	dst = dst[:len(src)]
+	for o := 0; o < len(src); o += warmChunk {
+		e := min(o+warmChunk, len(src))
+		d, s := dst[o:e], src[o:e]
+		w += warmPair(s, d)
+		copy(d, s)
+		crc = crc32.Update(crc, castagnoli, d)
 	}
-	return c
+	return crc, w
+}
+
+// warmCRC returns the CRC32C of src, checksummed a warmed chunk at a
+// time, and what warm read.
+func warmCRC(src []byte) (crc uint32, w byte) {
+	for o := 0; o < len(src); o += warmChunk {
+		s := src[o:min(o+warmChunk, len(src))]
+		w += warm(s)
+		crc = crc32.Update(crc, castagnoli, s)
+	}
+	return crc, w
+}
+
+// warm loads one byte of each cache line of b and returns their sum, which
+// the caller must keep (or the compiler drops the loads). The loads are
+// independent, so the core has all of b's cache misses in flight at once,
+// where a CRC's own reads of memory wait on the hardware prefetcher's one
+// stream, which leaves a core at about half the memory's bandwidth.
+func warm(b []byte) (sum byte) {
+	for i := 0; i < len(b); i += cacheLine {
+		sum += b[i]
+	}
+	return sum
+}
+
+// warmPair is warm of a source and a destination of the same length
+// together. Warming the destination brings its lines in before the
+// copy's stores, instead of one store miss after another.
+func warmPair(src, dst []byte) (sum byte) {
+	for i := 0; i < len(src) && i < len(dst); i += cacheLine {
+		sum += src[i] + dst[i]
+	}
+	return sum
 }
 
 // recoverFault is deferred, with the previous setting of

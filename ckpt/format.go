@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"math"
+	"strconv"
 	"time"
 	"unicode/utf8"
 )
@@ -393,28 +394,31 @@ func (m StepMeta) check(halfSize int64, version uint32) error {
 	}
 	seen := make(map[string]bool, len(m.Blobs))
 	for i, e := range m.Blobs {
-		field := fmt.Sprintf("blobs[%d]", i)
 		if err := checkName(e.Name); err != nil {
-			return formatErr(-1, field+".name", "%v", err)
+			return formatErr(-1, blobField(i, ".name"), "%v", err)
 		}
 		if seen[e.Name] {
-			return formatErr(-1, field+".name", "duplicate name %q", e.Name)
+			return formatErr(-1, blobField(i, ".name"), "duplicate name %q", e.Name)
 		}
 		seen[e.Name] = true
 		switch {
 		case e.Size < 0 || e.Size > halfSize:
-			return formatErr(-1, field+".size", "value %d out of range [0,%d]", e.Size, halfSize)
+			return formatErr(-1, blobField(i, ".size"), "value %d out of range [0,%d]", e.Size, halfSize)
 		case e.Offset < end:
-			return formatErr(-1, field+".offset", "value %d overlaps the meta or the previous blob ending at %d", e.Offset, end)
+			return formatErr(-1, blobField(i, ".offset"), "value %d overlaps the meta or the previous blob ending at %d", e.Offset, end)
 		case e.Offset > halfSize-e.Size:
-			return formatErr(-1, field+".offset", "blob [%d,+%d) runs past the half of %d bytes", e.Offset, e.Size, halfSize)
+			return formatErr(-1, blobField(i, ".offset"), "blob [%d,+%d) runs past the half of %d bytes", e.Offset, e.Size, halfSize)
 		case !m.Sealed && e.CRC32C != 0:
-			return formatErr(-1, field+".crc32c", "value %#08x in an unsealed step, whose CRCs are not known", e.CRC32C)
+			return formatErr(-1, blobField(i, ".crc32c"), "value %#08x in an unsealed step, whose CRCs are not known", e.CRC32C)
 		}
 		end = e.Offset + e.Size
 	}
 	return nil
 }
+
+// blobField names field f of blob table entry i, for an error: built only
+// on the error path, as a parse runs on every load.
+func blobField(i int, f string) string { return "blobs[" + strconv.Itoa(i) + "]" + f }
 
 func checkName(name string) error {
 	switch {
@@ -500,21 +504,20 @@ func parseStepMeta(b []byte, halfSize int64, version, seal uint32) (StepMeta, er
 	crcs := b[tableEnd:metaEnd]
 	off := int64(StepHeaderSize)
 	for i := range nblobs {
-		field := fmt.Sprintf("blobs[%d]", i)
 		if len(p) < EntrySize {
-			return StepMeta{}, formatErr(off, field, "entry runs past the table")
+			return StepMeta{}, formatErr(off, blobField(int(i), ""), "entry runs past the table")
 		}
 		nameLen := int(le.Uint16(p[20:]))
 		if r := le.Uint16(p[22:]); r != 0 {
-			return StepMeta{}, formatErr(off+22, field+".reserved", "value %d is not zero", r)
+			return StepMeta{}, formatErr(off+22, blobField(int(i), ".reserved"), "value %d is not zero", r)
 		}
 		n := entryLen(nameLen)
 		if n > int64(len(p)) {
-			return StepMeta{}, formatErr(off+20, field+".name_len", "value %d runs past the table", nameLen)
+			return StepMeta{}, formatErr(off+20, blobField(int(i), ".name_len"), "value %d runs past the table", nameLen)
 		}
 		for _, c := range p[EntrySize+nameLen : n] {
 			if c != 0 {
-				return StepMeta{}, formatErr(off+EntrySize+int64(nameLen), field+".name", "padding is not zero")
+				return StepMeta{}, formatErr(off+EntrySize+int64(nameLen), blobField(int(i), ".name"), "padding is not zero")
 			}
 		}
 		e := BlobEntry{
@@ -526,7 +529,7 @@ func parseStepMeta(b []byte, halfSize int64, version, seal uint32) (StepMeta, er
 		case version < 2:
 			e.CRC32C = le.Uint32(p[16:])
 		case le.Uint32(p[16:]) != 0:
-			return StepMeta{}, formatErr(off+16, field+".reserved", "value %d is not zero", le.Uint32(p[16:]))
+			return StepMeta{}, formatErr(off+16, blobField(int(i), ".reserved"), "value %d is not zero", le.Uint32(p[16:]))
 		case m.Sealed:
 			e.CRC32C = le.Uint32(crcs[4*i:])
 		}

@@ -434,6 +434,38 @@ func TestCopyBlobsSplitsBlobs(t *testing.T) {
 	}
 }
 
+// TestFusedCopyCRCLengths checks the copy and the CRC of lengths around
+// the cache line and the chunk, and that a flipped bit anywhere changes
+// the CRC.
+func TestFusedCopyCRCLengths(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	src := make([]byte, 3*warmChunk+cacheLine+1)
+	for i := range src {
+		src[i] = byte(r.Uint32())
+	}
+	for _, n := range []int{0, 1, cacheLine - 1, cacheLine, cacheLine + 1, warmChunk - 1, warmChunk, warmChunk + 1, 3*warmChunk + cacheLine + 1} {
+		s := src[:n]
+		dst := make([]byte, n)
+		crc, _ := fusedCopyCRC(dst, s)
+		if want := CRC32C(s); crc != want || !bytes.Equal(dst, s) {
+			t.Fatalf("length %d: crc %#x want %#x, copy equal %v", n, crc, want, bytes.Equal(dst, s))
+		}
+		if crc, _ := warmCRC(s); crc != CRC32C(s) {
+			t.Fatalf("length %d: warmCRC %#x want %#x", n, crc, CRC32C(s))
+		}
+		for range 8 {
+			if n == 0 {
+				break
+			}
+			f := bytes.Clone(s)
+			f[r.IntN(n)] ^= 1 << r.IntN(8)
+			if crc, _ := fusedCopyCRC(dst, f); crc == CRC32C(s) {
+				t.Fatalf("length %d: a flipped bit kept the CRC", n)
+			}
+		}
+	}
+}
+
 // fixCRC returns a copy of b with the checksum at off set to what sum
 // computes, or b itself when b is too short to hold it.
 func fixCRC(b []byte, off int, sum func([]byte) uint32) []byte {
