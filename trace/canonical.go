@@ -69,7 +69,18 @@ const (
 func parseCanonical(b []byte, r *Record, in *interner) bool {
 	var v [numFields]uint64
 	i := 0
+	mid := -1 // where the object id starts, when it is parsed here
 	for f := range numFields {
+		if f == fPid && in != nil {
+			// The object id is the previous line's, bytes and all, on
+			// nearly every line of a thread: compared whole, not read.
+			if m := &in.objectID; m.n > 0 && len(b)-i >= m.n && string(b[i:i+m.n]) == string(m.raw[:m.n]) {
+				copy(v[fPid:], m.vals[:])
+				i += m.n - len(litName)
+				break
+			}
+			mid = i
+		}
 		rest := b[i:]
 		var n int // the literal's length, 0 if it is not there
 		switch f {
@@ -158,6 +169,11 @@ func parseCanonical(b []byte, r *Record, in *interner) bool {
 	if len(b)-i < len(litName) || string(b[i:i+len(litName)]) != litName {
 		return false
 	}
+	if mid >= 0 && i+len(litName)-mid <= len(in.objectID.raw) {
+		m := &in.objectID
+		m.n = copy(m.raw[:], b[mid:i+len(litName)])
+		copy(m.vals[:], v[fPid:])
+	}
 	r.Kind, r.Flag, r.SourceKind = uint32(v[fKind]), Flag(v[fFlag]), uint32(v[fSource])
 	r.Timestamp, r.ID = v[fTime], v[fID]
 	r.ProcessID, r.ThreadID = uint32(v[fPid]), uint32(v[fTid])
@@ -244,10 +260,11 @@ func minusOne(b []byte, i int) bool {
 // fault, so a hit is as good as a full decode. It also keeps the leading
 // digits of the last timestamp and id. A nil interner decodes every time.
 type interner struct {
-	leading [2]leading // of the last Timestamp and Id of more than eight digits
-	seed    maphash.Seed
-	slots   []internSlot // open addressing, linear probing; len a power of two
-	n       int
+	leading  [2]leading // of the last Timestamp and Id of more than eight digits
+	objectID objectID   // of the last line parsed in full
+	seed     maphash.Seed
+	slots    []internSlot // open addressing, linear probing; len a power of two
+	n        int
 }
 
 // leading is the first eight digits of a number, as the bytes of the line
@@ -255,6 +272,15 @@ type interner struct {
 type leading struct {
 	digits uint64 // 0: none yet
 	value  uint64
+}
+
+// objectID is the text of a line's MsptiObjectId, from its key to the
+// Name's opening quote, and the four numbers it holds. A line with the
+// same text holds the same numbers.
+type objectID struct {
+	raw  [160]byte
+	n    int // bytes of raw in use; 0: none yet
+	vals [numFields - fPid]uint64
 }
 
 // pow10 holds the powers of ten that leave the first eight of 8 to 19

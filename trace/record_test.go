@@ -173,6 +173,10 @@ func TestCanonicalFastPath(t *testing.T) {
 	all := bytes.SplitN(lines, []byte{'\n'}, n)
 	all[len(all)-1] = bytes.TrimSuffix(all[len(all)-1], []byte{'\n'})
 	all = append(all, []byte(`{"Kind":1,"Flag":2,"SourceKind":0,"Timestamp":500,"Id":3,"MsptiObjectId":{"Pt":{"ProcessId":4242,"ThreadId":4243},"Ds":{"DeviceId":-1,"StreamId":-1}},"Name":"dataloader","Domain":"default"}`))
+	// Object ids that share the previous line's text up to a digit, or
+	// all of it but one: read in full, not taken from that line's.
+	all = append(all, []byte(`{"Kind":1,"Flag":2,"SourceKind":0,"Timestamp":501,"Id":4,"MsptiObjectId":{"Pt":{"ProcessId":42421,"ThreadId":4243},"Ds":{"DeviceId":-1,"StreamId":-1}},"Name":"dataloader","Domain":"default"}`))
+	all = append(all, []byte(`{"Kind":1,"Flag":2,"SourceKind":0,"Timestamp":502,"Id":5,"MsptiObjectId":{"Pt":{"ProcessId":42421,"ThreadId":4243},"Ds":{"DeviceId":-1,"StreamId":7}},"Name":"dataloader","Domain":"default"}`))
 	var in interner
 	for round := range 2 {
 		for _, l := range all {
