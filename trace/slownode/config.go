@@ -3,6 +3,7 @@ package slownode
 import (
 	"fmt"
 	"log/slog"
+	"runtime"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -30,6 +31,9 @@ const (
 	DefaultMaxPendingRanges      = 1 << 14
 	DefaultMaxRanks              = 1 << 16
 )
+
+// maxReaders bounds Config.Readers.
+const maxReaders = 256
 
 // Config configures a Detector, and Analyze and Watch, which drive one.
 // The zero value is ready to use: every zero field takes the default
@@ -102,6 +106,10 @@ type Config struct {
 
 	// PollInterval is how often Watch looks for new records. Default 1s.
 	PollInterval time.Duration
+	// Readers is how many goroutines read and parse rank folders ahead
+	// of the detector, which takes their ranges one rank after another.
+	// Default GOMAXPROCS.
+	Readers int
 	// Logger receives warnings about bad input; nil discards them.
 	Logger *slog.Logger
 	// Registerer receives the metrics listed in the package
@@ -165,6 +173,8 @@ func (c Config) Validate() error {
 		return bad("RanksPerNode", c.RanksPerNode, "is negative")
 	case c.PollInterval < 0:
 		return bad("PollInterval", c.PollInterval, "is negative")
+	case c.Readers < 0 || c.Readers > maxReaders:
+		return bad("Readers", c.Readers, "is outside [0, 256]")
 	}
 	for r := range c.Nodes {
 		if r < 0 {
@@ -205,6 +215,7 @@ func (c *Config) setDefaults() {
 	if c.PollInterval == 0 {
 		c.PollInterval = DefaultPollInterval
 	}
+	def(&c.Readers, min(runtime.GOMAXPROCS(0), maxReaders))
 	if c.Horizon < c.SilentSteps+2 {
 		c.Horizon = c.SilentSteps + 2
 	}

@@ -35,18 +35,6 @@ type rankValue struct {
 	ri int32
 }
 
-// byValue orders rankValues by value. The values sorted are never NaN,
-// so plain comparisons do what cmp.Compare does, at less cost.
-func byValue(a, b rankValue) int {
-	switch {
-	case a.v < b.v:
-		return -1
-	case a.v > b.v:
-		return 1
-	}
-	return 0
-}
-
 type groupRef struct {
 	kind  string
 	stage int
@@ -150,24 +138,20 @@ func (d *Detector) evaluate(rw *row) {
 		if n == 0 {
 			continue
 		}
-		slices.SortFunc(sc.pairs, byValue)
+		vals := sc.sortedValues(sc.pairs)
 		if n%2 == 1 {
-			g.value = sc.pairs[n/2].v
+			g.value = vals[n/2]
 		} else {
-			g.value = (sc.pairs[n/2-1].v + sc.pairs[n/2].v) / 2
+			g.value = (vals[n/2-1] + vals[n/2]) / 2
 		}
 		if g.pp || n < 3 {
 			continue
 		}
-		sc.vals = sc.vals[:0]
-		for _, p := range sc.pairs {
-			sc.vals = append(sc.vals, p.v)
-		}
-		cut, lo, hi := split2(sc.vals)
+		cut, lo, hi := split2(vals)
 		if cut*2 <= n && hi > lo*d.cfg.ClusterMeanDistance && hi-lo >= effect {
 			g.flagged = true
-			for k, p := range sc.pairs {
-				if k < cut {
+			for _, p := range sc.pairs {
+				if p.v < vals[cut] {
 					sc.flags[p.ri] |= fHomLow
 				} else {
 					sc.flags[p.ri] |= fHomHigh
@@ -306,9 +290,9 @@ func (d *Detector) peerTest(rw *row, peers []int32, m metric, flag uint8, effect
 	return ref
 }
 
-// healthy sorts pairs and calls above for each one that stands above the
-// healthy ones by threshold (a fraction), and returns their median; NaN
-// for fewer than three pairs.
+// healthy calls above for each of pairs that stands above the healthy
+// ones by threshold (a fraction), and returns their median; NaN for fewer
+// than three pairs.
 //
 // The values are split in two clusters (1-D 2-means), peeling upper
 // clusters off while they stand apart by RelativeThreshold and the rest
@@ -324,11 +308,7 @@ func (d *Detector) healthy(pairs []rankValue, threshold, effect float64, above f
 	if n < 3 {
 		return math.NaN(), false
 	}
-	slices.SortFunc(pairs, byValue)
-	sc.vals = sc.vals[:0]
-	for _, p := range pairs {
-		sc.vals = append(sc.vals, p.v)
-	}
+	sc.sortedValues(pairs)
 	cut := n
 	for {
 		c, lo, hi := split2(sc.vals[:cut])
@@ -362,12 +342,24 @@ func (d *Detector) healthy(pairs []rankValue, threshold, effect float64, above f
 		sd = math.Sqrt(sd / float64(cut-1))
 	}
 	sd = max(sd, ref*minSpread)
-	for _, p := range pairs[cut:] {
-		if p.v > ref*(1+threshold) && p.v-ref > d.cfg.NSigma*sd && p.v-ref >= effect {
+	for _, p := range pairs {
+		if p.v >= sc.vals[cut] && p.v > ref*(1+threshold) && p.v-ref > d.cfg.NSigma*sd && p.v-ref >= effect {
 			above(p.ri)
 		}
 	}
 	return ref, true
+}
+
+// sortedValues returns the values of pairs in increasing order, in
+// sc.vals: sorting plain floats costs half what sorting the pairs does,
+// and a pair's side of a cut is told by its value.
+func (sc *scratch) sortedValues(pairs []rankValue) []float64 {
+	sc.vals = sc.vals[:0]
+	for _, p := range pairs {
+		sc.vals = append(sc.vals, p.v)
+	}
+	slices.Sort(sc.vals)
+	return sc.vals
 }
 
 // memberToBlame reports whether a member of g explains its waiting this

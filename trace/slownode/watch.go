@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -16,6 +18,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	oteltrace "go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/faultline-ml/faultline/trace"
 )
@@ -40,6 +43,11 @@ const (
 	maxOpenRanges = 256
 	// readBufferBytes is each rank reader's buffer.
 	readBufferBytes = 32 << 10
+	// readAhead is how many ranks the workers read ahead of the one whose
+	// ranges the detector takes, and maxQueued how many ranges one rank
+	// may have read ahead: about a round's worth (chunkSteps steps).
+	readAhead = 32
+	maxQueued = 4096
 )
 
 // errPause stops a rank's Read when it is far enough ahead.
@@ -125,6 +133,20 @@ type rankSource struct {
 	groups  bool   // parallel_group.json loaded
 	garbage uint64 // garbage lines already logged
 	err     error  // why the folder cannot be read, logged once
+
+	// Read ahead by a worker, handed to the detector by the pass.
+	queue   []trace.Range // ranges read, from head on not yet given to the detector
+	head    int
+	target  int64         // the step the current round reads to
+	eof     bool          // the latest fill caught up with the files
+	readErr error         // why the latest fill stopped, when not caught up or paused
+	ready   chan struct{} // a worker finished a fill
+
+	// What load found, for open.
+	openErr error
+	loaded  trace.ParallelGroups
+	loadErr error
+	counted trace.ReaderStats
 }
 
 type source struct {
@@ -137,6 +159,7 @@ type source struct {
 	metrics             *metrics
 	reg                 prometheus.Registerer
 	prog                func(Progress)
+	readers             int // workers that read ahead
 	bytes               uint64
 	records             uint64
 	passStart, lastProg time.Time
@@ -159,7 +182,7 @@ func newSource(jobDir string, cfg Config) (*source, error) {
 		return nil, fmt.Errorf("slownode: job folder %s is not a folder", jobDir)
 	}
 	s := &source{dir: jobDir, d: d, byRank: map[int]*rankSource{}, log: cfg.Logger, prog: cfg.Progress,
-		metrics: newMetrics(), reg: cfg.Registerer}
+		metrics: newMetrics(), reg: cfg.Registerer, readers: d.cfg.Readers}
 	if s.log == nil {
 		s.log = slog.New(slog.DiscardHandler)
 	}
@@ -229,7 +252,8 @@ func (s *source) discover() error {
 			}
 			continue
 		}
-		rs := &rankSource{rank: f.rank, dir: f.dir, node: f.node, pair: trace.Pairer{MaxOpen: maxOpenRanges}}
+		rs := &rankSource{rank: f.rank, dir: f.dir, node: f.node, pair: trace.Pairer{MaxOpen: maxOpenRanges},
+			ready: make(chan struct{}, 1)}
 		if f.node != "" {
 			if _, ok := s.d.cfg.Nodes[f.rank]; !ok {
 				s.d.setNode(f.rank, f.node)
@@ -245,21 +269,60 @@ func (s *source) discover() error {
 
 // pass discovers rank folders and reads every rank to where its files
 // end, in rounds that keep the ranks within a few steps of each other.
+//
+// Workers read, parse and pair the records of the ranks next in turn
+// while the pass hands the ranges of the current one to the detector (a
+// Detector is not safe for concurrent use): each rank's ranges reach the
+// detector in file order, and a rank stops at the same range, as if the
+// pass read them itself.
 func (s *source) pass(ctx context.Context) error {
 	s.passStart = time.Now()
 	defer s.progress(true)
 	if err := s.discover(); err != nil {
 		return err
 	}
+	var loads errgroup.Group
+	loads.SetLimit(s.readers)
+	for _, rs := range s.ranks {
+		if rs.rd == nil || !rs.groups {
+			loads.Go(func() error { rs.load(); return nil })
+		}
+	}
+	loads.Wait()
 	for _, rs := range s.ranks {
 		s.open(rs)
 	}
-	caught := make([]bool, len(s.ranks))
-	for {
-		if err := ctx.Err(); err != nil {
-			return err
+	work := make(chan *rankSource, readAhead)
+	var wg sync.WaitGroup
+	for range s.readers {
+		wg.Go(func() {
+			for rs := range work {
+				rs.fill()
+				rs.ready <- struct{}{}
+			}
+		})
+	}
+	defer func() {
+		close(work)
+		wg.Wait()
+		for _, rs := range s.ranks { // fills a failed pass did not wait for
+			select {
+			case <-rs.ready:
+			default:
+			}
 		}
-		target := int64(-1)
+	}()
+	caught := make([]bool, len(s.ranks))
+	var (
+		target int64
+		todo   []int // indexes in s.ranks of the ranks the round reads
+		sent   int   // todo[:sent] went to the workers
+		free   [][]trace.Range
+	)
+	// plan starts a round: every rank not caught up is read until it has
+	// finished chunkSteps steps past the one furthest behind. It reports
+	// false once every rank has caught up.
+	plan := func() bool {
 		first := true
 		for i, rs := range s.ranks {
 			if caught[i] || rs.rd == nil {
@@ -269,25 +332,65 @@ func (s *source) pass(ctx context.Context) error {
 				target, first = l, false
 			}
 		}
-		if first {
-			break // every rank caught up
-		}
 		target += chunkSteps
-		s.d.holdEvaluation()
+		todo, sent = todo[:0], 0
 		for i, rs := range s.ranks {
 			if caught[i] || rs.rd == nil {
 				caught[i] = true
 				continue
 			}
-			done, err := s.read(rs, target)
+			todo = append(todo, i)
+		}
+		return !first
+	}
+	// send hands the workers the ranks of the round up to todo[upto]. At
+	// most readAhead ranks are sent and not yet taken, so that sending
+	// never blocks and the ranges read ahead stay few.
+	send := func(upto int) {
+		for ; sent < len(todo) && sent < upto; sent++ {
+			rs := s.ranks[todo[sent]]
+			rs.target = target
+			if rs.queue == nil && len(free) > 0 {
+				rs.queue, free = free[len(free)-1], free[:len(free)-1]
+			}
+			work <- rs
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	more := plan()
+	send(readAhead)
+	for more {
+		s.d.holdEvaluation()
+		for k, i := range todo {
+			send(k + readAhead)
+			rs := s.ranks[i]
+			<-rs.ready
+			done, err := s.feed(rs, target)
 			if err != nil {
 				s.d.release()
 				return err
 			}
+			if rs.head == len(rs.queue) && rs.queue != nil {
+				free = append(free, rs.queue[:0])
+				rs.queue, rs.head = nil, 0
+			}
 			caught[i] = done
+		}
+		// The workers read the next round's first ranks while this
+		// round's steps are evaluated: the evaluation changes none of
+		// what plan looks at.
+		err := ctx.Err()
+		if err == nil {
+			more = plan()
+			send(readAhead)
 		}
 		s.d.release()
 		s.progress(false)
+		if err != nil {
+			return err
+		}
 	}
 	for _, rs := range s.ranks {
 		if rs.rd == nil {
@@ -304,25 +407,38 @@ func (s *source) pass(ctx context.Context) error {
 	return nil
 }
 
-// open opens the reader of a rank folder and loads its
-// parallel_group.json, retrying on later passes until both work.
-func (s *source) open(rs *rankSource) {
+// load opens the rank's reader and reads its parallel_group.json where
+// that is not done yet; open then takes the outcome in. Workers load the
+// ranks side by side, and the pass opens them in rank order, as one.
+func (rs *rankSource) load() {
+	rs.openErr, rs.loaded, rs.loadErr = nil, nil, nil
 	if rs.rd == nil {
 		rd, err := trace.OpenRankReader(rs.dir, trace.ReaderConfig{BufferBytes: readBufferBytes})
 		if err != nil {
-			if rs.err == nil {
-				s.log.Warn("slownode: cannot read rank folder", "rank", rs.rank, "err", err)
-			}
-			rs.err = err
+			rs.openErr = err
 			return
 		}
 		rs.rd = rd
 	}
 	if !rs.groups {
-		g, err := trace.ReadParallelGroups(rs.dir)
-		switch {
+		rs.loaded, rs.loadErr = trace.ReadParallelGroups(rs.dir)
+	}
+}
+
+// open takes in what load found: the reader of a rank folder and its
+// parallel_group.json, retried on later passes until both work.
+func (s *source) open(rs *rankSource) {
+	if err := rs.openErr; err != nil {
+		if rs.err == nil {
+			s.log.Warn("slownode: cannot read rank folder", "rank", rs.rank, "err", err)
+		}
+		rs.err, rs.openErr = err, nil
+		return
+	}
+	if !rs.groups {
+		switch err := rs.loadErr; {
 		case err == nil:
-			s.d.AddGroups(g)
+			s.d.AddGroups(rs.loaded)
 			rs.groups = true
 		case errors.Is(err, os.ErrNotExist):
 			// Not written yet, or a job without one: communicators are
@@ -332,39 +448,96 @@ func (s *source) open(rs *rankSource) {
 			rs.groups = true
 		}
 	}
+	rs.loaded, rs.loadErr = nil, nil
 }
 
-// read feeds the rank's new records to the detector until the rank has
-// finished step target; it reports whether the rank caught up instead.
-func (s *source) read(rs *rankSource, target int64) (bool, error) {
-	before := rs.rd.Stats()
-	var st *rankState // nil for a rank the detector refused, which never pauses
-	if i, ok := s.d.index[rs.rank]; ok {
-		st = s.d.ranks[i]
+// fill reads the rank's records ahead into its queue, paired, until a
+// range of a step at or past target is queued, maxQueued ranges are, or
+// the files end. Where it stops matters only for how much is queued: feed
+// decides where the rank stops, and fills again when the queue runs out
+// short of that.
+func (rs *rankSource) fill() {
+	rs.eof = false
+	if rs.readErr != nil {
+		return // feed reports it once the queue before it is taken
+	}
+	if rs.head > 0 {
+		rs.queue = rs.queue[:copy(rs.queue, rs.queue[rs.head:])]
+		rs.head = 0
+	}
+	for i := range rs.queue {
+		if n, ok := rangeStep(&rs.queue[i]); ok && n >= rs.target {
+			return
+		}
 	}
 	err := rs.rd.Read(func(rec *trace.Record) error {
 		r, ok := rs.pair.Add(rec)
 		if !ok {
 			return nil
 		}
-		s.d.add(rs.rank, &r)
-		if st != nil && st.asm.last >= target {
+		rs.queue = append(rs.queue, r)
+		if n, ok := rangeStep(&r); ok && n >= rs.target || len(rs.queue) >= maxQueued {
 			return errPause
 		}
 		return nil
 	})
-	after := rs.rd.Stats()
-	s.bytes += after.Bytes - before.Bytes
-	s.records += after.Records - before.Records
-	s.metrics.records.Add(after.Records - before.Records)
-	s.metrics.bytes.Add(after.Bytes - before.Bytes)
 	switch {
 	case err == nil:
-		return true, nil
-	case errors.Is(err, errPause):
-		return false, nil
+		rs.eof = true
+	case !errors.Is(err, errPause):
+		rs.readErr = err
 	}
-	return false, fmt.Errorf("slownode: rank %d: %w", rs.rank, err)
+}
+
+// rangeStep returns n for a range named "step <n>".
+func rangeStep(r *trace.Range) (int64, bool) {
+	if !strings.HasPrefix(r.Name, trace.StepMarkerPrefix) {
+		return 0, false
+	}
+	return parseStepNumber(r.Name)
+}
+
+// feed hands the rank's queued ranges to the detector until the rank has
+// finished step target, filling the queue again where it runs out first;
+// it reports whether the rank caught up instead.
+func (s *source) feed(rs *rankSource, target int64) (bool, error) {
+	var st *rankState // nil for a rank the detector refused, which never pauses
+	if i, ok := s.d.index[rs.rank]; ok {
+		st = s.d.ranks[i]
+	}
+	for {
+		s.count(rs)
+		for rs.head < len(rs.queue) {
+			r := &rs.queue[rs.head]
+			rs.head++
+			s.d.add(rs.rank, r)
+			if st != nil && st.asm.last >= target {
+				return false, nil
+			}
+		}
+		switch {
+		case rs.readErr != nil:
+			err := rs.readErr
+			rs.readErr = nil
+			return false, fmt.Errorf("slownode: rank %d: %w", rs.rank, err)
+		case rs.eof:
+			return true, nil
+		}
+		rs.target = target
+		rs.fill()
+	}
+}
+
+// count adds what the rank's reader read since the last count to the
+// pass's counters and metrics.
+func (s *source) count(rs *rankSource) {
+	after := rs.rd.Stats()
+	bytes, records := after.Bytes-rs.counted.Bytes, after.Records-rs.counted.Records
+	rs.counted = after
+	s.bytes += bytes
+	s.records += records
+	s.metrics.records.Add(records)
+	s.metrics.bytes.Add(bytes)
 }
 
 // progress reports to Config.Progress about once a second during a pass

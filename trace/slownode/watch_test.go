@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
@@ -278,3 +279,76 @@ func (l *lintRegisterer) MustRegister(cs ...prometheus.Collector) {
 }
 
 func (l *lintRegisterer) Unregister(c prometheus.Collector) bool { return l.reg.Unregister(c) }
+
+// TestAnalyzeReadAhead reads a job whose ranks hold a step of more ranges
+// than a worker reads ahead at once, with garbage lines in between: every
+// range reaches the detector once, and the verdict does not depend on how
+// many workers read.
+func TestAnalyzeReadAhead(t *testing.T) {
+	job := filepath.Join(t.TempDir(), "job")
+	const ranks, steps = 6, 40
+	wantRanges := uint64(0)
+	for rank := range ranks {
+		var b []byte
+		id := uint64(0)
+		ts := uint64(1_700_000_000_000_000_000)
+		rng := func(name, domain string, start, end uint64) {
+			id++
+			b = append((&trace.Record{Kind: 1, Flag: trace.FlagDeviceStart, SourceKind: 1, Timestamp: start, ID: id, Name: name, Domain: domain}).AppendJSON(b), '\n')
+			b = append((&trace.Record{Kind: 1, Flag: trace.FlagDeviceEnd, SourceKind: 1, Timestamp: end, ID: id}).AppendJSON(b), '\n')
+			wantRanges++
+		}
+		for s := range steps {
+			fwd := 1
+			if rank == 2 && s%10 == 3 {
+				fwd = 2*maxQueued + 100 // several read-aheads' worth in one step
+			}
+			step := uint64(10e6)
+			if rank == 4 && s >= steps/2 {
+				step = 15e6
+			}
+			for k := range fwd {
+				start := ts + uint64(k)*step/2/uint64(fwd)
+				rng(trace.MarkerForward, trace.DomainDefault, start, start+step/2/uint64(fwd))
+			}
+			rng("step "+strconv.Itoa(s), trace.DomainDefault, ts, ts+step)
+			if s%7 == 0 {
+				b = append(b, "not a record\n"...)
+			}
+			ts += step + 1e6
+		}
+		dir := filepath.Join(job, strconv.Itoa(rank))
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			t.Fatal(err)
+		}
+		// Two files, the second starting mid-job.
+		cut := bytes.Index(b[len(b)/2:], []byte{'\n'}) + len(b)/2 + 1
+		os.WriteFile(filepath.Join(dir, "1700000000"), b[:cut], 0o640)
+		os.WriteFile(filepath.Join(dir, "1700000100"), b[cut:], 0o640)
+	}
+	var results []*Result
+	for _, readers := range []int{1, 2, 5} {
+		r, err := Analyze(context.Background(), job, Config{Readers: readers})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := r.Input.Detector.Ranges; got != wantRanges {
+			t.Errorf("readers %d: %d ranges reached the detector, want %d", readers, got, wantRanges)
+		}
+		if got := r.Input.Detector.Steps; got != ranks*steps {
+			t.Errorf("readers %d: %d steps, want %d", readers, got, ranks*steps)
+		}
+		if r.Input.GarbageLines != ranks*((steps+6)/7) {
+			t.Errorf("readers %d: %d garbage lines, want %d", readers, r.Input.GarbageLines, ranks*((steps+6)/7))
+		}
+		results = append(results, r)
+	}
+	if !slices.Equal(results[0].SlowCalculateRanks, []int{4}) {
+		t.Errorf("slow ranks %v, want [4]", results[0].SlowCalculateRanks)
+	}
+	for i, r := range results[1:] {
+		if diff := cmp.Diff(results[0], r); diff != "" {
+			t.Errorf("result with %d readers differs (-1 reader +more):\n%s", []int{2, 5}[i], diff)
+		}
+	}
+}
