@@ -341,6 +341,8 @@ func TestConfigValidateNamesTheField(t *testing.T) {
 		{Config{MaxRanks: -1}, "MaxRanks"},
 		{Config{RanksPerNode: -8}, "RanksPerNode"},
 		{Config{PollInterval: -time.Second}, "PollInterval"},
+		{Config{Readers: -1}, "Readers"},
+		{Config{Readers: 1000}, "Readers"},
 		{Config{Nodes: map[int]string{-1: "x"}}, "Nodes"},
 	} {
 		err := tc.cfg.Validate()
