@@ -123,6 +123,14 @@
 // Orchestration messages travel as application messages whose kinds start
 // with "taskd/"; that prefix is reserved.
 //
+// A manager that restarts has no orchestration in progress. A worker
+// whose trainer an orchestration of the previous manager held (paused,
+// or not yet started) learns of the new manager when it registers again
+// (behind a proxy, from its heartbeats); if the new manager holds nothing,
+// nothing would resume the trainer, so the worker resumes it itself, with
+// ResumeRequest.Released set and Step -1: the trainer knows that nothing
+// was repaired and no step agreed.
+//
 // Security is mutual TLS with certificates read from files and read again
 // when they change (SecurityFromDir takes a Kubernetes TLS secret), a
 // shared token, or both; plaintext only when Security.Insecure is set, and
@@ -132,7 +140,9 @@
 // Observability is injected: a prometheus.Registerer (metrics named
 // faultline_taskd_*), an OpenTelemetry TracerProvider (spans on switch
 // fan-out, collection and orchestration) and a *slog.Logger; nil means
-// off.
+// off. A constructor whose metrics cannot be registered (say, a second
+// manager on one Registerer) returns the error; Close unregisters them,
+// so that a component can be built again on the same Registerer.
 //
 // The pure parts (liveness registry, switch tracker, fault log) take the
 // time from their caller and are tested deterministically. The package's

@@ -149,6 +149,7 @@ type Manager struct {
 	log      *slog.Logger
 	tracer   oteltrace.Tracer
 	met      *managerMetrics
+	metrics  *registrar // what met and the orchestrator registered
 	handlers []Handler
 	orch     *orchestrator // nil when orchestration is off
 	lis      net.Listener
@@ -187,10 +188,12 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		return nil, err
 	}
 	cfg.setDefaults()
+	metrics := newRegistrar(cfg.Registerer, "ManagerConfig.Registerer")
 	m := &Manager{
 		cfg:         cfg,
 		log:         discardIfNil(cfg.Logger).With("component", "taskd-manager", "job", cfg.Job),
-		met:         newManagerMetrics(cfg.Registerer),
+		met:         newManagerMetrics(metrics),
+		metrics:     metrics,
 		handlers:    sortHandlers(cfg.Handlers),
 		instance:    newInstanceID(),
 		events:      newEventQueue(1 << 16),
@@ -216,10 +219,14 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 	if cfg.Orchestration != nil {
 		orch, err := newOrchestrator(m, *cfg.Orchestration)
 		if err != nil {
+			metrics.unregisterAll()
 			return nil, err
 		}
 		m.orch = orch
 		m.handlers = sortHandlers(append(slices.Clone(cfg.Handlers), orch.handler()))
+	}
+	if err := metrics.check(); err != nil {
+		return nil, err
 	}
 	if cfg.Nodes > 0 && cfg.ProcsPerNode > 0 {
 		for r := range cfg.Nodes * cfg.ProcsPerNode {
@@ -227,11 +234,13 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		}
 	}
 	if err := m.loadState(); err != nil {
+		metrics.unregisterAll()
 		return nil, err
 	}
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		m.closeState()
+		metrics.unregisterAll()
 		return nil, fmt.Errorf("taskd: manager listen on %s: %w", cfg.Listen, err)
 	}
 	m.lis = lis
@@ -302,7 +311,10 @@ func (m *Manager) Run(ctx context.Context) error {
 	return err
 }
 
-// Close stops the manager and waits for Run to return. It is idempotent.
+// Close stops the manager, waits for Run to return and unregisters the
+// manager's metrics, so that another manager may register them on the
+// same Registerer. Call it also after Run returned on its own. It is
+// idempotent.
 func (m *Manager) Close() error {
 	m.closeOnce.Do(func() {
 		close(m.closed)
@@ -311,6 +323,8 @@ func (m *Manager) Close() error {
 			m.closeState()
 			close(m.runDone)
 		}
+		<-m.runDone
+		m.metrics.unregisterAll()
 	})
 	<-m.runDone
 	return nil

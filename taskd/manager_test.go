@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -11,6 +12,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -266,7 +268,7 @@ func TestSwitchSourceAndSubscribe(t *testing.T) {
 
 func TestQueueKeepsReportsUntilConnected(t *testing.T) {
 	c := newCluster(t, insecureSec(), ManagerConfig{})
-	reg := newWorkerMetrics(nil)
+	reg := newWorkerMetrics(newRegistrar(nil, ""))
 	w, err := NewWorker(WorkerConfig{Job: c.job, Upstream: c.m.Addr().String(), Security: insecureSec(), QueueSize: 2})
 	if err != nil {
 		t.Fatal(err)
@@ -328,5 +330,64 @@ func TestSwitchFile(t *testing.T) {
 	time.Sleep(300 * time.Millisecond) // several polls; nothing to wait for
 	if st := c.m.SwitchStatus(); st.Version != v || !st.Switch.CommunicationOperator {
 		t.Fatalf("after a bad document: %+v", st)
+	}
+}
+
+// TestMetricsRegistration: a component whose metrics cannot be registered
+// (a second one on the same Registerer) is refused with an error naming
+// the field and the metric, and registers nothing; Close unregisters what
+// a component registered, so that it can be built again.
+func TestMetricsRegistration(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	families := func() int {
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(mfs)
+	}
+	sec := insecureSec()
+	newManager := func() (io.Closer, error) {
+		return NewManager(ManagerConfig{Job: "j", Listen: "127.0.0.1:0", Security: sec, Registerer: reg, Orchestration: &OrchestrationConfig{}})
+	}
+	newProxy := func() (io.Closer, error) {
+		return NewProxy(ProxyConfig{Job: "j", Node: 0, Upstream: "127.0.0.1:1", Listen: "127.0.0.1:0", Security: sec, Registerer: reg})
+	}
+	newWorker := func() (io.Closer, error) {
+		return NewWorker(WorkerConfig{Job: "j", Upstream: "127.0.0.1:1", Security: sec, Registerer: reg})
+	}
+	for _, tc := range []struct {
+		field string
+		build func() (io.Closer, error)
+	}{
+		{"ManagerConfig.Registerer", newManager},
+		{"ProxyConfig.Registerer", newProxy},
+		{"WorkerConfig.Registerer", newWorker},
+	} {
+		// Counters and gauges without labels show at once; vectors once
+		// they have a child, so gather after building a few of each.
+		first, err := tc.build()
+		if err != nil {
+			t.Fatalf("%s: %v", tc.field, err)
+		}
+		n := families()
+		_, err = tc.build()
+		var are prometheus.AlreadyRegisteredError
+		if !errors.As(err, &are) || !strings.Contains(err.Error(), tc.field) || !strings.Contains(err.Error(), "faultline_taskd_") {
+			t.Fatalf("%s: a second one on the same registry: %v", tc.field, err)
+		}
+		if got := families(); got != n {
+			t.Fatalf("%s: the refused one left metrics: %d families, want %d", tc.field, got, n)
+		}
+		first.Close()
+		first.Close()
+		if got := families(); got != 0 {
+			t.Fatalf("%s: %d metric families left after Close", tc.field, got)
+		}
+		again, err := tc.build()
+		if err != nil {
+			t.Fatalf("%s: built again after Close: %v", tc.field, err)
+		}
+		again.Close()
 	}
 }

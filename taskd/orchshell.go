@@ -62,8 +62,8 @@ type orchMetrics struct {
 	actionErrs  *prometheus.CounterVec
 }
 
-func newOrchMetrics(reg prometheus.Registerer) *orchMetrics {
-	f := promauto.With(reg)
+func newOrchMetrics(r *registrar) *orchMetrics {
+	f := promauto.With(r)
 	return &orchMetrics{
 		runs:        f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_orchestrations_total", Help: "Orchestrations finished, by kind and terminal state."}, []string{"kind", "state"}),
 		transitions: f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_transitions_total", Help: "State transitions of orchestrations, by kind, from and to."}, []string{"kind", "from", "to"}),
@@ -94,7 +94,7 @@ func newOrchestrator(m *Manager, cfg OrchestrationConfig) (*orchestrator, error)
 		cfg:       cfg,
 		log:       m.log,
 		tracer:    m.tracer,
-		met:       newOrchMetrics(m.cfg.Registerer),
+		met:       newOrchMetrics(m.metrics),
 		policy:    policy,
 		target:    target,
 		wake:      make(chan struct{}, 1),

@@ -35,13 +35,19 @@ type trainerJob struct {
 }
 
 func newTrainerJob(t *testing.T, nodes, ppn int, oc OrchestrationConfig) *trainerJob {
+	return newTrainerJobProxied(t, nodes, ppn, nodes, oc)
+}
+
+// newTrainerJobProxied starts a trainerJob whose first proxied nodes have
+// a proxy; the workers of the others attach to the manager directly.
+func newTrainerJobProxied(t *testing.T, nodes, ppn, proxied int, oc OrchestrationConfig) *trainerJob {
 	j := &trainerJob{trainers: map[int]*callTrainerRecorder{}, restarts: map[int]int{}, trans: make(chan Transition, 1024), ppn: ppn,
 		reg: prometheus.NewRegistry(), spans: tracetest.NewSpanRecorder()}
 	oc.Executor = j
 	oc.OnTransition = func(_ Orchestration, tr Transition) { j.trans <- tr }
 	j.cluster = newCluster(t, insecureSec(), ManagerConfig{Orchestration: &oc, Registerer: j.reg,
 		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(j.spans))})
-	for n := range nodes {
+	for n := range proxied {
 		j.addProxy(n)
 	}
 	for r := range nodes * ppn {
@@ -70,7 +76,11 @@ func (j *trainerJob) start(rank int) {
 	j.trainers[rank] = tr
 	j.mu.Unlock()
 	node := rank / j.ppn
-	w, err := NewWorker(WorkerConfig{Job: j.job, Node: node, Rank: rank, Upstream: j.proxies[node].Addr().String(), Security: j.sec, AckTimeout: j.ack, ReconnectMax: 200 * time.Millisecond, Trainer: tr})
+	up := j.m.Addr().String()
+	if p := j.proxies[node]; p != nil {
+		up = p.Addr().String()
+	}
+	w, err := NewWorker(WorkerConfig{Job: j.job, Node: node, Rank: rank, Upstream: up, Security: j.sec, AckTimeout: j.ack, ReconnectMax: 200 * time.Millisecond, Trainer: tr})
 	if err != nil {
 		j.t.Fatal(err)
 	}
@@ -314,5 +324,66 @@ func TestInPlaceCalls(t *testing.T) {
 		if s := strings.Join(got, " "); s != tc.want {
 			t.Errorf("%s: calls %s, want %s", tc.name, s, tc.want)
 		}
+	}
+}
+
+// blockingCheckpoints never readies a step: a recovery holds the job in
+// loading until its timeout.
+type blockingCheckpoints struct{}
+
+func (blockingCheckpoints) LoadNewest(ctx context.Context) (int64, error) {
+	<-ctx.Done()
+	return -1, ctx.Err()
+}
+func (blockingCheckpoints) PersistNewest(context.Context) (int64, error) { return -1, errors.New("no") }
+
+// TestManagerRestartReleasesHeldTrainers: the manager restarts while a
+// recovery holds the job (the running ranks paused, a restarted one not
+// started yet). The manager that comes back runs no orchestration, so
+// nothing would resume them: each worker, behind a proxy or attached
+// directly, resumes its trainer itself and says so.
+func TestManagerRestartReleasesHeldTrainers(t *testing.T) {
+	j := newTrainerJobProxied(t, 2, 2, 1, OrchestrationConfig{Checkpoints: blockingCheckpoints{},
+		Timeouts: Timeouts{Pause: 5 * time.Second, Notify: 5 * time.Second, Restart: 20 * time.Second, Load: 5 * time.Minute}})
+	if _, _, err := j.m.ReportFault(Fault{Kind: FaultProcessExit, Code: 137, Position: Position{1, 3}}); err != nil {
+		t.Fatal(err)
+	}
+	j.until(StateLoading)
+	for r := range 3 {
+		if calls := j.trainer(r).Calls(); calls[len(calls)-1] != "strategies [3]" {
+			t.Fatalf("rank %d before the restart: %q", r, calls)
+		}
+	}
+	waitFor(t, 10*time.Second, "restarted rank 3 told of the hold", func() bool { return j.workers[3].holder() != "" })
+	if calls := j.trainer(3).Calls(); len(calls) != 0 {
+		t.Fatalf("restarted rank 3 started while the job is held: %q", calls)
+	}
+
+	j.stop(j.m, j.m)
+	j.startManager()
+	released := func() bool {
+		for r := range 4 {
+			calls := j.trainer(r).Calls()
+			if len(calls) == 0 || calls[len(calls)-1] != "resume -1  [] released" {
+				return false
+			}
+		}
+		return true
+	}
+	for deadline := time.Now().Add(30 * time.Second); !released(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			for r := range 4 {
+				t.Errorf("rank %d: %q", r, j.trainer(r).Calls())
+			}
+			for _, f := range j.m.Faults(0) {
+				t.Errorf("fault %+v", f)
+			}
+			st := j.m.Orchestrations(0)
+			t.Errorf("orchestrations %+v", st)
+			t.Fatal("not every trainer was released within 30 s")
+		}
+	}
+	if st := j.m.Orchestrations(0); st.Current != nil {
+		t.Fatalf("the restarted manager runs %+v", st.Current)
 	}
 }

@@ -92,17 +92,18 @@ func (c ProxyConfig) Validate() error {
 // the workers they name, sends one heartbeat for the node that carries each
 // worker's, and ships the node's dotting and stack files on request.
 type Proxy struct {
-	cfg    ProxyConfig
-	log    *slog.Logger
-	tracer oteltrace.Tracer
-	met    *proxyMetrics
-	lis    net.Listener
-	srv    *grpc.Server
-	conn   *grpc.ClientConn
-	up     pb.ControlClient
-	self   *pb.Member
-	upq    *uplink
-	acks   chan *pb.Ack
+	cfg     ProxyConfig
+	log     *slog.Logger
+	tracer  oteltrace.Tracer
+	met     *proxyMetrics
+	metrics *registrar
+	lis     net.Listener
+	srv     *grpc.Server
+	conn    *grpc.ClientConn
+	up      pb.ControlClient
+	self    *pb.Member
+	upq     *uplink
+	acks    chan *pb.Ack
 
 	mu       sync.Mutex
 	workers  map[int]*proxyWorker // by rank
@@ -149,11 +150,17 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 	if tp == nil {
 		tp = noop.NewTracerProvider()
 	}
+	metrics := newRegistrar(cfg.Registerer, "ProxyConfig.Registerer")
+	met := newProxyMetrics(metrics)
+	if err := metrics.check(); err != nil {
+		return nil, err
+	}
 	p := &Proxy{
 		cfg:      cfg,
 		log:      log,
 		tracer:   tp.Tracer("github.com/faultline-ml/faultline/taskd"),
-		met:      newProxyMetrics(cfg.Registerer),
+		met:      met,
+		metrics:  metrics,
 		self:     memberPB(RoleProxy, Position{Node: cfg.Node, Rank: -1}, newInstanceID()),
 		acks:     make(chan *pb.Ack, 16384),
 		workers:  make(map[int]*proxyWorker),
@@ -166,12 +173,14 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		overflow: func() {}, queued: func(int) {}}
 	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log)
 	if err != nil {
+		metrics.unregisterAll()
 		return nil, fmt.Errorf("taskd: proxy dial %s: %w", cfg.Upstream, err)
 	}
 	p.conn, p.up = conn, pb.NewControlClient(conn)
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		conn.Close()
+		metrics.unregisterAll()
 		return nil, fmt.Errorf("taskd: proxy listen on %s: %w", cfg.Listen, err)
 	}
 	p.lis = lis
@@ -238,7 +247,9 @@ func (p *Proxy) Run(ctx context.Context) error {
 	return g.Wait()
 }
 
-// Close stops the proxy and waits for Run to return. It is idempotent.
+// Close stops the proxy, waits for Run to return and unregisters the
+// proxy's metrics. Call it also after Run returned on its own. It is
+// idempotent.
 func (p *Proxy) Close() error {
 	p.closeOnce.Do(func() {
 		close(p.closed)
@@ -247,6 +258,8 @@ func (p *Proxy) Close() error {
 			p.conn.Close()
 			close(p.runDone)
 		}
+		<-p.runDone
+		p.metrics.unregisterAll()
 	})
 	<-p.runDone
 	return nil
@@ -316,6 +329,10 @@ func (p *Proxy) upSession(ctx context.Context, sessions *int) error {
 	}
 	p.log.Info("taskd: registered with the manager", "upstream", p.cfg.Upstream, "workers", len(ranks))
 	g, gctx := errgroup.WithContext(sctx)
+	// The stream lives on sctx: end it once any part of the session
+	// fails, or its receive would hold the session up until the
+	// connection breaks.
+	context.AfterFunc(gctx, scancel)
 	g.Go(func() error {
 		for {
 			env, err := stream.Recv()

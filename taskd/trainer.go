@@ -95,6 +95,14 @@ type ResumeRequest struct {
 	// Restarted lists the ranks whose processes were restarted or replaced:
 	// communicators with them must be built again.
 	Restarted []int `json:"restarted,omitempty"`
+	// Released is set when the worker resumes its trainer on its own: the
+	// orchestration that paused it (or left it unstarted) ended with its
+	// manager, and the manager serving now holds nothing, so no resume
+	// would come. Nothing was repaired and no step was agreed: the
+	// trainer continues from its own state (Step is -1), and one whose
+	// peers may have been restarted meanwhile rebuilds its communicators
+	// or reloads its newest checkpoint.
+	Released bool `json:"released,omitempty"`
 }
 
 // FaultNotice tells every rank of the job's faults while it is paused: one

@@ -33,7 +33,11 @@ func (r *callTrainerRecorder) Calls() []string {
 
 func (r *callTrainerRecorder) Pause(context.Context) (int64, error) { return 41, r.record("pause") }
 func (r *callTrainerRecorder) Resume(_ context.Context, q ResumeRequest) error {
-	return r.record(fmt.Sprintf("resume %d %s %v", q.Step, q.Strategy, q.Restarted))
+	call := fmt.Sprintf("resume %d %s %v", q.Step, q.Strategy, q.Restarted)
+	if q.Released {
+		call += " released"
+	}
+	return r.record(call)
 }
 func (r *callTrainerRecorder) Strategies(_ context.Context, n FaultNotice) ([]Strategy, error) {
 	return AllStrategies(), r.record(fmt.Sprintf("strategies %v", n.Ranks()))

@@ -86,14 +86,15 @@ func (c WorkerConfig) Validate() error {
 // again on its own after a proxy or manager restart, keeping the reports
 // not yet acknowledged.
 type Worker struct {
-	cfg    WorkerConfig
-	log    *slog.Logger
-	met    *workerMetrics
-	conn   *grpc.ClientConn
-	client pb.ControlClient
-	up     *uplink
-	self   *pb.Member
-	acks   chan *pb.Ack
+	cfg     WorkerConfig
+	log     *slog.Logger
+	met     *workerMetrics
+	metrics *registrar
+	conn    *grpc.ClientConn
+	client  pb.ControlClient
+	up      *uplink
+	self    *pb.Member
+	acks    chan *pb.Ack
 
 	ops chan trainerOp // trainer calls, one at a time
 
@@ -106,6 +107,11 @@ type Worker struct {
 	ringNext   int
 	registered int  // registrations so far
 	started    bool // the trainer was started, or left for a recovery to start
+	// held is set while an orchestration holds the trainer: paused by
+	// it, or left unstarted for it to start; heldBy is the instance of
+	// the manager that holds it.
+	held   bool
+	heldBy string
 
 	connected atomic.Bool
 	state     atomic.Int32
@@ -125,14 +131,21 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
 	cfg.ReconnectMax = orDefault(cfg.ReconnectMax, 5*time.Second)
 	log := discardIfNil(cfg.Logger).With("component", "taskd-worker", "job", cfg.Job, "rank", cfg.Rank)
+	metrics := newRegistrar(cfg.Registerer, "WorkerConfig.Registerer")
+	met := newWorkerMetrics(metrics)
+	if err := metrics.check(); err != nil {
+		return nil, err
+	}
 	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log)
 	if err != nil {
+		metrics.unregisterAll()
 		return nil, fmt.Errorf("taskd: worker dial %s: %w", cfg.Upstream, err)
 	}
 	w := &Worker{
 		cfg:        cfg,
 		log:        log,
-		met:        newWorkerMetrics(cfg.Registerer),
+		met:        met,
+		metrics:    metrics,
 		conn:       conn,
 		client:     pb.NewControlClient(conn),
 		self:       memberPB(RoleWorker, Position{Node: cfg.Node, Rank: cfg.Rank}, newInstanceID()),
@@ -299,7 +312,9 @@ func (w *Worker) flush() {
 // progress gets up to a second to end, its context still live; then the
 // acknowledgements and reports queued are sent, for up to a second more
 // (AckTimeout if shorter), so that a trainer that exits right after a Stop
-// does not leave the manager waiting out its deadline. It is idempotent.
+// does not leave the manager waiting out its deadline. Then it
+// unregisters the worker's metrics; call it also after Run returned on
+// its own. It is idempotent.
 func (w *Worker) Close() error {
 	w.closeOnce.Do(func() {
 		close(w.closed)
@@ -307,12 +322,28 @@ func (w *Worker) Close() error {
 			w.conn.Close()
 			close(w.runDone)
 		}
+		<-w.runDone
+		w.metrics.unregisterAll()
 	})
 	<-w.runDone
 	return nil
 }
 
-var errReregister = errors.New("taskd: upstream does not know this member")
+var (
+	errReregister     = errors.New("taskd: upstream does not know this member")
+	errManagerChanged = errors.New("taskd: another manager instance serves the job")
+)
+
+// holder returns the manager instance whose orchestration holds the
+// trainer, "" when none does.
+func (w *Worker) holder() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.held {
+		return ""
+	}
+	return w.heldBy
+}
 
 // session registers, opens the stream and serves until something breaks.
 func (w *Worker) session(ctx context.Context) error {
@@ -326,6 +357,15 @@ func (w *Worker) session(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	mgr, held := resp.GetManagerInstance(), resp.GetHeld()
+	w.mu.Lock()
+	if held && !w.started && w.cfg.Trainer != nil {
+		// Noted at once, even if the stream does not open: the hold is
+		// then known when the worker registers again.
+		w.held, w.heldBy, w.started = true, mgr, true
+		w.log.Info("taskd: an orchestration holds the job; the trainer waits for it to resume")
+	}
+	w.mu.Unlock()
 	interval := time.Duration(resp.GetHeartbeatIntervalMs()) * time.Millisecond
 	deadline := time.Duration(resp.GetHeartbeatDeadlineMs()) * time.Millisecond
 	if interval <= 0 || deadline <= interval {
@@ -342,15 +382,22 @@ func (w *Worker) session(ctx context.Context) error {
 	if w.registered > 1 {
 		w.met.reconnects.Inc()
 	}
-	start := !w.started && w.cfg.Trainer != nil && !resp.GetHeld()
-	if resp.GetHeld() {
-		w.log.Info("taskd: an orchestration holds the job; the trainer waits for it to resume")
+	var op *trainerOp
+	switch {
+	case w.cfg.Trainer == nil:
+	case !w.started:
+		op = &trainerOp{kind: kindResume, payload: []byte(`{"resume":{"step":-1}}`), mgr: mgr}
+	default:
+		// Registered again: after the trainer calls queued so far, see
+		// whether the manager serving now still holds what holds the
+		// trainer (see runTrainer).
+		op = &trainerOp{kind: kindResume, payload: []byte(`{"resume":{"step":-1,"released":true}}`), mgr: mgr, check: checkHold, held: held}
 	}
 	w.started = true
 	w.mu.Unlock()
-	if start {
+	if op != nil {
 		select {
-		case w.ops <- trainerOp{kind: kindResume, payload: []byte(`{"resume":{"step":-1}}`)}:
+		case w.ops <- *op:
 		case <-ctx.Done():
 			return nil
 		}
@@ -359,16 +406,29 @@ func (w *Worker) session(ctx context.Context) error {
 	defer w.connected.Store(false)
 	w.log.Debug("taskd: registered", "upstream", w.cfg.Upstream)
 	g, gctx := errgroup.WithContext(sctx)
+	// The stream lives on sctx: end it once any part of the session
+	// fails, or its receive would hold the session up until the
+	// connection breaks.
+	context.AfterFunc(gctx, scancel)
 	g.Go(func() error {
 		for {
 			env, err := stream.Recv()
 			if err != nil {
 				return err
 			}
-			w.handle(env)
+			w.handle(env, mgr)
 		}
 	})
-	g.Go(func() error { return heartbeats(gctx, w.client, w.cfg.Job, w.self, interval, deadline, nil) })
+	// Behind a proxy, a manager restart does not end this session: the
+	// proxy registers its workers again on their behalf. A held trainer
+	// needs the new manager's word on the hold, which registering gives.
+	changed := func(instance string) error {
+		if instance != "" && instance != mgr && w.holder() != "" {
+			return errManagerChanged
+		}
+		return nil
+	}
+	g.Go(func() error { return heartbeats(gctx, w.client, w.cfg.Job, w.self, interval, deadline, nil, changed) })
 	g.Go(func() error { return w.up.run(gctx, w.client) })
 	g.Go(func() error { return runAcks(gctx, w.client, w.cfg.Job, w.acks, w.cfg.AckTimeout, w.log) })
 	return g.Wait()
@@ -377,8 +437,9 @@ func (w *Worker) session(ctx context.Context) error {
 // heartbeats sends a heartbeat every interval until ctx ends. It returns
 // errReregister when the upstream no longer knows self, and an error when
 // no heartbeat got through for longer than deadline. beats, if set, adds
-// the beats of members behind self.
-func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, interval, deadline time.Duration, beats func() []*pb.Beat) error {
+// the beats of members behind self; changed, if set, is told the manager
+// instance of each answer, and its error ends the heartbeats.
+func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, interval, deadline time.Duration, beats func() []*pb.Beat, changed func(instance string) error) error {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	lastOK := time.Now()
@@ -398,6 +459,11 @@ func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *
 					return errReregister
 				}
 			}
+			if changed != nil {
+				if err := changed(resp.GetManagerInstance()); err != nil {
+					return err
+				}
+			}
 		case ctx.Err() != nil:
 			return nil
 		case time.Since(lastOK) > deadline:
@@ -411,8 +477,9 @@ func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *
 	}
 }
 
-// handle applies one envelope and queues its acknowledgement.
-func (w *Worker) handle(env *pb.Envelope) {
+// handle applies one envelope, received in a session with manager
+// instance mgr, and queues its acknowledgement.
+func (w *Worker) handle(env *pb.Envelope, mgr string) {
 	var errMsg, kind string
 	var reply []byte
 	switch body := env.GetBody().(type) {
@@ -421,7 +488,7 @@ func (w *Worker) handle(env *pb.Envelope) {
 		errMsg = w.applySwitch(body.Switch.GetVersion(), body.Switch.GetDocument())
 	case *pb.Envelope_Message:
 		kind = "message"
-		res := w.applyMessage(env.GetId(), body.Message)
+		res := w.applyMessage(env.GetId(), body.Message, mgr)
 		if !res.done {
 			return // acknowledged when the trainer call ends
 		}
@@ -481,17 +548,31 @@ type msgResult struct {
 }
 
 // trainerOp is one call of the trainer: an orchestration message (id > 0)
-// or the start (id 0).
+// or one the worker makes itself (id 0): the start, or the check that
+// follows a registration.
 type trainerOp struct {
 	id      uint64
 	kind    string
 	payload []byte
+	// mgr is the manager instance of the session that asked.
+	mgr   string
+	check opCheck
+	held  bool // checkHold: the manager said an orchestration holds the job
 }
+
+type opCheck int
+
+const (
+	// checkHold makes the call only if an orchestration of a manager
+	// other than mgr holds the trainer and mgr holds nothing: the
+	// manager restarted, and no resume will come.
+	checkHold opCheck = iota + 1
+)
 
 // applyMessage hands a message to OnMessage, or an orchestration message
 // to the trainer, once; a re-sent copy gets the first result again, or
 // nothing while the trainer call runs.
-func (w *Worker) applyMessage(id uint64, msg *pb.UserMessage) msgResult {
+func (w *Worker) applyMessage(id uint64, msg *pb.UserMessage, mgr string) msgResult {
 	w.mu.Lock()
 	if res, seen := w.results[id]; seen {
 		w.mu.Unlock()
@@ -506,7 +587,7 @@ func (w *Worker) applyMessage(id uint64, msg *pb.UserMessage) msgResult {
 		}
 		w.remember(id, msgResult{})
 		select {
-		case w.ops <- trainerOp{id: id, kind: msg.GetKind(), payload: msg.GetPayload()}:
+		case w.ops <- trainerOp{id: id, kind: msg.GetKind(), payload: msg.GetPayload(), mgr: mgr}:
 			return msgResult{}
 		default:
 			res := msgResult{err: "taskd: trainer busy: too many calls queued", done: true}
@@ -555,8 +636,21 @@ func (w *Worker) runTrainer(ctx context.Context, stopping <-chan struct{}) {
 			return // a call that came with the stop is not started
 		default:
 		}
+		if op.check == checkHold && !w.releases(op) {
+			continue
+		}
 		start := time.Now()
 		reply, err := callTrainer(ctx, w.cfg.Trainer, op.kind, op.payload)
+		if err == nil {
+			w.mu.Lock()
+			switch op.kind {
+			case kindPause:
+				w.held, w.heldBy = true, op.mgr
+			case kindResume, kindStop:
+				w.held = false
+			}
+			w.mu.Unlock()
+		}
 		if err != nil {
 			w.log.Warn("taskd: trainer call failed", "call", op.kind, "took", time.Since(start), "err", err)
 		} else {
@@ -578,4 +672,25 @@ func (w *Worker) runTrainer(ctx context.Context, stopping <-chan struct{}) {
 		w.remember(op.id, res)
 		w.ack(op.id, "message", res.err, res.reply)
 	}
+}
+
+// releases decides a checkHold op: whether the trainer, held by an
+// orchestration, is to be resumed because the manager that held it is
+// gone and the one serving now (op.mgr) holds nothing. A manager that
+// restarted has no orchestration in progress: nothing else would resume
+// the trainer. When the new manager holds the job, its orchestration
+// resumes the trainer with the other ranks: the hold is now its.
+func (w *Worker) releases(op trainerOp) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	switch {
+	case !w.held || w.heldBy == op.mgr:
+		return false
+	case op.held:
+		w.heldBy = op.mgr
+		return false
+	}
+	w.log.Warn("taskd: the manager whose orchestration held the trainer is gone, and the one serving now holds nothing; resuming the trainer from its own state",
+		"held_by", w.heldBy, "manager", op.mgr)
+	return true
 }
