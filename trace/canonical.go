@@ -265,6 +265,11 @@ type interner struct {
 	seed     maphash.Seed
 	slots    []internSlot // open addressing, linear probing; len a power of two
 	n        int
+
+	// The names found last, tried before the table: a thread repeats a
+	// few names, and comparing one costs less than hashing it.
+	recent     [4]internSlot
+	nextRecent int
 }
 
 // leading is the first eight digits of a number, as the bytes of the line
@@ -311,6 +316,11 @@ func (in *interner) get(raw []byte) (string, bool) {
 	if in == nil || len(raw) > internMaxLen || (len(raw) > len(StepMarkerPrefix) && string(raw[:len(StepMarkerPrefix)]) == StepMarkerPrefix) {
 		return decodeString(raw)
 	}
+	for i := range in.recent {
+		if e := &in.recent[i]; len(e.raw) == len(raw) && e.raw == string(raw) {
+			return e.s, true
+		}
+	}
 	if in.slots == nil {
 		in.seed = maphash.MakeSeed()
 		in.slots = make([]internSlot, internMinSlots)
@@ -320,6 +330,7 @@ func (in *interner) get(raw []byte) (string, bool) {
 	k := int(h) & mask
 	for ; in.slots[k].raw != ""; k = (k + 1) & mask {
 		if e := &in.slots[k]; e.hash == h && e.raw == string(raw) {
+			in.remember(*e)
 			return e.s, true
 		}
 	}
@@ -339,7 +350,14 @@ func (in *interner) get(raw []byte) (string, bool) {
 	}
 	in.slots[k] = internSlot{hash: h, raw: key, s: s}
 	in.n++
+	in.remember(in.slots[k])
 	return s, true
+}
+
+// remember makes e one of the recent names, in place of the oldest.
+func (in *interner) remember(e internSlot) {
+	in.recent[in.nextRecent] = e
+	in.nextRecent = (in.nextRecent + 1) % len(in.recent)
 }
 
 // grow doubles the table, or empties it once it holds internMaxEntries:
