@@ -43,10 +43,11 @@ const (
 	maxOpenRanges = 256
 	// readBufferBytes is each rank reader's buffer.
 	readBufferBytes = 32 << 10
-	// readAhead is how many ranks the workers read ahead of the one whose
-	// ranges the detector takes, and maxQueued how many ranges one rank
-	// may have read ahead: about a round's worth (chunkSteps steps).
-	readAhead = 32
+	// readAhead is how many ranks the workers may read ahead of the one
+	// whose ranges the detector takes: enough to keep them busy while the
+	// detector evaluates a round's steps. maxQueued is how many ranges one
+	// rank may have read ahead, a round's worth (chunkSteps steps) or more.
+	readAhead = 128
 	maxQueued = 4096
 )
 
@@ -137,16 +138,16 @@ type rankSource struct {
 	// Read ahead by a worker, handed to the detector by the pass.
 	queue   []trace.Range // ranges read, from head on not yet given to the detector
 	head    int
-	target  int64         // the step the current round reads to
-	eof     bool          // the latest fill caught up with the files
-	readErr error         // why the latest fill stopped, when not caught up or paused
-	ready   chan struct{} // a worker finished a fill
+	target  int64             // the step the current round reads to
+	eof     bool              // the latest fill caught up with the files
+	readErr error             // why the latest fill stopped, when not caught up or paused
+	ready   chan struct{}     // a worker finished a fill
+	counted trace.ReaderStats // the reader's counters already added to the pass's
 
 	// What load found, for open.
 	openErr error
 	loaded  trace.ParallelGroups
 	loadErr error
-	counted trace.ReaderStats
 }
 
 type source struct {
