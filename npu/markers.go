@@ -57,7 +57,10 @@ type MarkerConfig struct {
 	FlushInterval time.Duration
 
 	// Registerer receives the source's metrics (faultline_npu_marker_*);
-	// nil means none. They are unregistered by Close.
+	// nil means none. OpenMarkers fails, registering nothing, when one
+	// cannot be registered (a collector of the same name is there); Close
+	// unregisters them, so that a source can be opened again on the same
+	// Registerer.
 	Registerer prometheus.Registerer
 
 	// Logger receives what goes wrong in the background; nil means none.

@@ -276,7 +276,7 @@ type completedBuffer struct {
 }
 
 type markerMetrics struct {
-	reg         prometheus.Registerer
+	reg         *registrar
 	records     prometheus.Counter
 	buffers     prometheus.Counter
 	declined    prometheus.Counter
@@ -336,7 +336,6 @@ func OpenMarkers(cfg MarkerConfig) (*MarkerSource, error) {
 	}
 	s.reader = (*C.fl_reader)(C.calloc(1, C.sizeof_fl_reader))
 	s.reader.getnext = s.fn.getNext
-	s.metrics = newMarkerMetrics(cfg.Registerer)
 	subscribed := false
 	fail := func(err error) (*MarkerSource, error) {
 		if subscribed {
@@ -348,6 +347,9 @@ func OpenMarkers(cfg MarkerConfig) (*MarkerSource, error) {
 		C.free(unsafe.Pointer(s.reader))
 		s.metrics.unregister()
 		return nil, err
+	}
+	if s.metrics, err = newMarkerMetrics(cfg.Registerer); err != nil {
+		return fail(err)
 	}
 	if rc := C.fl_mspti_subscribe(s.fn.subscribe, &s.subscriber); rc != 0 {
 		var sentinel error
@@ -369,10 +371,14 @@ func OpenMarkers(cfg MarkerConfig) (*MarkerSource, error) {
 	return s, nil
 }
 
-func newMarkerMetrics(reg prometheus.Registerer) markerMetrics {
-	f := promauto.With(reg)
-	return markerMetrics{
-		reg: reg,
+// newMarkerMetrics builds the source's collectors and registers them on
+// reg; it returns the error of a registration that failed, having
+// registered nothing.
+func newMarkerMetrics(reg prometheus.Registerer) (markerMetrics, error) {
+	r := newRegistrar(reg, "MarkerConfig.Registerer")
+	f := promauto.With(r)
+	m := markerMetrics{
+		reg: r,
 		records: f.NewCounter(prometheus.CounterOpts{
 			Name: "faultline_npu_marker_records_total",
 			Help: "Marker records delivered to the sink.",
@@ -398,14 +404,17 @@ func newMarkerMetrics(reg prometheus.Registerer) markerMetrics {
 			Help: "Activity buffers in existence: held by the library, waiting for delivery, or free.",
 		}),
 	}
+	if err := r.check(); err != nil {
+		return markerMetrics{}, err
+	}
+	return m, nil
 }
 
+// unregister unregisters what newMarkerMetrics registered; it does
+// nothing for the zero markerMetrics.
 func (m markerMetrics) unregister() {
-	if m.reg == nil {
-		return
-	}
-	for _, c := range []prometheus.Collector{m.records, m.buffers, m.declined, m.skipped, m.malformed, m.outstanding} {
-		m.reg.Unregister(c)
+	if m.reg != nil {
+		m.reg.unregisterAll()
 	}
 }
 

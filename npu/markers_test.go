@@ -485,6 +485,34 @@ func TestMarkersMetrics(t *testing.T) {
 	}
 }
 
+// TestMarkersMetricsRegistration: metrics that cannot be registered (a
+// collector of the same name is there) fail OpenMarkers with an error
+// naming the field and the metric; nothing is left registered and the
+// library is released, so that a later open succeeds.
+func TestMarkersMetricsRegistration(t *testing.T) {
+	path, _ := fakeMspti(t)
+	reg := prometheus.NewPedanticRegistry()
+	blocker := prometheus.NewCounter(prometheus.CounterOpts{Name: "faultline_npu_marker_buffers_declined_total", Help: "Buffer requests refused because every buffer was taken; the library dropped records."})
+	reg.MustRegister(blocker)
+	cfg := npu.MarkerConfig{Library: path, Sink: func(*trace.Record) {}, Registerer: reg}
+	_, err := npu.OpenMarkers(cfg)
+	var are prometheus.AlreadyRegisteredError
+	if !errors.As(err, &are) || !strings.Contains(err.Error(), "MarkerConfig.Registerer") || !strings.Contains(err.Error(), "faultline_npu_marker_buffers_declined_total") {
+		t.Fatalf("open beside a collector of the same name: %v", err)
+	}
+	if got := gather(t, reg); len(got) != 1 {
+		t.Fatalf("a failed open left metrics: %v", got)
+	}
+	reg.Unregister(blocker)
+	src, err := npu.OpenMarkers(cfg)
+	if err != nil {
+		t.Fatalf("open after the collector left: %v", err)
+	}
+	if err := src.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // gather returns the value of every counter and gauge in reg by name.
 func gather(t *testing.T, reg *prometheus.Registry) map[string]float64 {
 	t.Helper()
