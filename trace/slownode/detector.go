@@ -222,10 +222,13 @@ func (d *Detector) rankIdx(rank int) int32 {
 		rs := &rankState{rank: rank, node: d.nodeOf(rank), last: -1,
 			hist: newSeries(d.cfg.HistoryPoints), histC: newSeries(d.cfg.HistoryPoints)}
 		rs.asm.last = -1
+		// One block for the rank's windows: a step pushes to each.
+		w := d.cfg.Window
+		buf := make([]float64, (len(rs.win)+1)*w)
 		for m := range rs.win {
-			rs.win[m] = newWindow(d.cfg.Window)
+			rs.win[m] = window{buf: buf[m*w : (m+1)*w : (m+1)*w]}
 		}
-		rs.commWin = newWindow(d.cfg.Window)
+		rs.commWin = window{buf: buf[len(rs.win)*w:]}
 		d.ranks = append(d.ranks, rs)
 		d.index[rank] = i
 		d.live++

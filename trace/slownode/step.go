@@ -154,6 +154,22 @@ func parseStepNumber(name string) (int64, bool) {
 	if !ok {
 		return 0, false
 	}
+	// Plain digits, as writers write them, are read here: each rank has a
+	// step name per step, and two readers of it.
+	if len(s) > 0 && len(s) <= 18 {
+		var n int64
+		for i := 0; i < len(s); i++ {
+			c := s[i] - '0'
+			if c > 9 {
+				n = -1
+				break
+			}
+			n = n*10 + int64(c)
+		}
+		if n >= 0 {
+			return n, true
+		}
+	}
 	n, err := strconv.ParseInt(strings.TrimSpace(s), 10, 64)
 	return n, err == nil && n >= 0
 }

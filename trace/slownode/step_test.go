@@ -1,6 +1,8 @@
 package slownode
 
 import (
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -110,5 +112,22 @@ func TestBadRangesAreCountedNotFatal(t *testing.T) {
 	want := Stats{Ranges: 11, Steps: 2, Evaluated: 1, IgnoredRanges: 2, IgnoredRanks: 1, BadRanges: 1, BadCommOps: 1, DroppedRanges: 2, RepeatedSteps: 1}
 	if diff := cmp.Diff(want, st); diff != "" {
 		t.Fatalf("stats (-want +got):\n%s", diff)
+	}
+}
+
+// TestParseStepNumber checks the plain-digits path against strconv.
+func TestParseStepNumber(t *testing.T) {
+	for _, name := range []string{"step 0", "step 12", "step 007", "step  3", "step 3 ", "step +3", "step -1",
+		"step 999999999999999999", "step 9223372036854775807", "step 9223372036854775808", "step 1_0",
+		"step ", "step", "stepx 1", "forward", "step 1e3", "step \t42\n"} {
+		want, wantOK := int64(0), false
+		if s, ok := strings.CutPrefix(name, trace.StepMarkerPrefix); ok {
+			n, err := strconv.ParseInt(strings.TrimSpace(s), 10, 64)
+			want, wantOK = n, err == nil && n >= 0
+		}
+		n, ok := parseStepNumber(name)
+		if ok != wantOK || (ok && n != want) {
+			t.Errorf("parseStepNumber(%q) = %d, %v; want %d, %v", name, n, ok, want, wantOK)
+		}
 	}
 }
