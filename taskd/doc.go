@@ -70,8 +70,13 @@
 // recover-in-place, recover, dump, exit); one is skipped when it does not
 // apply, a rank does not support it, the policy's decision rules it out or
 // it failed. A rank that does not pause, answer or resume in time becomes
-// faulty too; a fault that arrives during a repair or a resume starts
-// another round (at most MaxRounds). A restarted process registers again
+// faulty too, and one reported hung or dead while the job stops is left
+// out of a second pause rather than waited for; a fault that arrives
+// during a repair or a resume starts another round (at most MaxRounds).
+// The policy decides on every faulty rank, and the Executor restarts each
+// on its own node (the nodes at once); a restarted rank that has not
+// registered again when the repair times out stays faulty, so that the
+// next strategy covers it. A restarted process registers again
 // while the job is held: it does not start training until the recovery
 // resumes every rank together. Its predecessor is evicted first, so that
 // it takes the rank at once, and a fault older than the restart is

@@ -106,6 +106,22 @@ func (c *ManagerConfig) setDefaults() {
 	c.MaxCollectBytes = orDefault(c.MaxCollectBytes, 1<<30)
 }
 
+// negative reports whether any of ds is negative.
+func negative(ds ...time.Duration) bool {
+	return slices.ContainsFunc(ds, func(d time.Duration) bool { return d < 0 })
+}
+
+// negativeDuration returns the error that names the first negative one of
+// the fields of config given as name, value pairs.
+func negativeDuration(config string, fields ...any) error {
+	for i := 0; i+1 < len(fields); i += 2 {
+		if d, _ := fields[i+1].(time.Duration); d < 0 {
+			return fmt.Errorf("taskd: %s.%s: %v is negative", config, fields[i], d)
+		}
+	}
+	return nil
+}
+
 // Validate reports the first field that is wrong.
 func (c ManagerConfig) Validate() error {
 	switch {
@@ -117,8 +133,9 @@ func (c ManagerConfig) Validate() error {
 		return fmt.Errorf("taskd: ManagerConfig.Nodes: %d is negative", c.Nodes)
 	case c.ProcsPerNode < 0:
 		return fmt.Errorf("taskd: ManagerConfig.ProcsPerNode: %d is negative", c.ProcsPerNode)
-	case c.HeartbeatInterval < 0 || c.HeartbeatDeadline < 0 || c.AckTimeout < 0 || c.DeliveryTimeout < 0:
-		return errors.New("taskd: ManagerConfig: negative duration")
+	case negative(c.HeartbeatInterval, c.HeartbeatDeadline, c.AckTimeout, c.DeliveryTimeout):
+		return negativeDuration("ManagerConfig", "HeartbeatInterval", c.HeartbeatInterval, "HeartbeatDeadline", c.HeartbeatDeadline,
+			"AckTimeout", c.AckTimeout, "DeliveryTimeout", c.DeliveryTimeout)
 	case c.HeartbeatDeadline != 0 && c.HeartbeatDeadline <= c.HeartbeatInterval:
 		return fmt.Errorf("taskd: ManagerConfig.HeartbeatDeadline: %v is not above HeartbeatInterval %v", c.HeartbeatDeadline, orDefault(c.HeartbeatInterval, DefaultHeartbeatInterval))
 	case c.MaxMessageBytes < 0 || (c.MaxMessageBytes > 0 && c.MaxMessageBytes < 64<<10):

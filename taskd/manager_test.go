@@ -307,6 +307,10 @@ func TestConfigValidate(t *testing.T) {
 		{ProxyConfig{Job: "j", Upstream: "x", Node: -1, Security: sec}.Validate(), "Node"},
 		{WorkerConfig{Job: "j", Rank: -2, Security: sec}.Validate(), "Rank"},
 		{WorkerConfig{Security: sec}.Validate(), "Job"},
+		{ManagerConfig{Job: "j", Security: sec, DeliveryTimeout: -time.Second}.Validate(), "ManagerConfig.DeliveryTimeout: -1s"},
+		{ProxyConfig{Job: "j", Upstream: "x", Security: sec, ReconnectMax: -1}.Validate(), "ProxyConfig.ReconnectMax"},
+		{WorkerConfig{Job: "j", Security: sec, AckTimeout: -1}.Validate(), "WorkerConfig.AckTimeout"},
+		{ManagerConfig{Job: "j", Security: sec, Orchestration: &OrchestrationConfig{Timeouts: Timeouts{Load: -time.Minute}}}.Validate(), "OrchestrationConfig.Timeouts.Load: -1m0s"},
 	} {
 		if tc.err == nil || !strings.Contains(tc.err.Error(), tc.field) {
 			t.Errorf("error %v does not name %s", tc.err, tc.field)

@@ -657,6 +657,7 @@ func coreInputs() []coreInput {
 			}
 			w.drain()
 		}},
+		{"registered1", func(w *coreWorld) { w.step(); w.m.registered(w.now, 1); w.drain() }},
 		{"loaded", func(w *coreWorld) { w.step(); w.m.loaded(w.now, cur(w).id, 10, nil); w.drain() }},
 		{"persisted", func(w *coreWorld) { w.step(); w.m.persisted(w.now, cur(w).id, 10, nil); w.drain() }},
 		{"link", func(w *coreWorld) {

@@ -247,12 +247,9 @@ func (t *Timeouts) setDefaults() {
 }
 
 func (t Timeouts) validate() error {
-	for _, d := range []time.Duration{t.Pause, t.Notify, t.Decide, t.Retry, t.Restart, t.Replace, t.Load, t.Resume, t.Dump, t.Exit, t.Switch, t.Stress} {
-		if d < 0 {
-			return fmt.Errorf("taskd: OrchestrationConfig.Timeouts: negative duration %v", d)
-		}
-	}
-	return nil
+	return negativeDuration("OrchestrationConfig.Timeouts", "Pause", t.Pause, "Notify", t.Notify, "Decide", t.Decide, "Retry", t.Retry,
+		"Restart", t.Restart, "Replace", t.Replace, "Load", t.Load, "Resume", t.Resume, "Dump", t.Dump, "Exit", t.Exit,
+		"Switch", t.Switch, "Stress", t.Stress)
 }
 
 // RescheduleTarget names what a rank is to the rescheduling Executor.

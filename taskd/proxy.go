@@ -77,8 +77,8 @@ func (c ProxyConfig) Validate() error {
 		return fmt.Errorf("taskd: ProxyConfig.Node: %d is negative", c.Node)
 	case c.Upstream == "":
 		return errors.New("taskd: ProxyConfig.Upstream: empty")
-	case c.AckTimeout < 0 || c.ReconnectMax < 0:
-		return errors.New("taskd: ProxyConfig: negative duration")
+	case negative(c.AckTimeout, c.ReconnectMax):
+		return negativeDuration("ProxyConfig", "AckTimeout", c.AckTimeout, "ReconnectMax", c.ReconnectMax)
 	case c.MaxMessageBytes < 0 || (c.MaxMessageBytes > 0 && c.MaxMessageBytes < 64<<10):
 		return fmt.Errorf("taskd: ProxyConfig.MaxMessageBytes: %d is below 64 KiB", c.MaxMessageBytes)
 	case c.QueueSize < 0:

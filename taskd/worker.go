@@ -72,8 +72,8 @@ func (c WorkerConfig) Validate() error {
 		return fmt.Errorf("taskd: WorkerConfig.Rank: %d is negative", c.Rank)
 	case c.QueueSize < 0:
 		return fmt.Errorf("taskd: WorkerConfig.QueueSize: %d is negative", c.QueueSize)
-	case c.AckTimeout < 0 || c.ReconnectMax < 0:
-		return errors.New("taskd: WorkerConfig: negative duration")
+	case negative(c.AckTimeout, c.ReconnectMax):
+		return negativeDuration("WorkerConfig", "AckTimeout", c.AckTimeout, "ReconnectMax", c.ReconnectMax)
 	case c.MaxMessageBytes < 0 || (c.MaxMessageBytes > 0 && c.MaxMessageBytes < 64<<10):
 		return fmt.Errorf("taskd: WorkerConfig.MaxMessageBytes: %d is below 64 KiB", c.MaxMessageBytes)
 	}

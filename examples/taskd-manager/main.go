@@ -89,6 +89,7 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	defer m.Close()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if *metrics != "" {

@@ -61,6 +61,7 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	defer p.Close()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if *metrics != "" {
