@@ -12,10 +12,10 @@ import (
 // writer, which uses the same order), is a fixed skeleton of literals
 // around nine numbers and two strings. The fast path below compares the
 // literals in place, reads each digit once (and the leading digits of a
-// timestamp not at all when the previous line had them), and finds the
-// strings by their raw bytes in a table of those seen before, so a line
-// costs little more than one pass over it. Anything else goes to
-// encoding/json, which decides.
+// timestamp, or the whole object id, not at all when the previous line had
+// the same text), and finds the strings by their raw bytes among the last
+// few or in a table of those seen before, so a line costs little more than
+// one pass over it. Anything else goes to encoding/json, which decides.
 
 // The literals of the canonical form, each before the value it names.
 // The longer ones are split in parts of at most 16 bytes: a comparison
@@ -258,7 +258,8 @@ func minusOne(b []byte, i int) bool {
 // validates them again: its table is keyed by the raw bytes of the JSON
 // string, escapes and all, and holds only strings that decoded without
 // fault, so a hit is as good as a full decode. It also keeps the leading
-// digits of the last timestamp and id. A nil interner decodes every time.
+// digits of the last timestamp and id, and the text of the last object id
+// with its numbers. A nil interner decodes every time.
 type interner struct {
 	leading  [2]leading // of the last Timestamp and Id of more than eight digits
 	objectID objectID   // of the last line parsed in full

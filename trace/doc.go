@@ -134,7 +134,9 @@
 // unnamed device records) read the same way.
 //
 // Lines in the field order both writers use take a fast path that reads
-// each byte about once and allocates nothing for names seen before; any
+// each byte about once (what repeats the previous line's text, such as
+// the object id, is compared rather than read) and allocates nothing for
+// names seen before; any
 // other order, white space or unknown field goes through encoding/json,
 // and the two read every line alike (FuzzParseRecord holds them to it).
 // A Pairer finds open starts in an open-addressing table and evicts the
