@@ -117,7 +117,7 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		ManagerInstance:     m.instance,
 		// Checked after registering: a worker held here registered before
 		// the resume picked its targets, so the resume reaches it.
-		Held: key.role == RoleWorker && m.orch != nil && m.orch.holding(),
+		Held: key.role == RoleWorker && m.orch != nil && m.orch.holding(nm.pos.Rank),
 	}, nil
 }
 

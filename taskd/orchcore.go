@@ -263,16 +263,22 @@ func (m *machine) deadline() time.Time {
 	return m.run.deadline
 }
 
-// holding reports whether the job is held paused: a worker registering
-// for the first time must not start its trainer, since the orchestration
-// will resume it with the others. From the moment the resume goes out, a
-// newcomer starts on its own.
-func (m *machine) holding() bool {
-	if m.run == nil {
+// holding reports whether the job is held paused for a worker of rank
+// that registers now: it must not start its trainer, since the
+// orchestration will resume it with the others. From the moment the
+// resume goes out, a newcomer starts on its own; but a rank the recovery
+// restarted had registered before the resume went out, so the resume
+// reaches it, and its registration now is the same process registering
+// again (its answer to the first was lost, say).
+func (m *machine) holding(rank int) bool {
+	r := m.run
+	if r == nil {
 		return false
 	}
-	switch m.run.o.State {
-	case StateResuming, StateContinuing:
+	switch r.o.State {
+	case StateResuming:
+		return slices.Contains(r.restarted, rank)
+	case StateContinuing:
 		return false
 	}
 	return true

@@ -75,7 +75,7 @@ func checkCoreInvariants(t testing.TB, m *machine) {
 	}
 	r := m.run
 	if r == nil {
-		if m.holding() {
+		if m.holding(0) {
 			t.Fatal("idle but holding the job")
 		}
 		return
@@ -193,7 +193,7 @@ func TestCoreInPlaceRecovery(t *testing.T) {
 	if a := w.last(); a.msg != kindPause || !slices.Equal(a.except, []int{3}) {
 		t.Fatalf("pause: %+v", a)
 	}
-	if !w.m.holding() {
+	if !w.m.holding(0) {
 		t.Fatal("not holding while stopping")
 	}
 	w.deliver(orchReply{})
@@ -223,8 +223,8 @@ func TestCoreInPlaceRecovery(t *testing.T) {
 	if a := w.last(); a.msg != kindResume || a.payload.Resume.Step != 120 || !slices.Equal(a.payload.Resume.Restarted, []int{3}) || a.payload.Resume.Strategy != StrategyRecoverInPlace {
 		t.Fatalf("resume: %+v %+v", a, a.payload.Resume)
 	}
-	if w.m.holding() {
-		t.Fatal("holding once the resume went out")
+	if w.m.holding(0) || !w.m.holding(3) {
+		t.Fatal("once the resume went out, holding a newcomer, or not holding the restarted rank 3")
 	}
 	w.deliver(orchReply{})
 	w.wantStates(StateStopping, StateNotifying, StateDeciding, StateRestarting, StateLoading, StateResuming, StateRecovered)

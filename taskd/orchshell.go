@@ -144,10 +144,10 @@ func (o *orchestrator) feed(f func(time.Time, *machine)) {
 
 // holding reports whether a new worker must wait for the orchestration to
 // resume it.
-func (o *orchestrator) holding() bool {
+func (o *orchestrator) holding(rank int) bool {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	return o.core.holding()
+	return o.core.holding(rank)
 }
 
 func (o *orchestrator) status(after uint64) OrchestrationStatus {

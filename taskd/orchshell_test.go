@@ -27,6 +27,7 @@ type trainerJob struct {
 	*cluster
 	reg      *prometheus.Registry
 	spans    *tracetest.SpanRecorder
+	exec     sync.Mutex // one executor call at a time: they share the cluster's maps
 	mu       sync.Mutex
 	trainers map[int]*callTrainerRecorder
 	restarts map[int]int
@@ -45,7 +46,9 @@ func newTrainerJobProxied(t *testing.T, nodes, ppn, proxied int, oc Orchestratio
 		reg: prometheus.NewRegistry(), spans: tracetest.NewSpanRecorder()}
 	oc.Executor = j
 	oc.OnTransition = func(_ Orchestration, tr Transition) { j.trans <- tr }
-	j.cluster = newCluster(t, insecureSec(), ManagerConfig{Orchestration: &oc, Registerer: j.reg,
+	// A generous heartbeat deadline: on a loaded machine a stall must
+	// not add lost ranks to the recoveries these tests drive.
+	j.cluster = newCluster(t, insecureSec(), ManagerConfig{Orchestration: &oc, Registerer: j.reg, HeartbeatDeadline: 10 * time.Second,
 		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(j.spans))})
 	for n := range proxied {
 		j.addProxy(n)
@@ -101,6 +104,8 @@ func rankOf(process string) (int, error) {
 }
 
 func (j *trainerJob) RestartProcesses(_ context.Context, d rescheduling.Decision) error {
+	j.exec.Lock()
+	defer j.exec.Unlock()
 	r, err := rankOf(d.Process)
 	if err != nil {
 		return err
@@ -110,6 +115,8 @@ func (j *trainerJob) RestartProcesses(_ context.Context, d rescheduling.Decision
 }
 
 func (j *trainerJob) RecreatePods(_ context.Context, d rescheduling.Decision) error {
+	j.exec.Lock()
+	defer j.exec.Unlock()
 	n, err := strconv.Atoi(strings.TrimPrefix(d.Node, "node-"))
 	if err != nil {
 		return err
@@ -125,6 +132,18 @@ func (j *trainerJob) RestartJob(context.Context, rescheduling.Decision) error {
 }
 func (j *trainerJob) AvoidNode(context.Context, rescheduling.Decision) error {
 	return rescheduling.ErrUnsupported
+}
+
+// explain describes the orchestrations that ended, for a failure.
+func (j *trainerJob) explain() string {
+	var b strings.Builder
+	for _, o := range j.m.Orchestrations(0).History {
+		fmt.Fprintf(&b, "\n#%d %s %s:", o.ID, o.Kind, o.State)
+		for _, tr := range o.Transitions {
+			fmt.Fprintf(&b, "\n  %s -> %s: %s", tr.From, tr.To, tr.Reason)
+		}
+	}
+	return b.String()
 }
 
 // until reads transitions until one enters a state in states.
@@ -160,7 +179,7 @@ func TestOrchestrationInProcess(t *testing.T) {
 	got := j.until(StateRecovered, StateExited)
 	want := []State{StateStopping, StateNotifying, StateRetrying, StateResuming, StateRecovered}
 	if !slices.Equal(got, want) {
-		t.Fatalf("op error: %v, want %v", got, want)
+		t.Fatalf("op error: %v, want %v%s", got, want, j.explain())
 	}
 	for r := range 4 {
 		calls := j.trainer(r).Calls()
@@ -177,7 +196,7 @@ func TestOrchestrationInProcess(t *testing.T) {
 	got = j.until(StateRecovered, StateExited)
 	want = []State{StateStopping, StateNotifying, StateDeciding, StateRestarting, StateResuming, StateRecovered}
 	if !slices.Equal(got, want) {
-		t.Fatalf("exit: %v, want %v", got, want)
+		t.Fatalf("exit: %v, want %v%s", got, want, j.explain())
 	}
 	if calls := j.trainer(2).Calls(); !slices.Equal(calls, []string{"resume -1 recover-in-place [2]"}) {
 		t.Errorf("restarted rank 2: %q (it must wait for the recovery to start it)", calls)
@@ -219,7 +238,7 @@ func TestOrchestrationInProcess(t *testing.T) {
 	got = j.until(StateRecovered, StateExited)
 	want = []State{StatePausing, StateSwitching, StateFailed, StateStopping, StateNotifying, StateDeciding, StateReplacing, StateResuming, StateRecovered}
 	if !slices.Equal(got, want) {
-		t.Fatalf("handover: %v, want %v", got, want)
+		t.Fatalf("handover: %v, want %v%s", got, want, j.explain())
 	}
 	st := m.Orchestrations(0)
 	last := st.History[len(st.History)-1]
