@@ -136,13 +136,14 @@ type rankSource struct {
 	err     error  // why the folder cannot be read, logged once
 
 	// Read ahead by a worker, handed to the detector by the pass.
-	queue   []trace.Range // ranges read, from head on not yet given to the detector
-	head    int
-	target  int64             // the step the current round reads to
-	eof     bool              // the latest fill caught up with the files
-	readErr error             // why the latest fill stopped, when not caught up or paused
-	ready   chan struct{}     // a worker finished a fill
-	counted trace.ReaderStats // the reader's counters already added to the pass's
+	queue    []trace.Range // ranges read, from head on not yet given to the detector
+	head     int
+	target   int64             // the step the current round reads to
+	eof      bool              // the latest fill caught up with the files
+	readErr  error             // why the latest fill stopped, when not caught up or paused
+	ready    chan struct{}     // a worker finished a fill
+	inFlight bool              // sent to the workers, ready not yet received
+	counted  trace.ReaderStats // the reader's counters already added to the pass's
 
 	// What load found, for open.
 	openErr error
@@ -311,14 +312,17 @@ func (s *source) pass(ctx context.Context) error {
 			case <-rs.ready:
 			default:
 			}
+			rs.inFlight = false
 		}
 	}()
 	caught := make([]bool, len(s.ranks))
 	var (
-		target int64
-		todo   []int // indexes in s.ranks of the ranks the round reads
-		sent   int   // todo[:sent] went to the workers
-		free   [][]trace.Range
+		target   int64
+		todo     []int // indexes in s.ranks of the ranks the round reads
+		sent     int   // todo[:sent] went to the workers
+		next     []int // the ranks of the next round so far: those this one left short of their files' end
+		nextSent int   // next[:nextSent] went to the workers
+		free     [][]trace.Range
 	)
 	// plan starts a round: every rank not caught up is read until it has
 	// finished chunkSteps steps past the one furthest behind. It reports
@@ -334,7 +338,7 @@ func (s *source) pass(ctx context.Context) error {
 			}
 		}
 		target += chunkSteps
-		todo, sent = todo[:0], 0
+		todo, sent, next, nextSent = todo[:0], 0, next[:0], 0
 		for i, rs := range s.ranks {
 			if caught[i] || rs.rd == nil {
 				caught[i] = true
@@ -344,17 +348,26 @@ func (s *source) pass(ctx context.Context) error {
 		}
 		return !first
 	}
-	// send hands the workers the ranks of the round up to todo[upto]. At
-	// most readAhead ranks are sent and not yet taken, so that sending
-	// never blocks and the ranges read ahead stay few.
+	dispatch := func(rs *rankSource, target int64) {
+		rs.target, rs.inFlight = target, true
+		if rs.queue == nil && len(free) > 0 {
+			rs.queue, free = free[len(free)-1], free[:len(free)-1]
+		}
+		work <- rs
+	}
+	// send hands the workers the ranks up to position upto of the round,
+	// and past its end the next round's first ones, to the step that
+	// round will most likely read to: the ranks then meet at this round's
+	// target. At most readAhead ranks are sent and not yet taken, so that
+	// sending never blocks and the ranges read ahead stay few.
 	send := func(upto int) {
 		for ; sent < len(todo) && sent < upto; sent++ {
-			rs := s.ranks[todo[sent]]
-			rs.target = target
-			if rs.queue == nil && len(free) > 0 {
-				rs.queue, free = free[len(free)-1], free[:len(free)-1]
+			if rs := s.ranks[todo[sent]]; !rs.inFlight {
+				dispatch(rs, target)
 			}
-			work <- rs
+		}
+		for ; sent+nextSent < upto && nextSent < len(next); nextSent++ {
+			dispatch(s.ranks[next[nextSent]], target+chunkSteps)
 		}
 	}
 	if err := ctx.Err(); err != nil {
@@ -368,6 +381,7 @@ func (s *source) pass(ctx context.Context) error {
 			send(k + readAhead)
 			rs := s.ranks[i]
 			<-rs.ready
+			rs.inFlight = false
 			done, err := s.feed(rs, target)
 			if err != nil {
 				s.d.release()
@@ -378,10 +392,13 @@ func (s *source) pass(ctx context.Context) error {
 				rs.queue, rs.head = nil, 0
 			}
 			caught[i] = done
+			if !done {
+				next = append(next, i)
+			}
 		}
-		// The workers read the next round's first ranks while this
-		// round's steps are evaluated: the evaluation changes none of
-		// what plan looks at.
+		// The workers read on into the next round while this round's
+		// steps are evaluated: the evaluation changes none of what plan
+		// looks at.
 		err := ctx.Err()
 		if err == nil {
 			more = plan()
