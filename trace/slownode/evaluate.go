@@ -308,6 +308,12 @@ func (d *Detector) healthy(pairs []rankValue, threshold, effect float64, above f
 	if n < 3 {
 		return math.NaN(), false
 	}
+	if v := pairs[0].v; v >= 0 && same(pairs) {
+		// What the clustering comes to for one value repeated (a figure
+		// nobody has, such as the send time of ranks with no pipeline),
+		// without sorting it: its median, with nothing above it.
+		return v, false
+	}
 	sc.sortedValues(pairs)
 	cut := n
 	for {
@@ -348,6 +354,16 @@ func (d *Detector) healthy(pairs []rankValue, threshold, effect float64, above f
 		}
 	}
 	return ref, true
+}
+
+// same reports whether all pairs hold one value.
+func same(pairs []rankValue) bool {
+	for _, p := range pairs[1:] {
+		if p.v != pairs[0].v {
+			return false
+		}
+	}
+	return true
 }
 
 // sortedValues returns the values of pairs in increasing order, in

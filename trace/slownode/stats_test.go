@@ -45,3 +45,29 @@ func TestMedianMatchesSort(t *testing.T) {
 		}
 	}
 }
+
+// TestHealthyOfOneValue checks the shortcut for a repeated value against
+// what the clustering finds for values a rounding error apart.
+func TestHealthyOfOneValue(t *testing.T) {
+	d, err := New(Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []int{3, 4, 5, 8, 1024} {
+		for _, v := range []float64{0, 0.1, 7, 1e6} {
+			pairs := make([]rankValue, n)
+			for i := range pairs {
+				pairs[i] = rankValue{v, int32(i)}
+			}
+			ref, _ := d.healthy(pairs, d.cfg.RelativeThreshold, 0.01, func(ri int32) { t.Errorf("n %d v %v: rank %d above", n, v, ri) })
+			if ref != v {
+				t.Errorf("n %d v %v: ref %v", n, v, ref)
+			}
+			pairs[n-1].v = math.Nextafter(v, math.Inf(1)) // one value a hair above: the long path
+			ref, _ = d.healthy(pairs, d.cfg.RelativeThreshold, 0.01, func(ri int32) { t.Errorf("n %d v %v: rank %d above", n, v, ri) })
+			if ref != v {
+				t.Errorf("n %d v %v, one a hair above: ref %v", n, v, ref)
+			}
+		}
+	}
+}
