@@ -274,6 +274,56 @@ func (j *job) pid(rank int) int {
 	return 0
 }
 
+// kill sends sig to rank's process; unlike signal, it may be called from
+// any goroutine.
+func (j *job) kill(rank int, sig syscall.Signal) error {
+	name := fmt.Sprintf("rank-%d", rank)
+	for _, st := range j.sups[rank/j.cfg.ppn].State() {
+		if st.Name == name {
+			return syscall.Kill(st.PID, sig)
+		}
+	}
+	return fmt.Errorf("rank %d: no process", rank)
+}
+
+// onEnter runs f once, when the next transition into state arrives, and
+// returns a channel closed once f ran. Transitions read meanwhile are
+// dropped. It stops at the end of t, so that it never takes transitions
+// from what follows.
+func (j *job) onEnter(t testing.TB, state taskd.State, f func() error) <-chan struct{} {
+	done, stop := make(chan struct{}), make(chan struct{})
+	ended := make(chan struct{})
+	go func() {
+		defer close(ended)
+		for {
+			select {
+			case tr := <-j.trans:
+				if tr.t.To == state {
+					if err := f(); err != nil {
+						t.Errorf("on entering %s: %v", state, err)
+					}
+					close(done)
+					return
+				}
+			case <-stop:
+				return
+			}
+		}
+	}()
+	t.Cleanup(func() { close(stop); <-ended })
+	return done
+}
+
+// waitClosed waits up to two minutes for ch to close.
+func waitClosed(t testing.TB, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("no %s within 2 minutes", what)
+	}
+}
+
 func (j *job) signal(rank int, sig syscall.Signal) {
 	j.t.Helper()
 	if err := syscall.Kill(j.pid(rank), sig); err != nil {

@@ -82,16 +82,16 @@ func TestRecovery(t *testing.T) {
 			t.Fatalf("recovery: %+v", rec)
 		}
 		lastSaved := int64(-1)
+		for _, r := range hung {
+			j.out[r].wait(t, from[r], "event start", 10*time.Second)
+			lastSaved = max(lastSaved, j.lastSaveBefore(r, from[r], "event start"))
+		}
+		j.checkResumed(rec, from, committed, lastSaved) // waits for every rank's resume
 		for r := range j.out {
-			restarted := slices.ContainsFunc(j.out[r].from(from[r]), func(l string) bool { return strings.HasPrefix(l, "event start") })
-			if restarted != slices.Contains(hung, r) {
-				t.Errorf("rank %d restarted: %v", r, restarted)
-			}
-			if restarted {
-				lastSaved = max(lastSaved, j.lastSaveBefore(r, from[r], "event start"))
+			if !slices.Contains(hung, r) && slices.ContainsFunc(j.out[r].from(from[r]), func(l string) bool { return strings.HasPrefix(l, "event start") }) {
+				t.Errorf("rank %d restarted: %q", r, j.out[r].from(from[r]))
 			}
 		}
-		j.checkResumed(rec, from, committed, lastSaved)
 	})
 
 	t.Run("faults on two nodes that need their replacement: both nodes are replaced", func(t *testing.T) {
@@ -187,18 +187,9 @@ func TestRecovery(t *testing.T) {
 		j.t = t
 		from, committed := j.marks(), j.committed()
 		second := cfg.ppn + 2
-		killed := make(chan struct{})
-		go func() {
-			defer close(killed)
-			for tr := range j.trans {
-				if tr.t.To == taskd.StateRestarting {
-					j.signal(second, syscall.SIGKILL)
-					return
-				}
-			}
-		}()
+		killed := j.onEnter(t, taskd.StateRestarting, func() error { return j.kill(second, syscall.SIGKILL) })
 		j.signal(0, syscall.SIGKILL)
-		<-killed
+		waitClosed(t, killed, "the second fault")
 		rec := j.next(taskd.KindRecovery)
 		if rec.State != taskd.StateRecovered || rec.Round < 2 || !slices.Equal(rec.FaultyRanks, []int{0, second}) {
 			t.Fatalf("recovery: %+v", rec)
@@ -209,18 +200,9 @@ func TestRecovery(t *testing.T) {
 	t.Run("a second fault during a link switch: the switch ends its step and hands over", func(t *testing.T) {
 		j.t = t
 		from, committed := j.marks(), j.committed()
-		killed := make(chan struct{})
-		go func() {
-			defer close(killed)
-			for tr := range j.trans {
-				if tr.t.To == taskd.StateSwitching {
-					j.signal(last, syscall.SIGKILL) // node 1, not switching
-					return
-				}
-			}
-		}()
+		killed := j.onEnter(t, taskd.StateSwitching, func() error { return j.kill(last, syscall.SIGKILL) }) // node 1, not switching
 		sw, err := j.m.SwitchLink(context.Background(), taskd.LinkRequest{Node: 0, Devices: []int{3}, Target: taskd.LinkStandby})
-		<-killed
+		waitClosed(t, killed, "the second fault")
 		if !errors.Is(err, taskd.ErrOrchestrationFailed) {
 			t.Fatalf("switch: %v", err)
 		}
