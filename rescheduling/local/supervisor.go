@@ -261,8 +261,9 @@ func (s *Supervisor) State() []ProcessState {
 
 // RestartProcesses restarts d.Process and every other process that is not
 // running, unless it exited with code 0; with d.Process "" it restarts
-// every process. The processes to restart are all stopped before any is
-// started again.
+// every process. A process that still runs, hung or not, is restarted only
+// when named: restarting several running processes takes a call for each.
+// The processes to restart are all stopped before any is started again.
 func (s *Supervisor) RestartProcesses(ctx context.Context, d rescheduling.Decision) error {
 	if err := s.mine(d); err != nil {
 		return err
