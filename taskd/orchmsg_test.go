@@ -24,6 +24,7 @@ func TestOrchMessageRoundTrip(t *testing.T) {
 		{kindNotice, orchMsg{Notice: &FaultNotice{Faults: []Fault{{Kind: FaultHang, Position: Position{1, 9}}, {Kind: FaultLost, Position: Position{0, 2}}}}}, "strategies [2 9]"},
 		{kindRetry, orchMsg{}, "retry"},
 		{kindResume, orchMsg{Resume: &resume}, "resume 120 recover [3 9]"},
+		{kindResume, orchMsg{Resume: &ResumeRequest{Step: -1, Released: true}}, "resume -1  [] released"},
 		{kindSwitch, orchMsg{Link: &link}, "switch 2 [0 3] standby"},
 		{kindStress, orchMsg{Stress: &stress}, "stress hbm"},
 		{kindStop, orchMsg{Reason: "budget spent"}, "stop budget spent"},
@@ -62,6 +63,7 @@ func TestOrchMessageRoundTrip(t *testing.T) {
 func FuzzOrchMessage(f *testing.F) {
 	f.Add(kindPause, []byte(`{"timeout_ms":5}`), []byte(`{"step":41}`))
 	f.Add(kindResume, []byte(`{"resume":{"step":7,"strategy":"retry","restarted":[1,2]}}`), []byte(`{}`))
+	f.Add(kindResume, []byte(`{"resume":{"step":-1,"released":true}}`), []byte(`{}`))
 	f.Add(kindNotice, []byte(`{"notice":{"faults":[{"kind":"hang","position":{"Node":0,"Rank":3}}]}}`), []byte(`{"strategies":["retry","exit"]}`))
 	f.Add(kindSwitch, []byte(`{"link":{"node":1,"devices":[0],"target":"standby"}}`), []byte(``))
 	f.Add(kindStress, []byte(`{"stress":null}`), []byte(`null`))
