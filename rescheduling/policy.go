@@ -490,6 +490,9 @@ func (p *Policy) charge(d *Decision, rule Rule, a Action) Action {
 			key = "pod\x00" + f.Pod
 			if rule.AvoidNode && f.Node != "" {
 				d.Pod = "" // every pod of the job on a suspect node moves
+			}
+			if d.Pod == "" {
+				// The node's pods move together and share its budget.
 				key = "node\x00" + f.Node
 			}
 			budget, limit = p.pods, p.cfg.PodRestarts

@@ -646,3 +646,21 @@ func TestDecisionEvidence(t *testing.T) {
 		t.Errorf("String() = %q", d.String())
 	}
 }
+
+// Faults that name a node but no pod recreate that node's pods; each node
+// has a pod budget of its own.
+func TestPodBudgetPerNodeWithoutPodNames(t *testing.T) {
+	ctx := context.Background()
+	clk := newClock()
+	p := newTestPolicy(t, clk, Config{MaxRestarts: 1, PodRestarts: 1})
+	for _, node := range []string{"n1", "n2"} {
+		hang := func() Fault { return Fault{Kind: KindHang, Node: node, Process: "0", Time: clk.Advance(time.Hour)} }
+		if d := p.Decide(ctx, hang()); d.Action != RestartProcesses {
+			t.Fatalf("%s, first fault: %+v", node, sum(d))
+		}
+		d := p.Decide(ctx, hang())
+		if d.Action != RecreatePods || d.Node != node || d.Attempt != 1 {
+			t.Errorf("%s, second fault: %+v %v", node, sum(d), d.Evidence)
+		}
+	}
+}
