@@ -206,6 +206,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promauto"
 
+	"github.com/faultline-ml/faultline/internal/promreg"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -276,7 +277,7 @@ type completedBuffer struct {
 }
 
 type markerMetrics struct {
-	reg         *registrar
+	reg         *promreg.Registrar
 	records     prometheus.Counter
 	buffers     prometheus.Counter
 	declined    prometheus.Counter
@@ -375,7 +376,7 @@ func OpenMarkers(cfg MarkerConfig) (*MarkerSource, error) {
 // reg; it returns the error of a registration that failed, having
 // registered nothing.
 func newMarkerMetrics(reg prometheus.Registerer) (markerMetrics, error) {
-	r := newRegistrar(reg, "MarkerConfig.Registerer")
+	r := promreg.New(reg, "npu: MarkerConfig.Registerer")
 	f := promauto.With(r)
 	m := markerMetrics{
 		reg: r,
@@ -404,7 +405,7 @@ func newMarkerMetrics(reg prometheus.Registerer) (markerMetrics, error) {
 			Help: "Activity buffers in existence: held by the library, waiting for delivery, or free.",
 		}),
 	}
-	if err := r.check(); err != nil {
+	if err := r.Err(); err != nil {
 		return markerMetrics{}, err
 	}
 	return m, nil
@@ -414,7 +415,7 @@ func newMarkerMetrics(reg prometheus.Registerer) (markerMetrics, error) {
 // nothing for the zero markerMetrics.
 func (m markerMetrics) unregister() {
 	if m.reg != nil {
-		m.reg.unregisterAll()
+		m.reg.UnregisterAll()
 	}
 }
 

@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/faultline-ml/faultline/internal/atomicfile"
+	"github.com/faultline-ml/faultline/internal/promreg"
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 	"github.com/faultline-ml/faultline/trace"
 )
@@ -166,7 +167,7 @@ type Manager struct {
 	log      *slog.Logger
 	tracer   oteltrace.Tracer
 	met      *managerMetrics
-	metrics  *registrar // what met and the orchestrator registered
+	metrics  *promreg.Registrar // what met and the orchestrator registered
 	handlers []Handler
 	orch     *orchestrator // nil when orchestration is off
 	lis      net.Listener
@@ -205,7 +206,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		return nil, err
 	}
 	cfg.setDefaults()
-	metrics := newRegistrar(cfg.Registerer, "ManagerConfig.Registerer")
+	metrics := promreg.New(cfg.Registerer, "taskd: ManagerConfig.Registerer")
 	m := &Manager{
 		cfg:         cfg,
 		log:         discardIfNil(cfg.Logger).With("component", "taskd-manager", "job", cfg.Job),
@@ -236,13 +237,13 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 	if cfg.Orchestration != nil {
 		orch, err := newOrchestrator(m, *cfg.Orchestration)
 		if err != nil {
-			metrics.unregisterAll()
+			metrics.UnregisterAll()
 			return nil, err
 		}
 		m.orch = orch
 		m.handlers = sortHandlers(append(slices.Clone(cfg.Handlers), orch.handler()))
 	}
-	if err := metrics.check(); err != nil {
+	if err := metrics.Err(); err != nil {
 		return nil, err
 	}
 	if cfg.Nodes > 0 && cfg.ProcsPerNode > 0 {
@@ -251,13 +252,13 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		}
 	}
 	if err := m.loadState(); err != nil {
-		metrics.unregisterAll()
+		metrics.UnregisterAll()
 		return nil, err
 	}
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		m.closeState()
-		metrics.unregisterAll()
+		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: manager listen on %s: %w", cfg.Listen, err)
 	}
 	m.lis = lis
@@ -341,7 +342,7 @@ func (m *Manager) Close() error {
 			close(m.runDone)
 		}
 		<-m.runDone
-		m.metrics.unregisterAll()
+		m.metrics.UnregisterAll()
 	})
 	<-m.runDone
 	return nil

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"github.com/faultline-ml/faultline/internal/promreg"
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 	"github.com/faultline-ml/faultline/trace"
 )
@@ -268,7 +269,7 @@ func TestSwitchSourceAndSubscribe(t *testing.T) {
 
 func TestQueueKeepsReportsUntilConnected(t *testing.T) {
 	c := newCluster(t, insecureSec(), ManagerConfig{})
-	reg := newWorkerMetrics(newRegistrar(nil, ""))
+	reg := newWorkerMetrics(promreg.New(nil, ""))
 	w, err := NewWorker(WorkerConfig{Job: c.job, Upstream: c.m.Addr().String(), Security: insecureSec(), QueueSize: 2})
 	if err != nil {
 		t.Fatal(err)

@@ -20,6 +20,7 @@ import (
 	oteltrace "go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/faultline-ml/faultline/internal/promreg"
 	"github.com/faultline-ml/faultline/rescheduling"
 )
 
@@ -62,7 +63,7 @@ type orchMetrics struct {
 	actionErrs  *prometheus.CounterVec
 }
 
-func newOrchMetrics(r *registrar) *orchMetrics {
+func newOrchMetrics(r *promreg.Registrar) *orchMetrics {
 	f := promauto.With(r)
 	return &orchMetrics{
 		runs:        f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_orchestrations_total", Help: "Orchestrations finished, by kind and terminal state."}, []string{"kind", "state"}),

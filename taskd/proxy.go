@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/faultline-ml/faultline/internal/promreg"
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 )
 
@@ -96,7 +97,7 @@ type Proxy struct {
 	log     *slog.Logger
 	tracer  oteltrace.Tracer
 	met     *proxyMetrics
-	metrics *registrar
+	metrics *promreg.Registrar
 	lis     net.Listener
 	srv     *grpc.Server
 	conn    *grpc.ClientConn
@@ -150,9 +151,9 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 	if tp == nil {
 		tp = noop.NewTracerProvider()
 	}
-	metrics := newRegistrar(cfg.Registerer, "ProxyConfig.Registerer")
+	metrics := promreg.New(cfg.Registerer, "taskd: ProxyConfig.Registerer")
 	met := newProxyMetrics(metrics)
-	if err := metrics.check(); err != nil {
+	if err := metrics.Err(); err != nil {
 		return nil, err
 	}
 	p := &Proxy{
@@ -173,14 +174,14 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		overflow: func() {}, queued: func(int) {}}
 	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log)
 	if err != nil {
-		metrics.unregisterAll()
+		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: proxy dial %s: %w", cfg.Upstream, err)
 	}
 	p.conn, p.up = conn, pb.NewControlClient(conn)
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		conn.Close()
-		metrics.unregisterAll()
+		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: proxy listen on %s: %w", cfg.Listen, err)
 	}
 	p.lis = lis
@@ -259,7 +260,7 @@ func (p *Proxy) Close() error {
 			close(p.runDone)
 		}
 		<-p.runDone
-		p.metrics.unregisterAll()
+		p.metrics.UnregisterAll()
 	})
 	<-p.runDone
 	return nil

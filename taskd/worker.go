@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/faultline-ml/faultline/internal/promreg"
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 	"github.com/faultline-ml/faultline/trace"
 )
@@ -89,7 +90,7 @@ type Worker struct {
 	cfg     WorkerConfig
 	log     *slog.Logger
 	met     *workerMetrics
-	metrics *registrar
+	metrics *promreg.Registrar
 	conn    *grpc.ClientConn
 	client  pb.ControlClient
 	up      *uplink
@@ -131,14 +132,14 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
 	cfg.ReconnectMax = orDefault(cfg.ReconnectMax, 5*time.Second)
 	log := discardIfNil(cfg.Logger).With("component", "taskd-worker", "job", cfg.Job, "rank", cfg.Rank)
-	metrics := newRegistrar(cfg.Registerer, "WorkerConfig.Registerer")
+	metrics := promreg.New(cfg.Registerer, "taskd: WorkerConfig.Registerer")
 	met := newWorkerMetrics(metrics)
-	if err := metrics.check(); err != nil {
+	if err := metrics.Err(); err != nil {
 		return nil, err
 	}
 	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log)
 	if err != nil {
-		metrics.unregisterAll()
+		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: worker dial %s: %w", cfg.Upstream, err)
 	}
 	w := &Worker{
@@ -323,7 +324,7 @@ func (w *Worker) Close() error {
 			close(w.runDone)
 		}
 		<-w.runDone
-		w.metrics.unregisterAll()
+		w.metrics.UnregisterAll()
 	})
 	<-w.runDone
 	return nil
