@@ -116,18 +116,26 @@ func (p *Pairer) maxOpen() int {
 // instant; for a start, an unmatched end or anything else it returns false.
 // rec need not outlive the call.
 func (p *Pairer) Add(rec *Record) (r Range, ok bool) {
-	// The result is filled field by field and returned bare: a Range built
-	// whole and then returned is copied in wider words than it was stored
-	// in, which the processor cannot forward.
+	ok = p.AddTo(rec, &r)
+	return
+}
+
+// AddTo is Add that fills *r in place, where the caller keeps it (the
+// next element of a slice), instead of returning a copy. It writes *r
+// only when it reports true.
+func (p *Pairer) AddTo(rec *Record, r *Range) bool {
+	// Filled field by field: a Range built whole and then stored is
+	// copied in wider words than it was stored in, which the processor
+	// cannot forward.
 	switch {
 	case rec.Flag.IsStart():
 		p.start(rec)
-		return
+		return false
 	case rec.Flag.IsEnd():
 		pos, ref := p.open.find(rec.ID, rec.SourceKind)
 		if ref == 0 {
 			p.stats.UnmatchedEnds++
-			return
+			return false
 		}
 		s := &p.starts[ref-1]
 		r.Name, r.Domain = s.name, s.dom
@@ -141,19 +149,17 @@ func (p *Pairer) Add(rec *Record) (r Range, ok bool) {
 			}
 		}
 		p.stats.Ranges++
-		ok = true
-		return
+		return true
 	case rec.Flag.IsInstant():
 		p.stats.Instants++
 		r.Name, r.Domain = rec.Name, rec.Domain
 		r.ID, r.Start, r.End = rec.ID, rec.Timestamp, rec.Timestamp
 		r.ProcessID, r.ThreadID, r.DeviceID, r.StreamID = rec.ProcessID, rec.ThreadID, rec.DeviceID, rec.StreamID
 		r.SourceKind = rec.SourceKind
-		ok = true
-		return
+		return true
 	}
 	p.stats.Ignored++
-	return
+	return false
 }
 
 func (p *Pairer) start(rec *Record) {
@@ -240,6 +246,9 @@ func (p *Pairer) Stats() PairerStats {
 	return s
 }
 
+// nameRingMinSize is the size of a nameRing's first allocation.
+const nameRingMinSize = 256
+
 type nameEntry struct {
 	id        uint64
 	name, dom string
@@ -303,9 +312,12 @@ func (r *nameRing) drop() {
 	r.n--
 }
 
-// grow makes room for more names, up to limit.
+// grow makes room for more names, up to limit. Every named start keeps
+// its name until limit names are kept, so the ring starts at a size that
+// small limits reach at once: a reader per rank of a large job then
+// allocates its ring once, not five times over.
 func (r *nameRing) grow(limit int) {
-	size := min(max(2*len(r.ents), 16), limit)
+	size := min(max(2*len(r.ents), nameRingMinSize), limit)
 	ents := make([]nameEntry, size)
 	for i := range r.n {
 		ents[i] = r.ents[(r.head+i)%len(r.ents)]

@@ -77,6 +77,36 @@ func TestPairerBounded(t *testing.T) {
 // their ends lost, against a model of the pairer: ranges come back once
 // with their bounds, the oldest starts beyond MaxOpen are evicted, and
 // memory stays bounded.
+// TestPairerAddTo checks that AddTo gives what Add returns, and leaves
+// *r as it was where it reports false.
+func TestPairerAddTo(t *testing.T) {
+	recs := []*Record{
+		rec(FlagHostEnd, SourceKindHost, 9, 5, "", ""),
+		rec(FlagHostStart, SourceKindHost, 1, 10, "forward", DomainDefault),
+		rec(FlagDeviceStart, SourceKindDevice, 1, 11, "", ""),
+		rec(FlagHostEnd, SourceKindHost, 1, 20, "", ""),
+		rec(FlagDeviceEnd, SourceKindDevice, 1, 21, "", ""),
+		rec(FlagInstant, SourceKindHost, 3, 15, "save_checkpoint", DomainDefault),
+		rec(0, 0, 4, 1, "", ""),
+	}
+	var a, b Pairer
+	stale := Range{Name: "stale", Domain: "stale", ID: 77, Start: 1, End: 2, ProcessID: 3, SourceKind: 1}
+	for i, rc := range recs {
+		want, wantOK := a.Add(rc)
+		got := stale
+		ok := b.AddTo(rc, &got)
+		if !wantOK {
+			want = stale
+		}
+		if ok != wantOK || got != want {
+			t.Errorf("record %d: AddTo gave %+v, %v; Add %+v, %v", i, got, ok, want, wantOK)
+		}
+	}
+	if diff := cmp.Diff(a.Stats(), b.Stats()); diff != "" {
+		t.Errorf("stats (-Add +AddTo):\n%s", diff)
+	}
+}
+
 func TestPairerProperty(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	const maxOpen = 64
@@ -163,7 +193,7 @@ func TestKindOf(t *testing.T) {
 func TestPairerNamesProperty(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	for trial := range 60 {
-		maxOpen := 16 + trial%3*20 // some rings grow after they are indexed
+		maxOpen := [...]int{16, 36, nameRingMinSize + 40}[trial%3] // some rings grow after they are indexed
 		p := Pairer{MaxOpen: maxOpen}
 		var named []uint64 // the model: named Ids, oldest first, at most maxOpen
 		lookup := func(id uint64) string {
