@@ -160,6 +160,24 @@ type row struct {
 	step  int64
 	n     int
 	cells []cell
+	slab  []float64 // where cells' comm slices are carved from, a block at a time
+}
+
+// commSlab is how many floats a row allocates at a time for its cells'
+// comm slices: a thousand ranks then cost a few blocks, not a thousand.
+const commSlab = 1024
+
+// commFor returns c's comm slice emptied, with room for n slots at least.
+func (rw *row) commFor(c *cell, n int) []float64 {
+	if cap(c.comm) >= n {
+		return c.comm[:0]
+	}
+	if cap(rw.slab)-len(rw.slab) < n {
+		rw.slab = make([]float64, 0, max(commSlab, n))
+	}
+	k := len(rw.slab)
+	rw.slab = rw.slab[:k+n]
+	return rw.slab[k : k : k+n]
 }
 
 type cell struct {
@@ -476,7 +494,7 @@ func (d *Detector) addStep(ri int32, st *Step) {
 	if have&FigTrajectory != 0 {
 		c.m[mGap], c.m[mFPBP], c.m[mTrailing] = ms(st.Gap), ms(st.FPBP), ms(st.Trailing)
 	}
-	c.comm = c.comm[:0]
+	c.comm = rw.commFor(c, len(rs.groups))
 	for range rs.groups {
 		c.comm = append(c.comm, nan)
 	}

@@ -489,12 +489,18 @@ func (rs *rankSource) fill() {
 		}
 	}
 	err := rs.rd.Read(func(rec *trace.Record) error {
-		r, ok := rs.pair.Add(rec)
-		if !ok {
+		// The pairer fills the queue's next element in place: a range is
+		// not copied on its way there.
+		n := len(rs.queue)
+		if n == cap(rs.queue) {
+			rs.queue = slices.Grow(rs.queue, 1)
+		}
+		r := &rs.queue[:n+1][n]
+		if !rs.pair.AddTo(rec, r) {
 			return nil
 		}
-		rs.queue = append(rs.queue, r)
-		if n, ok := rangeStep(&r); ok && n >= rs.target || len(rs.queue) >= maxQueued {
+		rs.queue = rs.queue[:n+1]
+		if s, ok := rangeStep(r); ok && s >= rs.target || len(rs.queue) >= maxQueued {
 			return errPause
 		}
 		return nil
