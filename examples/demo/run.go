@@ -72,11 +72,11 @@ func run(ctx context.Context, cfg config, w io.Writer) (err error) {
 	j.setPhase("writing the outputs")
 	j.finish(&sum)
 
-	if cfg.Keep && ctx.Err() == nil {
-		j.keep(ctx)
-	}
-	if ctx.Err() != nil {
+	switch {
+	case ctx.Err() != nil:
 		return ctx.Err()
+	case cfg.Keep:
+		j.keep(ctx) // until Ctrl-C, the way a kept demo ends
 	}
 	if !sum.OK {
 		return errors.New("not every fault was detected and recovered from; see " + j.rel(j.path("summary.json")))
