@@ -49,6 +49,8 @@ const (
 	// rank may have read ahead, a round's worth (chunkSteps steps) or more.
 	readAhead = 128
 	maxQueued = 4096
+	// sendBatch is how many ranks the pass hands the workers at a time.
+	sendBatch = 16
 )
 
 // errPause stops a rank's Read when it is far enough ahead.
@@ -378,7 +380,12 @@ func (s *source) pass(ctx context.Context) error {
 	for more {
 		s.d.holdEvaluation()
 		for k, i := range todo {
-			send(k + readAhead)
+			if k%sendBatch == 0 {
+				// A batch at a time: a worker woken for each rank would
+				// read one and sleep again, and waking costs more than
+				// reading a rank's round.
+				send(k + readAhead)
+			}
 			rs := s.ranks[i]
 			<-rs.ready
 			rs.inFlight = false
