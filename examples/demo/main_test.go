@@ -23,9 +23,6 @@ func TestMain(m *testing.M) {
 // was detected, blamed on the rank it was injected into, recovered from,
 // and that the outputs the README points at were written.
 func TestDemo(t *testing.T) {
-	if testing.Short() {
-		t.Skip("the demo runs real processes for about half a minute")
-	}
 	out := filepath.Join(t.TempDir(), "out")
 	var story strings.Builder
 	cfg := config{Nodes: 2, ProcsPerNode: 2, Steps: 25, Faults: allFaults, Out: out}
