@@ -126,6 +126,5 @@
 // and a Python program in a sleep loop (python3 on PATH), captured with
 // eu-stack and gdb when installed (Debian packages elfutils and gdb).
 // Tests that need py-spy skip when it is absent; Debian does not package
-// it. The default run stays short; FAULTLINE_HANG_LONG=1 adds a merge of
-// 10,000 rank files written to disk.
+// it. A test merges 10,000 rank files written to disk.
 package hang
