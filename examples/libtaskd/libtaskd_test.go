@@ -305,7 +305,7 @@ func TestMarkersFromProfilingLibrary(t *testing.T) {
 	lib := library(t)
 	cc, ok := cCompiler()
 	if !ok {
-		t.Skip("no C compiler for the fake profiling library")
+		t.Skip("no C compiler (Debian package gcc) to build the fake profiling library")
 	}
 	fake := filepath.Join(t.TempDir(), "libmspti.so")
 	src := filepath.Join("..", "..", "npu", "testdata", "fake_mspti.c")
@@ -515,7 +515,7 @@ func TestCHeader(t *testing.T) {
 	}
 	cc, ok := cCompiler()
 	if !ok {
-		t.Skip("no C compiler")
+		t.Skip("no C compiler (Debian package gcc) to build the C ABI test program")
 	}
 	bin := filepath.Join(t.TempDir(), "abi")
 	out, err := exec.Command(cc, "-std=c11", "-Wall", "-Werror", "-o", bin, filepath.Join("testdata", "abi.c"),

@@ -64,13 +64,13 @@ func cCompiler() (string, bool) {
 func library(t testing.TB) string {
 	t.Helper()
 	if _, err := exec.LookPath("python3"); err != nil {
-		t.Skip("python3 not found: the library's tests drive it from Python")
+		t.Skip("python3 not found (Debian package python3): the library's tests drive it from Python")
 	}
 	if p := os.Getenv("LIBTASKD_TEST_LIBRARY"); p != "" {
 		return p
 	}
 	if _, ok := cCompiler(); !ok {
-		t.Skip("no C compiler (gcc, cc, clang): libtaskd.so is a cgo build")
+		t.Skip("no C compiler (gcc, cc or clang; Debian package gcc): libtaskd.so is a cgo build")
 	}
 	built.once.Do(func() {
 		gt, err := goTool()
