@@ -484,47 +484,6 @@ func (j *job) setupCheckpoints() error {
 	return nil
 }
 
-// executor routes each rescheduling decision to the supervisor of its
-// node: on one machine, a node's supervisor is its pod's kubelet.
-type executor []*local.Supervisor
-
-func (e executor) of(d rescheduling.Decision) (*local.Supervisor, error) {
-	n, err := strconv.Atoi(strings.TrimPrefix(d.Node, "node-"))
-	if err != nil || n < 0 || n >= len(e) {
-		return nil, fmt.Errorf("node %q: %w", d.Node, rescheduling.ErrTargetGone)
-	}
-	return e[n], nil
-}
-
-func (e executor) RestartProcesses(ctx context.Context, d rescheduling.Decision) error {
-	s, err := e.of(d)
-	if err != nil {
-		return err
-	}
-	return s.RestartProcesses(ctx, d)
-}
-
-func (e executor) RecreatePods(ctx context.Context, d rescheduling.Decision) error {
-	s, err := e.of(d)
-	if err != nil {
-		return err
-	}
-	return s.RecreatePods(ctx, d)
-}
-
-func (e executor) RestartJob(ctx context.Context, d rescheduling.Decision) error {
-	for _, s := range e {
-		if err := s.RestartJob(ctx, d); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-func (e executor) AvoidNode(context.Context, rescheduling.Decision) error {
-	return rescheduling.ErrUnsupported
-}
-
 // setupManager starts the manager with orchestration on, and the
 // launcher's /metrics.
 func (j *job) setupManager(ctx context.Context) error {
@@ -559,7 +518,7 @@ func (j *job) setupManager(ctx context.Context) error {
 			// a slow rank's pod.
 			Triggers:    []taskd.FaultKind{taskd.FaultProcessExit, taskd.FaultLost, taskd.FaultHang, taskd.FaultOpError, taskd.FaultSlowNode},
 			Policy:      policy,
-			Executor:    executor(j.sups),
+			Executor:    local.Nodes(j.sups),
 			Checkpoints: j.ckpts,
 			Timeouts: taskd.Timeouts{Pause: 10 * time.Second, Notify: 10 * time.Second, Decide: 5 * time.Second,
 				Restart: time.Minute, Replace: time.Minute, Load: 30 * time.Second, Resume: 30 * time.Second, Switch: 30 * time.Second},

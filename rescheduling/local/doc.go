@@ -8,7 +8,8 @@
 // group, then SIGKILL after StopTimeout, so nothing the process started
 // outlives it. Exits the supervisor causes are not reported. On one
 // machine a pod is the whole set of processes, so RecreatePods and
-// RestartJob restart every process; AvoidNode is unsupported.
+// RestartJob restart every process; AvoidNode is unsupported. Nodes
+// routes decisions to several supervisors, each standing for a node.
 //
 // A supervisor wired to a watchdog:
 //

@@ -462,3 +462,59 @@ func exitStatus(ps *os.ProcessState) (int, syscall.Signal) {
 	}
 	return ps.ExitCode(), 0
 }
+
+// Nodes is the rescheduling.Executor of several supervisors on one
+// machine, each standing for a node (a test cluster, a demo): a decision
+// goes to the supervisor whose Config.Node is the decision's Node, and
+// RestartJob to every one of them in turn. Nil entries (nodes not started
+// yet) are skipped.
+type Nodes []*Supervisor
+
+var _ rescheduling.Executor = Nodes(nil)
+
+// of returns the supervisor of d's node.
+func (ns Nodes) of(d rescheduling.Decision) (*Supervisor, error) {
+	for _, s := range ns {
+		if s != nil && s.cfg.Node == d.Node {
+			return s, nil
+		}
+	}
+	return nil, fmt.Errorf("local: node %q has no supervisor here: %w", d.Node, rescheduling.ErrTargetGone)
+}
+
+// RestartProcesses restarts processes of d's node (see
+// Supervisor.RestartProcesses).
+func (ns Nodes) RestartProcesses(ctx context.Context, d rescheduling.Decision) error {
+	s, err := ns.of(d)
+	if err != nil {
+		return err
+	}
+	return s.RestartProcesses(ctx, d)
+}
+
+// RecreatePods restarts every process of d's node.
+func (ns Nodes) RecreatePods(ctx context.Context, d rescheduling.Decision) error {
+	s, err := ns.of(d)
+	if err != nil {
+		return err
+	}
+	return s.RecreatePods(ctx, d)
+}
+
+// RestartJob restarts every process of every node.
+func (ns Nodes) RestartJob(ctx context.Context, d rescheduling.Decision) error {
+	for _, s := range ns {
+		if s == nil {
+			continue
+		}
+		if err := s.RestartJob(ctx, d); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// AvoidNode is not supported on one machine.
+func (ns Nodes) AvoidNode(context.Context, rescheduling.Decision) error {
+	return fmt.Errorf("local: avoid a node: %w", rescheduling.ErrUnsupported)
+}

@@ -526,3 +526,51 @@ func TestLeftoversDieWithTheirProcess(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// TestNodes routes each decision to the supervisor of its node, and a job
+// restart to every one.
+func TestNodes(t *testing.T) {
+	var ns Nodes
+	for _, node := range []string{"node-0", "node-1"} {
+		c := child(t, "w", "run")
+		r := newReady()
+		c.Stdout = r
+		s, err := New(Config{Commands: []Command{c}, Node: node})
+		if err != nil {
+			t.Fatal(err)
+		}
+		running(t, s)
+		waitReady(t, r)
+		ns = append(ns, s)
+	}
+	ctx := context.Background()
+	pids := func() [2]int { return [2]int{ns[0].State()[0].PID, ns[1].State()[0].PID} }
+	before := pids()
+	if err := ns.RestartProcesses(ctx, rescheduling.Decision{Node: "node-1", Process: "w"}); err != nil {
+		t.Fatal(err)
+	}
+	after := pids()
+	if after[0] != before[0] || after[1] == before[1] || ns[1].State()[0].Restarts != 1 {
+		t.Errorf("restart on node-1: pids %v -> %v", before, after)
+	}
+	if err := ns.RestartJob(ctx, rescheduling.Decision{}); err != nil {
+		t.Fatal(err)
+	}
+	for i, st := range []ProcessState{ns[0].State()[0], ns[1].State()[0]} {
+		if st.PID == after[i] || !st.Running {
+			t.Errorf("node-%d after RestartJob: %+v", i, st)
+		}
+	}
+	for _, tt := range []struct {
+		err  error
+		call func() error
+	}{
+		{rescheduling.ErrTargetGone, func() error { return ns.RestartProcesses(ctx, rescheduling.Decision{Node: "node-2", Process: "w"}) }},
+		{rescheduling.ErrTargetGone, func() error { return ns.RecreatePods(ctx, rescheduling.Decision{}) }},
+		{rescheduling.ErrUnsupported, func() error { return ns.AvoidNode(ctx, rescheduling.Decision{AvoidNode: "node-0"}) }},
+	} {
+		if err := tt.call(); !errors.Is(err, tt.err) {
+			t.Errorf("got %v, want %v", err, tt.err)
+		}
+	}
+}

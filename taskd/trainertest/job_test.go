@@ -77,46 +77,6 @@ func testLogger(t testing.TB) *slog.Logger {
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
 }
 
-// executor routes each decision to the supervisor of its node.
-type executor []*local.Supervisor
-
-func (e executor) of(d rescheduling.Decision) (*local.Supervisor, error) {
-	n, err := strconv.Atoi(strings.TrimPrefix(d.Node, "node-"))
-	if err != nil || n < 0 || n >= len(e) {
-		return nil, fmt.Errorf("node %q: %w", d.Node, rescheduling.ErrTargetGone)
-	}
-	return e[n], nil
-}
-
-func (e executor) RestartProcesses(ctx context.Context, d rescheduling.Decision) error {
-	s, err := e.of(d)
-	if err != nil {
-		return err
-	}
-	return s.RestartProcesses(ctx, d)
-}
-
-func (e executor) RecreatePods(ctx context.Context, d rescheduling.Decision) error {
-	s, err := e.of(d)
-	if err != nil {
-		return err
-	}
-	return s.RecreatePods(ctx, d)
-}
-
-func (e executor) RestartJob(ctx context.Context, d rescheduling.Decision) error {
-	for _, s := range e {
-		if err := s.RestartJob(ctx, d); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-func (e executor) AvoidNode(context.Context, rescheduling.Decision) error {
-	return rescheduling.ErrUnsupported
-}
-
 func startJob(t testing.TB, cfg jobConfig) *job {
 	t.Helper()
 	world := cfg.nodes * cfg.ppn
@@ -146,7 +106,7 @@ func startJob(t testing.TB, cfg jobConfig) *job {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sups := make(executor, cfg.nodes)
+	sups := make(local.Nodes, cfg.nodes)
 	m, err := taskd.NewManager(taskd.ManagerConfig{
 		Job: "job-r", Listen: "127.0.0.1:0", Nodes: cfg.nodes, ProcsPerNode: cfg.ppn, Security: taskd.Security{Insecure: true},
 		HeartbeatInterval: 200 * time.Millisecond, HeartbeatDeadline: 3 * time.Second, AckTimeout: time.Second,
