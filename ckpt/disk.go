@@ -14,6 +14,8 @@ import (
 	"strings"
 	"syscall"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 )
 
@@ -34,6 +36,66 @@ func parseStepName(name string) (int64, bool) {
 
 // persistChunk is the unit of a write to disk.
 const persistChunk = 1 << 20
+
+// writebackWindow is how much a persist writes before it asks the kernel
+// to start writing those pages back. Without it a persist leaves up to a
+// gigabyte of dirty pages for the final fsync, and the kernel's dirty
+// limits throttle every writer on the node while they drain: on a virtual
+// disk a 1 GiB persist took 0.7 to 3 s that way, and a steady 0.5 s with
+// writeback started window by window.
+const writebackWindow = 8 << 20
+
+// writeback streams a file to disk while it is written: each full window
+// is handed to writeback at once, the window before it is waited for and
+// dropped from the page cache (a persisted step is read back only when
+// memory and replicas are gone). The final fsync stays the durability
+// point; this only spreads its work over the write.
+type writeback struct {
+	fd              int
+	waited, started int64 // [waited, started) is in writeback, [started, written) is not yet
+	written         int64
+	unsupported     bool
+}
+
+func newWriteback(f *os.File) *writeback {
+	return &writeback{fd: int(f.Fd())}
+}
+
+// wrote records n more bytes written and starts writeback of a full window.
+func (w *writeback) wrote(n int) error {
+	w.written += int64(n)
+	if w.unsupported || w.written-w.started < writebackWindow {
+		return nil
+	}
+	if err := w.syncRange(w.started, w.written-w.started, unix.SYNC_FILE_RANGE_WRITE); err != nil {
+		return err
+	}
+	if w.started > w.waited {
+		// The error of a failed writeback must reach the caller here:
+		// waiting consumes it, so the final fsync would not see it.
+		if err := w.syncRange(w.waited, w.started-w.waited,
+			unix.SYNC_FILE_RANGE_WAIT_BEFORE|unix.SYNC_FILE_RANGE_WRITE|unix.SYNC_FILE_RANGE_WAIT_AFTER); err != nil {
+			return err
+		}
+		// Advice only: a page kept in the cache costs memory, not data.
+		_ = unix.Fadvise(w.fd, w.waited, w.started-w.waited, unix.FADV_DONTNEED)
+	}
+	w.waited, w.started = w.started, w.written
+	return nil
+}
+
+func (w *writeback) syncRange(off, n int64, flags int) error {
+	err := unix.SyncFileRange(w.fd, off, n, flags)
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, unix.ENOSYS), errors.Is(err, unix.EINVAL), errors.Is(err, unix.EOPNOTSUPP), errors.Is(err, unix.ESPIPE):
+		// A filesystem without it is written the plain way.
+		w.unsupported = true
+		return nil
+	}
+	return fmt.Errorf("sync_file_range [%d, %d): %w", off, off+n, err)
+}
 
 func wrapNoSpace(err error) error {
 	if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
@@ -83,6 +145,7 @@ func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards
 			return wrapNoSpace(err)
 		}
 		defer f.Abort()
+		wb := newWriteback(f.File)
 		man = ShardManifest{Step: m.Step, Shard: shard, NumShards: numShards, Blobs: make([]BlobEntry, 0, len(m.Blobs))}
 		for k, e := range m.Blobs {
 			data := half[e.Offset : e.Offset+e.Size]
@@ -95,6 +158,9 @@ func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards
 				c = crc32.Update(c, castagnoli, chunk)
 				if _, err := f.Write(chunk); err != nil {
 					return wrapNoSpace(fmt.Errorf("ckpt: write %s: %w", name, err))
+				}
+				if err := wb.wrote(len(chunk)); err != nil {
+					return wrapNoSpace(fmt.Errorf("ckpt: write back %s: %w", name, err))
 				}
 			}
 			if c != e.CRC32C {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,6 +13,9 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // node is an owner of n shards with a writer on each.
@@ -504,5 +508,94 @@ func TestCommitAcrossNodes(t *testing.T) {
 		if sh := rep.Steps[0].Shards; len(sh) != 2 || sh[s].Absent || !sh[1-s].Absent {
 			t.Fatalf("InspectDir(%s) shards %+v, want %d here and %d absent", d, sh, s, 1-s)
 		}
+	}
+}
+
+// TestPersistWritesBack persists a step of several writeback windows, in
+// blobs that end inside windows, and reads it back from disk. The pages of
+// all windows but the last two have left the page cache.
+func TestPersistWritesBack(t *testing.T) {
+	dir := t.TempDir()
+	nd := newNode(t, OwnerConfig{Dir: dir, Capacity: 64 << 20}, 1)
+	var blobs []Blob
+	for i, n := range []int{writebackWindow + 12345, 3, 2*writebackWindow - 7, writebackWindow / 2} {
+		d := make([]byte, n)
+		for j := range d {
+			d[j] = byte(j*7 + i)
+		}
+		blobs = append(blobs, Blob{Name: fmt.Sprintf("b%d", i), Data: d})
+	}
+	if err := nd.ws[0].Save(context.Background(), 5, blobs...); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nd.o.Persist(context.Background(), 0); err != nil {
+		t.Fatal(err)
+	}
+	name := filepath.Join(StepDir(dir, 5), ShardFile(0))
+	var total int64
+	for _, b := range blobs {
+		total += int64(len(b.Data))
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err == nil && st.Type != unix.TMPFS_MAGIC {
+		if res := residentPages(t, name); res > total/2 {
+			t.Errorf("%d of %d bytes of %s still in the page cache after persist", res, total, name)
+		}
+	}
+	ck, _, err := LoadDisk(dir, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range blobs {
+		if !bytes.Equal(ck.Blob(b.Name), b.Data) {
+			t.Fatalf("blob %s differs after persist", b.Name)
+		}
+	}
+}
+
+// residentPages returns how many bytes of the file are in the page cache.
+func residentPages(t *testing.T, name string) int64 {
+	f, err := os.Open(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fi, _ := f.Stat()
+	m, err := unix.Mmap(int(f.Fd()), 0, int(fi.Size()), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	page := os.Getpagesize()
+	vec := make([]byte, (len(m)+page-1)/page)
+	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+		t.Fatal(e)
+	}
+	var n int64
+	for _, v := range vec {
+		if v&1 != 0 {
+			n += int64(page)
+		}
+	}
+	return n
+}
+
+// TestWritebackUnsupported: a file that cannot be written back early (a
+// pipe here) is written the plain way, without an error.
+func TestWritebackUnsupported(t *testing.T) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	defer w.Close()
+	wb := newWriteback(w)
+	for range 3 {
+		if err := wb.wrote(writebackWindow); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !wb.unsupported {
+		t.Fatal("writeback on a pipe is not marked unsupported")
 	}
 }

@@ -45,7 +45,10 @@
 // A persist writes dir/<step>/shard-NNNNN.bin (the blobs one after the
 // other) and then shard-NNNNN.json (a ShardManifest: sizes and CRC32C of
 // every blob), each by temporary file, fsync, rename and directory fsync.
-// The Committer learns that the shard is durable; only when every shard of
+// The data file is written back to disk 8 MiB at a time as it is written
+// and its pages leave the page cache, so that a persist neither leaves the
+// final fsync a gigabyte to flush nor stalls the node's other writers on
+// the kernel's dirty-page limits. The Committer learns that the shard is durable; only when every shard of
 // the step is does the step get committed: dir/<step>/commit.json (a
 // StepManifest binding the CRC of each shard's manifest), then the trackers
 // faultline_latest.json (the same StepManifest), dlrover_latest.txt and
