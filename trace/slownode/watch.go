@@ -47,7 +47,7 @@ const (
 	// whose ranges the detector takes: enough to keep them busy while the
 	// detector evaluates a round's steps. maxQueued is how many ranges one
 	// rank may have read ahead, a round's worth (chunkSteps steps) or more.
-	readAhead = 128
+	readAhead = 256
 	maxQueued = 4096
 	// sendBatch is how many ranks the pass hands the workers at a time.
 	sendBatch = 16
