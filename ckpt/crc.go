@@ -57,10 +57,14 @@ const (
 	// small enough that the checksum reads from cache what was just read.
 	fuseChunk = 64 << 10
 	// warmChunk is the unit of copyBlobs's checksums: small, so that warm
-	// has all of its cache lines in flight at once and the copy and the
-	// CRC that follow read them from L1 (2 KiB measured best on an EPYC
-	// core; 4 and 8 KiB within 10%).
+	// has all of its cache lines in flight at once and the CRC that
+	// follows reads them from L1 (2 KiB measured best on an EPYC core; 4
+	// and 8 KiB within 10%).
 	warmChunk = 2 << 10
+	// copyChunk is the unit of fusedCopyCRC: at least the 1 MiB from
+	// which runtime.memmove uses non-temporal stores on amd64, and small
+	// enough to stay in the cache between the checksum and the copy.
+	copyChunk = 1 << 20
 	// cacheLine is the stride of warm.
 	cacheLine = 64
 	// pieceSize is the unit of work a copy or checksum worker takes at a
@@ -143,18 +147,27 @@ func copyBlobs(dst, src [][]byte, workers int, sum bool) ([]uint32, error) {
 	return crcs, nil
 }
 
-// fusedCopyCRC copies src into dst a chunk at a time and returns the
-// CRC32C of what it copied, the bytes handed on to the caller: each chunk
-// of both is warmed first, then copied and checksummed from L1. It also
-// returns what warm read.
+// fusedCopyCRC copies src into dst and returns the CRC32C of src, a
+// copyChunk at a time: the checksum reads the chunk from memory, warm
+// 2 KiB ahead, and leaves it in the cache, from which the copy reads it.
+// A copy that large is one runtime.memmove streams past the cache on
+// amd64, so the destination is written without being read first: the
+// load moves the bytes copy() moves, where checksumming the copy in
+// cache-sized pieces read every destination line before writing it, a
+// third more memory traffic. A writer that changes src between the two is
+// one that broke the segment's protocol (state, then gen), which the
+// caller's check of gen after the copy catches. It also returns what warm
+// read.
 func fusedCopyCRC(dst, src []byte) (crc uint32, w byte) {
 	dst = dst[:len(src)]
-	for o := 0; o < len(src); o += warmChunk {
-		e := min(o+warmChunk, len(src))
-		d, s := dst[o:e], src[o:e]
-		w += warmPair(s, d)
-		copy(d, s)
-		crc = crc32.Update(crc, castagnoli, d)
+	for o := 0; o < len(src); o += copyChunk {
+		s := src[o:min(o+copyChunk, len(src))]
+		for k := 0; k < len(s); k += warmChunk {
+			c := s[k:min(k+warmChunk, len(s))]
+			w += warm(c)
+			crc = crc32.Update(crc, castagnoli, c)
+		}
+		copy(dst[o:], s)
 	}
 	return crc, w
 }
@@ -178,16 +191,6 @@ func warmCRC(src []byte) (crc uint32, w byte) {
 func warm(b []byte) (sum byte) {
 	for i := 0; i < len(b); i += cacheLine {
 		sum += b[i]
-	}
-	return sum
-}
-
-// warmPair is warm of a source and a destination of the same length
-// together. Warming the destination brings its lines in before the
-// copy's stores, instead of one store miss after another.
-func warmPair(src, dst []byte) (sum byte) {
-	for i := 0; i < len(src) && i < len(dst); i += cacheLine {
-		sum += src[i] + dst[i]
 	}
 	return sum
 }

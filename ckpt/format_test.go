@@ -435,15 +435,16 @@ func TestCopyBlobsSplitsBlobs(t *testing.T) {
 }
 
 // TestFusedCopyCRCLengths checks the copy and the CRC of lengths around
-// the cache line and the chunk, and that a flipped bit anywhere changes
+// the cache line and the chunks, and that a flipped bit anywhere changes
 // the CRC.
 func TestFusedCopyCRCLengths(t *testing.T) {
 	r := rand.New(rand.NewPCG(5, 6))
-	src := make([]byte, 3*warmChunk+cacheLine+1)
+	src := make([]byte, 2*copyChunk+warmChunk+1)
 	for i := range src {
 		src[i] = byte(r.Uint32())
 	}
-	for _, n := range []int{0, 1, cacheLine - 1, cacheLine, cacheLine + 1, warmChunk - 1, warmChunk, warmChunk + 1, 3*warmChunk + cacheLine + 1} {
+	for _, n := range []int{0, 1, cacheLine - 1, cacheLine, cacheLine + 1, warmChunk - 1, warmChunk, warmChunk + 1, 3*warmChunk + cacheLine + 1,
+		copyChunk - 1, copyChunk, copyChunk + 1, 2*copyChunk + warmChunk + 1} {
 		s := src[:n]
 		dst := make([]byte, n)
 		crc, _ := fusedCopyCRC(dst, s)
