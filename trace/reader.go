@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sync"
 
 	"golang.org/x/sys/unix"
 )
@@ -34,6 +35,30 @@ func (e *LineError) Unwrap() error { return e.Err }
 // ReaderConfig configures a RankReader. The zero value is ready to use.
 type ReaderConfig struct {
 	BufferBytes int // bytes read per system call; default 256 KiB
+
+	// Buffers, when set, lends the reader a buffer for each Read (and
+	// BufferBytes is the pool's): readers that tail many ranks then hold
+	// as many buffers as read at a time, not one each. A Read that its
+	// callback stopped reads the rest of that buffer again next time.
+	Buffers *BufferPool
+}
+
+// BufferPool lends read buffers to the RankReaders that share it. It is
+// safe for concurrent use.
+type BufferPool struct {
+	size int
+	pool sync.Pool
+}
+
+// NewBufferPool returns a pool of buffers of size bytes (256 KiB if size
+// is not positive).
+func NewBufferPool(size int) *BufferPool {
+	if size <= 0 {
+		size = 256 << 10
+	}
+	p := &BufferPool{size: size}
+	p.pool.New = func() any { b := make([]byte, size); return &b }
+	return p
 }
 
 // ReaderStats reports what a RankReader has read and skipped.
@@ -74,6 +99,9 @@ type RankReader struct {
 
 // OpenRankReader opens the rank folder dir (not a symlink) for tailing.
 func OpenRankReader(dir string, cfg ReaderConfig) (*RankReader, error) {
+	if cfg.Buffers != nil {
+		cfg.BufferBytes = cfg.Buffers.size
+	}
 	if cfg.BufferBytes <= 0 {
 		cfg.BufferBytes = 256 << 10
 	}
@@ -84,7 +112,11 @@ func OpenRankReader(dir string, cfg ReaderConfig) (*RankReader, error) {
 		}
 		return nil, fmt.Errorf("trace: open rank folder: %w", &os.PathError{Op: "open", Path: dir, Err: err})
 	}
-	return &RankReader{dir: dir, dirfd: fd, cfg: cfg, buf: make([]byte, cfg.BufferBytes)}, nil
+	r := &RankReader{dir: dir, dirfd: fd, cfg: cfg}
+	if cfg.Buffers == nil {
+		r.buf = make([]byte, cfg.BufferBytes)
+	}
+	return r, nil
 }
 
 // Read calls fn for each complete record written since the last call, in
@@ -96,6 +128,17 @@ func OpenRankReader(dir string, cfg ReaderConfig) (*RankReader, error) {
 func (r *RankReader) Read(fn func(*Record) error) error {
 	if r.dirfd < 0 {
 		return fmt.Errorf("trace: read %s: %w", r.dir, os.ErrClosed)
+	}
+	if p := r.cfg.Buffers; p != nil {
+		b := p.pool.Get().(*[]byte)
+		r.buf = *b
+		defer func() {
+			// What a callback's error left of the buffer is read again
+			// from the file next time.
+			r.off -= int64(len(r.pending))
+			r.pending, r.buf = nil, nil
+			p.pool.Put(b)
+		}()
 	}
 	next := "" // the file after cur, when the last listing found one
 	for {

@@ -209,9 +209,15 @@ func TestRankReaderFileCutShort(t *testing.T) {
 }
 
 func TestRankReaderCallbackError(t *testing.T) {
+	for name, cfg := range map[string]ReaderConfig{"own buffer": {}, "borrowed buffer": {Buffers: NewBufferPool(64)}} {
+		t.Run(name, func(t *testing.T) { testCallbackError(t, cfg) })
+	}
+}
+
+func testCallbackError(t *testing.T, cfg ReaderConfig) {
 	dir := t.TempDir()
 	appendFile(t, filepath.Join(dir, "1731000000"), line(0)+line(1)+line(2))
-	rr := openReader(t, dir, ReaderConfig{})
+	rr := openReader(t, dir, cfg)
 	stop := errors.New("stop")
 	var ids []uint64
 	err := rr.Read(func(r *Record) error {
@@ -325,11 +331,17 @@ func FuzzReaderLines(f *testing.F) {
 	f.Add([]byte(line(0)+line(1)), []byte{10, 200, 3})
 	f.Add([]byte("garbage\n"+line(2)+"\x00\xff\n"+line(3)[:30]), []byte{1, 1, 1, 50})
 	f.Add([]byte(line(4)+"\r\n\n"+strings.Repeat("{", 300)+"\n"+line(5)), []byte{255})
+	f.Add([]byte(line(6)+line(7)+line(8)+line(9)), []byte{3, 40, 2, 90})
 	f.Fuzz(func(t *testing.T, data, cuts []byte) {
 		dir := t.TempDir()
 		path := filepath.Join(dir, "1731000000")
 		os.WriteFile(path, nil, 0o640)
-		rr, err := OpenRankReader(dir, ReaderConfig{BufferBytes: 7})
+		cfg := ReaderConfig{BufferBytes: 7}
+		if len(cuts) > 0 && cuts[0]&2 != 0 {
+			// A borrowed buffer: what a pause leaves is read again.
+			cfg = ReaderConfig{Buffers: NewBufferPool(7)}
+		}
+		rr, err := OpenRankReader(dir, cfg)
 		if err != nil {
 			t.Fatal(err)
 		}

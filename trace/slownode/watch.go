@@ -41,7 +41,8 @@ const (
 	// ended, and the names the pairer keeps for a marker's other source; a
 	// rank has a few nested ranges open at a time.
 	maxOpenRanges = 256
-	// readBufferBytes is each rank reader's buffer.
+	// readBufferBytes is the size of the buffers the rank readers
+	// borrow from their source's pool while they read.
 	readBufferBytes = 32 << 10
 	// readAhead is how many ranks the workers may read ahead of the one
 	// whose ranges the detector takes: enough to keep them busy while the
@@ -164,6 +165,7 @@ type source struct {
 	reg                 prometheus.Registerer
 	prog                func(Progress)
 	readers             int // workers that read ahead
+	bufs                *trace.BufferPool
 	bytes               uint64
 	records             uint64
 	passStart, lastProg time.Time
@@ -186,7 +188,7 @@ func newSource(jobDir string, cfg Config) (*source, error) {
 		return nil, fmt.Errorf("slownode: job folder %s is not a folder", jobDir)
 	}
 	s := &source{dir: jobDir, d: d, byRank: map[int]*rankSource{}, log: cfg.Logger, prog: cfg.Progress,
-		metrics: newMetrics(), reg: cfg.Registerer, readers: d.cfg.Readers}
+		metrics: newMetrics(), reg: cfg.Registerer, readers: d.cfg.Readers, bufs: trace.NewBufferPool(readBufferBytes)}
 	if s.log == nil {
 		s.log = slog.New(slog.DiscardHandler)
 	}
@@ -289,7 +291,7 @@ func (s *source) pass(ctx context.Context) error {
 	loads.SetLimit(s.readers)
 	for _, rs := range s.ranks {
 		if rs.rd == nil || !rs.groups {
-			loads.Go(func() error { rs.load(); return nil })
+			loads.Go(func() error { rs.load(s.bufs); return nil })
 		}
 	}
 	loads.Wait()
@@ -435,10 +437,10 @@ func (s *source) pass(ctx context.Context) error {
 // load opens the rank's reader and reads its parallel_group.json where
 // that is not done yet; open then takes the outcome in. Workers load the
 // ranks side by side, and the pass opens them in rank order, as one.
-func (rs *rankSource) load() {
+func (rs *rankSource) load(bufs *trace.BufferPool) {
 	rs.openErr, rs.loaded, rs.loadErr = nil, nil, nil
 	if rs.rd == nil {
-		rd, err := trace.OpenRankReader(rs.dir, trace.ReaderConfig{BufferBytes: readBufferBytes})
+		rd, err := trace.OpenRankReader(rs.dir, trace.ReaderConfig{Buffers: bufs})
 		if err != nil {
 			rs.openErr = err
 			return
