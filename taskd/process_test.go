@@ -84,9 +84,6 @@ func (a *adminClient) switchStatus() map[int]map[string]string {
 // TestProcesses runs a job of real processes on loopback: a manager, 4
 // proxies and 32 workers (64 with TASKD_HEAVY=1), and breaks it.
 func TestProcesses(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts 37 processes")
-	}
 	nodes, ppn := 4, 8
 	if heavy() {
 		ppn = 16

@@ -24,9 +24,6 @@ func recoveryTimeouts() taskd.Timeouts {
 // ended, and that the ranks lost no step beyond the newest intact
 // checkpoint.
 func TestRecovery(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a job of real processes")
-	}
 	cfg := jobConfig{nodes: 2, ppn: 4, stepTime: 20 * time.Millisecond, switchTime: 300 * time.Millisecond, saveEvery: 5, hangAfter: time.Second, timeouts: recoveryTimeouts()}
 	if heavy() {
 		cfg.nodes, cfg.ppn = 4, 8
