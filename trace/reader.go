@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 
 	"golang.org/x/sys/unix"
@@ -90,7 +91,8 @@ type RankReader struct {
 	carry    []byte // the start of an unfinished line
 	skipping bool   // inside an over-long line, until its newline
 
-	dents []byte // nextFile's buffer
+	dents []byte   // nextFile's buffer
+	later []string // record files after cur that the last listing found, in name order
 
 	rec   Record
 	names interner
@@ -184,12 +186,29 @@ func (r *RankReader) Read(fn func(*Record) error) error {
 }
 
 // nextFile returns the first record file after r.cur in name order, or "".
-// It reads the folder's entries through the reader's own descriptor,
-// rewound, into a buffer it keeps: a reader that tails a thousand ranks
-// lists each at every poll.
+// The folder is listed only once the files found by the last listing are
+// used up: a file that was there then still says the one before it is
+// finished. The listing reads the folder's entries through the reader's
+// own descriptor, rewound, into a buffer it keeps: a reader that tails a
+// thousand ranks lists each at every poll.
 func (r *RankReader) nextFile() (string, error) {
-	fail := func(err error) (string, error) {
-		return "", fmt.Errorf("trace: list %s: %w", r.dir, &os.PathError{Op: "getdents", Path: r.dir, Err: err})
+	if len(r.later) == 0 {
+		if err := r.list(); err != nil {
+			return "", err
+		}
+		if len(r.later) == 0 {
+			return "", nil
+		}
+	}
+	next := r.later[0]
+	r.later = r.later[1:]
+	return next, nil
+}
+
+// list sets r.later to the record files after r.cur, in name order.
+func (r *RankReader) list() error {
+	fail := func(err error) error {
+		return fmt.Errorf("trace: list %s: %w", r.dir, &os.PathError{Op: "getdents", Path: r.dir, Err: err})
 	}
 	if _, err := unix.Seek(r.dirfd, 0, io.SeekStart); err != nil {
 		return fail(err)
@@ -197,17 +216,19 @@ func (r *RankReader) nextFile() (string, error) {
 	if r.dents == nil {
 		r.dents = make([]byte, 4096)
 	}
-	var next []byte
+	r.later = r.later[:0]
 	for {
 		n, err := unix.Getdents(r.dirfd, r.dents)
 		if errors.Is(err, unix.EINTR) {
 			continue
 		}
 		if err != nil {
+			r.later = r.later[:0]
 			return fail(err)
 		}
 		if n <= 0 {
-			return string(next), nil
+			slices.SortFunc(r.later, recordNameCmp)
+			return nil
 		}
 		// Each entry is a linux_dirent64: inode (8 bytes), offset (8),
 		// length (2), type (1), and the name ending in a NUL.
@@ -240,9 +261,8 @@ func (r *RankReader) nextFile() (string, error) {
 			if typ == unix.DT_LNK || typ == unix.DT_DIR {
 				continue
 			}
-			if (r.cur == "" || recordNameCmp(string(name), r.cur) > 0) &&
-				(next == nil || recordNameCmp(string(name), string(next)) < 0) {
-				next = append(next[:0], name...)
+			if r.cur == "" || recordNameCmp(string(name), r.cur) > 0 {
+				r.later = append(r.later, string(name))
 			}
 		}
 	}
