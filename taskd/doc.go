@@ -125,6 +125,9 @@
 // out returns an error wrapping ErrUnsupported. A trainer begins paused:
 // the worker resumes it once registered, unless a recovery holds the job,
 // in which case the recovery resumes it together with the other ranks.
+// A StepGate holds what a step loop shares with Pause, Resume and Stop:
+// the loop asks it before each step, Pause waits on it for the step in
+// flight to end.
 // Orchestration messages travel as application messages whose kinds start
 // with "taskd/"; that prefix is reserved.
 //

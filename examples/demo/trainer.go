@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt"
@@ -84,14 +83,9 @@ type trainer struct {
 		timer *hang.Op
 	}
 
-	mu      sync.Mutex
-	changed chan struct{} // closed and replaced on every change below
-	run     bool          // asked to train
-	paused  bool          // the loop is between steps and not training
-	started bool
-	stopped bool
-	step    int64         // last completed step
-	abort   chan struct{} // the step in flight's; nil between steps
+	gate  taskd.StepGate // guards the fields below; NotifyLocked on every change
+	step  int64          // last completed step
+	abort chan struct{}  // the step in flight's; nil between steps
 	// Faults injected by the operator.
 	slowCompute, slowIO float64
 	hangNext            bool
@@ -101,7 +95,7 @@ type trainer struct {
 
 func newTrainer(cfg trainerConfig, rec *trace.Recorder, wd *hang.Watchdog, fab *fabricClient, ck *ckpt.Writer, say func(string, ...any)) *trainer {
 	t := &trainer{cfg: cfg, rec: rec, fab: fab, ck: ck, say: say, model: make([]byte, modelBytes),
-		changed: make(chan struct{}), paused: true, slowCompute: 1, slowIO: 1, links: map[int]taskd.LinkTarget{}}
+		slowCompute: 1, slowIO: 1, links: map[int]taskd.LinkTarget{}}
 	t.gather.op = trace.CommOp{OpName: "HcclAllGather", GroupName: cfg.Groups.TP, Count: 1 << 20, DataType: "bf16", StreamID: 1}
 	t.gather.timer = wd.Op("HcclAllGather", cfg.Groups.TP)
 	t.reduce.op = trace.CommOp{OpName: "HcclAllReduce", GroupName: cfg.Groups.DP, Count: 1 << 22, DataType: "bf16", StreamID: 1}
@@ -111,53 +105,23 @@ func newTrainer(cfg trainerConfig, rec *trace.Recorder, wd *hang.Watchdog, fab *
 
 var _ taskd.Trainer = (*trainer)(nil)
 
-func (t *trainer) notifyLocked() {
-	close(t.changed)
-	t.changed = make(chan struct{})
-}
-
-func (t *trainer) waitLocked(ctx context.Context) error {
-	ch := t.changed
-	t.mu.Unlock()
-	defer t.mu.Lock()
-	select {
-	case <-ch:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-
 // Run trains until ctx ends or Stop.
 func (t *trainer) Run(ctx context.Context) error {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	for {
-		for !t.run || t.stopped {
-			if t.stopped {
-				return nil
-			}
-			if !t.paused {
-				t.paused = true
-				t.notifyLocked()
-			}
-			if t.waitLocked(ctx) != nil {
-				return nil
-			}
-		}
-		t.paused = false
+	t.gate.Lock()
+	defer t.gate.Unlock()
+	for t.gate.NextStepLocked(ctx) {
 		k := t.step + 1
 		abort := make(chan struct{})
 		t.abort = abort
 		slow, slowIO := t.slowCompute, t.slowIO
 		hangNow := t.hangNext
 		t.hangNext = false
-		t.mu.Unlock()
+		t.gate.Unlock()
 		// The end of ctx aborts the step in flight, as a pause does.
 		stopAbort := context.AfterFunc(ctx, func() { t.abortStep(abort) })
 		err := t.trainStep(ctx, k, abort, slow, slowIO, hangNow)
 		stopAbort()
-		t.mu.Lock()
+		t.gate.Lock()
 		t.abort = nil
 		switch {
 		case ctx.Err() != nil:
@@ -168,15 +132,16 @@ func (t *trainer) Run(ctx context.Context) error {
 			t.step = k
 			t.say("step %d", k)
 		}
-		t.notifyLocked()
+		t.gate.NotifyLocked()
 	}
+	return nil
 }
 
 // abortStep aborts the step whose abort channel is abort, if it still
 // runs.
 func (t *trainer) abortStep(abort chan struct{}) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	if t.abort == abort && abort != nil {
 		close(abort)
 		t.abort = nil
@@ -340,23 +305,19 @@ func (t *trainer) load(ctx context.Context, step int64) (int64, string, error) {
 // still waiting after PauseGrace is aborted: its peer is dead or stuck,
 // and waiting longer would hold the whole job.
 func (t *trainer) pauseLocked(ctx context.Context) error {
-	t.run = false
-	t.notifyLocked()
 	abort := t.abort
 	grace := time.AfterFunc(t.cfg.PauseGrace, func() { t.abortStep(abort) })
 	defer grace.Stop()
-	for !t.paused && !t.stopped {
-		if err := t.waitLocked(ctx); err != nil {
-			return fmt.Errorf("step %d did not stop: %w", t.step+1, err)
-		}
+	if err := t.gate.PauseLocked(ctx); err != nil {
+		return fmt.Errorf("step %d did not stop: %w", t.step+1, err)
 	}
 	return nil
 }
 
 // Pause implements taskd.Trainer.
 func (t *trainer) Pause(ctx context.Context) (int64, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	if err := t.pauseLocked(ctx); err != nil {
 		return t.step, err
 	}
@@ -366,12 +327,12 @@ func (t *trainer) Pause(ctx context.Context) (int64, error) {
 
 // Resume implements taskd.Trainer.
 func (t *trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.stopped {
+	t.gate.Lock()
+	defer t.gate.Unlock()
+	if t.gate.StoppedLocked() {
 		return errors.New("stopped")
 	}
-	first := !t.started
+	first := !t.gate.StartedLocked()
 	from := "where it paused"
 	if r.Step >= 0 || first {
 		if err := t.pauseLocked(ctx); err != nil {
@@ -383,8 +344,7 @@ func (t *trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 		}
 		t.step, from = step, tier
 	}
-	t.started, t.run = true, true
-	t.notifyLocked()
+	t.gate.ResumeLocked()
 	kind := "resume"
 	if first {
 		kind = "start"
@@ -419,8 +379,8 @@ func (t *trainer) SwitchLink(ctx context.Context, l taskd.LinkRequest) error {
 		return ctx.Err()
 	case <-time.After(t.cfg.SwitchTime):
 	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	if why := t.failSwitch; why != "" {
 		t.failSwitch = ""
 		t.say("event switch-link %d failed: %s", t.step, why)
@@ -450,18 +410,17 @@ func (t *trainer) StressTest(ctx context.Context, s taskd.StressRequest) error {
 
 // Stop implements taskd.Trainer.
 func (t *trainer) Stop(_ context.Context, reason string) error {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.stopped, t.run = true, false
-	t.notifyLocked()
+	t.gate.Lock()
+	defer t.gate.Unlock()
+	t.gate.StopLocked()
 	t.say("event stop %d %s", t.step, reason)
 	return nil
 }
 
 // Step returns the last completed step.
 func (t *trainer) Step() int64 {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	return t.step
 }
 
@@ -479,8 +438,8 @@ func (t *trainer) inject(payload []byte) error {
 	if err := json.Unmarshal(payload, &in); err != nil {
 		return fmt.Errorf("injection: %w", err)
 	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	switch in.Fault {
 	case faultSlowCompute:
 		t.slowCompute = in.Factor

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"maps"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/faultline-ml/faultline/taskd"
@@ -61,12 +60,7 @@ type Config struct {
 type Trainer struct {
 	cfg Config
 
-	mu      sync.Mutex
-	changed chan struct{} // closed and replaced on every change of the fields below
-	run     bool          // asked to run
-	paused  bool          // the loop is between steps and not running
-	started bool          // the loop ran once
-	stopped bool
+	gate    taskd.StepGate // guards the fields below; NotifyLocked on every change
 	hung    bool
 	step    int64 // last completed step, -1 before the first
 	links   map[int]taskd.LinkTarget
@@ -82,29 +76,10 @@ func New(cfg Config) *Trainer {
 	if cfg.Strategies == nil {
 		cfg.Strategies = taskd.AllStrategies()
 	}
-	return &Trainer{cfg: cfg, changed: make(chan struct{}), paused: true, step: -1, links: make(map[int]taskd.LinkTarget), fail: make(map[string]error)}
+	return &Trainer{cfg: cfg, step: -1, links: make(map[int]taskd.LinkTarget), fail: make(map[string]error)}
 }
 
 var _ taskd.Trainer = (*Trainer)(nil)
-
-// notifyLocked wakes whoever waits for a change.
-func (t *Trainer) notifyLocked() {
-	close(t.changed)
-	t.changed = make(chan struct{})
-}
-
-// waitLocked releases the lock until the next change or ctx's end.
-func (t *Trainer) waitLocked(ctx context.Context) error {
-	ch := t.changed
-	t.mu.Unlock()
-	defer t.mu.Lock()
-	select {
-	case <-ch:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
 
 func (t *Trainer) emit(kind string, step int64, detail string) {
 	if t.cfg.OnEvent != nil {
@@ -115,42 +90,30 @@ func (t *Trainer) emit(kind string, step int64, detail string) {
 // Run runs the step loop until ctx ends or Stop is called; it returns nil
 // then.
 func (t *Trainer) Run(ctx context.Context) error {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	for {
-		for !t.run || t.stopped {
-			if t.stopped {
-				return nil
-			}
-			if !t.paused {
-				t.paused = true
-				t.notifyLocked()
-			}
-			if t.waitLocked(ctx) != nil {
-				return nil
-			}
-		}
-		t.paused = false
+	t.gate.Lock()
+	defer t.gate.Unlock()
+	for t.gate.NextStepLocked(ctx) {
 		step := t.step + 1
-		t.mu.Unlock()
+		t.gate.Unlock()
 		err := t.runStep(ctx)
-		t.mu.Lock()
+		t.gate.Lock()
 		if err != nil {
 			return nil
 		}
 		t.step = step
 		save := t.cfg.SaveEvery > 0 && t.cfg.Save != nil && step%t.cfg.SaveEvery == 0
-		t.notifyLocked()
+		t.gate.NotifyLocked()
 		if save {
-			t.mu.Unlock()
+			t.gate.Unlock()
 			if err := t.cfg.Save(ctx, step); err != nil {
 				t.emit("save", step, "failed: "+err.Error())
 			} else {
 				t.emit("save", step, "")
 			}
-			t.mu.Lock()
+			t.gate.Lock()
 		}
 	}
+	return nil
 }
 
 // runStep sleeps for a step, or, while hung, until ctx ends.
@@ -162,10 +125,10 @@ func (t *Trainer) runStep(ctx context.Context) error {
 		return ctx.Err()
 	case <-timer.C:
 	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	for t.hung {
-		if err := t.waitLocked(ctx); err != nil {
+		if err := t.gate.WaitLocked(ctx); err != nil {
 			return err
 		}
 	}
@@ -174,56 +137,56 @@ func (t *Trainer) runStep(ctx context.Context) error {
 
 // Step returns the last completed step, -1 before the first.
 func (t *Trainer) Step() int64 {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	return t.step
 }
 
 // Running reports whether the loop runs steps now.
 func (t *Trainer) Running() bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.run && !t.stopped
+	t.gate.Lock()
+	defer t.gate.Unlock()
+	return t.gate.RunningLocked()
 }
 
 // Links returns the links that a switch moved, by device.
 func (t *Trainer) Links() map[int]taskd.LinkTarget {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	return maps.Clone(t.links)
 }
 
 // Retries returns how many times RetryStep ran.
 func (t *Trainer) Retries() int {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	return t.retries
 }
 
 // Hang makes the step in progress, or the next, never finish (a stuck
 // kernel or collective) until Unhang: a pause then times out.
 func (t *Trainer) Hang() {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	t.hung = true
-	t.notifyLocked()
+	t.gate.NotifyLocked()
 	t.emit("hang", t.step, "")
 }
 
 // Unhang lets a hung step finish.
 func (t *Trainer) Unhang() {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	t.hung = false
-	t.notifyLocked()
+	t.gate.NotifyLocked()
 }
 
 // FailNext makes the next call of the named taskd.Trainer method
 // ("Pause", "Resume", "Strategies", "RetryStep", "SwitchLink",
 // "StressTest", "Stop") return err instead of doing its work.
 func (t *Trainer) FailNext(method string, err error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	t.fail[method] = err
 }
 
@@ -235,12 +198,8 @@ func (t *Trainer) injected(method string) error {
 
 // pauseLocked stops the loop at the next step boundary and waits for it.
 func (t *Trainer) pauseLocked(ctx context.Context) error {
-	t.run = false
-	t.notifyLocked()
-	for !t.paused && !t.stopped {
-		if err := t.waitLocked(ctx); err != nil {
-			return fmt.Errorf("trainertest: step %d did not finish: %w", t.step+1, err)
-		}
+	if err := t.gate.PauseLocked(ctx); err != nil {
+		return fmt.Errorf("trainertest: step %d did not finish: %w", t.step+1, err)
 	}
 	return nil
 }
@@ -248,8 +207,8 @@ func (t *Trainer) pauseLocked(ctx context.Context) error {
 // Pause stops the loop at the next step boundary and returns the last
 // completed step.
 func (t *Trainer) Pause(ctx context.Context) (int64, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	if err := t.injected("Pause"); err != nil {
 		return t.step, err
 	}
@@ -263,15 +222,15 @@ func (t *Trainer) Pause(ctx context.Context) (int64, error) {
 // Resume loads r.Step, or at the first start the newest checkpoint the
 // trainer holds, and runs the loop on from it.
 func (t *Trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	if err := t.injected("Resume"); err != nil {
 		return err
 	}
-	if t.stopped {
+	if t.gate.StoppedLocked() {
 		return errors.New("trainertest: stopped")
 	}
-	first := !t.started
+	first := !t.gate.StartedLocked()
 	if r.Step >= 0 || (first && t.cfg.Load != nil) {
 		if err := t.pauseLocked(ctx); err != nil {
 			return err
@@ -285,8 +244,7 @@ func (t *Trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 		}
 		t.step = step
 	}
-	t.started, t.run = true, true
-	t.notifyLocked()
+	t.gate.ResumeLocked()
 	if first {
 		t.emit("start", t.step, string(r.Strategy))
 	} else {
@@ -297,8 +255,8 @@ func (t *Trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 
 // Strategies returns Config.Strategies.
 func (t *Trainer) Strategies(context.Context, taskd.FaultNotice) ([]taskd.Strategy, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	if err := t.injected("Strategies"); err != nil {
 		return nil, err
 	}
@@ -308,14 +266,14 @@ func (t *Trainer) Strategies(context.Context, taskd.FaultNotice) ([]taskd.Strate
 // RetryStep takes a step's time, as running the interrupted step again
 // would, and leaves the counter: the step was not completed.
 func (t *Trainer) RetryStep(ctx context.Context) error {
-	t.mu.Lock()
+	t.gate.Lock()
 	if err := t.injected("RetryStep"); err != nil {
-		t.mu.Unlock()
+		t.gate.Unlock()
 		return err
 	}
 	t.retries++
 	step := t.step
-	t.mu.Unlock()
+	t.gate.Unlock()
 	select {
 	case <-ctx.Done():
 		return ctx.Err()
@@ -335,8 +293,8 @@ func (t *Trainer) SwitchLink(ctx context.Context, l taskd.LinkRequest) error {
 		case <-time.After(t.cfg.SwitchTime):
 		}
 	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	if err := t.injected("SwitchLink"); err != nil {
 		t.emit("switch-link", t.step, "failed: "+err.Error())
 		return err
@@ -359,8 +317,8 @@ func (t *Trainer) StressTest(ctx context.Context, s taskd.StressRequest) error {
 		return ctx.Err()
 	case <-time.After(t.cfg.StepTime):
 	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	if err := t.injected("StressTest"); err != nil {
 		t.emit("stress-test", t.step, s.Test+" failed: "+err.Error())
 		return err
@@ -371,13 +329,12 @@ func (t *Trainer) StressTest(ctx context.Context, s taskd.StressRequest) error {
 
 // Stop ends the loop for good: Run returns.
 func (t *Trainer) Stop(_ context.Context, reason string) error {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.gate.Lock()
+	defer t.gate.Unlock()
 	if err := t.injected("Stop"); err != nil {
 		return err
 	}
-	t.stopped, t.run = true, false
-	t.notifyLocked()
+	t.gate.StopLocked()
 	t.emit("stop", t.step, reason)
 	return nil
 }
