@@ -161,25 +161,31 @@ func TestCkptState(t *testing.T) {
 	}
 	for s := int64(0); s <= 40; s += 10 {
 		if err := st.Save(ctx, s); err != nil {
-			t.Fatal(err)
+			t.Fatalf("save %d: %v", s, err)
 		}
-		time.Sleep(20 * time.Millisecond) // let the owner persist
+		if s%20 != 10 {
+			continue
+		}
+		// Every second save asks for a persist, which the owner takes up at
+		// its next poll; a later save over that half before then would
+		// replace the step (a save never waits for a persist).
+		deadline := time.Now().Add(20 * time.Second)
+		for {
+			if _, err := ckpt.LoadDiskStep(filepath.Join(dir, "disk"), s, 0); err == nil {
+				break
+			} else if time.Now().After(deadline) {
+				t.Fatalf("step %d never reached the disk: %v", s, err)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
 	}
 	for _, tc := range []struct{ ask, want int64 }{{-1, 40}, {40, 40}, {30, 30}} {
 		if got, err := st.Load(ctx, tc.ask); err != nil || got != tc.want {
 			t.Errorf("load %d: %d %v", tc.ask, got, err)
 		}
 	}
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		got, err := st.Load(ctx, 10) // only on disk now
-		if err == nil && got == 10 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("load 10 from disk: %d %v", got, err)
-		}
-		time.Sleep(10 * time.Millisecond)
+	if got, err := st.Load(ctx, 10); err != nil || got != 10 { // only on disk now
+		t.Fatalf("load 10 from disk: %d %v", got, err)
 	}
 	if _, err := st.Load(ctx, 20); !errors.Is(err, ckpt.ErrNoStep) {
 		t.Fatalf("load a step never persisted: %v", err)
