@@ -8,6 +8,7 @@ import (
 	"runtime"
 	rtmetrics "runtime/metrics"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -88,13 +89,33 @@ func appendInt(b []byte, i int) []byte {
 
 // BenchmarkReadOnly is the baseline: it reads the same files as
 // BenchmarkAnalyze, with the reader's buffer size, and parses nothing.
-func BenchmarkReadOnly(b *testing.B) {
+func BenchmarkReadOnly(b *testing.B) { benchReadOnly(b, false) }
+
+// BenchmarkReadOnlyCold is BenchmarkReadOnly with the page cache dropped
+// before each run: the files come from disk, as a finished job's do.
+// It needs root, and drops the cache of the whole machine.
+func BenchmarkReadOnlyCold(b *testing.B) { benchReadOnly(b, true) }
+
+// dropCaches empties the page cache, or skips b where it cannot.
+func dropCaches(b *testing.B) {
+	b.StopTimer()
+	defer b.StartTimer()
+	syscall.Sync() // dirty pages, the generator's, are not dropped
+	if err := os.WriteFile("/proc/sys/vm/drop_caches", []byte("1"), 0); err != nil {
+		b.Skipf("cannot drop the page cache (needs root): %v", err)
+	}
+}
+
+func benchReadOnly(b *testing.B, cold bool) {
 	job := bench1k(b)
 	dirs := rankDirs(b, job)
 	buf := make([]byte, 256<<10)
 	var total int64
 	b.ResetTimer()
 	for b.Loop() {
+		if cold {
+			dropCaches(b)
+		}
 		total = 0
 		for _, d := range dirs {
 			ents, err := os.ReadDir(d)
@@ -178,13 +199,22 @@ func peakHeap() (stop func() uint64) {
 
 // BenchmarkAnalyze analyses the 1024-rank, 200-step job: read, parse,
 // pair, derive steps, evaluate and build the result.
-func BenchmarkAnalyze(b *testing.B) {
+func BenchmarkAnalyze(b *testing.B) { benchAnalyze(b, false) }
+
+// BenchmarkAnalyzeCold is BenchmarkAnalyze with the page cache dropped
+// before each run; compare with BenchmarkReadOnlyCold.
+func BenchmarkAnalyzeCold(b *testing.B) { benchAnalyze(b, true) }
+
+func benchAnalyze(b *testing.B, cold bool) {
 	job := bench1k(b)
 	runtime.GC()
 	stop := peakHeap()
 	var r *Result
 	b.ResetTimer()
 	for b.Loop() {
+		if cold {
+			dropCaches(b)
+		}
 		var err error
 		r, err = Analyze(context.Background(), job, Config{})
 		if err != nil {

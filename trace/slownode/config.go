@@ -108,7 +108,8 @@ type Config struct {
 	PollInterval time.Duration
 	// Readers is how many goroutines read and parse rank folders ahead
 	// of the detector, which takes their ranges one rank after another.
-	// Default GOMAXPROCS.
+	// Default twice GOMAXPROCS: files not in the page cache are read from
+	// disk, and the readers waiting on it leave the processors to others.
 	Readers int
 	// Logger receives warnings about bad input; nil discards them.
 	Logger *slog.Logger
@@ -215,7 +216,7 @@ func (c *Config) setDefaults() {
 	if c.PollInterval == 0 {
 		c.PollInterval = DefaultPollInterval
 	}
-	def(&c.Readers, min(runtime.GOMAXPROCS(0), maxReaders))
+	def(&c.Readers, min(2*runtime.GOMAXPROCS(0), maxReaders))
 	if c.Horizon < c.SilentSteps+2 {
 		c.Horizon = c.SilentSteps + 2
 	}

@@ -17,8 +17,8 @@
 //	d.Add(rank, rng)         // each trace.Range, in file order
 //	r := d.Result()          // the verdict so far
 //
-// Config.Readers goroutines (GOMAXPROCS by default) read, parse and pair
-// the records of the ranks next in turn while the Detector takes the
+// Config.Readers goroutines (twice GOMAXPROCS by default) read, parse and
+// pair the records of the ranks next in turn while the Detector takes the
 // ranges of one rank after another, each rank's in file order, as if one
 // goroutine read them all; the goroutines live as long as a reading pass.
 //
