@@ -48,17 +48,17 @@
 // The data file is written back to disk 8 MiB at a time as it is written
 // and its pages leave the page cache, so that a persist neither leaves the
 // final fsync a gigabyte to flush nor stalls the node's other writers on
-// the kernel's dirty-page limits. The Committer learns that the shard is durable; only when every shard of
-// the step is does the step get committed: dir/<step>/commit.json (a
-// StepManifest binding the CRC of each shard's manifest), then the trackers
-// faultline_latest.json (the same StepManifest), dlrover_latest.txt and
-// latest_checkpointed_iteration.txt (the step in decimal, as DLRover and
-// Megatron-LM write them), each written atomically. A crash at any point
-// leaves every tracker naming a complete step. LocalCommitter commits on
-// one node (or a shared filesystem); a control plane implements Committer
-// across nodes and calls CommitStep on each. Retention keeps the newest N
-// committed steps and every K-th; a removed step vanishes by a rename
-// before its files go.
+// the kernel's dirty-page limits. The Committer learns that the shard is
+// durable; only when every shard of the step is does the step get
+// committed: dir/<step>/commit.json (a StepManifest binding the CRC of each
+// shard's manifest), then the trackers faultline_latest.json (the same
+// StepManifest), dlrover_latest.txt and latest_checkpointed_iteration.txt
+// (the step in decimal, as DLRover and Megatron-LM write them), each
+// written atomically. A crash at any point leaves every tracker naming a
+// complete step. LocalCommitter commits on one node (or a shared
+// filesystem); a control plane implements Committer across nodes and calls
+// CommitStep on each. Retention keeps the newest N committed steps and
+// every K-th; a removed step vanishes by a rename before its files go.
 //
 // # Replicas
 //
