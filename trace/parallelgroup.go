@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"slices"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 )
 
@@ -315,19 +317,21 @@ func WriteParallelGroups(rankDir string, g ParallelGroups) error {
 // ReadParallelGroups reads parallel_group.json from rankDir. Neither the
 // folder nor the file may be a symlink.
 func ReadParallelGroups(rankDir string) (ParallelGroups, error) {
-	if err := checkRealDir(rankDir); err != nil {
-		return nil, err
+	fd, err := unix.Open(rankDir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, dirError(rankDir, err)
 	}
-	name := filepath.Join(rankDir, ParallelGroupFile)
-	f, err := openNoFollow(name)
+	defer unix.Close(fd)
+	return readParallelGroupsAt(fd, rankDir)
+}
+
+// readParallelGroupsAt is ReadParallelGroups in the folder open as dirfd.
+func readParallelGroupsAt(dirfd int, rankDir string) (ParallelGroups, error) {
+	b, err := readFileAt(dirfd, rankDir, ParallelGroupFile, maxParallelGroupsBytes+1)
 	if err != nil {
 		return nil, fmt.Errorf("trace: %w", err)
 	}
-	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, maxParallelGroupsBytes+1))
-	if err != nil {
-		return nil, fmt.Errorf("trace: read %s: %w", name, err)
-	}
+	name := filepath.Join(rankDir, ParallelGroupFile)
 	if len(b) > maxParallelGroupsBytes {
 		return nil, fmt.Errorf("trace: %s: larger than %d bytes: %w", name, maxParallelGroupsBytes, ErrParallelGroups)
 	}

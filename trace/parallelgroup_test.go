@@ -1,10 +1,12 @@
 package trace
 
 import (
+	"bytes"
 	"errors"
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -104,6 +106,57 @@ func TestParallelGroupsRefuseSymlinks(t *testing.T) {
 	os.Symlink(filepath.Join(outside, "g.json"), filepath.Join(dir, ParallelGroupFile))
 	if _, err := ReadParallelGroups(dir); !errors.Is(err, ErrPath) {
 		t.Fatalf("read through a symlinked file: %v", err)
+	}
+}
+
+// TestReadParallelGroupsRefuses checks what the file readers refuse, the
+// reader's own and ReadParallelGroups alike: a symlinked folder, a FIFO
+// in the file's place (without blocking on it), a file over the bound; a
+// missing file is os.ErrNotExist, which callers take as "not written yet".
+func TestReadParallelGroupsRefuses(t *testing.T) {
+	root, outside := t.TempDir(), t.TempDir()
+	os.Symlink(outside, filepath.Join(root, "0"))
+	if _, err := ReadParallelGroups(filepath.Join(root, "0")); !errors.Is(err, ErrPath) {
+		t.Errorf("read through a symlinked folder: %v", err)
+	}
+	dir := filepath.Join(root, "1")
+	os.Mkdir(dir, 0o750)
+	rd, err := OpenRankReader(dir, ReaderConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rd.Close()
+	if _, err := rd.ParallelGroups(); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("missing file: %v", err)
+	}
+	if _, err := ReadParallelGroups(dir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("missing file: %v", err)
+	}
+	name := filepath.Join(dir, ParallelGroupFile)
+	if err := syscall.Mkfifo(name, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rd.ParallelGroups(); !errors.Is(err, ErrPath) {
+		t.Errorf("FIFO: %v", err)
+	}
+	os.Remove(name)
+	big := append([]byte(mindClusterGroups), bytes.Repeat([]byte(" "), maxParallelGroupsBytes)...)
+	os.WriteFile(name, big, 0o640)
+	if _, err := rd.ParallelGroups(); !errors.Is(err, ErrParallelGroups) || !strings.Contains(err.Error(), name) {
+		t.Errorf("file over the bound: %v", err)
+	}
+	os.WriteFile(name, []byte(mindClusterGroups), 0o640)
+	want, err := ReadParallelGroups(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := rd.ParallelGroups()
+	if err != nil || !cmp.Equal(got, want) {
+		t.Errorf("RankReader.ParallelGroups = %v, %v; ReadParallelGroups %v", got, err, want)
+	}
+	rd.Close()
+	if _, err := rd.ParallelGroups(); !errors.Is(err, os.ErrClosed) {
+		t.Errorf("closed reader: %v", err)
 	}
 }
 

@@ -82,16 +82,15 @@ type RankReader struct {
 	dirfd int
 	cfg   ReaderConfig
 
-	cur      string   // current file's name, "" before the first
-	f        *os.File // current file, nil between files
-	off      int64    // bytes of cur read so far, carry and pending included
-	line     int      // complete lines of cur seen
+	cur      string // current file's name, "" before the first
+	fd       int    // current file, -1 between files
+	off      int64  // bytes of cur read so far, carry and pending included
+	line     int    // complete lines of cur seen
 	buf      []byte
 	pending  []byte // what a Read stopped by its callback left of buf, for the next
 	carry    []byte // the start of an unfinished line
 	skipping bool   // inside an over-long line, until its newline
 
-	dents []byte   // nextFile's buffer
 	later []string // record files after cur that the last listing found, in name order
 
 	rec   Record
@@ -109,16 +108,30 @@ func OpenRankReader(dir string, cfg ReaderConfig) (*RankReader, error) {
 	}
 	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
-		if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
-			return nil, fmt.Errorf("trace: %s is not a folder (a symlink or a file): %w", dir, ErrPath)
-		}
-		return nil, fmt.Errorf("trace: open rank folder: %w", &os.PathError{Op: "open", Path: dir, Err: err})
+		return nil, dirError(dir, err)
 	}
-	r := &RankReader{dir: dir, dirfd: fd, cfg: cfg}
+	r := &RankReader{dir: dir, dirfd: fd, fd: -1, cfg: cfg}
 	if cfg.Buffers == nil {
 		r.buf = make([]byte, cfg.BufferBytes)
 	}
 	return r, nil
+}
+
+// dirError is the error of opening the rank folder dir with O_NOFOLLOW.
+func dirError(dir string, err error) error {
+	if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
+		return fmt.Errorf("trace: %s is not a folder (a symlink or a file): %w", dir, ErrPath)
+	}
+	return fmt.Errorf("trace: open rank folder: %w", &os.PathError{Op: "open", Path: dir, Err: err})
+}
+
+// ParallelGroups reads the rank folder's parallel_group.json, as
+// ReadParallelGroups does, through the folder the reader holds open.
+func (r *RankReader) ParallelGroups() (ParallelGroups, error) {
+	if r.dirfd < 0 {
+		return nil, fmt.Errorf("trace: read %s: %w", r.dir, os.ErrClosed)
+	}
+	return readParallelGroupsAt(r.dirfd, r.dir)
 }
 
 // Read calls fn for each complete record written since the last call, in
@@ -144,7 +157,7 @@ func (r *RankReader) Read(fn func(*Record) error) error {
 	}
 	next := "" // the file after cur, when the last listing found one
 	for {
-		if r.f == nil {
+		if r.fd < 0 {
 			if next == "" {
 				var err error
 				if next, err = r.nextFile(); err != nil || next == "" {
@@ -153,13 +166,13 @@ func (r *RankReader) Read(fn func(*Record) error) error {
 			}
 			r.cur, r.off, r.line, r.carry, r.skipping = next, 0, 0, r.carry[:0], false
 			next = ""
-			f, err := openFileAt(r.dirfd, r.dir, r.cur)
+			fd, _, err := openFileAt(r.dirfd, r.dir, r.cur)
 			if err != nil {
 				r.stats.SkippedFiles++
 				r.stats.LastSkip = err
 				continue
 			}
-			r.f = f
+			r.fd = fd
 			r.stats.Files++
 		}
 		if err := r.readToEOF(fn); err != nil {
@@ -180,8 +193,8 @@ func (r *RankReader) Read(fn func(*Record) error) error {
 			}
 			r.carry, r.skipping = r.carry[:0], false
 		}
-		r.f.Close()
-		r.f = nil
+		unix.Close(r.fd)
+		r.fd = -1
 	}
 }
 
@@ -189,8 +202,8 @@ func (r *RankReader) Read(fn func(*Record) error) error {
 // The folder is listed only once the files found by the last listing are
 // used up: a file that was there then still says the one before it is
 // finished. The listing reads the folder's entries through the reader's
-// own descriptor, rewound, into a buffer it keeps: a reader that tails a
-// thousand ranks lists each at every poll.
+// own descriptor, rewound: a reader that tails a thousand ranks lists
+// each at every poll.
 func (r *RankReader) nextFile() (string, error) {
 	if len(r.later) == 0 {
 		if err := r.list(); err != nil {
@@ -213,12 +226,11 @@ func (r *RankReader) list() error {
 	if _, err := unix.Seek(r.dirfd, 0, io.SeekStart); err != nil {
 		return fail(err)
 	}
-	if r.dents == nil {
-		r.dents = make([]byte, 4096)
-	}
+	dents := direntBufs.Get().(*[]byte)
+	defer direntBufs.Put(dents)
 	r.later = r.later[:0]
 	for {
-		n, err := unix.Getdents(r.dirfd, r.dents)
+		n, err := unix.Getdents(r.dirfd, *dents)
 		if errors.Is(err, unix.EINTR) {
 			continue
 		}
@@ -232,7 +244,7 @@ func (r *RankReader) list() error {
 		}
 		// Each entry is a linux_dirent64: inode (8 bytes), offset (8),
 		// length (2), type (1), and the name ending in a NUL.
-		for b := r.dents[:n]; len(b) >= direntName; {
+		for b := (*dents)[:n]; len(b) >= direntName; {
 			size := int(binary.NativeEndian.Uint16(b[direntSize:]))
 			if size < direntName || size > len(b) {
 				return fail(unix.EINVAL)
@@ -268,6 +280,10 @@ func (r *RankReader) list() error {
 	}
 }
 
+// direntBufs lends list its buffer: readers that tail a thousand ranks
+// each list at every poll, one at a time per goroutine.
+var direntBufs = sync.Pool{New: func() any { b := make([]byte, 8192); return &b }}
+
 // Offsets in a linux_dirent64.
 const (
 	direntSize = 16
@@ -288,11 +304,14 @@ func (r *RankReader) readToEOF(fn func(*Record) error) error {
 				return err
 			}
 		}
-		n, err := r.f.ReadAt(r.buf, r.off)
-		if n == 0 && err == io.EOF {
+		n, err := unix.Pread(r.fd, r.buf, r.off)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err == nil && n == 0 {
 			return r.checkShrunk()
 		}
-		if n == 0 && err != nil {
+		if err != nil {
 			// The data is gone; a vanished file reads to EOF, so this is rarer
 			// (EIO): move on as if the file had ended.
 			r.stats.SkippedFiles++
@@ -307,17 +326,17 @@ func (r *RankReader) readToEOF(fn func(*Record) error) error {
 // checkShrunk handles a file cut below what was read (a writer drops a
 // partial line after a failed write): the unfinished line shrinks with it.
 func (r *RankReader) checkShrunk() error {
-	fi, err := r.f.Stat()
-	if err != nil || fi.Size() >= r.off {
+	var st unix.Stat_t
+	if err := unix.Fstat(r.fd, &st); err != nil || st.Size >= r.off {
 		return nil
 	}
-	lost := r.off - fi.Size()
+	lost := r.off - st.Size
 	if int64(len(r.carry)) >= lost && !r.skipping {
 		r.carry = r.carry[:int64(len(r.carry))-lost]
 	} else {
 		r.carry, r.skipping = r.carry[:0], false
 	}
-	r.off = fi.Size()
+	r.off = st.Size
 	return nil
 }
 
@@ -389,9 +408,9 @@ func (r *RankReader) Stats() ReaderStats { return r.stats }
 
 // Close releases the reader's files. It is idempotent.
 func (r *RankReader) Close() error {
-	if r.f != nil {
-		r.f.Close()
-		r.f = nil
+	if r.fd >= 0 {
+		unix.Close(r.fd)
+		r.fd = -1
 	}
 	if r.dirfd >= 0 {
 		unix.Close(r.dirfd)
