@@ -2,6 +2,7 @@ package slownode
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -385,5 +386,34 @@ func TestHostileInputIsBounded(t *testing.T) {
 	}
 	if _, err := d.Result().Marshal(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestRowCommSlots checks the comm slots of cells, those held in place
+// and those beyond, in the row's overflow: two cells' overflows must not
+// overlap, and a slot no op added to reads as NaN.
+func TestRowCommSlots(t *testing.T) {
+	var rw row
+	rw.cells = make([]cell, 2)
+	for i := range rw.cells {
+		rw.setComm(&rw.cells[i], cellComm+2)
+	}
+	for i := range rw.cells {
+		for k := range cellComm + 2 {
+			if k != 1 {
+				rw.addComm(&rw.cells[i], k, float64(10*i+k))
+			}
+		}
+	}
+	for i := range rw.cells {
+		for k := range cellComm + 3 {
+			got, want := rw.commAt(&rw.cells[i], k), float64(10*i+k)
+			if k == 1 || k == cellComm+2 {
+				want = math.NaN()
+			}
+			if got != want && !(math.IsNaN(got) && math.IsNaN(want)) {
+				t.Errorf("cell %d slot %d holds %v, want %v", i, k, got, want)
+			}
+		}
 	}
 }

@@ -90,6 +90,7 @@ type Detector struct {
 	epoch    int // bumps at each phase change, resetting rank bests
 
 	st       Step
+	slots    []int                    // addStep's: the comm slot of each of a step's ops
 	stepHook func(rank int, st *Step) // tests: each step derived from ranges
 	dbg      func(*row, *scratch)
 	scratch  scratch
@@ -105,7 +106,7 @@ type rankState struct {
 	last    int64 // last step taken, -1 before the first
 	silent  bool
 	stage   int
-	groups  []int32 // communicators, in the order of cell.comm
+	groups  []int32 // communicators, in the order of a cell's comm slots
 	win     [numMetrics]window
 	commWin window // total communication
 	best    float64
@@ -160,30 +161,61 @@ type row struct {
 	step  int64
 	n     int
 	cells []cell
-	slab  []float64 // where cells' comm slices are carved from, a block at a time
+	more  []float64 // the comm slots of cells beyond their first cellComm
 }
 
-// commSlab is how many floats a row allocates at a time for its cells'
-// comm slices: a thousand ranks then cost a few blocks, not a thousand.
-const commSlab = 1024
-
-// commFor returns c's comm slice emptied, with room for n slots at least.
-func (rw *row) commFor(c *cell, n int) []float64 {
-	if cap(c.comm) >= n {
-		return c.comm[:0]
-	}
-	if cap(rw.slab)-len(rw.slab) < n {
-		rw.slab = make([]float64, 0, max(commSlab, n))
-	}
-	k := len(rw.slab)
-	rw.slab = rw.slab[:k+n]
-	return rw.slab[k : k : k+n]
-}
+// cellComm is how many communicators' figures a cell holds in place: a
+// rank is in three or so (tensor, data and pipeline parallel). Keeping
+// them there spares a cache miss a rank step, and leaves cells without
+// pointers for the collector to scan.
+const cellComm = 3
 
 type cell struct {
-	ok   bool
-	m    [numMetrics]float64 // ms; NaN when unavailable
-	comm []float64           // per rankState.groups slot; NaN when none this step
+	ok    bool
+	nComm int32               // comm slots in use, per rankState.groups
+	more  int32               // where slots from cellComm on start in the row's more
+	m     [numMetrics]float64 // ms; NaN when unavailable
+	comm  [cellComm]float64   // the first slots; NaN when none this step
+}
+
+// commAt returns the figure of comm slot k of c, NaN if none.
+func (rw *row) commAt(c *cell, k int) float64 {
+	switch {
+	case k >= int(c.nComm):
+		return math.NaN()
+	case k < cellComm:
+		return c.comm[k]
+	}
+	return rw.more[int(c.more)+k-cellComm]
+}
+
+// setComm makes c hold n comm slots, all NaN.
+func (rw *row) setComm(c *cell, n int) {
+	nan := math.NaN()
+	c.nComm = int32(n)
+	for i := range c.comm {
+		c.comm[i] = nan
+	}
+	if n > cellComm {
+		c.more = int32(len(rw.more))
+		for range n - cellComm {
+			rw.more = append(rw.more, nan)
+		}
+	}
+}
+
+// addComm adds t to comm slot k of c, which holds it.
+func (rw *row) addComm(c *cell, k int, t float64) {
+	var p *float64
+	if k < cellComm {
+		p = &c.comm[k]
+	} else {
+		p = &rw.more[int(c.more)+k-cellComm]
+	}
+	if math.IsNaN(*p) {
+		*p = 0
+	}
+	*p += t
 }
 
 // New returns a Detector for cfg.
@@ -467,8 +499,8 @@ func (d *Detector) addStep(ri int32, st *Step) {
 	if rw == nil {
 		rw = d.newRow(st.Number)
 	}
-	for len(rw.cells) < len(d.ranks) {
-		rw.cells = append(rw.cells, cell{})
+	if n := len(d.ranks); len(rw.cells) < n {
+		rw.cells = slices.Grow(rw.cells, n-len(rw.cells))[:n]
 	}
 	c := &rw.cells[ri]
 	if !c.ok {
@@ -494,33 +526,31 @@ func (d *Detector) addStep(ri int32, st *Step) {
 	if have&FigTrajectory != 0 {
 		c.m[mGap], c.m[mFPBP], c.m[mTrailing] = ms(st.Gap), ms(st.FPBP), ms(st.Trailing)
 	}
-	c.comm = rw.commFor(c, len(rs.groups))
-	for range rs.groups {
-		c.comm = append(c.comm, nan)
+	// The rank joins the communicators of its ops first, so that the
+	// cell is laid out for all of them.
+	slots := d.slots[:0]
+	for _, ct := range st.Comm {
+		slot := -1
+		if ct.Group != "" {
+			if gi := d.groupIdx(ct.Group); gi >= 0 {
+				slot = d.join(ri, gi)
+			}
+		}
+		slots = append(slots, slot)
 	}
+	d.slots = slots
+	rw.setComm(c, len(rs.groups))
 	if have&FigComm != 0 || len(st.Comm) > 0 {
 		var total, send float64
-		for _, ct := range st.Comm {
+		for i, ct := range st.Comm {
 			t := ms(ct.Time)
 			total += t
 			if isSend(ct.Op) {
 				send += t
 			}
-			if ct.Group == "" {
-				continue
+			if slots[i] >= 0 {
+				rw.addComm(c, slots[i], t)
 			}
-			gi := d.groupIdx(ct.Group)
-			if gi < 0 {
-				continue
-			}
-			slot := d.join(ri, gi)
-			for len(c.comm) <= slot {
-				c.comm = append(c.comm, nan)
-			}
-			if math.IsNaN(c.comm[slot]) {
-				c.comm[slot] = 0
-			}
-			c.comm[slot] += t
 		}
 		c.m[mComm], c.m[mSend] = total, send
 	}
@@ -547,7 +577,7 @@ func (d *Detector) newRow(step int64) *row {
 	} else {
 		rw = &row{}
 	}
-	rw.step, rw.n = step, 0
+	rw.step, rw.n, rw.more = step, 0, rw.more[:0]
 	for i := range rw.cells {
 		rw.cells[i].ok = false
 	}

@@ -21,6 +21,7 @@ type scratch struct {
 	present []int32
 	vals    []float64
 	tmp     []float64
+	keys    []uint64 // sortFloats' room
 	stages  [][]int32
 	flags   []uint8
 	ref     [][numMetrics]float64 // per stage: peer medians
@@ -128,11 +129,12 @@ func (d *Detector) evaluate(rw *row) {
 				continue
 			}
 			slot := slices.Index(d.ranks[ri].groups, int32(gi))
-			c := cellOf(ri)
-			if slot < 0 || slot >= len(c.comm) || math.IsNaN(c.comm[slot]) {
+			if slot < 0 {
 				continue
 			}
-			sc.pairs = append(sc.pairs, rankValue{c.comm[slot], ri})
+			if v := rw.commAt(cellOf(ri), slot); !math.IsNaN(v) {
+				sc.pairs = append(sc.pairs, rankValue{v, ri})
+			}
 		}
 		n := len(sc.pairs)
 		if n == 0 {
@@ -366,15 +368,15 @@ func same(pairs []rankValue) bool {
 	return true
 }
 
-// sortedValues returns the values of pairs in increasing order, in
-// sc.vals: sorting plain floats costs half what sorting the pairs does,
-// and a pair's side of a cut is told by its value.
+// sortedValues returns the values of pairs, which hold no NaN, in
+// increasing order, in sc.vals: sorting plain floats costs less than
+// sorting the pairs does, and a pair's side of a cut is told by its value.
 func (sc *scratch) sortedValues(pairs []rankValue) []float64 {
 	sc.vals = sc.vals[:0]
 	for _, p := range pairs {
 		sc.vals = append(sc.vals, p.v)
 	}
-	slices.Sort(sc.vals)
+	sc.keys = sortFloats(sc.vals, sc.keys)
 	return sc.vals
 }
 

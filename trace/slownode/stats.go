@@ -86,6 +86,83 @@ func nth(xs []float64, k int) float64 {
 	return xs[k]
 }
 
+// radixMin is the length from which sortFloats sorts by radix; shorter
+// slices sort as fast with pdqsort.
+const radixMin = 64
+
+// sortFloats sorts xs, which holds no NaN, in increasing order, using buf
+// for work, and returns buf, grown if it was short.
+//
+// The detector sorts the figures of a thousand peers several times a
+// step, in an order that differs every time: pdqsort then mispredicts a
+// branch at every other comparison and costs five times what this LSD
+// radix sort does. The radix sort orders the floats' bits, made to
+// compare as unsigned integers, a byte at a time, and skips the bytes
+// that every value shares (the sign, the exponent and the top of the
+// mantissa of figures of one kind).
+func sortFloats(xs []float64, buf []uint64) []uint64 {
+	n := len(xs)
+	if n < radixMin {
+		slices.Sort(xs)
+		return buf
+	}
+	buf = slices.Grow(buf[:0], 2*n)[:2*n]
+	keys, tmp := buf[:n], buf[n:]
+	var counts [8][256]uint32
+	for i, x := range xs {
+		k := floatKey(x)
+		keys[i] = k
+		// Unrolled: a loop over the bytes costs half as much again.
+		counts[0][byte(k)]++
+		counts[1][byte(k>>8)]++
+		counts[2][byte(k>>16)]++
+		counts[3][byte(k>>24)]++
+		counts[4][byte(k>>32)]++
+		counts[5][byte(k>>40)]++
+		counts[6][byte(k>>48)]++
+		counts[7][byte(k>>56)]++
+	}
+	for b := range counts {
+		c := &counts[b]
+		shift := 8 * uint(b)
+		if c[byte(keys[0]>>shift)] == uint32(n) {
+			continue // every key has this byte
+		}
+		var sum uint32
+		for i, k := range c {
+			c[i], sum = sum, sum+k
+		}
+		for _, k := range keys {
+			p := &c[byte(k>>shift)]
+			tmp[*p] = k
+			*p++
+		}
+		keys, tmp = tmp, keys
+	}
+	for i, k := range keys {
+		xs[i] = keyFloat(k)
+	}
+	return buf
+}
+
+// floatKey maps x to an integer with the order of the floats: negative
+// values have their bits flipped, the others their sign bit set.
+func floatKey(x float64) uint64 {
+	b := math.Float64bits(x)
+	if b>>63 != 0 {
+		return ^b
+	}
+	return b | 1<<63
+}
+
+// keyFloat is the inverse of floatKey.
+func keyFloat(k uint64) float64 {
+	if k>>63 != 0 {
+		return math.Float64frombits(k &^ (1 << 63))
+	}
+	return math.Float64frombits(^k)
+}
+
 // medianMAD returns the median and the scaled median absolute deviation
 // (a robust σ) of xs, using scratch for work; xs is left untouched.
 func medianMAD(xs, scratch []float64) (med, sigma float64, _ []float64) {

@@ -48,8 +48,9 @@ const (
 	// whose ranges the detector takes: enough to keep them busy while the
 	// detector evaluates a round's steps. maxQueued is how many ranges one
 	// rank may have read ahead, a round's worth (chunkSteps steps) or more.
-	readAhead = 256
-	maxQueued = 4096
+	readAhead  = 256
+	maxQueued  = 4096
+	queueStart = 8 * chunkSteps // a queue's first room: a round of a few ranges a step
 	// sendBatch is how many ranks the pass hands the workers at a time.
 	sendBatch = 16
 )
@@ -448,7 +449,7 @@ func (rs *rankSource) load(bufs *trace.BufferPool) {
 		rs.rd = rd
 	}
 	if !rs.groups {
-		rs.loaded, rs.loadErr = trace.ReadParallelGroups(rs.dir)
+		rs.loaded, rs.loadErr = rs.rd.ParallelGroups()
 	}
 }
 
@@ -502,7 +503,8 @@ func (rs *rankSource) fill() {
 		// not copied on its way there.
 		n := len(rs.queue)
 		if n == cap(rs.queue) {
-			rs.queue = slices.Grow(rs.queue, 1)
+			// A round's worth at once, not doubling up to it.
+			rs.queue = slices.Grow(rs.queue, max(n, queueStart))
 		}
 		r := &rs.queue[:n+1][n]
 		if !rs.pair.AddTo(rec, r) {
