@@ -394,9 +394,10 @@ func openNoFollow(name string) (*os.File, error) {
 }
 
 // openFileAt is openNoFollow for name under dirfd (a folder's path,
-// dirPath, names it in errors), returning the bare descriptor, in
-// blocking mode again, and the file's size: a reader that opens
-// thousands of files a pass spares the calls an *os.File costs.
+// dirPath, names it in errors), returning the bare descriptor and the
+// file's size: a reader that opens thousands of files a pass spares the
+// calls an *os.File costs. The descriptor stays non-blocking, which
+// regular files ignore; its readers take EAGAIN for the end for now.
 func openFileAt(dirfd int, dirPath, name string) (fd int, size int64, err error) {
 	fd, err = unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -407,12 +408,6 @@ func openFileAt(dirfd int, dirPath, name string) (fd int, size int64, err error)
 		return -1, 0, &os.PathError{Op: "open", Path: p, Err: err}
 	}
 	size, err = checkRegular(fd, func() string { return filepath.Join(dirPath, name) })
-	if err == nil {
-		// Only O_NONBLOCK among the flags F_SETFL changes was set.
-		if _, ferr := unix.FcntlInt(uintptr(fd), unix.F_SETFL, 0); ferr != nil {
-			err = &os.PathError{Op: "fcntl", Path: filepath.Join(dirPath, name), Err: ferr}
-		}
-	}
 	if err != nil {
 		unix.Close(fd)
 		return -1, 0, err

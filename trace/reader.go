@@ -91,7 +91,8 @@ type RankReader struct {
 	carry    []byte // the start of an unfinished line
 	skipping bool   // inside an over-long line, until its newline
 
-	later []string // record files after cur that the last listing found, in name order
+	later  []string // record files after cur that the last listing found, in name order
+	listed bool     // the folder was listed: its offset must be rewound
 
 	rec   Record
 	names interner
@@ -178,6 +179,7 @@ func (r *RankReader) Read(fn func(*Record) error) error {
 		if err := r.readToEOF(fn); err != nil {
 			return err
 		}
+		r.checkShrunk()
 		var err error
 		if next, err = r.nextFile(); err != nil || next == "" {
 			return err // caught up; the current file may still grow
@@ -223,9 +225,12 @@ func (r *RankReader) list() error {
 	fail := func(err error) error {
 		return fmt.Errorf("trace: list %s: %w", r.dir, &os.PathError{Op: "getdents", Path: r.dir, Err: err})
 	}
-	if _, err := unix.Seek(r.dirfd, 0, io.SeekStart); err != nil {
-		return fail(err)
+	if r.listed { // a folder just opened reads from its start
+		if _, err := unix.Seek(r.dirfd, 0, io.SeekStart); err != nil {
+			return fail(err)
+		}
 	}
+	r.listed = true
 	dents := direntBufs.Get().(*[]byte)
 	defer direntBufs.Put(dents)
 	r.later = r.later[:0]
@@ -308,8 +313,10 @@ func (r *RankReader) readToEOF(fn func(*Record) error) error {
 		if errors.Is(err, unix.EINTR) {
 			continue
 		}
-		if err == nil && n == 0 {
-			return r.checkShrunk()
+		// The end for now. The descriptor was opened non-blocking, which
+		// regular files ignore; a file system that does not may say so.
+		if err == nil && n == 0 || errors.Is(err, unix.EAGAIN) {
+			return nil
 		}
 		if err != nil {
 			// The data is gone; a vanished file reads to EOF, so this is rarer
@@ -325,10 +332,10 @@ func (r *RankReader) readToEOF(fn func(*Record) error) error {
 
 // checkShrunk handles a file cut below what was read (a writer drops a
 // partial line after a failed write): the unfinished line shrinks with it.
-func (r *RankReader) checkShrunk() error {
+func (r *RankReader) checkShrunk() {
 	var st unix.Stat_t
 	if err := unix.Fstat(r.fd, &st); err != nil || st.Size >= r.off {
-		return nil
+		return
 	}
 	lost := r.off - st.Size
 	if int64(len(r.carry)) >= lost && !r.skipping {
@@ -337,7 +344,6 @@ func (r *RankReader) checkShrunk() error {
 		r.carry, r.skipping = r.carry[:0], false
 	}
 	r.off = st.Size
-	return nil
 }
 
 // lines splits data into lines, joining the carry from the previous chunk.
