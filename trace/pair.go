@@ -82,9 +82,13 @@ type Pairer struct {
 	MaxOpen int // default DefaultMaxOpen
 
 	// The open starts live in a slab, linked from the oldest to the
-	// newest so that the oldest goes first in O(1), and are found by
-	// (Id, source) in an open-addressing table.
-	open           idTable // (Id, source) → ref of the start in starts
+	// newest so that the oldest goes first in O(1). A few are found by
+	// walking them from the newest; more, by (Id, source) in an
+	// open-addressing table, built when they pass smallOpen and dropped
+	// when none is left.
+	open           idTable // (Id, source) → ref of the start in starts, while indexed
+	indexed        bool
+	nOpen          int
 	starts         []openStart
 	free           int32 // ref of the first free entry of starts, 0 if none
 	oldest, newest int32 // refs, 0 when nothing is open
@@ -94,6 +98,11 @@ type Pairer struct {
 
 // A ref is an index into a slice plus one, so that 0 is none and the zero
 // Pairer needs no set-up.
+
+// smallOpen is how many open starts a Pairer finds by walking them, the
+// newest first: a thread has a few nested ranges open, and comparing
+// their keys costs less than hashing one.
+const smallOpen = 8
 
 type openStart struct {
 	id         uint64
@@ -132,7 +141,7 @@ func (p *Pairer) AddTo(rec *Record, r *Range) bool {
 		p.start(rec)
 		return false
 	case rec.Flag.IsEnd():
-		pos, ref := p.open.find(rec.ID, rec.SourceKind)
+		pos, ref := p.find(rec.ID, rec.SourceKind)
 		if ref == 0 {
 			p.stats.UnmatchedEnds++
 			return false
@@ -169,13 +178,16 @@ func (p *Pairer) start(rec *Record) {
 	} else if n, ok := p.names.get(rec.ID); ok {
 		name, dom = n.name, n.dom
 	}
-	pos, ref := p.open.find(rec.ID, rec.SourceKind)
+	pos, ref := p.find(rec.ID, rec.SourceKind)
 	if ref != 0 {
 		p.stats.Evicted++ // replaced by the newer start; it becomes the newest
 		p.unlink(ref)
 	} else {
 		ref = p.alloc()
-		p.open.insert(pos, rec.ID, rec.SourceKind, ref)
+		p.nOpen++
+		if p.indexed {
+			p.open.insert(pos, rec.ID, rec.SourceKind, ref)
+		}
 	}
 	// Field by field: a composite literal would be built on the stack and
 	// copied in words that the processor cannot forward from the stores.
@@ -184,11 +196,42 @@ func (p *Pairer) start(rec *Record) {
 	s.name, s.dom = name, dom
 	s.pid, s.tid, s.dev, s.strm = rec.ProcessID, rec.ThreadID, rec.DeviceID, rec.StreamID
 	p.link(ref)
-	for p.open.n > p.maxOpen() {
+	if !p.indexed && p.nOpen > smallOpen {
+		p.index()
+	}
+	for p.nOpen > p.maxOpen() {
 		old := &p.starts[p.oldest-1]
-		pos, _ := p.open.find(old.id, old.src)
+		pos, _ := p.find(old.id, old.src)
 		p.remove(pos, p.oldest)
 		p.stats.Evicted++
+	}
+}
+
+// find returns the ref of the open start with the key, 0 if none, and,
+// while the starts are indexed, its slot in the table (or the free slot
+// where insert puts the key).
+func (p *Pairer) find(id uint64, src uint32) (pos int, ref int32) {
+	if p.indexed {
+		return p.open.find(id, src)
+	}
+	for ref := p.newest; ref != 0; {
+		s := &p.starts[ref-1]
+		if s.id == id && s.src == src {
+			return -1, ref
+		}
+		ref = s.prev
+	}
+	return -1, 0
+}
+
+// index builds the table of the open starts.
+func (p *Pairer) index() {
+	p.indexed = true
+	p.open.reset()
+	for ref := p.oldest; ref != 0; ref = p.starts[ref-1].next {
+		s := &p.starts[ref-1]
+		pos, _ := p.open.find(s.id, s.src)
+		p.open.insert(pos, s.id, s.src, ref)
 	}
 }
 
@@ -204,7 +247,12 @@ func (p *Pairer) alloc() int32 {
 
 // remove drops the open start ref, found at pos of the table.
 func (p *Pairer) remove(pos int, ref int32) {
-	p.open.delete(pos)
+	if p.indexed {
+		p.open.delete(pos)
+	}
+	if p.nOpen--; p.nOpen == 0 {
+		p.indexed = false
+	}
 	p.unlink(ref)
 	s := &p.starts[ref-1]
 	s.name, s.dom = "", "" // for the collector
@@ -242,7 +290,7 @@ func (p *Pairer) unlink(ref int32) {
 // Stats returns the pairer's counters.
 func (p *Pairer) Stats() PairerStats {
 	s := p.stats
-	s.Open = p.open.n
+	s.Open = p.nOpen
 	return s
 }
 

@@ -60,7 +60,7 @@ func TestPairerBounded(t *testing.T) {
 	if _, ok := p.Add(rec(FlagHostEnd, 0, 0, 2000, "", "")); ok {
 		t.Fatal("oldest start was kept")
 	}
-	if names, held := footprint(&p); names > 100 || held > 2*p.open.n+1024 {
+	if names, held := footprint(&p); names > 100 || held > 2*p.Stats().Open+1024 {
 		t.Fatalf("memory not bounded: %d names, %d entries held", names, held)
 	}
 	// A long stream of starts whose ends never come: what the pairer
@@ -69,7 +69,7 @@ func TestPairerBounded(t *testing.T) {
 		p.Add(rec(FlagHostStart, 0, 10000+i, i, "x", DomainDefault))
 	}
 	if _, held := footprint(&p); held > 8*100+4096 {
-		t.Fatalf("memory not bounded: %d entries held for %d open starts", held, p.open.n)
+		t.Fatalf("memory not bounded: %d entries held for %d open starts", held, p.Stats().Open)
 	}
 }
 
@@ -109,8 +109,10 @@ func TestPairerAddTo(t *testing.T) {
 
 func TestPairerProperty(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
-	const maxOpen = 64
-	for trial := range 50 {
+	for trial := range 60 {
+		// Bounds below, at and above smallOpen: starts found by walking
+		// them and by the table, evicted from either.
+		maxOpen := []int{3, smallOpen, 64}[trial%3]
 		p := Pairer{MaxOpen: maxOpen}
 		type span struct{ Start, End uint64 }
 		want, got := map[uint64]span{}, map[uint64]span{}
