@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"hash/maphash"
 	"math"
+	"strconv"
 	"unicode/utf16"
 	"unicode/utf8"
 )
@@ -293,6 +294,53 @@ type interner struct {
 	// few names, and comparing one costs less than hashing it.
 	recent     [4]internSlot
 	nextRecent int
+
+	steps stepNames
+}
+
+// stepNames hands out the names "step <n>" of the steps a reader meets
+// one after the other, carved from a string made for stepBatch of them at
+// once: every step has a name of its own, and a string apiece was two
+// thirds of what a reader allocated.
+type stepNames struct {
+	batch string            // "step n", "step n+1", ... run together
+	ends  [stepBatch]uint16 // where each name ends in batch
+	next  int               // the name of batch the next step should have
+}
+
+const stepBatch = 64
+
+// get returns the name raw holds, the content of a JSON string that
+// starts "step ", when it is the next step's or a plain "step <n>".
+func (sn *stepNames) get(raw []byte) (string, bool) {
+	if sn.next < len(sn.ends) {
+		start := 0
+		if sn.next > 0 {
+			start = int(sn.ends[sn.next-1])
+		}
+		if name := sn.batch[start:sn.ends[sn.next]]; name == string(raw) {
+			sn.next++
+			return name, true
+		}
+	}
+	digits := raw[len(StepMarkerPrefix):]
+	if len(digits) == 0 || len(digits) > 18 || (digits[0] == '0' && len(digits) > 1) {
+		return "", false
+	}
+	var n uint64
+	for _, c := range digits {
+		if c < '0' || c > '9' {
+			return "", false
+		}
+		n = n*10 + uint64(c-'0')
+	}
+	b := make([]byte, 0, stepBatch*(len(raw)+1))
+	for i := range sn.ends {
+		b = strconv.AppendUint(append(b, StepMarkerPrefix...), n+uint64(i), 10)
+		sn.ends[i] = uint16(len(b))
+	}
+	sn.batch, sn.next = string(b), 1
+	return sn.batch[:sn.ends[0]], true
 }
 
 // leading is the first eight digits of a number, as the bytes of the line
@@ -335,8 +383,14 @@ func (in *interner) get(raw []byte) (string, bool) {
 	if len(raw) == 0 {
 		return "", true
 	}
+	if in == nil || len(raw) > internMaxLen {
+		return decodeString(raw)
+	}
 	// Step names are used twice at most; they would only churn the table.
-	if in == nil || len(raw) > internMaxLen || (len(raw) > len(StepMarkerPrefix) && string(raw[:len(StepMarkerPrefix)]) == StepMarkerPrefix) {
+	if len(raw) > len(StepMarkerPrefix) && string(raw[:len(StepMarkerPrefix)]) == StepMarkerPrefix {
+		if s, ok := in.steps.get(raw); ok {
+			return s, true
+		}
 		return decodeString(raw)
 	}
 	for i := range in.recent {

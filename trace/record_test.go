@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -125,6 +126,7 @@ func FuzzParseRecord(f *testing.F) {
 	f.Add([]byte(`{"Kind":1,"Flag":32,"SourceKind":1,"Timestamp":1,"Id":1,"MsptiObjectId":{"Pt":{"ProcessId":1,"ThreadId":1},"Ds":{"DeviceId":0,"StreamId":0}},"Name":"{\"opName\":\"HcclSend\"}","Domain":"communication"}`))
 	f.Add([]byte(`{"Id":1,"Kind":1,"Flag":4,"Timestamp":3}`))
 	f.Add([]byte("{\"Kind\":1,\xff"))
+	f.Add([]byte(strings.Replace(sampleStart, "step 12", "step 012", 1)))
 	f.Add([]byte(`{"Kind":1,"Flag":16,"SourceKind":0,"Timestamp":5,"Id":9,"MsptiObjectId":{"Pt":{"ProcessId":1,"ThreadId":1},"Ds":{"DeviceId":0,"StreamId":0}},"Name":"a\u00e9\ud83d\ude00\/\b\f\n\r\t\\","Domain":"default"}`))
 	f.Fuzz(func(t *testing.T, line []byte) {
 		// The fast path must agree with encoding/json wherever it answers:
@@ -188,6 +190,37 @@ func TestCanonicalFastPath(t *testing.T) {
 			if err != nil || g != c {
 				t.Fatalf("round %d: %s:\ncanonical %+v\ngeneric   %+v, %v", round, l, c, g, err)
 			}
+		}
+	}
+}
+
+// TestStepNames checks the step names an interner carves from batches:
+// each is the name the line holds, steps one after the other, a step
+// that jumps, and a second batch; names that are not a plain "step <n>"
+// are left to decodeString.
+func TestStepNames(t *testing.T) {
+	var in interner
+	var names []string
+	for _, n := range []int{0, 1, 2, 3, 9, 10, 1000, 999, 5} {
+		for k := range stepBatch + 2 {
+			names = append(names, fmt.Sprint("step ", n*100+k))
+		}
+	}
+	names = append(names, "step 007", "step -1", "step 1a", "step ", "step 1234567890123456789", "step 7", "step 7")
+	for _, name := range names {
+		raw, err := json.Marshal(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, ok := in.get(raw[1 : len(raw)-1])
+		if !ok || got != name {
+			t.Errorf("get(%s) = %q, %v", raw, got, ok)
+		}
+	}
+	for _, raw := range []string{"step 007", "step -1", "step 1a", "step 1234567890123456789"} {
+		var sn stepNames
+		if _, ok := sn.get([]byte(raw)); ok {
+			t.Errorf("stepNames.get(%q) took it", raw)
 		}
 	}
 }
