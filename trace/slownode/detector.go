@@ -90,6 +90,7 @@ type Detector struct {
 	epoch    int // bumps at each phase change, resetting rank bests
 
 	st       Step
+	stOps    []int32                  // the op index of each of st.Comm
 	slots    []int                    // addStep's: the comm slot of each of a step's ops
 	stepHook func(rank int, st *Step) // tests: each step derived from ranges
 	dbg      func(*row, *scratch)
@@ -367,8 +368,10 @@ func (d *Detector) join(ri, gi int32) int {
 func (d *Detector) Add(rank int, r trace.Range) { d.add(rank, &r) }
 
 // add is Add without the copy of the range.
-func (d *Detector) add(rank int, r *trace.Range) {
-	ri := d.rankIdx(rank)
+func (d *Detector) add(rank int, r *trace.Range) { d.addAt(d.rankIdx(rank), r) }
+
+// addAt is add for the rank of dense index ri, -1 for a refused one.
+func (d *Detector) addAt(ri int32, r *trace.Range) {
 	if ri < 0 {
 		d.stats.IgnoredRanges++
 		return
@@ -412,12 +415,12 @@ func (d *Detector) add(rank int, r *trace.Range) {
 		if !ok {
 			n = a.last + 1
 		}
-		a.finish(&d.st, n, r.Start, r.End, d.ops, uint64(d.cfg.TrailingGap))
+		a.finish(&d.st, &d.stOps, n, r.Start, r.End, d.ops, uint64(d.cfg.TrailingGap))
 		a.last = n
 		if d.stepHook != nil {
-			d.stepHook(rank, &d.st)
+			d.stepHook(rs.rank, &d.st)
 		}
-		d.addStep(ri, &d.st)
+		d.addStep(ri, &d.st, d.stOps)
 		return
 	case r.Name == trace.MarkerForward:
 		kind = spanForward
@@ -454,7 +457,7 @@ func (d *Detector) AddStep(rank int, st Step) {
 		d.stats.RepeatedSteps++
 		return
 	}
-	d.addStep(ri, &st)
+	d.addStep(ri, &st, nil)
 }
 
 // opOf interns a (communicator, op) pair. Beyond maxOps distinct pairs,
@@ -468,19 +471,34 @@ func (d *Detector) opOf(group, op string) int32 {
 	if len(d.ops) >= maxOps {
 		if d.opOverflow < 0 {
 			d.opOverflow = int32(len(d.ops))
-			d.ops = append(d.ops, commOp{})
+			d.ops = append(d.ops, commOp{gi: -1}) // no communicator
 		}
 		return d.opOverflow
 	}
 	i := int32(len(d.ops))
-	d.ops = append(d.ops, commOp{group: group, op: op, send: isSend(op)})
+	d.ops = append(d.ops, commOp{group: group, op: op, send: isSend(op), gi: unresolved})
 	d.opKey[k] = i
 	return i
 }
 
+// opGroup returns the communicator index of op, -1 for none, looked up
+// by name the first time only.
+func (d *Detector) opGroup(op int32) int32 {
+	o := &d.ops[op]
+	if o.gi == unresolved {
+		o.gi = -1
+		if o.group != "" {
+			o.gi = d.groupIdx(o.group)
+		}
+	}
+	return o.gi
+}
+
 func ms(d time.Duration) float64 { return float64(d) / 1e6 }
 
-func (d *Detector) addStep(ri int32, st *Step) {
+// addStep takes a step of rank ri. ops, when not nil, holds the op index
+// of each of st.Comm, which spares looking their communicators up by name.
+func (d *Detector) addStep(ri int32, st *Step, ops []int32) {
 	rs := d.ranks[ri]
 	d.stats.Steps++
 	switch {
@@ -529,12 +547,17 @@ func (d *Detector) addStep(ri int32, st *Step) {
 	// The rank joins the communicators of its ops first, so that the
 	// cell is laid out for all of them.
 	slots := d.slots[:0]
-	for _, ct := range st.Comm {
+	for i, ct := range st.Comm {
+		gi := int32(-1)
+		switch {
+		case ops != nil:
+			gi = d.opGroup(ops[i])
+		case ct.Group != "":
+			gi = d.groupIdx(ct.Group)
+		}
 		slot := -1
-		if ct.Group != "" {
-			if gi := d.groupIdx(ct.Group); gi >= 0 {
-				slot = d.join(ri, gi)
-			}
+		if gi >= 0 {
+			slot = d.join(ri, gi)
 		}
 		slots = append(slots, slot)
 	}

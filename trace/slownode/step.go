@@ -120,7 +120,11 @@ type commOp struct {
 	group string
 	op    string
 	send  bool
+	gi    int32 // the communicator's index, -1 for none, or unresolved
 }
+
+// unresolved marks a commOp whose communicator is not looked up yet.
+const unresolved = -2
 
 // assembler turns one rank's ranges into Steps. Ranges end in time order
 // within a rank, and a step's range ends after those inside it, so the
@@ -177,8 +181,10 @@ func parseStepNumber(name string) (int64, bool) {
 // finish derives the Step that ends with the range [start, end] named
 // number, from the pending spans, and clears them. The Comm slice of st
 // is reused.
-func (a *assembler) finish(st *Step, number int64, start, end uint64, ops []commOp, trailingGap uint64) {
+// stOps gets the op index of each of st.Comm.
+func (a *assembler) finish(st *Step, stOps *[]int32, number int64, start, end uint64, ops []commOp, trailingGap uint64) {
 	*st = Step{Number: number, Comm: st.Comm[:0], Have: FigStep}
+	*stOps = (*stOps)[:0]
 	st.Time = time.Duration(end - start)
 	spans := a.pending
 	slices.SortFunc(spans, func(x, y span) int {
@@ -208,10 +214,12 @@ func (a *assembler) finish(st *Step, number int64, start, end uint64, ops []comm
 			st.Checkpoint += d
 		case spanComm:
 			haveComm = true
-			o := ops[s.op]
-			i := slices.IndexFunc(st.Comm, func(c CommTime) bool { return c.Group == o.group && c.Op == o.op })
+			// An op index stands for its (communicator, op) pair.
+			i := slices.Index(*stOps, s.op)
 			if i < 0 {
+				o := ops[s.op]
 				st.Comm = append(st.Comm, CommTime{Group: o.group, Op: o.op})
+				*stOps = append(*stOps, s.op)
 				i = len(st.Comm) - 1
 			}
 			st.Comm[i].Time += d

@@ -537,7 +537,8 @@ func rangeStep(r *trace.Range) (int64, bool) {
 // it reports whether the rank caught up instead.
 func (s *source) feed(rs *rankSource, target int64) (bool, error) {
 	var st *rankState // nil for a rank the detector refused, which never pauses
-	if i, ok := s.d.index[rs.rank]; ok {
+	i, ok := s.d.index[rs.rank]
+	if ok {
 		st = s.d.ranks[i]
 	}
 	for {
@@ -545,7 +546,11 @@ func (s *source) feed(rs *rankSource, target int64) (bool, error) {
 		for rs.head < len(rs.queue) {
 			r := &rs.queue[rs.head]
 			rs.head++
-			s.d.add(rs.rank, r)
+			if ok {
+				s.d.addAt(i, r)
+			} else {
+				s.d.add(rs.rank, r)
+			}
 			if st != nil && st.asm.last >= target {
 				return false, nil
 			}
