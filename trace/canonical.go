@@ -72,16 +72,20 @@ func parseCanonical(b []byte, r *Record, in *interner) bool {
 	if len(b) < i || string(b[:i]) != litKind {
 		return false
 	}
-	if kind, i, ok = u32At(b, i); !ok || !hasLit(b, i, litFlag) {
+	if kind, i, ok = u32At(b, i); !ok ||
+		len(b)-i < len(litFlag) || string(b[i:i+len(litFlag)]) != litFlag {
 		return false
 	}
-	if flag, i, ok = u32At(b, i+len(litFlag)); !ok || !hasLit(b, i, litSource) {
+	if flag, i, ok = u32At(b, i+len(litFlag)); !ok ||
+		len(b)-i < len(litSource) || string(b[i:i+len(litSource)]) != litSource {
 		return false
 	}
-	if source, i, ok = u32At(b, i+len(litSource)); !ok || !hasLit(b, i, litTime) {
+	if source, i, ok = u32At(b, i+len(litSource)); !ok ||
+		len(b)-i < len(litTime) || string(b[i:i+len(litTime)]) != litTime {
 		return false
 	}
-	if ts, i, ok = in.leadingAt(b, i+len(litTime), 0); !ok || !hasLit(b, i, litID) {
+	if ts, i, ok = in.leadingAt(b, i+len(litTime), 0); !ok ||
+		len(b)-i < len(litID) || string(b[i:i+len(litID)]) != litID {
 		return false
 	}
 	if id, i, ok = in.leadingAt(b, i+len(litID), 1); !ok {
@@ -99,7 +103,8 @@ func parseCanonical(b []byte, r *Record, in *interner) bool {
 			string(b[i+32:i+len(litPid)]) != litPidC {
 			return false
 		}
-		if v[fPid], i, ok = u32At(b, i+len(litPid)); !ok || !hasLit(b, i, litTid) {
+		if v[fPid], i, ok = u32At(b, i+len(litPid)); !ok ||
+			len(b)-i < len(litTid) || string(b[i:i+len(litTid)]) != litTid {
 			return false
 		}
 		if v[fTid], i, ok = u32At(b, i+len(litTid)); !ok {
@@ -108,10 +113,12 @@ func parseCanonical(b []byte, r *Record, in *interner) bool {
 		if len(b)-i < len(litDev) || string(b[i:i+16]) != litDevA || string(b[i+16:i+len(litDev)]) != litDevB {
 			return false
 		}
-		if v[fDev], i, ok = u32At(b, i+len(litDev)); !ok || !hasLit(b, i, litStream) {
+		if v[fDev], i, ok = u32At(b, i+len(litDev)); !ok ||
+			len(b)-i < len(litStream) || string(b[i:i+len(litStream)]) != litStream {
 			return false
 		}
-		if v[fStream], i, ok = u32At(b, i+len(litStream)); !ok || !hasLit(b, i, litName) {
+		if v[fStream], i, ok = u32At(b, i+len(litStream)); !ok ||
+			len(b)-i < len(litName) || string(b[i:i+len(litName)]) != litName {
 			return false
 		}
 		if in != nil && i+len(litName)-mid <= len(in.objectID.raw) {
@@ -120,19 +127,13 @@ func parseCanonical(b []byte, r *Record, in *interner) bool {
 			m.vals = v
 		}
 	}
-	if !hasLit(b, i, litName) {
+	if len(b)-i < len(litName) || string(b[i:i+len(litName)]) != litName {
 		return false
 	}
 	r.Kind, r.Flag, r.SourceKind = kind, Flag(flag), source
 	r.Timestamp, r.ID = ts, id
 	r.ProcessID, r.ThreadID, r.DeviceID, r.StreamID = v[fPid], v[fTid], v[fDev], v[fStream]
 	return parseStrings(b, i+len(litName), r, in)
-}
-
-// hasLit reports whether b holds lit at i. Literals are constants of at
-// most 16 bytes, which the comparison reads in a few words.
-func hasLit(b []byte, i int, lit string) bool {
-	return len(b)-i >= len(lit) && string(b[i:i+len(lit)]) == lit
 }
 
 // digitsAt continues the decimal number u at b[j:], a digit at a time,
@@ -298,31 +299,25 @@ type interner struct {
 	steps stepNames
 }
 
-// stepNames hands out the names "step <n>" of the steps a reader meets
-// one after the other, carved from a string made for stepBatch of them at
-// once: every step has a name of its own, and a string apiece was two
-// thirds of what a reader allocated.
+// stepNames hands out the names "step <n>" of the steps a reader meets,
+// carved from a string made for stepBatch steps at once: every step has a
+// name of its own, and a string apiece was two thirds of what a reader
+// allocated. A batch is made again once the last one served half its
+// steps, or half as many steps since went without: steps out of order
+// then cost no more than twice a string each.
 type stepNames struct {
-	batch string            // "step n", "step n+1", ... run together
-	ends  [stepBatch]uint16 // where each name ends in batch
-	next  int               // the name of batch the next step should have
+	batch  string            // "step n", "step n+1", ... run together
+	first  uint64            // n
+	ends   [stepBatch]uint16 // where each name ends in batch
+	used   int               // the most steps of batch handed out in order
+	missed int               // steps since the batch was made that it did not serve
 }
 
 const stepBatch = 64
 
 // get returns the name raw holds, the content of a JSON string that
-// starts "step ", when it is the next step's or a plain "step <n>".
+// starts "step ", when it is a plain "step <n>" that a batch serves.
 func (sn *stepNames) get(raw []byte) (string, bool) {
-	if sn.next < len(sn.ends) {
-		start := 0
-		if sn.next > 0 {
-			start = int(sn.ends[sn.next-1])
-		}
-		if name := sn.batch[start:sn.ends[sn.next]]; name == string(raw) {
-			sn.next++
-			return name, true
-		}
-	}
 	digits := raw[len(StepMarkerPrefix):]
 	if len(digits) == 0 || len(digits) > 18 || (digits[0] == '0' && len(digits) > 1) {
 		return "", false
@@ -334,12 +329,25 @@ func (sn *stepNames) get(raw []byte) (string, bool) {
 		}
 		n = n*10 + uint64(c-'0')
 	}
+	if sn.batch != "" && n >= sn.first && n-sn.first < stepBatch {
+		k := int(n - sn.first)
+		start := 0
+		if k > 0 {
+			start = int(sn.ends[k-1])
+		}
+		sn.used = max(sn.used, k+1)
+		return sn.batch[start:sn.ends[k]], true
+	}
+	if sn.batch != "" && sn.used < stepBatch/2 && sn.missed < stepBatch/2 {
+		sn.missed++
+		return "", false
+	}
 	b := make([]byte, 0, stepBatch*(len(raw)+1))
 	for i := range sn.ends {
 		b = strconv.AppendUint(append(b, StepMarkerPrefix...), n+uint64(i), 10)
 		sn.ends[i] = uint16(len(b))
 	}
-	sn.batch, sn.next = string(b), 1
+	sn.batch, sn.first, sn.used, sn.missed = string(b), n, 1, 0
 	return sn.batch[:sn.ends[0]], true
 }
 

@@ -217,6 +217,18 @@ func TestStepNames(t *testing.T) {
 			t.Errorf("get(%s) = %q, %v", raw, got, ok)
 		}
 	}
+	// A jump just after a batch was made: batches resume within half a
+	// batch of steps.
+	var sn stepNames
+	for n := range 2000 {
+		if n > stepBatch {
+			n += 1000
+		}
+		sn.get([]byte(fmt.Sprint("step ", n)))
+	}
+	if sn.first < 1000+stepBatch {
+		t.Errorf("the last batch starts at step %d, before the jump to %d", sn.first, 1000+stepBatch)
+	}
 	for _, raw := range []string{"step 007", "step -1", "step 1a", "step 1234567890123456789"} {
 		var sn stepNames
 		if _, ok := sn.get([]byte(raw)); ok {
