@@ -380,24 +380,13 @@ func ListJobs(root string) ([]string, error) {
 	return jobs, nil
 }
 
-// openNoFollow opens a regular file for reading; a symlink, a FIFO or a
-// device is refused (O_NONBLOCK keeps a FIFO from blocking the open).
-func openNoFollow(name string) (*os.File, error) {
-	fd, err := unix.Open(name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
-	if err != nil {
-		if errors.Is(err, unix.ELOOP) {
-			return nil, fmt.Errorf("%s is a symlink: %w", name, ErrPath)
-		}
-		return nil, &os.PathError{Op: "open", Path: name, Err: err}
-	}
-	return regularFile(fd, name)
-}
-
-// openFileAt is openNoFollow for name under dirfd (a folder's path,
-// dirPath, names it in errors), returning the bare descriptor and the
-// file's size: a reader that opens thousands of files a pass spares the
-// calls an *os.File costs. The descriptor stays non-blocking, which
-// regular files ignore; its readers take EAGAIN for the end for now.
+// openFileAt opens the regular file name under dirfd (the folder dirPath,
+// named in errors) for reading; a symlink, a FIFO or a device is refused
+// (O_NONBLOCK keeps a FIFO from blocking the open). It returns the bare
+// descriptor and the file's size: a reader that opens thousands of files
+// a pass spares the calls an *os.File costs. The descriptor stays
+// non-blocking, which regular files ignore; its readers take EAGAIN for
+// the end for now.
 func openFileAt(dirfd int, dirPath, name string) (fd int, size int64, err error) {
 	fd, err = unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {

@@ -180,8 +180,7 @@ func parseStepNumber(name string) (int64, bool) {
 
 // finish derives the Step that ends with the range [start, end] named
 // number, from the pending spans, and clears them. The Comm slice of st
-// is reused.
-// stOps gets the op index of each of st.Comm.
+// is reused, and *stOps gets the op index of each of st.Comm.
 func (a *assembler) finish(st *Step, stOps *[]int32, number int64, start, end uint64, ops []commOp, trailingGap uint64) {
 	*st = Step{Number: number, Comm: st.Comm[:0], Have: FigStep}
 	*stOps = (*stOps)[:0]
