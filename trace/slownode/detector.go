@@ -365,19 +365,39 @@ func (d *Detector) join(ri, gi int32) int {
 
 // Add takes a completed range of rank, in the order the rank's file holds
 // them. Ranges of no kind the detector uses are counted and ignored.
-func (d *Detector) Add(rank int, r trace.Range) { d.add(rank, &r) }
+func (d *Detector) Add(rank int, r trace.Range) {
+	m := markerOf(&r)
+	d.add(rank, &m)
+}
 
-// add is Add without the copy of the range.
-func (d *Detector) add(rank int, r *trace.Range) { d.addAt(d.rankIdx(rank), r) }
+// marker is what the detector takes of a range: its name, bounds, and
+// whether it is a communication op and on a device's clock. A rank's
+// queue holds markers between its reader and the detector: half the
+// bytes of a trace.Range, and one pointer for the collector, not two.
+type marker struct {
+	name       string
+	start, end uint64
+	comm       bool // in the communication domain
+	device     bool // a device range, whose clock wins over the host's
+}
+
+// markerOf returns the marker of r.
+func markerOf(r *trace.Range) marker {
+	return marker{name: r.Name, start: r.Start, end: r.End,
+		comm: r.Domain == trace.DomainCommunication, device: r.SourceKind == trace.SourceKindDevice}
+}
+
+// add is Add for a marker.
+func (d *Detector) add(rank int, r *marker) { d.addAt(d.rankIdx(rank), r) }
 
 // addAt is add for the rank of dense index ri, -1 for a refused one.
-func (d *Detector) addAt(ri int32, r *trace.Range) {
+func (d *Detector) addAt(ri int32, r *marker) {
 	if ri < 0 {
 		d.stats.IgnoredRanges++
 		return
 	}
 	d.stats.Ranges++
-	if r.End < r.Start {
+	if r.end < r.start {
 		d.stats.BadRanges++
 		return
 	}
@@ -386,63 +406,63 @@ func (d *Detector) addAt(ri int32, r *trace.Range) {
 	var kind spanKind
 	var op int32
 	switch {
-	case r.Domain == trace.DomainCommunication:
-		i, ok := rs.recentOp(r.Name)
+	case r.comm:
+		i, ok := rs.recentOp(r.name)
 		if !ok {
-			if i, ok = d.opIdx[r.Name]; !ok {
-				c, err := trace.ParseCommOp(r.Name)
+			if i, ok = d.opIdx[r.name]; !ok {
+				c, err := trace.ParseCommOp(r.name)
 				if err != nil {
 					d.stats.BadCommOps++
 					return
 				}
 				i = d.opOf(c.GroupName, c.OpName)
 				if len(d.opIdx) < maxOpCache {
-					d.opIdx[r.Name] = i
+					d.opIdx[r.name] = i
 				}
 			}
-			rs.keepOp(r.Name, i)
+			rs.keepOp(r.name, i)
 		}
-		if !a.useSource(1<<spanComm, r.SourceKind) {
+		if !a.useSource(1<<spanComm, r.device) {
 			return
 		}
 		kind, op = spanComm, i
 		a.have |= FigComm
-	case strings.HasPrefix(r.Name, trace.StepMarkerPrefix):
-		if !a.useSource(stepBit, r.SourceKind) {
+	case strings.HasPrefix(r.name, trace.StepMarkerPrefix):
+		if !a.useSource(stepBit, r.device) {
 			return
 		}
-		n, ok := parseStepNumber(r.Name)
+		n, ok := parseStepNumber(r.name)
 		if !ok {
 			n = a.last + 1
 		}
-		a.finish(&d.st, &d.stOps, n, r.Start, r.End, d.ops, uint64(d.cfg.TrailingGap))
+		a.finish(&d.st, &d.stOps, n, r.start, r.end, d.ops, uint64(d.cfg.TrailingGap))
 		a.last = n
 		if d.stepHook != nil {
 			d.stepHook(rs.rank, &d.st)
 		}
 		d.addStep(ri, &d.st, d.stOps)
 		return
-	case r.Name == trace.MarkerForward:
+	case r.name == trace.MarkerForward:
 		kind = spanForward
 		a.have |= FigForward | FigTrajectory
-	case r.Name == trace.MarkerDataLoader:
+	case r.name == trace.MarkerDataLoader:
 		kind = spanDataLoader
 		a.have |= FigDataLoader
-	case r.Name == trace.MarkerSaveCheckpoint:
+	case r.name == trace.MarkerSaveCheckpoint:
 		kind = spanCheckpoint
 		a.have |= FigCheckpoint
 	default:
 		d.stats.IgnoredRanges++
 		return
 	}
-	if kind != spanComm && !a.useSource(1<<kind, r.SourceKind) {
+	if kind != spanComm && !a.useSource(1<<kind, r.device) {
 		return
 	}
 	if len(a.pending) >= d.cfg.MaxPendingRanges {
 		d.stats.DroppedRanges++
 		return
 	}
-	a.pending = append(a.pending, span{kind: kind, op: op, start: r.Start, end: r.End})
+	a.pending = append(a.pending, span{kind: kind, op: op, start: r.start, end: r.end})
 }
 
 // AddStep takes a step of rank derived elsewhere (a live stream, another

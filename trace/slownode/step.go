@@ -141,11 +141,12 @@ type assembler struct {
 // stepBit marks the step kind in assembler.device.
 const stepBit = 1 << 7
 
-// useSource reports whether a range of bit's kind from source should be
-// counted: a marker may come as a host and a device range under one Id,
-// and only one of them may count. Device ranges win once seen.
-func (a *assembler) useSource(bit uint8, source uint32) bool {
-	if source == trace.SourceKindDevice {
+// useSource reports whether a range of bit's kind, a device range or a
+// host one, should be counted: a marker may come as a host and a device
+// range under one Id, and only one of them may count. Device ranges win
+// once seen.
+func (a *assembler) useSource(bit uint8, device bool) bool {
+	if device {
 		a.device |= bit
 		return true
 	}

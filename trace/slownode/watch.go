@@ -140,7 +140,8 @@ type rankSource struct {
 	err     error  // why the folder cannot be read, logged once
 
 	// Read ahead by a worker, handed to the detector by the pass.
-	queue    []trace.Range // ranges read, from head on not yet given to the detector
+	queue    []marker    // ranges read, from head on not yet given to the detector
+	paired   trace.Range // where the pairer puts the range it completes
 	head     int
 	target   int64             // the step the current round reads to
 	eof      bool              // the latest fill caught up with the files
@@ -327,7 +328,7 @@ func (s *source) pass(ctx context.Context) error {
 		sent     int   // todo[:sent] went to the workers
 		next     []int // the ranks of the next round so far: those this one left short of their files' end
 		nextSent int   // next[:nextSent] went to the workers
-		free     [][]trace.Range
+		free     [][]marker
 	)
 	// plan starts a round: every rank not caught up is read until it has
 	// finished chunkSteps steps past the one furthest behind. It reports
@@ -494,24 +495,20 @@ func (rs *rankSource) fill() {
 		rs.head = 0
 	}
 	for i := range rs.queue {
-		if n, ok := rangeStep(&rs.queue[i]); ok && n >= rs.target {
+		if n, ok := markerStep(&rs.queue[i]); ok && n >= rs.target {
 			return
 		}
 	}
 	err := rs.rd.Read(func(rec *trace.Record) error {
-		// The pairer fills the queue's next element in place: a range is
-		// not copied on its way there.
-		n := len(rs.queue)
-		if n == cap(rs.queue) {
+		if !rs.pair.AddTo(rec, &rs.paired) {
+			return nil
+		}
+		if n := len(rs.queue); n == cap(rs.queue) {
 			// A round's worth at once, not doubling up to it.
 			rs.queue = slices.Grow(rs.queue, max(n, queueStart))
 		}
-		r := &rs.queue[:n+1][n]
-		if !rs.pair.AddTo(rec, r) {
-			return nil
-		}
-		rs.queue = rs.queue[:n+1]
-		if s, ok := rangeStep(r); ok && s >= rs.target || len(rs.queue) >= maxQueued {
+		rs.queue = append(rs.queue, markerOf(&rs.paired))
+		if s, ok := markerStep(&rs.queue[len(rs.queue)-1]); ok && s >= rs.target || len(rs.queue) >= maxQueued {
 			return errPause
 		}
 		return nil
@@ -524,12 +521,12 @@ func (rs *rankSource) fill() {
 	}
 }
 
-// rangeStep returns n for a range named "step <n>".
-func rangeStep(r *trace.Range) (int64, bool) {
-	if !strings.HasPrefix(r.Name, trace.StepMarkerPrefix) {
+// markerStep returns n for a range named "step <n>".
+func markerStep(r *marker) (int64, bool) {
+	if !strings.HasPrefix(r.name, trace.StepMarkerPrefix) {
 		return 0, false
 	}
-	return parseStepNumber(r.Name)
+	return parseStepNumber(r.name)
 }
 
 // feed hands the rank's queued ranges to the detector until the rank has
