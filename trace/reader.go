@@ -90,6 +90,7 @@ type RankReader struct {
 	pending  []byte // what a Read stopped by its callback left of buf, for the next
 	carry    []byte // the start of an unfinished line
 	skipping bool   // inside an over-long line, until its newline
+	budget   int    // reads ReadSome may still make, -1 for Read
 
 	later  []string // record files after cur that the last listing found, in name order
 	listed bool     // the folder was listed: its offset must be rewound
@@ -142,6 +143,27 @@ func (r *RankReader) ParallelGroups() (ParallelGroups, error) {
 // returns an error, Read returns it at once; the next Read continues with
 // the following record.
 func (r *RankReader) Read(fn func(*Record) error) error {
+	r.budget = -1
+	return r.read(fn)
+}
+
+// ReadSome is Read that reads at most n buffers of the files: it stops at
+// the end of one, so that nothing it read is read again, and reports
+// whether it stopped before catching up. A reader that takes turns among
+// many ranks reads a buffer or so at each.
+func (r *RankReader) ReadSome(n int, fn func(*Record) error) (more bool, err error) {
+	r.budget = max(n, 0)
+	err = r.read(fn)
+	if err == errBudget {
+		return true, nil
+	}
+	return false, err
+}
+
+// errBudget stops read once ReadSome's reads are made.
+var errBudget = errors.New("trace: read budget spent")
+
+func (r *RankReader) read(fn func(*Record) error) error {
 	if r.dirfd < 0 {
 		return fmt.Errorf("trace: read %s: %w", r.dir, os.ErrClosed)
 	}
@@ -309,6 +331,9 @@ func (r *RankReader) readToEOF(fn func(*Record) error) error {
 				return err
 			}
 		}
+		if r.budget == 0 {
+			return errBudget
+		}
 		n, err := unix.Pread(r.fd, r.buf, r.off)
 		if errors.Is(err, unix.EINTR) {
 			continue
@@ -327,6 +352,9 @@ func (r *RankReader) readToEOF(fn func(*Record) error) error {
 		}
 		r.off += int64(n)
 		r.pending = r.buf[:n]
+		if r.budget > 0 {
+			r.budget-- // only reads that found something count
+		}
 	}
 }
 

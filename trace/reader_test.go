@@ -239,6 +239,64 @@ func testCallbackError(t *testing.T, cfg ReaderConfig) {
 	}
 }
 
+// TestRankReaderReadSome reads three files, one of them still growing,
+// a buffer at a time: every record comes once, in order, across the
+// files' ends, with no byte read twice; a call with nothing left to read
+// reports that it caught up.
+func TestRankReaderReadSome(t *testing.T) {
+	for name, cfg := range map[string]ReaderConfig{"own buffer": {BufferBytes: 300}, "borrowed buffer": {Buffers: NewBufferPool(300)}} {
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			var size int
+			next := 0
+			write := func(file string, lines int) {
+				var b strings.Builder
+				for range lines {
+					b.WriteString(line(next))
+					next++
+				}
+				size += b.Len()
+				appendFile(t, filepath.Join(dir, file), b.String())
+			}
+			write("1731000000", 7)
+			write("1731000100", 1)
+			write("1731000200", 9)
+			rr := openReader(t, dir, cfg)
+			var ids []uint64
+			take := func(r *Record) error { ids = append(ids, r.ID); return nil }
+			calls := 0
+			for more := true; more; calls++ {
+				var err error
+				if more, err = rr.ReadSome(1, take); err != nil {
+					t.Fatal(err)
+				}
+				if calls > 1000 {
+					t.Fatal("ReadSome does not catch up")
+				}
+			}
+			write("1731000200", 2) // the newest file grows
+			if more, err := rr.ReadSome(100, take); more || err != nil {
+				t.Fatalf("ReadSome after the files grew = %v, %v", more, err)
+			}
+			want := make([]uint64, next)
+			for i := range want {
+				want[i] = testRecord(i).ID
+			}
+			if !cmp.Equal(ids, want) {
+				t.Fatalf("ids %v, want %v", ids, want)
+			}
+			if st := rr.Stats(); st.Bytes != uint64(size) || st.GarbageLines != 0 {
+				t.Fatalf("stats %+v, want %d bytes and no garbage", st, size)
+			}
+			// A buffer of 300 bytes holds a line and a bit: one read a
+			// call, a few calls a file.
+			if lines := next - 2; calls < lines/2 {
+				t.Fatalf("%d calls for %d lines: more than a buffer a call", calls, lines)
+			}
+		})
+	}
+}
+
 // mindClusterRecord is the shape MindCluster's writer and tests use: Go
 // structs through encoding/json, -1 in the union half that does not apply,
 // and no name or domain on end and device records.

@@ -55,9 +55,6 @@ const (
 	sendBatch = 16
 )
 
-// errPause stops a rank's Read when it is far enough ahead.
-var errPause = errors.New("slownode: pause")
-
 // Analyze reads every rank folder of jobDir to its end, as the files
 // stand, and returns the verdict. jobDir holds <rank>/ folders, or
 // <node>/<rank>/ folders gathered from several hosts (the node's folder
@@ -140,8 +137,10 @@ type rankSource struct {
 	err     error  // why the folder cannot be read, logged once
 
 	// Read ahead by a worker, handed to the detector by the pass.
-	queue    []marker    // ranges read, from head on not yet given to the detector
-	paired   trace.Range // where the pairer puts the range it completes
+	queue    []marker                  // ranges read, from head on not yet given to the detector
+	paired   trace.Range               // where the pairer puts the range it completes
+	reached  bool                      // a range of a step at or past target is queued
+	take     func(*trace.Record) error // takeRecord, made once
 	head     int
 	target   int64             // the step the current round reads to
 	eof      bool              // the latest fill caught up with the files
@@ -480,11 +479,12 @@ func (s *source) open(rs *rankSource) {
 	rs.loaded, rs.loadErr = nil, nil
 }
 
-// fill reads the rank's records ahead into its queue, paired, until a
-// range of a step at or past target is queued, maxQueued ranges are, or
-// the files end. Where it stops matters only for how much is queued: feed
-// decides where the rank stops, and fills again when the queue runs out
-// short of that.
+// fill reads the rank's records ahead into its queue, paired, a buffer
+// at a time, until a range of a step at or past target is queued,
+// maxQueued ranges are, or the files end. Where it stops matters only for
+// how much is queued: feed decides where the rank stops, and fills again
+// when the queue runs out short of that. What a buffer held past target
+// stays queued for the next round, so that no byte is read twice.
 func (rs *rankSource) fill() {
 	rs.eof = false
 	if rs.readErr != nil {
@@ -494,31 +494,42 @@ func (rs *rankSource) fill() {
 		rs.queue = rs.queue[:copy(rs.queue, rs.queue[rs.head:])]
 		rs.head = 0
 	}
+	rs.reached = false
 	for i := range rs.queue {
 		if n, ok := markerStep(&rs.queue[i]); ok && n >= rs.target {
 			return
 		}
 	}
-	err := rs.rd.Read(func(rec *trace.Record) error {
-		if !rs.pair.AddTo(rec, &rs.paired) {
-			return nil
-		}
-		if n := len(rs.queue); n == cap(rs.queue) {
-			// A round's worth at once, not doubling up to it.
-			rs.queue = slices.Grow(rs.queue, max(n, queueStart))
-		}
-		rs.queue = append(rs.queue, markerOf(&rs.paired))
-		if s, ok := markerStep(&rs.queue[len(rs.queue)-1]); ok && s >= rs.target || len(rs.queue) >= maxQueued {
-			return errPause
-		}
-		return nil
-	})
-	switch {
-	case err == nil:
-		rs.eof = true
-	case !errors.Is(err, errPause):
-		rs.readErr = err
+	if rs.take == nil {
+		rs.take = rs.takeRecord
 	}
+	for !rs.reached && len(rs.queue) < maxQueued {
+		more, err := rs.rd.ReadSome(1, rs.take)
+		if err != nil {
+			rs.readErr = err
+			return
+		}
+		if !more {
+			rs.eof = true
+			return
+		}
+	}
+}
+
+// takeRecord pairs a record of the rank and queues the range it ends.
+func (rs *rankSource) takeRecord(rec *trace.Record) error {
+	if !rs.pair.AddTo(rec, &rs.paired) {
+		return nil
+	}
+	if n := len(rs.queue); n == cap(rs.queue) {
+		// A round's worth at once, not doubling up to it.
+		rs.queue = slices.Grow(rs.queue, max(n, queueStart))
+	}
+	rs.queue = append(rs.queue, markerOf(&rs.paired))
+	if s, ok := markerStep(&rs.queue[len(rs.queue)-1]); ok && s >= rs.target {
+		rs.reached = true
+	}
+	return nil
 }
 
 // markerStep returns n for a range named "step <n>".
