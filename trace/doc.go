@@ -130,10 +130,11 @@
 // counted, the last one reported as a *LineError naming the file and line.
 // Files deleted by the ager are skipped cleanly. Readers that tail many
 // ranks can share a BufferPool, so that only those reading at a time hold a
-// buffer. A Pairer turns the records into Ranges, pairing starts and ends
-// by Id per source kind; MindCluster's files (encoding/json field order, -1
-// in the union half of MsptiObjectId, unnamed device records) read the same
-// way.
+// buffer, and take turns with ReadSome, which stops at the end of a buffer
+// so that nothing is read twice. A Pairer turns the records into Ranges,
+// pairing starts and ends by Id per source kind; MindCluster's files
+// (encoding/json field order, -1 in the union half of MsptiObjectId,
+// unnamed device records) read the same way.
 //
 // Lines in the field order both writers use take a fast path that reads
 // each byte about once (what repeats the previous line's text, such as
