@@ -165,10 +165,10 @@ func uintAt(b []byte, i int) (uint64, int, bool) {
 // writes it in the half of its object id union that does not apply, and
 // the generic path reads it as 1<<32-1 too.
 func u32At(b []byte, i int) (uint32, int, bool) {
-	if minusOne(b, i) {
+	u, j, ok := uintAt(b, i)
+	if j == i && minusOne(b, i) {
 		return math.MaxUint32, i + 2, true
 	}
-	u, j, ok := uintAt(b, i)
 	return uint32(u), j, ok && u <= math.MaxUint32
 }
 
