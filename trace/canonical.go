@@ -94,7 +94,8 @@ func parseCanonical(b []byte, r *Record, in *interner) bool {
 	var v [numIDFields]uint32
 	if m := in.sameObjectID(b, i); m != nil {
 		// The object id is the previous line's, bytes and all, on nearly
-		// every line of a thread: compared whole, not read.
+		// every line of a thread: compared whole, not read. Its text ends
+		// with the Name's key.
 		v = m.vals
 		i += m.n - len(litName)
 	} else {
@@ -117,8 +118,10 @@ func parseCanonical(b []byte, r *Record, in *interner) bool {
 			len(b)-i < len(litStream) || string(b[i:i+len(litStream)]) != litStream {
 			return false
 		}
-		if v[fStream], i, ok = u32At(b, i+len(litStream)); !ok ||
-			len(b)-i < len(litName) || string(b[i:i+len(litName)]) != litName {
+		if v[fStream], i, ok = u32At(b, i+len(litStream)); !ok {
+			return false
+		}
+		if len(b)-i < len(litName) || string(b[i:i+len(litName)]) != litName {
 			return false
 		}
 		if in != nil && i+len(litName)-mid <= len(in.objectID.raw) {
@@ -126,9 +129,6 @@ func parseCanonical(b []byte, r *Record, in *interner) bool {
 			m.n = copy(m.raw[:], b[mid:i+len(litName)])
 			m.vals = v
 		}
-	}
-	if len(b)-i < len(litName) || string(b[i:i+len(litName)]) != litName {
-		return false
 	}
 	r.Kind, r.Flag, r.SourceKind = kind, Flag(flag), source
 	r.Timestamp, r.ID = ts, id
@@ -318,16 +318,9 @@ const stepBatch = 64
 // get returns the name raw holds, the content of a JSON string that
 // starts "step ", when it is a plain "step <n>" that a batch serves.
 func (sn *stepNames) get(raw []byte) (string, bool) {
-	digits := raw[len(StepMarkerPrefix):]
-	if len(digits) == 0 || len(digits) > 18 || (digits[0] == '0' && len(digits) > 1) {
+	n, j, ok := uintAt(raw, len(StepMarkerPrefix))
+	if !ok || j != len(raw) || j-len(StepMarkerPrefix) > 18 {
 		return "", false
-	}
-	var n uint64
-	for _, c := range digits {
-		if c < '0' || c > '9' {
-			return "", false
-		}
-		n = n*10 + uint64(c-'0')
 	}
 	if sn.batch != "" && n >= sn.first && n-sn.first < stepBatch {
 		k := int(n - sn.first)

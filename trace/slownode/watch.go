@@ -140,7 +140,7 @@ type rankSource struct {
 	queue    []marker                  // ranges read, from head on not yet given to the detector
 	paired   trace.Range               // where the pairer puts the range it completes
 	reached  bool                      // a range of a step at or past target is queued
-	take     func(*trace.Record) error // takeRecord, made once
+	take     func(*trace.Record) error // takeRecord, made once for ReadSome
 	head     int
 	target   int64             // the step the current round reads to
 	eof      bool              // the latest fill caught up with the files
@@ -261,6 +261,7 @@ func (s *source) discover() error {
 		}
 		rs := &rankSource{rank: f.rank, dir: f.dir, node: f.node, pair: trace.Pairer{MaxOpen: maxOpenRanges},
 			ready: make(chan struct{}, 1)}
+		rs.take = rs.takeRecord
 		if f.node != "" {
 			if _, ok := s.d.cfg.Nodes[f.rank]; !ok {
 				s.d.setNode(f.rank, f.node)
@@ -499,9 +500,6 @@ func (rs *rankSource) fill() {
 		if n, ok := markerStep(&rs.queue[i]); ok && n >= rs.target {
 			return
 		}
-	}
-	if rs.take == nil {
-		rs.take = rs.takeRecord
 	}
 	for !rs.reached && len(rs.queue) < maxQueued {
 		more, err := rs.rd.ReadSome(1, rs.take)
