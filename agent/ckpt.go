@@ -528,4 +528,3 @@ func (c *checkpoints) wait(ctx context.Context, step int64, timeout time.Duratio
 		}
 	}
 }
-

@@ -64,7 +64,7 @@ func (r *tmpRing) word64(off int) *uint64 { return (*uint64)(unsafe.Pointer(&r.m
 func (r *tmpRing) word32(off int) *uint32 { return (*uint32)(unsafe.Pointer(&r.mem[off])) }
 
 func (r *tmpRing) setSwitch(bits uint32) { atomic.StoreUint32(r.word32(24), bits) }
-func (r *tmpRing) dropped() uint64      { return atomic.LoadUint64(r.word64(32)) }
+func (r *tmpRing) dropped() uint64       { return atomic.LoadUint64(r.word64(32)) }
 
 func (r *tmpRing) drain(fn func(*ringRec)) error {
 	w := atomic.LoadUint64(r.word64(64))

@@ -113,4 +113,3 @@ func (s *slot) offer(pid int, conn net.Conn) bool {
 		return false
 	}
 }
-
