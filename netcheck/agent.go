@@ -12,6 +12,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promauto"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
 // DefaultAgentAddr is where an agent listens unless told otherwise.
@@ -71,6 +73,7 @@ type Agent struct {
 	cfg      AgentConfig
 	log      *slog.Logger
 	ln       net.Listener
+	reg      *promreg.Registrar
 	requests *prometheus.CounterVec
 	bytes    *prometheus.CounterVec
 
@@ -107,15 +110,12 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	ln, err := net.Listen("tcp", cfg.Listen)
-	if err != nil {
-		return nil, fmt.Errorf("netcheck: agent: %w", err)
-	}
-	f := promauto.With(cfg.Registerer)
-	return &Agent{
+	r := promreg.New(cfg.Registerer, "netcheck: AgentConfig.Registerer")
+	f := promauto.With(r)
+	a := &Agent{
 		cfg: cfg,
 		log: log,
-		ln:  ln,
+		reg: r,
 		requests: f.NewCounterVec(prometheus.CounterOpts{
 			Name: "faultline_netcheck_agent_requests_total",
 			Help: "Requests served by the netcheck agent, by operation (transfer, probe; connect for connections past MaxConns) and result (ok, error, refused).",
@@ -127,7 +127,17 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 		conns: make(map[net.Conn]struct{}),
 		stop:  make(chan struct{}),
 		done:  make(chan struct{}),
-	}, nil
+	}
+	if err := r.Err(); err != nil {
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		r.UnregisterAll()
+		return nil, fmt.Errorf("netcheck: agent: %w", err)
+	}
+	a.ln = ln
+	return a, nil
 }
 
 // Addr returns the address the agent listens on.
@@ -227,7 +237,8 @@ func (a *Agent) untrack(c net.Conn) {
 }
 
 // Close stops Run and waits for it, or, if Run was never called, closes
-// the listener. It is safe to call more than once.
+// the listener; then it unregisters the agent's metrics. It is safe to
+// call more than once.
 func (a *Agent) Close() error {
 	a.mu.Lock()
 	running := a.running
@@ -242,6 +253,7 @@ func (a *Agent) Close() error {
 	} else {
 		a.shutdown()
 	}
+	a.reg.UnregisterAll()
 	return nil
 }
 

@@ -10,6 +10,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promauto"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
@@ -58,6 +60,7 @@ type Checker struct {
 	cfg    Config
 	log    *slog.Logger
 	tracer trace.Tracer
+	reg    *promreg.Registrar
 
 	checks    prometheus.Counter
 	checkTime prometheus.Histogram
@@ -68,7 +71,8 @@ type Checker struct {
 	metricsMu sync.Mutex // one check at a time updates the gauges
 }
 
-// NewChecker returns a checker for cfg.
+// NewChecker returns a checker for cfg. Its metrics are registered on
+// cfg.Registerer until Close.
 func NewChecker(cfg Config) (*Checker, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -91,11 +95,13 @@ func NewChecker(cfg Config) (*Checker, error) {
 	if tp == nil {
 		tp = noop.NewTracerProvider()
 	}
-	f := promauto.With(cfg.Registerer)
-	return &Checker{
+	r := promreg.New(cfg.Registerer, "netcheck: Config.Registerer")
+	f := promauto.With(r)
+	c := &Checker{
 		cfg:    cfg,
 		log:    log,
 		tracer: tp.Tracer("github.com/faultline-ml/faultline/netcheck"),
+		reg:    r,
 		checks: f.NewCounter(prometheus.CounterOpts{
 			Name: "faultline_netcheck_checks_total",
 			Help: "Network checks completed.",
@@ -122,7 +128,19 @@ func NewChecker(cfg Config) (*Checker, error) {
 			Name: "faultline_netcheck_bad_node",
 			Help: "1 for each node the last check found faulty or straggling, by node and verdict.",
 		}, []string{"node", "verdict"}),
-	}, nil
+	}
+	if err := r.Err(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// Close unregisters the checker's metrics, so that another checker may
+// use the Registerer. It is idempotent; checks still run after it,
+// uncounted.
+func (c *Checker) Close() error {
+	c.reg.UnregisterAll()
+	return nil
 }
 
 // Check probes nodes, given in topology order, until every node has a

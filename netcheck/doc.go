@@ -34,9 +34,10 @@
 // pair probe is the DeviceProber interface.
 //
 // Results are a Report (JSON with Marshal and ParseReport, text with
-// WriteText); metrics go to an injected prometheus.Registerer and traces to
-// an injected TracerProvider. This package imports no other faultline
-// package.
+// WriteText); metrics go to an injected prometheus.Registerer (a Checker,
+// Agent or Switchbox registers its own until Close, and a Registerer that
+// another one uses is a constructor error) and traces to an injected
+// TracerProvider. This package imports no other faultline package.
 //
 // The tests build hosts as network namespaces on a bridge, degrade links
 // with tc (tbf, netem) and cut them; they need root and iproute2 and skip
