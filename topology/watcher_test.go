@@ -2,6 +2,7 @@ package topology
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -216,4 +217,31 @@ func metric(t *testing.T, reg *prometheus.Registry, name, label string) float64 
 		}
 	}
 	return -1
+}
+
+// TestWatcherSharedRegisterer: a second watcher on a Registerer that one
+// already uses gets an error naming the field, not a panic; once the
+// first is closed, its metrics are gone and a new one registers.
+func TestWatcherSharedRegisterer(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	cfg := WatcherConfig{Path: filepath.Join(t.TempDir(), "none"), Registerer: reg}
+	first, err := NewWatcher(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = NewWatcher(cfg)
+	var are prometheus.AlreadyRegisteredError
+	if !errors.As(err, &are) || !strings.HasPrefix(err.Error(), "topology: WatcherConfig.Registerer: register faultline_topology_") {
+		t.Fatalf("second watcher on one Registerer: err = %v", err)
+	}
+	first.Close()
+	if mfs, _ := reg.Gather(); len(mfs) != 0 {
+		t.Fatalf("%d metric families left after Close", len(mfs))
+	}
+	again, err := NewWatcher(cfg)
+	if err != nil {
+		t.Fatalf("after Close: %v", err)
+	}
+	again.Close()
+	again.Close()
 }
