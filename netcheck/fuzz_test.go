@@ -2,6 +2,8 @@ package netcheck
 
 import (
 	"bytes"
+	"math"
+	"strconv"
 	"testing"
 	"time"
 
@@ -59,5 +61,25 @@ func FuzzParseReport(f *testing.F) {
 		}
 		var b bytes.Buffer
 		r.WriteText(&b)
+	})
+}
+
+func FuzzParseBandwidth(f *testing.F) {
+	for _, s := range []string{"400Mbit", "50MB", "1.5 GB/s", "512KiB", "10gbit", "100Mbits/s", "0", "100mbps", "50", "7mb"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		v, err := ParseBandwidth(s)
+		if err != nil {
+			return
+		}
+		if !(v >= 0) || math.IsInf(v, 0) {
+			t.Fatalf("ParseBandwidth(%q) = %v", s, v)
+		}
+		// Bytes per second written back read as the same.
+		again, err := ParseBandwidth(strconv.FormatFloat(v, 'f', -1, 64) + "B/s")
+		if err != nil || again != v {
+			t.Fatalf("ParseBandwidth(%q) = %v, and %v, %v written back", s, v, again, err)
+		}
 	})
 }
