@@ -333,18 +333,23 @@ func (a *Agent) serveTransfer(conn idleConn) error {
 		}
 	}
 	buf := make([]byte, chunk)
-	for range h.repeats {
-		if err := receive(conn, buf, int64(h.up)); err != nil {
+	for r := range h.repeats {
+		got, err := receive(conn, buf, int64(h.up))
+		a.bytes.WithLabelValues("received").Add(float64(got))
+		if r > 0 && got == 0 && errors.Is(err, io.ErrUnexpectedEOF) {
+			return nil // the client had enough repeats
+		}
+		if err != nil {
 			return err
 		}
-		a.bytes.WithLabelValues("received").Add(float64(h.up))
 		if _, err := conn.Write(ping[:1]); err != nil {
 			return err
 		}
-		if err := send(conn, buf, int64(h.down)); err != nil {
+		sent, err := send(conn, buf, int64(h.down))
+		a.bytes.WithLabelValues("sent").Add(float64(sent))
+		if err != nil {
 			return err
 		}
-		a.bytes.WithLabelValues("sent").Add(float64(h.down))
 	}
 	return nil
 }
