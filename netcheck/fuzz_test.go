@@ -30,17 +30,23 @@ func FuzzParseDevicePairs(f *testing.F) {
 }
 
 func FuzzParseReport(f *testing.F) {
-	p, _ := NewPlanner([]string{"a", "b", "c"}, "checker", Policy{})
+	p, _ := NewPlanner([]string{"a", "b", "c", "d"}, "checker", Policy{MinBandwidth: 2e8})
 	for round := p.Next(); round != nil; round = p.Next() {
 		for _, pr := range round {
 			m := Measurement{From: pr.From, To: pr.To, Elapsed: time.Millisecond, Bandwidth: 1e9, RTT: time.Microsecond}
-			if pr.To == "c" || pr.From == "c" {
+			switch {
+			case pr.To == "c" || pr.From == "c":
 				m.Error = "connection refused"
+			case pr.To == "d" || pr.From == "d":
+				m = Measurement{From: pr.From, To: pr.To, Elapsed: time.Second, Bandwidth: 1e8, Bytes: 1e9, Moved: 1e8, Partial: true}
 			}
 			p.Record(m)
 		}
 	}
-	seed, _ := p.Report().Marshal()
+	rep := p.Report()
+	rep.Notes = append(rep.Notes, "no reference: a note")
+	rep.Links = append(rep.Links, LinkResult{Outcome: Slow, Measurement: Measurement{From: "a", To: "b", Bandwidth: 1}})
+	seed, _ := rep.Marshal()
 	f.Add(seed)
 	f.Add([]byte(`{"nodes":[{"name":"a","verdict":"bogus"}]}`))
 	f.Fuzz(func(t *testing.T, data []byte) {

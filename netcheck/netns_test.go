@@ -3,6 +3,7 @@ package netcheck
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -27,9 +28,10 @@ import (
 // Set FAULTLINE_NETCHECK_HEAVY=1 for bigger clusters and transfers.
 
 const (
-	agentEnv = "FAULTLINE_NETCHECK_TEST_AGENT"
-	copyEnv  = "FAULTLINE_NETCHECK_TEST_COPY" // also serve plain io.Copy, for the benchmark
-	heavyEnv = "FAULTLINE_NETCHECK_HEAVY"
+	agentEnv   = "FAULTLINE_NETCHECK_TEST_AGENT"
+	checkerEnv = "FAULTLINE_NETCHECK_TEST_CHECKER" // a checkRequest: run it and print the report
+	copyEnv    = "FAULTLINE_NETCHECK_TEST_COPY"    // also serve plain io.Copy, for the benchmark
+	heavyEnv   = "FAULTLINE_NETCHECK_HEAVY"
 )
 
 // runTestAgent is main for a host: it serves an agent on addr, and a plain
@@ -54,6 +56,42 @@ func runTestAgent(addr string) int {
 	}
 	fmt.Println("ready", a.Addr())
 	a.Run(ctx)
+	return 0
+}
+
+// checkRequest is a check for runTestChecker to run on a host.
+type checkRequest struct {
+	Nodes   []Node
+	Policy  Policy
+	Bytes   int64
+	Repeats int
+}
+
+// runTestChecker is main for a checker on a host: it runs the check that
+// req, a checkRequest in JSON, asks for and prints the report.
+func runTestChecker(req string) int {
+	var r checkRequest
+	if err := json.Unmarshal([]byte(req), &r); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	c, err := NewChecker(Config{Prober: &TCPProber{Bytes: r.Bytes, Repeats: r.Repeats}, Policy: r.Policy, Parallel: 1})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer c.Close()
+	rep, err := c.Check(context.Background(), r.Nodes)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	js, err := rep.Marshal()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	os.Stdout.Write(js)
 	return 0
 }
 
@@ -218,6 +256,33 @@ func freeSubnet(t testing.TB, seed int) string {
 	return ""
 }
 
+// checkFrom runs a check on host i, beside its agent, and returns the
+// report.
+func (f *fabric) checkFrom(i int, req checkRequest) *Report {
+	f.t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	js, err := json.Marshal(req)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	cmd := exec.Command("ip", "netns", "exec", f.hosts[i].ns, exe, "-test.run=^$")
+	cmd.Env = append(os.Environ(), checkerEnv+"="+string(js))
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	out, err := cmd.Output()
+	if err != nil {
+		f.t.Fatalf("checker on %s: %v", f.hosts[i].name, err)
+	}
+	rep, err := ParseReport(out)
+	if err != nil {
+		f.t.Fatalf("checker on %s: %v\n%s", f.hosts[i].name, err, out)
+	}
+	return rep
+}
+
 func (f *fabric) nodes() []Node {
 	nodes := make([]Node, len(f.hosts))
 	for i, h := range f.hosts {
@@ -274,10 +339,18 @@ type scenario struct {
 	bytes   int64
 	timeout time.Duration
 	rate    string // of a shaped link
+	// partial: a shaped link cannot finish one transfer by the deadline,
+	// and its straggler's reason gives the rate it moved at.
+	partial bool
+	// unknown are the hosts, not degraded, whose speed nothing can judge.
+	unknown []int
 }
 
 func (sc scenario) want() map[string]Verdict {
 	want := map[string]Verdict{}
+	for _, h := range sc.unknown {
+		want[fmt.Sprintf("h%02d", h)] = Unknown
+	}
 	for _, d := range sc.faults {
 		v := Straggler
 		if d.kind == "cut" {
@@ -294,13 +367,18 @@ func TestNetworkNamespaces(t *testing.T) {
 		{name: "N=6 one shaped", n: 6, faults: []degrade{{"shape", 2}}},
 		{name: "N=6 shaped and cut", n: 6, faults: []degrade{{"shape", 1}, {"cut", 4}}},
 		{name: "N=2 one shaped", n: 2, faults: []degrade{{"shape", 0}}},
-		{name: "N=2 one cut", n: 2, faults: []degrade{{"cut", 1}}},
+		// h00's one completed probe, with the checker, has nothing to be
+		// compared with.
+		{name: "N=2 one cut", n: 2, faults: []degrade{{"cut", 1}}, unknown: []int{0}},
 		{name: "N=3 one cut", n: 3, faults: []degrade{{"cut", 0}}},
 		{name: "N=3 shaped and cut", n: 3, faults: []degrade{{"shape", 2}, {"cut", 1}}},
 		// 60 ms each way: slow start makes every transfer take several
 		// round trips, so the probe needs more time.
 		{name: "N=4 delay", n: 4, faults: []degrade{{"delay", 3}}, bytes: 128 << 10, timeout: 5 * time.Second},
 		{name: "N=4 loss", n: 4, faults: []degrade{{"loss", 0}}, timeout: 3 * time.Second},
+		// 4 MiB each way at 8 Mbit/s take 8 s, past the deadline: the
+		// link is slow, not dead.
+		{name: "N=3 too slow to finish", n: 3, faults: []degrade{{"shape", 2}}, bytes: 4 << 20, rate: "8mbit", partial: true},
 	}
 	if os.Getenv(heavyEnv) != "" {
 		scenarios = append(scenarios,
@@ -387,7 +465,65 @@ func TestNetworkNamespaces(t *testing.T) {
 					}
 				case bad && res.Verdict != v:
 					t.Errorf("%s judged %s, want %s: %s", res.Name, res.Verdict, v, res.Reason)
+				case bad && sc.partial && !strings.Contains(res.Reason, "cut by the deadline after"):
+					t.Errorf("%s: reason %q gives no rate of what moved", res.Name, res.Reason)
 				}
+			}
+		})
+	}
+}
+
+// TestCheckerOnANodesHost runs the checker on a node's host, as DLRover
+// runs its check. Every link is shaped to 400 Mbit/s, so that loopback is
+// far faster than any of them: the probe to the agent beside the checker
+// must not become the baseline that every real link falls short of.
+func TestCheckerOnANodesHost(t *testing.T) {
+	needNetns(t)
+	f := newFabric(t, 3, false)
+	for i := range f.hosts {
+		f.shape(i, "400mbit")
+	}
+	req := checkRequest{Bytes: 1 << 20, Repeats: 2, Policy: Policy{ProbeTimeout: 3 * time.Second, StragglerRatio: 3}}
+	verdicts := func(rep *Report) string {
+		var b strings.Builder
+		for _, n := range rep.Nodes {
+			b.WriteByte(string(n.Verdict)[0])
+		}
+		return b.String()
+	}
+	for _, tc := range []struct {
+		name  string
+		n     int
+		slow  bool    // h00, the checker's host, at 40 Mbit/s
+		floor float64 // Policy.MinBandwidth
+		want  string  // verdicts in node order, one letter each
+	}{
+		// One probe, and the checker would only measure h00's link
+		// again: nothing to compare with, so unknown, not blamed...
+		{name: "N=2 healthy", n: 2, want: "uu"},
+		// ...unless a floor says what a healthy link does.
+		{name: "N=2 healthy, a floor", n: 2, floor: 10e6, want: "hh"},
+		{name: "N=3 healthy", n: 3, want: "hhh"},
+		{name: "N=3 the checker's node slow", n: 3, slow: true, want: "shh"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rate := "400mbit"
+			if tc.slow {
+				rate = "40mbit"
+			}
+			f.shape(0, rate)
+			r := req
+			r.Nodes = f.nodes()[:tc.n]
+			r.Policy.MinBandwidth = tc.floor
+			rep := f.checkFrom(0, r)
+			var text strings.Builder
+			rep.WriteText(&text)
+			t.Logf("\n%s", text.String())
+			if got := verdicts(rep); got != tc.want {
+				t.Errorf("verdicts %s, want %s", got, tc.want)
+			}
+			if rep.Reference != nil || len(rep.Notes) == 0 || !strings.HasPrefix(rep.Notes[0], "no reference: the checker runs on the host of h00") {
+				t.Errorf("reference %+v, notes %q", rep.Reference, rep.Notes)
 			}
 		})
 	}
