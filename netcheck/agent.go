@@ -16,8 +16,13 @@ import (
 	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
-// DefaultAgentAddr is where an agent listens unless told otherwise.
-const DefaultAgentAddr = ":9700"
+// Defaults of AgentConfig.
+const (
+	// DefaultAgentAddr is where an agent listens unless told otherwise.
+	DefaultAgentAddr = ":9700"
+	// DefaultAgentMaxBytes is the most one request moves each way.
+	DefaultAgentMaxBytes = 1 << 30
+)
 
 // AgentConfig configures an Agent. The zero value of every field is a
 // documented default.
@@ -26,7 +31,7 @@ type AgentConfig struct {
 	Listen string
 	// MaxBytes is the most one request moves each way, all its repeats
 	// together, so that a stray client cannot keep the link busy.
-	// Default 1 GiB.
+	// Default DefaultAgentMaxBytes, 1 GiB.
 	MaxBytes int64
 	// IdleTimeout closes a connection on which nothing moves for this
 	// long. Default 30 s.
@@ -95,7 +100,7 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 		cfg.Listen = DefaultAgentAddr
 	}
 	if cfg.MaxBytes == 0 {
-		cfg.MaxBytes = 1 << 30
+		cfg.MaxBytes = DefaultAgentMaxBytes
 	}
 	if cfg.IdleTimeout == 0 {
 		cfg.IdleTimeout = 30 * time.Second
