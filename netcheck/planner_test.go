@@ -349,6 +349,9 @@ func TestPlannerFloorAboveEveryLink(t *testing.T) {
 			t.Fatalf("link %+v", l)
 		}
 	}
+	if r := rep.Nodes[0].Reason; !strings.HasPrefix(r, "below the floor of 50.0 MB/s (400 Mbit/s) with every peer") {
+		t.Fatalf("reason for n00: %s", r)
+	}
 	for _, want := range []string{"links no verdict explains", "n00→n01", "slow: 10.0 MB/s (80 Mbit/s)"} {
 		if !strings.Contains(text.String(), want) {
 			t.Errorf("text lacks %q:\n%s", want, text.String())

@@ -338,6 +338,11 @@ func (p *Planner) reason(x int, st stats, j judgement, ev []Evidence) string {
 	case len(peers) > 0:
 		return fmt.Sprintf("bad against %s only; %d healthy peers must agree", strings.Join(peers, ", "),
 			p.pol.ConfirmPeers)
+	case p.pol.MinBandwidth > 0 && !slices.ContainsFunc(ev, func(e Evidence) bool {
+		return e.Failed() || e.Bandwidth >= p.pol.MinBandwidth
+	}):
+		return fmt.Sprintf("below the floor of %s with every peer, and no peer known to be healthy to tell which end is slow; see the links",
+			rate(p.pol.MinBandwidth))
 	}
 	return "no probe with a peer known to be healthy"
 }
