@@ -67,31 +67,34 @@ type checkRequest struct {
 	Repeats int
 }
 
-// runTestChecker is main for a checker on a host: it runs the check that
-// req, a checkRequest in JSON, asks for and prints the report.
-func runTestChecker(req string) int {
-	var r checkRequest
-	if err := json.Unmarshal([]byte(req), &r); err != nil {
+// runTestChecker is main for a checker on a host: it runs the checks that
+// reqs, checkRequests in a JSON array, ask for, one after another, and
+// prints their reports as a JSON array.
+func runTestChecker(reqs string) int {
+	var rs []checkRequest
+	if err := json.Unmarshal([]byte(reqs), &rs); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	c, err := NewChecker(Config{Prober: &TCPProber{Bytes: r.Bytes, Repeats: r.Repeats}, Policy: r.Policy, Parallel: 1})
-	if err != nil {
+	var reps []*Report
+	for _, r := range rs {
+		c, err := NewChecker(Config{Prober: &TCPProber{Bytes: r.Bytes, Repeats: r.Repeats}, Policy: r.Policy, Parallel: 1})
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		rep, err := c.Check(context.Background(), r.Nodes)
+		c.Close()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		reps = append(reps, rep)
+	}
+	if err := json.NewEncoder(os.Stdout).Encode(reps); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	defer c.Close()
-	rep, err := c.Check(context.Background(), r.Nodes)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	js, err := rep.Marshal()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	os.Stdout.Write(js)
 	return 0
 }
 
@@ -256,15 +259,15 @@ func freeSubnet(t testing.TB, seed int) string {
 	return ""
 }
 
-// checkFrom runs a check on host i, beside its agent, and returns the
-// report.
-func (f *fabric) checkFrom(i int, req checkRequest) *Report {
+// checkFrom runs checks on host i, beside its agent, one after another,
+// and returns their reports.
+func (f *fabric) checkFrom(i int, reqs ...checkRequest) []*Report {
 	f.t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
 		f.t.Fatal(err)
 	}
-	js, err := json.Marshal(req)
+	js, err := json.Marshal(reqs)
 	if err != nil {
 		f.t.Fatal(err)
 	}
@@ -276,11 +279,11 @@ func (f *fabric) checkFrom(i int, req checkRequest) *Report {
 	if err != nil {
 		f.t.Fatalf("checker on %s: %v", f.hosts[i].name, err)
 	}
-	rep, err := ParseReport(out)
-	if err != nil {
-		f.t.Fatalf("checker on %s: %v\n%s", f.hosts[i].name, err, out)
+	var reps []*Report
+	if err := json.Unmarshal(out, &reps); err != nil || len(reps) != len(reqs) {
+		f.t.Fatalf("checker on %s: %d reports for %d checks, %v\n%s", f.hosts[i].name, len(reps), len(reqs), err, out)
 	}
-	return rep
+	return reps
 }
 
 func (f *fabric) nodes() []Node {
@@ -483,48 +486,41 @@ func TestCheckerOnANodesHost(t *testing.T) {
 	for i := range f.hosts {
 		f.shape(i, "400mbit")
 	}
-	req := checkRequest{Bytes: 1 << 20, Repeats: 2, Policy: Policy{ProbeTimeout: 3 * time.Second, StragglerRatio: 3}}
-	verdicts := func(rep *Report) string {
-		var b strings.Builder
-		for _, n := range rep.Nodes {
-			b.WriteByte(string(n.Verdict)[0])
-		}
-		return b.String()
-	}
-	for _, tc := range []struct {
+	type check struct {
 		name  string
 		n     int
-		slow  bool    // h00, the checker's host, at 40 Mbit/s
 		floor float64 // Policy.MinBandwidth
 		want  string  // verdicts in node order, one letter each
-	}{
-		// One probe, and the checker would only measure h00's link
-		// again: nothing to compare with, so unknown, not blamed...
-		{name: "N=2 healthy", n: 2, want: "uu"},
-		// ...unless a floor says what a healthy link does.
-		{name: "N=2 healthy, a floor", n: 2, floor: 10e6, want: "hh"},
-		{name: "N=3 healthy", n: 3, want: "hhh"},
-		{name: "N=3 the checker's node slow", n: 3, slow: true, want: "shh"},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			rate := "400mbit"
-			if tc.slow {
-				rate = "40mbit"
-			}
-			f.shape(0, rate)
-			r := req
-			r.Nodes = f.nodes()[:tc.n]
-			r.Policy.MinBandwidth = tc.floor
-			rep := f.checkFrom(0, r)
-			var text strings.Builder
+	}
+	run := func(checks ...check) {
+		t.Helper()
+		var reqs []checkRequest
+		for _, c := range checks {
+			reqs = append(reqs, checkRequest{Nodes: f.nodes()[:c.n], Bytes: 1 << 20, Repeats: 1,
+				Policy: Policy{ProbeTimeout: 3 * time.Second, StragglerRatio: 3, MinBandwidth: c.floor}})
+		}
+		for i, rep := range f.checkFrom(0, reqs...) {
+			var text, got strings.Builder
 			rep.WriteText(&text)
-			t.Logf("\n%s", text.String())
-			if got := verdicts(rep); got != tc.want {
-				t.Errorf("verdicts %s, want %s", got, tc.want)
+			for _, n := range rep.Nodes {
+				got.WriteByte(string(n.Verdict)[0])
+			}
+			if got.String() != checks[i].want {
+				t.Errorf("%s: verdicts %s, want %s\n%s", checks[i].name, got.String(), checks[i].want, text.String())
 			}
 			if rep.Reference != nil || len(rep.Notes) == 0 || !strings.HasPrefix(rep.Notes[0], "no reference: the checker runs on the host of h00") {
-				t.Errorf("reference %+v, notes %q", rep.Reference, rep.Notes)
+				t.Errorf("%s: reference %+v, notes %q", checks[i].name, rep.Reference, rep.Notes)
 			}
-		})
+		}
 	}
+	run(
+		// One probe, and the checker would only measure h00's link
+		// again: nothing to compare with, so unknown, not blamed...
+		check{name: "N=2 healthy", n: 2, want: "uu"},
+		// ...unless a floor says what a healthy link does.
+		check{name: "N=2 healthy, a floor", n: 2, floor: 10e6, want: "hh"},
+		check{name: "N=3 healthy", n: 3, want: "hhh"},
+	)
+	f.shape(0, "40mbit")
+	run(check{name: "N=3 the checker's node slow", n: 3, want: "shh"})
 }
