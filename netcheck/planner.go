@@ -315,7 +315,9 @@ func (p *Planner) elapsed(m Measurement) time.Duration {
 	return m.Elapsed
 }
 
-// baseline finds a participant that is an end of every completed probe.
+// baseline reports whether the probes have a baseline: a floor, or
+// completed probes that do not all share an end. hub is a participant in
+// every completed probe, -1 if there is none or no probe completed.
 func (p *Planner) baseline() (ok bool, hub int) {
 	ends, n := [2]int{-1, -1}, 0
 	for _, r := range p.probes {
