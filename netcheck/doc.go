@@ -65,9 +65,12 @@
 //	...
 //	go agent.Run(ctx)
 //
-//	// Anywhere:
+//	// Anywhere that reaches the agents; off their hosts, the checker is
+//	// also the reference:
 //	c, err := netcheck.NewChecker(netcheck.Config{})
 //	...
+//	defer c.Close()
 //	report, err := c.Check(ctx, []netcheck.Node{{Name: "node-0", Addr: "10.0.0.1:9700"}, ...})
-//	fmt.Println(report.Bad()) // the faulty and straggling nodes
+//	fmt.Println(report.Bad())   // the faulty and straggling nodes
+//	fmt.Println(report.Notes)   // what limited the check, if anything
 package netcheck
