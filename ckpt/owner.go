@@ -204,7 +204,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 	}
 	if cfg.Dir != "" {
 		if err := os.MkdirAll(cfg.Dir, 0o750); err != nil {
-			o.m.unregister()
+			o.m.reg.UnregisterAll()
 			return nil, fmt.Errorf("ckpt: disk tier: %w", err)
 		}
 	}
@@ -212,7 +212,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 	for _, s := range cfg.Shards {
 		seg, err := createSegment(SegmentPath(cfg.ShmDir, cfg.Name, s), s, 0, cfg.Capacity)
 		if err != nil {
-			o.m.unregister()
+			o.m.reg.UnregisterAll()
 			o.unmapAll()
 			return nil, err
 		}
@@ -221,7 +221,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 	if cfg.ListenAddr != "" {
 		ln, err := net.Listen("tcp", cfg.ListenAddr)
 		if err != nil {
-			o.m.unregister()
+			o.m.reg.UnregisterAll()
 			o.unmapAll()
 			return nil, fmt.Errorf("ckpt: replica server: %w", err)
 		}
@@ -919,7 +919,7 @@ func (o *Owner) Close() error {
 		return nil
 	}
 	o.closed = true
-	o.m.unregister()
+	o.m.reg.UnregisterAll()
 	return o.unmapAll()
 }
 

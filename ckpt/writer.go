@@ -295,6 +295,6 @@ func (w *Writer) Close() error {
 	}
 	err := w.seg.close()
 	w.seg = nil
-	w.m.unregister()
+	w.m.reg.UnregisterAll()
 	return err
 }
