@@ -13,6 +13,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -277,48 +278,49 @@ func TestTruncatedSegment(t *testing.T) {
 // writing with truncation would: every call that touches it fails with an
 // error, and neither the owner nor its Run loop dies of SIGBUS.
 func TestSegmentTruncatedUnderMappings(t *testing.T) {
-	ctx := context.Background()
-	logs := &syncBuffer{}
-	o, w := newPair(t, OwnerConfig{Dir: t.TempDir(), PollInterval: time.Millisecond,
-		Logger: slog.New(slog.NewTextHandler(logs, nil))})
-	if err := w.Save(ctx, 1, blobs(1)...); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(o.SegmentPath(0), 0); err != nil {
-		t.Fatal(err)
-	}
-	fault := func(what string, err error) {
-		t.Helper()
-		if err == nil || !strings.Contains(err.Error(), "fault") {
-			t.Errorf("%s = %v, want a memory fault error", what, err)
+	// In a bubble, Run's polls follow a fake clock: the test sees exactly
+	// how many polls met the fault.
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		logs := &syncBuffer{}
+		const poll = time.Millisecond
+		o, w := newPair(t, OwnerConfig{Dir: t.TempDir(), PollInterval: poll,
+			Logger: slog.New(slog.NewTextHandler(logs, nil))})
+		if err := w.Save(ctx, 1, blobs(1)...); err != nil {
+			t.Fatal(err)
 		}
-	}
-	_, _, err := o.Load(ctx, 0)
-	fault("Owner.Load", err)
-	_, err = o.Persist(ctx, 0)
-	fault("Owner.Persist", err)
-	_, err = o.PersistNewest(ctx)
-	fault("Owner.PersistNewest", err)
-	_, err = w.Load(ctx)
-	fault("Writer.Load", err)
-	fault("Writer.Persist", w.Persist(1))
-	fault("Writer.Save", w.Save(ctx, 2, blobs(2)...))
+		if err := os.Truncate(o.SegmentPath(0), 0); err != nil {
+			t.Fatal(err)
+		}
+		fault := func(what string, err error) {
+			t.Helper()
+			if err == nil || !strings.Contains(err.Error(), "fault") {
+				t.Errorf("%s = %v, want a memory fault error", what, err)
+			}
+		}
+		_, _, err := o.Load(ctx, 0)
+		fault("Owner.Load", err)
+		_, err = o.Persist(ctx, 0)
+		fault("Owner.Persist", err)
+		_, err = o.PersistNewest(ctx)
+		fault("Owner.PersistNewest", err)
+		_, err = w.Load(ctx)
+		fault("Writer.Load", err)
+		fault("Writer.Persist", w.Persist(1))
+		fault("Writer.Save", w.Save(ctx, 2, blobs(2)...))
 
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan error)
-	go func() { done <- o.Run(ctx) }()
-	deadline := time.Now().Add(20 * time.Second)
-	for !strings.Contains(logs.String(), "cannot read a segment") {
-		if time.Now().After(deadline) {
-			t.Fatalf("Run logged no fault in 20s:\n%s", logs.String())
+		ctx, cancel := context.WithCancel(ctx)
+		done := make(chan error)
+		go func() { done <- o.Run(ctx) }()
+		// A hundred polls meet the fault; it is logged once.
+		time.Sleep(100 * poll)
+		synctest.Wait()
+		cancel()
+		<-done
+		if n := strings.Count(logs.String(), "cannot read a segment"); n != 1 {
+			t.Errorf("Run logged the fault %d times in 100 polls, want once:\n%s", n, logs.String())
 		}
-		time.Sleep(time.Millisecond)
-	}
-	cancel()
-	<-done
-	if n := strings.Count(logs.String(), "cannot read a segment"); n != 1 {
-		t.Errorf("Run logged the fault %d times, want once", n)
-	}
+	})
 }
 
 // syncBuffer is a bytes.Buffer safe for a logger and a test to share.
