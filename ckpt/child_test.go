@@ -48,8 +48,13 @@ func runChild(role string) int {
 		err = childPeer()
 	case "sender":
 		err = childSender()
+	case "shard":
+		err = childShard()
 	default:
 		err = fmt.Errorf("unknown role %q", role)
+	}
+	if err == nil {
+		return 0
 	}
 	fmt.Fprintln(os.Stderr, "child:", err)
 	return 2
@@ -158,6 +163,43 @@ func childPersister() error {
 			return err
 		}
 	}
+}
+
+// childShard is the node agent of one shard (FAULTLINE_CKPT_SHARD) of a
+// two-shard job whose nodes share the disk tier: for each step its parent
+// writes on stdin it saves its shard and persists it, and says
+// "persisted" or the error, on one line.
+func childShard() error {
+	shard := int(envInt("FAULTLINE_CKPT_SHARD"))
+	o, err := NewOwner(OwnerConfig{
+		ShmDir: os.Getenv("FAULTLINE_CKPT_SHM"), Shards: []int{shard}, NumShards: 2, Capacity: 1 << 20,
+		Dir: os.Getenv("FAULTLINE_CKPT_DIR"), Retention: Retention{KeepLatest: 1},
+	})
+	if err != nil {
+		return err
+	}
+	w, err := NewWriter(WriterConfig{Path: o.SegmentPath(shard)})
+	if err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	ctx := context.Background()
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		step, err := strconv.ParseInt(in.Text(), 10, 64)
+		if err != nil {
+			return err
+		}
+		if err := w.Save(ctx, step, blobs(step)...); err != nil {
+			return err
+		}
+		if _, err := o.Persist(ctx, shard); err != nil {
+			fmt.Println("error:", strings.ReplaceAll(err.Error(), "\n", "; "))
+			continue
+		}
+		fmt.Println("persisted")
+	}
+	return in.Err()
 }
 
 // childSealer is a node agent and its trainer in one process: it saves a

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"sync"
 )
 
 // Committer learns that shards of a step are durable and commits the step
@@ -26,15 +25,15 @@ type Committer interface {
 // single node, or a filesystem every node shares. It finds the shards of a
 // step by their manifests on disk, so it needs no memory of earlier calls
 // and a restarted process commits a step whose last shard it persists.
-// It is safe for concurrent use.
+// It holds the directory's LockFile while it commits and applies the
+// retention, so it is safe for concurrent use, by goroutines and by the
+// processes that share the directory.
 type LocalCommitter struct {
 	Dir       string    // the disk tier
 	Retention Retention // applied after each commit
 	// OnCommit, if set, is called after each commit with the step manifest
 	// and the steps retention removed.
 	OnCommit func(m StepManifest, removed []int64)
-
-	mu sync.Mutex
 }
 
 // ShardDurable commits m.Step if the manifests of all its m.NumShards
@@ -44,8 +43,11 @@ func (c *LocalCommitter) ShardDurable(ctx context.Context, m ShardManifest) erro
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
+	unlock, err := lockDir(c.Dir)
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	stepDir := StepDir(c.Dir, m.Step)
 	if b, err := os.ReadFile(filepath.Join(stepDir, CommitFile)); err == nil {
 		// Committed already; a crash may have cut the commit short before
@@ -54,7 +56,7 @@ func (c *LocalCommitter) ShardDurable(ctx context.Context, m ShardManifest) erro
 			return nil
 		}
 		if sm, err := ParseStepManifest(b); err == nil && sm.Step == m.Step {
-			return CommitStep(c.Dir, sm)
+			return commitStep(c.Dir, sm)
 		}
 	}
 	sm := StepManifest{Step: m.Step, Shards: make([]ShardRef, m.NumShards)}
@@ -76,10 +78,10 @@ func (c *LocalCommitter) ShardDurable(ctx context.Context, m ShardManifest) erro
 		}
 		sm.Shards[s] = ShardRef{Shard: s, Size: sh.Size, ManifestCRC32C: CRC32C(b)}
 	}
-	if err := CommitStep(c.Dir, sm); err != nil {
+	if err := commitStep(c.Dir, sm); err != nil {
 		return err
 	}
-	removed, err := ApplyRetention(c.Dir, c.Retention)
+	removed, err := applyRetention(c.Dir, c.Retention)
 	if c.OnCommit != nil {
 		c.OnCommit(sm, removed)
 	}

@@ -211,13 +211,47 @@ func committedShard(stepDir string, shard int) (ShardManifest, bool) {
 // tracker names: trackers never move back.
 var ErrStale = errors.New("ckpt: step is older than the committed one")
 
+// lockDir takes the disk tier's LockFile, waiting for the process or
+// goroutine that holds it; unlock releases it. A lock belongs to the open
+// file, so two callers in one process exclude each other too, and a
+// process that dies releases its lock.
+func lockDir(dir string) (unlock func(), err error) {
+	name := filepath.Join(dir, LockFile)
+	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o640)
+	if err != nil {
+		return nil, wrapNoSpace(fmt.Errorf("ckpt: lock the disk tier: %w", err))
+	}
+	for {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("ckpt: lock the disk tier: flock %s: %w", name, err)
+	}
+	return func() { f.Close() }, nil
+}
+
 // CommitStep commits a step in dir once every shard of it is durable: it
 // writes the step's CommitFile, then the trackers (TrackerFile,
-// DLRoverTrackerFile, MegatronTrackerFile), each atomically. The step
-// directory must exist in dir; on a node that holds only some shards it
-// holds only theirs. A control plane that learns shard completion from
-// every node calls CommitStep on each; LocalCommitter calls it for one.
+// DLRoverTrackerFile, MegatronTrackerFile), each atomically, holding the
+// LockFile of dir. The step directory must exist in dir; on a node that
+// holds only some shards it holds only theirs. A control plane that
+// learns shard completion from every node calls CommitStep on each;
+// LocalCommitter calls it for one.
 func CommitStep(dir string, m StepManifest) error {
+	unlock, err := lockDir(dir)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return commitStep(dir, m)
+}
+
+// commitStep is CommitStep for a caller that holds the lock.
+func commitStep(dir string, m StepManifest) error {
 	b, err := m.Marshal()
 	if err != nil {
 		return err
@@ -292,10 +326,21 @@ func stepDirs(dir string) (steps []int64, committed map[int64]bool, err error) {
 
 // ApplyRetention removes from dir the committed steps r does not keep and
 // the uncommitted step directories older than the newest committed step
-// (persists that never completed). It never removes the step the tracker
-// names, nor anything that is not a step directory. It returns the steps
-// removed.
+// (persists that never completed), holding the LockFile of dir. It never
+// removes the step the tracker names, nor anything that is not a step
+// directory; a step another process removed meanwhile is no error. It
+// returns the steps removed.
 func ApplyRetention(dir string, r Retention) ([]int64, error) {
+	unlock, err := lockDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	return applyRetention(dir, r)
+}
+
+// applyRetention is ApplyRetention for a caller that holds the lock.
+func applyRetention(dir string, r Retention) ([]int64, error) {
 	keepLatest := r.KeepLatest
 	if keepLatest == 0 {
 		keepLatest = 3
@@ -335,7 +380,11 @@ func ApplyRetention(dir string, r Retention) ([]int64, error) {
 		// A step vanishes at once, by a rename, so that a crash in the
 		// middle of removing its files cannot leave a committed step with
 		// some of them gone.
-		if err := os.Rename(StepDir(dir, s), filepath.Join(dir, fmt.Sprintf("%s%d", removingPrefix, s))); err != nil {
+		err := os.Rename(StepDir(dir, s), filepath.Join(dir, fmt.Sprintf("%s%d", removingPrefix, s)))
+		if errors.Is(err, fs.ErrNotExist) {
+			continue // removed by a process that does not take the lock
+		}
+		if err != nil {
 			errs = append(errs, fmt.Errorf("ckpt: retention: %w", err))
 			continue
 		}

@@ -1,10 +1,12 @@
 package ckpt
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -599,5 +601,78 @@ func TestWritebackUnsupported(t *testing.T) {
 	}
 	if !wb.unsupported {
 		t.Fatal("writeback on a pipe is not marked unsupported")
+	}
+}
+
+// TestCommitAcrossProcesses runs the agents of a two-shard job as two
+// processes on one disk tier and has them persist each step at the same
+// moment, so that both see the step complete and commit it, and both
+// apply the retention: each persist succeeds, and the tier ends with the
+// last step committed and nothing else.
+func TestCommitAcrossProcesses(t *testing.T) {
+	const steps = 60
+	shm, dir := shmDir(t), t.TempDir()
+	type agent struct {
+		in  io.WriteCloser
+		out *bufio.Scanner
+	}
+	var agents []agent
+	for shard := range 2 {
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), childEnv+"=shard", fmt.Sprint("FAULTLINE_CKPT_SHARD=", shard),
+			"FAULTLINE_CKPT_SHM="+shm, "FAULTLINE_CKPT_DIR="+dir)
+		cmd.Stderr = os.Stderr
+		in, err := cmd.StdinPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			in.Close()
+			cmd.Process.Kill()
+			cmd.Wait()
+		})
+		a := agent{in, bufio.NewScanner(out)}
+		if !a.out.Scan() || a.out.Text() != "ready" {
+			t.Fatalf("agent of shard %d did not start: %q", shard, a.out.Text())
+		}
+		agents = append(agents, a)
+	}
+	var failed []string
+	for step := 1; step <= steps; step++ {
+		for _, a := range agents {
+			fmt.Fprintln(a.in, step)
+		}
+		for shard, a := range agents {
+			if !a.out.Scan() {
+				t.Fatalf("agent of shard %d died at step %d", shard, step)
+			}
+			if got := a.out.Text(); got != "persisted" {
+				failed = append(failed, fmt.Sprintf("step %d shard %d: %s", step, shard, got))
+			}
+		}
+	}
+	if len(failed) > 0 {
+		t.Errorf("%d of %d persists failed:\n%s", len(failed), 2*steps, strings.Join(failed, "\n"))
+	}
+	rep, err := InspectDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Problems) > 0 {
+		t.Fatal(errors.Join(rep.Problems...))
+	}
+	var left []int64
+	for _, s := range rep.Steps {
+		left = append(left, s.Step)
+	}
+	if tr, err := readTracker(dir); err != nil || tr.Step != steps || !slices.Equal(left, []int64{steps}) {
+		t.Fatalf("tracker %+v, %v; steps left %v; want step %d alone", tr, err, left, steps)
 	}
 }

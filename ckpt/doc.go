@@ -59,6 +59,9 @@
 // filesystem); a control plane implements Committer across nodes and calls
 // CommitStep on each. Retention keeps the newest N committed steps and
 // every K-th; a removed step vanishes by a rename before its files go.
+// Commits and retention hold an exclusive flock on dir/LockFile, so that
+// the agents sharing a disk tier (processes of one node, or nodes on a
+// shared filesystem) commit and prune one at a time.
 //
 // # Replicas
 //
