@@ -1,6 +1,7 @@
 package ckpt
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -508,37 +509,16 @@ func scanShardFile(name string, man ShardManifest, verifyOnly bool) (*Checkpoint
 }
 
 // LoadDisk returns shard of the newest committed step in dir whose every
-// check holds: the step the tracker names, or else the newest step with a
-// CommitFile. The reasons it passed over newer steps (a tracker naming a
+// check holds. The reasons it passed over newer steps (a tracker naming a
 // missing step, a flipped bit) come back with it, or in the error, which
-// then wraps ErrNoStep.
+// then wraps ErrNoStep. A missing dir holds no step yet.
 func LoadDisk(dir string, shard int) (*Checkpoint, []error, error) {
-	var why []error
-	tracked := int64(-1)
-	if m, err := readTracker(dir); err == nil {
-		tracked = m.Step
-	} else if !errors.Is(err, fs.ErrNotExist) {
-		why = append(why, fmt.Errorf("tracker: %w", err))
+	rep := LoadReport{Shard: shard, Step: -1}
+	disk := diskSteps(dir, shard)
+	ck, _ := loadNewest(&rep, tierSteps{}, nil, disk)
+	if ck == nil {
+		why := append(rep.Notes, cmp.Or(disk.none, errors.New("no committed step is intact")))
+		return nil, why, fmt.Errorf("%w on disk: %w", ErrNoStep, errors.Join(why...))
 	}
-	steps, committed, err := stepDirs(dir)
-	if err != nil {
-		return nil, why, fmt.Errorf("%w: %w", ErrNoStep, err)
-	}
-	if tracked >= 0 && !committed[tracked] {
-		why = append(why, fmt.Errorf("%s names step %d, which is not committed in %s", TrackerFile, tracked, dir))
-	}
-	for _, s := range steps {
-		if !committed[s] {
-			continue
-		}
-		ck, err := LoadDiskStep(dir, s, shard)
-		if err == nil {
-			return ck, why, nil
-		}
-		why = append(why, fmt.Errorf("step %d shard %d: %w", s, shard, err))
-	}
-	if len(why) == 0 {
-		why = append(why, fmt.Errorf("no committed step in %s", dir))
-	}
-	return nil, why, fmt.Errorf("%w on disk: %w", ErrNoStep, errors.Join(why...))
+	return ck, rep.Notes, nil
 }

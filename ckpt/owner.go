@@ -524,18 +524,17 @@ func memorySteps(seg *segment) []int64 {
 // until it is written again, so that loading each of n shards does not
 // read every shard n times.
 func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
-	var common []int64
+	var common, any []int64
 	var held []string
 	for k, shard := range o.cfg.Shards {
 		seg := o.segs[shard]
 		var steps []int64
-		var why []error
 		for i := range 2 {
 			m, ok := seg.metaOK(i)
 			if !ok {
 				if st := seg.state(i); st != StateEmpty && st != StateWriting {
 					if err := seg.whyNot(i); err != nil {
-						why = append(why, err)
+						passed = append(passed, fmt.Errorf("memory shard %d: %w", shard, err))
 					}
 				}
 				continue
@@ -546,22 +545,28 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 					if errors.Is(err, ErrCorrupt) {
 						o.m.crcFailures.Inc()
 					}
-					why = append(why, err)
+					passed = append(passed, fmt.Errorf("step %d: memory shard %d: %w", m.Step, shard, err))
 					continue
 				}
 				o.verified.Store(key, version)
 			}
 			steps = append(steps, m.Step)
 		}
-		for _, w := range why {
-			passed = append(passed, fmt.Errorf("memory shard %d: %w", shard, w))
-		}
 		held = append(held, fmt.Sprintf("shard %d holds %v", shard, steps))
+		any = append(any, steps...)
 		if k == 0 {
 			common = steps
 			continue
 		}
 		common = slices.DeleteFunc(common, func(x int64) bool { return !slices.Contains(steps, x) })
+	}
+	slices.Sort(any)
+	slices.Reverse(any)
+	for _, s := range slices.Compact(any) {
+		if len(common) > 0 && s <= slices.Max(common) {
+			break
+		}
+		passed = append(passed, fmt.Errorf("step %d: memory: not every local shard holds it intact (%s)", s, strings.Join(held, "; ")))
 	}
 	if len(common) == 0 {
 		return nil, passed, fmt.Errorf("%w in every local shard: %s", ErrNoStep, strings.Join(held, "; "))

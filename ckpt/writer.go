@@ -246,8 +246,11 @@ func (w *Writer) Persist(step int64) (err error) {
 
 // Load returns the newest step in memory whose every CRC holds, or which
 // is complete but not yet sealed by its owner (then the Checkpoint is
-// Unverified). Its error wraps ErrNoStep and says why each half was
-// refused.
+// Unverified). It reads memory alone: a newer step that fails its checks
+// there is logged (WriterConfig.Logger) and passed over, though the disk
+// tier may hold it intact, so a trainer restarts from the step its agent
+// chose with Owner.Load (or LoadShard, which weighs the disk tier too).
+// Its error wraps ErrNoStep and says why each half was refused.
 func (w *Writer) Load(ctx context.Context) (*Checkpoint, error) {
 	return w.load(ctx, nil)
 }
@@ -281,6 +284,9 @@ func (w *Writer) load(ctx context.Context, reuse *Checkpoint) (_ *Checkpoint, er
 		attribute.Bool("ckpt.unverified", ck.Unverified))
 	if ck.Unverified {
 		w.log.Warn("ckpt: loaded a step its owner has not sealed: complete, but no CRC checked it", "step", ck.Step, "segment", w.cfg.Path)
+	}
+	for _, e := range why {
+		w.log.Warn("ckpt: passed over in memory", "loaded_step", ck.Step, "segment", w.cfg.Path, "err", e)
 	}
 	return ck, nil
 }
