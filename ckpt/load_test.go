@@ -139,6 +139,12 @@ func TestLoadShard(t *testing.T) {
 	if _, _, err := LoadDisk(filepath.Join(t.TempDir(), "none"), 0); !errors.Is(err, ErrNoStep) || !strings.Contains(err.Error(), "nothing on disk yet") {
 		t.Fatalf("LoadDisk of a missing tier = %v", err)
 	}
+	if r, err := InspectDir(filepath.Join(t.TempDir(), "none")); err != nil || !r.Absent {
+		t.Fatalf("InspectDir of a missing tier = %+v, %v; want Absent", r, err)
+	}
+	if err := Verify(filepath.Join(t.TempDir(), "none"), path); !errors.Is(err, ErrCorrupt) || strings.Contains(err.Error(), "none") {
+		t.Fatalf("Verify = %v; want the damaged step 2 alone, a missing disk tier no problem", err)
+	}
 }
 
 // TestCommonStep has one shard of two save a step the other never does
