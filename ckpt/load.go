@@ -377,7 +377,8 @@ func (o *Owner) fetch(ctx context.Context, seg *segment, step int64) (*Checkpoin
 		m, _, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (StepMeta, int64, error) {
 			m, err := getReplica(conn, shard, step, o.cfg.IOTimeout, func(need int64) (*segment, error) {
 				if need > seg.hdr.HalfSize {
-					return nil, fmt.Errorf("%w: replica needs %d bytes per half, %s has %d", ErrTooLarge, need, seg.path, seg.hdr.HalfSize)
+					return nil, fmt.Errorf("%w: replica needs %d bytes per half, %s has %d: restart the owner with OwnerConfig.Capacity %d or more to restore it",
+						ErrTooLarge, need, seg.path, seg.hdr.HalfSize, need)
 				}
 				return seg, nil
 			})

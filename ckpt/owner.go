@@ -41,7 +41,9 @@ type OwnerConfig struct {
 	NumShards int
 	// Capacity is the size of a half in bytes: the largest step of one
 	// shard, its blob table included. StepSize computes it. A segment
-	// takes 2*Capacity + 4 KiB of shared memory.
+	// takes 2*Capacity + 4 KiB of shared memory. An existing segment with
+	// smaller halves is grown to it, keeping its steps; a larger one is
+	// kept. A save of a larger step grows the segment (Writer.Save).
 	Capacity int64
 
 	// Dir is the disk tier; "" leaves steps in memory only.
@@ -273,12 +275,52 @@ func (o *Owner) Addr() net.Addr {
 	return o.ln.Addr()
 }
 
-// acquire guards an operation against Close.
+// acquire guards an operation against Close, having first mapped anew
+// the segments that a writer grew (replaced under their names).
 func (o *Owner) acquire() error {
 	o.ops.RLock()
 	if o.closed {
 		o.ops.RUnlock()
 		return fmt.Errorf("ckpt: owner: %w", errClosed)
+	}
+	if !slices.ContainsFunc(o.cfg.Shards, func(s int) bool { return o.segs[s].replaced() }) {
+		return nil
+	}
+	o.ops.RUnlock()
+	o.ops.Lock()
+	err := o.remap()
+	o.ops.Unlock()
+	if err != nil {
+		return err
+	}
+	return o.acquire()
+}
+
+// remap maps anew the segments whose paths name other files now. The
+// caller holds ops for writing.
+func (o *Owner) remap() error {
+	if o.closed {
+		return nil // acquire says so
+	}
+	for _, shard := range o.cfg.Shards {
+		old := o.segs[shard]
+		if !old.replaced() {
+			continue
+		}
+		seg, err := openSegment(old.path, false)
+		if err == nil && (seg.hdr.Shard != shard || seg.hdr.Flags != 0 || seg.writable() != nil) {
+			seg.close()
+			err = fmt.Errorf("ckpt: segment %s now holds shard %d with flags %d, layout version %d: remove it, and restart the owner to create it again",
+				old.path, seg.hdr.Shard, seg.hdr.Flags, seg.hdr.Version)
+		}
+		if err != nil {
+			return fmt.Errorf("ckpt: map the grown segment of shard %d: %w", shard, err)
+		}
+		// Pins belong to this owner, which holds none on the new file.
+		o.log.Info("ckpt: segment grown", "shard", shard, "half_size", seg.hdr.HalfSize, "was", old.hdr.HalfSize)
+		old.close()
+		o.segs[shard] = seg
+		o.forget(shard)
 	}
 	return nil
 }

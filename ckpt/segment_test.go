@@ -113,14 +113,6 @@ func TestSaveSkipsPinnedHalf(t *testing.T) {
 	}
 }
 
-func TestSaveTooLarge(t *testing.T) {
-	_, w := newPair(t, OwnerConfig{Capacity: 8192})
-	err := w.Save(context.Background(), 1, Blob{Name: "model", Data: make([]byte, 9000)})
-	if !errors.Is(err, ErrTooLarge) || !strings.Contains(err.Error(), "8192") {
-		t.Fatalf("err = %v, want ErrTooLarge naming the half size", err)
-	}
-}
-
 func TestSaveRejectsBadInput(t *testing.T) {
 	_, w := newPair(t, OwnerConfig{})
 	for _, tc := range []struct {
@@ -247,6 +239,19 @@ func TestSmallShmMount(t *testing.T) {
 	if _, err := NewOwner(OwnerConfig{ShmDir: dir, Shards: []int{1}, Capacity: 4 << 20}); !errors.Is(err, ErrNoSpace) {
 		t.Fatalf("second segment: err = %v, want ErrNoSpace", err)
 	}
+	// Nor does a grown one: the save fails, saying why, and the step
+	// saved stays.
+	err = w.Save(context.Background(), 2, Blob{Name: "model", Data: make([]byte, 31<<20)})
+	if !errors.Is(err, ErrTooLarge) || !errors.Is(err, ErrNoSpace) || !strings.Contains(err.Error(), "remount") {
+		t.Fatalf("save that needs a larger segment than fits: err = %v, want ErrTooLarge and ErrNoSpace", err)
+	}
+	t.Logf("error as the operator sees it: %v", err)
+	if ck, err := w.Load(context.Background()); err != nil || ck.Step != 1 {
+		t.Fatalf("Load after the failed grow = %v, %v; want step 1", ck, err)
+	}
+	if left, _ := filepath.Glob(filepath.Join(dir, ".*")); len(left) > 0 {
+		t.Fatalf("the failed grow left %v", left)
+	}
 	o.Remove()
 }
 
@@ -352,25 +357,35 @@ func TestOwnerRestartKeepsSteps(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := w.Save(ctx, 5, blobs(5)...); err != nil {
-		t.Fatal(err)
+	for step := int64(4); step <= 5; step++ {
+		if err := w.Save(ctx, step, blobs(step)...); err != nil {
+			t.Fatal(err)
+		}
 	}
 	w.Close()
 	o.Close()
-	if _, err := NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: 2 << 20}); err == nil || !strings.Contains(err.Error(), "exists with half size") {
-		t.Fatalf("reopen with another capacity = %v, want an error", err)
+	// A larger capacity grows the segment, and both steps go with it; a
+	// smaller one keeps the larger segment.
+	for _, capacity := range []int64{2 << 20, 1 << 20} {
+		o2, err := NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: capacity})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ck, rep, err := o2.Load(ctx, 0)
+		if err != nil || ck.Step != 5 || rep.Tier != TierMemory {
+			t.Fatalf("capacity %d: Load after restart = %v, %v, %v", capacity, ck, rep, err)
+		}
+		o2.Close()
+		r, err := InspectSegment(filepath.Join(shm, "faultline-ckpt-0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Header.HalfSize != 2<<20 || r.Halves[0].Meta.Step != 5 || r.Halves[1].Meta.Step != 4 || r.Halves[0].Err != nil || r.Halves[1].Err != nil {
+			t.Fatalf("capacity %d: segment %+v, want halves of 2 MiB holding steps 5 and 4", capacity, r)
+		}
 	}
-	o2, err := NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: 1 << 20})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer o2.Remove()
-	ck, rep, err := o2.Load(ctx, 0)
-	if err != nil || ck.Step != 5 || rep.Tier != TierMemory {
-		t.Fatalf("Load after restart = %v, %v, %v", ck, rep, err)
-	}
-	if _, err := os.Stat(filepath.Join(shm, "faultline-ckpt-0")); err != nil {
-		t.Fatal(err)
+	if left, _ := filepath.Glob(filepath.Join(shm, ".*")); len(left) > 0 {
+		t.Fatalf("growing left %v", left)
 	}
 }
 
