@@ -122,20 +122,42 @@ func mkdirSynced(dir string) error {
 	return atomicfile.SyncDir(filepath.Dir(dir))
 }
 
+// persisted says what a persist did with a shard's files.
+type persisted int
+
+const (
+	wrote     persisted = iota // the step was not committed: written
+	kept                       // committed, and its disk copy intact: kept
+	rewritten                  // committed, its disk copy damaged: written again
+)
+
 // persistHalf writes the sealed step in half i of seg to dir as shard
 // numShards: the data file (CRC-checked while written, fsynced, renamed)
-// and then its manifest. A step already committed there is left alone.
-func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards int) (ShardManifest, error) {
+// and then its manifest. A step already committed there is checked
+// against memory: the same step with its disk copy intact is kept, the
+// same step with its copy damaged is written again (to the files the
+// commit names, byte for byte), and another step under the same number
+// is an error that keeps the committed one.
+func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards int) (ShardManifest, persisted, error) {
 	shard := seg.hdr.Shard
 	var man ShardManifest
+	did := wrote
 	err := seg.read(i, true, func(m StepMeta, half []byte, valid func() error) error {
 		if !m.Sealed {
 			return fmt.Errorf("ckpt: step %d in %s half %d is not sealed", m.Step, seg.path, i)
 		}
 		stepDir := StepDir(dir, m.Step)
-		if prev, ok := committedShard(stepDir, shard); ok {
-			man = prev
-			return nil
+		if committed, err := checkCommitted(stepDir, m, shard, numShards); err != nil || committed {
+			if err != nil {
+				return err
+			}
+			if prev, ok := committedShard(stepDir, shard); ok {
+				if _, err := scanShardFile(filepath.Join(stepDir, ShardFile(shard)), prev, true); err == nil {
+					man, did = prev, kept
+					return nil
+				}
+			}
+			did = rewritten
 		}
 		if err := mkdirSynced(stepDir); err != nil {
 			return err
@@ -184,10 +206,43 @@ func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards
 		return wrapNoSpace(atomicfile.WriteFile(filepath.Join(stepDir, ShardManifestFile(shard)), b, 0o640))
 	})
 	if err != nil {
-		return ShardManifest{}, err
+		return ShardManifest{}, did, err
 	}
-	return man, nil
+	return man, did, nil
 }
+
+// checkCommitted says whether m's step is committed in stepDir, and
+// returns an error when it is committed with other content for shard
+// than m's: the commit is kept, and memory's step is not written over it.
+func checkCommitted(stepDir string, m StepMeta, shard, numShards int) (bool, error) {
+	name := filepath.Join(stepDir, CommitFile)
+	b, err := os.ReadFile(name)
+	if err != nil {
+		return false, nil
+	}
+	sm, err := ParseStepManifest(b)
+	if err != nil {
+		return false, fmt.Errorf("ckpt: step %d: %w (remove %s to persist the step anew)", m.Step, withFile(err, name), stepDir)
+	}
+	want := ShardManifest{Step: m.Step, Shard: shard, NumShards: numShards}
+	for _, e := range m.Blobs {
+		want.Blobs = append(want.Blobs, BlobEntry{Name: e.Name, Offset: want.Size, Size: e.Size, CRC32C: e.CRC32C})
+		want.Size += e.Size
+	}
+	ref, err := want.Ref()
+	if err == nil && (shard >= len(sm.Shards) || sm.Shards[shard] != ref) {
+		err = errOtherContent
+	}
+	if err != nil {
+		return true, fmt.Errorf("ckpt: step %d shard %d is committed in %s, and %w: kept the committed step; save memory's state as another step, or remove %s to persist it anew",
+			m.Step, shard, stepDir, err, stepDir)
+	}
+	return true, nil
+}
+
+// errOtherContent is a persist of a step committed with other content:
+// an older half holding the committed content does not make up for it.
+var errOtherContent = errors.New("memory holds other content under that step")
 
 // committedShard returns the manifest of shard in stepDir if the step is
 // committed and the manifest is the committed one.

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -674,5 +675,58 @@ func TestCommitAcrossProcesses(t *testing.T) {
 	}
 	if tr, err := readTracker(dir); err != nil || tr.Step != steps || !slices.Equal(left, []int64{steps}) {
 		t.Fatalf("tracker %+v, %v; steps left %v; want step %d alone", tr, err, left, steps)
+	}
+}
+
+// TestResaveCommittedStep persists a step that is committed already:
+// with its disk copy damaged, the copy is written again from memory; with
+// it intact, it is kept, and the log says which; a different step under
+// the same number is refused, and the committed one kept.
+func TestResaveCommittedStep(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	logs := &syncBuffer{}
+	nd := newNode(t, OwnerConfig{Dir: dir, Logger: slog.New(slog.NewTextHandler(logs, nil))}, 1)
+	nd.persistAll(t, 1)
+	data := filepath.Join(StepDir(dir, 1), ShardFile(0))
+	flipBit(t, data, 100)
+	if _, err := LoadDiskStep(dir, 1, 0); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("LoadDiskStep of the damaged copy = %v", err)
+	}
+
+	nd.persistAll(t, 1) // the same step again
+	if !strings.Contains(logs.String(), "damaged disk copy: wrote it again") {
+		t.Fatalf("the log does not say the damaged copy was written again:\n%s", logs)
+	}
+	ck, err := LoadDiskStep(dir, 1, 0)
+	if err != nil {
+		t.Fatalf("the rewritten copy: %v", err)
+	}
+	checkShard(t, ck, 0, 1)
+
+	ino := func() uint64 {
+		var st unix.Stat_t
+		if err := unix.Stat(data, &st); err != nil {
+			t.Fatal(err)
+		}
+		return st.Ino
+	}
+	before := ino()
+	nd.persistAll(t, 1)
+	if !strings.Contains(logs.String(), "intact disk copy: kept it") || ino() != before {
+		t.Fatalf("an intact committed copy was not kept:\n%s", logs)
+	}
+
+	if err := nd.ws[0].Save(ctx, 1, shardBlobs(0, 2)...); err != nil {
+		t.Fatal(err)
+	}
+	_, err = nd.o.Persist(ctx, 0)
+	if err == nil || !strings.Contains(err.Error(), "kept the committed step") {
+		t.Fatalf("Persist of other content under a committed step = %v", err)
+	}
+	if ck, err := LoadDiskStep(dir, 1, 0); err != nil || ino() != before {
+		t.Fatalf("the committed copy after a refused persist: %v", err)
+	} else {
+		checkShard(t, ck, 0, 1)
 	}
 }

@@ -56,13 +56,15 @@
 // StepManifest), dlrover_latest.txt and latest_checkpointed_iteration.txt
 // (the step in decimal, as DLRover and Megatron-LM write them), each
 // written atomically. A crash at any point leaves every tracker naming a
-// complete step. LocalCommitter commits on one node (or a shared
-// filesystem); a control plane implements Committer across nodes and calls
-// CommitStep on each. Retention keeps the newest N committed steps and
-// every K-th; a removed step vanishes by a rename before its files go.
-// Commits and retention hold an exclusive flock on dir/LockFile, so that
-// the agents sharing a disk tier (processes of one node, or nodes on a
-// shared filesystem) commit and prune one at a time.
+// complete step. A persist of a step committed already reads its disk copy
+// back: an intact one is kept, a damaged one is written again from memory,
+// and other content under the number is refused. LocalCommitter commits on
+// one node (or a shared filesystem); a control plane implements Committer
+// across nodes and calls CommitStep on each. Retention keeps the newest N
+// committed steps and every K-th; a removed step vanishes by a rename
+// before its files go. Commits and retention hold an exclusive flock on
+// dir/LockFile, so that the agents sharing a disk tier (processes of one
+// node, or nodes on a shared filesystem) commit and prune one at a time.
 //
 // # Replicas
 //

@@ -439,8 +439,11 @@ func (o *Owner) replicaTargets() []string {
 
 // Persist writes shard's newest intact step in memory to disk, sealing it
 // first if its owner has not yet, and tells the committer. It returns the
-// shard's manifest. It is what Run does when a writer asks; call it
-// directly to persist on a control-plane command.
+// shard's manifest. A step committed already is read back from disk and
+// kept if intact, or written again from memory if damaged (the Logger
+// says which); one committed with other content than memory's is an
+// error that keeps the committed one. It is what Run does when a writer
+// asks; call it directly to persist on a control-plane command.
 func (o *Owner) Persist(ctx context.Context, shard int) (ShardManifest, error) {
 	return o.persist(ctx, shard, -1)
 }
@@ -481,15 +484,23 @@ func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardMa
 		if m, ok := seg.metaOK(i); !ok || (step >= 0 && m.Step != step) {
 			continue
 		}
+		var did persisted
 		if err = o.sealHalf(ctx, seg, i, nil); err == nil {
-			man, err = persistHalf(ctx, seg, i, o.cfg.Dir, o.cfg.NumShards)
+			man, did, err = persistHalf(ctx, seg, i, o.cfg.Dir, o.cfg.NumShards)
+		}
+		switch {
+		case err != nil:
+		case did == kept:
+			o.log.Info("ckpt: step committed already, with an intact disk copy: kept it", "shard", shard, "step", man.Step)
+		case did == rewritten:
+			o.log.Warn("ckpt: step committed already, with a damaged disk copy: wrote it again from memory", "shard", shard, "step", man.Step, "dir", StepDir(o.cfg.Dir, man.Step))
 		}
 		if err == nil {
 			done = true
 			break
 		}
 		why = append(why, err)
-		if ctx.Err() != nil || errors.Is(err, ErrNoSpace) {
+		if ctx.Err() != nil || errors.Is(err, ErrNoSpace) || errors.Is(err, errOtherContent) {
 			break
 		}
 	}
