@@ -1,7 +1,7 @@
 // Command flashckpt saves, loads, inspects and verifies flash checkpoints:
 // the shared-memory segments and the disk tier of package ckpt.
 //
-//	flashckpt save    --dir D [--shard S] [--num-shards N] --step K [--memory-only] FILE...
+//	flashckpt save    --dir D [--shard S] [--num-shards N] --step K [--capacity SIZE] [--memory-only] FILE...
 //	flashckpt load    --dir D [--shard S | --all-shards] [--num-shards N] [--step K] [--out DIR]
 //	flashckpt inspect --dir D
 //	flashckpt verify  --dir D
@@ -11,10 +11,14 @@
 // <shm>/<name>-replica-<shard> for peers' copies.
 //
 // save copies the files, as blobs named by their base names, into shard
-// S's segment (creating it, sized to fit, if it is missing), seals the
-// step (computes the CRC of each blob, as a node agent does after a
-// trainer's save), then persists it to D and commits it once all N shards
-// of it are there.
+// S's segment, seals the step (computes the CRC of each blob, as a node
+// agent does after a trainer's save), then persists it to D and commits it
+// once all N shards of it are there. It creates a missing segment with
+// halves of --capacity bytes, or as many as the step needs if that is
+// more, and grows a smaller one to that size, keeping its steps. Saving a
+// step that is committed already reads its disk copy back: an intact one
+// is kept, a damaged one written again, and other content under the step
+// number refused.
 //
 // load writes the blobs of a step to files in --out, one per blob named
 // after it ('%' and '/' escaped as in URLs): the newest step that shard
@@ -51,7 +55,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
+	"log/slog"
 	"maps"
+	"math"
 	"os"
 	"path/filepath"
 	"slices"
@@ -81,6 +88,7 @@ type options struct {
 	dir, shm, name, out string
 	shard, numShards    int
 	step                int64
+	capacity            int64
 	memoryOnly          bool
 	allShards           bool
 	set                 map[string]bool // the flags given
@@ -103,6 +111,10 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.Int64Var(&o.step, "step", -1, "step (save: required; load: default the newest)")
 	fs.StringVar(&o.out, "out", ".", "directory for the loaded blobs (load)")
 	fs.BoolVar(&o.memoryOnly, "memory-only", false, "save to shared memory only, do not persist")
+	fs.Func("capacity", "bytes per half of the segment, such as 512MiB (save; default what the step needs: a larger save grows the segment)", func(v string) (err error) {
+		o.capacity, err = parseSize(v)
+		return err
+	})
 	fs.BoolVar(&o.allShards, "all-shards", false, "load every shard of the job at the step they all hold (load)")
 	if err := fs.Parse(args[1:]); err != nil {
 		return exitUsage
@@ -117,7 +129,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	var err error
 	switch cmd {
 	case "save":
-		err = save(ctx, o, fs.Args(), stdout)
+		err = save(ctx, o, fs.Args(), stdout, stderr)
 	case "load":
 		err = load(o, stdout, stderr)
 	case "inspect":
@@ -146,11 +158,24 @@ func run(args []string, stdout, stderr io.Writer) int {
 	return exitFailure
 }
 
+// parseSize reads a byte count with an optional binary unit: 4096, 64KiB,
+// 512MiB, 2GiB (K, M and G alone mean the same).
+func parseSize(v string) (int64, error) {
+	num := strings.TrimRight(v, "KMGTiB")
+	shift := map[string]uint{"": 0, "B": 0, "K": 10, "KiB": 10, "M": 20, "MiB": 20, "G": 30, "GiB": 30, "T": 40, "TiB": 40}
+	unit, ok := shift[v[len(num):]]
+	n, err := strconv.ParseInt(num, 10, 64)
+	if !ok || err != nil || n < 0 || n > math.MaxInt64>>unit {
+		return 0, fmt.Errorf("size %q is not a byte count such as 4096, 64KiB, 512MiB or 2GiB", v)
+	}
+	return n << unit, nil
+}
+
 type usageError string
 
 func (e usageError) Error() string { return string(e) }
 
-func save(ctx context.Context, o options, files []string, stdout io.Writer) error {
+func save(ctx context.Context, o options, files []string, stdout, stderr io.Writer) error {
 	if o.step < 0 || len(files) == 0 {
 		return usageError("save needs --step and at least one file")
 	}
@@ -170,13 +195,22 @@ func save(ctx context.Context, o options, files []string, stdout io.Writer) erro
 		names, sizes = append(names, filepath.Base(f)), append(sizes, fi.Size())
 		srcs = append(srcs, ckpt.Source{Name: filepath.Base(f), Size: fi.Size(), R: fh})
 	}
-	capacity := ckpt.StepSize(names, sizes)
 	path := ckpt.SegmentPath(o.shm, o.name, o.shard)
+	was := int64(-1)
 	if r, err := ckpt.InspectSegment(path); err == nil {
-		// Keep an existing segment that is large enough, and its steps.
-		capacity = max(capacity, r.Header.HalfSize)
+		was = r.Header.HalfSize
 	}
-	cfg := ckpt.OwnerConfig{ShmDir: o.shm, Name: o.name, Shards: []int{o.shard}, NumShards: o.numShards, Capacity: capacity}
+	// A segment smaller than this grows, keeping its steps; a larger one is
+	// kept as it is.
+	capacity := max(ckpt.StepSize(names, sizes), o.capacity)
+	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn,
+		ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
+			if a.Key == slog.TimeKey {
+				return slog.Attr{}
+			}
+			return a
+		}}))
+	cfg := ckpt.OwnerConfig{ShmDir: o.shm, Name: o.name, Shards: []int{o.shard}, NumShards: o.numShards, Capacity: capacity, Logger: log}
 	if !o.memoryOnly {
 		cfg.Dir = o.dir
 	}
@@ -185,11 +219,14 @@ func save(ctx context.Context, o options, files []string, stdout io.Writer) erro
 		return err
 	}
 	defer owner.Close()
-	w, err := ckpt.NewWriter(ckpt.WriterConfig{Path: path})
+	w, err := ckpt.NewWriter(ckpt.WriterConfig{Path: path, Logger: log})
 	if err != nil {
 		return err
 	}
 	defer w.Close()
+	if was >= 0 && w.Capacity() > was {
+		fmt.Fprintf(stdout, "grew segment %s from halves of %d bytes to %d, keeping its steps\n", path, was, w.Capacity())
+	}
 	start := time.Now()
 	if err := w.SaveFrom(ctx, o.step, srcs...); err != nil {
 		return err
@@ -208,9 +245,15 @@ func save(ctx context.Context, o options, files []string, stdout io.Writer) erro
 		return nil
 	}
 	start = time.Now()
+	_, err = os.Stat(filepath.Join(ckpt.StepDir(o.dir, o.step), ckpt.CommitFile))
+	committed := err == nil
 	man, err := owner.Persist(ctx, o.shard)
 	if err != nil {
 		return err
+	}
+	if committed {
+		// The owner's log has said if it wrote a damaged copy again.
+		fmt.Fprintf(stdout, "step %d was committed already: its disk copy of shard %d was read back, and kept if intact or written again from memory if damaged\n", man.Step, man.Shard)
 	}
 	fmt.Fprintf(stdout, "persisted step %d shard %d to %s in %v\n", man.Step, man.Shard, ckpt.StepDir(o.dir, man.Step), time.Since(start).Round(time.Microsecond))
 	if _, err := os.Stat(filepath.Join(ckpt.StepDir(o.dir, man.Step), ckpt.CommitFile)); err == nil {
@@ -481,7 +524,11 @@ func verify(o options, stdout, stderr io.Writer) error {
 	paths := segments(o)
 	err := ckpt.Verify(o.dir, paths...)
 	if err == nil {
-		fmt.Fprintf(stdout, "ok: %s and %d segments verified\n", o.dir, len(paths))
+		disk := o.dir
+		if _, err := os.Stat(o.dir); errors.Is(err, fs.ErrNotExist) {
+			disk = "nothing on disk yet in " + o.dir
+		}
+		fmt.Fprintf(stdout, "ok: %s and %d segments verified\n", disk, len(paths))
 		return nil
 	}
 	var errs []error

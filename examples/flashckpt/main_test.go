@@ -171,7 +171,7 @@ func TestExitCodes(t *testing.T) {
 	if code, out := e.run("save", "--memory-only", "--step", "1", f); code != 0 {
 		t.Fatalf("save --memory-only: exit %d\n%s", code, out)
 	}
-	if code, out := e.run("verify"); code != exitOK {
+	if code, out := e.run("verify"); code != exitOK || !strings.Contains(out, "nothing on disk yet") {
 		t.Fatalf("verify with no disk tier yet: exit %d\n%s", code, out)
 	}
 	if code, out := e.run("inspect"); code != exitOK || !strings.Contains(out, "nothing on disk yet") {
@@ -368,5 +368,50 @@ func TestLoadBlobNames(t *testing.T) {
 			got = append(got, e.Name())
 		}
 		t.Errorf("load wrote outside --out: %s holds %v", e.tmp, got)
+	}
+}
+
+// TestSaveGrowsSegment saves a step larger than the segment: the segment
+// grows and keeps the step it held; --capacity sizes a new one; and a
+// step saved again after its disk copy was damaged is written again.
+func TestSaveGrowsSegment(t *testing.T) {
+	e := newEnv(t)
+	small, big := e.file("small.bin", bytes.Repeat([]byte{1}, 3000)), e.file("big.bin", bytes.Repeat([]byte{2}, 30000))
+	if code, out := e.run("save", "--step", "1", small); code != 0 {
+		t.Fatalf("save: exit %d\n%s", code, out)
+	}
+	code, out := e.run("save", "--step", "2", big)
+	if code != 0 || !strings.Contains(out, "grew segment") {
+		t.Fatalf("save of a larger step: exit %d\n%s", code, out)
+	}
+	code, out = e.run("inspect")
+	if code != 0 || !strings.Contains(out, "half 0: step 1") || !strings.Contains(out, "half 1: step 2") {
+		t.Fatalf("inspect after the grow: exit %d\n%s", code, out)
+	}
+	if code, out := e.run("save", "--name", "sized", "--capacity", "1MiB", "--memory-only", "--step", "1", small); code != 0 {
+		t.Fatalf("save --capacity: exit %d\n%s", code, out)
+	}
+	if code, out := e.run("inspect", "--name", "sized"); code != 0 || !strings.Contains(out, "halves of 1048576 bytes") {
+		t.Fatalf("inspect of a segment sized by --capacity: exit %d\n%s", code, out)
+	}
+	if code, out := e.run("save", "--capacity", "1MB", "--step", "1", small); code != exitUsage {
+		t.Fatalf("--capacity 1MB: exit %d, want %d\n%s", code, exitUsage, out)
+	}
+
+	// Step 2's disk copy damaged, then step 2 saved again.
+	data := filepath.Join(e.dir, "2", "shard-00000.bin")
+	b, _ := os.ReadFile(data)
+	b[10] ^= 1
+	os.WriteFile(data, b, 0o640)
+	code, stdout, stderr := e.run2("save", "--step", "2", big)
+	if code != 0 || !strings.Contains(stdout, "was committed already") || !strings.Contains(stderr, "wrote it again") {
+		t.Fatalf("save of a committed step with a damaged copy: exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	if code, out := e.run("verify"); code != 0 {
+		t.Fatalf("verify after the rewrite: exit %d\n%s", code, out)
+	}
+	// Other content under a committed step number is refused.
+	if code, out := e.run("save", "--step", "2", small); code != exitFailure || !strings.Contains(out, "kept the committed step") {
+		t.Fatalf("save of other content as a committed step: exit %d, want %d\n%s", code, exitFailure, out)
 	}
 }
