@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -414,4 +415,38 @@ func TestSaveGrowsSegment(t *testing.T) {
 	if code, out := e.run("save", "--step", "2", small); code != exitFailure || !strings.Contains(out, "kept the committed step") {
 		t.Fatalf("save of other content as a committed step: exit %d, want %d\n%s", code, exitFailure, out)
 	}
+}
+
+func TestParseSize(t *testing.T) {
+	for in, want := range map[string]int64{"4096": 4096, "64KiB": 64 << 10, "512MiB": 512 << 20, "2G": 2 << 30, "0": 0, "7B": 7} {
+		if got, err := parseSize(in); err != nil || got != want {
+			t.Errorf("parseSize(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "MiB", "1MB", "-1", "1.5G", "9999999999999T", "1 MiB", "0x10"} {
+		if got, err := parseSize(in); err == nil {
+			t.Errorf("parseSize(%q) = %d, want an error", in, got)
+		}
+	}
+}
+
+func FuzzParseSize(f *testing.F) {
+	for _, s := range []string{"4096", "64KiB", "512M", "8TiB", "1MB", "", "-3G"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		n, err := parseSize(s)
+		if err != nil {
+			if !strings.Contains(err.Error(), "byte count") {
+				t.Fatalf("parseSize(%q): error %v does not say what it wants", s, err)
+			}
+			return
+		}
+		if n < 0 {
+			t.Fatalf("parseSize(%q) = %d", s, n)
+		}
+		if back, err := parseSize(strconv.FormatInt(n, 10)); err != nil || back != n {
+			t.Fatalf("parseSize(%q) = %d, which reads back as %d, %v", s, n, back, err)
+		}
+	})
 }
