@@ -167,3 +167,13 @@ func TestGrowErrorsSayHowToRecover(t *testing.T) {
 		t.Fatalf("a writer with no segment: %v", err)
 	}
 }
+
+// TestBadSaveGrowsNothing saves a step that is both too large and bad
+// input: the error names the input, and the segment keeps its size.
+func TestBadSaveGrowsNothing(t *testing.T) {
+	_, w := newPair(t, OwnerConfig{Capacity: 8192})
+	err := w.Save(context.Background(), 1, Blob{Name: "a", Data: make([]byte, 9000)}, Blob{Name: "a"})
+	if err == nil || !strings.Contains(err.Error(), "duplicate") || errors.Is(err, ErrCorrupt) || w.Capacity() != 8192 {
+		t.Fatalf("Save of a bad, large step = %v, capacity %d", err, w.Capacity())
+	}
+}

@@ -303,6 +303,12 @@ func (s *segment) unsealed() bool {
 	return false
 }
 
+// badSave is the error of a save whose blobs are bad input from the
+// caller, not corrupt data: it does not wrap ErrCorrupt.
+func badSave(meta StepMeta, err error) error {
+	return fmt.Errorf("ckpt: save step %d: %s", meta.Step, strings.TrimPrefix(err.Error(), "ckpt: "))
+}
+
 // halfWriter is a save in progress into one half.
 type halfWriter struct {
 	s    *segment
@@ -325,8 +331,7 @@ func (s *segment) begin(meta StepMeta) (*halfWriter, error) {
 			return nil, fmt.Errorf("%w: step %d needs %d bytes per half (%d of data in %d blobs), segment %s has %d",
 				ErrTooLarge, meta.Step, end, meta.DataSize(), len(meta.Blobs), s.path, s.hdr.HalfSize)
 		}
-		// Bad input from the caller, not corrupt data: do not wrap ErrCorrupt.
-		return nil, fmt.Errorf("ckpt: save step %d: %s", meta.Step, strings.TrimPrefix(err.Error(), "ckpt: "))
+		return nil, badSave(meta, err)
 	}
 	// Write over the half that does not hold the newest intact step, so
 	// that a crash mid-save leaves that step as it was.

@@ -94,6 +94,7 @@ func (c WriterConfig) Validate() error {
 // concurrent use; saves are serialised.
 type Writer struct {
 	cfg    WriterConfig
+	shard  int
 	seg    *segment
 	m      *writerMetrics
 	tracer trace.Tracer
@@ -116,7 +117,7 @@ func NewWriter(cfg WriterConfig) (*Writer, error) {
 		seg.close()
 		return nil, err
 	}
-	return &Writer{cfg: cfg, seg: seg, m: m,
+	return &Writer{cfg: cfg, shard: seg.hdr.Shard, seg: seg, m: m,
 		tracer: tracerOf(cfg.TracerProvider), log: loggerOf(cfg.Logger)}, nil
 }
 
@@ -151,9 +152,9 @@ func (w *Writer) remap() error {
 	if err != nil {
 		return fmt.Errorf("ckpt: map the grown segment: %w", err)
 	}
-	if seg.hdr.Shard != w.seg.hdr.Shard {
+	if seg.hdr.Shard != w.shard {
 		seg.close()
-		return fmt.Errorf("ckpt: %s now holds shard %d, not %d: remove it, and let the owner create it again", w.cfg.Path, seg.hdr.Shard, w.seg.hdr.Shard)
+		return fmt.Errorf("ckpt: %s now holds shard %d, not %d: remove it, and let the owner create it again", w.cfg.Path, seg.hdr.Shard, w.shard)
 	}
 	w.seg.close()
 	w.seg = seg
@@ -161,7 +162,7 @@ func (w *Writer) remap() error {
 }
 
 // Shard is the shard the segment holds.
-func (w *Writer) Shard() int { return w.seg.hdr.Shard }
+func (w *Writer) Shard() int { return w.shard }
 
 // Capacity is the largest step, in bytes of a half (header, table and
 // data), that the segment holds now; a larger save grows it.
@@ -277,6 +278,10 @@ var errClosed = errors.New("closed")
 // section): it follows a segment another process grew, and grows one
 // that is too small.
 func (w *Writer) lockFitting(meta StepMeta) error {
+	// Bad input grows nothing.
+	if err := meta.check(maxHalfSize, Version); err != nil {
+		return badSave(meta, err)
+	}
 	for {
 		if err := w.remap(); err != nil {
 			return err
