@@ -571,13 +571,14 @@ func memorySteps(seg *segment) []int64 {
 }
 
 // intactSteps returns the steps every local shard holds intact in memory,
-// newest first, or an error that says why there is none. A sealed step is
-// intact when every CRC holds; an unsealed one, when it is complete (there
-// is nothing to check it against). A half's verification is remembered
-// until it is written again, so that loading each of n shards does not
-// read every shard n times.
+// newest first, or an error that says why there is none, and why each
+// newer step was passed over (a half that fails its checks, a step some
+// shards lack). A sealed step is intact when every CRC holds; an unsealed
+// one, when it is complete (there is nothing to check it against). A
+// half's verification is remembered until it is written again, so that
+// loading each of n shards does not read every shard n times.
 func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
-	var common, any []int64
+	var common, some []int64
 	var held []string
 	for k, shard := range o.cfg.Shards {
 		seg := o.segs[shard]
@@ -606,16 +607,17 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 			steps = append(steps, m.Step)
 		}
 		held = append(held, fmt.Sprintf("shard %d holds %v", shard, steps))
-		any = append(any, steps...)
+		some = append(some, steps...)
 		if k == 0 {
 			common = steps
 			continue
 		}
 		common = slices.DeleteFunc(common, func(x int64) bool { return !slices.Contains(steps, x) })
 	}
-	slices.Sort(any)
-	slices.Reverse(any)
-	for _, s := range slices.Compact(any) {
+	// Steps some local shards hold and others lack: each is passed over.
+	slices.Sort(some)
+	slices.Reverse(some)
+	for _, s := range slices.Compact(some) {
 		if len(common) > 0 && s <= slices.Max(common) {
 			break
 		}
