@@ -78,24 +78,23 @@
 //
 // # Loading
 //
-// Owner.Load serves the newest step that a tier holds intact, preferring
-// memory (the steps every local shard holds intact), then a replica
-// (restored into local memory), then the committed disk steps at one
-// step, and never an older step while a newer committed one is intact in
-// another tier; every CRC is verified, and the LoadReport says which tier
-// served, why the others did not, and why each newer step was passed
-// over. A memory step its owner died before sealing is complete but has
-// no CRCs to check: Load computes them as it copies the step, seals it
-// with them, and says so (LoadReport.SealedOnLoad,
-// Checkpoint.Unverified). Across nodes a control plane picks one step for
-// every shard and calls LoadStep. A restarting trainer loads the step
-// its agent chose: from memory (Writer.Load, or LoadInto to restore into
-// its own buffers) when memory holds it, which the agent made so for a
-// replica, else from disk (LoadDiskStep). Without an agent, LoadShard
-// weighs a segment and the disk tier read-only, and CommonStep finds the
-// newest step every shard of a job holds intact. Verify and
-// InspectSegment/InspectDir check a disk tier and segments without
-// disturbing them (the flashckpt command wraps them).
+// Owner.Load serves the newest step that some tier holds intact, and never
+// an older step while a newer committed one is intact in another tier; at
+// one step it prefers memory (the steps every local shard holds intact),
+// then a replica (restored into local memory), then disk. Every CRC is
+// verified, and the LoadReport says which tier served, why the others did
+// not, and why each newer step was passed over. A memory step its owner
+// died before sealing is complete but has no CRCs to check: Load computes
+// them as it copies the step, seals it with them, and says so
+// (LoadReport.SealedOnLoad, Checkpoint.Unverified). Across nodes a control
+// plane picks one step for every shard and calls LoadStep. A restarting
+// trainer loads the step its agent chose: from memory (Writer.Load, or
+// LoadInto to restore into its own buffers) when memory holds it, which the
+// agent made so for a replica, else from disk (LoadDiskStep). Without an
+// agent, LoadShard weighs a segment and the disk tier read-only, and
+// CommonStep finds the newest step every shard of a job holds intact.
+// Verify and InspectSegment/InspectDir check a disk tier and segments
+// without disturbing them (the flashckpt command wraps them).
 //
 // # Observability
 //
