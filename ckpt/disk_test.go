@@ -327,7 +327,13 @@ func TestRetention(t *testing.T) {
 	dir := t.TempDir()
 	var removedAll []int64
 	lc := &LocalCommitter{Dir: dir, Retention: Retention{KeepLatest: 2, KeepEvery: 4},
-		OnCommit: func(_ StepManifest, removed []int64) { removedAll = append(removedAll, removed...) }}
+		OnCommit: func(_ StepManifest, removed []int64) {
+			removedAll = append(removedAll, removed...)
+			// The directory's lock is free: a callback may prune too.
+			if _, err := ApplyRetention(dir, Retention{KeepLatest: 2, KeepEvery: 4}); err != nil {
+				t.Error(err)
+			}
+		}}
 	nd := newNode(t, OwnerConfig{Dir: dir, Committer: lc}, 1)
 	for step := int64(1); step <= 6; step++ {
 		nd.persistAll(t, step)
