@@ -149,7 +149,7 @@ func newSegmentFile(path string, h SegmentHeader) (string, error) {
 	}
 	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
 	if err != nil {
-		return "", fmt.Errorf("ckpt: create segment: %w", err)
+		return "", fmt.Errorf("ckpt: create segment %s: %w (the segment directory, OwnerConfig.ShmDir, must exist and be writable)", path, err)
 	}
 	tmp := f.Name()
 	fail := func(err error) (string, error) {
@@ -188,6 +188,9 @@ func openSegment(path string, readOnly bool) (*segment, error) {
 		flag, prot, mflags = os.O_RDONLY, unix.PROT_READ, unix.MAP_SHARED
 	}
 	f, err := os.OpenFile(path, flag, 0)
+	if errors.Is(err, fs.ErrPermission) {
+		return nil, fmt.Errorf("ckpt: open segment: %w (an owner creates segments with mode 0600: run the trainer and the tools as the owner's user)", err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("ckpt: open segment: %w", err)
 	}
