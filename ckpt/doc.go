@@ -227,26 +227,26 @@
 // Growing: a segment's size never changes in place; one too small for a
 // step is replaced by a larger one under its name. Whoever grows it (a
 // writer whose step does not fit, or an owner started with a larger
-// capacity) takes an exclusive flock on the segment file and checks that
-// the path still names that file (else another process grew it first:
-// map the path anew). It writes a new file in the same directory, under a
-// hidden temporary name, with every page reserved and the same header but
-// a larger half_size; copies the newest complete step into its half 0 as
-// it is: bytes [16,64) of the step header, the table, and the CRC array
-// and seal words as the seal word it loaded first says (zero when
-// unsealed), then the blobs at the same offsets; sets that half's state
-// to 2, active to 0 and persist_seq to the old segment's; and renames the
-// file over the path. (An owner that grows a segment copies the other
-// complete step into half 1 too.) A writer holds a shared flock on the
-// segment file for each save, from step 1 to step 5 above, and once it
-// holds the lock checks that the path still names the file it mapped:
-// stat of the path and fstat of its descriptor (os.stat and os.fstat in
-// Python) give the same st_dev and st_ino. If not, it unlocks, maps the
-// path anew, reading half_size from the new header, and starts over. The
-// lock makes a grow wait for the save under way, so that no save lands in
-// a file already replaced; a writer that takes no lock may lose a save
-// made while the segment grows. The owner and a reader check the path the
-// same way before each operation.
+// capacity or asked with Owner.Grow) takes an exclusive flock on the
+// segment file and checks that the path still names that file (else another
+// process grew it first: map the path anew). It writes a new file in the
+// same directory, under a hidden temporary name, with every page reserved
+// and the same header but a larger half_size; copies the newest complete
+// step into its half 0 as it is: bytes [16,64) of the step header, the
+// table, and the CRC array and seal words as the seal word it loaded first
+// says (zero when unsealed), then the blobs at the same offsets; sets that
+// half's state to 2, active to 0 and persist_seq to the old segment's; and
+// renames the file over the path. (An owner that grows a segment copies the
+// other complete step into half 1 too.) A writer holds a shared flock on
+// the segment file for each save, from step 1 to step 5 above, and once it
+// holds the lock checks that the path still names the file it mapped: stat
+// of the path and fstat of its descriptor (os.stat and os.fstat in Python)
+// give the same st_dev and st_ino. If not, it unlocks, maps the path anew,
+// reading half_size from the new header, and starts over. The lock makes a
+// grow wait for the save under way, so that no save lands in a file already
+// replaced; a writer that takes no lock may lose a save made while the
+// segment grows. The owner and a reader check the path the same way before
+// each operation.
 //
 // Version 1, written by earlier releases, had no seal: the writer computed
 // every CRC and put it in bytes [16,20) of the blob's table entry, bytes

@@ -177,3 +177,31 @@ func TestBadSaveGrowsNothing(t *testing.T) {
 		t.Fatalf("Save of a bad, large step = %v, capacity %d", err, w.Capacity())
 	}
 }
+
+// TestOwnerGrow grows a segment from the owner, as a node agent does for
+// a Python trainer: the steps stay, a writer mapping the old segment
+// saves into the new one, and a smaller size changes nothing.
+func TestOwnerGrow(t *testing.T) {
+	ctx := context.Background()
+	o, w := newPair(t, OwnerConfig{Capacity: 8192})
+	if err := w.Save(ctx, 1, Blob{Name: "model", Data: []byte{1}}); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := o.Grow(0, 100000); err != nil || got != alignUp(100000, PageSize) {
+		t.Fatalf("Grow = %d, %v", got, err)
+	}
+	if got, err := o.Grow(0, 9000); err != nil || got != alignUp(100000, PageSize) {
+		t.Fatalf("Grow to less = %d, %v", got, err)
+	}
+	if _, err := o.Grow(5, 9000); err == nil {
+		t.Fatal("Grow of a shard that is not local succeeded")
+	}
+	if err := w.Save(ctx, 2, Blob{Name: "model", Data: make([]byte, 90000)}); err != nil || w.Capacity() != alignUp(100000, PageSize) {
+		t.Fatalf("Save after the owner grew the segment = %v; writer capacity %d", err, w.Capacity())
+	}
+	for step := int64(2); step >= 1; step-- {
+		if _, rep, err := o.LoadStep(ctx, 0, step); err != nil || rep.Tier != TierMemory {
+			t.Fatalf("LoadStep(%d) = %s, %v", step, rep, err)
+		}
+	}
+}

@@ -432,6 +432,45 @@ func (o *Owner) Run(ctx context.Context) error {
 	}
 }
 
+// Grow gives shard's segment halves of at least halfSize bytes, keeping
+// its steps: a smaller segment is replaced by a larger one (growing, in
+// the FORMAT section), which writers map on their next save. It returns
+// the half size. A node agent calls it when a writer that does not grow
+// segments itself (one outside Go) asks for room for a larger step.
+func (o *Owner) Grow(shard int, halfSize int64) (int64, error) {
+	if halfSize <= 0 || halfSize > maxHalfSize {
+		return 0, fmt.Errorf("ckpt: grow shard %d: half size %d, want 1..%d", shard, halfSize, int64(maxHalfSize))
+	}
+	o.ops.Lock()
+	defer o.ops.Unlock()
+	if o.closed {
+		return 0, fmt.Errorf("ckpt: owner: %w", errClosed)
+	}
+	if _, err := o.seg(shard); err != nil {
+		return 0, err
+	}
+	for {
+		if err := o.remap(); err != nil {
+			return 0, err
+		}
+		seg := o.segs[shard]
+		if seg.hdr.HalfSize >= halfSize {
+			return seg.hdr.HalfSize, nil
+		}
+		g, err := seg.grow(halfSize, 2)
+		if errors.Is(err, errReplaced) {
+			continue
+		}
+		if err != nil {
+			return 0, err
+		}
+		o.log.Info("ckpt: segment grown", "shard", shard, "half_size", g.hdr.HalfSize, "was", seg.hdr.HalfSize)
+		seg.close()
+		o.segs[shard] = g
+		o.forget(shard)
+	}
+}
+
 // replicaTargets are the peers that receive this node's saves.
 func (o *Owner) replicaTargets() []string {
 	return o.peers[:min(max(o.cfg.Replicas, 0), len(o.peers))]
