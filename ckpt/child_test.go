@@ -2,6 +2,7 @@ package ckpt
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -48,8 +49,13 @@ func runChild(role string) int {
 		err = childPeer()
 	case "sender":
 		err = childSender()
+	case "shard":
+		err = childShard()
 	default:
 		err = fmt.Errorf("unknown role %q", role)
+	}
+	if err == nil {
+		return 0
 	}
 	fmt.Fprintln(os.Stderr, "child:", err)
 	return 2
@@ -107,8 +113,10 @@ func (tb *testBlobs) check(ck *Checkpoint) error {
 	return nil
 }
 
-// childSaver saves steps into FAULTLINE_CKPT_SEGMENT as fast as it can,
-// asking for a persist now and then, until it is killed.
+// childSaver saves steps into FAULTLINE_CKPT_SEGMENT as fast as it can
+// until it is killed; with FAULTLINE_CKPT_REPORT set it saves a step a
+// millisecond and says "saved N" after each save, and otherwise "ready"
+// after the first.
 func childSaver() error {
 	w, err := NewWriter(WriterConfig{Path: os.Getenv("FAULTLINE_CKPT_SEGMENT")})
 	if err != nil {
@@ -116,15 +124,40 @@ func childSaver() error {
 	}
 	tb := newTestBlobs(64 << 10)
 	ctx := context.Background()
+	report := os.Getenv("FAULTLINE_CKPT_REPORT") != ""
 	for step := envInt("FAULTLINE_CKPT_START"); ; step++ {
-		if err := w.Save(ctx, step, tb.step(step)...); err != nil && !errors.Is(err, ErrBusy) {
+		var err error
+		if report {
+			// Each save takes a millisecond, so that one is likely under way
+			// whenever the parent acts.
+			var srcs []Source
+			for _, b := range tb.step(step) {
+				srcs = append(srcs, Source{Name: b.Name, Size: int64(len(b.Data)), R: io.MultiReader(
+					bytes.NewReader(b.Data[:len(b.Data)/2]), slowReader{}, bytes.NewReader(b.Data[len(b.Data)/2:]))})
+			}
+			err = w.SaveFrom(ctx, step, srcs...)
+		} else {
+			err = w.Save(ctx, step, tb.step(step)...)
+		}
+		if err != nil && !errors.Is(err, ErrBusy) {
 			return err
 		}
-		if step == envInt("FAULTLINE_CKPT_START") {
+		switch {
+		case report && err == nil:
+			fmt.Println("saved", step)
+		case step == envInt("FAULTLINE_CKPT_START") && !report:
 			// From here on, a kill at any point must leave a step.
 			fmt.Println("ready")
 		}
 	}
+}
+
+// slowReader reads nothing, slowly.
+type slowReader struct{}
+
+func (slowReader) Read([]byte) (int, error) {
+	time.Sleep(time.Millisecond / 3)
+	return 0, io.EOF
 }
 
 // childPersister is a node agent and its trainer in one process: it saves
@@ -158,6 +191,43 @@ func childPersister() error {
 			return err
 		}
 	}
+}
+
+// childShard is the node agent of one shard (FAULTLINE_CKPT_SHARD) of a
+// two-shard job whose nodes share the disk tier: for each step its parent
+// writes on stdin it saves its shard and persists it, and says
+// "persisted" or the error, on one line.
+func childShard() error {
+	shard := int(envInt("FAULTLINE_CKPT_SHARD"))
+	o, err := NewOwner(OwnerConfig{
+		ShmDir: os.Getenv("FAULTLINE_CKPT_SHM"), Shards: []int{shard}, NumShards: 2, Capacity: 1 << 20,
+		Dir: os.Getenv("FAULTLINE_CKPT_DIR"), Retention: Retention{KeepLatest: 1},
+	})
+	if err != nil {
+		return err
+	}
+	w, err := NewWriter(WriterConfig{Path: o.SegmentPath(shard)})
+	if err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	ctx := context.Background()
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		step, err := strconv.ParseInt(in.Text(), 10, 64)
+		if err != nil {
+			return err
+		}
+		if err := w.Save(ctx, step, blobs(step)...); err != nil {
+			return err
+		}
+		if _, err := o.Persist(ctx, shard); err != nil {
+			fmt.Println("error:", strings.ReplaceAll(err.Error(), "\n", "; "))
+			continue
+		}
+		fmt.Println("persisted")
+	}
+	return in.Err()
 }
 
 // childSealer is a node agent and its trainer in one process: it saves a

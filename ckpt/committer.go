@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"sync"
 )
 
 // Committer learns that shards of a step are durable and commits the step
@@ -26,62 +25,73 @@ type Committer interface {
 // single node, or a filesystem every node shares. It finds the shards of a
 // step by their manifests on disk, so it needs no memory of earlier calls
 // and a restarted process commits a step whose last shard it persists.
-// It is safe for concurrent use.
+// It holds the directory's LockFile while it commits and applies the
+// retention, so it is safe for concurrent use, by goroutines and by the
+// processes that share the directory.
 type LocalCommitter struct {
 	Dir       string    // the disk tier
 	Retention Retention // applied after each commit
 	// OnCommit, if set, is called after each commit with the step manifest
 	// and the steps retention removed.
 	OnCommit func(m StepManifest, removed []int64)
-
-	mu sync.Mutex
 }
 
 // ShardDurable commits m.Step if the manifests of all its m.NumShards
 // shards are in the step directory and agree, and applies the retention.
-// It returns nil when shards are still missing.
+// It returns nil when shards are still missing. OnCommit runs once the
+// directory's lock is released, so that it may commit or prune there.
 func (c *LocalCommitter) ShardDurable(ctx context.Context, m ShardManifest) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
+	sm, removed, committed, err := c.commit(m)
+	if committed && c.OnCommit != nil {
+		c.OnCommit(sm, removed)
+	}
+	return err
+}
+
+// commit is ShardDurable's work, under the directory's lock. It says
+// whether it committed the step.
+func (c *LocalCommitter) commit(m ShardManifest) (sm StepManifest, removed []int64, committed bool, err error) {
+	unlock, err := lockDir(c.Dir)
+	if err != nil {
+		return sm, nil, false, err
+	}
+	defer unlock()
 	stepDir := StepDir(c.Dir, m.Step)
 	if b, err := os.ReadFile(filepath.Join(stepDir, CommitFile)); err == nil {
 		// Committed already; a crash may have cut the commit short before
 		// the trackers, so bring them forward.
 		if t, err := readTracker(c.Dir); err == nil && t.Step >= m.Step {
-			return nil
+			return sm, nil, false, nil
 		}
 		if sm, err := ParseStepManifest(b); err == nil && sm.Step == m.Step {
-			return CommitStep(c.Dir, sm)
+			return sm, nil, false, commitStep(c.Dir, sm)
 		}
 	}
-	sm := StepManifest{Step: m.Step, Shards: make([]ShardRef, m.NumShards)}
+	sm = StepManifest{Step: m.Step, Shards: make([]ShardRef, m.NumShards)}
 	for s := range m.NumShards {
 		name := filepath.Join(stepDir, ShardManifestFile(s))
 		b, err := os.ReadFile(name)
 		if errors.Is(err, os.ErrNotExist) {
-			return nil // not yet
+			return sm, nil, false, nil // not yet
 		}
 		if err != nil {
-			return fmt.Errorf("ckpt: commit step %d: %w", m.Step, err)
+			return sm, nil, false, fmt.Errorf("ckpt: commit step %d: %w", m.Step, err)
 		}
 		sh, err := ParseShardManifest(b)
 		if err != nil {
-			return fmt.Errorf("ckpt: commit step %d: %w", m.Step, withFile(err, name))
+			return sm, nil, false, fmt.Errorf("ckpt: commit step %d: %w", m.Step, withFile(err, name))
 		}
 		if sh.Step != m.Step || sh.Shard != s || sh.NumShards != m.NumShards {
-			return fmt.Errorf("ckpt: commit step %d: %s is for step %d shard %d of %d", m.Step, name, sh.Step, sh.Shard, sh.NumShards)
+			return sm, nil, false, fmt.Errorf("ckpt: commit step %d: %s is for step %d shard %d of %d", m.Step, name, sh.Step, sh.Shard, sh.NumShards)
 		}
 		sm.Shards[s] = ShardRef{Shard: s, Size: sh.Size, ManifestCRC32C: CRC32C(b)}
 	}
-	if err := CommitStep(c.Dir, sm); err != nil {
-		return err
+	if err := commitStep(c.Dir, sm); err != nil {
+		return sm, nil, false, err
 	}
-	removed, err := ApplyRetention(c.Dir, c.Retention)
-	if c.OnCommit != nil {
-		c.OnCommit(sm, removed)
-	}
-	return err
+	removed, err = applyRetention(c.Dir, c.Retention)
+	return sm, removed, true, err
 }

@@ -211,6 +211,6 @@ func recoverFault(err *error, old bool) {
 		if !ok {
 			panic(r)
 		}
-		*err = fmt.Errorf("ckpt: memory fault at %#x (shared-memory file truncated?): %v", f.Addr(), r)
+		*err = fmt.Errorf("ckpt: memory fault at %#x (a shared-memory file cut short under its mapping?): %v; load what the other tiers hold (flashckpt load), then remove the segment and restart its owner, which creates it again", f.Addr(), r)
 	}
 }

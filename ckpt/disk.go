@@ -1,6 +1,7 @@
 package ckpt
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -121,20 +122,42 @@ func mkdirSynced(dir string) error {
 	return atomicfile.SyncDir(filepath.Dir(dir))
 }
 
+// persisted says what a persist did with a shard's files.
+type persisted int
+
+const (
+	wrote     persisted = iota // the step was not committed: written
+	kept                       // committed, and its disk copy intact: kept
+	rewritten                  // committed, its disk copy damaged: written again
+)
+
 // persistHalf writes the sealed step in half i of seg to dir as shard
 // numShards: the data file (CRC-checked while written, fsynced, renamed)
-// and then its manifest. A step already committed there is left alone.
-func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards int) (ShardManifest, error) {
+// and then its manifest. A step already committed there is checked
+// against memory: the same step with its disk copy intact is kept, the
+// same step with its copy damaged is written again (to the files the
+// commit names, byte for byte), and another step under the same number
+// is an error that keeps the committed one.
+func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards int) (ShardManifest, persisted, error) {
 	shard := seg.hdr.Shard
 	var man ShardManifest
+	did := wrote
 	err := seg.read(i, true, func(m StepMeta, half []byte, valid func() error) error {
 		if !m.Sealed {
 			return fmt.Errorf("ckpt: step %d in %s half %d is not sealed", m.Step, seg.path, i)
 		}
 		stepDir := StepDir(dir, m.Step)
-		if prev, ok := committedShard(stepDir, shard); ok {
-			man = prev
-			return nil
+		if committed, err := checkCommitted(stepDir, m, shard, numShards); err != nil || committed {
+			if err != nil {
+				return err
+			}
+			if prev, ok := committedShard(stepDir, shard); ok {
+				if _, err := scanShardFile(filepath.Join(stepDir, ShardFile(shard)), prev, true); err == nil {
+					man, did = prev, kept
+					return nil
+				}
+			}
+			did = rewritten
 		}
 		if err := mkdirSynced(stepDir); err != nil {
 			return err
@@ -183,10 +206,43 @@ func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards
 		return wrapNoSpace(atomicfile.WriteFile(filepath.Join(stepDir, ShardManifestFile(shard)), b, 0o640))
 	})
 	if err != nil {
-		return ShardManifest{}, err
+		return ShardManifest{}, did, err
 	}
-	return man, nil
+	return man, did, nil
 }
+
+// checkCommitted says whether m's step is committed in stepDir, and
+// returns an error when it is committed with other content for shard
+// than m's: the commit is kept, and memory's step is not written over it.
+func checkCommitted(stepDir string, m StepMeta, shard, numShards int) (bool, error) {
+	name := filepath.Join(stepDir, CommitFile)
+	b, err := os.ReadFile(name)
+	if err != nil {
+		return false, nil
+	}
+	sm, err := ParseStepManifest(b)
+	if err != nil {
+		return false, fmt.Errorf("ckpt: step %d: %w (remove %s to persist the step anew)", m.Step, withFile(err, name), stepDir)
+	}
+	want := ShardManifest{Step: m.Step, Shard: shard, NumShards: numShards}
+	for _, e := range m.Blobs {
+		want.Blobs = append(want.Blobs, BlobEntry{Name: e.Name, Offset: want.Size, Size: e.Size, CRC32C: e.CRC32C})
+		want.Size += e.Size
+	}
+	ref, err := want.Ref()
+	if err == nil && (shard >= len(sm.Shards) || sm.Shards[shard] != ref) {
+		err = errOtherContent
+	}
+	if err != nil {
+		return true, fmt.Errorf("ckpt: step %d shard %d is committed in %s, and %w: kept the committed step; save memory's state as another step, or remove %s to persist it anew",
+			m.Step, shard, stepDir, err, stepDir)
+	}
+	return true, nil
+}
+
+// errOtherContent is a persist of a step committed with other content:
+// an older half holding the committed content does not make up for it.
+var errOtherContent = errors.New("memory holds other content under that step")
 
 // committedShard returns the manifest of shard in stepDir if the step is
 // committed and the manifest is the committed one.
@@ -211,13 +267,47 @@ func committedShard(stepDir string, shard int) (ShardManifest, bool) {
 // tracker names: trackers never move back.
 var ErrStale = errors.New("ckpt: step is older than the committed one")
 
+// lockDir takes the disk tier's LockFile, waiting for the process or
+// goroutine that holds it; unlock releases it. A lock belongs to the open
+// file, so two callers in one process exclude each other too, and a
+// process that dies releases its lock.
+func lockDir(dir string) (unlock func(), err error) {
+	name := filepath.Join(dir, LockFile)
+	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o640)
+	if err != nil {
+		return nil, wrapNoSpace(fmt.Errorf("ckpt: lock the disk tier: %w", err))
+	}
+	for {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("ckpt: lock the disk tier: flock %s: %w", name, err)
+	}
+	return func() { f.Close() }, nil
+}
+
 // CommitStep commits a step in dir once every shard of it is durable: it
 // writes the step's CommitFile, then the trackers (TrackerFile,
-// DLRoverTrackerFile, MegatronTrackerFile), each atomically. The step
-// directory must exist in dir; on a node that holds only some shards it
-// holds only theirs. A control plane that learns shard completion from
-// every node calls CommitStep on each; LocalCommitter calls it for one.
+// DLRoverTrackerFile, MegatronTrackerFile), each atomically, holding the
+// LockFile of dir. The step directory must exist in dir; on a node that
+// holds only some shards it holds only theirs. A control plane that
+// learns shard completion from every node calls CommitStep on each;
+// LocalCommitter calls it for one.
 func CommitStep(dir string, m StepManifest) error {
+	unlock, err := lockDir(dir)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return commitStep(dir, m)
+}
+
+// commitStep is CommitStep for a caller that holds the lock.
+func commitStep(dir string, m StepManifest) error {
 	b, err := m.Marshal()
 	if err != nil {
 		return err
@@ -292,10 +382,21 @@ func stepDirs(dir string) (steps []int64, committed map[int64]bool, err error) {
 
 // ApplyRetention removes from dir the committed steps r does not keep and
 // the uncommitted step directories older than the newest committed step
-// (persists that never completed). It never removes the step the tracker
-// names, nor anything that is not a step directory. It returns the steps
-// removed.
+// (persists that never completed), holding the LockFile of dir. It never
+// removes the step the tracker names, nor anything that is not a step
+// directory; a step another process removed meanwhile is no error. It
+// returns the steps removed.
 func ApplyRetention(dir string, r Retention) ([]int64, error) {
+	unlock, err := lockDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	return applyRetention(dir, r)
+}
+
+// applyRetention is ApplyRetention for a caller that holds the lock.
+func applyRetention(dir string, r Retention) ([]int64, error) {
 	keepLatest := r.KeepLatest
 	if keepLatest == 0 {
 		keepLatest = 3
@@ -335,7 +436,11 @@ func ApplyRetention(dir string, r Retention) ([]int64, error) {
 		// A step vanishes at once, by a rename, so that a crash in the
 		// middle of removing its files cannot leave a committed step with
 		// some of them gone.
-		if err := os.Rename(StepDir(dir, s), filepath.Join(dir, fmt.Sprintf("%s%d", removingPrefix, s))); err != nil {
+		err := os.Rename(StepDir(dir, s), filepath.Join(dir, fmt.Sprintf("%s%d", removingPrefix, s)))
+		if errors.Is(err, fs.ErrNotExist) {
+			continue // removed by a process that does not take the lock
+		}
+		if err != nil {
 			errs = append(errs, fmt.Errorf("ckpt: retention: %w", err))
 			continue
 		}
@@ -459,37 +564,16 @@ func scanShardFile(name string, man ShardManifest, verifyOnly bool) (*Checkpoint
 }
 
 // LoadDisk returns shard of the newest committed step in dir whose every
-// check holds: the step the tracker names, or else the newest step with a
-// CommitFile. The reasons it passed over newer steps (a tracker naming a
+// check holds. The reasons it passed over newer steps (a tracker naming a
 // missing step, a flipped bit) come back with it, or in the error, which
-// then wraps ErrNoStep.
+// then wraps ErrNoStep. A missing dir holds no step yet.
 func LoadDisk(dir string, shard int) (*Checkpoint, []error, error) {
-	var why []error
-	tracked := int64(-1)
-	if m, err := readTracker(dir); err == nil {
-		tracked = m.Step
-	} else if !errors.Is(err, fs.ErrNotExist) {
-		why = append(why, fmt.Errorf("tracker: %w", err))
+	rep := LoadReport{Shard: shard, Step: -1}
+	disk := diskSteps(dir, shard)
+	ck, _ := loadNewest(&rep, tierSteps{}, nil, disk)
+	if ck == nil {
+		why := append(rep.Notes, cmp.Or(disk.none, errors.New("no committed step is intact")))
+		return nil, why, fmt.Errorf("%w on disk: %w", ErrNoStep, errors.Join(why...))
 	}
-	steps, committed, err := stepDirs(dir)
-	if err != nil {
-		return nil, why, fmt.Errorf("%w: %w", ErrNoStep, err)
-	}
-	if tracked >= 0 && !committed[tracked] {
-		why = append(why, fmt.Errorf("%s names step %d, which is not committed in %s", TrackerFile, tracked, dir))
-	}
-	for _, s := range steps {
-		if !committed[s] {
-			continue
-		}
-		ck, err := LoadDiskStep(dir, s, shard)
-		if err == nil {
-			return ck, why, nil
-		}
-		why = append(why, fmt.Errorf("step %d shard %d: %w", s, shard, err))
-	}
-	if len(why) == 0 {
-		why = append(why, fmt.Errorf("no committed step in %s", dir))
-	}
-	return nil, why, fmt.Errorf("%w on disk: %w", ErrNoStep, errors.Join(why...))
+	return ck, rep.Notes, nil
 }

@@ -1,10 +1,13 @@
 package ckpt
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -324,7 +327,13 @@ func TestRetention(t *testing.T) {
 	dir := t.TempDir()
 	var removedAll []int64
 	lc := &LocalCommitter{Dir: dir, Retention: Retention{KeepLatest: 2, KeepEvery: 4},
-		OnCommit: func(_ StepManifest, removed []int64) { removedAll = append(removedAll, removed...) }}
+		OnCommit: func(_ StepManifest, removed []int64) {
+			removedAll = append(removedAll, removed...)
+			// The directory's lock is free: a callback may prune too.
+			if _, err := ApplyRetention(dir, Retention{KeepLatest: 2, KeepEvery: 4}); err != nil {
+				t.Error(err)
+			}
+		}}
 	nd := newNode(t, OwnerConfig{Dir: dir, Committer: lc}, 1)
 	for step := int64(1); step <= 6; step++ {
 		nd.persistAll(t, step)
@@ -599,5 +608,131 @@ func TestWritebackUnsupported(t *testing.T) {
 	}
 	if !wb.unsupported {
 		t.Fatal("writeback on a pipe is not marked unsupported")
+	}
+}
+
+// TestCommitAcrossProcesses runs the agents of a two-shard job as two
+// processes on one disk tier and has them persist each step at the same
+// moment, so that both see the step complete and commit it, and both
+// apply the retention: each persist succeeds, and the tier ends with the
+// last step committed and nothing else.
+func TestCommitAcrossProcesses(t *testing.T) {
+	const steps = 60
+	shm, dir := shmDir(t), t.TempDir()
+	type agent struct {
+		in  io.WriteCloser
+		out *bufio.Scanner
+	}
+	var agents []agent
+	for shard := range 2 {
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), childEnv+"=shard", fmt.Sprint("FAULTLINE_CKPT_SHARD=", shard),
+			"FAULTLINE_CKPT_SHM="+shm, "FAULTLINE_CKPT_DIR="+dir)
+		cmd.Stderr = os.Stderr
+		in, err := cmd.StdinPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			in.Close()
+			cmd.Process.Kill()
+			cmd.Wait()
+		})
+		a := agent{in, bufio.NewScanner(out)}
+		if !a.out.Scan() || a.out.Text() != "ready" {
+			t.Fatalf("agent of shard %d did not start: %q", shard, a.out.Text())
+		}
+		agents = append(agents, a)
+	}
+	var failed []string
+	for step := 1; step <= steps; step++ {
+		for _, a := range agents {
+			fmt.Fprintln(a.in, step)
+		}
+		for shard, a := range agents {
+			if !a.out.Scan() {
+				t.Fatalf("agent of shard %d died at step %d", shard, step)
+			}
+			if got := a.out.Text(); got != "persisted" {
+				failed = append(failed, fmt.Sprintf("step %d shard %d: %s", step, shard, got))
+			}
+		}
+	}
+	if len(failed) > 0 {
+		t.Errorf("%d of %d persists failed:\n%s", len(failed), 2*steps, strings.Join(failed, "\n"))
+	}
+	rep, err := InspectDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Problems) > 0 {
+		t.Fatal(errors.Join(rep.Problems...))
+	}
+	var left []int64
+	for _, s := range rep.Steps {
+		left = append(left, s.Step)
+	}
+	if tr, err := readTracker(dir); err != nil || tr.Step != steps || !slices.Equal(left, []int64{steps}) {
+		t.Fatalf("tracker %+v, %v; steps left %v; want step %d alone", tr, err, left, steps)
+	}
+}
+
+// TestResaveCommittedStep persists a step that is committed already:
+// with its disk copy damaged, the copy is written again from memory; with
+// it intact, it is kept, and the log says which; a different step under
+// the same number is refused, and the committed one kept.
+func TestResaveCommittedStep(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	logs := &syncBuffer{}
+	nd := newNode(t, OwnerConfig{Dir: dir, Logger: slog.New(slog.NewTextHandler(logs, nil))}, 1)
+	nd.persistAll(t, 1)
+	data := filepath.Join(StepDir(dir, 1), ShardFile(0))
+	flipBit(t, data, 100)
+	if _, err := LoadDiskStep(dir, 1, 0); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("LoadDiskStep of the damaged copy = %v", err)
+	}
+
+	nd.persistAll(t, 1) // the same step again
+	if !strings.Contains(logs.String(), "damaged disk copy: wrote it again") {
+		t.Fatalf("the log does not say the damaged copy was written again:\n%s", logs)
+	}
+	ck, err := LoadDiskStep(dir, 1, 0)
+	if err != nil {
+		t.Fatalf("the rewritten copy: %v", err)
+	}
+	checkShard(t, ck, 0, 1)
+
+	ino := func() uint64 {
+		var st unix.Stat_t
+		if err := unix.Stat(data, &st); err != nil {
+			t.Fatal(err)
+		}
+		return st.Ino
+	}
+	before := ino()
+	nd.persistAll(t, 1)
+	if !strings.Contains(logs.String(), "intact disk copy: kept it") || ino() != before {
+		t.Fatalf("an intact committed copy was not kept:\n%s", logs)
+	}
+
+	if err := nd.ws[0].Save(ctx, 1, shardBlobs(0, 2)...); err != nil {
+		t.Fatal(err)
+	}
+	_, err = nd.o.Persist(ctx, 0)
+	if err == nil || !strings.Contains(err.Error(), "kept the committed step") {
+		t.Fatalf("Persist of other content under a committed step = %v", err)
+	}
+	if ck, err := LoadDiskStep(dir, 1, 0); err != nil || ino() != before {
+		t.Fatalf("the committed copy after a refused persist: %v", err)
+	} else {
+		checkShard(t, ck, 0, 1)
 	}
 }

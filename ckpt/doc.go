@@ -16,8 +16,9 @@
 //     the segment that does not hold the newest step and then flips a word:
 //     it blocks for the copy only, computes no checksum, never waits for a
 //     persist, and a trainer killed mid-save leaves the previous step
-//     intact. Persist asks the owner to write the step to disk; the trainer
-//     does not wait for it.
+//     intact. A step larger than the segment's halves grows the segment
+//     first, keeping its newest step. Persist asks the owner to write the
+//     step to disk; the trainer does not wait for it.
 //
 // A node agent:
 //
@@ -55,10 +56,15 @@
 // StepManifest), dlrover_latest.txt and latest_checkpointed_iteration.txt
 // (the step in decimal, as DLRover and Megatron-LM write them), each
 // written atomically. A crash at any point leaves every tracker naming a
-// complete step. LocalCommitter commits on one node (or a shared
-// filesystem); a control plane implements Committer across nodes and calls
-// CommitStep on each. Retention keeps the newest N committed steps and
-// every K-th; a removed step vanishes by a rename before its files go.
+// complete step. A persist of a step committed already reads its disk copy
+// back: an intact one is kept, a damaged one is written again from memory,
+// and other content under the number is refused. LocalCommitter commits on
+// one node (or a shared filesystem); a control plane implements Committer
+// across nodes and calls CommitStep on each. Retention keeps the newest N
+// committed steps and every K-th; a removed step vanishes by a rename
+// before its files go. Commits and retention hold an exclusive flock on
+// dir/LockFile, so that the agents sharing a disk tier (processes of one
+// node, or nodes on a shared filesystem) commit and prune one at a time.
 //
 // # Replicas
 //
@@ -72,21 +78,23 @@
 //
 // # Loading
 //
-// Owner.Load serves, in order of preference: memory (the newest step every
-// local shard holds intact), a replica (restored into local memory, so the
-// trainer then reads it there), or the newest committed disk step; every
-// CRC is verified, and the LoadReport says which tier served and why each
-// other one did not. A memory step its owner died before sealing is
-// complete but has no CRCs to check: Load computes them as it copies the
-// step, seals it with them, and says so (LoadReport.SealedOnLoad,
-// Checkpoint.Unverified). Across nodes a control plane picks one step for every
-// shard and calls LoadStep. A restarting trainer reads memory itself
-// (Writer.Load, or LoadInto to restore into its own buffers) and falls back
-// to LoadDisk; its agent, having called Owner.Load before restarting it,
-// has restored any replica into that memory. Verify and
-// InspectSegment/InspectDir check a
-// disk tier and segments without disturbing them (the flashckpt command
-// wraps them).
+// Owner.Load serves the newest step that some tier holds intact, and never
+// an older step while a newer committed one is intact in another tier; at
+// one step it prefers memory (the steps every local shard holds intact),
+// then a replica (restored into local memory), then disk. Every CRC is
+// verified, and the LoadReport says which tier served, why the others did
+// not, and why each newer step was passed over. A memory step its owner
+// died before sealing is complete but has no CRCs to check: Load computes
+// them as it copies the step, seals it with them, and says so
+// (LoadReport.SealedOnLoad, Checkpoint.Unverified). Across nodes a control
+// plane picks one step for every shard and calls LoadStep. A restarting
+// trainer loads the step its agent chose: from memory (Writer.Load, or
+// LoadInto to restore into its own buffers) when memory holds it, which the
+// agent made so for a replica, else from disk (LoadDiskStep). Without an
+// agent, LoadShard weighs a segment and the disk tier read-only, and
+// CommonStep finds the newest step every shard of a job holds intact.
+// Verify and InspectSegment/InspectDir check a disk tier and segments
+// without disturbing them (the flashckpt command wraps them).
 //
 // # Observability
 //
@@ -215,6 +223,30 @@
 // decrements it after, and resets both pins when it (re)starts. A writer
 // dying anywhere leaves its target half in state 1, which no reader
 // accepts, and the other half as it was.
+//
+// Growing: a segment's size never changes in place; one too small for a
+// step is replaced by a larger one under its name. Whoever grows it (a
+// writer whose step does not fit, or an owner started with a larger
+// capacity or asked with Owner.Grow) takes an exclusive flock on the
+// segment file and checks that the path still names that file (else another
+// process grew it first: map the path anew). It writes a new file in the
+// same directory, under a hidden temporary name, with every page reserved
+// and the same header but a larger half_size; copies the newest complete
+// step into its half 0 as it is: bytes [16,64) of the step header, the
+// table, and the CRC array and seal words as the seal word it loaded first
+// says (zero when unsealed), then the blobs at the same offsets; sets that
+// half's state to 2, active to 0 and persist_seq to the old segment's; and
+// renames the file over the path. (An owner that grows a segment copies the
+// other complete step into half 1 too.) A writer holds a shared flock on
+// the segment file for each save, from step 1 to step 5 above, and once it
+// holds the lock checks that the path still names the file it mapped: stat
+// of the path and fstat of its descriptor (os.stat and os.fstat in Python)
+// give the same st_dev and st_ino. If not, it unlocks, maps the path anew,
+// reading half_size from the new header, and starts over. The lock makes a
+// grow wait for the save under way, so that no save lands in a file already
+// replaced; a writer that takes no lock may lose a save made while the
+// segment grows. The owner and a reader check the path the same way before
+// each operation.
 //
 // Version 1, written by earlier releases, had no seal: the writer computed
 // every CRC and put it in bytes [16,20) of the blob's table entry, bytes

@@ -66,6 +66,37 @@ func ExampleLoadDisk() {
 	// 7
 }
 
+// A tool with no owner at hand finds the step every shard of a job holds
+// intact (here shard 1 never saved step 2) and loads each shard at it,
+// read-only.
+func ExampleCommonStep() {
+	shm, _ := os.MkdirTemp("", "shm")
+	dir, _ := os.MkdirTemp("", "ckpt")
+	defer os.RemoveAll(shm)
+	defer os.RemoveAll(dir)
+	ctx := context.Background()
+	o, _ := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: shm, Shards: []int{0, 1}, Capacity: 1 << 20, Dir: dir})
+	defer o.Remove()
+	segs := map[int]string{}
+	for s := range 2 {
+		segs[s] = o.SegmentPath(s)
+		w, _ := ckpt.NewWriter(ckpt.WriterConfig{Path: segs[s]})
+		defer w.Close()
+		w.Save(ctx, 1, ckpt.Blob{Name: "model", Data: []byte{byte(s)}})
+		if s == 0 {
+			w.Save(ctx, 2, ckpt.Blob{Name: "model", Data: []byte{2}})
+		}
+	}
+
+	step, why, err := ckpt.CommonStep(dir, segs)
+	fmt.Println(step, why, err)
+	ck, rep, err := ckpt.LoadShard(segs[0], dir, 0, step)
+	fmt.Println(rep.Tier, ck.Step, ck.Blob("model"), err)
+	// Output:
+	// 1 [step 2: shard 1 holds it in no tier] <nil>
+	// memory 1 [0] <nil>
+}
+
 // PickPeers sends a node's replicas under another switch.
 func ExamplePickPeers() {
 	nodes := []string{"node-0", "node-1", "node-2", "node-3"}

@@ -1,9 +1,11 @@
 package ckpt
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"runtime/debug"
 	"slices"
@@ -73,18 +75,19 @@ func (r LoadReport) String() string {
 	return b.String()
 }
 
-// Load returns shard's newest intact step by preference: memory, with the
-// newest step every local shard holds intact (so the node's shards load
-// one step); else this shard's newest copy on a peer, restored into local
-// memory; else the newest committed step on disk; a tier is passed over
-// when a later one holds a newer step. Every CRC is verified; a memory
-// step not yet sealed is sealed as it is copied (LoadReport.SealedOnLoad).
-// The report
-// says which tier served, why the others did not and what was passed over
-// (a step with a flipped bit). With several nodes, let the control plane
-// choose one step for every shard and call LoadStep. A replica is restored
-// by writing the shard's segment: call Load before the shard's trainer
-// starts saving again.
+// Load returns shard's newest intact step, and never an older one while a
+// newer committed step is intact in some tier. The candidates are the
+// steps every local shard holds intact in memory (so that the node's
+// shards load one step) and the committed steps on disk; newest first,
+// each is served from memory, else from this shard's newest copy on a
+// peer when that is as new (restored into local memory), else from disk.
+// Every CRC is verified; a memory step not yet sealed is sealed as it is
+// copied (LoadReport.SealedOnLoad). The report says which tier served,
+// why the tiers preferred to it did not, and why each newer step was
+// passed over (a flipped bit, a step some local shard lacks). With
+// several nodes, let the control plane choose one step for every shard
+// and call LoadStep. A replica is restored by writing the shard's
+// segment: call Load before the shard's trainer starts saving again.
 func (o *Owner) Load(ctx context.Context, shard int) (*Checkpoint, LoadReport, error) {
 	return o.load(ctx, shard, -1)
 }
@@ -136,77 +139,173 @@ func (o *Owner) load(ctx context.Context, shard int, step int64) (ck *Checkpoint
 		return o.loadGiven(ctx, seg, step, &rep, refuse, served)
 	}
 
-	// Memory, if it holds the newest step: the newest every local shard
-	// holds intact, unless disk committed a newer one.
-	diskStep := int64(-1)
-	if o.cfg.Dir != "" {
-		diskStep = newestCommitted(o.cfg.Dir)
-	}
-	var mem []int64
-	for attempt := 0; ; attempt++ {
-		steps, passed, err := o.intactSteps()
-		mem = steps
-		rep.Notes = append(rep.Notes, passed...)
+	// Candidates: the steps every local shard holds intact in memory, and
+	// the committed disk steps.
+	var mem, disk tierSteps
+	var passed []error
+	mem.steps, passed, mem.none = o.intactSteps()
+	rep.Notes = append(rep.Notes, passed...)
+	mem.load = func(s int64) (*Checkpoint, error) {
+		c, err := o.loadStep(seg, s, &rep)
 		if err != nil {
-			refuse(TierMemory, err)
-			break
+			// Damaged since it was verified: the next load verifies afresh.
+			o.forget(shard)
 		}
-		if mem[0] < diskStep {
-			refuse(TierMemory, fmt.Errorf("newest intact step %d is older than committed disk step %d", mem[0], diskStep))
-			break
-		}
-		c, err := o.loadStep(seg, mem[0], &rep)
-		if err == nil {
-			return served(TierMemory, c)
-		}
-		if attempt > 0 {
-			refuse(TierMemory, err)
-			break
-		}
-		// Damaged since it was verified: verify this shard afresh.
-		rep.Notes = append(rep.Notes, fmt.Errorf("memory shard %d: %w", shard, err))
-		o.forget(shard)
+		return c, err
 	}
-
-	// Replica: this shard's newest copy on a peer.
-	floor := diskStep
-	if len(mem) > 0 {
-		floor = max(floor, mem[0])
-	}
-	if len(o.cfg.Peers) == 0 || o.cfg.Replicas < 0 {
-		refuse(TierReplica, errors.New("no peers configured"))
-	} else if c, err := o.fetch(ctx, seg, -1); err != nil {
-		refuse(TierReplica, err)
-	} else if c.Step < floor {
-		refuse(TierReplica, fmt.Errorf("peer's step %d is older than step %d held elsewhere", c.Step, floor))
-	} else {
-		return served(TierReplica, c)
-	}
-
-	// Disk: the newest committed step.
 	if o.cfg.Dir == "" {
-		refuse(TierDisk, errors.New("no disk tier configured"))
+		disk.none = errors.New("no disk tier configured")
 	} else {
-		c, why, err := LoadDisk(o.cfg.Dir, shard)
-		rep.Notes = append(rep.Notes, why...)
-		for _, w := range why {
-			if errors.Is(w, ErrCorrupt) {
-				o.m.crcFailures.Inc()
-			}
-		}
-		if err == nil {
-			return served(TierDisk, c)
-		}
-		refuse(TierDisk, err)
+		disk = diskSteps(o.cfg.Dir, shard)
 	}
+	fetch := func() (*Checkpoint, error) {
+		if len(o.cfg.Peers) == 0 || o.cfg.Replicas < 0 {
+			return nil, errors.New("no peers configured")
+		}
+		return o.fetch(ctx, seg, -1)
+	}
+	notes := len(rep.Notes)
+	c, t := loadNewest(&rep, mem, fetch, disk)
+	for _, e := range rep.Notes[notes:] {
+		if errors.Is(e, ErrCorrupt) {
+			o.m.crcFailures.Inc()
+		}
+	}
+	for _, e := range rep.Refused {
+		o.log.Info("ckpt: load tier refused", "shard", shard, "tier", e.Tier, "err", e.Err)
+	}
+	if c == nil {
+		return nil, rep, fmt.Errorf("%w for shard %d: %s", ErrNoStep, shard, rep)
+	}
+	return served(t, c)
+}
 
-	// Last resort: an intact memory step older than what disk claimed.
-	if len(mem) > 0 {
-		if c, err := o.loadStep(seg, mem[0], &rep); err == nil {
-			return served(TierMemory, c)
+// tierSteps is what a load knows of one tier of a shard before it reads
+// any data: the steps the tier may serve, newest first (their tables or
+// commits say so; load checks every CRC), or why it has none.
+type tierSteps struct {
+	steps []int64
+	none  error
+	notes []error // what a load should know, such as a tracker naming a missing step
+	load  func(step int64) (*Checkpoint, error)
+}
+
+// loadNewest serves the newest step that a tier holds intact. It tries
+// the candidate steps of memory and disk newest first, each in memory,
+// then from a replica (fetched once, when memory lacks a candidate), then
+// on disk, so that no tier's older step is served while a newer one is
+// intact in another. rep gets a note for each candidate passed over, with
+// why, and the tiers preferred to the one that served (every tier, when
+// none did) are refused with why. It returns the tier that served, or a
+// nil Checkpoint. fetch, if not nil, asks peers for the shard's newest
+// copy.
+func loadNewest(rep *LoadReport, mem tierSteps, fetch func() (*Checkpoint, error), disk tierSteps) (*Checkpoint, Tier) {
+	rep.Notes = append(rep.Notes, mem.notes...)
+	rep.Notes = append(rep.Notes, disk.notes...)
+	cands := slices.Concat(mem.steps, disk.steps)
+	slices.Sort(cands)
+	slices.Reverse(cands)
+	cands = slices.Compact(cands)
+	var memWhy, replicaWhy error
+	var replica *Checkpoint
+	fetched := fetch == nil
+	getReplica := func() {
+		if !fetched {
+			fetched = true
+			replica, replicaWhy = fetch()
 		}
 	}
-	return nil, rep, fmt.Errorf("%w for shard %d: %s", ErrNoStep, shard, rep)
+	refuse := func(t Tier, step int64, why error) {
+		switch {
+		case why != nil:
+		case t == TierMemory && len(mem.steps) == 0:
+			why = mem.none
+		case t == TierMemory:
+			why = fmt.Errorf("its newest intact step %d is older than step %d", mem.steps[0], step)
+		case replica != nil:
+			why = fmt.Errorf("the peer's step %d is older than step %d", replica.Step, step)
+		}
+		if why != nil {
+			rep.Refused = append(rep.Refused, &TierError{t, why})
+		}
+	}
+	serve := func(c *Checkpoint, t Tier) (*Checkpoint, Tier) {
+		if t != TierMemory {
+			refuse(TierMemory, c.Step, memWhy)
+		}
+		if t == TierDisk && fetch != nil {
+			refuse(TierReplica, c.Step, replicaWhy)
+		}
+		return c, t
+	}
+	for _, s := range cands {
+		if replica != nil && replica.Step >= s {
+			return serve(replica, TierReplica)
+		}
+		if slices.Contains(mem.steps, s) {
+			c, err := mem.load(s)
+			if err == nil {
+				return c, TierMemory
+			}
+			rep.Notes = append(rep.Notes, fmt.Errorf("step %d: memory: %w", s, err))
+			memWhy = cmp.Or(memWhy, fmt.Errorf("step %d failed its checks", s))
+		}
+		getReplica()
+		if replica != nil && replica.Step >= s {
+			return serve(replica, TierReplica)
+		}
+		if slices.Contains(disk.steps, s) {
+			c, err := disk.load(s)
+			if err == nil {
+				return serve(c, TierDisk)
+			}
+			rep.Notes = append(rep.Notes, fmt.Errorf("step %d: disk: %w", s, err))
+		}
+	}
+	getReplica()
+	if replica != nil {
+		return serve(replica, TierReplica)
+	}
+	refuse(TierMemory, -1, memWhy)
+	if fetch != nil {
+		refuse(TierReplica, -1, replicaWhy)
+	}
+	diskWhy := disk.none
+	if diskWhy == nil {
+		diskWhy = errors.New("no committed step is intact")
+	}
+	rep.Refused = append(rep.Refused, &TierError{TierDisk, diskWhy})
+	return nil, ""
+}
+
+// diskSteps lists the committed steps of dir for a load of shard, and
+// notes a tracker that names a step that is not committed. A missing dir
+// is a disk tier with nothing on it yet.
+func diskSteps(dir string, shard int) tierSteps {
+	t := tierSteps{load: func(s int64) (*Checkpoint, error) { return LoadDiskStep(dir, s, shard) }}
+	steps, committed, err := stepDirs(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		t.none = fmt.Errorf("nothing on disk yet (%s does not exist)", dir)
+		return t
+	}
+	if err != nil {
+		t.none = err
+		return t
+	}
+	for _, s := range steps {
+		if committed[s] {
+			t.steps = append(t.steps, s)
+		}
+	}
+	if m, err := readTracker(dir); err == nil && !committed[m.Step] {
+		t.notes = append(t.notes, fmt.Errorf("%s names step %d, which is not committed in %s", TrackerFile, m.Step, dir))
+	} else if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		t.notes = append(t.notes, fmt.Errorf("tracker: %w", err))
+	}
+	if len(t.steps) == 0 {
+		t.none = fmt.Errorf("no committed step in %s", dir)
+	}
+	return t
 }
 
 // loadGiven loads a given step: from memory, a replica or disk.
@@ -266,20 +365,6 @@ func (o *Owner) loadStep(seg *segment, step int64, rep *LoadReport) (*Checkpoint
 	return nil, errors.Join(why...)
 }
 
-// newestCommitted is the newest step with a CommitFile in dir, or -1.
-func newestCommitted(dir string) int64 {
-	steps, committed, err := stepDirs(dir)
-	if err != nil {
-		return -1
-	}
-	for _, s := range steps {
-		if committed[s] {
-			return s
-		}
-	}
-	return -1
-}
-
 // fetch asks peers for their copy of seg's shard at step (-1: newest),
 // in PickPeers's order (so those that received this node's saves first),
 // restores it into seg and copies it out.
@@ -292,7 +377,8 @@ func (o *Owner) fetch(ctx context.Context, seg *segment, step int64) (*Checkpoin
 		m, _, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (StepMeta, int64, error) {
 			m, err := getReplica(conn, shard, step, o.cfg.IOTimeout, func(need int64) (*segment, error) {
 				if need > seg.hdr.HalfSize {
-					return nil, fmt.Errorf("%w: replica needs %d bytes per half, %s has %d", ErrTooLarge, need, seg.path, seg.hdr.HalfSize)
+					return nil, fmt.Errorf("%w: replica needs %d bytes per half, %s has %d: restart the owner with OwnerConfig.Capacity %d or more to restore it",
+						ErrTooLarge, need, seg.path, seg.hdr.HalfSize, need)
 				}
 				return seg, nil
 			})

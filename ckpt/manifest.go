@@ -23,6 +23,10 @@ const (
 	// CommitFile in a step directory marks the step committed; it holds the
 	// StepManifest.
 	CommitFile = "commit.json"
+	// LockFile in the disk tier is locked (flock, exclusive) by whoever
+	// commits a step or applies the retention there, so that the processes
+	// sharing a disk tier do so one at a time.
+	LockFile = ".faultline-ckpt.lock"
 )
 
 // ShardFile is the name of a shard's data file in its step directory.

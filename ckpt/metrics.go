@@ -5,76 +5,59 @@ import (
 	"log/slog"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
 const instrumentation = "github.com/faultline-ml/faultline/ckpt"
 
-// registered are collectors registered on a Registerer, so that Close
-// can unregister them.
-type registered struct {
-	reg prometheus.Registerer
-	cs  []prometheus.Collector
-}
-
-// register registers cs on reg (nil: none). A collision, such as two
-// Writers on one Registerer, is an error rather than promauto's panic, and
-// leaves nothing registered.
-func register(reg prometheus.Registerer, cs ...prometheus.Collector) (registered, error) {
-	if reg == nil {
-		return registered{}, nil
+// register checks the Registrar that the metrics of a Writer or an Owner
+// were built on: a collision, such as two Writers on one Registerer, is an
+// error of the constructor rather than promauto's panic, and leaves
+// nothing registered.
+func register(r *promreg.Registrar) error {
+	if err := r.Err(); err != nil {
+		return fmt.Errorf("%w (give each Writer and each Owner of a process its own Registerer, such as prometheus.WrapRegistererWith with a distinct shard label)", err)
 	}
-	for i, c := range cs {
-		if err := reg.Register(c); err != nil {
-			for _, d := range cs[:i] {
-				reg.Unregister(d)
-			}
-			return registered{}, fmt.Errorf("ckpt: register metrics: %w (give each Writer and each Owner of a process its own Registerer, such as prometheus.WrapRegistererWith with a distinct shard label)", err)
-		}
-	}
-	return registered{reg, cs}, nil
-}
-
-// unregister undoes register.
-func (r registered) unregister() {
-	for _, c := range r.cs {
-		r.reg.Unregister(c)
-	}
+	return nil
 }
 
 // writerMetrics are a Writer's collectors.
 type writerMetrics struct {
-	registered
+	reg         *promreg.Registrar
 	saveSeconds prometheus.Histogram
 	saveBytes   prometheus.Counter
 	saveSkipped prometheus.Counter
 }
 
 func newWriterMetrics(reg prometheus.Registerer) (*writerMetrics, error) {
+	r := promreg.New(reg, "ckpt: WriterConfig.Registerer")
+	f := promauto.With(r)
 	m := &writerMetrics{
-		saveSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+		reg: r,
+		saveSeconds: f.NewHistogram(prometheus.HistogramOpts{
 			Name:    "faultline_ckpt_save_blocking_seconds",
 			Help:    "Time a save into shared memory blocked the trainer.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16),
 		}),
-		saveBytes: prometheus.NewCounter(prometheus.CounterOpts{
+		saveBytes: f.NewCounter(prometheus.CounterOpts{
 			Name: "faultline_ckpt_save_bytes_total",
 			Help: "Bytes saved into shared memory.",
 		}),
-		saveSkipped: prometheus.NewCounter(prometheus.CounterOpts{
+		saveSkipped: f.NewCounter(prometheus.CounterOpts{
 			Name: "faultline_ckpt_save_skipped_total",
 			Help: "Saves skipped because the owner was reading the target half.",
 		}),
 	}
-	var err error
-	m.registered, err = register(reg, m.saveSeconds, m.saveBytes, m.saveSkipped)
-	return m, err
+	return m, register(r)
 }
 
 // ownerMetrics are an Owner's collectors.
 type ownerMetrics struct {
-	registered
+	reg             *promreg.Registrar
 	sealSeconds     prometheus.Histogram
 	persistSeconds  prometheus.Histogram
 	persistBytes    prometheus.Counter
@@ -87,50 +70,50 @@ type ownerMetrics struct {
 }
 
 func newOwnerMetrics(reg prometheus.Registerer) (*ownerMetrics, error) {
+	r := promreg.New(reg, "ckpt: OwnerConfig.Registerer")
+	f := promauto.With(r)
 	m := &ownerMetrics{
-		sealSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+		reg: r,
+		sealSeconds: f.NewHistogram(prometheus.HistogramOpts{
 			Name:    "faultline_ckpt_seal_seconds",
 			Help:    "Time to seal one shard's save: compute and write the CRCs of its blobs.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16),
 		}),
-		persistSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+		persistSeconds: f.NewHistogram(prometheus.HistogramOpts{
 			Name:    "faultline_ckpt_persist_seconds",
 			Help:    "Time to persist one shard of a step to disk, fsync included.",
 			Buckets: prometheus.ExponentialBuckets(0.01, 2, 16),
 		}),
-		persistBytes: prometheus.NewCounter(prometheus.CounterOpts{
+		persistBytes: f.NewCounter(prometheus.CounterOpts{
 			Name: "faultline_ckpt_persist_bytes_total",
 			Help: "Bytes persisted to disk.",
 		}),
-		persistFailures: prometheus.NewCounter(prometheus.CounterOpts{
+		persistFailures: f.NewCounter(prometheus.CounterOpts{
 			Name: "faultline_ckpt_persist_failures_total",
 			Help: "Persists that failed (disk full, corrupt or superseded source).",
 		}),
-		commits: prometheus.NewCounter(prometheus.CounterOpts{
+		commits: f.NewCounter(prometheus.CounterOpts{
 			Name: "faultline_ckpt_commits_total",
 			Help: "Steps committed on disk (trackers written).",
 		}),
-		crcFailures: prometheus.NewCounter(prometheus.CounterOpts{
+		crcFailures: f.NewCounter(prometheus.CounterOpts{
 			Name: "faultline_ckpt_crc_failures_total",
 			Help: "Blobs, manifests or headers whose checksum did not match.",
 		}),
-		loads: prometheus.NewCounterVec(prometheus.CounterOpts{
+		loads: f.NewCounterVec(prometheus.CounterOpts{
 			Name: "faultline_ckpt_loads_total",
 			Help: "Loads by the tier that served them (memory, replica, disk, none).",
 		}, []string{"tier"}),
-		replicaBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+		replicaBytes: f.NewCounterVec(prometheus.CounterOpts{
 			Name: "faultline_ckpt_replica_bytes_total",
 			Help: "Bytes of replicas sent to and received from peers.",
 		}, []string{"direction"}),
-		replicaFailures: prometheus.NewCounter(prometheus.CounterOpts{
+		replicaFailures: f.NewCounter(prometheus.CounterOpts{
 			Name: "faultline_ckpt_replica_failures_total",
 			Help: "Replica transfers that failed.",
 		}),
 	}
-	var err error
-	m.registered, err = register(reg, m.sealSeconds, m.persistSeconds, m.persistBytes, m.persistFailures, m.commits,
-		m.crcFailures, m.loads, m.replicaBytes, m.replicaFailures)
-	return m, err
+	return m, register(r)
 }
 
 func tracerOf(tp trace.TracerProvider) trace.Tracer {

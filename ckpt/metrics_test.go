@@ -2,7 +2,11 @@ package ckpt
 
 import (
 	"context"
+	"errors"
+	"io/fs"
+	"os"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -86,16 +90,26 @@ func TestMetricsAndSpans(t *testing.T) {
 	}
 }
 
+// TestMetricsCollide shows both halves of the registration contract: a
+// second Owner or Writer on one Registerer is an error of its constructor
+// that names the config field and the metric, and Close unregisters, so
+// that one built again registers afresh.
 func TestMetricsCollide(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	o, err := NewOwner(OwnerConfig{ShmDir: shmDir(t), Shards: []int{0, 1}, Capacity: 1 << 20, Registerer: reg})
+	shm := shmDir(t)
+	o, err := NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{0, 1}, Capacity: 1 << 20, Registerer: reg})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer o.Remove()
-	if _, err := NewOwner(OwnerConfig{ShmDir: shmDir(t), Shards: []int{0}, Capacity: 1 << 20, Registerer: reg}); err == nil {
-		t.Fatal("a second Owner on one Registerer registered its metrics")
+	_, err = NewOwner(OwnerConfig{ShmDir: shm, Name: "other", Shards: []int{0}, Capacity: 1 << 20, Registerer: reg})
+	if err == nil || !strings.Contains(err.Error(), "OwnerConfig.Registerer") || !strings.Contains(err.Error(), "faultline_ckpt_") {
+		t.Fatalf("a second Owner on one Registerer: %v, want an error naming OwnerConfig.Registerer and the metric", err)
 	}
+	if _, err := os.Stat(SegmentPath(shm, "other", 0)); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("the refused Owner left its segment: %v", err)
+	}
+
 	shardReg := func(s string) prometheus.Registerer {
 		return prometheus.WrapRegistererWith(prometheus.Labels{"shard": s}, reg)
 	}
@@ -105,8 +119,8 @@ func TestMetricsCollide(t *testing.T) {
 	}
 	// A second writer with the same labels collides, with an error, not a
 	// panic.
-	if _, err := NewWriter(WriterConfig{Path: o.SegmentPath(1), Registerer: shardReg("0")}); err == nil {
-		t.Fatal("a second Writer on one Registerer registered its metrics")
+	if _, err := NewWriter(WriterConfig{Path: o.SegmentPath(1), Registerer: shardReg("0")}); err == nil || !strings.Contains(err.Error(), "WriterConfig.Registerer") {
+		t.Fatalf("a second Writer on one Registerer: %v, want an error naming WriterConfig.Registerer", err)
 	}
 	// Labelled apart, it does not.
 	w1, err := NewWriter(WriterConfig{Path: o.SegmentPath(1), Registerer: shardReg("1")})
@@ -121,4 +135,11 @@ func TestMetricsCollide(t *testing.T) {
 		t.Fatal(err)
 	}
 	w0.Close()
+	// Closing the owner unregisters its collectors: another takes them.
+	o.Close()
+	o3, err := NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{0, 1}, Capacity: 1 << 20, Registerer: reg})
+	if err != nil {
+		t.Fatalf("an Owner after the first one closed: %v", err)
+	}
+	o3.Close()
 }

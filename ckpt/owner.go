@@ -41,7 +41,9 @@ type OwnerConfig struct {
 	NumShards int
 	// Capacity is the size of a half in bytes: the largest step of one
 	// shard, its blob table included. StepSize computes it. A segment
-	// takes 2*Capacity + 4 KiB of shared memory.
+	// takes 2*Capacity + 4 KiB of shared memory. An existing segment with
+	// smaller halves is grown to it, keeping its steps; a larger one is
+	// kept. A save of a larger step grows the segment (Writer.Save).
 	Capacity int64
 
 	// Dir is the disk tier; "" leaves steps in memory only.
@@ -204,7 +206,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 	}
 	if cfg.Dir != "" {
 		if err := os.MkdirAll(cfg.Dir, 0o750); err != nil {
-			o.m.unregister()
+			o.m.reg.UnregisterAll()
 			return nil, fmt.Errorf("ckpt: disk tier: %w", err)
 		}
 	}
@@ -212,7 +214,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 	for _, s := range cfg.Shards {
 		seg, err := createSegment(SegmentPath(cfg.ShmDir, cfg.Name, s), s, 0, cfg.Capacity)
 		if err != nil {
-			o.m.unregister()
+			o.m.reg.UnregisterAll()
 			o.unmapAll()
 			return nil, err
 		}
@@ -221,7 +223,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 	if cfg.ListenAddr != "" {
 		ln, err := net.Listen("tcp", cfg.ListenAddr)
 		if err != nil {
-			o.m.unregister()
+			o.m.reg.UnregisterAll()
 			o.unmapAll()
 			return nil, fmt.Errorf("ckpt: replica server: %w", err)
 		}
@@ -273,12 +275,52 @@ func (o *Owner) Addr() net.Addr {
 	return o.ln.Addr()
 }
 
-// acquire guards an operation against Close.
+// acquire guards an operation against Close, having first mapped anew
+// the segments that a writer grew (replaced under their names).
 func (o *Owner) acquire() error {
 	o.ops.RLock()
 	if o.closed {
 		o.ops.RUnlock()
 		return fmt.Errorf("ckpt: owner: %w", errClosed)
+	}
+	if !slices.ContainsFunc(o.cfg.Shards, func(s int) bool { return o.segs[s].replaced() }) {
+		return nil
+	}
+	o.ops.RUnlock()
+	o.ops.Lock()
+	err := o.remap()
+	o.ops.Unlock()
+	if err != nil {
+		return err
+	}
+	return o.acquire()
+}
+
+// remap maps anew the segments whose paths name other files now. The
+// caller holds ops for writing.
+func (o *Owner) remap() error {
+	if o.closed {
+		return nil // acquire says so
+	}
+	for _, shard := range o.cfg.Shards {
+		old := o.segs[shard]
+		if !old.replaced() {
+			continue
+		}
+		seg, err := openSegment(old.path, false)
+		if err == nil && (seg.hdr.Shard != shard || seg.hdr.Flags != 0 || seg.writable() != nil) {
+			seg.close()
+			err = fmt.Errorf("ckpt: segment %s now holds shard %d with flags %d, layout version %d: remove it, and restart the owner to create it again",
+				old.path, seg.hdr.Shard, seg.hdr.Flags, seg.hdr.Version)
+		}
+		if err != nil {
+			return fmt.Errorf("ckpt: map the grown segment of shard %d: %w", shard, err)
+		}
+		// Pins belong to this owner, which holds none on the new file.
+		o.log.Info("ckpt: segment grown", "shard", shard, "half_size", seg.hdr.HalfSize, "was", old.hdr.HalfSize)
+		old.close()
+		o.segs[shard] = seg
+		o.forget(shard)
 	}
 	return nil
 }
@@ -390,6 +432,45 @@ func (o *Owner) Run(ctx context.Context) error {
 	}
 }
 
+// Grow gives shard's segment halves of at least halfSize bytes, keeping
+// its steps: a smaller segment is replaced by a larger one (growing, in
+// the FORMAT section), which writers map on their next save. It returns
+// the half size. A node agent calls it when a writer that does not grow
+// segments itself (one outside Go) asks for room for a larger step.
+func (o *Owner) Grow(shard int, halfSize int64) (int64, error) {
+	if halfSize <= 0 || halfSize > maxHalfSize {
+		return 0, fmt.Errorf("ckpt: grow shard %d: half size %d, want 1..%d", shard, halfSize, int64(maxHalfSize))
+	}
+	o.ops.Lock()
+	defer o.ops.Unlock()
+	if o.closed {
+		return 0, fmt.Errorf("ckpt: owner: %w", errClosed)
+	}
+	if _, err := o.seg(shard); err != nil {
+		return 0, err
+	}
+	for {
+		if err := o.remap(); err != nil {
+			return 0, err
+		}
+		seg := o.segs[shard]
+		if seg.hdr.HalfSize >= halfSize {
+			return seg.hdr.HalfSize, nil
+		}
+		g, err := seg.grow(halfSize, 2)
+		if errors.Is(err, errReplaced) {
+			continue
+		}
+		if err != nil {
+			return 0, err
+		}
+		o.log.Info("ckpt: segment grown", "shard", shard, "half_size", g.hdr.HalfSize, "was", seg.hdr.HalfSize)
+		seg.close()
+		o.segs[shard] = g
+		o.forget(shard)
+	}
+}
+
 // replicaTargets are the peers that receive this node's saves.
 func (o *Owner) replicaTargets() []string {
 	return o.peers[:min(max(o.cfg.Replicas, 0), len(o.peers))]
@@ -397,8 +478,11 @@ func (o *Owner) replicaTargets() []string {
 
 // Persist writes shard's newest intact step in memory to disk, sealing it
 // first if its owner has not yet, and tells the committer. It returns the
-// shard's manifest. It is what Run does when a writer asks; call it
-// directly to persist on a control-plane command.
+// shard's manifest. A step committed already is read back from disk and
+// kept if intact, or written again from memory if damaged (the Logger
+// says which); one committed with other content than memory's is an
+// error that keeps the committed one. It is what Run does when a writer
+// asks; call it directly to persist on a control-plane command.
 func (o *Owner) Persist(ctx context.Context, shard int) (ShardManifest, error) {
 	return o.persist(ctx, shard, -1)
 }
@@ -439,15 +523,23 @@ func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardMa
 		if m, ok := seg.metaOK(i); !ok || (step >= 0 && m.Step != step) {
 			continue
 		}
+		var did persisted
 		if err = o.sealHalf(ctx, seg, i, nil); err == nil {
-			man, err = persistHalf(ctx, seg, i, o.cfg.Dir, o.cfg.NumShards)
+			man, did, err = persistHalf(ctx, seg, i, o.cfg.Dir, o.cfg.NumShards)
+		}
+		switch {
+		case err != nil:
+		case did == kept:
+			o.log.Info("ckpt: step committed already, with an intact disk copy: kept it", "shard", shard, "step", man.Step)
+		case did == rewritten:
+			o.log.Warn("ckpt: step committed already, with a damaged disk copy: wrote it again from memory", "shard", shard, "step", man.Step, "dir", StepDir(o.cfg.Dir, man.Step))
 		}
 		if err == nil {
 			done = true
 			break
 		}
 		why = append(why, err)
-		if ctx.Err() != nil || errors.Is(err, ErrNoSpace) {
+		if ctx.Err() != nil || errors.Is(err, ErrNoSpace) || errors.Is(err, errOtherContent) {
 			break
 		}
 	}
@@ -518,24 +610,24 @@ func memorySteps(seg *segment) []int64 {
 }
 
 // intactSteps returns the steps every local shard holds intact in memory,
-// newest first, or an error that says why there is none. A sealed step is
-// intact when every CRC holds; an unsealed one, when it is complete (there
-// is nothing to check it against). A half's verification is remembered
-// until it is written again, so that loading each of n shards does not
-// read every shard n times.
+// newest first, or an error that says why there is none, and why each
+// newer step was passed over (a half that fails its checks, a step some
+// shards lack). A sealed step is intact when every CRC holds; an unsealed
+// one, when it is complete (there is nothing to check it against). A
+// half's verification is remembered until it is written again, so that
+// loading each of n shards does not read every shard n times.
 func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
-	var common []int64
+	var common, some []int64
 	var held []string
 	for k, shard := range o.cfg.Shards {
 		seg := o.segs[shard]
 		var steps []int64
-		var why []error
 		for i := range 2 {
 			m, ok := seg.metaOK(i)
 			if !ok {
 				if st := seg.state(i); st != StateEmpty && st != StateWriting {
 					if err := seg.whyNot(i); err != nil {
-						why = append(why, err)
+						passed = append(passed, fmt.Errorf("memory shard %d: %w", shard, err))
 					}
 				}
 				continue
@@ -546,22 +638,29 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 					if errors.Is(err, ErrCorrupt) {
 						o.m.crcFailures.Inc()
 					}
-					why = append(why, err)
+					passed = append(passed, fmt.Errorf("step %d: memory shard %d: %w", m.Step, shard, err))
 					continue
 				}
 				o.verified.Store(key, version)
 			}
 			steps = append(steps, m.Step)
 		}
-		for _, w := range why {
-			passed = append(passed, fmt.Errorf("memory shard %d: %w", shard, w))
-		}
 		held = append(held, fmt.Sprintf("shard %d holds %v", shard, steps))
+		some = append(some, steps...)
 		if k == 0 {
 			common = steps
 			continue
 		}
 		common = slices.DeleteFunc(common, func(x int64) bool { return !slices.Contains(steps, x) })
+	}
+	// Steps some local shards hold and others lack: each is passed over.
+	slices.Sort(some)
+	slices.Reverse(some)
+	for _, s := range slices.Compact(some) {
+		if len(common) > 0 && s <= slices.Max(common) {
+			break
+		}
+		passed = append(passed, fmt.Errorf("step %d: memory: not every local shard holds it intact (%s)", s, strings.Join(held, "; ")))
 	}
 	if len(common) == 0 {
 		return nil, passed, fmt.Errorf("%w in every local shard: %s", ErrNoStep, strings.Join(held, "; "))
@@ -919,7 +1018,7 @@ func (o *Owner) Close() error {
 		return nil
 	}
 	o.closed = true
-	o.m.unregister()
+	o.m.reg.UnregisterAll()
 	return o.unmapAll()
 }
 

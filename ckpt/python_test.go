@@ -1,9 +1,11 @@
 package ckpt
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"fmt"
+	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -128,4 +130,45 @@ func TestPythonWriter(t *testing.T) {
 	if err := Verify(dir, o.SegmentPath(0)); err != nil {
 		t.Fatal(err)
 	}
+
+	// A Python trainer that mapped the segment before a Go save grew it
+	// learns of the new file, and its size, as the FORMAT says, and saves
+	// into it.
+	cmd := exec.Command(py, "testdata/pywriter.py", o.SegmentPath(0), "7", "--hold")
+	cmd.Stderr = os.Stderr
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	lines := bufio.NewScanner(stdout)
+	small := w.Capacity()
+	if !lines.Scan() || lines.Text() != fmt.Sprint("mapped ", small) {
+		t.Fatalf("pywriter: %q, want it to map halves of %d", lines.Text(), small)
+	}
+	if err := w.Save(ctx, 6, Blob{Name: "model", Data: make([]byte, 2*small)}); err != nil {
+		t.Fatal(err)
+	}
+	in.Close()
+	if !lines.Scan() {
+		t.Fatalf("pywriter said nothing after the grow: %v", cmd.Wait())
+	}
+	if f := strings.Fields(lines.Text()); len(f) != 6 || f[5] != fmt.Sprint(w.Capacity()) || w.Capacity() <= small {
+		t.Fatalf("pywriter mapped halves of %d, the segment grew to %d, and it says %q", small, w.Capacity(), lines.Text())
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("pywriter: %v", err)
+	}
+	ck, err = w.Load(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check(ck, 7)
 }

@@ -4,25 +4,13 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
-	"fmt"
 	"runtime"
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 )
-
-// waitFor polls cond until it holds, failing the test after a deadline
-// generous enough for a loaded machine.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(30 * time.Second); !cond(); {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within 30s", what)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
 
 // newestMeta returns the newest half of seg and its meta, failing the
 // test if it has none.
@@ -244,19 +232,41 @@ func TestSealKeepsSavesOffItsHalf(t *testing.T) {
 	}
 }
 
-// TestRunSealsNewSaves shows the owner's Run sealing each save soon after
-// it, without anyone asking.
+// TestRunSealsNewSaves shows the owner's Run sealing each save within one
+// PollInterval of it, without anyone asking, and not before: in a bubble,
+// the poll interval is exact.
 func TestRunSealsNewSaves(t *testing.T) {
-	ctx := context.Background()
-	o, w := newPair(t, OwnerConfig{PollInterval: 2 * time.Millisecond})
-	running(t, o)
-	for step := int64(1); step <= 3; step++ {
-		if err := w.Save(ctx, step, blobs(step)...); err != nil {
-			t.Fatal(err)
-		}
-		waitFor(t, fmt.Sprintf("step %d sealed", step), func() bool {
+	synctest.Test(t, func(t *testing.T) {
+		ctx, cancel := context.WithCancel(context.Background())
+		const poll = 50 * time.Millisecond
+		o, w := newPair(t, OwnerConfig{PollInterval: poll})
+		done := make(chan error)
+		go func() { done <- o.Run(ctx) }()
+		sealed := func(step int64) bool {
+			t.Helper()
 			ck, err := w.Load(ctx)
-			return err == nil && ck.Step == step && !ck.Unverified
-		})
-	}
+			if err != nil || ck.Step != step {
+				t.Fatalf("Load = %+v, %v; want step %d", ck, err, step)
+			}
+			return !ck.Unverified
+		}
+		for step := int64(1); step <= 3; step++ {
+			if err := w.Save(ctx, step, blobs(step)...); err != nil {
+				t.Fatal(err)
+			}
+			synctest.Wait()
+			if sealed(step) {
+				t.Fatalf("step %d sealed before a poll", step)
+			}
+			time.Sleep(poll)
+			synctest.Wait()
+			if !sealed(step) {
+				t.Fatalf("step %d not sealed after one PollInterval", step)
+			}
+		}
+		cancel()
+		if err := <-done; !errors.Is(err, context.Canceled) {
+			t.Fatalf("Run = %v", err)
+		}
+	})
 }

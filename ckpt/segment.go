@@ -21,7 +21,9 @@ var (
 	// owner (a persist or a replica copy is reading it). The save is
 	// skipped; the previous step stays in memory.
 	ErrBusy = errors.New("ckpt: target half is being persisted; save skipped")
-	// ErrTooLarge is returned by a save that does not fit in a half.
+	// ErrTooLarge is returned by a save that does not fit in a half and
+	// cannot grow the segment, and by a replica too large for the local
+	// segment.
 	ErrTooLarge = errors.New("ckpt: step does not fit in the segment")
 	// ErrNoSpace is returned when shared memory or disk lacks the room.
 	ErrNoSpace = errors.New("ckpt: not enough space")
@@ -45,6 +47,9 @@ func ReplicaPath(dir, name string, shard int) string {
 // segment is a mapped shared-memory file in the documented layout.
 type segment struct {
 	path string
+	f    *os.File // kept open for the flock of growing (FORMAT)
+	dev  uint64   // with ino, the file mapped, which path may no longer name
+	ino  uint64
 	mem  []byte
 	hdr  SegmentHeader // the immutable fields
 	ro   bool
@@ -61,22 +66,44 @@ func freeBytes(dir string) (int64, error) {
 }
 
 // createSegment creates the segment at path with halves of at least
-// halfSize bytes, or opens it if it exists with the same shape, keeping
-// the steps it holds. It checks the free space first and reserves every
-// page with fallocate, so that a full /dev/shm is an error here rather
-// than a SIGBUS on a later write.
+// halfSize bytes, or opens it if it exists, keeping the steps it holds: a
+// segment with smaller halves is grown (growing, in the FORMAT section),
+// and its steps go with it. It checks the free space first and reserves
+// every page with fallocate, so that a full /dev/shm is an error here
+// rather than a SIGBUS on a later write.
 func createSegment(path string, shard int, flags uint32, halfSize int64) (*segment, error) {
 	h := SegmentHeader{Version: Version, HalfSize: alignUp(max(halfSize, PageSize), PageSize), Shard: shard, Flags: flags}
-	s, err := openSegment(path, false)
-	if err == nil {
+	for {
+		s, err := openSegment(path, false)
+		if errors.Is(err, fs.ErrNotExist) {
+			s, err = newSegment(path, h)
+			if errors.Is(err, fs.ErrExist) { // another owner won the race
+				continue
+			}
+			return s, err
+		}
+		if err != nil {
+			return nil, err
+		}
 		if err := s.writable(); err != nil {
 			s.close()
 			return nil, err
 		}
-		if s.hdr.HalfSize != h.HalfSize || s.hdr.Shard != shard || s.hdr.Flags != flags {
+		if s.hdr.Shard != shard || s.hdr.Flags != flags {
 			s.close()
-			return nil, fmt.Errorf("ckpt: segment %s exists with half size %d, shard %d, flags %d; want %d, %d, %d: remove it or keep its size",
-				path, s.hdr.HalfSize, s.hdr.Shard, s.hdr.Flags, h.HalfSize, shard, flags)
+			return nil, fmt.Errorf("ckpt: segment %s holds shard %d with flags %d, not shard %d with flags %d: it belongs to another shard or job; give each job on a node its own OwnerConfig.Name (flashckpt --name), or load its step (flashckpt load), then remove it",
+				path, s.hdr.Shard, s.hdr.Flags, shard, flags)
+		}
+		if s.hdr.HalfSize < h.HalfSize {
+			g, err := s.grow(h.HalfSize, 2)
+			s.close()
+			if errors.Is(err, errReplaced) {
+				continue
+			}
+			if err != nil {
+				return nil, err
+			}
+			s = g
 		}
 		// Pins belong to the owner process; a new owner starts with none.
 		for i := range 2 {
@@ -84,39 +111,58 @@ func createSegment(path string, shard int, flags uint32, halfSize int64) (*segme
 		}
 		return s, nil
 	}
-	if !errors.Is(err, fs.ErrNotExist) {
-		return nil, err
-	}
-	hb, err := h.MarshalBinary()
+}
+
+// newSegment creates the segment at path, failing with fs.ErrExist if
+// there is one: only a complete segment appears under its name.
+func newSegment(path string, h SegmentHeader) (*segment, error) {
+	tmp, err := newSegmentFile(path, h)
 	if err != nil {
 		return nil, err
+	}
+	defer os.Remove(tmp)
+	if err := os.Link(tmp, path); err != nil {
+		if errors.Is(err, fs.ErrExist) {
+			return nil, err
+		}
+		return nil, fmt.Errorf("ckpt: create segment %s: %w", path, err)
+	}
+	return openSegment(path, false)
+}
+
+// newSegmentFile writes a segment of header h, with every page reserved,
+// to a temporary file beside path, and returns its name.
+func newSegmentFile(path string, h SegmentHeader) (string, error) {
+	hb, err := h.MarshalBinary()
+	if err != nil {
+		return "", err
 	}
 	dir := filepath.Dir(path)
 	free, err := freeBytes(dir)
 	if err != nil {
-		return nil, err
+		return "", err
 	}
 	size := h.Size()
 	if size > free {
-		return nil, fmt.Errorf("%w: segment %s needs %d bytes (2 halves of %d), %s has %d free; enlarge it (mount -o remount,size=...) or lower the capacity",
+		return "", fmt.Errorf("%w: segment %s needs %d bytes (2 halves of %d), %s has %d free; enlarge it (mount -o remount,size=...) or lower the capacity",
 			ErrNoSpace, path, size, h.HalfSize, dir, free)
 	}
 	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
 	if err != nil {
-		return nil, fmt.Errorf("ckpt: create segment: %w", err)
+		return "", fmt.Errorf("ckpt: create segment %s: %w (the segment directory, OwnerConfig.ShmDir, must exist and be writable)", path, err)
 	}
 	tmp := f.Name()
-	fail := func(err error) (*segment, error) {
+	fail := func(err error) (string, error) {
 		f.Close()
 		os.Remove(tmp)
-		return nil, err
+		return "", err
 	}
 	if err := f.Chmod(0o600); err != nil {
 		return fail(fmt.Errorf("ckpt: chmod %s: %w", tmp, err))
 	}
 	if err := unix.Fallocate(int(f.Fd()), 0, 0, size); err != nil {
 		if errors.Is(err, unix.ENOSPC) {
-			err = ErrNoSpace
+			err = fmt.Errorf("%w: enlarge %s (mount -o remount,size=...) or lower the capacity", ErrNoSpace, dir)
 		}
 		return fail(fmt.Errorf("ckpt: reserve %d bytes for segment %s in %s: %w", size, path, dir, err))
 	}
@@ -126,17 +172,12 @@ func createSegment(path string, shard int, flags uint32, halfSize int64) (*segme
 	if err := f.Close(); err != nil {
 		return fail(fmt.Errorf("ckpt: close %s: %w", tmp, err))
 	}
-	// Only a complete segment appears under its name.
-	if err := os.Link(tmp, path); err != nil {
-		os.Remove(tmp)
-		if errors.Is(err, fs.ErrExist) { // another owner won the race
-			return openSegment(path, false)
-		}
-		return nil, fmt.Errorf("ckpt: create segment %s: %w", path, err)
-	}
-	os.Remove(tmp)
-	return openSegment(path, false)
+	return tmp, nil
 }
+
+// notSegment says how to recover from a file that is no readable
+// segment.
+const notSegment = "it is no segment this package can read: load what the other tiers hold (flashckpt load), then remove it, and the owner creates a new one"
 
 // openSegment maps an existing segment, read-write (with every page
 // faulted in, so that saves run at memory speed) or read-only.
@@ -147,33 +188,45 @@ func openSegment(path string, readOnly bool) (*segment, error) {
 		flag, prot, mflags = os.O_RDONLY, unix.PROT_READ, unix.MAP_SHARED
 	}
 	f, err := os.OpenFile(path, flag, 0)
+	if errors.Is(err, fs.ErrPermission) {
+		return nil, fmt.Errorf("ckpt: open segment: %w (an owner creates segments with mode 0600: run the trainer and the tools as the owner's user)", err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("ckpt: open segment: %w", err)
 	}
-	defer f.Close()
-	fi, err := f.Stat()
+	s, err := mapSegment(f, path, prot, mflags)
 	if err != nil {
-		return nil, fmt.Errorf("ckpt: stat segment: %w", err)
+		f.Close()
+		return nil, err
+	}
+	s.ro = readOnly
+	return s, nil
+}
+
+func mapSegment(f *os.File, path string, prot, mflags int) (*segment, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, fmt.Errorf("ckpt: stat segment %s: %w", path, err)
 	}
 	b := make([]byte, 64)
 	if _, err := f.ReadAt(b, 0); err != nil {
-		return nil, &FormatError{File: path, Offset: 0, Msg: fmt.Sprintf("file of %d bytes has no header", fi.Size())}
+		return nil, &FormatError{File: path, Offset: 0, Msg: fmt.Sprintf("file of %d bytes has no header; %s", st.Size, notSegment)}
 	}
 	h, err := ParseSegmentHeader(b)
 	if err != nil {
-		return nil, withFile(err, path)
+		return nil, fmt.Errorf("%w; %s", withFile(err, path), notSegment)
 	}
 	// A short file would fault on access: refuse it before mapping.
-	if fi.Size() != h.Size() {
+	if st.Size != h.Size() {
 		return nil, &FormatError{File: path, Offset: -1, Field: "size",
-			Msg: fmt.Sprintf("file is %d bytes, header says %d (truncated?)", fi.Size(), h.Size())}
+			Msg: fmt.Sprintf("file is %d bytes, header says %d (truncated?); %s", st.Size, h.Size(), notSegment)}
 	}
 	mem, err := unix.Mmap(int(f.Fd()), 0, int(h.Size()), prot, mflags)
 	if err != nil {
-		return nil, fmt.Errorf("ckpt: map segment %s: %w", path, err)
+		return nil, fmt.Errorf("ckpt: map segment %s of %d bytes: %w", path, h.Size(), err)
 	}
 	h.Active, h.PersistSeq = 0, 0 // live; read with atomics
-	return &segment{path: path, mem: mem, hdr: h, ro: readOnly}, nil
+	return &segment{path: path, f: f, dev: uint64(st.Dev), ino: st.Ino, mem: mem, hdr: h}, nil
 }
 
 // writable says why a writer may not write the segment: it is of an
@@ -192,6 +245,7 @@ func (s *segment) close() error {
 	}
 	err := unix.Munmap(s.mem)
 	s.mem = nil
+	s.f.Close()
 	if err != nil {
 		return fmt.Errorf("ckpt: unmap %s: %w", s.path, err)
 	}
@@ -252,6 +306,12 @@ func (s *segment) unsealed() bool {
 	return false
 }
 
+// badSave is the error of a save whose blobs are bad input from the
+// caller, not corrupt data: it does not wrap ErrCorrupt.
+func badSave(meta StepMeta, err error) error {
+	return fmt.Errorf("ckpt: save step %d: %s", meta.Step, strings.TrimPrefix(err.Error(), "ckpt: "))
+}
+
 // halfWriter is a save in progress into one half.
 type halfWriter struct {
 	s    *segment
@@ -274,8 +334,7 @@ func (s *segment) begin(meta StepMeta) (*halfWriter, error) {
 			return nil, fmt.Errorf("%w: step %d needs %d bytes per half (%d of data in %d blobs), segment %s has %d",
 				ErrTooLarge, meta.Step, end, meta.DataSize(), len(meta.Blobs), s.path, s.hdr.HalfSize)
 		}
-		// Bad input from the caller, not corrupt data: do not wrap ErrCorrupt.
-		return nil, fmt.Errorf("ckpt: save step %d: %s", meta.Step, strings.TrimPrefix(err.Error(), "ckpt: "))
+		return nil, badSave(meta, err)
 	}
 	// Write over the half that does not hold the newest intact step, so
 	// that a crash mid-save leaves that step as it was.

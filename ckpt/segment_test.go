@@ -13,6 +13,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -109,14 +110,6 @@ func TestSaveSkipsPinnedHalf(t *testing.T) {
 	atomic.AddUint32(pin, ^uint32(0))
 	if err := w.Save(ctx, 3, blobs(3)...); err != nil {
 		t.Fatal(err)
-	}
-}
-
-func TestSaveTooLarge(t *testing.T) {
-	_, w := newPair(t, OwnerConfig{Capacity: 8192})
-	err := w.Save(context.Background(), 1, Blob{Name: "model", Data: make([]byte, 9000)})
-	if !errors.Is(err, ErrTooLarge) || !strings.Contains(err.Error(), "8192") {
-		t.Fatalf("err = %v, want ErrTooLarge naming the half size", err)
 	}
 }
 
@@ -246,6 +239,19 @@ func TestSmallShmMount(t *testing.T) {
 	if _, err := NewOwner(OwnerConfig{ShmDir: dir, Shards: []int{1}, Capacity: 4 << 20}); !errors.Is(err, ErrNoSpace) {
 		t.Fatalf("second segment: err = %v, want ErrNoSpace", err)
 	}
+	// Nor does a grown one: the save fails, saying why, and the step
+	// saved stays.
+	err = w.Save(context.Background(), 2, Blob{Name: "model", Data: make([]byte, 31<<20)})
+	if !errors.Is(err, ErrTooLarge) || !errors.Is(err, ErrNoSpace) || !strings.Contains(err.Error(), "remount") {
+		t.Fatalf("save that needs a larger segment than fits: err = %v, want ErrTooLarge and ErrNoSpace", err)
+	}
+	t.Logf("error as the operator sees it: %v", err)
+	if ck, err := w.Load(context.Background()); err != nil || ck.Step != 1 {
+		t.Fatalf("Load after the failed grow = %v, %v; want step 1", ck, err)
+	}
+	if left, _ := filepath.Glob(filepath.Join(dir, ".*")); len(left) > 0 {
+		t.Fatalf("the failed grow left %v", left)
+	}
 	o.Remove()
 }
 
@@ -277,48 +283,49 @@ func TestTruncatedSegment(t *testing.T) {
 // writing with truncation would: every call that touches it fails with an
 // error, and neither the owner nor its Run loop dies of SIGBUS.
 func TestSegmentTruncatedUnderMappings(t *testing.T) {
-	ctx := context.Background()
-	logs := &syncBuffer{}
-	o, w := newPair(t, OwnerConfig{Dir: t.TempDir(), PollInterval: time.Millisecond,
-		Logger: slog.New(slog.NewTextHandler(logs, nil))})
-	if err := w.Save(ctx, 1, blobs(1)...); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(o.SegmentPath(0), 0); err != nil {
-		t.Fatal(err)
-	}
-	fault := func(what string, err error) {
-		t.Helper()
-		if err == nil || !strings.Contains(err.Error(), "fault") {
-			t.Errorf("%s = %v, want a memory fault error", what, err)
+	// In a bubble, Run's polls follow a fake clock: the test sees exactly
+	// how many polls met the fault.
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		logs := &syncBuffer{}
+		const poll = time.Millisecond
+		o, w := newPair(t, OwnerConfig{Dir: t.TempDir(), PollInterval: poll,
+			Logger: slog.New(slog.NewTextHandler(logs, nil))})
+		if err := w.Save(ctx, 1, blobs(1)...); err != nil {
+			t.Fatal(err)
 		}
-	}
-	_, _, err := o.Load(ctx, 0)
-	fault("Owner.Load", err)
-	_, err = o.Persist(ctx, 0)
-	fault("Owner.Persist", err)
-	_, err = o.PersistNewest(ctx)
-	fault("Owner.PersistNewest", err)
-	_, err = w.Load(ctx)
-	fault("Writer.Load", err)
-	fault("Writer.Persist", w.Persist(1))
-	fault("Writer.Save", w.Save(ctx, 2, blobs(2)...))
+		if err := os.Truncate(o.SegmentPath(0), 0); err != nil {
+			t.Fatal(err)
+		}
+		fault := func(what string, err error) {
+			t.Helper()
+			if err == nil || !strings.Contains(err.Error(), "fault") {
+				t.Errorf("%s = %v, want a memory fault error", what, err)
+			}
+		}
+		_, _, err := o.Load(ctx, 0)
+		fault("Owner.Load", err)
+		_, err = o.Persist(ctx, 0)
+		fault("Owner.Persist", err)
+		_, err = o.PersistNewest(ctx)
+		fault("Owner.PersistNewest", err)
+		_, err = w.Load(ctx)
+		fault("Writer.Load", err)
+		fault("Writer.Persist", w.Persist(1))
+		fault("Writer.Save", w.Save(ctx, 2, blobs(2)...))
 
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan error)
-	go func() { done <- o.Run(ctx) }()
-	deadline := time.Now().Add(20 * time.Second)
-	for !strings.Contains(logs.String(), "cannot read a segment") {
-		if time.Now().After(deadline) {
-			t.Fatalf("Run logged no fault in 20s:\n%s", logs.String())
+		ctx, cancel := context.WithCancel(ctx)
+		done := make(chan error)
+		go func() { done <- o.Run(ctx) }()
+		// A hundred polls meet the fault; it is logged once.
+		time.Sleep(100 * poll)
+		synctest.Wait()
+		cancel()
+		<-done
+		if n := strings.Count(logs.String(), "cannot read a segment"); n != 1 {
+			t.Errorf("Run logged the fault %d times in 100 polls, want once:\n%s", n, logs.String())
 		}
-		time.Sleep(time.Millisecond)
-	}
-	cancel()
-	<-done
-	if n := strings.Count(logs.String(), "cannot read a segment"); n != 1 {
-		t.Errorf("Run logged the fault %d times, want once", n)
-	}
+	})
 }
 
 // syncBuffer is a bytes.Buffer safe for a logger and a test to share.
@@ -350,25 +357,35 @@ func TestOwnerRestartKeepsSteps(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := w.Save(ctx, 5, blobs(5)...); err != nil {
-		t.Fatal(err)
+	for step := int64(4); step <= 5; step++ {
+		if err := w.Save(ctx, step, blobs(step)...); err != nil {
+			t.Fatal(err)
+		}
 	}
 	w.Close()
 	o.Close()
-	if _, err := NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: 2 << 20}); err == nil || !strings.Contains(err.Error(), "exists with half size") {
-		t.Fatalf("reopen with another capacity = %v, want an error", err)
+	// A larger capacity grows the segment, and both steps go with it; a
+	// smaller one keeps the larger segment.
+	for _, capacity := range []int64{2 << 20, 1 << 20} {
+		o2, err := NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: capacity})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ck, rep, err := o2.Load(ctx, 0)
+		if err != nil || ck.Step != 5 || rep.Tier != TierMemory {
+			t.Fatalf("capacity %d: Load after restart = %v, %v, %v", capacity, ck, rep, err)
+		}
+		o2.Close()
+		r, err := InspectSegment(filepath.Join(shm, "faultline-ckpt-0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Header.HalfSize != 2<<20 || r.Halves[0].Meta.Step != 5 || r.Halves[1].Meta.Step != 4 || r.Halves[0].Err != nil || r.Halves[1].Err != nil {
+			t.Fatalf("capacity %d: segment %+v, want halves of 2 MiB holding steps 5 and 4", capacity, r)
+		}
 	}
-	o2, err := NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: 1 << 20})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer o2.Remove()
-	ck, rep, err := o2.Load(ctx, 0)
-	if err != nil || ck.Step != 5 || rep.Tier != TierMemory {
-		t.Fatalf("Load after restart = %v, %v, %v", ck, rep, err)
-	}
-	if _, err := os.Stat(filepath.Join(shm, "faultline-ckpt-0")); err != nil {
-		t.Fatal(err)
+	if left, _ := filepath.Glob(filepath.Join(shm, ".*")); len(left) > 0 {
+		t.Fatalf("growing left %v", left)
 	}
 }
 

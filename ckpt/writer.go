@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"runtime/debug"
 	"sync"
@@ -14,6 +15,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/sys/unix"
 )
 
 // Blob is a named byte string of a step: a model's weights, an
@@ -92,6 +94,7 @@ func (c WriterConfig) Validate() error {
 // concurrent use; saves are serialised.
 type Writer struct {
 	cfg    WriterConfig
+	shard  int
 	seg    *segment
 	m      *writerMetrics
 	tracer trace.Tracer
@@ -105,16 +108,8 @@ func NewWriter(cfg WriterConfig) (*Writer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	seg, err := openSegment(cfg.Path, false)
+	seg, err := openWritable(cfg.Path)
 	if err != nil {
-		return nil, err
-	}
-	if seg.hdr.Flags&FlagReplica != 0 {
-		seg.close()
-		return nil, fmt.Errorf("ckpt: %s holds a peer's replica, not a shard to write", cfg.Path)
-	}
-	if err := seg.writable(); err != nil {
-		seg.close()
 		return nil, err
 	}
 	m, err := newWriterMetrics(cfg.Registerer)
@@ -122,24 +117,76 @@ func NewWriter(cfg WriterConfig) (*Writer, error) {
 		seg.close()
 		return nil, err
 	}
-	return &Writer{cfg: cfg, seg: seg, m: m,
+	return &Writer{cfg: cfg, shard: seg.hdr.Shard, seg: seg, m: m,
 		tracer: tracerOf(cfg.TracerProvider), log: loggerOf(cfg.Logger)}, nil
 }
 
+// openWritable maps the segment at path for a writer.
+func openWritable(path string) (*segment, error) {
+	seg, err := openSegment(path, false)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%w (its owner, the node agent, creates it: start the owner first, or correct WriterConfig.Path)", err)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if seg.hdr.Flags&FlagReplica != 0 {
+		seg.close()
+		return nil, fmt.Errorf("ckpt: %s holds a peer's replica, not a shard to write: give WriterConfig.Path the shard's SegmentPath", path)
+	}
+	if err := seg.writable(); err != nil {
+		seg.close()
+		return nil, err
+	}
+	return seg, nil
+}
+
+// remap maps the segment's path again if it names another file than the
+// one mapped: a save in another process, or an owner, grew it. The caller
+// holds w.mu.
+func (w *Writer) remap() error {
+	if w.seg == nil || !w.seg.replaced() {
+		return nil
+	}
+	seg, err := openWritable(w.cfg.Path)
+	if err != nil {
+		return fmt.Errorf("ckpt: map the grown segment: %w", err)
+	}
+	if seg.hdr.Shard != w.shard {
+		seg.close()
+		return fmt.Errorf("ckpt: %s now holds shard %d, not %d: remove it, and let the owner create it again", w.cfg.Path, seg.hdr.Shard, w.shard)
+	}
+	w.seg.close()
+	w.seg = seg
+	return nil
+}
+
 // Shard is the shard the segment holds.
-func (w *Writer) Shard() int { return w.seg.hdr.Shard }
+func (w *Writer) Shard() int { return w.shard }
 
 // Capacity is the largest step, in bytes of a half (header, table and
-// data), that the segment holds.
-func (w *Writer) Capacity() int64 { return w.seg.hdr.HalfSize }
+// data), that the segment holds now; a larger save grows it.
+func (w *Writer) Capacity() int64 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.seg == nil {
+		return 0
+	}
+	return w.seg.hdr.HalfSize
+}
 
 // Save copies blobs into shared memory as the given step, over
 // WriterConfig.Workers goroutines, and computes nothing else: the owner
 // seals the step (computes its CRCs) afterwards. When Save returns nil the
 // step is complete in memory and survives the trainer's death; a crash
-// during Save leaves the previous step intact. It returns ErrBusy, without
-// copying, when the owner is still reading the only half it could write,
-// and ErrTooLarge when the step does not fit.
+// during Save leaves the previous step intact. A step that does not fit
+// grows the segment first: a new, larger segment receives the newest step
+// and then this one, and replaces the old one under its name (growing, in
+// the FORMAT section); the owner and any other process mapping it follow.
+// It returns ErrBusy, without copying, when the owner is still reading
+// the only half it could write, and ErrTooLarge when the step does not
+// fit and the segment cannot grow (joined with ErrNoSpace when shared
+// memory lacks the room).
 func (w *Writer) Save(ctx context.Context, step int64, blobs ...Blob) error {
 	names := make([]string, len(blobs))
 	sizes := make([]int64, len(blobs))
@@ -199,6 +246,10 @@ func (w *Writer) save(ctx context.Context, step int64, names []string, sizes []i
 	// A segment file cut short under the mapping faults on access: make
 	// that an error of this save, not the death of the trainer.
 	defer recoverFault(&err, debug.SetPanicOnFault(true))
+	if err := w.lockFitting(meta); err != nil {
+		return err
+	}
+	defer w.seg.flock(unix.LOCK_UN)
 	hw, err := w.seg.begin(meta)
 	if errors.Is(err, ErrBusy) {
 		w.m.saveSkipped.Inc()
@@ -222,6 +273,45 @@ func (w *Writer) save(ctx context.Context, step int64, names []string, sizes []i
 
 var errClosed = errors.New("closed")
 
+// lockFitting leaves w.seg mapping the file its path names, with halves
+// that hold meta, and holding its shared lock (growing, in the FORMAT
+// section): it follows a segment another process grew, and grows one
+// that is too small.
+func (w *Writer) lockFitting(meta StepMeta) error {
+	// Bad input grows nothing.
+	if err := meta.check(maxHalfSize, Version); err != nil {
+		return badSave(meta, err)
+	}
+	for {
+		if err := w.remap(); err != nil {
+			return err
+		}
+		if err := w.seg.flock(unix.LOCK_SH); err != nil {
+			return err
+		}
+		if w.seg.replaced() { // grown between the check and the lock
+			w.seg.flock(unix.LOCK_UN)
+			continue
+		}
+		need := meta.End()
+		if need <= w.seg.hdr.HalfSize {
+			return nil
+		}
+		w.seg.flock(unix.LOCK_UN)
+		g, err := w.seg.grow(need, 1)
+		if errors.Is(err, errReplaced) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("%w: step %d needs %d bytes per half (%d of data in %d blobs), segment %s has %d: %w",
+				ErrTooLarge, meta.Step, need, meta.DataSize(), len(meta.Blobs), w.cfg.Path, w.seg.hdr.HalfSize, err)
+		}
+		w.log.Info("ckpt: segment grown", "segment", w.cfg.Path, "step", meta.Step, "half_size", g.hdr.HalfSize, "was", w.seg.hdr.HalfSize)
+		w.seg.close()
+		w.seg = g
+	}
+}
+
 // Persist asks the owner to write step to disk. The step must be the
 // newest one saved. The owner picks the request up asynchronously; the
 // trainer does not wait.
@@ -231,6 +321,9 @@ func (w *Writer) Persist(step int64) (err error) {
 	defer w.mu.Unlock()
 	if w.seg == nil {
 		return fmt.Errorf("ckpt: persist in %s: %w", w.cfg.Path, errClosed)
+	}
+	if err := w.remap(); err != nil {
+		return err
 	}
 	c := w.seg.newest()
 	if len(c) == 0 {
@@ -246,8 +339,11 @@ func (w *Writer) Persist(step int64) (err error) {
 
 // Load returns the newest step in memory whose every CRC holds, or which
 // is complete but not yet sealed by its owner (then the Checkpoint is
-// Unverified). Its error wraps ErrNoStep and says why each half was
-// refused.
+// Unverified). It reads memory alone: a newer step that fails its checks
+// there is logged (WriterConfig.Logger) and passed over, though the disk
+// tier may hold it intact, so a trainer restarts from the step its agent
+// chose with Owner.Load (or LoadShard, which weighs the disk tier too).
+// Its error wraps ErrNoStep and says why each half was refused.
 func (w *Writer) Load(ctx context.Context) (*Checkpoint, error) {
 	return w.load(ctx, nil)
 }
@@ -270,6 +366,9 @@ func (w *Writer) load(ctx context.Context, reuse *Checkpoint) (_ *Checkpoint, er
 	if w.seg == nil {
 		return nil, fmt.Errorf("ckpt: load from %s: %w", w.cfg.Path, errClosed)
 	}
+	if err := w.remap(); err != nil {
+		return nil, err
+	}
 	ck, why := w.seg.load(w.cfg.Workers, reuse)
 	if ck == nil {
 		err := fmt.Errorf("%w in %s: %w", ErrNoStep, w.cfg.Path, errors.Join(why...))
@@ -281,6 +380,9 @@ func (w *Writer) load(ctx context.Context, reuse *Checkpoint) (_ *Checkpoint, er
 		attribute.Bool("ckpt.unverified", ck.Unverified))
 	if ck.Unverified {
 		w.log.Warn("ckpt: loaded a step its owner has not sealed: complete, but no CRC checked it", "step", ck.Step, "segment", w.cfg.Path)
+	}
+	for _, e := range why {
+		w.log.Warn("ckpt: passed over in memory", "loaded_step", ck.Step, "segment", w.cfg.Path, "err", e)
 	}
 	return ck, nil
 }
@@ -295,6 +397,6 @@ func (w *Writer) Close() error {
 	}
 	err := w.seg.close()
 	w.seg = nil
-	w.m.unregister()
+	w.m.reg.UnregisterAll()
 	return err
 }

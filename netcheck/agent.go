@@ -12,10 +12,17 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promauto"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
-// DefaultAgentAddr is where an agent listens unless told otherwise.
-const DefaultAgentAddr = ":9700"
+// Defaults of AgentConfig.
+const (
+	// DefaultAgentAddr is where an agent listens unless told otherwise.
+	DefaultAgentAddr = ":9700"
+	// DefaultAgentMaxBytes is the most one request moves each way.
+	DefaultAgentMaxBytes = 1 << 30
+)
 
 // AgentConfig configures an Agent. The zero value of every field is a
 // documented default.
@@ -24,7 +31,7 @@ type AgentConfig struct {
 	Listen string
 	// MaxBytes is the most one request moves each way, all its repeats
 	// together, so that a stray client cannot keep the link busy.
-	// Default 1 GiB.
+	// Default DefaultAgentMaxBytes, 1 GiB.
 	MaxBytes int64
 	// IdleTimeout closes a connection on which nothing moves for this
 	// long. Default 30 s.
@@ -71,6 +78,7 @@ type Agent struct {
 	cfg      AgentConfig
 	log      *slog.Logger
 	ln       net.Listener
+	reg      *promreg.Registrar
 	requests *prometheus.CounterVec
 	bytes    *prometheus.CounterVec
 
@@ -92,7 +100,7 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 		cfg.Listen = DefaultAgentAddr
 	}
 	if cfg.MaxBytes == 0 {
-		cfg.MaxBytes = 1 << 30
+		cfg.MaxBytes = DefaultAgentMaxBytes
 	}
 	if cfg.IdleTimeout == 0 {
 		cfg.IdleTimeout = 30 * time.Second
@@ -107,15 +115,12 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	ln, err := net.Listen("tcp", cfg.Listen)
-	if err != nil {
-		return nil, fmt.Errorf("netcheck: agent: %w", err)
-	}
-	f := promauto.With(cfg.Registerer)
-	return &Agent{
+	r := promreg.New(cfg.Registerer, "netcheck: AgentConfig.Registerer")
+	f := promauto.With(r)
+	a := &Agent{
 		cfg: cfg,
 		log: log,
-		ln:  ln,
+		reg: r,
 		requests: f.NewCounterVec(prometheus.CounterOpts{
 			Name: "faultline_netcheck_agent_requests_total",
 			Help: "Requests served by the netcheck agent, by operation (transfer, probe; connect for connections past MaxConns) and result (ok, error, refused).",
@@ -127,7 +132,17 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 		conns: make(map[net.Conn]struct{}),
 		stop:  make(chan struct{}),
 		done:  make(chan struct{}),
-	}, nil
+	}
+	if err := r.Err(); err != nil {
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		r.UnregisterAll()
+		return nil, fmt.Errorf("netcheck: agent: %w", err)
+	}
+	a.ln = ln
+	return a, nil
 }
 
 // Addr returns the address the agent listens on.
@@ -227,7 +242,8 @@ func (a *Agent) untrack(c net.Conn) {
 }
 
 // Close stops Run and waits for it, or, if Run was never called, closes
-// the listener. It is safe to call more than once.
+// the listener; then it unregisters the agent's metrics. It is safe to
+// call more than once.
 func (a *Agent) Close() error {
 	a.mu.Lock()
 	running := a.running
@@ -242,6 +258,7 @@ func (a *Agent) Close() error {
 	} else {
 		a.shutdown()
 	}
+	a.reg.UnregisterAll()
 	return nil
 }
 
@@ -321,18 +338,23 @@ func (a *Agent) serveTransfer(conn idleConn) error {
 		}
 	}
 	buf := make([]byte, chunk)
-	for range h.repeats {
-		if err := receive(conn, buf, int64(h.up)); err != nil {
+	for r := range h.repeats {
+		got, err := receive(conn, buf, int64(h.up))
+		a.bytes.WithLabelValues("received").Add(float64(got))
+		if r > 0 && got == 0 && errors.Is(err, io.ErrUnexpectedEOF) {
+			return nil // the client had enough repeats
+		}
+		if err != nil {
 			return err
 		}
-		a.bytes.WithLabelValues("received").Add(float64(h.up))
 		if _, err := conn.Write(ping[:1]); err != nil {
 			return err
 		}
-		if err := send(conn, buf, int64(h.down)); err != nil {
+		sent, err := send(conn, buf, int64(h.down))
+		a.bytes.WithLabelValues("sent").Add(float64(sent))
+		if err != nil {
 			return err
 		}
-		a.bytes.WithLabelValues("sent").Add(float64(h.down))
 	}
 	return nil
 }

@@ -5,11 +5,16 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"net/netip"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promauto"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
@@ -29,10 +34,16 @@ type Config struct {
 	// Reference is the name under which the checker itself takes part as
 	// the reference (probing nodes directly, with an empty From.Addr);
 	// default DefaultReference. It must differ from every node's name.
+	// A reference is a witness apart from the nodes: its link must be at
+	// least as fast as theirs, and it must not run on a node's host, whose
+	// link its probes would share (and whose agent it would reach over
+	// loopback). So the checker takes no part when a node's agent address
+	// is one of its host's own; the report's notes say so.
 	Reference string
 	// NoReference keeps the checker out of the probes, for a Prober that
 	// cannot probe from the checker. Clusters of two or three nodes may
-	// then end with unknown verdicts.
+	// then end with unknown verdicts: two nodes alone have no baseline
+	// unless Policy.MinBandwidth gives one.
 	NoReference bool
 	// Parallel bounds the probes that run at once. Default 256.
 	Parallel int
@@ -58,6 +69,7 @@ type Checker struct {
 	cfg    Config
 	log    *slog.Logger
 	tracer trace.Tracer
+	reg    *promreg.Registrar
 
 	checks    prometheus.Counter
 	checkTime prometheus.Histogram
@@ -68,7 +80,8 @@ type Checker struct {
 	metricsMu sync.Mutex // one check at a time updates the gauges
 }
 
-// NewChecker returns a checker for cfg.
+// NewChecker returns a checker for cfg. Its metrics are registered on
+// cfg.Registerer until Close.
 func NewChecker(cfg Config) (*Checker, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -91,11 +104,13 @@ func NewChecker(cfg Config) (*Checker, error) {
 	if tp == nil {
 		tp = noop.NewTracerProvider()
 	}
-	f := promauto.With(cfg.Registerer)
-	return &Checker{
+	r := promreg.New(cfg.Registerer, "netcheck: Config.Registerer")
+	f := promauto.With(r)
+	c := &Checker{
 		cfg:    cfg,
 		log:    log,
 		tracer: tp.Tracer("github.com/faultline-ml/faultline/netcheck"),
+		reg:    r,
 		checks: f.NewCounter(prometheus.CounterOpts{
 			Name: "faultline_netcheck_checks_total",
 			Help: "Network checks completed.",
@@ -122,31 +137,60 @@ func NewChecker(cfg Config) (*Checker, error) {
 			Name: "faultline_netcheck_bad_node",
 			Help: "1 for each node the last check found faulty or straggling, by node and verdict.",
 		}, []string{"node", "verdict"}),
-	}, nil
+	}
+	if err := r.Err(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// Close unregisters the checker's metrics, so that another checker may
+// use the Registerer. It is idempotent; checks still run after it,
+// uncounted.
+func (c *Checker) Close() error {
+	c.reg.UnregisterAll()
+	return nil
 }
 
 // Check probes nodes, given in topology order, until every node has a
 // verdict or no probe can tell more, and returns the report. It returns an
-// error only for bad input or when ctx ends; a node that cannot be reached
-// is a verdict, not an error.
+// error only for bad input (names not unique, two names with one address)
+// or when ctx ends; a node that cannot be reached is a verdict, not an
+// error.
 func (c *Checker) Check(ctx context.Context, nodes []Node) (*Report, error) {
 	start := time.Now()
 	ctx, span := c.tracer.Start(ctx, "netcheck.Check", trace.WithAttributes(attribute.Int("nodes", len(nodes))))
 	defer span.End()
 
 	byName := make(map[string]Node, len(nodes)+1)
+	byAddr := make(map[string]string, len(nodes))
 	names := make([]string, len(nodes))
 	for i, n := range nodes {
 		names[i] = n.Name
 		byName[n.Name] = n
+		if n.Addr == "" {
+			continue
+		}
+		if other, dup := byAddr[canonical(n.Addr)]; dup && other != n.Name {
+			return nil, fmt.Errorf("netcheck: nodes %q and %q have one address, %s: each node needs its own agent", other, n.Name, n.Addr)
+		}
+		byAddr[canonical(n.Addr)] = n.Name
 	}
 	ref := ""
+	var notes []string
 	if !c.cfg.NoReference {
 		ref = c.cfg.Reference
 		if _, clash := byName[ref]; clash {
 			return nil, fmt.Errorf("netcheck: node name %q is the reference's; set Config.Reference", ref)
 		}
-		byName[ref] = Node{Name: ref}
+		if node, addr := onThisHost(ctx, nodes); node != "" {
+			notes = append(notes, fmt.Sprintf("no reference: the checker runs on the host of %s (%s), "+
+				"whose link its probes would share, so it took no part", node, addr))
+			c.log.Info("netcheck: no reference: the checker runs on a node's host", "node", node, "addr", addr)
+			ref = ""
+		} else {
+			byName[ref] = Node{Name: ref}
+		}
 	}
 	p, err := NewPlanner(names, ref, c.cfg.Policy)
 	if err != nil {
@@ -177,6 +221,7 @@ func (c *Checker) Check(ctx context.Context, nodes []Node) (*Report, error) {
 		}
 	}
 	rep := p.Report()
+	rep.Notes = append(notes, rep.Notes...)
 	c.observe(rep, time.Since(start))
 	span.SetAttributes(attribute.Int("probes", rep.Probes), attribute.Int("rounds", rep.Rounds),
 		attribute.StringSlice("bad", rep.Bad()))
@@ -186,6 +231,46 @@ func (c *Checker) Check(ctx context.Context, nodes []Node) (*Report, error) {
 		}
 	}
 	return rep, nil
+}
+
+// canonical returns addr in one spelling per address: IPv4 in IPv6 and
+// upper-case host names count as what they are.
+func canonical(addr string) string {
+	if ap, err := netip.ParseAddrPort(addr); err == nil {
+		return netip.AddrPortFrom(ap.Addr().Unmap().WithZone(""), ap.Port()).String()
+	}
+	return strings.ToLower(addr)
+}
+
+// onThisHost returns the first node whose agent listens on an address of
+// this host, and that address; "" when none does.
+func onThisHost(ctx context.Context, nodes []Node) (name, addr string) {
+	local := map[netip.Addr]bool{}
+	if addrs, err := net.InterfaceAddrs(); err == nil {
+		for _, a := range addrs {
+			if p, err := netip.ParsePrefix(a.String()); err == nil {
+				local[p.Addr().Unmap()] = true
+			}
+		}
+	}
+	for _, n := range nodes {
+		host, _, err := net.SplitHostPort(n.Addr)
+		if err != nil {
+			continue
+		}
+		ips := []netip.Addr{}
+		if ip, err := netip.ParseAddr(host); err == nil {
+			ips = append(ips, ip)
+		} else if found, err := net.DefaultResolver.LookupNetIP(ctx, "ip", host); err == nil {
+			ips = found
+		}
+		for _, ip := range ips {
+			if ip = ip.Unmap().WithZone(""); ip.IsLoopback() || ip.IsUnspecified() || local[ip] {
+				return n.Name, n.Addr
+			}
+		}
+	}
+	return "", ""
 }
 
 // probe runs one probe under the policy's deadline and never fails: an

@@ -56,8 +56,9 @@ func TestCheckLoopback(t *testing.T) {
 	if rep.Nodes[3].Verdict != Faulty || !strings.Contains(rep.Nodes[3].Reason, "connection refused") {
 		t.Fatalf("n03: %+v", rep.Nodes[3])
 	}
-	if rep.Reference == nil || rep.Reference.Verdict != Healthy {
-		t.Fatalf("reference: %+v\n%s", rep.Reference, text.String())
+	// The agents listen on this host: the checker is no reference.
+	if rep.Reference != nil || len(rep.Notes) != 1 || !strings.HasPrefix(rep.Notes[0], "no reference: the checker runs on the host of n00 (127.0.0.1:") {
+		t.Fatalf("reference %+v, notes %q", rep.Reference, rep.Notes)
 	}
 	for _, want := range []string{"faulty", "n03", "connection refused", "healthy  n00"} {
 		if !strings.Contains(text.String(), want) {
@@ -112,22 +113,47 @@ func TestCheckLoopback(t *testing.T) {
 	}
 }
 
-func TestCheckTwoNodes(t *testing.T) {
-	// N = 2 with one node down: the reference breaks the tie.
+// TestCheckTwoNodesOnThisHost: two nodes whose agents listen on the
+// checker's host. The checker takes no part, since its probes would not
+// leave the host; one probe alone is no baseline, so the nodes are
+// unknown unless a floor is given, and a failed probe blames no one but
+// is named.
+func TestCheckTwoNodesOnThisHost(t *testing.T) {
 	nodes, agents := loopbackNodes(t, 2)
-	agents[0].Close()
-	c, err := NewChecker(Config{Prober: &TCPProber{Bytes: 1 << 20}, Policy: Policy{StragglerRatio: 100}})
-	if err != nil {
-		t.Fatal(err)
+	check := func(pol Policy) *Report {
+		t.Helper()
+		pol.StragglerRatio = 100
+		c, err := NewChecker(Config{Prober: &TCPProber{Bytes: 1 << 20}, Policy: pol})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		rep, err := c.Check(context.Background(), nodes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rep.Reference != nil || rep.Probes != 1 {
+			t.Fatalf("reference %+v, %d probes: want the two nodes' probe alone", rep.Reference, rep.Probes)
+		}
+		return rep
 	}
-	rep, err := c.Check(context.Background(), nodes)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := rep.Bad(); !slices.Equal(got, []string{"n00"}) || rep.Nodes[1].Verdict != Healthy {
+	verdicts := func(rep *Report) string {
 		var b strings.Builder
-		rep.WriteText(&b)
-		t.Fatalf("bad = %v\n%s", got, b.String())
+		for _, n := range rep.Nodes {
+			b.WriteByte(string(n.Verdict)[0])
+		}
+		return b.String()
+	}
+	if rep := check(Policy{}); verdicts(rep) != "uu" || !strings.HasPrefix(rep.Notes[1], "no baseline") {
+		t.Fatalf("no floor: %s, notes %q", verdicts(rep), rep.Notes)
+	}
+	if rep := check(Policy{MinBandwidth: 1e6}); verdicts(rep) != "hh" {
+		t.Fatalf("1 MB/s floor: %s, notes %q", verdicts(rep), rep.Notes)
+	}
+	agents[0].Close()
+	rep := check(Policy{MinBandwidth: 1e6})
+	if verdicts(rep) != "uu" || len(rep.Links) != 1 || rep.Links[0].Outcome != Failed || !strings.Contains(rep.Links[0].Error, "connection refused") {
+		t.Fatalf("n00 down: %s, links %+v", verdicts(rep), rep.Links)
 	}
 }
 
@@ -147,6 +173,10 @@ func TestCheckErrors(t *testing.T) {
 	}
 	if _, err := c.Check(context.Background(), []Node{{Name: "a"}, {Name: "a"}}); err == nil {
 		t.Fatal("duplicate names were accepted")
+	}
+	_, err = c.Check(context.Background(), []Node{{Name: "a", Addr: "10.0.0.1:9700"}, {Name: "b", Addr: "[::ffff:10.0.0.1]:9700"}})
+	if err == nil || err.Error() != `netcheck: nodes "a" and "b" have one address, [::ffff:10.0.0.1]:9700: each node needs its own agent` {
+		t.Fatalf("two names with one address: err = %v", err)
 	}
 	nodes, _ := loopbackNodes(t, 2)
 	ctx, cancel := context.WithCancel(context.Background())

@@ -107,3 +107,14 @@ func ExampleSwitchbox() {
 	// 3:5 fail: 800 MB/s, not above 10000 MB/s
 	// 6:7 fail: device 6 or 7 not found
 }
+
+func ExampleParseBandwidth() {
+	for _, s := range []string{"400Mbit", "50MB", "100mbps"} {
+		bps, err := netcheck.ParseBandwidth(s)
+		fmt.Println(bps, err)
+	}
+	// Output:
+	// 5e+07 <nil>
+	// 5e+07 <nil>
+	// 0 netcheck: bandwidth "100mbps": "mbps" is bits to some and bytes to tc: write 100Mbit for megabits or 100MB for megabytes per second
+}

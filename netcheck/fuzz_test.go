@@ -2,6 +2,8 @@ package netcheck
 
 import (
 	"bytes"
+	"math"
+	"strconv"
 	"testing"
 	"time"
 
@@ -28,17 +30,23 @@ func FuzzParseDevicePairs(f *testing.F) {
 }
 
 func FuzzParseReport(f *testing.F) {
-	p, _ := NewPlanner([]string{"a", "b", "c"}, "checker", Policy{})
+	p, _ := NewPlanner([]string{"a", "b", "c", "d"}, "checker", Policy{MinBandwidth: 2e8})
 	for round := p.Next(); round != nil; round = p.Next() {
 		for _, pr := range round {
 			m := Measurement{From: pr.From, To: pr.To, Elapsed: time.Millisecond, Bandwidth: 1e9, RTT: time.Microsecond}
-			if pr.To == "c" || pr.From == "c" {
+			switch {
+			case pr.To == "c" || pr.From == "c":
 				m.Error = "connection refused"
+			case pr.To == "d" || pr.From == "d":
+				m = Measurement{From: pr.From, To: pr.To, Elapsed: time.Second, Bandwidth: 1e8, Bytes: 1e9, Moved: 1e8, Partial: true}
 			}
 			p.Record(m)
 		}
 	}
-	seed, _ := p.Report().Marshal()
+	rep := p.Report()
+	rep.Notes = append(rep.Notes, "no reference: a note")
+	rep.Links = append(rep.Links, LinkResult{Outcome: Slow, Measurement: Measurement{From: "a", To: "b", Bandwidth: 1}})
+	seed, _ := rep.Marshal()
 	f.Add(seed)
 	f.Add([]byte(`{"nodes":[{"name":"a","verdict":"bogus"}]}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
@@ -59,5 +67,25 @@ func FuzzParseReport(f *testing.F) {
 		}
 		var b bytes.Buffer
 		r.WriteText(&b)
+	})
+}
+
+func FuzzParseBandwidth(f *testing.F) {
+	for _, s := range []string{"400Mbit", "50MB", "1.5 GB/s", "512KiB", "10gbit", "100Mbits/s", "0", "100mbps", "50", "7mb"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		v, err := ParseBandwidth(s)
+		if err != nil {
+			return
+		}
+		if !(v >= 0) || math.IsInf(v, 0) {
+			t.Fatalf("ParseBandwidth(%q) = %v", s, v)
+		}
+		// Bytes per second written back read as the same.
+		again, err := ParseBandwidth(strconv.FormatFloat(v, 'f', -1, 64) + "B/s")
+		if err != nil || again != v {
+			t.Fatalf("ParseBandwidth(%q) = %v, and %v, %v written back", s, v, again, err)
+		}
 	})
 }

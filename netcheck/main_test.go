@@ -12,5 +12,8 @@ func TestMain(m *testing.M) {
 	if addr := os.Getenv(agentEnv); addr != "" {
 		os.Exit(runTestAgent(addr))
 	}
+	if req := os.Getenv(checkerEnv); req != "" {
+		os.Exit(runTestChecker(req))
+	}
 	goleak.VerifyTestMain(m)
 }

@@ -33,15 +33,22 @@ type Measurement struct {
 	// Elapsed is how long the probe's work took: for TCPProber, the
 	// fastest of its transfers (Bytes up and Bytes down), without the
 	// connection and the pings; for a failed probe, the time until it
-	// failed.
+	// failed; for a partial one, the time its transfer ran.
 	Elapsed time.Duration `json:"elapsed_ns"`
 	// RTT is the median round trip of small messages; 0 if not measured.
 	RTT time.Duration `json:"rtt_ns,omitempty"`
 	// Bandwidth is in bytes per second, the slower of the two directions;
 	// 0 if not measured.
 	Bandwidth float64 `json:"bandwidth_bytes_per_second,omitempty"`
-	// Bytes is how much one transfer of the probe sent each way.
+	// Bytes is how much one transfer of the probe sends each way.
 	Bytes int64 `json:"bytes,omitempty"`
+	// Partial is set when the deadline cut the probe's first transfer
+	// short: Bandwidth is then the rate of the Moved bytes that arrived
+	// (both ways together) in Elapsed, and the probe is judged as if the
+	// whole transfer had taken 2 × Bytes at that rate. A link too slow to
+	// finish is slow, not failed; one that moved nothing fails.
+	Partial bool  `json:"partial,omitempty"`
+	Moved   int64 `json:"moved_bytes,omitempty"`
 	// Error says why the probe failed; "" if it did not.
 	Error string `json:"error,omitempty"`
 }
@@ -56,7 +63,10 @@ type Policy struct {
 	// times the median of the nodes' best probe times. Default 2.
 	StragglerRatio float64 `json:"straggler_ratio"`
 	// MinBandwidth: a probe that measured fewer bytes per second is slow.
-	// Default 0, no floor.
+	// Default 0, no floor. A floor is a baseline of its own: with one, a
+	// node whose probes pass it is healthy even where no probe shows what
+	// a healthy link does (see Planner). ParseBandwidth reads "400Mbit"
+	// or "50MB".
 	MinBandwidth float64 `json:"min_bandwidth_bytes_per_second,omitempty"`
 	// MaxRTT: a probe whose round trip was longer is slow. Default 0, no
 	// ceiling.

@@ -3,6 +3,7 @@ package netcheck
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -27,9 +28,10 @@ import (
 // Set FAULTLINE_NETCHECK_HEAVY=1 for bigger clusters and transfers.
 
 const (
-	agentEnv = "FAULTLINE_NETCHECK_TEST_AGENT"
-	copyEnv  = "FAULTLINE_NETCHECK_TEST_COPY" // also serve plain io.Copy, for the benchmark
-	heavyEnv = "FAULTLINE_NETCHECK_HEAVY"
+	agentEnv   = "FAULTLINE_NETCHECK_TEST_AGENT"
+	checkerEnv = "FAULTLINE_NETCHECK_TEST_CHECKER" // a checkRequest: run it and print the report
+	copyEnv    = "FAULTLINE_NETCHECK_TEST_COPY"    // also serve plain io.Copy, for the benchmark
+	heavyEnv   = "FAULTLINE_NETCHECK_HEAVY"
 )
 
 // runTestAgent is main for a host: it serves an agent on addr, and a plain
@@ -54,6 +56,45 @@ func runTestAgent(addr string) int {
 	}
 	fmt.Println("ready", a.Addr())
 	a.Run(ctx)
+	return 0
+}
+
+// checkRequest is a check for runTestChecker to run on a host.
+type checkRequest struct {
+	Nodes   []Node
+	Policy  Policy
+	Bytes   int64
+	Repeats int
+}
+
+// runTestChecker is main for a checker on a host: it runs the checks that
+// reqs, checkRequests in a JSON array, ask for, one after another, and
+// prints their reports as a JSON array.
+func runTestChecker(reqs string) int {
+	var rs []checkRequest
+	if err := json.Unmarshal([]byte(reqs), &rs); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	var reps []*Report
+	for _, r := range rs {
+		c, err := NewChecker(Config{Prober: &TCPProber{Bytes: r.Bytes, Repeats: r.Repeats}, Policy: r.Policy, Parallel: 1})
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		rep, err := c.Check(context.Background(), r.Nodes)
+		c.Close()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		reps = append(reps, rep)
+	}
+	if err := json.NewEncoder(os.Stdout).Encode(reps); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
 	return 0
 }
 
@@ -218,6 +259,33 @@ func freeSubnet(t testing.TB, seed int) string {
 	return ""
 }
 
+// checkFrom runs checks on host i, beside its agent, one after another,
+// and returns their reports.
+func (f *fabric) checkFrom(i int, reqs ...checkRequest) []*Report {
+	f.t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	js, err := json.Marshal(reqs)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	cmd := exec.Command("ip", "netns", "exec", f.hosts[i].ns, exe, "-test.run=^$")
+	cmd.Env = append(os.Environ(), checkerEnv+"="+string(js))
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	out, err := cmd.Output()
+	if err != nil {
+		f.t.Fatalf("checker on %s: %v", f.hosts[i].name, err)
+	}
+	var reps []*Report
+	if err := json.Unmarshal(out, &reps); err != nil || len(reps) != len(reqs) {
+		f.t.Fatalf("checker on %s: %d reports for %d checks, %v\n%s", f.hosts[i].name, len(reps), len(reqs), err, out)
+	}
+	return reps
+}
+
 func (f *fabric) nodes() []Node {
 	nodes := make([]Node, len(f.hosts))
 	for i, h := range f.hosts {
@@ -274,10 +342,18 @@ type scenario struct {
 	bytes   int64
 	timeout time.Duration
 	rate    string // of a shaped link
+	// partial: a shaped link cannot finish one transfer by the deadline,
+	// and its straggler's reason gives the rate it moved at.
+	partial bool
+	// unknown are the hosts, not degraded, whose speed nothing can judge.
+	unknown []int
 }
 
 func (sc scenario) want() map[string]Verdict {
 	want := map[string]Verdict{}
+	for _, h := range sc.unknown {
+		want[fmt.Sprintf("h%02d", h)] = Unknown
+	}
 	for _, d := range sc.faults {
 		v := Straggler
 		if d.kind == "cut" {
@@ -294,13 +370,18 @@ func TestNetworkNamespaces(t *testing.T) {
 		{name: "N=6 one shaped", n: 6, faults: []degrade{{"shape", 2}}},
 		{name: "N=6 shaped and cut", n: 6, faults: []degrade{{"shape", 1}, {"cut", 4}}},
 		{name: "N=2 one shaped", n: 2, faults: []degrade{{"shape", 0}}},
-		{name: "N=2 one cut", n: 2, faults: []degrade{{"cut", 1}}},
+		// h00's one completed probe, with the checker, has nothing to be
+		// compared with.
+		{name: "N=2 one cut", n: 2, faults: []degrade{{"cut", 1}}, unknown: []int{0}},
 		{name: "N=3 one cut", n: 3, faults: []degrade{{"cut", 0}}},
 		{name: "N=3 shaped and cut", n: 3, faults: []degrade{{"shape", 2}, {"cut", 1}}},
 		// 60 ms each way: slow start makes every transfer take several
 		// round trips, so the probe needs more time.
 		{name: "N=4 delay", n: 4, faults: []degrade{{"delay", 3}}, bytes: 128 << 10, timeout: 5 * time.Second},
 		{name: "N=4 loss", n: 4, faults: []degrade{{"loss", 0}}, timeout: 3 * time.Second},
+		// 4 MiB each way at 8 Mbit/s take 8 s, past the deadline: the
+		// link is slow, not dead.
+		{name: "N=3 too slow to finish", n: 3, faults: []degrade{{"shape", 2}}, bytes: 4 << 20, rate: "8mbit", partial: true},
 	}
 	if os.Getenv(heavyEnv) != "" {
 		scenarios = append(scenarios,
@@ -387,8 +468,61 @@ func TestNetworkNamespaces(t *testing.T) {
 					}
 				case bad && res.Verdict != v:
 					t.Errorf("%s judged %s, want %s: %s", res.Name, res.Verdict, v, res.Reason)
+				case bad && sc.partial && !strings.Contains(res.Reason, "cut by the deadline after"):
+					t.Errorf("%s: reason %q gives no rate of what moved", res.Name, res.Reason)
 				}
 			}
 		})
 	}
+}
+
+// TestCheckerOnANodesHost runs the checker on a node's host, as DLRover
+// runs its check. Every link is shaped to 400 Mbit/s, so that loopback is
+// far faster than any of them: the probe to the agent beside the checker
+// must not become the baseline that every real link falls short of. A
+// transfer takes some 40 ms, so that the ratio of 5 keeps scheduling
+// jitter out of the verdicts and a node at 40 Mbit/s (10×) in them.
+func TestCheckerOnANodesHost(t *testing.T) {
+	needNetns(t)
+	f := newFabric(t, 3, false)
+	for i := range f.hosts {
+		f.shape(i, "400mbit")
+	}
+	type check struct {
+		name  string
+		n     int
+		floor float64 // Policy.MinBandwidth
+		want  string  // verdicts in node order, one letter each
+	}
+	run := func(checks ...check) {
+		t.Helper()
+		var reqs []checkRequest
+		for _, c := range checks {
+			reqs = append(reqs, checkRequest{Nodes: f.nodes()[:c.n], Bytes: 1 << 20, Repeats: 1,
+				Policy: Policy{ProbeTimeout: 3 * time.Second, StragglerRatio: 5, MinBandwidth: c.floor}})
+		}
+		for i, rep := range f.checkFrom(0, reqs...) {
+			var text, got strings.Builder
+			rep.WriteText(&text)
+			for _, n := range rep.Nodes {
+				got.WriteByte(string(n.Verdict)[0])
+			}
+			if got.String() != checks[i].want {
+				t.Errorf("%s: verdicts %s, want %s\n%s", checks[i].name, got.String(), checks[i].want, text.String())
+			}
+			if rep.Reference != nil || len(rep.Notes) == 0 || !strings.HasPrefix(rep.Notes[0], "no reference: the checker runs on the host of h00") {
+				t.Errorf("%s: reference %+v, notes %q", checks[i].name, rep.Reference, rep.Notes)
+			}
+		}
+	}
+	run(
+		// One probe, and the checker would only measure h00's link
+		// again: nothing to compare with, so unknown, not blamed...
+		check{name: "N=2 healthy", n: 2, want: "uu"},
+		// ...unless a floor says what a healthy link does.
+		check{name: "N=2 healthy, a floor", n: 2, floor: 10e6, want: "hh"},
+		check{name: "N=3 healthy", n: 3, want: "hhh"},
+	)
+	f.shape(0, "40mbit")
+	run(check{name: "N=3 the checker's node slow", n: 3, want: "shh"})
 }

@@ -34,15 +34,24 @@ import (
 // about 3k+2 probes beyond round 0's N/2 (the property tests hold it to
 // that).
 //
-// A good probe proves both its ends good. The reference, if given, is a
-// participant reported apart from the nodes (the checker's own host, say):
-// it takes the odd node of round 0, completes probes with at least two
-// nodes so that even a tiny cluster has a fast probe to compare with, and
-// when no probe has been good yet (N = 2 or 3 with a bad node, or most
-// nodes bad) it probes the likeliest good suspect while the others pair
-// fastest with slowest. Without a reference such cases may end with nodes
-// of unknown verdict: the planner never blames a node without evidence
-// from a peer it has seen work.
+// A good probe proves both its ends good, but only against a baseline:
+// probes that show what a healthy link does. While every completed probe
+// involves one participant, that one may be slow and drag all of them
+// down alike, so there is none; the planner then probes pairs that avoid
+// it, and a node whose speed no baseline can judge is unknown, never
+// healthy. A bandwidth floor (Policy.MinBandwidth) is a baseline of its
+// own.
+//
+// The reference, if given, is a participant reported apart from the nodes
+// (the checker's own host, say): it takes the odd node of round 0,
+// completes probes with at least two nodes so that even a tiny cluster has
+// a baseline, and when no probe has been good yet (N = 2 or 3 with a bad
+// node, or most nodes bad) it probes the likeliest good suspect while the
+// others pair fastest with slowest. Its link must be at least as fast as
+// the nodes', and it must not share a node's host, whose link its probes
+// would measure. Without a reference such cases may end with nodes of
+// unknown verdict: the planner never blames a node without evidence from a
+// peer it has seen work.
 type Planner struct {
 	pol    Policy
 	names  []string // the nodes, then the reference if any
@@ -53,6 +62,7 @@ type Planner struct {
 	tried  map[pairKey]bool
 	round  int              // rounds handed out
 	cur    map[pairKey]bool // the current round's pairs: recorded or not
+	order  [][2]int         // the current round's pairs, as handed out
 	done   bool
 }
 
@@ -108,13 +118,13 @@ func (p *Planner) Next() []Pair {
 	if p.done {
 		return nil
 	}
-	for k, recorded := range p.cur {
-		if !recorded {
-			p.probes = append(p.probes, probeRecord{from: k.a, to: k.b, round: p.round - 1,
-				m: Measurement{From: p.names[k.a], To: p.names[k.b], Error: "no result recorded"}})
+	for _, pr := range p.order {
+		if !p.cur[key(pr[0], pr[1])] {
+			p.probes = append(p.probes, probeRecord{from: pr[0], to: pr[1], round: p.round - 1,
+				m: Measurement{From: p.names[pr[0]], To: p.names[pr[1]], Error: "no result recorded"}})
 		}
 	}
-	p.cur = nil
+	p.cur, p.order = nil, nil
 	var pairs [][2]int
 	switch {
 	case p.round >= p.pol.MaxRounds:
@@ -129,6 +139,7 @@ func (p *Planner) Next() []Pair {
 	}
 	p.round++
 	p.cur = make(map[pairKey]bool, len(pairs))
+	p.order = pairs
 	out := make([]Pair, len(pairs))
 	for i, pr := range pairs {
 		p.cur[key(pr[0], pr[1])] = false
@@ -157,6 +168,10 @@ func (p *Planner) Record(m Measurement) error {
 	m.RTT = max(m.RTT, 0)
 	if !(m.Bandwidth > 0) || math.IsInf(m.Bandwidth, 0) {
 		m.Bandwidth = 0
+	}
+	m.Bytes, m.Moved = max(m.Bytes, 0), max(m.Moved, 0)
+	if m.Partial && m.Bandwidth == 0 && !m.Failed() {
+		m.Error = "deadline reached with nothing moved"
 	}
 	p.probes = append(p.probes, probeRecord{from: a, to: b, round: p.round - 1, m: m})
 	return nil
@@ -281,14 +296,49 @@ type stats struct {
 	median    time.Duration   // lower median of best over probed participants
 	threshold time.Duration   // StragglerRatio × median: the verdicts' bar
 	strict    time.Duration   // StragglerRatio × fastest best: the planner's bar
+	// baseline: the probes say what a healthy link does, because a floor
+	// does or because no participant is in every completed probe.
+	baseline bool
+	hub      int // without a baseline, one in every completed probe; -1 if none completed
 }
 
-// elapsed is a probe's time for medians: a failure counts as the timeout.
+// elapsed is a probe's time for medians: a failure counts as the timeout,
+// and a probe the deadline cut short as the time its transfer would have
+// taken at the rate it moved.
 func (p *Planner) elapsed(m Measurement) time.Duration {
-	if m.Failed() {
+	switch {
+	case m.Failed():
 		return p.pol.ProbeTimeout
+	case m.Partial && m.Bytes > 0:
+		return max(m.Elapsed, time.Duration(min(2*float64(m.Bytes)/m.Bandwidth*1e9, math.MaxInt64)))
 	}
 	return m.Elapsed
+}
+
+// baseline reports whether the probes have a baseline: a floor, or
+// completed probes that do not all share an end. hub is a participant in
+// every completed probe, -1 if there is none or no probe completed.
+func (p *Planner) baseline() (ok bool, hub int) {
+	ends, n := [2]int{-1, -1}, 0
+	for _, r := range p.probes {
+		if r.m.Failed() {
+			continue
+		}
+		if n == 0 {
+			ends = [2]int{r.from, r.to}
+		}
+		for i, e := range ends {
+			if e != r.from && e != r.to {
+				ends[i] = -1
+			}
+		}
+		n++
+	}
+	hub = ends[0]
+	if hub < 0 {
+		hub = ends[1]
+	}
+	return p.pol.MinBandwidth > 0 || (n > 0 && hub < 0), hub
 }
 
 func (p *Planner) stats() stats {
@@ -316,6 +366,7 @@ func (p *Planner) stats() stats {
 		st.threshold = scale(st.median, p.pol.StragglerRatio)
 		st.strict = scale(bests[0], p.pol.StragglerRatio)
 	}
+	st.baseline, st.hub = p.baseline()
 	return st
 }
 
@@ -341,7 +392,7 @@ func (p *Planner) outcome(m Measurement, threshold time.Duration) Outcome {
 	switch {
 	case m.Failed():
 		return Failed
-	case m.Elapsed > threshold,
+	case p.elapsed(m) > threshold,
 		p.pol.MinBandwidth > 0 && m.Bandwidth < p.pol.MinBandwidth,
 		p.pol.MaxRTT > 0 && m.RTT > p.pol.MaxRTT:
 		return Slow
@@ -387,8 +438,10 @@ func (p *Planner) judge(st stats, threshold time.Duration) judgement {
 	need := min(p.pol.ConfirmPeers, goods)
 	for x := range p.names {
 		switch {
-		case j.good[x]:
+		case j.good[x] && st.baseline:
 			j.verdict[x] = Healthy
+		case j.good[x]:
+			j.verdict[x] = Unknown
 		case need > 0 && len(j.badPeers[x]) >= need && j.slowPeer[x]:
 			j.verdict[x] = Straggler
 		case need > 0 && len(j.badPeers[x]) >= need:

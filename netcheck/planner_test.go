@@ -2,6 +2,7 @@ package netcheck
 
 import (
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -129,15 +130,26 @@ func TestPlannerProperties(t *testing.T) {
 		if rep.Reference != nil && rep.Reference.Verdict != Healthy && rep.Reference.Verdict != Unknown {
 			t.Fatalf("%s: reference judged %s", desc, rep.Reference.Verdict)
 		}
+		// Never healthy without a baseline.
+		if len(rep.Names(Healthy)) > 0 && slices.ContainsFunc(rep.Notes, func(n string) bool { return strings.HasPrefix(n, "no baseline") }) {
+			t.Fatalf("%s: healthy nodes without a baseline: %v", desc, rep.Notes)
+		}
 
 		// When there are fewer bad nodes than round-0 probes, round 0 has
 		// a probe between two healthy participants, which tells what fast
 		// is; then every node gets its verdict, and the probes beyond
-		// round 0 stay O(k). With a reference, so does the classic N = 2
-		// case that fails in DLRover.
-		if k < round0 || (ref != "" && n == 2 && k == 1) {
+		// round 0 stay O(k). (Not N = 2 without a reference: its one
+		// probe is no baseline.) With a reference, so does the classic
+		// N = 2 case that fails in DLRover, but for the healthy node of
+		// N = 2 with the other cut: its one completed probe, with the
+		// reference, has nothing to be compared with.
+		tiny := ref != "" && n == 2 && k == 1
+		if (k < round0 && (n > 2 || ref != "")) || tiny {
 			for _, res := range rep.Nodes {
 				want := map[fault]Verdict{ok: Healthy, slow: Straggler, cut: Faulty}[faults[res.Name]]
+				if tiny && want == Healthy && slices.Contains(slices.Collect(maps.Values(faults)), cut) {
+					want = Unknown
+				}
 				if res.Verdict != want {
 					t.Fatalf("%s: %s judged %s, want %s: %s", desc, res.Name, res.Verdict, want, res.Reason)
 				}
@@ -156,22 +168,29 @@ func TestPlannerSmallClusters(t *testing.T) {
 		faults map[string]fault
 		want   string // verdicts in node order, one letter each: h f s u
 	}{
-		{2, "checker", map[string]fault{"n00": cut}, "fh"},
-		{2, "checker", map[string]fault{"n01": cut}, "hf"},
+		// Only n01–checker completes: nothing to compare it with, so n01
+		// is unknown, slow or not (a bandwidth floor would tell).
+		{2, "checker", map[string]fault{"n00": cut}, "fu"},
+		{2, "checker", map[string]fault{"n01": cut}, "uf"},
+		{2, "checker", map[string]fault{"n00": cut, "n01": slow}, "fu"},
 		{2, "checker", map[string]fault{"n00": slow}, "sh"},
-		// Only n01–checker completes: nothing faster to compare it with
-		// (a bandwidth floor would tell).
-		{2, "checker", map[string]fault{"n00": cut, "n01": slow}, "fh"},
 		{2, "checker", map[string]fault{}, "hh"},
-		{2, "", map[string]fault{"n00": cut}, "uu"}, // no one to tell
-		{2, "", map[string]fault{}, "hh"},
+		// Without a reference, one probe: no baseline, whatever it saw.
+		{2, "", map[string]fault{"n00": cut}, "uu"},
+		{2, "", map[string]fault{"n00": slow}, "uu"},
+		{2, "", map[string]fault{}, "uu"},
 		{3, "checker", map[string]fault{"n02": cut}, "hhf"},
 		{3, "checker", map[string]fault{"n00": slow, "n02": cut}, "shf"},
-		{3, "checker", map[string]fault{"n00": cut, "n01": cut}, "ffh"},
-		{3, "", map[string]fault{"n01": cut}, "hfh"},
+		{3, "checker", map[string]fault{"n00": cut, "n01": cut}, "ffu"},
+		// Without a reference, the pair that round 0 left out is probed
+		// to have a baseline.
+		{3, "", map[string]fault{"n00": slow}, "shh"},
+		{3, "", map[string]fault{"n02": slow}, "hhs"},
+		{3, "", map[string]fault{}, "hhh"},
+		{3, "", map[string]fault{"n01": cut}, "ufu"},
 		{3, "", map[string]fault{"n00": cut, "n01": cut}, "uuu"},
-		{1, "checker", map[string]fault{"n00": slow}, "h"}, // likewise
-		{1, "checker", map[string]fault{"n00": cut}, "u"},  // or is the checker cut?
+		{1, "checker", map[string]fault{"n00": slow}, "u"},
+		{1, "checker", map[string]fault{"n00": cut}, "u"}, // or is the checker cut?
 		{1, "", map[string]fault{}, "u"},
 	} {
 		t.Run(fmt.Sprintf("N=%d,ref=%q,%v", tc.n, tc.ref, tc.faults), func(t *testing.T) {
@@ -230,6 +249,30 @@ func TestPlannerRoundsAndRecord(t *testing.T) {
 		t.Fatalf("evidence of n02 = %+v", rep.Nodes[2].Evidence)
 	}
 
+	// Probes not recorded are added in the order they were handed out,
+	// whatever the run.
+	var first []Pair
+	for range 20 {
+		p, err := NewPlanner(names(40), "checker", Policy{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Next()
+		p.Next()
+		var got []Pair
+		for _, e := range p.Report().Links {
+			got = append(got, Pair{e.From, e.To})
+		}
+		if first == nil {
+			first = got
+			if len(first) != 20 || first[0] != (Pair{"n00", "n01"}) || first[19] != (Pair{"n38", "n39"}) {
+				t.Fatalf("unrecorded probes %v, want round 0's 20 in order", first)
+			}
+		} else if !slices.Equal(got, first) {
+			t.Fatalf("unrecorded probes in another order: %v, then %v", first, got)
+		}
+	}
+
 	if _, err := NewPlanner([]string{"a", "a"}, "", Policy{}); err == nil {
 		t.Fatal("duplicate names accepted")
 	}
@@ -275,5 +318,108 @@ func TestPlannerFloors(t *testing.T) {
 	}
 	if r := rep.Nodes[4].Reason; !strings.Contains(r, "above the ceiling") {
 		t.Fatalf("reason for n04: %s", r)
+	}
+}
+
+// TestPlannerFloorAboveEveryLink: when no link reaches the floor, no node
+// can be blamed, and the report names every link below it.
+func TestPlannerFloorAboveEveryLink(t *testing.T) {
+	p, err := NewPlanner(names(5), "", Policy{MinBandwidth: 50e6})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for round := p.Next(); round != nil; round = p.Next() {
+		for _, pr := range round {
+			if err := p.Record(Measurement{From: pr.From, To: pr.To, Elapsed: base, Bandwidth: 10e6, Bytes: 1 << 20}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	rep := p.Report()
+	var text strings.Builder
+	rep.WriteText(&text)
+	if got := rep.Names(Unknown); len(got) != 5 {
+		t.Fatalf("unknown nodes %v, want all five\n%s", got, text.String())
+	}
+	if len(rep.Links) != rep.Probes || rep.Probes < 3 {
+		t.Fatalf("%d links named for %d probes\n%s", len(rep.Links), rep.Probes, text.String())
+	}
+	for _, l := range rep.Links {
+		if l.Outcome != Slow || l.Bandwidth != 10e6 {
+			t.Fatalf("link %+v", l)
+		}
+	}
+	if r := rep.Nodes[0].Reason; !strings.HasPrefix(r, "below the floor of 50.0 MB/s (400 Mbit/s) with every peer") {
+		t.Fatalf("reason for n00: %s", r)
+	}
+	for _, want := range []string{"links no verdict explains", "n00→n01", "slow: 10.0 MB/s (80 Mbit/s)"} {
+		if !strings.Contains(text.String(), want) {
+			t.Errorf("text lacks %q:\n%s", want, text.String())
+		}
+	}
+}
+
+// TestPlannerFloorIsABaseline: two nodes and no reference have one probe
+// and no baseline; a floor that the probe passes is one.
+func TestPlannerFloorIsABaseline(t *testing.T) {
+	for _, tc := range []struct {
+		floor float64
+		want  []string
+	}{
+		{0, nil},
+		{50e6, []string{"n00", "n01"}},
+	} {
+		p, err := NewPlanner(names(2), "", Policy{MinBandwidth: tc.floor})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for round := p.Next(); round != nil; round = p.Next() {
+			for _, pr := range round {
+				p.Record(Measurement{From: pr.From, To: pr.To, Elapsed: base, Bandwidth: 100e6})
+			}
+		}
+		rep := p.Report()
+		if got := rep.Names(Healthy); !slices.Equal(got, tc.want) {
+			t.Errorf("floor %v: healthy %v, want %v; notes %q", tc.floor, got, tc.want, rep.Notes)
+		}
+		if noted := len(rep.Notes) > 0 && strings.HasPrefix(rep.Notes[0], "no baseline"); noted != (tc.floor == 0) {
+			t.Errorf("floor %v: notes %q", tc.floor, rep.Notes)
+		}
+	}
+}
+
+// TestPlannerPartialProbe: a probe that the deadline cut short is judged
+// by the rate it moved at, so a slow link is a straggler with its figure;
+// one that moved nothing fails.
+func TestPlannerPartialProbe(t *testing.T) {
+	p, err := NewPlanner(names(4), "", Policy{ProbeTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for round := p.Next(); round != nil; round = p.Next() {
+		for _, pr := range round {
+			m := Measurement{From: pr.From, To: pr.To, Elapsed: base, Bandwidth: 100e6, Bytes: 1e6}
+			switch {
+			case pr.From == "n01" || pr.To == "n01": // 1 MB/s: 2 MB take 2 s, past the deadline
+				m = Measurement{From: pr.From, To: pr.To, Elapsed: time.Second, Bandwidth: 1e6, Bytes: 1e6, Moved: 1e6, Partial: true}
+			case pr.From == "n03" || pr.To == "n03":
+				m = Measurement{From: pr.From, To: pr.To, Elapsed: time.Second, Bytes: 1e6, Partial: true}
+			}
+			if err := p.Record(m); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	rep := p.Report()
+	var text strings.Builder
+	rep.WriteText(&text)
+	if got := []Verdict{rep.Nodes[0].Verdict, rep.Nodes[1].Verdict, rep.Nodes[2].Verdict, rep.Nodes[3].Verdict}; !slices.Equal(got, []Verdict{Healthy, Straggler, Healthy, Faulty}) {
+		t.Fatalf("verdicts %v\n%s", got, text.String())
+	}
+	if r := rep.Nodes[1].Reason; !strings.Contains(r, "1.0 MB/s (8 Mbit/s), cut by the deadline after 1.0 MB in 1s") {
+		t.Fatalf("reason for n01: %s", r)
+	}
+	if r := rep.Nodes[3].Reason; !strings.Contains(r, "nothing moved") {
+		t.Fatalf("reason for n03: %s", r)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"slices"
 	"time"
 )
@@ -27,15 +28,19 @@ type Prober interface {
 // From's agent to probe To's, so that the link measured is the one between
 // the two nodes. The zero value is ready to use.
 //
-// A probe connects, times Pings small round trips, then moves Bytes each
-// way Repeats times on the same connection. The measurement keeps the
-// fastest repeat: a link that is slow is slow every time, while a busy
-// host's scheduling stalls hit one repeat and not the next. (A link that is
-// slow only now and then therefore needs Repeats = 1 to be seen.)
+// A probe connects, times Pings small round trips, then makes Repeats
+// transfers on the same connection, each moving Bytes up and then Bytes
+// down, so that a probe moves up to Repeats × Bytes each way. The
+// measurement keeps the fastest transfer: a link that is slow is slow every
+// time, while a busy host's scheduling stalls hit one transfer and not the
+// next. (A link that is slow only now and then therefore needs Repeats = 1
+// to be seen.) A transfer that would not finish by the probe's deadline,
+// at the pace of the one before, is not started; one that the deadline
+// cuts short still tells the rate of what it moved (Measurement.Partial).
 type TCPProber struct {
-	// Bytes is how much each repeat sends each way. Default 8 MiB.
+	// Bytes is how much one transfer sends each way. Default 8 MiB.
 	Bytes int64
-	// Repeats is how many transfers a probe makes. Default 3.
+	// Repeats is how many transfers a probe makes at most. Default 3.
 	Repeats int
 	// Pings is how many small round trips measure latency. Default 5.
 	Pings int
@@ -154,8 +159,9 @@ func ctxErr(ctx context.Context, err error) error {
 }
 
 // measure runs one probe against the agent at addr. Elapsed is the
-// fastest repeat's time to move the bytes up and down; Bandwidth is the
-// slower direction's best rate.
+// fastest transfer's time to move the bytes up and down; Bandwidth is the
+// slower direction's best rate. When the deadline cuts the first transfer
+// short, the measurement is partial: the rate of the bytes that arrived.
 func measure(ctx context.Context, d *net.Dialer, addr string, l load) (Measurement, error) {
 	m := Measurement{Bytes: l.bytes}
 	start := time.Now()
@@ -194,21 +200,40 @@ func measure(ctx context.Context, d *net.Dialer, addr string, l load) (Measureme
 	}
 
 	buf := make([]byte, chunk)
-	var bestUp, bestDown time.Duration
+	var bestUp, bestDown, last time.Duration
 	for r := range l.repeats {
-		t := time.Now()
-		if err := send(conn, buf, l.bytes); err != nil {
-			return fail("send to", err)
+		if dl, ok := ctx.Deadline(); r > 0 && ok && time.Until(dl) < last {
+			break // it would be cut short: the ones done tell enough
 		}
-		if _, err := io.ReadFull(conn, ping[:1]); err != nil { // all arrived
+		t := time.Now()
+		sent, err := send(conn, buf, l.bytes)
+		if err == nil {
+			_, err = io.ReadFull(conn, ping[:1]) // all arrived
+		}
+		if err != nil {
+			if deadlineHit(ctx, err) && r > 0 {
+				break
+			}
+			if moved := sent - unacked(conn); deadlineHit(ctx, err) && moved > 0 {
+				return partial(m, moved, time.Since(t), float64(moved)/time.Since(t).Seconds()), nil
+			}
 			return fail("send to", err)
 		}
 		up := time.Since(t)
 		t = time.Now()
-		if err := receive(conn, buf, l.bytes); err != nil {
+		got, err := receive(conn, buf, l.bytes)
+		if err != nil {
+			if deadlineHit(ctx, err) && r > 0 {
+				break
+			}
+			if down := time.Since(t); deadlineHit(ctx, err) && got > 0 {
+				bw := min(float64(l.bytes)/up.Seconds(), float64(got)/down.Seconds())
+				return partial(m, l.bytes+got, up+down, bw), nil
+			}
 			return fail("receive from", err)
 		}
 		down := time.Since(t)
+		last = up + down
 		if r == 0 || up+down < m.Elapsed {
 			m.Elapsed = up + down
 		}
@@ -223,31 +248,45 @@ func measure(ctx context.Context, d *net.Dialer, addr string, l load) (Measureme
 	return m, nil
 }
 
-// send writes n bytes from buf, whose content does not matter.
-func send(w io.Writer, buf []byte, n int64) error {
-	for n > 0 {
-		k := int(min(n, int64(len(buf))))
-		if _, err := w.Write(buf[:k]); err != nil {
-			return err
-		}
-		n -= int64(k)
-	}
-	return nil
+// deadlineHit reports whether err is the probe's deadline, not a cancellation or
+// a broken link.
+func deadlineHit(ctx context.Context, err error) bool {
+	return errors.Is(err, os.ErrDeadlineExceeded) && !errors.Is(ctx.Err(), context.Canceled)
 }
 
-// receive reads and drops n bytes.
-func receive(r io.Reader, buf []byte, n int64) error {
-	for n > 0 {
-		k, err := r.Read(buf[:min(n, int64(len(buf)))])
-		n -= int64(k)
+// partial returns m as cut short after moving moved bytes in elapsed at
+// rate bw.
+func partial(m Measurement, moved int64, elapsed time.Duration, bw float64) Measurement {
+	m.Partial, m.Moved, m.Elapsed, m.Bandwidth = true, moved, elapsed, bw
+	return m
+}
+
+// send writes n bytes from buf, whose content does not matter, and
+// returns how many it wrote.
+func send(w io.Writer, buf []byte, n int64) (int64, error) {
+	var sent int64
+	for sent < n {
+		k, err := w.Write(buf[:min(n-sent, int64(len(buf)))])
+		sent += int64(k)
 		if err != nil {
-			if n > 0 && err == io.EOF {
-				err = io.ErrUnexpectedEOF
-			}
-			if n > 0 {
-				return err
-			}
+			return sent, err
 		}
 	}
-	return nil
+	return sent, nil
+}
+
+// receive reads and drops n bytes, and returns how many it read.
+func receive(r io.Reader, buf []byte, n int64) (int64, error) {
+	var got int64
+	for got < n {
+		k, err := r.Read(buf[:min(n-got, int64(len(buf)))])
+		got += int64(k)
+		if err != nil && got < n {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return got, err
+		}
+	}
+	return got, nil
 }

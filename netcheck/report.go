@@ -47,6 +47,20 @@ type Report struct {
 	Policy    Policy        `json:"policy"`
 	Rounds    int           `json:"rounds"`
 	Probes    int           `json:"probes"`
+	// Links are the slow and failed probes that no verdict explains
+	// (neither end is faulty or a straggler), in the order they ran: a bad
+	// link between healthy nodes, or the links that fell short where no
+	// node could be blamed (a floor above every link, no baseline).
+	Links []LinkResult `json:"links,omitempty"`
+	// Notes say what limited the check: no reference, no baseline.
+	Notes []string `json:"notes,omitempty"`
+}
+
+// LinkResult is a probe judged slow or failed.
+type LinkResult struct {
+	Round   int     `json:"round"`
+	Outcome Outcome `json:"outcome"`
+	Measurement
 }
 
 // NodeResult is the verdict on one node and why.
@@ -118,6 +132,11 @@ func ParseReport(data []byte) (*Report, error) {
 	if r.Reference != nil {
 		results = append(slices.Clone(results), *r.Reference)
 	}
+	for i, l := range r.Links {
+		if !validOutcome(l.Outcome) {
+			return nil, fmt.Errorf("netcheck: report: links[%d].outcome: unknown value %q", i, l.Outcome)
+		}
+	}
 	for i, n := range results {
 		if !validVerdict(n.Verdict) {
 			return nil, fmt.Errorf("netcheck: report: nodes[%d].verdict: unknown value %q", i, n.Verdict)
@@ -126,9 +145,7 @@ func ParseReport(data []byte) (*Report, error) {
 			if !validVerdict(e.PeerVerdict) {
 				return nil, fmt.Errorf("netcheck: report: nodes[%d].evidence[%d].peer_verdict: unknown value %q", i, j, e.PeerVerdict)
 			}
-			switch e.Outcome {
-			case Good, Slow, Failed:
-			default:
+			if !validOutcome(e.Outcome) {
 				return nil, fmt.Errorf("netcheck: report: nodes[%d].evidence[%d].outcome: unknown value %q", i, j, e.Outcome)
 			}
 		}
@@ -139,6 +156,14 @@ func ParseReport(data []byte) (*Report, error) {
 func validVerdict(v Verdict) bool {
 	switch v {
 	case Healthy, Faulty, Straggler, Unknown:
+		return true
+	}
+	return false
+}
+
+func validOutcome(o Outcome) bool {
+	switch o {
+	case Good, Slow, Failed:
 		return true
 	}
 	return false
@@ -167,7 +192,21 @@ func (r *Report) WriteText(w io.Writer) error {
 			fmt.Fprintf(tw, "\t  round %d %s→%s\t%s: %s\n", e.Round, e.From, e.To, e.Outcome, figures(e.Measurement))
 		}
 	}
+	if len(r.Links) > 0 {
+		fmt.Fprintf(tw, "links no verdict explains:\n")
+	}
+	for _, l := range r.Links {
+		fmt.Fprintf(tw, "\t  round %d %s→%s\t%s: %s\n", l.Round, l.From, l.To, l.Outcome, figures(l.Measurement))
+	}
+	for _, n := range r.Notes {
+		fmt.Fprintf(tw, "note: %s\n", n)
+	}
 	return tw.Flush()
+}
+
+// rate writes a bandwidth as operators read it, in bytes and in bits.
+func rate(bps float64) string {
+	return fmt.Sprintf("%.1f MB/s (%.0f Mbit/s)", bps/1e6, bps*8/1e6)
 }
 
 // figures says what a measurement saw, briefly.
@@ -177,12 +216,17 @@ func figures(m Measurement) string {
 	}
 	var parts []string
 	if m.Bandwidth > 0 {
-		parts = append(parts, fmt.Sprintf("%.1f MB/s", m.Bandwidth/1e6))
+		parts = append(parts, rate(m.Bandwidth))
 	}
 	if m.RTT > 0 {
 		parts = append(parts, "rtt "+m.RTT.Round(time.Microsecond).String())
 	}
-	parts = append(parts, "in "+m.Elapsed.Round(time.Microsecond).String())
+	if m.Partial {
+		parts = append(parts, fmt.Sprintf("cut by the deadline after %.1f MB in %v", float64(m.Moved)/1e6,
+			m.Elapsed.Round(time.Millisecond)))
+	} else {
+		parts = append(parts, "in "+m.Elapsed.Round(time.Microsecond).String())
+	}
 	return strings.Join(parts, ", ")
 }
 
@@ -218,6 +262,17 @@ func (p *Planner) Report() *Report {
 			r.Reference = &res
 		}
 	}
+	blamed := func(x int) bool { return j.verdict[x] == Faulty || j.verdict[x] == Straggler }
+	for i, pr := range p.probes {
+		if j.outcome[i] != Good && !blamed(pr.from) && !blamed(pr.to) {
+			r.Links = append(r.Links, LinkResult{Round: pr.round, Outcome: j.outcome[i], Measurement: pr.m})
+		}
+	}
+	if !st.baseline && st.hub >= 0 {
+		r.Notes = append(r.Notes, fmt.Sprintf("no baseline: every probe that completed involves %s, "+
+			"which may be slow itself, so none shows what a healthy link does; set a bandwidth floor, or let a "+
+			"reference off the nodes' hosts take part", p.names[st.hub]))
+	}
 	return r
 }
 
@@ -226,6 +281,12 @@ func (p *Planner) reason(x int, st stats, j judgement, ev []Evidence) string {
 	var peers []string
 	for _, q := range j.badPeers[x] {
 		peers = append(peers, p.names[q])
+	}
+	// Without a baseline, peers in a good probe are known to work, not to
+	// be healthy.
+	good := "healthy"
+	if !st.baseline {
+		good = "working"
 	}
 	switch j.verdict[x] {
 	case Healthy:
@@ -237,38 +298,51 @@ func (p *Planner) reason(x int, st stats, j judgement, ev []Evidence) string {
 	case Faulty:
 		last := ""
 		for _, e := range ev {
-			if e.Outcome == Failed && e.PeerVerdict == Healthy {
+			if e.Outcome == Failed && j.good[p.index[e.Peer]] {
 				last = e.Error
 			}
 		}
-		return fmt.Sprintf("failed against healthy %s: %s", strings.Join(peers, ", "), last)
+		return fmt.Sprintf("failed against %s %s: %s", good, strings.Join(peers, ", "), last)
 	case Straggler:
 		// The best probe with a healthy peer says by how much.
 		var best *Evidence
 		for i, e := range ev {
-			if e.Outcome == Slow && e.PeerVerdict == Healthy && (best == nil || e.Elapsed < best.Elapsed) {
+			if e.Outcome == Slow && j.good[p.index[e.Peer]] && (best == nil || p.elapsed(e.Measurement) < p.elapsed(best.Measurement)) {
 				best = &ev[i]
 			}
 		}
 		why := ""
 		switch m := best.Measurement; {
+		case m.Partial:
+			why = fmt.Sprintf("%s, cut by the deadline after %.1f MB in %v", rate(m.Bandwidth), float64(m.Moved)/1e6,
+				m.Elapsed.Round(time.Millisecond))
 		case m.Elapsed > j.threshold:
 			why = fmt.Sprintf("took %v, %.1f× the median best %v", m.Elapsed.Round(time.Microsecond),
 				float64(m.Elapsed)/float64(max(st.median, 1)), st.median.Round(time.Microsecond))
 		case p.pol.MinBandwidth > 0 && m.Bandwidth < p.pol.MinBandwidth:
-			why = fmt.Sprintf("%.1f MB/s, below the floor of %.1f MB/s", m.Bandwidth/1e6, p.pol.MinBandwidth/1e6)
+			why = fmt.Sprintf("%s, below the floor of %s", rate(m.Bandwidth), rate(p.pol.MinBandwidth))
 		default:
 			why = fmt.Sprintf("rtt %v, above the ceiling of %v", m.RTT.Round(time.Microsecond), p.pol.MaxRTT)
 		}
-		return fmt.Sprintf("slow against healthy %s: at best %s", strings.Join(peers, ", "), why)
+		return fmt.Sprintf("slow against %s %s: at best %s", good, strings.Join(peers, ", "), why)
 	}
 	switch {
 	case len(ev) == 0:
 		return "not probed"
-	case len(peers) == 0:
-		return "no probe with a peer known to be healthy"
-	default:
+	case j.good[x]:
+		for _, e := range ev {
+			if e.Outcome == Good {
+				return fmt.Sprintf("no baseline to judge its speed by (see the notes); reached %s: %s", e.Peer, figures(e.Measurement))
+			}
+		}
+	case len(peers) > 0:
 		return fmt.Sprintf("bad against %s only; %d healthy peers must agree", strings.Join(peers, ", "),
 			p.pol.ConfirmPeers)
+	case p.pol.MinBandwidth > 0 && !slices.ContainsFunc(ev, func(e Evidence) bool {
+		return e.Failed() || e.Bandwidth >= p.pol.MinBandwidth
+	}):
+		return fmt.Sprintf("below the floor of %s with every peer, and no peer known to be healthy to tell which end is slow; see the links",
+			rate(p.pol.MinBandwidth))
 	}
+	return "no probe with a peer known to be healthy"
 }

@@ -14,6 +14,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promauto"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
 // DevicePair is two accelerators of one node whose direct link the
@@ -149,11 +151,13 @@ func (c SwitchboxConfig) Validate() error {
 type Switchbox struct {
 	cfg       SwitchboxConfig
 	log       *slog.Logger
+	reg       *promreg.Registrar
 	checks    *prometheus.CounterVec
 	bandwidth *prometheus.GaugeVec
 }
 
-// NewSwitchbox returns a switchbox check for cfg.
+// NewSwitchbox returns a switchbox check for cfg. Its metrics are
+// registered on cfg.Registerer until Close.
 func NewSwitchbox(cfg SwitchboxConfig) (*Switchbox, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -177,10 +181,12 @@ func NewSwitchbox(cfg SwitchboxConfig) (*Switchbox, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	f := promauto.With(cfg.Registerer)
-	return &Switchbox{
+	r := promreg.New(cfg.Registerer, "netcheck: SwitchboxConfig.Registerer")
+	f := promauto.With(r)
+	s := &Switchbox{
 		cfg: cfg,
 		log: log,
+		reg: r,
 		checks: f.NewCounterVec(prometheus.CounterOpts{
 			Name: "faultline_netcheck_switchbox_checks_total",
 			Help: "Switchbox checks, by result (pass, fail).",
@@ -189,7 +195,18 @@ func NewSwitchbox(cfg SwitchboxConfig) (*Switchbox, error) {
 			Name: "faultline_netcheck_switchbox_pair_bandwidth_bytes_per_second",
 			Help: "Bandwidth of each device pair at the last switchbox check; 0 when it failed.",
 		}, []string{"pair"}),
-	}, nil
+	}
+	if err := r.Err(); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// Close unregisters the switchbox's metrics, so that another may use the
+// Registerer. It is idempotent.
+func (s *Switchbox) Close() error {
+	s.reg.UnregisterAll()
+	return nil
 }
 
 // SwitchboxResult is the outcome of a switchbox check.

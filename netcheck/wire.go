@@ -15,7 +15,8 @@ import (
 //	   agent:  status(1); if not 0, a message (u16 length + bytes), close
 //	   pings × (client 8 bytes → agent echoes 8 bytes)
 //	   repeats × (client sends up bytes → agent answers 1 byte once all
-//	              are in → agent sends down bytes)
+//	              are in → agent sends down bytes); the client may close
+//	              after any of them, having moved enough
 //	op 'P', probe a peer:  request JSON (u32 length + bytes)
 //	   agent:  Measurement JSON (u32 length + bytes)
 const (

@@ -40,7 +40,9 @@
 //
 // Decisions and outcomes are logged (slog), counted (Prometheus, on the
 // Registerer given) and traced (OpenTelemetry, from the TracerProvider
-// given); each is off when nil.
+// given); each is off when nil. A Registerer that another policy or
+// watchdog already uses is an error from the constructor; Close
+// unregisters.
 //
 // A minimal embedding:
 //

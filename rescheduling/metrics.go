@@ -3,11 +3,14 @@ package rescheduling
 import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promauto"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
 // policyMetrics are a Policy's collectors, resolved per label value once
 // so that a decision in a storm costs no label lookup.
 type policyMetrics struct {
+	reg          *promreg.Registrar
 	faults       [numClasses]prometheus.Counter
 	decisions    [GiveUp + 1]prometheus.Counter
 	exhausted    [GiveUp + 1]prometheus.Counter
@@ -15,8 +18,9 @@ type policyMetrics struct {
 	suspects     prometheus.Gauge
 }
 
-func newPolicyMetrics(reg prometheus.Registerer) *policyMetrics {
-	f := promauto.With(reg) // nil: collectors that are never registered
+func newPolicyMetrics(reg prometheus.Registerer) (*policyMetrics, error) {
+	r := promreg.New(reg, "rescheduling: Config.Registerer")
+	f := promauto.With(r) // nil: collectors that are never registered
 	faults := f.NewCounterVec(prometheus.CounterOpts{
 		Name: "faultline_rescheduling_faults_total",
 		Help: "Faults decided on, by class.",
@@ -30,6 +34,7 @@ func newPolicyMetrics(reg prometheus.Registerer) *policyMetrics {
 		Help: "Times a spent budget moved a decision past an action.",
 	}, []string{"action"})
 	m := &policyMetrics{
+		reg: r,
 		deduplicated: f.NewCounter(prometheus.CounterOpts{
 			Name: "faultline_rescheduling_faults_deduplicated_total",
 			Help: "Faults covered by an earlier decision for the same event.",
@@ -46,19 +51,22 @@ func newPolicyMetrics(reg prometheus.Registerer) *policyMetrics {
 		m.decisions[a] = decisions.WithLabelValues(a.String())
 		m.exhausted[a] = exhausted.WithLabelValues(a.String())
 	}
-	return m
+	return m, r.Err()
 }
 
 // watchdogMetrics are a Watchdog's collectors.
 type watchdogMetrics struct {
+	reg        *promreg.Registrar
 	executions *prometheus.CounterVec
 	recovery   *prometheus.HistogramVec
 	inFlight   prometheus.Gauge
 }
 
-func newWatchdogMetrics(reg prometheus.Registerer) *watchdogMetrics {
-	f := promauto.With(reg)
-	return &watchdogMetrics{
+func newWatchdogMetrics(reg prometheus.Registerer) (*watchdogMetrics, error) {
+	r := promreg.New(reg, "rescheduling: WatchdogConfig.Registerer")
+	f := promauto.With(r)
+	m := &watchdogMetrics{
+		reg: r,
 		executions: f.NewCounterVec(prometheus.CounterOpts{
 			Name: "faultline_rescheduling_executions_total",
 			Help: "Executions of decisions, by action and result (ok, failed, gone, superseded, canceled).",
@@ -73,4 +81,5 @@ func newWatchdogMetrics(reg prometheus.Registerer) *watchdogMetrics {
 			Help: "Decisions waiting out their backoff or executing.",
 		}),
 	}
+	return m, r.Err()
 }

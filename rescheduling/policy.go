@@ -222,17 +222,22 @@ func (e *entry) covers(t time.Time, known bool) bool {
 	return t.Before(e.window)
 }
 
-// NewPolicy returns a policy built from cfg.
+// NewPolicy returns a policy built from cfg. Its metrics are registered on
+// cfg.Registerer until Close.
 func NewPolicy(cfg Config) (*Policy, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	cfg = cfg.withDefaults()
+	m, err := newPolicyMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, err
+	}
 	p := &Policy{
 		cfg:      cfg,
 		log:      cfg.Logger,
 		tracer:   tracerOf(cfg.TracerProvider),
-		m:        newPolicyMetrics(cfg.Registerer),
+		m:        m,
 		procs:    map[string]int{},
 		pods:     map[string]int{},
 		scopes:   map[scope]*entry{},
@@ -242,6 +247,14 @@ func NewPolicy(cfg Config) (*Policy, error) {
 		p.rules[cl] = r
 	}
 	return p, nil
+}
+
+// Close unregisters the policy's metrics, so that another policy may use
+// the Registerer. It is idempotent; decisions made after it are not
+// counted.
+func (p *Policy) Close() error {
+	p.m.reg.UnregisterAll()
+	return nil
 }
 
 // Decide returns the decision for f and updates the budgets. ctx only

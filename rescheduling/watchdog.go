@@ -132,7 +132,8 @@ type pending struct {
 	superseded bool
 }
 
-// NewWatchdog returns a watchdog built from cfg.
+// NewWatchdog returns a watchdog built from cfg. Its metrics are
+// registered on cfg.Registerer until Close.
 func NewWatchdog(cfg WatchdogConfig) (*Watchdog, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -159,12 +160,16 @@ func NewWatchdog(cfg WatchdogConfig) (*Watchdog, error) {
 	if cfg.TracerProvider == nil {
 		cfg.TracerProvider = noop.NewTracerProvider()
 	}
+	m, err := newWatchdogMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, err
+	}
 	return &Watchdog{
 		cfg:     cfg,
 		now:     cfg.Policy.cfg.Now,
 		log:     cfg.Logger,
 		tracer:  cfg.TracerProvider.Tracer(instrumentation),
-		m:       newWatchdogMetrics(cfg.Registerer),
+		m:       m,
 		sem:     semaphore.NewWeighted(int64(cfg.Parallel)),
 		pending: map[uint64]*pending{},
 		nodes:   map[string]chan struct{}{},
@@ -219,13 +224,15 @@ func (w *Watchdog) Run(ctx context.Context) error {
 	}
 }
 
-// Close stops Run, canceling the executions in progress, and waits for it
-// to return. Close is idempotent.
+// Close stops Run, canceling the executions in progress, waits for it to
+// return and unregisters the watchdog's metrics. Close is idempotent; it
+// does not close the Policy.
 func (w *Watchdog) Close() error {
 	w.closed.Do(func() { close(w.closing) })
 	if w.ran.Load() {
 		<-w.done
 	}
+	w.m.reg.UnregisterAll()
 	return nil
 }
 

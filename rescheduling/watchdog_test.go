@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
@@ -266,60 +267,53 @@ func TestWatchdogSupersedes(t *testing.T) {
 }
 
 // TestWatchdogSerialisesANode: a second decision for a node waits for the
-// first to finish; Close cancels what is in progress.
+// first to finish; Close cancels what is in progress. It runs in a bubble,
+// so that "every goroutine is blocked" is exact: the recreation has waited
+// out its backoff and can only be waiting for the node.
 func TestWatchdogSerialisesANode(t *testing.T) {
-	ex := &recorder{block: make(chan struct{})}
-	h := startWatchdog(t, Config{}, WatchdogConfig{Executor: ex})
-	h.faults <- Fault{Kind: KindExit, ExitCode: 9, Node: "n1", Pod: "p1", Process: "0", Time: time.Now()}
-	h.faults <- Fault{Kind: KindExit, ExitCode: 9, Node: "n2", Pod: "p2", Process: "0", Time: time.Now()}
-	// Wait until both restarts block in the executor.
-	deadline := time.Now().Add(30 * time.Second)
-	for len(ex.Calls()) < 2 {
-		if time.Now().After(deadline) {
-			t.Fatalf("calls %v", ex.Calls())
+	synctest.Test(t, func(t *testing.T) {
+		ex := &recorder{block: make(chan struct{})}
+		h := startWatchdog(t, Config{}, WatchdogConfig{Executor: ex})
+		h.faults <- Fault{Kind: KindExit, ExitCode: 9, Node: "n1", Pod: "p1", Process: "0", Time: time.Now()}
+		h.faults <- Fault{Kind: KindExit, ExitCode: 9, Node: "n2", Pod: "p2", Process: "0", Time: time.Now()}
+		synctest.Wait()
+		if calls := ex.Calls(); len(calls) != 2 {
+			t.Fatalf("calls %v, want both restarts blocked in the executor", calls)
 		}
-		time.Sleep(time.Millisecond)
-	}
-	h.faults <- Fault{Kind: KindExit, ExitCode: 247, Node: "n1", Pod: "p1", Time: time.Now()}
-	// Once the recreation is dispatched, give it a moment in which it
-	// would start if n1 were not serialised: it must not. (A wrong start
-	// may slip past this window; a right run never fails it.)
-	inFlight := func() float64 {
+		h.faults <- Fault{Kind: KindExit, ExitCode: 247, Node: "n1", Pod: "p1", Time: time.Now()}
+		time.Sleep(time.Hour) // past any backoff: only the node can hold the recreation back
+		synctest.Wait()
+		if slices.ContainsFunc(ex.Events(), func(e string) bool { return strings.HasPrefix(e, "start RecreatePods") }) {
+			t.Fatalf("n1's recreation started while its restart ran: %v", ex.Events())
+		}
 		var m dto.Metric
-		h.w.m.inFlight.Write(&m)
-		return m.GetGauge().GetValue()
-	}
-	for inFlight() < 3 {
-		if time.Now().After(deadline) {
-			t.Fatalf("recreation not dispatched; calls %v", ex.Calls())
+		if h.w.m.inFlight.Write(&m); m.GetGauge().GetValue() != 3 {
+			t.Fatalf("%v executions in flight, want 3: the recreation waits", m.GetGauge().GetValue())
 		}
-		time.Sleep(time.Millisecond)
-	}
-	time.Sleep(100 * time.Millisecond)
-	if slices.ContainsFunc(ex.Events(), func(e string) bool { return strings.HasPrefix(e, "start RecreatePods") }) {
-		t.Fatalf("n1's recreation started while its restart ran: %v", ex.Events())
-	}
-	close(ex.block)
-	var got []string
-	for range 3 {
-		o := h.next(t)
-		got = append(got, o.Decision.Node+" "+o.Decision.Action.String()+" "+o.Result)
-	}
-	// n1's recreation started only after n1's restart ended.
-	events := ex.Events()
-	restartEnd := slices.Index(events, "end RestartProcesses #1 n1/p1/0")
-	recreate := slices.Index(events, "start RecreatePods #3 n1/p1/")
-	if restartEnd < 0 || recreate < restartEnd {
-		t.Errorf("events %v, outcomes %v: want #3 to start after #1 ended", events, got)
-	}
-	h.w.Close()
-	if err := h.wait(t); err != nil {
-		t.Errorf("Run after Close = %v", err)
-	}
+		close(ex.block)
+		var got []string
+		for range 3 {
+			o := h.next(t)
+			got = append(got, o.Decision.Node+" "+o.Decision.Action.String()+" "+o.Result)
+		}
+		// n1's recreation started only after n1's restart ended.
+		events := ex.Events()
+		restartEnd := slices.Index(events, "end RestartProcesses #1 n1/p1/0")
+		recreate := slices.Index(events, "start RecreatePods #3 n1/p1/")
+		if restartEnd < 0 || recreate < restartEnd {
+			t.Errorf("events %v, outcomes %v: want #3 to start after #1 ended", events, got)
+		}
+		h.w.Close()
+		if err := h.wait(t); err != nil {
+			t.Errorf("Run after Close = %v", err)
+		}
+	})
 }
 
 // TestWatchdogCancel: canceling Run's context cancels a blocked execution.
-func TestWatchdogCancel(t *testing.T) {
+func TestWatchdogCancel(t *testing.T) { synctest.Test(t, testWatchdogCancel) }
+
+func testWatchdogCancel(t *testing.T) {
 	ex := &recorder{block: make(chan struct{})}
 	p, err := NewPolicy(Config{})
 	if err != nil {
@@ -335,8 +329,9 @@ func TestWatchdogCancel(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- w.Run(ctx) }()
 	faults <- Fault{Kind: KindExit, ExitCode: 9, Node: "n1", Time: time.Now()}
-	for len(ex.Calls()) == 0 {
-		time.Sleep(time.Millisecond)
+	synctest.Wait()
+	if calls := ex.Calls(); len(calls) != 1 {
+		t.Fatalf("calls %v, want the restart blocked in the executor", calls)
 	}
 	cancel()
 	if err := <-done; !errors.Is(err, context.Canceled) {

@@ -15,6 +15,8 @@ import (
 	"github.com/fsnotify/fsnotify"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promauto"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
 // WatcherConfig configures a Watcher. The zero value of every field but
@@ -69,6 +71,7 @@ type Watcher struct {
 	cur     atomic.Pointer[Topology]
 	seen    []byte // content last read, good or bad; used by Run's goroutine only
 	lastErr string // last read or parse error logged, to log each once
+	reg     *promreg.Registrar
 	reloads *prometheus.CounterVec
 	nodes   prometheus.Gauge
 
@@ -80,7 +83,8 @@ type Watcher struct {
 
 // NewWatcher returns a watcher for cfg.Path and reads the file once, so that
 // Topology answers at once when the file is good. A file that is missing or
-// bad is not an error here: Run keeps trying.
+// bad is not an error here: Run keeps trying. The watcher's metrics are
+// registered on cfg.Registerer until Close.
 func NewWatcher(cfg WatcherConfig) (*Watcher, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -92,10 +96,12 @@ func NewWatcher(cfg WatcherConfig) (*Watcher, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	f := promauto.With(cfg.Registerer)
+	r := promreg.New(cfg.Registerer, "topology: WatcherConfig.Registerer")
+	f := promauto.With(r)
 	w := &Watcher{
 		cfg: cfg,
 		log: log.With("path", cfg.Path),
+		reg: r,
 		reloads: f.NewCounterVec(prometheus.CounterOpts{
 			Name: "faultline_topology_reloads_total",
 			Help: "Reads of the node-topology-config that found new content, by result (ok, error).",
@@ -106,6 +112,9 @@ func NewWatcher(cfg WatcherConfig) (*Watcher, error) {
 		}),
 		closed: make(chan struct{}),
 		done:   make(chan struct{}),
+	}
+	if err := r.Err(); err != nil {
+		return nil, err
 	}
 	w.reload()
 	return w, nil
@@ -213,12 +222,14 @@ func (w *Watcher) fail(err error) {
 	}
 }
 
-// Close stops Run, waits for it to return and is safe to call more than
-// once.
+// Close stops Run, waits for it to return and unregisters the watcher's
+// metrics, so that another watcher may use the Registerer. It is safe to
+// call more than once.
 func (w *Watcher) Close() error {
 	w.closeOnce.Do(func() { close(w.closed) })
 	if w.running.Load() {
 		<-w.done
 	}
+	w.reg.UnregisterAll()
 	return nil
 }

@@ -2,11 +2,14 @@ package topology
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -92,8 +95,9 @@ func next(t *testing.T, changes <-chan *Topology) *Topology {
 func TestWatcherConfigMapSwap(t *testing.T) {
 	cm := newConfigMapDir(t, "a p 10.0.0.1\n")
 	reg := prometheus.NewRegistry()
+	errs := make(errorRecords, 16)
 	// A long poll interval: only inotify can see the changes in time.
-	w, changes := startWatcher(t, WatcherConfig{Path: cm.path(), PollInterval: time.Hour, Registerer: reg})
+	w, changes := startWatcher(t, WatcherConfig{Path: cm.path(), PollInterval: time.Hour, Registerer: reg, Logger: slog.New(errs)})
 	if got := next(t, changes); got.Len() != 1 {
 		t.Fatalf("first topology has %d nodes", got.Len())
 	}
@@ -102,9 +106,19 @@ func TestWatcherConfigMapSwap(t *testing.T) {
 		t.Fatalf("after the swap: %d nodes", got.Len())
 	}
 
-	// A bad update is counted and logged, and the last good one stays.
+	// A bad update is logged and counted, and the last good one stays.
 	cm.update("a p 10.0.0.1\nb p not-an-ip\n")
-	waitFor(t, func() bool { return metric(t, reg, "faultline_topology_reloads_total", "error") == 1 })
+	select {
+	case r := <-errs:
+		if !strings.Contains(r.Message, "keeping the last good topology") {
+			t.Fatalf("logged %q", r.Message)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("a bad update was not logged within 20 s")
+	}
+	if got := metric(t, reg, "faultline_topology_reloads_total", "error"); got != 1 {
+		t.Fatalf("faultline_topology_reloads_total{result=error} = %v, want 1", got)
+	}
 	if w.Topology().Len() != 2 {
 		t.Fatalf("a bad file replaced the topology")
 	}
@@ -120,20 +134,41 @@ func TestWatcherConfigMapSwap(t *testing.T) {
 	}
 }
 
+// TestWatcherPollingAndLateFile runs in a bubble: each poll happens when
+// the test lets time pass, so that what it reads is exact.
 func TestWatcherPollingAndLateFile(t *testing.T) {
-	dir := t.TempDir()
-	path := filepath.Join(dir, "topology_config")
-	w, changes := startWatcher(t, WatcherConfig{Path: path, PollInterval: 10 * time.Millisecond, DisableInotify: true})
-	if w.Topology() != nil {
-		t.Fatal("a topology before the file exists")
-	}
-	// Written in place, not atomically: polling settles on the final
-	// content.
-	if err := os.WriteFile(path, []byte("a p 10.0.0.1\na p 10.0.0.2\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	for got := next(t, changes); got.Len() != 2; got = next(t, changes) {
-	}
+	synctest.Test(t, func(t *testing.T) {
+		const poll = 10 * time.Second
+		path := filepath.Join(t.TempDir(), "topology_config")
+		w, changes := startWatcher(t, WatcherConfig{Path: path, PollInterval: poll, DisableInotify: true})
+		time.Sleep(poll)
+		synctest.Wait()
+		if w.Topology() != nil || len(changes) != 0 {
+			t.Fatal("a topology before the file exists")
+		}
+		// Written in place, not atomically: a poll may see half of it,
+		// and the next one settles on the whole.
+		f, err := os.Create(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		for want, line := range []string{"a p 10.0.0.1\n", "a p 10.0.0.2\n"} {
+			if _, err := f.WriteString(line); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(poll)
+			synctest.Wait()
+			if got := next(t, changes); got.Len() != want+1 || w.Topology() != got {
+				t.Fatalf("after %d lines: %d nodes", want+1, got.Len())
+			}
+		}
+		time.Sleep(poll)
+		synctest.Wait()
+		if len(changes) != 0 {
+			t.Fatal("a change reported for content already in force")
+		}
+	})
 }
 
 func TestWatcherPlainFileRename(t *testing.T) {
@@ -183,16 +218,17 @@ func TestWatcherCloseAndValidate(t *testing.T) {
 	}
 }
 
-func waitFor(t *testing.T, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met within 20 s")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+// errorRecords is a slog.Handler that passes on the records at error
+// level.
+type errorRecords chan slog.Record
+
+func (c errorRecords) Enabled(_ context.Context, l slog.Level) bool { return l >= slog.LevelError }
+func (c errorRecords) Handle(_ context.Context, r slog.Record) error {
+	c <- r
+	return nil
 }
+func (c errorRecords) WithAttrs([]slog.Attr) slog.Handler { return c }
+func (c errorRecords) WithGroup(string) slog.Handler      { return c }
 
 // metric returns the value of the series of name whose single label has
 // value label ("" for an unlabelled metric), or -1 if there is none.
@@ -216,4 +252,31 @@ func metric(t *testing.T, reg *prometheus.Registry, name, label string) float64 
 		}
 	}
 	return -1
+}
+
+// TestWatcherSharedRegisterer: a second watcher on a Registerer that one
+// already uses gets an error naming the field, not a panic; once the
+// first is closed, its metrics are gone and a new one registers.
+func TestWatcherSharedRegisterer(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	cfg := WatcherConfig{Path: filepath.Join(t.TempDir(), "none"), Registerer: reg}
+	first, err := NewWatcher(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = NewWatcher(cfg)
+	var are prometheus.AlreadyRegisteredError
+	if !errors.As(err, &are) || !strings.HasPrefix(err.Error(), "topology: WatcherConfig.Registerer: register faultline_topology_") {
+		t.Fatalf("second watcher on one Registerer: err = %v", err)
+	}
+	first.Close()
+	if mfs, _ := reg.Gather(); len(mfs) != 0 {
+		t.Fatalf("%d metric families left after Close", len(mfs))
+	}
+	again, err := NewWatcher(cfg)
+	if err != nil {
+		t.Fatalf("after Close: %v", err)
+	}
+	again.Close()
+	again.Close()
 }

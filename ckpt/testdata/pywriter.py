@@ -2,14 +2,19 @@
 """Saves a step into a faultline ckpt segment with mmap and struct only,
 following the FORMAT section of the package documentation.
 
-usage: pywriter.py SEGMENT STEP [--persist]
+usage: pywriter.py SEGMENT STEP [--persist] [--hold]
 It saves blobs "model" (1000 bytes of the step's low byte) and
-"optimizer" (3 bytes "py\\n" repeated 700 times) and prints the half it wrote.
+"optimizer" (3 bytes "py\\n" repeated 700 times) and prints the half it wrote
+and the segment's half_size. With --hold it maps the segment, prints
+"mapped HALF_SIZE" and waits for a line on stdin before it saves, as a
+trainer that mapped the segment long ago does: the segment may have grown
+meanwhile.
 
 A writer computes no CRC of the blobs: the owner seals the step after the
 save. The only checksums here cover the small headers and the table, which
 pure Python computes fast enough.
 """
+import fcntl
 import mmap
 import os
 import struct
@@ -41,14 +46,33 @@ def align(n, a):
     return (n + a - 1) // a * a
 
 
-def main():
-    path, step = sys.argv[1], int(sys.argv[2])
-    blobs = [("model", bytes([step & 0xFF]) * 1000), ("optimizer", b"py\n" * 700)]
+def open_segment(path):
     fd = os.open(path, os.O_RDWR)
     m = mmap.mmap(fd, os.fstat(fd).st_size)
     magic, version, header_size, half_size, shard, flags, header_crc = struct.unpack_from("<8sIIQIII", m, 0)
     assert magic == b"FLTCKPT\x00" and version == VERSION and header_size == HEADER_SIZE
     assert header_crc == crc32c(m[0:32]), "header checksum"
+    return fd, m, half_size
+
+
+def main():
+    path, step = sys.argv[1], int(sys.argv[2])
+    blobs = [("model", bytes([step & 0xFF]) * 1000), ("optimizer", b"py\n" * 700)]
+    fd, m, half_size = open_segment(path)
+    if "--hold" in sys.argv:
+        print("mapped", half_size, flush=True)
+        sys.stdin.readline()
+    # Growing: hold the shared lock for the save, on the file the path
+    # names; one grown meanwhile is mapped anew.
+    while True:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        st, fst = os.stat(path), os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino):
+            break
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        m.close()
+        os.close(fd)
+        fd, m, half_size = open_segment(path)
 
     def base(i):
         return HEADER_SIZE + i * half_size
@@ -78,6 +102,7 @@ def main():
     # 2-3. Skip a pinned half; claim it; bump gen.
     (pin,) = struct.unpack_from("<I", m, b + 4)
     if pin:
+        fcntl.flock(fd, fcntl.LOCK_UN)
         print("busy")
         return 3
     (prev,) = struct.unpack_from("<I", m, b)
@@ -85,6 +110,7 @@ def main():
     (pin,) = struct.unpack_from("<I", m, b + 4)
     if pin:
         struct.pack_into("<I", m, b, prev)
+        fcntl.flock(fd, fcntl.LOCK_UN)
         print("busy")
         return 3
     (gen,) = struct.unpack_from("<Q", m, b + 8)
@@ -114,7 +140,8 @@ def main():
     if "--persist" in sys.argv:
         struct.pack_into("<Q", m, 40, seq)
     m.flush()
-    print("half", t, "seq", seq)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    print("half", t, "seq", seq, "half_size", half_size)
     return 0
 
 

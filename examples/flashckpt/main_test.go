@@ -1,13 +1,14 @@
 package main
 
 import (
-	"context"
-
 	"bytes"
+	"context"
 	"encoding/binary"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -46,12 +47,165 @@ func newEnv(t *testing.T) *env {
 // run runs the command in process and returns its exit code and output.
 func (e *env) run(args ...string) (int, string) {
 	e.t.Helper()
+	code, stdout, stderr := e.run2(args...)
+	return code, stdout + stderr
+}
+
+// run2 is run with standard output and standard error apart.
+func (e *env) run2(args ...string) (code int, stdout, stderr string) {
+	e.t.Helper()
 	if len(args) > 0 {
 		args = append([]string{args[0], "--dir", e.dir, "--shm", e.shm}, args[1:]...)
 	}
-	var out bytes.Buffer
-	code := run(args, &out, &out)
-	return code, out.String()
+	var out, errs bytes.Buffer
+	code = run(args, &out, &errs)
+	return code, out.String(), errs.String()
+}
+
+// flipBlob flips the byte off bytes into the first blob of step in a
+// segment, finding it by the layout of ckpt's FORMAT doc alone.
+func flipBlob(t *testing.T, seg string, step int64, off int) {
+	t.Helper()
+	b, err := os.ReadFile(seg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	le := binary.LittleEndian
+	half := int(le.Uint64(b[16:]))
+	for i := range 2 {
+		base := 4096 + i*half
+		if int64(le.Uint64(b[base+24:])) == step && le.Uint32(b[base:]) == 2 {
+			b[base+int(le.Uint64(b[base+64:]))+off] ^= 0xff
+			if err := os.WriteFile(seg, b, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			return
+		}
+	}
+	t.Fatalf("no half of %s holds step %d", seg, step)
+}
+
+// TestLoadDoesNotRollBack is the reproduction of a damaged newest step in
+// memory: load serves it from disk, where it is committed and intact,
+// exits 0 and says why memory's copy was passed over; and --step finds a
+// step in the older half of the segment.
+func TestLoadDoesNotRollBack(t *testing.T) {
+	e := newEnv(t)
+	for step := range 2 {
+		f := e.file("m.bin", bytes.Repeat([]byte{byte(step)}, 300000))
+		if code, out := e.run("save", "--name", "rb1", "--step", fmt.Sprint(step+1), f); code != 0 {
+			t.Fatalf("save: exit %d\n%s", code, out)
+		}
+	}
+	flipBlob(t, filepath.Join(e.shm, "rb1-0"), 2, 100)
+	outDir := filepath.Join(e.tmp, "o")
+	code, stdout, stderr := e.run2("load", "--name", "rb1", "--out", outDir)
+	if code != 0 || !strings.Contains(stdout, "loaded step 2 shard 0 from disk") ||
+		!strings.Contains(stderr, "passed over: step 2: memory") || !strings.Contains(stderr, "crc32c") {
+		t.Fatalf("load: exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	if got, _ := os.ReadFile(filepath.Join(outDir, "m.bin")); !bytes.Equal(got, bytes.Repeat([]byte{1}, 300000)) {
+		t.Fatal("loaded blob differs from step 2's")
+	}
+	if code, out := e.run("load", "--name", "rb1", "--out", outDir, "--step", "1"); code != 0 || !strings.Contains(out, "loaded step 1 shard 0 from memory") {
+		t.Fatalf("load --step 1: exit %d\n%s", code, out)
+	}
+
+	// Memory only: --step finds a step in either half.
+	f := e.file("m.bin", []byte("w"))
+	for _, step := range []string{"1", "2", "3"} {
+		if code, out := e.run("save", "--name", "mo", "--memory-only", "--step", step, f); code != 0 {
+			t.Fatalf("save: exit %d\n%s", code, out)
+		}
+	}
+	for _, step := range []string{"2", "3"} {
+		if code, out := e.run("load", "--name", "mo", "--out", outDir, "--step", step); code != 0 || !strings.Contains(out, "loaded step "+step+" shard 0 from memory") {
+			t.Fatalf("load --step %s: exit %d\n%s", step, code, out)
+		}
+	}
+}
+
+// TestShardsLoadOneStep kills nothing but has shard 1 miss step 2, as a
+// killed save would: load --shard 0 refuses step 2, naming the step the
+// shards agree on, and --all-shards loads that step of each.
+func TestShardsLoadOneStep(t *testing.T) {
+	e := newEnv(t)
+	for _, sh := range []string{"0", "1"} {
+		f := e.file("m.bin", []byte("step 1 shard "+sh))
+		if code, out := e.run("save", "--step", "1", "--shard", sh, "--num-shards", "2", f); code != 0 {
+			t.Fatalf("save: exit %d\n%s", code, out)
+		}
+	}
+	f := e.file("m.bin", []byte("step 2 shard 0"))
+	if code, out := e.run("save", "--step", "2", "--shard", "0", "--num-shards", "2", f); code != 0 {
+		t.Fatalf("save: exit %d\n%s", code, out)
+	}
+	outDir := filepath.Join(e.tmp, "o")
+	code, stdout, stderr := e.run2("load", "--shard", "0", "--out", outDir)
+	if code != exitNoStep || stdout != "" || !strings.Contains(stderr, "agree on step 1") || !strings.Contains(stderr, "step 2: shard 1 holds it in no tier") {
+		t.Fatalf("load --shard 0: exit %d, want %d\nstdout:\n%s\nstderr:\n%s", code, exitNoStep, stdout, stderr)
+	}
+	if code, out := e.run("load", "--shard", "1", "--out", outDir); code != 0 || !strings.Contains(out, "loaded step 1 shard 1") {
+		t.Fatalf("load --shard 1: exit %d\n%s", code, out)
+	}
+	code, out := e.run("load", "--all-shards", "--out", outDir)
+	if code != 0 || !strings.Contains(out, "loaded step 1 shard 0") || !strings.Contains(out, "loaded step 1 shard 1") {
+		t.Fatalf("load --all-shards: exit %d\n%s", code, out)
+	}
+	for _, sh := range []string{"0", "1"} {
+		if got, _ := os.ReadFile(filepath.Join(outDir, "shard-0000"+sh, "m.bin")); string(got) != "step 1 shard "+sh {
+			t.Errorf("shard %s loaded %q", sh, got)
+		}
+	}
+	if code, out := e.run("load", "--shard", "0", "--step", "2", "--out", outDir); code != 0 || !strings.Contains(out, "loaded step 2 shard 0") {
+		t.Fatalf("load --shard 0 --step 2: exit %d\n%s", code, out)
+	}
+}
+
+// TestExitCodes runs each outcome once: a memory-only checkpoint with no
+// disk tier yet verifies and inspects clean; corruption, no intact step,
+// usage and any other failure exit with their own codes; and reasons and
+// the final error share standard error.
+func TestExitCodes(t *testing.T) {
+	e := newEnv(t)
+	f := e.file("m.bin", bytes.Repeat([]byte{3}, 10000))
+	if code, out := e.run("save", "--memory-only", "--step", "1", f); code != 0 {
+		t.Fatalf("save --memory-only: exit %d\n%s", code, out)
+	}
+	if code, out := e.run("verify"); code != exitOK || !strings.Contains(out, "nothing on disk yet") {
+		t.Fatalf("verify with no disk tier yet: exit %d\n%s", code, out)
+	}
+	if code, out := e.run("inspect"); code != exitOK || !strings.Contains(out, "nothing on disk yet") {
+		t.Fatalf("inspect with no disk tier yet: exit %d\n%s", code, out)
+	}
+
+	if code, out := e.run("save", "--step", "2", f); code != 0 {
+		t.Fatalf("save: exit %d\n%s", code, out)
+	}
+	data := filepath.Join(e.dir, "2", "shard-00000.bin")
+	b, _ := os.ReadFile(data)
+	b[10] ^= 1
+	os.WriteFile(data, b, 0o640)
+	code, stdout, stderr := e.run2("inspect")
+	if code != exitCorrupt || !strings.Contains(stdout, "shard 0: BAD") || !strings.Contains(stderr, "BAD entries: 1") {
+		t.Fatalf("inspect of a flipped bit: exit %d, want %d\nstdout:\n%s\nstderr:\n%s", code, exitCorrupt, stdout, stderr)
+	}
+	code, stdout, stderr = e.run2("verify")
+	if code != exitCorrupt || stdout != "" || !strings.Contains(stderr, "CORRUPT") || !strings.Contains(stderr, "corruption found") {
+		t.Fatalf("verify of a flipped bit: exit %d, want %d\nstdout:\n%s\nstderr:\n%s", code, exitCorrupt, stdout, stderr)
+	}
+
+	code, stdout, stderr = e.run2("load", "--step", "7")
+	if code != exitNoStep || stdout != "" || !strings.Contains(stderr, "memory refused") || !strings.Contains(stderr, "flashckpt: ") {
+		t.Fatalf("load of a step no tier holds: exit %d, want %d\nstdout:\n%s\nstderr:\n%s", code, exitNoStep, stdout, stderr)
+	}
+	if code, out := e.run("load", "--shard", "0", "--all-shards"); code != exitUsage {
+		t.Fatalf("load --shard --all-shards: exit %d, want %d\n%s", code, exitUsage, out)
+	}
+	// --out names a file: the blobs cannot be written.
+	if code, out := e.run("load", "--out", f); code != exitFailure {
+		t.Fatalf("load into a file: exit %d, want %d\n%s", code, exitFailure, out)
+	}
 }
 
 func (e *env) file(name string, data []byte) string {
@@ -216,4 +370,83 @@ func TestLoadBlobNames(t *testing.T) {
 		}
 		t.Errorf("load wrote outside --out: %s holds %v", e.tmp, got)
 	}
+}
+
+// TestSaveGrowsSegment saves a step larger than the segment: the segment
+// grows and keeps the step it held; --capacity sizes a new one; and a
+// step saved again after its disk copy was damaged is written again.
+func TestSaveGrowsSegment(t *testing.T) {
+	e := newEnv(t)
+	small, big := e.file("small.bin", bytes.Repeat([]byte{1}, 3000)), e.file("big.bin", bytes.Repeat([]byte{2}, 30000))
+	if code, out := e.run("save", "--step", "1", small); code != 0 {
+		t.Fatalf("save: exit %d\n%s", code, out)
+	}
+	code, out := e.run("save", "--step", "2", big)
+	if code != 0 || !strings.Contains(out, "grew segment") {
+		t.Fatalf("save of a larger step: exit %d\n%s", code, out)
+	}
+	code, out = e.run("inspect")
+	if code != 0 || !strings.Contains(out, "half 0: step 1") || !strings.Contains(out, "half 1: step 2") {
+		t.Fatalf("inspect after the grow: exit %d\n%s", code, out)
+	}
+	if code, out := e.run("save", "--name", "sized", "--capacity", "1MiB", "--memory-only", "--step", "1", small); code != 0 {
+		t.Fatalf("save --capacity: exit %d\n%s", code, out)
+	}
+	if code, out := e.run("inspect", "--name", "sized"); code != 0 || !strings.Contains(out, "halves of 1048576 bytes") {
+		t.Fatalf("inspect of a segment sized by --capacity: exit %d\n%s", code, out)
+	}
+	if code, out := e.run("save", "--capacity", "1MB", "--step", "1", small); code != exitUsage {
+		t.Fatalf("--capacity 1MB: exit %d, want %d\n%s", code, exitUsage, out)
+	}
+
+	// Step 2's disk copy damaged, then step 2 saved again.
+	data := filepath.Join(e.dir, "2", "shard-00000.bin")
+	b, _ := os.ReadFile(data)
+	b[10] ^= 1
+	os.WriteFile(data, b, 0o640)
+	code, stdout, stderr := e.run2("save", "--step", "2", big)
+	if code != 0 || !strings.Contains(stdout, "was committed already") || !strings.Contains(stderr, "wrote it again") {
+		t.Fatalf("save of a committed step with a damaged copy: exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	if code, out := e.run("verify"); code != 0 {
+		t.Fatalf("verify after the rewrite: exit %d\n%s", code, out)
+	}
+	// Other content under a committed step number is refused.
+	if code, out := e.run("save", "--step", "2", small); code != exitFailure || !strings.Contains(out, "kept the committed step") {
+		t.Fatalf("save of other content as a committed step: exit %d, want %d\n%s", code, exitFailure, out)
+	}
+}
+
+func TestParseSize(t *testing.T) {
+	for in, want := range map[string]int64{"4096": 4096, "64KiB": 64 << 10, "512MiB": 512 << 20, "2G": 2 << 30, "0": 0, "7B": 7} {
+		if got, err := parseSize(in); err != nil || got != want {
+			t.Errorf("parseSize(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "MiB", "1MB", "-1", "1.5G", "9999999999999T", "1 MiB", "0x10"} {
+		if got, err := parseSize(in); err == nil {
+			t.Errorf("parseSize(%q) = %d, want an error", in, got)
+		}
+	}
+}
+
+func FuzzParseSize(f *testing.F) {
+	for _, s := range []string{"4096", "64KiB", "512M", "8TiB", "1MB", "", "-3G"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		n, err := parseSize(s)
+		if err != nil {
+			if !strings.Contains(err.Error(), "byte count") {
+				t.Fatalf("parseSize(%q): error %v does not say what it wants", s, err)
+			}
+			return
+		}
+		if n < 0 {
+			t.Fatalf("parseSize(%q) = %d", s, n)
+		}
+		if back, err := parseSize(strconv.FormatInt(n, 10)); err != nil || back != n {
+			t.Fatalf("parseSize(%q) = %d, which reads back as %d, %v", s, n, back, err)
+		}
+	})
 }

@@ -95,13 +95,17 @@ func TestRun(t *testing.T) {
 	if !rep.OK() || len(rep.Nodes) != 3 {
 		t.Fatalf("report: %+v", rep)
 	}
+	// The agents listen on this host: the checker takes no part.
+	if rep.Reference != nil || len(rep.Notes) != 1 || !strings.HasPrefix(rep.Notes[0], "no reference: the checker runs on the host of a") {
+		t.Fatalf("reference %+v, notes %q", rep.Reference, rep.Notes)
+	}
 
 	stopC()
 	code, out, errOut = runCLI("run", "--nodes", nodes, "--bytes", "1048576", "--timeout", "5s", "--ratio", "100")
 	if code != 1 {
 		t.Fatalf("exit %d with c down: %s\n%s", code, errOut, out)
 	}
-	if !strings.Contains(out, "faulty") || !strings.Contains(out, "failed against healthy") {
+	if !strings.Contains(out, "faulty") || !strings.Contains(out, "failed against working a, b") {
 		t.Fatalf("text report:\n%s", out)
 	}
 	for _, l := range strings.Split(out, "\n") {
@@ -142,9 +146,12 @@ func TestRunInSwitchOrder(t *testing.T) {
 }
 
 func TestAgentMetrics(t *testing.T) {
+	other, _, _ := startAgent(t, "--listen", "127.0.0.1:0")
 	addr, metrics, _ := startAgent(t, "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0")
-	if code, _, errOut := runCLI("run", "--nodes", "x="+addr, "--bytes", "65536", "--ratio", "100"); code != 0 {
-		t.Fatalf("exit %d: %s", code, errOut)
+	// y's agent probes x's, which serves the transfer. Two nodes alone
+	// need a floor to be judged healthy.
+	if code, out, errOut := runCLI("run", "--nodes", "y="+other+",x="+addr, "--bytes", "65536", "--min-bandwidth", "1MB"); code != 0 {
+		t.Fatalf("exit %d: %s\n%s", code, errOut, out)
 	}
 	// The agent counts a request once it has answered: poll for it.
 	want := `faultline_netcheck_agent_requests_total{op="transfer",result="ok"} 1`
@@ -161,6 +168,27 @@ func TestAgentMetrics(t *testing.T) {
 		}
 	}
 	t.Fatalf("metrics lack %s:\n%s", want, body)
+}
+
+// TestRunWithoutBaseline: two nodes and no reference have one probe and
+// nothing to compare it with: unknown, exit 1, unless a floor says what a
+// healthy link does; a floor above the link names it.
+func TestRunWithoutBaseline(t *testing.T) {
+	a, _, _ := startAgent(t, "--listen", "127.0.0.1:0")
+	b, _, _ := startAgent(t, "--listen", "127.0.0.1:0")
+	nodes := "a=" + a + ",b=" + b
+	code, out, errOut := runCLI("run", "--nodes", nodes, "--bytes", "65536", "--no-reference")
+	if code != 1 || !strings.Contains(out, "unknown  a") || !strings.Contains(out, "unknown  b") || !strings.Contains(out, "note: no baseline") {
+		t.Fatalf("no floor: exit %d: %s\n%s", code, errOut, out)
+	}
+	code, out, errOut = runCLI("run", "--nodes", nodes, "--bytes", "65536", "--no-reference", "--min-bandwidth", "8Mbit")
+	if code != 0 {
+		t.Fatalf("a floor below the link: exit %d: %s\n%s", code, errOut, out)
+	}
+	code, out, errOut = runCLI("run", "--nodes", nodes, "--bytes", "65536", "--no-reference", "--min-bandwidth", "1000TB")
+	if code != 1 || !strings.Contains(out, "links no verdict explains") || !strings.Contains(out, "a→b") {
+		t.Fatalf("a floor above the link: exit %d: %s\n%s", code, errOut, out)
+	}
 }
 
 func TestSwitchbox(t *testing.T) {
@@ -185,14 +213,34 @@ func TestUsage(t *testing.T) {
 		{[]string{"run", "--nodes", "a"}, "want name=host:port"},
 		{[]string{"run", "--nodes", "a=b"}, "missing port"},
 		{[]string{"run", "--nodes", "a=h:1", "--format", "xml"}, "--format"},
-		{[]string{"run", "--nodes", "a=h:1", "--ratio", "0.5"}, "StragglerRatio"},
+		{[]string{"run", "--nodes", "a=h:1", "--ratio", "0.5"}, "--ratio 0.5: want at least 1"},
+		{[]string{"run", "--nodes", "a=h:1", "--ratio", "NaN"}, "--ratio NaN: want at least 1"},
+		{[]string{"run", "--nodes", "a=h:1", "--timeout", "-1s"}, "--timeout -1s: want a positive duration"},
+		{[]string{"run", "--nodes", "a=h:1", "--rounds", "-1"}, "--rounds -1"},
+		{[]string{"run", "--nodes", "a=h:1", "--max-rtt", "-1ms"}, "--max-rtt -1ms"},
+		{[]string{"run", "--nodes", "a=h:1", "--bytes", "0"}, "--bytes 0: want at least 1"},
+		{[]string{"run", "--nodes", "a=h:1", "--repeats", "0"}, "--repeats 0: want 1 to 100"},
+		{[]string{"run", "--nodes", "a=h:1", "--bytes", "536870912"}, "--bytes 536870912 × --repeats 3: more than the 1073741824 bytes"},
+		{[]string{"run", "--nodes", "a=h:1", "--min-bandwidth", "50"}, `invalid value "50" for flag -min-bandwidth: bandwidth "50" has no unit: write 50Mbit for megabits or 50MB`},
+		{[]string{"run", "--nodes", "a=h:1", "--min-bandwidth", "100mbps"}, "bits to some and bytes to tc"},
+		{[]string{"run", "--nodes", "a=h:1,b=h:1"}, "--nodes: a and b have one address, h:1"},
+		{[]string{"run", "--nodes", "a=10.0.0.1:1,b=[::ffff:10.0.0.1]:1"}, "--nodes: a and b have one address"},
+		{[]string{"run", "--nodes", "a=h:1,a=h:2"}, `--nodes: name "a" is given twice`},
+		{[]string{"run", "--nodes", "checker=h:1"}, `--nodes: "checker" is the name the checker takes as the reference`},
 		{[]string{"run", "--nodes", "a=h:1", "--topology", "/nonexistent"}, "no such file"},
-		{[]string{"switchbox", "--pairs", "0:0"}, "itself"},
-		{[]string{"switchbox", "--min-channels", "9"}, "MinChannels"},
+		{[]string{"switchbox", "--pairs", "0:0"}, "--pairs: device pair 1 \"0:0\": a device paired with itself"},
+		{[]string{"switchbox", "--min-channels", "9"}, "--min-channels 9: want 1 to the 4 pairs of --pairs"},
+		{[]string{"switchbox", "--min-bandwidth", "10000"}, "has no unit"},
+		{[]string{"agent", "--listen", "256.0.0.1:1"}, "netcheck: agent: listen tcp"},
+		{[]string{"agent", "--listen", "127.0.0.1:0", "--metrics", "256.0.0.1:1"}, "netcheck: --metrics: listen tcp"},
 	} {
 		code, _, errOut := runCLI(tc.args...)
 		if code != 2 || !strings.Contains(errOut, tc.msg) {
 			t.Errorf("%v: exit %d, stderr %q; want 2 and %q", tc.args, code, errOut, tc.msg)
+		}
+		// Errors name flags, not Go fields, and say the package once.
+		if strings.Contains(errOut, "netcheck: netcheck") || strings.Contains(errOut, "Policy.") || strings.Contains(errOut, "Config.") {
+			t.Errorf("%v: stderr %q", tc.args, errOut)
 		}
 	}
 }

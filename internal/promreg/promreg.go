@@ -3,18 +3,22 @@ package promreg
 import (
 	"fmt"
 	"strings"
+	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Registrar is a prometheus.Registerer that keeps what it registered on
 // the Registerer underneath, and the first error instead of panicking. A
-// nil Registerer underneath registers nothing.
+// nil Registerer underneath registers nothing. It is safe for concurrent
+// use, so that a component's Close may race with another's.
 type Registrar struct {
 	reg   prometheus.Registerer
 	field string // where reg came from, for errors
-	done  []prometheus.Collector
-	err   error
+
+	mu   sync.Mutex
+	done []prometheus.Collector
+	err  error
 }
 
 var _ prometheus.Registerer = (*Registrar)(nil)
@@ -33,7 +37,9 @@ func (r *Registrar) Register(c prometheus.Collector) error {
 	if err := r.reg.Register(c); err != nil {
 		return fmt.Errorf("%s: register %s: %w", r.field, metricName(c), err)
 	}
+	r.mu.Lock()
 	r.done = append(r.done, c)
+	r.mu.Unlock()
 	return nil
 }
 
@@ -41,8 +47,12 @@ func (r *Registrar) Register(c prometheus.Collector) error {
 // (promauto calls it; it does not panic).
 func (r *Registrar) MustRegister(cs ...prometheus.Collector) {
 	for _, c := range cs {
-		if err := r.Register(c); err != nil && r.err == nil {
-			r.err = err
+		if err := r.Register(c); err != nil {
+			r.mu.Lock()
+			if r.err == nil {
+				r.err = err
+			}
+			r.mu.Unlock()
 		}
 	}
 }
@@ -55,18 +65,24 @@ func (r *Registrar) Unregister(c prometheus.Collector) bool {
 // Err returns the first error of MustRegister, having unregistered all
 // that was registered; nil when every collector was registered.
 func (r *Registrar) Err() error {
-	if r.err != nil {
+	r.mu.Lock()
+	err := r.err
+	r.mu.Unlock()
+	if err != nil {
 		r.UnregisterAll()
 	}
-	return r.err
+	return err
 }
 
 // UnregisterAll unregisters what was registered. It is idempotent.
 func (r *Registrar) UnregisterAll() {
-	for _, c := range r.done {
+	r.mu.Lock()
+	done := r.done
+	r.done = nil
+	r.mu.Unlock()
+	for _, c := range done {
 		r.reg.Unregister(c)
 	}
-	r.done = nil
 }
 
 // metricName returns the name of c's first metric, for errors.

@@ -3,6 +3,7 @@ package promreg_test
 import (
 	"errors"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/faultline-ml/faultline/internal/promreg"
@@ -52,4 +53,20 @@ func TestNilRegistererRegistersNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	r.UnregisterAll()
+}
+
+func TestUnregisterAllConcurrently(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	r, err := build(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(r.UnregisterAll)
+	}
+	wg.Wait()
+	if _, err := build(reg); err != nil {
+		t.Fatalf("build after concurrent UnregisterAll: %v", err)
+	}
 }

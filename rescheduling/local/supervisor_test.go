@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -241,22 +242,25 @@ func TestRestartProcesses(t *testing.T) {
 	if after[2].PID != before[2].PID {
 		t.Errorf("w2 restarted: pid %d -> %d", before[2].PID, after[2].PID)
 	}
-	// Restarting everything stops the running ones without a fault.
+	// Restarting everything stops the running ones without a fault: the
+	// next fault is the one that killing a new incarnation causes.
 	if err := s.RestartJob(context.Background(), d); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case f := <-s.Faults():
-		t.Errorf("fault for a stop the supervisor caused: %+v", f)
-	case <-time.After(200 * time.Millisecond):
-	}
-	for _, st := range s.State() {
+	renewed := s.State()
+	for _, st := range renewed {
 		if !st.Running || st.PID == after[2].PID {
 			t.Errorf("after RestartJob: %+v", st)
 		}
 	}
 	if alive(after[2].PID) {
 		t.Errorf("old pid %d still alive", after[2].PID)
+	}
+	if err := syscall.Kill(renewed[2].PID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	if f := nextFault(t, s); f.Process != "w2" || f.Signal != syscall.SIGKILL || !slices.Contains(f.Evidence, "pid="+strconv.Itoa(renewed[2].PID)) {
+		t.Errorf("fault %+v: want the kill of w2's new pid %d, and none for the stops", f, renewed[2].PID)
 	}
 }
 

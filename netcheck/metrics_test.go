@@ -1,0 +1,68 @@
+package netcheck
+
+import (
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// TestSharedRegisterer: a second checker, agent or switchbox on a
+// Registerer that one already uses gets an error naming the field, not a
+// panic; once the first is closed, its metrics are gone and a new one
+// registers.
+func TestSharedRegisterer(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		field string
+		open  func(prometheus.Registerer) (func() error, error)
+	}{
+		{"Checker", "netcheck: Config.Registerer", func(reg prometheus.Registerer) (func() error, error) {
+			c, err := NewChecker(Config{Registerer: reg})
+			if err != nil {
+				return nil, err
+			}
+			return c.Close, nil
+		}},
+		{"Agent", "netcheck: AgentConfig.Registerer", func(reg prometheus.Registerer) (func() error, error) {
+			a, err := NewAgent(AgentConfig{Listen: "127.0.0.1:0", Registerer: reg})
+			if err != nil {
+				return nil, err
+			}
+			return a.Close, nil
+		}},
+		{"Switchbox", "netcheck: SwitchboxConfig.Registerer", func(reg prometheus.Registerer) (func() error, error) {
+			s, err := NewSwitchbox(SwitchboxConfig{Prober: &devices{}, Registerer: reg})
+			if err != nil {
+				return nil, err
+			}
+			return s.Close, nil
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reg := prometheus.NewRegistry()
+			closeFirst, err := tc.open(reg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = tc.open(reg)
+			var are prometheus.AlreadyRegisteredError
+			if !errors.As(err, &are) || !strings.HasPrefix(err.Error(), tc.field+": register faultline_netcheck_") {
+				t.Fatalf("second on one Registerer: err = %v", err)
+			}
+			if err := closeFirst(); err != nil {
+				t.Fatal(err)
+			}
+			if mfs, _ := reg.Gather(); len(mfs) != 0 {
+				t.Fatalf("%d metric families left after Close", len(mfs))
+			}
+			closeAgain, err := tc.open(reg)
+			if err != nil {
+				t.Fatalf("after Close: %v", err)
+			}
+			closeAgain()
+			closeAgain() // idempotent
+		})
+	}
+}
