@@ -277,6 +277,9 @@ func (a *Agent) cleanup() {
 	if a.mgr != nil {
 		a.mgr.Close()
 	}
+	if a.policy != nil {
+		a.policy.Close()
+	}
 	if a.dir != "" {
 		os.RemoveAll(a.dir)
 	}

@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -97,10 +96,15 @@ func (c *checkpoints) segment(rank int, dir string, bytes int64) (string, int64,
 		return "", 0, err
 	}
 	if sh := c.shards[rank]; sh != nil {
-		if sh.half >= bytes {
-			return sh.owner.SegmentPath(rank), sh.half, nil
+		if sh.half < bytes {
+			half, err := sh.owner.Grow(rank, roundPage(bytes))
+			if err != nil {
+				return "", 0, fmt.Errorf("rank %d's segment cannot grow to halves of %d bytes: %w", rank, roundPage(bytes), err)
+			}
+			c.a.log.Info("agent: checkpoint segment grown", "rank", rank, "half_size", half)
+			sh.half = half
 		}
-		return "", 0, fmt.Errorf("a state of %d bytes does not fit rank %d's segment (halves of %d bytes); save the larger state under a new job id, or start the job with the larger state first", bytes, rank, sh.half)
+		return sh.owner.SegmentPath(rank), sh.half, nil
 	}
 	sh, err := c.openLocked(rank, bytes)
 	if err != nil {
@@ -153,59 +157,21 @@ func readSegmentHeader(path string) (ckpt.SegmentHeader, error) {
 	return ckpt.ParseSegmentHeader(b)
 }
 
-// memSteps returns the steps the segment at path holds complete with a
-// valid table, without reading their data: what the node reports it holds.
-// A step whose data a flipped bit damaged is found at load, which
-// verifies every CRC.
-func memSteps(path string) ([]int64, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	hb := make([]byte, 64)
-	if _, err := f.ReadAt(hb, 0); err != nil {
-		return nil, err
-	}
-	h, err := ckpt.ParseSegmentHeader(hb)
-	if err != nil {
-		return nil, err
-	}
-	var steps []int64
-	for i := range int64(2) {
-		base := 4096 + i*h.HalfSize
-		head := make([]byte, 64)
-		if _, err := f.ReadAt(head, base); err != nil {
-			continue
-		}
-		if binary.LittleEndian.Uint32(head) != ckpt.StateComplete {
-			continue
-		}
-		tsize := int64(binary.LittleEndian.Uint32(head[44:]))
-		nblobs := int64(binary.LittleEndian.Uint32(head[40:]))
-		if 64+tsize+4*nblobs > h.HalfSize {
-			continue
-		}
-		b := make([]byte, 64+tsize+4*nblobs)
-		if _, err := f.ReadAt(b, base); err != nil {
-			continue
-		}
-		if m, err := ckpt.ParseStepMeta(b, h.HalfSize); err == nil {
-			steps = append(steps, m.Step)
-		}
-	}
-	return steps, nil
-}
-
-// localSteps returns the steps every local rank holds in memory, newest
-// first; nil when some rank holds none (or has no segment yet).
+// localSteps returns the steps every local rank holds intact in memory
+// (every CRC of a sealed step checked), newest first; nil when some rank
+// holds none.
 func (c *checkpoints) localSteps() []int64 {
 	var common []int64
 	for i, s := range c.a.slots {
-		path := ckpt.SegmentPath(c.a.cfg.ShmDir, "faultline-"+c.a.cfg.Job, s.rank)
-		steps, err := memSteps(path)
-		if err != nil || len(steps) == 0 {
+		rep, err := ckpt.InspectSegment(ckpt.SegmentPath(c.a.cfg.ShmDir, "faultline-"+c.a.cfg.Job, s.rank))
+		if err != nil {
 			return nil
+		}
+		var steps []int64
+		for _, h := range rep.Halves {
+			if h.Err == nil && h.State == ckpt.StateComplete {
+				steps = append(steps, h.Meta.Step)
+			}
 		}
 		if i == 0 {
 			common = steps
@@ -248,10 +214,12 @@ func (c *checkpoints) LoadNewest(ctx context.Context) (int64, error) {
 			return -1, err
 		}
 	}
-	if len(steps) > 0 {
-		return steps[0], nil
+	// Never an older step than one committed on disk: memory may have lost
+	// newer steps that disk holds.
+	if disk := c.diskStep(); len(steps) == 0 || disk > steps[0] {
+		return disk, nil
 	}
-	return c.diskStep(), nil
+	return steps[0], nil
 }
 
 // jobSteps intersects this node's steps with what every other node
@@ -344,21 +312,18 @@ func (c *checkpoints) handler() taskd.Handler {
 	}}
 }
 
-// reportHeld sends node 0 what this node holds, when the job has other
-// nodes.
+// reportHeld sends node 0 what this node holds once its ranks are all
+// paused or dead, when the job has other nodes.
 func (c *checkpoints) reportHeld() {
 	if c.a.cfg.Nodes == 1 {
 		return
 	}
-	paused := true
 	for _, s := range c.a.slots {
-		s.mu.Lock()
-		if s.state == slotRunning || s.state == slotIdle {
-			paused = false
+		if s.stateIs(slotRunning) || s.stateIs(slotIdle) {
+			return
 		}
-		s.mu.Unlock()
 	}
-	b, _ := json.Marshal(heldReport{Node: c.a.cfg.NodeRank, Steps: c.localSteps(), Paused: paused})
+	b, _ := json.Marshal(heldReport{Node: c.a.cfg.NodeRank, Steps: c.localSteps(), Paused: true})
 	for _, s := range c.a.slots {
 		s.mu.Lock()
 		w := s.worker
@@ -493,14 +458,11 @@ func (c *checkpoints) startStep(gen int) int64 {
 		return st
 	}
 	c.mu.Unlock()
-	st := int64(-1)
+	st := c.diskStep()
 	if c.a.cfg.Nodes == 1 {
 		if steps := c.localSteps(); len(steps) > 0 {
-			st = steps[0]
+			st = max(st, steps[0])
 		}
-	}
-	if st < 0 {
-		st = c.diskStep()
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()

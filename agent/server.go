@@ -192,7 +192,6 @@ func (srv *server) do(ctx context.Context, pid int, req *request) (map[string]an
 		return map[string]any{"path": path, "half_size": half}, nil
 	case "saved":
 		a.incident.saved(s.rank, req.Step)
-		a.ckpts.reportHeld()
 		return map[string]any{}, nil
 	case "wait":
 		timeout := time.Duration(req.TimeoutS * float64(time.Second))
