@@ -89,6 +89,7 @@ func New(cfg Config) (*Agent, error) {
 		}
 		a.slots = append(a.slots, s)
 	}
+	a.applySwitch(a.initialSwitch())
 	return a, nil
 }
 
@@ -167,7 +168,8 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 		Job: a.cfg.Job, Listen: a.cfg.ManagerListen, Nodes: a.cfg.Nodes, ProcsPerNode: a.cfg.ProcsPerNode,
 		Security: a.cfg.Security, StateDir: filepath.Join(a.cfg.Out, "manager"),
 		HeartbeatInterval: 500 * time.Millisecond, HeartbeatDeadline: 3 * time.Second,
-		Handlers: []taskd.Handler{a.ckpts.handler()},
+		Handlers:     []taskd.Handler{a.ckpts.handler()},
+		SwitchSource: switchSource(a.cfg.SwitchFile),
 		Orchestration: &taskd.OrchestrationConfig{
 			Policy:      policy,
 			Executor:    executor{},
@@ -186,6 +188,11 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	}
 	a.mgr = m
 	a.mgrAddr = m.Addr().String()
+	if a.cfg.SwitchFile == "" {
+		if _, err := m.SetSwitch(a.initialSwitch()); err != nil {
+			return fmt.Errorf("agent: manager: %w", err)
+		}
+	}
 	g.Go(func() error {
 		err := m.Run(ctx)
 		if ctx.Err() != nil {
@@ -194,6 +201,26 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 		return err
 	})
 	return nil
+}
+
+// initialSwitch is the profiling switch the ranks start with, before the
+// manager's reaches them.
+func (a *Agent) initialSwitch() trace.Switch {
+	if a.cfg.Switch != nil {
+		return *a.cfg.Switch
+	}
+	if a.cfg.SwitchFile != "" {
+		return trace.Switch{}
+	}
+	return trace.AllOn()
+}
+
+// switchSource follows a profilingSwitch file, when one is named.
+func switchSource(path string) taskd.SwitchSource {
+	if path == "" {
+		return nil
+	}
+	return taskd.SwitchFile(trace.SwitchWatcherConfig{Path: path})
 }
 
 // slotEnded is told when a slot's rank is done (exit 0); the job ends
@@ -216,6 +243,19 @@ func (a *Agent) stop(reason string) {
 		a.stopped = reason
 	}
 	a.mu.Unlock()
+}
+
+// stopOthers stops the node's ranks but s's, their stacks first, into
+// the open incident's folder.
+func (a *Agent) stopOthers(s *slot, why string) {
+	dir := a.incident.stackDir()
+	var wg sync.WaitGroup
+	for _, o := range a.slots {
+		if o != s {
+			wg.Go(func() { o.stop("stopped: "+why, dir) })
+		}
+	}
+	wg.Wait()
 }
 
 // stopNode stops every rank of the node for good, and ends the job here.

@@ -63,6 +63,13 @@ type Config struct {
 	Out string
 	// TraceRoot is the dotting root; default Out/profiling.
 	TraceRoot string
+	// Switch is the profiling switch the job starts with; nil turns every
+	// kind on (the slow-rank analysis and the incidents' step figures read
+	// the dotting). SwitchFile, when set, is a profilingSwitch file (a
+	// mounted ConfigMap) that node 0's manager follows instead; the
+	// manager's TrainingDataTrace API changes it too.
+	Switch     *trace.Switch
+	SwitchFile string
 	// ShmDir holds the checkpoint segments and rings; default /dev/shm.
 	ShmDir string
 	// Manager is the address of the job's taskd manager; "" runs one in

@@ -42,13 +42,15 @@ type openRange struct {
 // drainRing reads the slot's ring. A ring the rank corrupted (it maps it
 // read-write) is skipped to its end, and said once.
 func (s *slot) drainRing() {
-	if err := s.ring.drain(s.take); err != nil {
+	s.drainMu.Lock()
+	defer s.drainMu.Unlock()
+	if _, err := s.ring.Drain(s.take); err != nil {
 		s.a.log.Warn("agent: rank's dotting ring is corrupt; skipping what it holds", "rank", s.rank, "err", err)
 	}
 }
 
 // take is one record of the slot's ring.
-func (s *slot) take(r *ringRec) {
+func (s *slot) take(r *RingRecord) {
 	s.mu.Lock()
 	pid := 0
 	if s.proc != nil {
@@ -56,19 +58,19 @@ func (s *slot) take(r *ringRec) {
 	}
 	s.mu.Unlock()
 	domain := trace.DomainDefault
-	if r.domain == 1 {
+	if r.Domain == RingDomainCommunication {
 		domain = trace.DomainCommunication
 	}
-	rec := trace.Record{Kind: trace.ActivityKindMarker, SourceKind: trace.SourceKindHost, Timestamp: r.time, ID: r.id,
-		ProcessID: uint32(pid), ThreadID: r.tid, DeviceID: uint32(s.local), Domain: domain}
-	switch r.typ {
-	case recStart, recMark:
-		name := string(r.name)
+	rec := trace.Record{Kind: trace.ActivityKindMarker, SourceKind: trace.SourceKindHost, Timestamp: uint64(r.Time), ID: r.ID,
+		ProcessID: uint32(pid), ThreadID: r.TID, DeviceID: uint32(s.local), Domain: domain}
+	switch r.Type {
+	case RingRangeStart, RingMark:
+		name := string(r.Name)
 		kind, ok := trace.KindOf(name, domain)
 		if !ok {
 			return
 		}
-		if r.typ == recMark {
+		if r.Type == RingMark {
 			_, _, rec.Flag = kind.Flags()
 			rec.Name = name
 			s.rec.Record(&rec)
@@ -78,37 +80,37 @@ func (s *slot) take(r *ringRec) {
 		if kind == trace.Step {
 			step, _ = strconv.ParseInt(strings.TrimPrefix(name, "step "), 10, 64)
 		}
-		s.openRange(r.id, openRange{kind: kind, step: step})
+		s.openRange(r.ID, openRange{kind: kind, step: step})
 		rec.Flag, _, _ = kind.Flags()
 		rec.Name = name
 		s.rec.Record(&rec)
-	case recEnd:
-		o, ok := s.closeRange(r.id)
+	case RingRangeEnd:
+		o, ok := s.closeRange(r.ID)
 		if !ok {
 			return
 		}
 		_, rec.Flag, _ = o.kind.Flags()
 		s.rec.Record(&rec)
 		if o.step >= 0 {
-			s.stepDone(o.step, time.Unix(0, int64(r.time)))
+			s.stepDone(o.step, time.Unix(0, r.Time))
 		}
-	case recCollStart:
-		op, err := trace.ParseCommOp(string(r.name))
+	case RingCollectiveStart:
+		op, err := trace.ParseCommOp(string(r.Name))
 		if err != nil {
 			return
 		}
-		s.timings[r.id] = s.op(op.OpName, op.GroupName).Start(int(op.StreamID))
+		s.timings[r.ID] = s.op(op.OpName, op.GroupName).Start(int(op.StreamID))
 		rec.Flag, _, _ = trace.CommunicationOperator.Flags()
-		rec.Name, rec.Domain = string(r.name), trace.DomainCommunication
+		rec.Name, rec.Domain = string(r.Name), trace.DomainCommunication
 		s.rec.Record(&rec) // written only while CommunicationOperator is on
-	case recCollEnd, recCollError:
-		t, ok := s.timings[r.id]
+	case RingCollectiveEnd, RingCollectiveError:
+		t, ok := s.timings[r.ID]
 		if !ok {
 			return
 		}
-		delete(s.timings, r.id)
-		if r.typ == recCollError {
-			t.Fail(errors.New(string(r.name)))
+		delete(s.timings, r.ID)
+		if r.Type == RingCollectiveError {
+			t.Fail(errors.New(string(r.Name)))
 		} else {
 			t.End()
 		}
@@ -165,10 +167,15 @@ func (a *Agent) hangFault(s *slot, f hang.Fault) {
 	now := time.Now()
 	pos := taskd.Position{Node: a.cfg.NodeRank, Rank: s.rank}
 	if f.Kind == hang.FaultOpError {
+		if errors.Is(f.Err, errStopped) {
+			return
+		}
 		tf := taskd.Fault{Kind: taskd.FaultOpError, Position: pos, Message: f.String(), Time: f.Time,
 			Attrs: map[string]string{"op": f.Op, "group": f.Group}}
-		a.incident.fault(tf, now)
-		s.report(tf)
+		if a.incident.fault(tf, now) {
+			s.report(tf)
+			a.stopOthers(s, tf.Message)
+		}
 		return
 	}
 	if f.Kind != hang.FaultHang {

@@ -81,6 +81,7 @@ type incidents struct {
 	isLoaded map[int]bool
 	stepped  map[int]int64 // after the restart: each rank's last step
 	hangSeen bool
+	reported bool // a fault of the open incident went to the manager
 	verdict  string // the slow-node verdict written last
 }
 
@@ -94,21 +95,28 @@ func (in *incidents) openLocked(now time.Time) *Incident {
 	in.n++
 	in.cur = &Incident{ID: in.n, StepAtFault: in.maxStep, FaultTime: now, Detected: now, ResumedStep: -1,
 		Dir: filepath.Join(in.a.cfg.Out, fmt.Sprintf("incident-%d", in.n))}
-	in.isPaused, in.started, in.isLoaded, in.stepped, in.hangSeen = map[int]bool{}, map[int]bool{}, map[int]bool{}, map[int]int64{}, false
+	in.isPaused, in.started, in.isLoaded, in.stepped, in.hangSeen, in.reported = map[int]bool{}, map[int]bool{}, map[int]bool{}, map[int]int64{}, false, false
 	return in.cur
 }
 
-// fault records a fault seen on this node.
-func (in *incidents) fault(f taskd.Fault, detected time.Time) {
+// fault records a fault seen on this node. It returns true for the first
+// fault of an incident: those after it (peers failing with it, or while
+// the job is being restarted) are recorded but not reported, since every
+// rank is restarted anyway.
+func (in *incidents) fault(f taskd.Fault, detected time.Time) bool {
 	in.mu.Lock()
 	defer in.mu.Unlock()
-	fresh := in.cur == nil
 	c := in.openLocked(detected)
 	r := IncidentFault{Kind: string(f.Kind), Rank: f.Position.Rank, Code: f.Code, Message: f.Message, Time: f.Time}
-	if fresh || c.Fault.Kind == "" {
+	c.Faults = append(c.Faults, r)
+	if in.reported {
+		return false
+	}
+	in.reported = true
+	if c.Fault.Kind == "" || c.Fault.Kind == "remote" {
 		c.Fault, c.FaultTime, c.Detected = r, f.Time, detected
 	}
-	c.Faults = append(c.Faults, r)
+	return true
 }
 
 // hang opens (or joins) the incident of a hung collective; first is true
@@ -123,8 +131,8 @@ func (in *incidents) hang(f hang.Fault, now time.Time) (*Incident, bool) {
 		c.Fault, c.FaultTime, c.Detected = r, f.Time.Add(-f.Elapsed).Add(f.Timeout), now
 	}
 	c.Faults = append(c.Faults, r)
-	first := !in.hangSeen
-	in.hangSeen = true
+	first := !in.hangSeen && !in.reported
+	in.hangSeen, in.reported = true, true
 	return c, first
 }
 
@@ -306,7 +314,7 @@ func (a *Agent) diagnoseHang(c *Incident) ([]int, string) {
 		if p == nil {
 			continue
 		}
-		wg.Go(func() { dumps[i] = s.dumpStacks(context.Background(), p.pid, "hang: "+c.Fault.Message, dir) })
+		wg.Go(func() { dumps[i] = s.dumpStacks(context.Background(), p, "hang: "+c.Fault.Message, dir) })
 	}
 	wg.Wait()
 	var got []*hang.Dump
@@ -369,10 +377,10 @@ func (a *Agent) writeVerdict(r *slownode.Result) {
 		summary = "slow: " + strings.Join(parts, "; ")
 	}
 	a.incident.mu.Lock()
-	changed := summary != a.incident.verdict
+	prev := a.incident.verdict
 	a.incident.verdict = summary
 	a.incident.mu.Unlock()
-	if changed && (r.IsSlow == 1 || a.incident.verdict != "") {
+	if summary != prev && (r.IsSlow == 1 || strings.HasPrefix(prev, "slow")) {
 		fmt.Fprintf(a.cfg.Stderr, "faultline-run: slow-node verdict at step %d: %s (%s)\n", r.LastStep, summary, filepath.Join(a.cfg.Out, "slownode.txt"))
 	}
 }

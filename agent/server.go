@@ -169,6 +169,9 @@ func (srv *server) do(ctx context.Context, pid int, req *request) (map[string]an
 	case "hello":
 		s.mu.Lock()
 		resume, restart := s.resume, s.starts-1
+		if s.proc != nil && s.proc.pid == pid {
+			s.proc.hello = true
+		}
 		s.mu.Unlock()
 		return map[string]any{"job": a.cfg.Job, "world": a.world, "resume_step": resume, "restart_count": restart,
 			"collective_timeout_s": a.cfg.CollectiveTimeout.Seconds(), "stack_signal": int(stackSignal)}, nil

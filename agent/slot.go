@@ -27,7 +27,7 @@ type slotState int
 const (
 	slotIdle    slotState = iota // not started yet
 	slotRunning                  // its process runs
-	slotPaused                   // stopped (SIGSTOP) by a recovery, its stacks taken
+	slotPaused                   // stopped by the agent or a recovery (its stacks taken): waits for a resume
 	slotFailed                   // exited non-zero or killed by a signal: a fault
 	slotDone                     // exited 0: the rank finished
 	slotStopped                  // stopped for good by recovery
@@ -46,7 +46,7 @@ type slot struct {
 	a           *Agent
 	local, rank int
 	ringPath    string
-	ring        *tmpRing
+	ring        *Ring
 	rec         *trace.Recorder
 	wd          *hang.Watchdog
 	stackFile   string
@@ -60,8 +60,9 @@ type slot struct {
 	lastStep int64 // the last step its ring says it completed, -1 before
 	resume   int64 // the step agreed at its last start, -1 none
 	worker   *taskd.Worker
-	opens    map[uint64]openRange   // ranges in flight, by ring id (drain's)
-	timings  map[uint64]hang.Timing // collectives in flight, by ring id (drain's)
+	drainMu  sync.Mutex             // the ring's reader, and the two maps below
+	opens    map[uint64]openRange   // ranges in flight, by ring id
+	timings  map[uint64]hang.Timing // collectives in flight, by ring id
 	ops      map[string]*hang.Op
 	closed   bool
 }
@@ -74,6 +75,7 @@ type rankProc struct {
 	done     chan struct{} // closed once reaped
 	state    *os.ProcessState
 	expected bool // the agent killed it: its exit is no fault
+	hello    bool // it said hello: its faulthandler dumps on stackSignal
 }
 
 func newSlot(a *Agent, local int) (*slot, error) {
@@ -81,7 +83,7 @@ func newSlot(a *Agent, local int) (*slot, error) {
 	s := &slot{a: a, local: local, rank: rank, lastStep: -1, resume: -1, opens: map[uint64]openRange{}, timings: map[uint64]hang.Timing{}, ops: map[string]*hang.Op{}}
 	s.ringPath = filepath.Join(a.cfg.ShmDir, fmt.Sprintf("faultline-%s-ring-%d", a.cfg.Job, rank))
 	var err error
-	if s.ring, err = createRing(s.ringPath, ringBytes); err != nil {
+	if s.ring, err = CreateRing(s.ringPath, ringBytes); err != nil {
 		return nil, fmt.Errorf("agent: rank %d: ring %s: %w", rank, s.ringPath, err)
 	}
 	s.rec, err = trace.NewRecorder(context.Background(), trace.RecorderConfig{Root: a.cfg.TraceRoot, Job: a.cfg.Job, Rank: rank,
@@ -176,10 +178,10 @@ func (s *slot) start(ctx context.Context, resume int64) error {
 		return fmt.Errorf("agent: rank %d: stopped", s.rank)
 	}
 	restart := s.starts
-	sp := s.spare
-	s.spare = nil
+	sp := s.spare // stays the slot's spare, found by its pid, until it runs the rank
 	s.mu.Unlock()
 
+	s.forget()
 	env := s.env(restart, resume)
 	var p *rankProc
 	if sp != nil {
@@ -200,12 +202,30 @@ func (s *slot) start(ctx context.Context, resume int64) error {
 		}
 	}
 	s.mu.Lock()
+	if s.spare == sp {
+		s.spare = nil
+	}
 	s.proc, s.state, s.resume = p, slotRunning, resume
 	s.starts++
 	s.mu.Unlock()
 	s.a.log.Info("agent: rank started", "rank", s.rank, "pid", p.pid, "restart", restart, "resume_step", resume, "spare", sp != nil)
 	s.prepareSpare()
 	return nil
+}
+
+// forget drops what the slot's last process left in its ring and in the
+// watchdog: the next one starts clean.
+func (s *slot) forget() {
+	s.drainMu.Lock()
+	defer s.drainMu.Unlock()
+	if _, err := s.ring.Drain(func(*RingRecord) {}); err != nil {
+		s.a.log.Warn("agent: rank's dotting ring is corrupt; skipping what it holds", "rank", s.rank, "err", err)
+	}
+	for id, t := range s.timings {
+		t.Fail(errStopped)
+		delete(s.timings, id)
+	}
+	clear(s.opens)
 }
 
 // launch starts cmd as a rank's process (or spare): in a process group
@@ -263,11 +283,16 @@ func (s *slot) exited(p *rankProc) {
 		msg = fmt.Sprintf("rank %d (pid %d) was killed by %s", s.rank, p.pid, unix.SignalName(sig))
 		attrs["signal"] = unix.SignalName(sig)
 	}
-	fmt.Fprintf(s.a.cfg.Stderr, "faultline-run: %s\n", msg)
 	f := taskd.Fault{Kind: taskd.FaultProcessExit, Position: taskd.Position{Node: s.a.cfg.NodeRank, Rank: s.rank}, Code: code,
 		Message: msg, Attrs: attrs, Time: now}
-	s.a.incident.fault(f, now)
+	if !s.a.incident.fault(f, now) {
+		return // its peers' failure: recorded in the incident
+	}
+	fmt.Fprintf(s.a.cfg.Stderr, "faultline-run: %s\n", msg)
 	s.report(f)
+	// The node's other ranks cannot go on without this one: stop them now,
+	// stacks first, rather than let each fail on its own.
+	s.a.stopOthers(s, msg)
 }
 
 // report sends f to the manager through the slot's worker.
@@ -311,11 +336,37 @@ func (s *slot) kill() {
 	}
 	select {
 	case <-p.done:
-		return
 	default:
+		_ = killGroup(p.pid)
+		<-p.done
 	}
-	_ = killGroup(p.pid)
-	<-p.done
+}
+
+// errStopped ends the watchdog timings of a process the agent stopped:
+// its collectives neither hung nor failed, and none of them is learned.
+var errStopped = errors.New("agent: the rank was stopped")
+
+// stop takes the stacks of the slot's running process (reason says why)
+// and kills it: the rank waits for a resume. It returns the dump, nil
+// when none was taken.
+func (s *slot) stop(reason, dir string) *hang.Dump {
+	s.mu.Lock()
+	p, state := s.proc, s.state
+	s.mu.Unlock()
+	if p == nil || state != slotRunning {
+		return nil
+	}
+	var d *hang.Dump
+	if dir != "" {
+		d = s.dumpStacks(context.Background(), p, reason, dir)
+	}
+	s.kill()
+	s.mu.Lock()
+	if s.proc == p && s.state == slotRunning {
+		s.state = slotPaused
+	}
+	s.mu.Unlock()
+	return d
 }
 
 // killGroup kills the process group that pid leads: a rank and whatever
@@ -365,14 +416,14 @@ func (s *slot) close() {
 		s.wd.Close()
 	}
 	if s.ring != nil {
-		s.ring.close()
+		s.ring.Close()
 		os.Remove(s.ringPath)
 	}
 }
 
 // applySwitch applies sw to the slot's ring and recorder.
 func (s *slot) applySwitch(sw trace.Switch) {
-	s.ring.setSwitch(sw.Bits())
+	s.ring.SetSwitch(sw)
 	s.rec.SetSwitch(sw)
 }
 

@@ -17,7 +17,19 @@ import (
 // collective) and writes them to dir as the rank's hang stack file. It
 // returns the dump, nil when the rank gave none (not a Python rank, or
 // one that never called faultline.torch.init).
-func (s *slot) dumpStacks(ctx context.Context, pid int, reason, dir string) *hang.Dump {
+func (s *slot) dumpStacks(ctx context.Context, p *rankProc, reason, dir string) *hang.Dump {
+	s.mu.Lock()
+	ready := p.hello
+	s.mu.Unlock()
+	if !ready {
+		return nil // its faulthandler is not registered: the signal would kill it
+	}
+	if dir != "" {
+		if _, err := os.Stat(filepath.Join(dir, hang.FileName(s.rank, s.a.world))); err == nil {
+			return nil // taken already for this incident, before anything moved
+		}
+	}
+	pid := p.pid
 	if err := os.Truncate(s.stackFile, 0); err != nil {
 		return nil // no faulthandler registered: it creates the file
 	}

@@ -3,7 +3,6 @@ package agent
 import (
 	"context"
 	"fmt"
-	"syscall"
 	"time"
 
 	"github.com/faultline-ml/faultline/rescheduling"
@@ -19,50 +18,29 @@ type trainer struct{ s *slot }
 
 var _ taskd.Trainer = trainer{}
 
-// Pause takes the rank's stacks and freezes its process group.
+// Pause takes the rank's stacks and ends its process: a process group
+// cannot carry on without a member, so every rank is restarted when the
+// job resumes (a frozen process would still hold rank 0's store port).
 func (t trainer) Pause(ctx context.Context) (int64, error) {
 	s := t.s
 	s.a.incident.pausing(time.Now())
+	s.stop("paused by recovery", s.a.incident.stackDir())
 	s.mu.Lock()
-	p, state, step := s.proc, s.state, s.lastStep
-	s.mu.Unlock()
-	if p == nil || state != slotRunning {
-		return step, nil
-	}
-	s.dumpStacks(ctx, p.pid, "paused by recovery", s.a.incident.stackDir())
-	if err := syscall.Kill(-p.pid, syscall.SIGSTOP); err != nil {
-		return step, fmt.Errorf("agent: rank %d: SIGSTOP pid %d: %w", s.rank, p.pid, err)
-	}
-	s.mu.Lock()
-	if s.proc == p && s.state == slotRunning {
-		s.state = slotPaused
-	}
-	step = s.lastStep
+	step := s.lastStep
 	s.mu.Unlock()
 	s.a.incident.paused(s.rank, time.Now())
 	return step, nil
 }
 
-// Resume starts the rank's first process, lets a paused one go on when
-// nothing was restarted, and otherwise replaces it with a new process
-// that loads r.Step.
+// Resume starts the rank's process when it has none running: from its
+// warm spare, loading r.Step (-1: the newest step the job's ranks hold).
 func (t trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 	s := t.s
 	s.mu.Lock()
-	p, state := s.proc, s.state
+	state := s.state
 	s.mu.Unlock()
 	switch {
 	case state == slotRunning && r.Step < 0 && len(r.Restarted) == 0:
-		return nil
-	case state == slotPaused && r.Step < 0 && len(r.Restarted) == 0:
-		if err := syscall.Kill(-p.pid, syscall.SIGCONT); err != nil {
-			return fmt.Errorf("agent: rank %d: SIGCONT pid %d: %w", s.rank, p.pid, err)
-		}
-		s.mu.Lock()
-		if s.proc == p {
-			s.state = slotRunning
-		}
-		s.mu.Unlock()
 		return nil
 	case state == slotDone || state == slotStopped:
 		return fmt.Errorf("agent: rank %d is %s", s.rank, state)

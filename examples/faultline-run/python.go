@@ -1,9 +1,19 @@
 package main
 
-import "errors"
+import (
+	"os"
+	"path/filepath"
 
-// pythonPath extracts the faultline Python package and returns the folder
-// to put on the ranks' PYTHONPATH.
+	"github.com/faultline-ml/faultline/python"
+)
+
+// pythonPath extracts the faultline Python package (once per content,
+// under the user's cache folder) and returns the folder to put on the
+// ranks' PYTHONPATH.
 func pythonPath() (string, error) {
-	return "", errors.New("the faultline Python package is not built in yet")
+	base, err := os.UserCacheDir()
+	if err != nil {
+		base = os.TempDir()
+	}
+	return python.Extract(filepath.Join(base, "faultline", "python"))
 }
