@@ -81,7 +81,7 @@ type incidents struct {
 	isLoaded map[int]bool
 	stepped  map[int]int64 // after the restart: each rank's last step
 	hangSeen bool
-	reported bool // a fault of the open incident went to the manager
+	reported bool   // a fault of the open incident went to the manager
 	verdict  string // the slow-node verdict written last
 }
 
