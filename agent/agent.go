@@ -141,6 +141,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err := g.Wait(); err != nil && result == nil && !errors.Is(err, context.Canceled) {
 		result = err
 	}
+	if ctx.Err() == nil || result != nil {
+		a.ckpts.release(result == nil)
+	}
 	return result
 }
 

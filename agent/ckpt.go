@@ -334,6 +334,34 @@ func (c *checkpoints) reportHeld() {
 	}
 }
 
+// release gives the node's shared memory back as the job ends: always
+// when it finished, and when it was stopped once the newest step in
+// memory is on disk too. Otherwise the segments stay for an agent started
+// again with the same job id, which resumes from them.
+func (c *checkpoints) release(finished bool) {
+	if !finished {
+		steps := c.localSteps()
+		if len(steps) > 0 && c.diskStep() < steps[0] {
+			c.a.log.Info("agent: checkpoint segments kept: their newest step is not on disk", "step", steps[0])
+			return
+		}
+	}
+	c.mu.Lock()
+	for _, sh := range c.shards {
+		sh.cancel()
+	}
+	c.mu.Unlock()
+	c.wg.Wait()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for r, sh := range c.shards {
+		if err := sh.owner.Remove(); err != nil {
+			c.a.log.Warn("agent: checkpoint segment not removed", "rank", r, "err", err)
+		}
+		delete(c.shards, r)
+	}
+}
+
 // close stops the owners; the segments stay for the next agent.
 func (c *checkpoints) close() {
 	c.mu.Lock()

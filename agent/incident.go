@@ -272,10 +272,24 @@ func (in *incidents) allLocked(f func(*slot) bool) bool {
 	return true
 }
 
+// causeWindow is how close to a collective's failure a rank's exit must
+// be to count as its cause.
+const causeWindow = 200 * time.Millisecond
+
 // closeLocked writes the open incident and closes it.
 func (in *incidents) closeLocked() {
 	c := in.cur
 	in.cur = nil
+	// A collective fails because a peer died: the ring may tell the agent
+	// of the failure before the kernel tells it of the death.
+	if c.Fault.Kind == string(taskd.FaultOpError) {
+		for _, f := range c.Faults {
+			if f.Kind == string(taskd.FaultProcessExit) && f.Time.Sub(c.FaultTime).Abs() <= causeWindow {
+				c.Fault = f
+				break
+			}
+		}
+	}
 	b, err := json.Marshal(c)
 	if err == nil {
 		var f *os.File

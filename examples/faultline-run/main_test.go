@@ -3,7 +3,6 @@ package main
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -12,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"slices"
 	"sync"
 	"syscall"
 	"testing"
@@ -267,6 +267,144 @@ func TestKillRank(t *testing.T) {
 		c.RecoverySeconds, c.Stopped.Sub(c.FaultTime), c.Restarted.Sub(c.FaultTime), c.Loaded.Sub(c.FaultTime), c.FirstStep.Sub(c.FaultTime))
 }
 
+// TestHang: a rank blocked before an all-reduce is detected within the
+// collective timeout and a second; the merged stacks name it and where it
+// is; the job recovers to the same weights.
+func TestHang(t *testing.T) {
+	needTorch(t)
+	ref := reference(t)
+	dir := t.TempDir()
+	w := filepath.Join(dir, "weights")
+	const timeout = 3 * time.Second
+	j := start(t, filepath.Join(dir, "out"), []string{"--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "--collective-timeout", timeout.String()},
+		"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--hang-rank", "1", "--hang-step", "10", "--weights", w)
+	blocked := j.waitLine("[rank1]: blocking in get_batch", 2*time.Minute)
+	if err := j.wait(3 * time.Minute); err != nil {
+		t.Fatalf("faultline-run: %v\nstderr:\n%s", err, j.errText())
+	}
+	in := j.incidents()
+	if len(in) != 1 {
+		t.Fatalf("incidents: %+v", in)
+	}
+	c := in[0]
+	if c.Fault.Kind != "hang" || c.Tier != "memory" || c.CaughtUp.IsZero() {
+		t.Fatalf("incident: %+v", c)
+	}
+	if took := c.Detected.Sub(blocked); took > timeout+time.Second {
+		t.Errorf("detected %v after rank 1 blocked; want within the collective timeout %v and a second", took, timeout)
+	}
+	if !strings.Contains(c.Verdict, "rank 1 in get_batch_forever, where no other rank is") {
+		t.Errorf("verdict %q does not name rank 1 where it is", c.Verdict)
+	}
+	for _, f := range []string{"verdict.txt", "py_stack.svg", "py_stack.folded", "stacks.pb.gz"} {
+		if _, err := os.Stat(filepath.Join(c.Dir, f)); err != nil {
+			t.Errorf("hang output: %v", err)
+		}
+	}
+	if got := readHash(t, w); got != ref {
+		t.Fatalf("weights after the recovery %s, without the fault %s", got, ref)
+	}
+}
+
+// TestSlowRank: a rank slow in forward is named in the output folder
+// while the job runs.
+func TestSlowRank(t *testing.T) {
+	needTorch(t)
+	dir := t.TempDir()
+	out := filepath.Join(dir, "out")
+	j := start(t, out, []string{"--standalone", "--nproc-per-node", "4"},
+		"--steps", "400", "--ckpt", filepath.Join(dir, "ckpt"), "--slow-rank", "3", "--slow-ms", "20")
+	var r struct {
+		IsSlow             int   `json:"isSlow"`
+		SlowCalculateRanks []int `json:"slowCalculateRanks"`
+		LastStep           int64 `json:"lastStep"`
+	}
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no verdict naming rank 3 in %s within 2 minutes: %+v\nstderr:\n%s", out, r, j.errText())
+		}
+		select {
+		case <-j.done:
+			t.Fatalf("the job ended (%v) before a verdict named rank 3: %+v\nstderr:\n%s", j.exit, r, j.errText())
+		default:
+		}
+		if b, err := os.ReadFile(filepath.Join(out, "slownode.json")); err == nil && json.Unmarshal(b, &r) == nil &&
+			r.IsSlow == 1 && slices.Equal(r.SlowCalculateRanks, []int{3}) {
+			break
+		}
+	}
+	t.Logf("rank 3 named slow at step %d while the job ran", r.LastStep)
+	j.cmd.Process.Signal(syscall.SIGTERM)
+	j.wait(time.Minute)
+}
+
+// TestTwoNodes: TestKillRank's job on two launchers of two ranks each,
+// as on two hosts: the rank killed on node 1 stops and restarts node 0's
+// ranks too, and both resume from memory to the same weights.
+func TestTwoNodes(t *testing.T) {
+	needTorch(t)
+	ref := reference(t)
+	dir := t.TempDir()
+	w := filepath.Join(dir, "weights")
+	port, err := freePorts()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("TASKD_TOKEN", randomHex(16))
+	var jobs []*job
+	for node := range 2 {
+		jobs = append(jobs, start(t, filepath.Join(dir, fmt.Sprintf("out-%d", node)),
+			[]string{"--nnodes", "2", "--node-rank", strconv.Itoa(node), "--nproc-per-node", "2", "--master-port", strconv.Itoa(port),
+				"--rdzv-id", "two-nodes-" + randomHex(3), "--max-restarts", "2"},
+			"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--kill-rank", "3", "--kill-step", "12", "--weights", w))
+	}
+	for node, j := range jobs {
+		if err := j.wait(3 * time.Minute); err != nil {
+			t.Fatalf("node %d: %v\nstderr:\n%s", node, err, j.errText())
+		}
+		in := j.incidents()
+		if len(in) == 0 || in[0].Tier != "memory" || in[0].ResumedStep < 11 || in[0].CaughtUp.IsZero() {
+			t.Fatalf("node %d: incidents %+v", node, in)
+		}
+	}
+	if c := jobs[1].incidents()[0]; c.Fault.Rank != 3 || !strings.Contains(c.Fault.Message, "SIGKILL") {
+		t.Errorf("node 1's incident blames %+v, not rank 3's SIGKILL", c.Fault)
+	}
+	if got := readHash(t, w); got != ref {
+		t.Fatalf("weights after the recovery %s, without the fault %s", got, ref)
+	}
+}
+
+// TestLauncherKilled: a launcher SIGKILLed takes its ranks with it, and
+// a new launcher resumes the job from the disk tier.
+func TestLauncherKilled(t *testing.T) {
+	needTorch(t)
+	ref := reference(t)
+	dir := t.TempDir()
+	w, ckpt := filepath.Join(dir, "weights"), filepath.Join(dir, "ckpt")
+	j := start(t, filepath.Join(dir, "out-1"), []string{"--standalone", "--nproc-per-node", "4"},
+		"--steps", steps, "--step-ms", "100", "--ckpt", ckpt, "--weights", w)
+	j.waitLine("step 13 loss", 2*time.Minute)
+	j.cmd.Process.Kill()
+	<-j.done
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if out, _ := exec.Command("pgrep", "-f", ckpt).Output(); len(out) == 0 {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("ranks outlived their launcher: pids %s", out)
+		}
+	}
+	j2 := start(t, filepath.Join(dir, "out-2"), []string{"--standalone", "--nproc-per-node", "4"},
+		"--steps", steps, "--ckpt", ckpt, "--weights", w)
+	if err := j2.wait(3 * time.Minute); err != nil {
+		t.Fatalf("the new launcher: %v\nstderr:\n%s", err, j2.errText())
+	}
+	j2.waitLine("[rank0]: resumed from step 9", time.Second)
+	if got := readHash(t, w); got != ref {
+		t.Fatalf("weights after the relaunch %s, without the fault %s", got, ref)
+	}
+}
+
 // TestBudget: a script that fails at once every time ends the job when
 // the restart budget is spent, saying so.
 func TestBudget(t *testing.T) {
@@ -313,8 +451,3 @@ func TestUsage(t *testing.T) {
 	}
 }
 
-var (
-	_ = context.Background
-	_ = strconv.Itoa
-	_ = syscall.SIGKILL
-)
