@@ -9,10 +9,13 @@ import tempfile
 import textwrap
 import unittest
 
+import faultline
+
 from helpers import FakeAgent, make_ring
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PACKAGE = os.path.dirname(HERE)
+# The folder the faultline under test was imported from.
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(
+    faultline.__file__)))
 SPARE = ["-c", "import faultline.spare as s; s.main()"]
 
 SCRIPT = """

@@ -25,7 +25,9 @@ from faultline import _ring
 from helpers import FakeAgent, RingReader, make_ring
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PACKAGE = os.path.dirname(HERE)
+# The folder the faultline under test was imported from.
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(
+    faultline.__file__)))
 
 CSTART, CEND, CERR = (_ring.COLLECTIVE_START, _ring.COLLECTIVE_END,
                       _ring.COLLECTIVE_ERROR)
