@@ -182,12 +182,52 @@ class CheckpointTest(unittest.TestCase):
 
     def test_a_larger_state_grows_the_segment(self):
         self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(10)}))
+        path, _ = self.agent.segments[self.ckpt.checkpoint_dir]
+        ino = os.stat(path).st_ino
         big = {"w": torch.arange(200000, dtype=torch.float64)}
         self.assertTrue(self.ckpt.save_checkpoint(2, big))
         self.assertEqual(self.agent.ops().count("segment"), 2)
         self.assertEqual(bits(self.ckpt.load_checkpoint()), bits(big))
-        _, half_size = self.agent.segments[self.ckpt.checkpoint_dir]
+        path2, half_size = self.agent.segments[self.ckpt.checkpoint_dir]
+        self.assertEqual(path2, path)  # grown under its name
+        self.assertNotEqual(os.stat(path).st_ino, ino)
         self.assertGreaterEqual(half_size, 200000 * 8)
+
+    def test_a_segment_grown_by_the_agent_is_mapped_anew(self):
+        # The agent may grow the segment on its own (Owner.Grow): the next
+        # save finds the path naming a new file and maps it.
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(10)}))
+        path, half = self.agent.segments[self.ckpt.checkpoint_dir]
+        self.agent.grow(path, half, 4 * half)
+        self.agent.segments[self.ckpt.checkpoint_dir] = (path, 4 * half)
+        self.assertEqual(self.ckpt.load_checkpoint()["w"].tolist(), [1.0] * 10)
+        self.assertTrue(self.ckpt.save_checkpoint(2, {"w": torch.zeros(10)}))
+        self.assertEqual(self.ckpt._seg.half_size, 4 * half)
+        self.assertEqual(self.ckpt.load_checkpoint()["w"].tolist(), [0.0] * 10)
+        self.assertEqual(self.agent.ops().count("segment"), 1)
+
+    def test_a_save_holds_the_shared_lock(self):
+        import fcntl
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(10)}))
+        path, _ = self.agent.segments[self.ckpt.checkpoint_dir]
+        held = []
+
+        def probe(i, off, orig=None):
+            fd = os.open(path, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+            finally:
+                os.close(fd)
+
+        seg = self.ckpt._seg
+        seg.save(2, ["meta"], [1], probe)
+        self.assertEqual(held, [True])
+        fd = os.open(path, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after
+        os.close(fd)
 
     def test_a_segment_the_agent_cannot_grow(self):
         self.agent.handlers["segment"] = lambda req, conn: {
