@@ -433,7 +433,6 @@ _names = {}   # default-domain name -> _Range
 _comms = {}   # communication name (str or key tuple) -> _Range
 
 
-
 def _check_name(name, what):
     if not isinstance(name, str):
         raise TypeError(f"{what}: name {name!r} is a {type(name).__name__}, "

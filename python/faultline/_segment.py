@@ -30,8 +30,8 @@ MAX_NAME = 1024
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 
 _HEADER = struct.Struct("<8sIIQIII")  # magic .. header_crc
-_STEP = struct.Struct("<QqqII")       # seq, step, time, nblobs, table_size
-_ENTRY = struct.Struct("<QQIHH")      # offset, size, reserved, name_len, reserved
+_STEP = struct.Struct("<QqqII")   # seq, step, time, nblobs, table_size
+_ENTRY = struct.Struct("<QQIHH")  # offset, size, 0, name_len, 0
 
 
 class SegmentError(ValueError):

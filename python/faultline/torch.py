@@ -469,7 +469,8 @@ def _check_tensor(t, path):
     name = _DTYPES.get(t.dtype)
     if name is None:
         raise TypeError(f"faultline: {where}: dtype {t.dtype} cannot be "
-                        f"stored; a checkpoint holds {', '.join(_state.DTYPES)}")
+                        "stored; a checkpoint holds "
+                        f"{', '.join(_state.DTYPES)}")
     return name
 
 

@@ -94,7 +94,6 @@ def main():
                 k = "torch_save_fsync" if sync else "torch_save"
                 times[k].append(timed(torch_save(sync)))
                 os.unlink(os.path.join(disk, "torch-save.pt"))
-    del flat, dst
     out = {k: min(v) for k, v in times.items()}
     out["bytes"] = nbytes
     print(json.dumps(out))

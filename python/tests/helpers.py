@@ -150,9 +150,8 @@ class FakeAgent:
                     except OSError:
                         return  # the rank went away
 
-
-
-        self.server = socketserver.ThreadingUnixStreamServer(self.sock, Handler)
+        self.server = socketserver.ThreadingUnixStreamServer(self.sock,
+                                                             Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever,
                                        args=(0.02,), daemon=True)

@@ -53,8 +53,9 @@ def every_dtype():
 
 def model_and_optimizer():
     torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
-                                torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16),
+                                torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     for _ in range(2):
         opt.zero_grad()
@@ -108,8 +109,8 @@ class CheckpointTest(unittest.TestCase):
     def test_every_dtype_empty_and_zero_d(self):
         state = every_dtype()
         state.update({
-            "empty": torch.empty(0, 3), "empty_int": torch.zeros(2, 0, 5,
-                                                                 dtype=torch.int8),
+            "empty": torch.empty(0, 3),
+            "empty_int": torch.zeros(2, 0, 5, dtype=torch.int8),
             "zero_d": torch.tensor(3.25), "zero_d_bool": torch.tensor(True),
             "zero_d_complex": torch.tensor(1 + 2j, dtype=torch.complex128),
         })
@@ -120,8 +121,8 @@ class CheckpointTest(unittest.TestCase):
     def test_non_contiguous_tensors_are_saved_contiguous(self):
         base = torch.arange(60, dtype=torch.float64).reshape(3, 4, 5)
         state = {"t": base.transpose(0, 2), "s": base[:, ::2, 1],
-                 "e": base.expand(2, 3, 4, 5), "c": torch.randn(3, 2,
-                                                  dtype=torch.complex64).conj()}
+                 "e": base.expand(2, 3, 4, 5),
+                 "c": torch.randn(3, 2, dtype=torch.complex64).conj()}
         got = self.roundtrip(state)
         for k, v in state.items():
             self.assertTrue(got[k].is_contiguous())
@@ -250,10 +251,11 @@ class CheckpointTest(unittest.TestCase):
 
     def test_disk_asks_the_agent_to_persist(self):
         self.assertTrue(self.ckpt.wait_latest_checkpoint(1))
-        self.assertTrue(self.ckpt.save_checkpoint(5, {"w": torch.ones(3)},
-                                                  storage_type=ft.StorageType.DISK))
+        self.assertTrue(self.ckpt.save_checkpoint(
+            5, {"w": torch.ones(3)}, storage_type=ft.StorageType.DISK))
         saved = [r for r in self.agent.requests if r["op"] == "saved"]
-        self.assertEqual(saved[-1], {"op": "saved", "step": 5, "persist": True})
+        self.assertEqual(saved[-1], {"op": "saved", "step": 5,
+                                     "persist": True})
         seg = self.ckpt._seg
         self.assertEqual(seg.u64[40 // 8], 1)  # persist_seq = the save's seq
         with self.assertWarns(RuntimeWarning):

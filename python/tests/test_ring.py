@@ -93,10 +93,10 @@ class RingTest(unittest.TestCase):
     def test_switch_by_domain(self):
         # MindCluster's rule: the default domain is on while any of its four
         # kinds is, the communication domain while its kind is.
-        for bits, default, comm in ((_ring.FP, True, False),
-                                    (_ring.STEP, True, False),
-                                    (_ring.COMMUNICATION_OPERATOR, False, True),
-                                    (0, False, False), (0x1F, True, True)):
+        cases = ((_ring.FP, True, False), (_ring.STEP, True, False),
+                 (_ring.COMMUNICATION_OPERATOR, False, True),
+                 (0, False, False), (0x1F, True, True))
+        for bits, default, comm in cases:
             self.set_switch(bits)
             for name in ("forward", "dataloader", "save_checkpoint", "step 1",
                          "my phase"):
