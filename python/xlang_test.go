@@ -37,6 +37,7 @@ func decode(t *testing.T, b []byte) any {
 func TestCrossLanguageCheckpoint(t *testing.T) {
 	py := requirePython(t, true)
 	pkg := extracted(t)
+	track(t, "testdata/xlang_ckpt.py")
 	tmp := t.TempDir()
 	disk := filepath.Join(tmp, "disk")
 	owner, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: tmp, Name: "xlang", Shards: []int{0}, Capacity: 1 << 20, Dir: disk})
