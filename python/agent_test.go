@@ -17,7 +17,8 @@ import (
 
 // stubAgent answers a rank's requests on a unix socket from a real
 // ckpt.Owner of one shard: what the node agent of faultline-run does for
-// checkpoints, and no more (hello, segment, saved, load, wait).
+// checkpoints, and no more (hello, segment, saved, load, wait). A segment
+// asked for larger halves grows (Owner.Grow).
 type stubAgent struct {
 	sock  string
 	owner *ckpt.Owner
@@ -25,6 +26,10 @@ type stubAgent struct {
 	// seal makes "saved" seal the step before it answers; otherwise the
 	// owner's Run loop, if any, does it later.
 	seal bool
+	// quickLoad answers load from InspectSegment alone, which checks no
+	// blob of a step not sealed yet: for benchmarks of the rank's side of
+	// a load.
+	quickLoad bool
 
 	ln    net.Listener
 	wg    sync.WaitGroup
@@ -120,10 +125,13 @@ func (a *stubAgent) handle(op string, step int64, persist bool, need int64) (map
 		if err != nil {
 			return nil, err
 		}
-		if need > rep.Header.HalfSize {
-			return nil, fmt.Errorf("%d bytes exceed the half size %d of %s", need, rep.Header.HalfSize, path)
+		half := rep.Header.HalfSize
+		if need > half {
+			if half, err = a.owner.Grow(0, need); err != nil {
+				return nil, err
+			}
 		}
-		return map[string]any{"path": path, "half_size": rep.Header.HalfSize}, nil
+		return map[string]any{"path": path, "half_size": half}, nil
 	case "saved":
 		var err error
 		switch {
@@ -134,6 +142,13 @@ func (a *stubAgent) handle(op string, step int64, persist bool, need int64) (map
 		}
 		return map[string]any{}, err
 	case "load":
+		if a.quickLoad {
+			seg, err := ckpt.InspectSegment(path)
+			if err != nil || seg.NewestHalf < 0 {
+				return nil, fmt.Errorf("no step in %s: %v", path, err)
+			}
+			return map[string]any{"step": seg.Halves[seg.NewestHalf].Meta.Step, "tier": "memory", "path": path, "half": seg.NewestHalf}, nil
+		}
 		_, rep, err := a.owner.Load(ctx, 0)
 		if errors.Is(err, ckpt.ErrNoStep) {
 			return map[string]any{"step": -1, "tier": "none", "reasons": []string{rep.String()}}, nil

@@ -18,9 +18,11 @@
 //   - faultline.span(name), faultline.step(n), faultline.mark(name) and
 //     faultline.comm_span(...) dot the phases of a step into the rank's
 //     dotting ring, which the node agent drains (agent.Ring) into trace
-//     files. A communication name that is not a CommOp is refused with a
-//     ValueError naming its keys; a full ring or too many open ranges (1024
-//     per thread) drops and counts, and never raises in the loop.
+//     files, per domain as the ring's switch says (MindCluster's rule). A
+//     range's two records are written together when it ends. A
+//     communication name that is not a CommOp is refused with a ValueError
+//     naming its keys; a full ring or too many open ranges (1024 per thread)
+//     drops and counts, and never raises in the loop.
 //   - faultline.torch.init() registers the rank with the agent (op hello),
 //     wraps every torch.distributed collective with collective records for
 //     the hang watchdog, gives DistributedDataParallel a gradient hook that
@@ -30,7 +32,9 @@
 //     FAULTLINE_STACK_FILE.
 //   - faultline.torch.Checkpointer saves state_dicts into the agent's
 //     checkpoint segment, in the FORMAT of package ckpt (layout version 2,
-//     unsealed: only meta_crc, the agent seals), and loads them back.
+//     unsealed: only meta_crc, the agent seals), holding the segment's
+//     shared flock and mapping anew one grown under its name, and loads
+//     them back.
 //   - faultline.admin reads the manager's Admin API; faultline.spare is a
 //     warm interpreter that has imported torch and waits for a rank.
 //
@@ -69,9 +73,11 @@
 // /usr/bin/python3 or torch (Debian: python3-torch).
 //
 // BenchmarkSpan times `with faultline.span("forward")` with the switch on
-// and off beside a time.perf_counter_ns() pair (x-pair), and
-// BenchmarkCheckpoint a save and a load beside tensor.copy_ of the same
-// bytes into (and out of) preallocated shared-memory tensors (x-copy) and
-// beside torch.save to a file (x-torchsave). FAULTLINE_PY_BENCH_MIB sizes
-// the state (default 64; 1024 for the targets).
+// and off beside a time.perf_counter_ns() pair (x-pair-on, x-pair-off),
+// and BenchmarkCheckpoint a save and a load beside tensor.copy_ of the
+// same bytes into preallocated shared-memory tensors (x-copy-save) and out
+// of them into new tensors (x-copy-load) or preallocated ones
+// (x-prealloc-load), and beside torch.save to a file, without and with
+// fsync (x-torchsave, x-torchsave-fsync). FAULTLINE_PY_BENCH_MIB sizes the
+// state (default 64; 1024 for the targets).
 package python

@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -29,12 +30,14 @@ func decode(t *testing.T, b []byte) any {
 	return v
 }
 
-// TestCrossLanguageCheckpoint saves a state_dict from Python into the
-// segment of a real ckpt.Owner, which seals, persists and loads it here
-// with every CRC checked, and loads it back bitwise in Python.
+// TestCrossLanguageCheckpoint saves state_dicts from Python into the
+// segment of a real ckpt.Owner, which grows the segment when asked, seals,
+// persists and loads them here with every CRC checked; Python loads the
+// newest back bitwise.
 func TestCrossLanguageCheckpoint(t *testing.T) {
 	py := requirePython(t, true)
 	pkg := extracted(t)
+	track(t, "testdata/xlang_ckpt.py")
 	tmp := t.TempDir()
 	disk := filepath.Join(tmp, "disk")
 	owner, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: tmp, Name: "xlang", Shards: []int{0}, Capacity: 1 << 20, Dir: disk})
@@ -55,28 +58,35 @@ func TestCrossLanguageCheckpoint(t *testing.T) {
 	}
 	outFile := filepath.Join(tmp, "out.json")
 	run("save", disk, outFile)
-	var out struct {
-		Meta   json.RawMessage   `json:"meta"`
-		SHA256 map[string]string `json:"sha256"`
+	type saved struct {
+		Meta     json.RawMessage   `json:"meta"`
+		SHA256   map[string]string `json:"sha256"`
+		HalfSize int64             `json:"half_size"`
 	}
+	var steps map[string]saved
 	b, err := os.ReadFile(outFile)
 	if err == nil {
-		err = json.Unmarshal(b, &out)
+		err = json.Unmarshal(b, &steps)
 	}
 	if err != nil {
 		t.Fatal(err)
 	}
+	if steps["3"].HalfSize <= steps["2"].HalfSize {
+		t.Fatalf("half size %d for step 3, %d for step 2: the segment did not grow", steps["3"].HalfSize, steps["2"].HalfSize)
+	}
 
-	// Memory: sealed by the agent when Python said saved, every CRC checked.
+	// Memory: step 3, saved after the segment grew, sealed by the agent when
+	// Python said saved, every CRC checked.
 	ck, rep, err := owner.Load(context.Background(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rep.Tier != ckpt.TierMemory || ck.Step != 2 || ck.Unverified {
-		t.Fatalf("owner loaded step %d from %s (unverified %v), want step 2 from memory, sealed", ck.Step, rep.Tier, ck.Unverified)
+	if rep.Tier != ckpt.TierMemory || ck.Step != 3 || ck.Unverified {
+		t.Fatalf("owner loaded step %d from %s (unverified %v), want step 3 from memory, sealed", ck.Step, rep.Tier, ck.Unverified)
 	}
 	check := func(where string, ck *ckpt.Checkpoint) {
 		t.Helper()
+		out := steps[fmt.Sprint(ck.Step)]
 		if len(ck.Blobs) != len(out.SHA256) || ck.Blobs[0].Name != "meta" {
 			t.Fatalf("%s: blobs %d (first %q), Python wrote %d with meta first", where, len(ck.Blobs), ck.Blobs[0].Name, len(out.SHA256))
 		}
@@ -91,7 +101,7 @@ func TestCrossLanguageCheckpoint(t *testing.T) {
 			Step   int64           `json:"step"`
 			Tree   json.RawMessage `json:"tree"`
 		}
-		if err := json.Unmarshal(ck.Blob("meta"), &meta); err != nil || meta.Format != "faultline.state/1" || meta.Step != 2 {
+		if err := json.Unmarshal(ck.Blob("meta"), &meta); err != nil || meta.Format != "faultline.state/1" || out.SHA256 == nil {
 			t.Fatalf("%s: meta %+v, %v", where, meta, err)
 		}
 		if d := cmp.Diff(decode(t, out.Meta), decode(t, ck.Blob("meta"))); d != "" {
@@ -100,7 +110,8 @@ func TestCrossLanguageCheckpoint(t *testing.T) {
 	}
 	check("memory", ck)
 
-	// Disk: persisted on the agent's word, trackers and CRCs in place.
+	// Disk: step 2, persisted on the agent's word, trackers and CRCs in
+	// place.
 	dck, _, err := ckpt.LoadDisk(disk, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -113,6 +124,6 @@ func TestCrossLanguageCheckpoint(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// Python loads it back, bitwise.
+	// Python loads step 3 back, bitwise.
 	run("load", disk)
 }

@@ -78,8 +78,8 @@ class Client:
             raise AgentError(f"faultline agent {ENV}={self.path}: op {op}: "
                              f"response {resp!r} is not an object")
         if resp.get("ok") is not True:
-            raise AgentError(f"faultline agent: op {op}: "
-                             f"{resp.get('error') or 'refused, no reason given'}")
+            why = resp.get("error") or "refused, no reason given"
+            raise AgentError(f"faultline agent: op {op}: {why}")
         return resp
 
     def _connect(self):

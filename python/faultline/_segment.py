@@ -5,9 +5,12 @@ The file is a 4096-byte header and two halves of half_size bytes; a save
 writes the half that does not hold the newest complete step, then flips
 the active word. The writer computes only meta_crc (over bytes [16,48) of
 the half and its blob table); the agent seals the step (the CRCs of the
-blobs) after the save.
+blobs) after the save. A segment grows by being replaced under its name
+by a larger file; a save holds a shared flock on the file it maps and
+maps the path anew when it no longer names that file.
 """
 
+import fcntl
 import mmap
 import os
 import struct
@@ -27,12 +30,16 @@ MAX_NAME = 1024
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 
 _HEADER = struct.Struct("<8sIIQIII")  # magic .. header_crc
-_STEP = struct.Struct("<QqqII")       # seq, step, time, nblobs, table_size
-_ENTRY = struct.Struct("<QQIHH")      # offset, size, reserved, name_len, reserved
+_STEP = struct.Struct("<QqqII")   # seq, step, time, nblobs, table_size
+_ENTRY = struct.Struct("<QQIHH")  # offset, size, 0, name_len, 0
 
 
 class SegmentError(ValueError):
     """A segment file that is not one this package can use."""
+
+
+class TooSmall(SegmentError):
+    """A step that does not fit in the segment's halves."""
 
 
 def _align(n, a):
@@ -73,10 +80,21 @@ class Half:
 
 
 class Segment:
-    """A segment file mapped read-write."""
+    """A segment file mapped read-write.
 
-    def __init__(self, path):
+    view(mm), if given, makes an object over each mapping (a tensor) and is
+    kept as self.tensor; it is made again when the segment is mapped anew.
+    """
+
+    def __init__(self, path, view=None):
         self.path = path
+        self._view = view
+        self.fd = -1
+        self.tensor = None
+        self._map()
+
+    def _map(self):
+        path = self.path
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             size = os.fstat(fd).st_size
@@ -84,19 +102,36 @@ class Segment:
                 raise SegmentError(f"segment {path}: {size} bytes, shorter "
                                    f"than its {HEADER_SIZE}-byte header")
             mm = mmap.mmap(fd, size)
-        finally:
+            try:
+                self._check(mm, size)
+            except SegmentError:
+                mm.close()
+                raise
+        except BaseException:
             os.close(fd)
-        try:
-            self._check(mm, size)
-        except SegmentError:
-            mm.close()
             raise
+        self.fd = fd
         self.mm = mm
         self.mv = memoryview(mm)
         self.u32 = self.mv.cast("I")
         self.u64 = self.mv.cast("Q")
-        self.tensor = None  # a uint8 tensor over mm, made by faultline.torch
         self._known = {}    # half -> (gen, seq, meta_crc) whose meta_crc holds
+        self.tensor = self._view(mm) if self._view is not None else None
+
+    def current(self):
+        """Reports whether the path still names the file mapped (a segment
+        grows by being replaced under its name)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        fst = os.fstat(self.fd)
+        return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+    def remap(self):
+        """Maps the file the path names now."""
+        self._unmap()
+        self._map()
 
     def _check(self, mm, size):
         magic, version, header, half, shard, flags, crc = _HEADER.unpack_from(
@@ -120,12 +155,32 @@ class Segment:
         self.half_size = half
         self.shard = shard
 
-    def close(self):
-        """Unmaps the segment (the tensor over it must be gone)."""
-        self.tensor = None
+    def _unmap(self):
+        self.tensor = None  # it exports mm's buffer
         for v in (self.u32, self.u64, self.mv):
             v.release()
         self.mm.close()
+        os.close(self.fd)
+        self.fd = -1
+
+    def close(self):
+        """Unmaps the segment and closes its file."""
+        if self.fd >= 0:
+            self._unmap()
+
+    def lock(self):
+        """Takes the shared lock a save holds, on the file the path names
+        (mapping it anew if it was replaced by a larger one)."""
+        while True:
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
+            if self.current():
+                return
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            self.remap()
+
+    def unlock(self):
+        """Releases the lock of lock()."""
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def base(self, i):
         """The file offset of half i."""
@@ -173,11 +228,23 @@ class Segment:
         """Saves a step of blobs: write(i, offset) writes blob i (names[i],
         sizes[i] bytes) at that file offset. Returns (seq, half), or None
         when the target half is pinned by the agent (the save is skipped
-        and the previous step stays)."""
+        and the previous step stays). Raises TooSmall when the step does
+        not fit.
+
+        It holds the shared lock of lock() throughout, so that a grow of
+        the segment waits for it and no save lands in a replaced file.
+        """
+        self.lock()
+        try:
+            return self._save(step, names, sizes, write, persist)
+        finally:
+            self.unlock()
+
+    def _save(self, step, names, sizes, write, persist):
         table_size, offsets, end = layout(names, sizes)
         if end > self.half_size:
-            raise SegmentError(f"segment {self.path}: a step of {end} bytes "
-                               f"does not fit in half_size {self.half_size}")
+            raise TooSmall(f"segment {self.path}: a step of {end} bytes "
+                           f"does not fit in half_size {self.half_size}")
         t = self.target()
         b = self.base(t)
         w_state, w_pin, q_gen = b // 4, b // 4 + 1, b // 8 + 1

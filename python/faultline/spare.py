@@ -10,6 +10,7 @@ and arguments and runs the script as __main__, as python would; when the
 agent goes away first, it exits 0.
 """
 
+import importlib
 import json
 import os
 import runpy
@@ -26,11 +27,11 @@ def main():
     if not path:
         sys.exit("faultline.spare: FAULTLINE_AGENT is not set: spares are "
                  "started by faultline-run")
-    try:
-        import torch  # noqa: F401 (the point of a spare)
-        import torch.distributed  # noqa: F401
-    except ImportError:
-        pass
+    for name in ("torch", "torch.distributed"):  # the point of a spare
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            break
     try:
         local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
     except ValueError:

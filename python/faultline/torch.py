@@ -46,6 +46,7 @@ __all__ = ["init", "Checkpointer", "DdpCheckpointer", "StorageType",
 
 _DTYPES = {getattr(torch, n): n for n in _state.DTYPES}
 _BY_NAME = {n: getattr(torch, n) for n in _state.DTYPES}
+_ITEMSIZE = {dt: torch.empty(0, dtype=dt).element_size() for dt in _DTYPES}
 
 
 # ---------------------------------------------------------------- groups
@@ -468,7 +469,8 @@ def _check_tensor(t, path):
     name = _DTYPES.get(t.dtype)
     if name is None:
         raise TypeError(f"faultline: {where}: dtype {t.dtype} cannot be "
-                        f"stored; a checkpoint holds {', '.join(_state.DTYPES)}")
+                        "stored; a checkpoint holds "
+                        f"{', '.join(_state.DTYPES)}")
     return name
 
 
@@ -540,9 +542,9 @@ class Checkpointer:
                           ensure_ascii=False, allow_nan=False).encode()
         names = ["meta"] + [f"t{k}" for k in range(len(tensors))]
         sizes = [len(meta)] + [_nbytes(t) for t in tensors]
-        seg = self._segment(_segment.step_size(names, sizes))
+        need = _segment.step_size(names, sizes)
         persist = storage_type is StorageType.DISK
-        u8 = seg.tensor
+        seg = self._segment(need)
 
         def write(i, off):
             if i == 0:
@@ -552,14 +554,19 @@ class Checkpointer:
             n = sizes[i]
             if n == 0:
                 return
-            dst = u8[off:off + n]
+            dst = seg.tensor[off:off + n]
             if t.device.type == "cpu":
                 dst.view(t.dtype).view(t.shape).copy_(t)
             else:
                 self._from_device(dst, t)
 
         with faultline.span("save_checkpoint"), torch.no_grad():
-            done = seg.save(step, names, sizes, write, persist)
+            try:
+                done = seg.save(step, names, sizes, write, persist)
+            except _segment.TooSmall:
+                # Replaced meanwhile by a segment still too small: ask.
+                seg = self._segment(need, grow=True)
+                done = seg.save(step, names, sizes, write, persist)
         if done is None:
             return False
         self._client.call({"op": "saved", "step": step, "persist": persist})
@@ -606,9 +613,13 @@ class Checkpointer:
             return False
         return True
 
-    def _segment(self, need):
+    def _segment(self, need, grow=False):
+        """The segment, with halves of at least need bytes: the agent
+        creates or grows it when asked."""
         seg = self._seg
-        if seg is not None and seg.half_size >= need:
+        if seg is not None and not seg.current():
+            seg.remap()  # grown under its name
+        if seg is not None and seg.half_size >= need and not grow:
             return seg
         resp = self._client.call({"op": "segment",
                                   "dir": self.checkpoint_dir,
@@ -621,20 +632,22 @@ class Checkpointer:
         return seg
 
     def _map(self, path):
+        """The segment at path, mapped once and again only when the path
+        names another file."""
         if not isinstance(path, str) or not path:
             raise _agent.AgentError(f"faultline agent: segment path {path!r} "
                                     "is not a path")
         seg = self._seg
         if seg is not None and seg.path == path:
-            if os.stat(path).st_size == seg.mm.size():
-                return seg
+            if not seg.current():
+                seg.remap()
+            return seg
         if seg is not None:
             seg.close()
             self._seg = None
-        seg = _segment.Segment(path)
-        seg.tensor = torch.frombuffer(seg.mm, dtype=torch.uint8)
-        self._seg = seg
-        return seg
+        self._seg = _segment.Segment(
+            path, lambda mm: torch.frombuffer(mm, dtype=torch.uint8))
+        return self._seg
 
     def _decode(self, seg, h):
         meta = h.blobs.get("meta")
@@ -655,17 +668,19 @@ class Checkpointer:
         def tensor(k, dtype, shape, path):
             blob = h.blobs.get(f"t{k}")
             dt = _BY_NAME[dtype]
-            t = torch.empty(shape, dtype=dt)
-            n = _nbytes(t)
+            n = _ITEMSIZE[dt]
+            for d in shape:
+                n *= d
             if blob is None or blob[1] != n:
                 raise ValueError(
                     f"faultline: {_state.path_str(path)}: blob 't{k}' of half "
                     f"{h.index} of {seg.path} is "
                     f"{'missing' if blob is None else f'{blob[1]} bytes'}, "
                     f"want {n} ({dtype} {shape})")
-            if n:
-                t.view(-1).view(torch.uint8).copy_(u8[blob[0]:blob[0] + n])
-            return t
+            if n == 0:
+                return torch.empty(shape, dtype=dt)
+            # clone of a typed view: a new tensor, copied at memcpy speed.
+            return u8[blob[0]:blob[0] + n].view(dt).view(shape).clone()
 
         return _state.unflatten(doc.get("tree"), tensor)
 

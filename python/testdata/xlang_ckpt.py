@@ -1,10 +1,11 @@
 """The Python half of TestCrossLanguageCheckpoint.
 
 usage: xlang_ckpt.py save DIR OUT.json | load DIR
-save: saves step 1 (memory) and step 2 (disk) of the state below through the
-agent at FAULTLINE_AGENT and writes, for the Go side, the meta blob's JSON
-and the SHA-256 of each tensor blob. load: loads the newest step back and
-exits 0 when it is bitwise the state below.
+save: saves step 1 (memory), step 2 (disk) and step 3 (memory, with a tensor
+of 2 MiB more, for which the agent grows the segment) of the state below
+through the agent at FAULTLINE_AGENT and writes, for the Go side, the meta
+blob's JSON and the SHA-256 of each blob of steps 2 and 3. load: loads the
+newest step back and exits 0 when it is bitwise step 3's state.
 """
 
 import hashlib
@@ -41,7 +42,10 @@ def state(step):
         else:
             tensors[name] = torch.randint(0, 100, (4, 3), generator=g,
                                           dtype=dt)
+    big = {"big": torch.arange(1 << 19, dtype=torch.float32)} if step == 3 \
+        else {}
     return {
+        **big,
         "model": model.state_dict(), "optimizer": opt.state_dict(),
         "tensors": tensors, "step": step,
         "empty": torch.empty(0, 2), "zero_d": torch.tensor(2.5),
@@ -69,21 +73,25 @@ def bits(x):
 def main():
     mode, ckpt = sys.argv[1], ft.Checkpointer(sys.argv[2])
     if mode == "save":
-        assert ckpt.save_checkpoint(1, state(1))
-        s = state(2)
-        assert ckpt.save_checkpoint(2, s, storage_type=ft.StorageType.DISK)
-        assert ckpt.wait_latest_checkpoint(30)
-        seg = ckpt._seg
-        half = seg.read(seg.target() ^ 1)
-        off, size = half.blobs["meta"]
-        meta = json.loads(bytes(seg.mv[off:off + size]))
-        sums = {name: hashlib.sha256(bytes(seg.mv[o:o + n])).hexdigest()
-                for name, (o, n) in half.blobs.items()}
+        out = {}
+        for step in (1, 2, 3):
+            kind = ft.StorageType.DISK if step == 2 else ft.StorageType.MEMORY
+            assert ckpt.save_checkpoint(step, state(step), storage_type=kind)
+            if step == 2:
+                assert ckpt.wait_latest_checkpoint(30)
+            seg = ckpt._seg
+            half = seg.read(seg.target() ^ 1)
+            off, size = half.blobs["meta"]
+            meta = json.loads(bytes(seg.mv[off:off + size]))
+            sums = {name: hashlib.sha256(bytes(seg.mv[o:o + n])).hexdigest()
+                    for name, (o, n) in half.blobs.items()}
+            out[step] = {"meta": meta, "sha256": sums,
+                         "half_size": seg.half_size}
         with open(sys.argv[3], "w") as f:
-            json.dump({"meta": meta, "sha256": sums}, f)
+            json.dump(out, f)
         return 0
     got = ckpt.load_checkpoint()
-    if bits(got) != bits(state(2)):
+    if bits(got) != bits(state(3)):
         print("loaded state differs from the saved one", file=sys.stderr)
         return 1
     return 0

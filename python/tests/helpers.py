@@ -6,6 +6,7 @@ The real agent is Go (faultline-run); python_test.go and xlang_test.go in
 the Go package python run these tests and check the same files from Go.
 """
 
+import fcntl
 import json
 import os
 import socketserver
@@ -149,9 +150,8 @@ class FakeAgent:
                     except OSError:
                         return  # the rank went away
 
-
-
-        self.server = socketserver.ThreadingUnixStreamServer(self.sock, Handler)
+        self.server = socketserver.ThreadingUnixStreamServer(self.sock,
+                                                             Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever,
                                        args=(0.02,), daemon=True)
@@ -201,19 +201,36 @@ class FakeAgent:
         old = self.segments.get(d)
         if old is not None and old[1] >= need:
             return {"ok": True, "path": old[0], "half_size": old[1]}
-        self._n += 1
-        path = os.path.join(self.dir, f"segment-{self._n}")
-        make_segment(path, half)
-        if old is not None:
-            # Growth keeps the newest step: its half, moved to half 0.
-            best = newest_half(old[0])
-            if best is not None:
-                with open(old[0], "rb") as src, open(path, "r+b") as dst:
-                    src.seek(_segment.HEADER_SIZE + best[0] * old[1])
-                    dst.seek(_segment.HEADER_SIZE)
-                    dst.write(src.read(old[1]))
-                    dst.seek(36)
-                    dst.write(struct.pack("<I", 0))
-            os.unlink(old[0])
+        if old is None:
+            self._n += 1
+            path = os.path.join(self.dir, f"segment-{self._n}")
+            make_segment(path, half)
+        else:
+            path = old[0]
+            self.grow(path, old[1], half)
         self.segments[d] = (path, half)
         return {"ok": True, "path": path, "half_size": half}
+
+    @staticmethod
+    def grow(path, old_half, half):
+        """Replaces the segment at path by one with larger halves, keeping
+        its newest step in half 0, under an exclusive lock (ckpt's
+        growing)."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            tmp = path + ".grow"
+            make_segment(tmp, half)
+            best = newest_half(path)
+            if best is not None:
+                with open(path, "rb") as src, open(tmp, "r+b") as dst:
+                    src.seek(_segment.HEADER_SIZE + best[0] * old_half)
+                    data = bytearray(src.read(old_half))
+                    data[4:8] = bytes(4)  # pin
+                    dst.seek(_segment.HEADER_SIZE)
+                    dst.write(data)
+                    dst.seek(36)
+                    dst.write(struct.pack("<I", 0))
+            os.rename(tmp, path)
+        finally:
+            os.close(fd)

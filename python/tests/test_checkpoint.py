@@ -53,8 +53,9 @@ def every_dtype():
 
 def model_and_optimizer():
     torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
-                                torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16),
+                                torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     for _ in range(2):
         opt.zero_grad()
@@ -108,8 +109,8 @@ class CheckpointTest(unittest.TestCase):
     def test_every_dtype_empty_and_zero_d(self):
         state = every_dtype()
         state.update({
-            "empty": torch.empty(0, 3), "empty_int": torch.zeros(2, 0, 5,
-                                                                 dtype=torch.int8),
+            "empty": torch.empty(0, 3),
+            "empty_int": torch.zeros(2, 0, 5, dtype=torch.int8),
             "zero_d": torch.tensor(3.25), "zero_d_bool": torch.tensor(True),
             "zero_d_complex": torch.tensor(1 + 2j, dtype=torch.complex128),
         })
@@ -120,8 +121,8 @@ class CheckpointTest(unittest.TestCase):
     def test_non_contiguous_tensors_are_saved_contiguous(self):
         base = torch.arange(60, dtype=torch.float64).reshape(3, 4, 5)
         state = {"t": base.transpose(0, 2), "s": base[:, ::2, 1],
-                 "e": base.expand(2, 3, 4, 5), "c": torch.randn(3, 2,
-                                                  dtype=torch.complex64).conj()}
+                 "e": base.expand(2, 3, 4, 5),
+                 "c": torch.randn(3, 2, dtype=torch.complex64).conj()}
         got = self.roundtrip(state)
         for k, v in state.items():
             self.assertTrue(got[k].is_contiguous())
@@ -182,12 +183,52 @@ class CheckpointTest(unittest.TestCase):
 
     def test_a_larger_state_grows_the_segment(self):
         self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(10)}))
+        path, _ = self.agent.segments[self.ckpt.checkpoint_dir]
+        ino = os.stat(path).st_ino
         big = {"w": torch.arange(200000, dtype=torch.float64)}
         self.assertTrue(self.ckpt.save_checkpoint(2, big))
         self.assertEqual(self.agent.ops().count("segment"), 2)
         self.assertEqual(bits(self.ckpt.load_checkpoint()), bits(big))
-        _, half_size = self.agent.segments[self.ckpt.checkpoint_dir]
+        path2, half_size = self.agent.segments[self.ckpt.checkpoint_dir]
+        self.assertEqual(path2, path)  # grown under its name
+        self.assertNotEqual(os.stat(path).st_ino, ino)
         self.assertGreaterEqual(half_size, 200000 * 8)
+
+    def test_a_segment_grown_by_the_agent_is_mapped_anew(self):
+        # The agent may grow the segment on its own (Owner.Grow): the next
+        # save finds the path naming a new file and maps it.
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(10)}))
+        path, half = self.agent.segments[self.ckpt.checkpoint_dir]
+        self.agent.grow(path, half, 4 * half)
+        self.agent.segments[self.ckpt.checkpoint_dir] = (path, 4 * half)
+        self.assertEqual(self.ckpt.load_checkpoint()["w"].tolist(), [1.0] * 10)
+        self.assertTrue(self.ckpt.save_checkpoint(2, {"w": torch.zeros(10)}))
+        self.assertEqual(self.ckpt._seg.half_size, 4 * half)
+        self.assertEqual(self.ckpt.load_checkpoint()["w"].tolist(), [0.0] * 10)
+        self.assertEqual(self.agent.ops().count("segment"), 1)
+
+    def test_a_save_holds_the_shared_lock(self):
+        import fcntl
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(10)}))
+        path, _ = self.agent.segments[self.ckpt.checkpoint_dir]
+        held = []
+
+        def probe(i, off, orig=None):
+            fd = os.open(path, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+            finally:
+                os.close(fd)
+
+        seg = self.ckpt._seg
+        seg.save(2, ["meta"], [1], probe)
+        self.assertEqual(held, [True])
+        fd = os.open(path, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after
+        os.close(fd)
 
     def test_a_segment_the_agent_cannot_grow(self):
         self.agent.handlers["segment"] = lambda req, conn: {
@@ -210,10 +251,11 @@ class CheckpointTest(unittest.TestCase):
 
     def test_disk_asks_the_agent_to_persist(self):
         self.assertTrue(self.ckpt.wait_latest_checkpoint(1))
-        self.assertTrue(self.ckpt.save_checkpoint(5, {"w": torch.ones(3)},
-                                                  storage_type=ft.StorageType.DISK))
+        self.assertTrue(self.ckpt.save_checkpoint(
+            5, {"w": torch.ones(3)}, storage_type=ft.StorageType.DISK))
         saved = [r for r in self.agent.requests if r["op"] == "saved"]
-        self.assertEqual(saved[-1], {"op": "saved", "step": 5, "persist": True})
+        self.assertEqual(saved[-1], {"op": "saved", "step": 5,
+                                     "persist": True})
         seg = self.ckpt._seg
         self.assertEqual(seg.u64[40 // 8], 1)  # persist_seq = the save's seq
         with self.assertWarns(RuntimeWarning):

@@ -90,21 +90,28 @@ class RingTest(unittest.TestCase):
         self.assertEqual(self.r.read(), [])
         self.assertIs(faultline.span("forward"), _ring._OFF)
 
-    def test_switch_by_kind(self):
-        self.set_switch(_ring.FP | _ring.COMMUNICATION_OPERATOR)
-        for name in ("forward", "dataloader", "save_checkpoint", "step 1"):
-            with faultline.span(name):
+    def test_switch_by_domain(self):
+        # MindCluster's rule: the default domain is on while any of its four
+        # kinds is, the communication domain while its kind is.
+        cases = ((_ring.FP, True, False), (_ring.STEP, True, False),
+                 (_ring.COMMUNICATION_OPERATOR, False, True),
+                 (0, False, False), (0x1F, True, True))
+        for bits, default, comm in cases:
+            self.set_switch(bits)
+            for name in ("forward", "dataloader", "save_checkpoint", "step 1",
+                         "my phase"):
+                with faultline.span(name):
+                    pass
+            with faultline.step(2):
                 pass
-        with faultline.comm_span("allreduce", "tp-0"):
-            pass
-        names = [x["name"] for x in self.r.read() if x["type"] == START]
-        self.assertEqual(names[0], "forward")
-        self.assertEqual(json.loads(names[1])["opName"], "allreduce")
-        self.assertEqual(len(names), 2)
-        # Another name in the default domain is on when any default kind is.
-        with faultline.span("my phase"):
-            pass
-        self.assertEqual(len(self.r.read()), 2)
+            faultline.mark("forward")
+            with faultline.comm_span("allreduce", "tp-0"):
+                pass
+            recs = self.r.read()
+            d = [x for x in recs if x["domain"] == 0]
+            c = [x for x in recs if x["domain"] == 1]
+            self.assertEqual(len(d), 13 if default else 0, bits)
+            self.assertEqual(len(c), 2 if comm else 0, bits)
 
     def test_a_range_started_on_ends_after_switch_off(self):
         with faultline.span("forward"):

@@ -24,7 +24,8 @@ import faultline
 from faultline import _agent, _ring
 out = {"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
        "name": __name__, "torch": "torch" in sys.modules,
-       "env": {k: os.environ.get(k) for k in ("RANK", "GONE", "FAULTLINE_SPARE")},
+       "env": {k: os.environ.get(k)
+               for k in ("RANK", "GONE", "FAULTLINE_SPARE")},
        "ring": _ring._producer is not None and _ring._producer.path,
        "agent": _agent.client().path}
 with open(os.environ["OUT"], "w") as f:
@@ -90,7 +91,8 @@ class SpareTest(unittest.TestCase):
     def test_spares(self):
         work = os.path.join(self.dir, "work")
         procs = {
-            0: self.spare(0, self.answer(0, ["train.py", "a", "b"]), torch=True),
+            0: self.spare(0, self.answer(0, ["train.py", "a", "b"]),
+                          torch=True),
             1: self.spare(1, self.answer(1, ["pkg.main", "x"], module=True)),
             2: self.spare(2, self.answer(2, ["train.py", "raise"])),
             3: self.spare(3, self.answer(3, ["train.py", "exit"])),

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 import unittest
 import warnings
@@ -153,7 +152,8 @@ class TorchTest(unittest.TestCase):
 
     def test_ddp_hook_all_reduces_each_gradient(self):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8),
+                                    torch.nn.Linear(8, 2))
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         x = torch.randn(5, 4)
         ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
