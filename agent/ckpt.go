@@ -165,12 +165,15 @@ func (c *checkpoints) localSteps() []int64 {
 	for i, s := range c.a.slots {
 		rep, err := ckpt.InspectSegment(ckpt.SegmentPath(c.a.cfg.ShmDir, "faultline-"+c.a.cfg.Job, s.rank))
 		if err != nil {
+			c.a.log.Info("agent: no checkpoint in memory", "rank", s.rank, "err", err)
 			return nil
 		}
 		var steps []int64
-		for _, h := range rep.Halves {
+		for i, h := range rep.Halves {
 			if h.Err == nil && h.State == ckpt.StateComplete {
 				steps = append(steps, h.Meta.Step)
+			} else if h.Err != nil {
+				c.a.log.Info("agent: a half holds no intact step", "rank", s.rank, "half", i, "err", h.Err)
 			}
 		}
 		if i == 0 {
@@ -216,7 +219,9 @@ func (c *checkpoints) LoadNewest(ctx context.Context) (int64, error) {
 	}
 	// Never an older step than one committed on disk: memory may have lost
 	// newer steps that disk holds.
-	if disk := c.diskStep(); len(steps) == 0 || disk > steps[0] {
+	disk := c.diskStep()
+	c.a.log.Info("agent: the job's step to resume from", "memory", steps, "disk", disk)
+	if len(steps) == 0 || disk > steps[0] {
 		return disk, nil
 	}
 	return steps[0], nil

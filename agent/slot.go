@@ -322,18 +322,23 @@ func exitOf(ps *os.ProcessState) (int, syscall.Signal) {
 	return ps.ExitCode(), 0
 }
 
-// kill ends the slot's process (its whole process group) and waits for
-// it to be reaped; its exit is no fault.
+// kill ends the slot's current process; see killProc.
 func (s *slot) kill() {
 	s.mu.Lock()
 	p := s.proc
-	if p != nil {
-		p.expected = true
-	}
 	s.mu.Unlock()
+	s.killProc(p)
+}
+
+// killProc ends p (its whole process group) and waits for it to be
+// reaped; its exit is no fault.
+func (s *slot) killProc(p *rankProc) {
 	if p == nil {
 		return
 	}
+	s.mu.Lock()
+	p.expected = true
+	s.mu.Unlock()
 	select {
 	case <-p.done:
 	default:
@@ -360,7 +365,7 @@ func (s *slot) stop(reason, dir string) *hang.Dump {
 	if dir != "" {
 		d = s.dumpStacks(context.Background(), p, reason, dir)
 	}
-	s.kill()
+	s.killProc(p)
 	s.mu.Lock()
 	if s.proc == p && s.state == slotRunning {
 		s.state = slotPaused

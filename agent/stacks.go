@@ -21,8 +21,13 @@ func (s *slot) dumpStacks(ctx context.Context, p *rankProc, reason, dir string) 
 	s.mu.Lock()
 	ready := p.hello
 	s.mu.Unlock()
-	if !ready {
-		return nil // its faulthandler is not registered: the signal would kill it
+	select {
+	case <-p.done:
+		return nil // gone
+	default:
+	}
+	if !ready || strings.HasPrefix(procState(p.pid), "Z") {
+		return nil // its faulthandler is not registered (the signal would kill it), or it is dead
 	}
 	if dir != "" {
 		if _, err := os.Stat(filepath.Join(dir, hang.FileName(s.rank, s.a.world))); err == nil {

@@ -247,6 +247,12 @@ class Segment:
                            f"does not fit in half_size {self.half_size}")
         t = self.target()
         b = self.base(t)
+        if self.u32[b // 4 + 1] and self.u32[b // 4] == COMPLETE \
+                and self._meta_ok(1 - t)[0]:
+            # The agent reads that half (a persist): write over the newest
+            # step instead; the pinned one is the step a crash leaves.
+            t = 1 - t
+            b = self.base(t)
         w_state, w_pin, q_gen = b // 4, b // 4 + 1, b // 8 + 1
         if self.u32[w_pin]:
             return None
