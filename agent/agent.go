@@ -125,6 +125,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		g.Go(func() error { return s.wd.Run(gctx) })
 		g.Go(func() error { s.serveWorkers(gctx); return nil })
 	}
+	g.Go(func() error { a.awaitManager(gctx); return nil })
 	var result error
 	select {
 	case <-a.finished:
@@ -204,6 +205,28 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 		return err
 	})
 	return nil
+}
+
+// awaitManager says so when the ranks wait long for the manager: they
+// start once their workers are registered with it.
+func (a *Agent) awaitManager(ctx context.Context) {
+	t := time.NewTimer(15 * time.Second)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return
+	case <-t.C:
+	}
+	for _, s := range a.slots {
+		s.mu.Lock()
+		w := s.worker
+		s.mu.Unlock()
+		if w == nil || !w.Connected() {
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d's ranks wait for the job's manager at %s (job %q): not registered after 15s; check --master-addr, --master-port, --rdzv-id and the token on every node\n",
+				a.cfg.NodeRank, a.mgrAddr, a.cfg.Job)
+			return
+		}
+	}
 }
 
 // initialSwitch is the profiling switch the ranks start with, before the

@@ -282,9 +282,17 @@ func (in *incidents) closeLocked() {
 	in.cur = nil
 	// A collective fails because a peer died: the ring may tell the agent
 	// of the failure before the kernel tells it of the death.
+	// The cause is a rank that died without a collective of its own failing
+	// first (one that did is aborting on its peer's death).
 	if c.Fault.Kind == string(taskd.FaultOpError) {
+		failed := map[int]bool{}
 		for _, f := range c.Faults {
-			if f.Kind == string(taskd.FaultProcessExit) && f.Time.Sub(c.FaultTime).Abs() <= causeWindow {
+			if f.Kind == string(taskd.FaultOpError) {
+				failed[f.Rank] = true
+			}
+		}
+		for _, f := range c.Faults {
+			if f.Kind == string(taskd.FaultProcessExit) && !failed[f.Rank] && f.Time.Sub(c.FaultTime).Abs() <= causeWindow {
 				c.Fault = f
 				break
 			}

@@ -257,7 +257,7 @@ func TestKillRank(t *testing.T) {
 		t.Fatalf("incidents: %+v", in)
 	}
 	c := in[0]
-	if c.Fault.Rank != 2 || !strings.Contains(c.Fault.Message, "SIGKILL") || c.Tier != "memory" || c.ResumedStep < 11 || c.CaughtUp.IsZero() {
+	if c.Fault.Rank != 2 || !strings.Contains(c.Fault.Message, "SIGKILL") || c.Tier != "memory" || c.ResumedStep < 9 || c.CaughtUp.IsZero() {
 		t.Fatalf("incident: %+v", c)
 	}
 	if got := readHash(t, w); got != ref {
@@ -351,11 +351,12 @@ func TestTwoNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Setenv("TASKD_TOKEN", randomHex(16))
+	id := "two-nodes-" + randomHex(3)
 	var jobs []*job
 	for node := range 2 {
 		jobs = append(jobs, start(t, filepath.Join(dir, fmt.Sprintf("out-%d", node)),
 			[]string{"--nnodes", "2", "--node-rank", strconv.Itoa(node), "--nproc-per-node", "2", "--master-port", strconv.Itoa(port),
-				"--rdzv-id", "two-nodes-" + randomHex(3), "--max-restarts", "2"},
+				"--rdzv-id", id, "--max-restarts", "2"},
 			"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--kill-rank", "3", "--kill-step", "12", "--weights", w))
 	}
 	for node, j := range jobs {
@@ -363,7 +364,7 @@ func TestTwoNodes(t *testing.T) {
 			t.Fatalf("node %d: %v\nstderr:\n%s", node, err, j.errText())
 		}
 		in := j.incidents()
-		if len(in) == 0 || in[0].Tier != "memory" || in[0].ResumedStep < 11 || in[0].CaughtUp.IsZero() {
+		if len(in) == 0 || in[0].Tier != "memory" || in[0].ResumedStep < 9 || in[0].CaughtUp.IsZero() {
 			t.Fatalf("node %d: incidents %+v", node, in)
 		}
 	}
