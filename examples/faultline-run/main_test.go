@@ -9,9 +9,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
-	"slices"
 	"sync"
 	"syscall"
 	"testing"
@@ -451,4 +451,3 @@ func TestUsage(t *testing.T) {
 		t.Fatalf("parse = %+v, %v", cfg, err)
 	}
 }
-
