@@ -287,6 +287,9 @@ func (a *Agent) stopOthers(s *slot, why string) {
 // stopNode stops every rank of the node for good, and ends the job here.
 func (a *Agent) stopNode(reason string) {
 	a.stop(reason)
+	a.mu.Lock()
+	reason = a.stopped // the first, most telling reason
+	a.mu.Unlock()
 	for _, s := range a.slots {
 		s.kill()
 		s.mu.Lock()

@@ -92,6 +92,23 @@ func (in *incidents) openLocked(now time.Time) *Incident {
 	if in.cur != nil {
 		return in.cur
 	}
+	return in.newLocked(now)
+}
+
+// faultLocked returns the incident a fault seen at now belongs to: the
+// open one while its ranks are being stopped and restarted; once they run
+// again, a fault is a new incident, and the open one ends without its
+// ranks back where they were.
+func (in *incidents) faultLocked(now time.Time) *Incident {
+	if c := in.cur; c != nil && !c.Restarted.IsZero() {
+		c.Outcome = "restarted " + resumedFrom(c) + ", then failed again before " + stepWord(c.StepAtFault)
+		in.closeLocked()
+	}
+	return in.openLocked(now)
+}
+
+// newLocked opens a new incident.
+func (in *incidents) newLocked(now time.Time) *Incident {
 	in.n++
 	in.cur = &Incident{ID: in.n, StepAtFault: in.maxStep, FaultTime: now, Detected: now, ResumedStep: -1,
 		Dir: filepath.Join(in.a.cfg.Out, fmt.Sprintf("incident-%d", in.n))}
@@ -106,7 +123,7 @@ func (in *incidents) openLocked(now time.Time) *Incident {
 func (in *incidents) fault(f taskd.Fault, detected time.Time) bool {
 	in.mu.Lock()
 	defer in.mu.Unlock()
-	c := in.openLocked(detected)
+	c := in.faultLocked(detected)
 	r := IncidentFault{Kind: string(f.Kind), Rank: f.Position.Rank, Code: f.Code, Message: f.Message, Time: f.Time}
 	c.Faults = append(c.Faults, r)
 	if in.reported {
@@ -124,8 +141,8 @@ func (in *incidents) fault(f taskd.Fault, detected time.Time) bool {
 func (in *incidents) hang(f hang.Fault, now time.Time) (*Incident, bool) {
 	in.mu.Lock()
 	defer in.mu.Unlock()
-	fresh := in.cur == nil
-	c := in.openLocked(now)
+	fresh := in.cur == nil || !in.cur.Restarted.IsZero()
+	c := in.faultLocked(now)
 	r := IncidentFault{Kind: string(taskd.FaultHang), Rank: f.Rank, Message: f.String(), Time: f.Time}
 	if fresh {
 		c.Fault, c.FaultTime, c.Detected = r, f.Time.Add(-f.Elapsed).Add(f.Timeout), now
@@ -223,7 +240,7 @@ func (in *incidents) step(rank int, n int64, t time.Time) {
 	if in.allLocked(func(s *slot) bool { st, ok := in.stepped[s.rank]; return ok && st >= c.StepAtFault }) {
 		c.CaughtUp = t
 		c.RecoverySeconds = t.Sub(c.FaultTime).Seconds()
-		c.Outcome = fmt.Sprintf("recovered: resumed from step %d (%s), back at step %d in %.2fs", c.ResumedStep, orNone(c.Tier), c.StepAtFault, c.RecoverySeconds)
+		c.Outcome = fmt.Sprintf("recovered: resumed %s, back at %s in %.2fs", resumedFrom(c), stepWord(c.StepAtFault), c.RecoverySeconds)
 		in.closeLocked()
 		in.maxStep = max(in.maxStep, n)
 	}
@@ -237,10 +254,10 @@ func (in *incidents) transition(o taskd.Orchestration, t taskd.Transition) {
 	in.mu.Lock()
 	defer in.mu.Unlock()
 	if in.cur == nil {
-		if t.To != taskd.StateExited {
-			return
+		if t.To == taskd.StateExited {
+			go in.a.stopJob(o.Outcome)
 		}
-		in.openLocked(t.Time)
+		return
 	}
 	in.cur.Orchestration, in.cur.Strategy = o.ID, string(o.Strategy)
 	if t.To == taskd.StateExited {
@@ -312,6 +329,32 @@ func (in *incidents) closeLocked() {
 		in.a.log.Error("agent: incident not written", "err", err)
 	}
 	fmt.Fprintf(in.a.cfg.Stderr, "faultline-run: incident %d: %s: %s\n", c.ID, c.Fault.Message, c.Outcome)
+}
+
+// resumedFrom says where an incident's ranks resumed from.
+func resumedFrom(c *Incident) string {
+	if c.ResumedStep < 0 {
+		return "from the start (no checkpoint)"
+	}
+	return fmt.Sprintf("from step %d (%s)", c.ResumedStep, orNone(c.Tier))
+}
+
+// stepWord names the step a job was back at.
+func stepWord(n int64) string {
+	if n < 0 {
+		return "its first step"
+	}
+	return fmt.Sprintf("step %d", n)
+}
+
+// last returns the headline fault of the open incident, "" when none.
+func (in *incidents) last() string {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.cur == nil {
+		return ""
+	}
+	return in.cur.Fault.Message
 }
 
 func orNone(s string) string {

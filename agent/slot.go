@@ -183,13 +183,24 @@ func (s *slot) start(ctx context.Context, resume int64) error {
 
 	s.forget()
 	env := s.env(restart, resume)
+	// The process is the slot's before it can run a line of the script, so
+	// that however soon it exits, its exit is the rank's.
+	run := func(p *rankProc) {
+		s.mu.Lock()
+		if s.spare == sp {
+			s.spare = nil
+		}
+		s.proc, s.state, s.resume = p, slotRunning, resume
+		s.starts = restart + 1
+		s.mu.Unlock()
+	}
 	var p *rankProc
 	if sp != nil {
-		var err error
-		if p, err = sp.run(ctx, env, s.a.cfg); err != nil {
+		if err := sp.run(ctx, env, s.a.cfg, run); err != nil {
 			s.a.log.Warn("agent: spare interpreter unusable; starting the rank afresh", "rank", s.rank, "err", err)
-			sp.kill()
-			p = nil
+			s.killProc(sp.p)
+		} else {
+			p = sp.p
 		}
 	}
 	if p == nil {
@@ -197,18 +208,11 @@ func (s *slot) start(ctx context.Context, resume int64) error {
 		cmd := exec.Command(argv[0], argv[1:]...)
 		cmd.Env = s.environ(env)
 		var err error
-		if p, err = s.launch(cmd); err != nil {
+		if p, err = s.launch(cmd, run); err != nil {
 			return fmt.Errorf("agent: rank %d: start %s: %w", s.rank, argv[0], err)
 		}
 	}
-	s.mu.Lock()
-	if s.spare == sp {
-		s.spare = nil
-	}
-	s.proc, s.state, s.resume = p, slotRunning, resume
-	s.starts++
-	s.mu.Unlock()
-	s.a.log.Info("agent: rank started", "rank", s.rank, "pid", p.pid, "restart", restart, "resume_step", resume, "spare", sp != nil)
+	s.a.log.Info("agent: rank started", "rank", s.rank, "pid", p.pid, "restart", restart, "resume_step", resume, "spare", p != nil && sp != nil && p == sp.p)
 	s.prepareSpare()
 	return nil
 }
@@ -229,8 +233,9 @@ func (s *slot) forget() {
 }
 
 // launch starts cmd as a rank's process (or spare): in a process group
-// of its own, killed with the agent, its output prefixed.
-func (s *slot) launch(cmd *exec.Cmd) (*rankProc, error) {
+// of its own, killed with the agent, its output prefixed. own makes it
+// the slot's before its exit is watched.
+func (s *slot) launch(cmd *exec.Cmd, own func(*rankProc)) (*rankProc, error) {
 	cmd.Stdout, cmd.Stderr = s.out, s.errOut
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	cmd.WaitDelay = time.Second
@@ -238,6 +243,7 @@ func (s *slot) launch(cmd *exec.Cmd) (*rankProc, error) {
 		return nil, err
 	}
 	p := &rankProc{cmd: cmd, pid: cmd.Process.Pid, started: time.Now(), done: make(chan struct{})}
+	own(p)
 	go func() {
 		_ = cmd.Wait()
 		p.state = cmd.ProcessState
@@ -336,9 +342,13 @@ func (s *slot) killProc(p *rankProc) {
 	if p == nil {
 		return
 	}
-	s.mu.Lock()
-	p.expected = true
-	s.mu.Unlock()
+	// One that died on its own before this (a zombie not reaped yet) keeps
+	// its exit: it is a fault of its own, not one the agent caused.
+	if !strings.HasPrefix(procState(p.pid), "Z") {
+		s.mu.Lock()
+		p.expected = true
+		s.mu.Unlock()
+	}
 	select {
 	case <-p.done:
 	default:
@@ -399,7 +409,7 @@ func (s *slot) shutdown() {
 	s.spare = nil
 	s.mu.Unlock()
 	if sp != nil {
-		sp.kill()
+		s.killProc(sp.p)
 	}
 	s.kill()
 }

@@ -18,7 +18,6 @@ const spareBoot = "import faultline.spare as s; s.main()"
 // spareProc is a warm interpreter kept for a slot: it has imported torch,
 // so that a restart skips seconds of imports.
 type spareProc struct {
-	s     *slot
 	p     *rankProc
 	ready chan net.Conn // its connection, once it said it is ready
 }
@@ -42,30 +41,28 @@ func (s *slot) prepareSpare() {
 	if wd, err := os.Getwd(); err == nil {
 		cmd.Dir = wd
 	}
-	p, err := s.launch(cmd)
-	if err != nil {
-		s.mu.Unlock()
-		s.a.log.Warn("agent: no spare interpreter", "rank", s.rank, "err", err)
-		return
-	}
-	s.spare = &spareProc{s: s, p: p, ready: make(chan net.Conn, 1)}
+	_, err := s.launch(cmd, func(p *rankProc) { s.spare = &spareProc{p: p, ready: make(chan net.Conn, 1)} })
 	s.mu.Unlock()
+	if err != nil {
+		s.a.log.Warn("agent: no spare interpreter", "rank", s.rank, "err", err)
+	}
 }
 
 // run hands the spare the rank: env are the variables of the rank's
-// process. It returns once the spare has them.
-func (sp *spareProc) run(ctx context.Context, env map[string]string, c Config) (*rankProc, error) {
+// process. own makes the spare the slot's process before it is told. It
+// returns once the spare has them.
+func (sp *spareProc) run(ctx context.Context, env map[string]string, c Config, own func(*rankProc)) error {
 	var conn net.Conn
 	t := time.NewTimer(2 * time.Minute)
 	defer t.Stop()
 	select {
 	case conn = <-sp.ready:
 	case <-sp.p.done:
-		return nil, fmt.Errorf("spare pid %d exited before it was ready: %v", sp.p.pid, sp.p.state)
+		return fmt.Errorf("spare pid %d exited before it was ready: %v", sp.p.pid, sp.p.state)
 	case <-t.C:
-		return nil, errors.New("spare not ready after 2 minutes")
+		return errors.New("spare not ready after 2 minutes")
 	case <-ctx.Done():
-		return nil, ctx.Err()
+		return ctx.Err()
 	}
 	defer conn.Close()
 	vars := map[string]any{}
@@ -76,25 +73,15 @@ func (sp *spareProc) run(ctx context.Context, env map[string]string, c Config) (
 	wd, _ := os.Getwd()
 	msg, err := json.Marshal(map[string]any{"ok": true, "env": vars, "argv": c.Command, "module": c.Module, "cwd": wd})
 	if err != nil {
-		return nil, err
-	}
-	conn.SetWriteDeadline(time.Now().Add(5 * time.Second))
-	if _, err := conn.Write(append(msg, '\n')); err != nil {
-		return nil, fmt.Errorf("spare pid %d: %w", sp.p.pid, err)
+		return err
 	}
 	sp.p.started = time.Now()
-	return sp.p, nil
-}
-
-// kill ends the spare.
-func (sp *spareProc) kill() {
-	sp.p.expected = true
-	select {
-	case <-sp.p.done:
-	default:
-		_ = killGroup(sp.p.pid)
-		<-sp.p.done
+	own(sp.p)
+	conn.SetWriteDeadline(time.Now().Add(5 * time.Second))
+	if _, err := conn.Write(append(msg, '\n')); err != nil {
+		return fmt.Errorf("spare pid %d: %w", sp.p.pid, err)
 	}
+	return nil
 }
 
 // offer takes in a spare's "spare" request: its connection waits there

@@ -65,7 +65,11 @@ func (t trainer) Strategies(context.Context, taskd.FaultNotice) ([]taskd.Strateg
 	if restarts < s.a.cfg.MaxRestarts {
 		return []taskd.Strategy{taskd.StrategyRecoverInPlace, taskd.StrategyDump, taskd.StrategyExit}, nil
 	}
-	s.a.stop(fmt.Sprintf("the restart budget is spent: %d restarts of %d allowed (--max-restarts)", restarts, s.a.cfg.MaxRestarts))
+	why := fmt.Sprintf("the restart budget is spent: %d restarts of %d allowed (--max-restarts)", restarts, s.a.cfg.MaxRestarts)
+	if f := s.a.incident.last(); f != "" {
+		why += "; the last fault: " + f
+	}
+	s.a.stop(why)
 	return []taskd.Strategy{taskd.StrategyDump, taskd.StrategyExit}, nil
 }
 
