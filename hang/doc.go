@@ -42,8 +42,9 @@
 //	faultline_hang_op_timeout_seconds{op,group} timeout applied to new ops, fixed or learned
 //	faultline_hang_ops_in_flight            ops started and not ended
 //
-// Close unregisters them, so that a restarted worker's new watchdog can
-// register its own.
+// A second live watchdog of one rank on the same Registerer is an error of
+// New, not a panic; Close unregisters them, so that a restarted worker's
+// new watchdog can register its own.
 //
 // xpu_timer's gauges carry ip, job_name, pod_name, local_rank and rank
 // labels; ours carry rank, and the others come from the scrape target's

@@ -83,7 +83,9 @@
 //
 // # Metrics
 //
-// Analyze and Watch register on Config.Registerer, while they run:
+// Analyze and Watch register on Config.Registerer while they run (another
+// Analyze or Watch running on the same Registerer makes that their
+// error):
 // faultline_slownode_records_total, faultline_slownode_read_bytes_total,
 // faultline_slownode_garbage_lines_total,
 // faultline_slownode_verdict_changes_total,
