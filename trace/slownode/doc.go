@@ -42,20 +42,30 @@
 //
 // Within each pipeline stage (ranks that do the same work), the healthy
 // ranks are found by splitting the stage's figures in clusters (1-D
-// 2-means, peeling off upper clusters while at least a third remain), so
-// that a slow host holding half a stage, or an outlier step beside it,
-// does not hide in the median. A rank whose compute, dataloader or send
-// time exceeds the healthy median by RelativeThreshold, NSigma of the
-// healthy ranks' standard deviations and MinEffect of the step is
-// anomalous for the step. Inside each communicator, MindCluster's
-// homogenisation splits the members' communication times in two: when
-// those who wait more wait ClusterMeanDistance times longer, the others
-// are late, which their compute confirms. A communicator that waits
+// 2-means, peeling off upper clusters while at least a third, and at
+// least three ranks, remain), so that a slow host holding half a stage,
+// or an outlier step beside it, does not hide in the median. A rank whose
+// compute, dataloader or send time exceeds the healthy median by
+// RelativeThreshold, by MinEffect of the step, and by NSigma of the
+// ranks' noise is anomalous for the step. That noise is the larger of the
+// healthy ranks' spread in the step and how far the stage's ranks moved
+// from one step to the next over the last Window steps (the median over
+// ranks of each one's move): a few ranks show no spread in one step, but
+// ranks that share their cores with other work jump by whole time slices
+// from step to step, and a slow rank's figure stays high where noise
+// comes and goes. Inside each communicator, MindCluster's homogenisation
+// splits the members' communication times in two: when those who wait
+// more (a majority) wait ClusterMeanDistance times longer, the others are
+// late, which their compute confirms (above the healthy median by half
+// the margins of the peer test). A communicator that waits
 // ClusterMeanDistance times longer than the healthy ones of its kind in
 // its stage, with no member to blame, is slow; a host is slow when all
 // its ranks are. Lateness that a slow communicator, link or data loading
 // explains is not blamed on compute. Consecutive anomalous steps make a
-// finding (one outlier step does not) and as many normal ones clear it.
+// finding (one outlier step does not) and as many normal ones clear it; a
+// step where most of a stage stood apart from the rest has no healthy
+// ranks to compare with and counts neither way, but a run of anomalous
+// steps must fit in twice Consecutive steps.
 //
 // MindCluster's time detector runs on the job's step time: a baseline of
 // the first NormalSteps steps (their median, and σ from their median
