@@ -85,8 +85,11 @@
 // slowCommunicationDomains, slowHostNodes, slowIORanks,
 // slowCommunicationRanks) plus per-finding evidence (peer baseline,
 // recent value, ratio, method), the onset step, a confidence, per-rank
-// figures and input counters. WriteText, WriteJSON and WriteHTML render
-// it; the HTML page is self-contained.
+// figures and input counters. A figure no marker gave (a switch off, or
+// communication covering all of forward and backward, which leaves no
+// compute to tell) is named in Result.Unavailable with the reason, and
+// left out of the reports. WriteText, WriteJSON and WriteHTML render it;
+// the HTML page is self-contained.
 //
 // Hosts come from Config.Nodes (see ParseRankTable for hccl.json), from
 // a <job>/<host>/<rank>/ layout, or from Config.RanksPerNode.
@@ -111,6 +114,11 @@
 // and outlier steps, healthy or with one injected slowdown each, and
 // assert precision, recall and a detection latency of at most 3 steps.
 // FAULTLINE_SLOWNODE_LARGE=1 adds 128- and 512-rank layouts and ten more
-// seeds (about a minute); the
-// benchmarks (go test -bench .) generate a 1024-rank, 200-step job.
+// seeds (about a minute). Where python3 has torch (Debian's
+// python3-torch), TestRealDDPJob runs testdata/ddp.py, a 4-rank
+// data-parallel PyTorch job on gloo that writes its dotting in this
+// format, healthy and with a slow rank and a slow data loader.
+// FAULTLINE_SLOWNODE_CALIBRATE=1 prints how each threshold trades false
+// findings for missed ones on both kinds of job (see Config's defaults).
+// The benchmarks (go test -bench .) generate a 1024-rank, 200-step job.
 package slownode
