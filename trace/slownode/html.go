@@ -154,14 +154,15 @@ type chartMark struct {
 }
 
 type chartLegend struct {
-	Y     int
+	X     int
 	Class string
 	Text  string
 }
 
 const (
-	chartW, chartH              = 1100, 300
-	padL, padR, padTop, padBott = 60, 150, 22, 30
+	chartW, chartH              = 1100, 310
+	padL, padR, padTop, padBott = 60, 80, 36, 30
+	legendY                     = 10 // the legend's row, above the onset's label
 )
 
 // plot maps steps and milliseconds into a chart's frame.
@@ -308,10 +309,12 @@ func rankChart(r *Result, fig chartFigure, slow []int, onset int64, note string)
 	return c, true
 }
 
-// legend lays the legend out down the right margin.
+// legend lays the legend out in a row above the plot.
 func legend(c *chart) {
+	x := padL
 	for i := range c.Legend {
-		c.Legend[i].Y = padTop + 4 + 16*i
+		c.Legend[i].X = x
+		x += 36 + 7*len(c.Legend[i].Text) + 18
 	}
 }
 
@@ -343,7 +346,8 @@ var htmlTemplate = template.Must(template.New("page").Funcs(template.FuncMap{
 	"head":    func(c rankColumn) string { return c.long },
 	"plotR":   func() int { return chartW - padR },
 	"plotB":   func() int { return chartH - padBott },
-	"legendX": func() int { return chartW - padR + 46 },
+	"legendY": func() int { return legendY },
+	"add":     func(a, b int) int { return a + b },
 }).Parse(`<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <title>Slow-node report: {{.R.JobID}}</title>
@@ -353,7 +357,7 @@ h1{font-size:1.4em}h2{font-size:1.1em;margin-top:1.5em}
 .slow{color:#b00;font-weight:600}.ok{color:#080}
 .note{color:#555;margin:.2em 0}
 table{border-collapse:collapse;font-variant-numeric:tabular-nums}
-th,td{border:1px solid #ccc;padding:2px 6px;text-align:right;white-space:nowrap}
+th,td{border:1px solid #ccc;padding:2px 5px;text-align:right;white-space:nowrap}
 th{background:#f3f3f3;cursor:pointer;user-select:none}
 td.l,th.l{text-align:left}
 tr.st-slow td{background:#fde8e8}tr.st-silent td{background:#eee;color:#777}
@@ -402,18 +406,19 @@ svg .axis{stroke:#888}
 {{range .XTicks}}<text x="{{.Pos}}" y="{{sub $c.H 10}}" text-anchor="middle">step {{.Label}}</text>{{end}}
 {{with .Base}}<line class="base" x1="{{padL}}" y1="{{.Pos}}" x2="{{plotR}}" y2="{{.Pos}}"/>{{end}}
 {{range .Lines}}<polyline class="{{.Class}}" points="{{.Points}}"><title>{{.Label}}</title></polyline>{{end}}
-{{range .Marks}}<line class="{{.Class}}" x1="{{.X}}" y1="16" x2="{{.X}}" y2="{{plotB}}"/><text class="{{.Class}}" x="{{.X}}" y="12" text-anchor="middle">{{.Label}}</text>{{end}}
+{{range .Marks}}<line class="{{.Class}}" x1="{{.X}}" y1="{{sub padTop 6}}" x2="{{.X}}" y2="{{plotB}}"/><text class="{{.Class}}" x="{{.X}}" y="{{sub padTop 10}}" text-anchor="middle">{{.Label}}</text>{{end}}
 {{range .Labels}}<text class="slow" x="{{.X}}" y="{{.Y}}" dominant-baseline="middle">{{.Text}}</text>{{end}}
-{{range .Legend}}<line class="{{.Class}}" x1="{{sub legendX 40}}" y1="{{.Y}}" x2="{{sub legendX 8}}" y2="{{.Y}}"/><text x="{{legendX}}" y="{{.Y}}" dominant-baseline="middle">{{.Text}}</text>{{end}}
+{{range .Legend}}<line class="{{.Class}}" x1="{{.X}}" y1="{{legendY}}" x2="{{add .X 30}}" y2="{{legendY}}"/><text x="{{add .X 36}}" y="{{legendY}}" dominant-baseline="middle">{{.Text}}</text>{{end}}
 </svg>{{end}}
 {{end}}
-<h2>Iteration trajectory per rank (click a header to sort)</h2>
-<table class="sortable"><thead><tr><th>Rank</th><th class="l">Node</th><th>Stage</th><th class="l">Status</th>{{range .Cols}}<th>{{head .}}</th>{{end}}<th>Last step</th><th class="l">Flags</th></tr></thead><tbody>
+<h2>Iteration trajectory per rank, ms (click a header to sort)</h2>
+<table class="sortable"><thead><tr><th>Rank</th><th class="l">Node</th><th>Stage</th><th class="l">Status</th>{{range .Cols}}<th>{{head .}}</th>{{end}}<th>Last</th><th class="l">Flags</th></tr></thead><tbody>
 {{range $r := .Ranks}}<tr class="st-{{.Status}}"><td>{{.Rank}}</td><td class="l">{{.Node}}</td><td>{{.Stage}}</td><td class="l">{{.Status}}</td>{{range $.Cols}}<td>{{cell . $r}}</td>{{end}}<td>{{.LastStep}}</td><td class="l">{{join .Flags ","}}</td></tr>
 {{end}}</tbody></table>
 <p>Figures are medians over each rank's recent steps; "-" where a rank's markers do not give one. Steps are matched across ranks by number, never by timestamp: host clocks are not comparable.</p>
 <script>
 document.querySelectorAll("table.sortable th").forEach(function (th) {
+  th.title = "click to sort";
   th.addEventListener("click", function () {
     var i = th.cellIndex, body = th.closest("table").tBodies[0], asc = th.dataset.dir !== "asc";
     th.dataset.dir = asc ? "asc" : "desc";

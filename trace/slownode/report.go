@@ -196,18 +196,18 @@ type rankColumn struct {
 }
 
 var allRankColumns = []rankColumn{
-	{"STEP", "Step ms", "step", func(r *RankSummary) float64 { return r.StepMs }, false},
-	{"GAP", "Gap ms", "trajectory", func(r *RankSummary) float64 { return r.GapMs }, false},
-	{"FP+BP", "FP+BP ms", "trajectory", func(r *RankSummary) float64 { return r.FPBPMs }, false},
-	{"TRAIL", "Trailing ms", "trajectory", func(r *RankSummary) float64 { return r.TrailingMs }, false},
-	{"COMPUTE", "Compute ms", "compute", func(r *RankSummary) float64 { return r.ComputeMs }, false},
-	{"FWD", "Forward ms", "forward", func(r *RankSummary) float64 { return r.ForwardMs }, false},
-	{"DATA", "Dataloader ms", "dataloader", func(r *RankSummary) float64 { return r.DataLoaderMs }, false},
-	{"CKPT", "Checkpoint ms", "checkpoint", func(r *RankSummary) float64 { return r.CheckpointMs }, false},
-	{"COMM", "Comm ms", "communication", func(r *RankSummary) float64 { return r.CommMs }, false},
-	{"SEND", "Send ms", "send", func(r *RankSummary) float64 { return r.SendMs }, false},
-	{"REL", "Relative", relativeScore, func(r *RankSummary) float64 { return r.RelativeScore }, true},
-	{"IND", "Individual", individualScore, func(r *RankSummary) float64 { return r.IndividualScore }, true},
+	{"STEP", "Step", "step", func(r *RankSummary) float64 { return r.StepMs }, false},
+	{"GAP", "Gap", "trajectory", func(r *RankSummary) float64 { return r.GapMs }, false},
+	{"FP+BP", "FP+BP", "trajectory", func(r *RankSummary) float64 { return r.FPBPMs }, false},
+	{"TRAIL", "Trailing", "trajectory", func(r *RankSummary) float64 { return r.TrailingMs }, false},
+	{"COMPUTE", "Compute", "compute", func(r *RankSummary) float64 { return r.ComputeMs }, false},
+	{"FWD", "Forward", "forward", func(r *RankSummary) float64 { return r.ForwardMs }, false},
+	{"DATA", "Data", "dataloader", func(r *RankSummary) float64 { return r.DataLoaderMs }, false},
+	{"CKPT", "Ckpt", "checkpoint", func(r *RankSummary) float64 { return r.CheckpointMs }, false},
+	{"COMM", "Comm", "communication", func(r *RankSummary) float64 { return r.CommMs }, false},
+	{"SEND", "Send", "send", func(r *RankSummary) float64 { return r.SendMs }, false},
+	{"REL", "Rel.", relativeScore, func(r *RankSummary) float64 { return r.RelativeScore }, true},
+	{"IND", "Ind.", individualScore, func(r *RankSummary) float64 { return r.IndividualScore }, true},
 }
 
 // rankColumns returns the columns of the figures some rank has: a column
