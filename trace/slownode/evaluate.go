@@ -64,21 +64,28 @@ func (d *Detector) evaluate(rw *row) {
 	cellOf := func(ri int32) *cell { return &rw.cells[ri] }
 	val := func(ri int32, m metric) float64 { return rw.cells[ri].m[m] }
 
-	// The job's figures: medians over the ranks that have them.
-	var job [numHist]float64
-	for i, m := range histMetrics {
+	// The job's figures: medians over the ranks that have them. Those
+	// only the charts draw are taken over a sample of the ranks.
+	var job [numMetrics]float64
+	for i := range job {
+		job[i] = math.NaN()
+	}
+	for _, m := range histMetrics {
+		stride := 1
+		if m != mStep && m != mCompute {
+			stride = sampleStride(len(sc.present))
+		}
 		sc.vals = sc.vals[:0]
-		for _, ri := range sc.present {
-			if v := val(ri, m); !math.IsNaN(v) {
+		for k := 0; k < len(sc.present); k += stride {
+			if v := val(sc.present[k], m); !math.IsNaN(v) {
 				sc.vals = append(sc.vals, v)
 			}
 		}
-		job[i] = median(sc.vals)
+		job[m] = median(sc.vals)
 	}
-	effect := d.cfg.MinEffect * job[hStep]
+	effect := d.cfg.MinEffect * job[mStep]
 
 	// Per-rank history and windows.
-	var fig [numHist]float64
 	for _, ri := range sc.present {
 		rs, c := d.ranks[ri], cellOf(ri)
 		for m := metric(0); m < numMetrics; m++ {
@@ -86,10 +93,7 @@ func (d *Detector) evaluate(rw *row) {
 				rs.win[m].push(v)
 			}
 		}
-		for i, m := range histMetrics {
-			fig[i] = c.m[m]
-		}
-		rs.hist.add(s, &fig)
+		rs.hist.add(s, &c.m)
 		if math.IsNaN(c.m[mCompute]) {
 			continue
 		}
@@ -423,20 +427,29 @@ func (d *Detector) healthy(pairs []rankValue, threshold, effect, noise float64, 
 	return ref, sd, true
 }
 
+// sampleSize is how many ranks a median the detector only estimates (a
+// noise level, a chart's line) is taken over, at most.
+const sampleSize = 128
+
+// sampleStride returns the stride that takes about sampleSize of n ranks,
+// spread over all of them.
+func sampleStride(n int) int { return max(1, n/sampleSize) }
+
 // jitterOf returns how much the figure m of the stage's ranks moved from
-// their previous step to this one, each against the others: the median
-// over ranks of |Δ − median Δ|, relative to ref. Moves every rank shares
-// (a job-wide slowdown, a phase) cancel out, a few ranks' jumps (a slow
-// rank's onset, an outlier step) do not move the median, and what is left
-// is the noise between ranks that a single step's figures cannot show
-// where a stage has few ranks.
+// their previous step to this one: the median over the ranks (a sample of
+// sampleSize) of |Δ|, relative to ref. A few ranks' jumps (a slow rank's
+// onset, an outlier step) do not move it, nor, in the window's median, a
+// step that moved every rank (a phase); what is left is the noise of the
+// ranks' figures, which a single step's cannot show where a stage has
+// few ranks.
 func (d *Detector) jitterOf(rw *row, peers []int32, m metric, ref float64) (float64, bool) {
 	if !(ref > 0) {
 		return 0, false
 	}
 	sc := &d.scratch
 	sc.tmp = sc.tmp[:0]
-	for _, ri := range peers {
+	for k := 0; k < len(peers); k += sampleStride(len(peers)) {
+		ri := peers[k]
 		v := rw.cells[ri].m[m]
 		if math.IsNaN(v) {
 			continue

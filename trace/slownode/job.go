@@ -51,8 +51,8 @@ const maxPhases = 32
 
 // update takes the job's figures of step s (medians over ranks); explained
 // says whether a finding accounts for a slowdown.
-func (j *jobState) update(s int64, fig *[numHist]float64, explained bool, d *Detector) {
-	v := fig[hStep]
+func (j *jobState) update(s int64, fig *[numMetrics]float64, explained bool, d *Detector) {
+	v := fig[mStep]
 	j.lastStep = s
 	j.recent.push(v)
 	j.hist.add(s, fig)

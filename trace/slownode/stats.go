@@ -259,14 +259,7 @@ const (
 	numHist          = iota
 )
 
-// Short names of the series, as the detector's code uses them.
-const (
-	hStep       = SeriesStep
-	hCompute    = SeriesCompute
-	hDataLoader = SeriesDataLoader
-)
-
-// histMetrics are the detector's metrics of the history's figures.
+// histMetrics are the detector's metrics of the history's series.
 var histMetrics = [numHist]metric{mStep, mCompute, mDataLoader, mComm, mSend}
 
 // history is a bounded, evenly decimated history of a few figures for
@@ -279,8 +272,7 @@ type history struct {
 	pts    []histPoint
 	stride int64 // steps per point
 	acc    histPoint
-	sum    [numHist]float64
-	cnt    [numHist]int32
+	sum    [numHist]float64 // NaN once a step of the point lacked the figure
 	accN   int64
 }
 
@@ -291,7 +283,7 @@ type histPoint struct {
 
 // Point is one point of a chart series: a step and a value in
 // milliseconds (a mean over the steps it stands for when the series is
-// decimated).
+// decimated; a figure one of them lacked is left out of that point).
 type Point struct {
 	Step  int64   `json:"step"`
 	Value float64 `json:"ms"`
@@ -299,26 +291,34 @@ type Point struct {
 
 func newHistory(capacity int) history { return history{max: capacity, stride: 1} }
 
-// add adds the figures of a step; NaN ones are left out of their series.
-func (h *history) add(step int64, v *[numHist]float64) {
+// add adds a step's figures, m being the detector's metrics of a rank or
+// of the job; a NaN one is left out of its series. It is small enough to
+// be inlined: the detector calls it for every rank at every step.
+func (h *history) add(step int64, m *[numMetrics]float64) {
+	if h.accN == 0 {
+		h.acc.step = step
+	}
+	// A NaN stays in a sum, and leaves the figure out of the point.
+	h.sum[SeriesStep] += m[mStep]
+	h.sum[SeriesCompute] += m[mCompute]
+	h.sum[SeriesDataLoader] += m[mDataLoader]
+	h.sum[SeriesComm] += m[mComm]
+	h.sum[SeriesSend] += m[mSend]
+	h.accN++
+	if h.accN >= h.stride {
+		h.flush()
+	}
+}
+
+// flush ends the point being accumulated, merging the points pairwise
+// and doubling the stride when they fill the history.
+func (h *history) flush() {
 	if h.max == 0 {
+		h.sum, h.accN = [numHist]float64{}, 0
 		return
 	}
 	if h.pts == nil {
 		h.pts = make([]histPoint, 0, h.max)
-	}
-	if h.accN == 0 {
-		h.acc.step = step
-	}
-	for i, x := range v {
-		if !math.IsNaN(x) {
-			h.sum[i] += x
-			h.cnt[i]++
-		}
-	}
-	h.accN++
-	if h.accN < h.stride {
-		return
 	}
 	if len(h.pts) == cap(h.pts) {
 		half := len(h.pts) / 2
@@ -333,17 +333,14 @@ func (h *history) add(step int64, v *[numHist]float64) {
 		h.stride *= 2
 	}
 	h.pts = append(h.pts, h.point())
-	h.sum, h.cnt, h.accN = [numHist]float64{}, [numHist]int32{}, 0
+	h.sum, h.accN = [numHist]float64{}, 0
 }
 
 // point returns the point being accumulated.
 func (h *history) point() histPoint {
 	p := histPoint{step: h.acc.step}
-	for i := range p.v {
-		p.v[i] = float32(math.NaN())
-		if h.cnt[i] > 0 {
-			p.v[i] = float32(h.sum[i] / float64(h.cnt[i]))
-		}
+	for i, sum := range h.sum {
+		p.v[i] = float32(sum / float64(h.accN))
 	}
 	return p
 }
