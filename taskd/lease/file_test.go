@@ -296,6 +296,7 @@ func TestFileConfigValidate(t *testing.T) {
 		{func(c *FileConfig) { c.Candidate.Config = "" }, "Config"},
 		{func(c *FileConfig) { c.Candidate.Config = strings.Repeat("a", 65) }, "Config"},
 		{func(c *FileConfig) { c.Candidate.Name = "a b" }, "Name"},
+		{func(c *FileConfig) { c.Candidate.Name = strings.Repeat("a", 254) }, "Name"},
 	} {
 		c := good
 		tt.edit(&c)

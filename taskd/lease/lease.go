@@ -35,8 +35,9 @@ type Term interface {
 	Context() context.Context
 	// Check confirms with the lease's store that this term is still the
 	// newest: its token the lease's, its holder this one. If not, it ends
-	// the term and returns why (wrapping ErrLost). Call it before an act
-	// that two managers must never both do.
+	// the term and returns why (wrapping ErrLost). Another error means
+	// the store could not be asked: the term goes on, and the act waits.
+	// Call it before an act that two managers must never both do.
 	Check(ctx context.Context) error
 	// Resign ends the term and releases the lease, so that a standby takes
 	// it without waiting, and returns once the term's goroutines have
@@ -96,7 +97,8 @@ type Candidate struct {
 	// configuration it had.
 	Config string
 	// Name names this candidate to the others and to operators; default
-	// DefaultName(). 1 to 64 letters, digits, '.', '-', '_', ':' or '@'.
+	// DefaultName(). 1 to 253 letters, digits, '.', '-', '_', ':' or '@'
+	// (a pod's name fits).
 	Name string
 }
 
@@ -109,7 +111,7 @@ func DefaultName() string {
 	}
 	pid := "-" + strconv.Itoa(os.Getpid())
 	host = strings.Map(func(r rune) rune {
-		if r < 0x80 && isToken(string(r), nameExtra) {
+		if r < 0x80 && isToken(string(r), nameExtra, 1) {
 			return r
 		}
 		return '_'
@@ -123,21 +125,24 @@ func (c Candidate) Validate() error {
 	if msg := jobProblem(c.Job); msg != "" {
 		return fmt.Errorf("lease: Candidate.Job %q %s", c.Job, msg)
 	}
-	if !isToken(c.Config, configExtra) {
+	if !isToken(c.Config, configExtra, configMax) {
 		return fmt.Errorf("lease: Candidate.Config %q: %s (a hash of the job's configuration)", c.Config, configWant)
 	}
-	if c.Name != "" && !isToken(c.Name, nameExtra) {
+	if c.Name != "" && !isToken(c.Name, nameExtra, nameMax) {
 		return fmt.Errorf("lease: Candidate.Name %q: %s", c.Name, nameWant)
 	}
 	return nil
 }
 
-// The bytes that a Config and a Name may hold besides letters and digits.
+// What a Config and a Name may hold: letters, digits and these bytes, up
+// to these lengths.
 const (
 	configExtra = "-_."
+	configMax   = 64
 	configWant  = "want 1 to 64 letters, digits, '-', '_' or '.'"
 	nameExtra   = ".-_:@"
-	nameWant    = "want 1 to 64 letters, digits, '.', '-', '_', ':' or '@'"
+	nameMax     = 253
+	nameWant    = "want 1 to 253 letters, digits, '.', '-', '_', ':' or '@'"
 )
 
 // jobProblem says what is wrong with a job identifier, "" if nothing.
@@ -161,10 +166,10 @@ func (c Candidate) withDefaults() Candidate {
 	return c
 }
 
-// isToken reports whether s is 1 to 64 ASCII letters, digits or bytes of
-// extra.
-func isToken(s, extra string) bool {
-	if s == "" || len(s) > 64 {
+// isToken reports whether s is 1 to maxLen ASCII letters, digits or
+// bytes of extra.
+func isToken(s, extra string, maxLen int) bool {
+	if s == "" || len(s) > maxLen {
 		return false
 	}
 	for i := 0; i < len(s); i++ {

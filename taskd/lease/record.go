@@ -153,10 +153,10 @@ func (j recordJSON) check() error {
 	if msg := jobProblem(j.Job); msg != "" {
 		return bad("job", strconv.Quote(j.Job), msg)
 	}
-	if !isToken(j.Config, configExtra) {
+	if !isToken(j.Config, configExtra, configMax) {
 		return bad("config", strconv.Quote(j.Config), configWant)
 	}
-	if !isToken(j.Holder, nameExtra) {
+	if !isToken(j.Holder, nameExtra, nameMax) {
 		return bad("holder", strconv.Quote(j.Holder), nameWant)
 	}
 	switch {

@@ -61,7 +61,7 @@ func TestParseRecordErrors(t *testing.T) {
 		{"empty job", edit(`"job":"llm"`, `"job":""`), "job", "empty"},
 		{"control in job", edit(`"job":"llm"`, `"job":"l\u0007m"`), "job", "control"},
 		{"bad config", edit(`"config":"3f2a9c1e0b7d4a65"`, `"config":"a b"`), "config", "want 1 to 64"},
-		{"bad holder", edit(`"holder":"mgr-a-1234"`, `"holder":""`), "holder", "want 1 to 64"},
+		{"bad holder", edit(`"holder":"mgr-a-1234"`, `"holder":""`), "holder", "want 1 to 253"},
 		{"token 0", edit(`"token":7`, `"token":0`), "token", "at least 1"},
 		{"negative token", edit(`"token":7`, `"token":-7`), "", "cannot unmarshal"},
 		{"short term", edit(`"term":"9b1f03c2e4d5a6b7"`, `"term":"9b1f"`), "term", "16 hexadecimal"},
