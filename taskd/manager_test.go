@@ -108,9 +108,7 @@ func TestDirectImpersonation(t *testing.T) {
 	c := newCluster(t, insecureSec(), ManagerConfig{})
 	w := c.addWorker(0, 0)
 	waitFor(t, 20*time.Second, "registration", w.Connected)
-	if tryWorker(t, c.m.Addr().String(), insecureSec(), 0, time.Second) {
-		t.Fatal("a second instance of rank 0 got in")
-	}
+	refused(t, c.m.Addr().String(), insecureSec(), 0, codes.AlreadyExists, "a second instance of rank 0")
 	if n := counterValue(c.m.met.refused); n < 1 {
 		t.Fatalf("refused = %v", n)
 	}
@@ -325,14 +323,17 @@ func TestConfigValidate(t *testing.T) {
 func TestSwitchFile(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "profilingSwitch")
 	writeFile(t, path, []byte(`{"Step":"on"}`))
-	c := newCluster(t, insecureSec(), ManagerConfig{SwitchSource: SwitchFile(trace.SwitchWatcherConfig{Path: path, PollInterval: 50 * time.Millisecond})})
+	reg := prometheus.NewRegistry()
+	c := newCluster(t, insecureSec(), ManagerConfig{SwitchSource: SwitchFile(trace.SwitchWatcherConfig{Path: path, PollInterval: 50 * time.Millisecond, Registerer: reg})})
 	w := c.addWorker(0, 0)
 	waitFor(t, 20*time.Second, "the file's switch applied", func() bool { sw, _ := w.Switch(); return sw == trace.Switch{Step: true} })
 	writeFile(t, path, []byte(`{"Step":"on","CommunicationOperator":"on"}`))
 	waitFor(t, 20*time.Second, "the change applied", func() bool { sw, _ := w.Switch(); return sw.CommunicationOperator })
-	writeFile(t, path, []byte(`{"Step":"bogus"}`))
 	v := c.m.SwitchStatus().Version
-	time.Sleep(300 * time.Millisecond) // several polls; nothing to wait for
+	writeFile(t, path, []byte(`{"Step":"bogus"}`))
+	waitFor(t, 20*time.Second, "the bad document read and rejected", func() bool {
+		return gathered(t, reg)[`faultline_trace_switch_loads_total{result="error"}`] >= 1
+	})
 	if st := c.m.SwitchStatus(); st.Version != v || !st.Switch.CommunicationOperator {
 		t.Fatalf("after a bad document: %+v", st)
 	}

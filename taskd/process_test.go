@@ -150,7 +150,6 @@ func TestProcesses(t *testing.T) {
 			}
 		}
 		waitFor(t, 30*time.Second, "every worker but the stopped one opened", allBut(string(DomainOpened)))
-		time.Sleep(3 * base.Ack) // several re-sends go unanswered
 		if st := api.switchStatus()[stoppedRank]; st["default"] != string(DomainWaiting) {
 			t.Fatalf("stopped worker: %v, want waiting", st)
 		}
