@@ -19,6 +19,14 @@
 //     reconnect with backoff after a proxy or manager restart and register
 //     again; their queued reports (bounded, overflow counted) are kept and
 //     sent once the manager acknowledges them.
+//   - Leaves and completion. A member that stops on purpose (Worker.Close,
+//     Proxy.Close, the end of Run's context) leaves: the manager records a
+//     leave (EventLeft, faultline_taskd_left_total), not a fault, and
+//     stops expecting its heartbeats; one that dies without a word is
+//     lost. A worker whose rank ran its last step calls Finish before it
+//     stops; once every rank of the job left finished, the job is complete
+//     (EventJobComplete, faultline_taskd_job_complete, JobStatus and the
+//     Admin service's GetJob). A proxy is meant to outlive its workers.
 //   - Profiling switch. The job's trace.Switch comes from SetSwitch, from
 //     the TrainingDataTrace gRPC service (the meaning of ClusterD's
 //     ModifyTrainingDataTraceSwitch, GetTrainingDataTraceSwitch and

@@ -15,10 +15,12 @@ type EventKind int
 
 // Event kinds.
 const (
-	EventRegistered EventKind = iota + 1 // a worker or proxy registered (not a reconnect)
-	EventFault                           // a fault was taken into the log (FaultLost included)
-	EventMessage                         // a worker or proxy sent an application message
-	EventSwitch                          // the job's profiling switch changed
+	EventRegistered  EventKind = iota + 1 // a worker or proxy registered (not a reconnect)
+	EventFault                            // a fault was taken into the log (FaultLost included)
+	EventMessage                          // a worker or proxy sent an application message
+	EventSwitch                           // the job's profiling switch changed
+	EventLeft                             // a worker or proxy left on purpose (its silence is no fault)
+	EventJobComplete                      // every rank of the job left after its last step
 )
 
 func (k EventKind) String() string {
@@ -31,6 +33,10 @@ func (k EventKind) String() string {
 		return "message"
 	case EventSwitch:
 		return "switch"
+	case EventLeft:
+		return "left"
+	case EventJobComplete:
+		return "job-complete"
 	}
 	return fmt.Sprintf("EventKind(%d)", int(k))
 }
@@ -45,6 +51,8 @@ type Event struct {
 	Fault    Fault        // EventFault
 	Message  Message      // EventMessage
 	Switch   trace.Switch // EventSwitch
+	// Departure is who left (EventLeft); a proxy's Position.Rank is -1.
+	Departure Departure
 }
 
 // Message is an application message between the manager and a member.

@@ -192,6 +192,8 @@ type Manager struct {
 	collections map[uint64]*collection
 	collectMu   sync.Mutex // serialises Collect calls
 	proxyHosts  map[int]string
+	gone        *departures // workers lost, evicted or left
+	completedAt time.Time   // when every rank left finished; zero until then
 
 	state     atomic.Int32 // 0 new, 1 running, 2 closed
 	closed    chan struct{}
@@ -226,6 +228,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		deliveries:  make(map[uint64]*delivery),
 		collections: make(map[uint64]*collection),
 		proxyHosts:  make(map[int]string),
+		gone:        newDepartures(cfg.Nodes * cfg.ProcsPerNode),
 		closed:      make(chan struct{}),
 		runDone:     make(chan struct{}),
 	}
@@ -376,6 +379,7 @@ func (m *Manager) step(now time.Time) {
 		}
 		if lm.key.role == RoleWorker {
 			m.sw.gone(lm.key.id)
+			m.departedLocked(lm.pos, lm.lastSeen)
 		}
 		m.met.lost.WithLabelValues(lm.key.role.String()).Inc()
 		m.log.Warn("taskd: member lost: no heartbeat within the deadline", "member", lm.key.String(), "last_seen", lm.lastSeen, "deadline", m.cfg.HeartbeatDeadline)
@@ -659,6 +663,7 @@ func (m *Manager) evict(ranks []int, why string) {
 		m.evicted.add(wm.instance)
 		m.reg.remove(wm.key, wm.instance)
 		m.sw.gone(r)
+		m.departedLocked(wm.pos, time.Now())
 		if dl := m.downlinks[wm.key]; dl != nil && dl.instance == wm.instance {
 			dl.detach()
 			delete(m.downlinks, wm.key)

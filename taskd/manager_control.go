@@ -100,6 +100,9 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 	}
 	switch key.role {
 	case RoleWorker:
+		if fresh {
+			m.returnedLocked(key.id)
+		}
 		m.sw.registered(key.id, nm.pos.Node, req.GetSwitchBits(), req.GetHasSwitch())
 	case RoleProxy:
 		m.proxyHosts[nm.pos.Node] = peerHost(nm.addr)
@@ -279,6 +282,19 @@ func (s *managerControl) CollectDone(_ context.Context, req *pb.CollectResult) (
 	}
 	s.m.collectDone(req)
 	return &pb.CollectResultResponse{}, nil
+}
+
+func (s *managerControl) Leave(_ context.Context, req *pb.LeaveRequest) (*pb.LeaveResponse, error) {
+	m := s.m
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	mem := req.GetMember()
+	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode); err != nil {
+		return nil, err
+	}
+	m.leave(keyOf(mem), mem.GetInstance(), req.GetFinished(), time.Now())
+	return &pb.LeaveResponse{}, nil
 }
 
 // statusMessage returns the message of a gRPC error, or its text.

@@ -69,39 +69,56 @@ func TestBroadcast(t *testing.T) {
 	}
 }
 
+// TestLostAndRejoin: a worker process killed without a word is lost once
+// its heartbeats stop; a worker that closes leaves, with no fault; a
+// restarted process takes the rank again.
 func TestLostAndRejoin(t *testing.T) {
 	var mu sync.Mutex
-	var lost []Fault
+	var events []Event
 	got := make(chan struct{}, 10)
 	c := newCluster(t, insecureSec(), ManagerConfig{Handlers: []Handler{{Name: "rec", Handle: func(_ context.Context, _ *Manager, ev Event) error {
-		if ev.Kind == EventFault && ev.Fault.Kind == FaultLost {
+		if ev.Kind == EventFault || ev.Kind == EventLeft {
 			mu.Lock()
-			lost = append(lost, ev.Fault)
+			events = append(events, ev)
 			mu.Unlock()
 			got <- struct{}{}
 		}
 		return nil
 	}}}})
-	w := c.addWorker(0, 0)
-	waitFor(t, 20*time.Second, "registration", w.Connected)
-	stopped := time.Now()
-	c.stop(w, w)
-	select {
-	case <-got:
-	case <-time.After(testTimings.deadline + 20*time.Second):
-		t.Fatal("no FaultLost")
+	next := func() Event {
+		t.Helper()
+		select {
+		case <-got:
+		case <-time.After(testTimings.deadline + 20*time.Second):
+			t.Fatal("no event")
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		ev := events[0]
+		events = events[1:]
+		return ev
 	}
-	mu.Lock()
-	f := lost[0]
-	mu.Unlock()
+	a := childArgs{Job: c.job, Upstream: c.m.Addr().String(), Interval: testTimings.interval, Deadline: testTimings.deadline, Ack: testTimings.ack}
+	proc := startChild(t, "worker", a)
+	proc.expect(0, "connected", 60*time.Second)
+	killed := time.Now()
+	proc.kill()
+	ev := next()
 	// Lost only after its heartbeats stopped; how long after depends on
 	// when the last one got through, which a loaded machine delays.
-	if f.Position != (Position{0, 0}) || f.ReporterRole != RoleManager || f.Received.Before(stopped) {
-		t.Fatalf("lost fault %+v, %v after stopping", f, f.Received.Sub(stopped))
+	if f := ev.Fault; ev.Kind != EventFault || f.Kind != FaultLost || f.Position != (Position{0, 0}) || f.ReporterRole != RoleManager || f.Received.Before(killed) {
+		t.Fatalf("after the kill: %+v, %v after it", ev, ev.Fault.Received.Sub(killed))
 	}
-	// A restarted process takes the rank again.
-	w2 := c.addWorker(0, 0)
-	waitFor(t, 20*time.Second, "re-registration", w2.Connected)
+	// A restarted process takes the rank again, and leaves when it stops.
+	w := c.addWorker(0, 0)
+	waitFor(t, 20*time.Second, "re-registration", w.Connected)
+	c.stop(w, w)
+	if ev := next(); ev.Kind != EventLeft || ev.Departure.Position != (Position{0, 0}) || !ev.Departure.Left {
+		t.Fatalf("after Close: %+v", ev)
+	}
+	if st := c.m.JobStatus(); len(st.Live) != 0 || len(st.Departed) != 1 || st.Complete {
+		t.Fatalf("job status %+v", st)
+	}
 }
 
 func TestDirectImpersonation(t *testing.T) {

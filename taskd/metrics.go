@@ -10,6 +10,8 @@ import (
 type managerMetrics struct {
 	members     *prometheus.GaugeVec
 	lost        *prometheus.CounterVec
+	left        *prometheus.CounterVec
+	complete    prometheus.Gauge
 	refused     prometheus.Counter
 	messages    *prometheus.CounterVec
 	acks        *prometheus.CounterVec
@@ -31,6 +33,8 @@ func newManagerMetrics(r *promreg.Registrar) *managerMetrics {
 	return &managerMetrics{
 		members:     f.NewGaugeVec(prometheus.GaugeOpts{Name: "faultline_taskd_members", Help: "Live registered members by role."}, []string{"role"}),
 		lost:        f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_lost_total", Help: "Members declared lost after missing their heartbeat deadline, by role."}, []string{"role"}),
+		left:        f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_left_total", Help: "Members that left on purpose (no fault), by role."}, []string{"role"}),
+		complete:    f.NewGauge(prometheus.GaugeOpts{Name: "faultline_taskd_job_complete", Help: "1 once every rank of the job left after its last step."}),
 		refused:     f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_registrations_refused_total", Help: "Registrations refused because another live instance holds the position."}),
 		messages:    f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_messages_total", Help: "Messages handled by the manager, by direction (up, down) and kind."}, []string{"direction", "kind"}),
 		acks:        f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_acks_total", Help: "Acknowledgements of downward messages, by result (ok, error, timeout)."}, []string{"result"}),

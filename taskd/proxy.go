@@ -109,6 +109,7 @@ type Proxy struct {
 	mu       sync.Mutex
 	workers  map[int]*proxyWorker // by rank
 	upReady  bool
+	joined   bool          // registered with the manager at least once
 	mgr      string        // the manager's instance
 	deadline time.Duration // the manager's heartbeat deadline
 	collect  chan *pb.CollectRequest
@@ -203,7 +204,8 @@ func (p *Proxy) ReportFault(f Fault) error {
 }
 
 // Run serves the node's workers and keeps the proxy registered with the
-// manager until ctx ends or Close is called; then it returns nil.
+// manager until ctx ends or Close is called; then it leaves the job and
+// returns nil.
 func (p *Proxy) Run(ctx context.Context) error {
 	if !p.state.CompareAndSwap(0, 1) {
 		return errors.New("taskd: Proxy.Run called twice or after Close")
@@ -228,6 +230,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 		cancel()
 		return nil
 	})
+	defer p.leave()
 	g.Go(func() error { return p.runUpstream(ctx) })
 	g.Go(func() error { return runAcks(ctx, p.up, p.cfg.Job, p.acks, p.cfg.AckTimeout, p.log) })
 	g.Go(func() error {
@@ -264,6 +267,23 @@ func (p *Proxy) Close() error {
 	})
 	<-p.runDone
 	return nil
+}
+
+// leave tells the manager that the proxy is going, so that its silence is
+// not taken for a fault. Its workers stay members until they leave or are
+// lost: a node's proxy is meant to outlive them.
+func (p *Proxy) leave() {
+	p.mu.Lock()
+	joined := p.joined
+	p.mu.Unlock()
+	if !joined {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), min(closeGrace, p.cfg.AckTimeout))
+	defer cancel()
+	if _, err := p.up.Leave(ctx, &pb.LeaveRequest{Job: p.cfg.Job, Member: p.self}); err != nil {
+		p.log.Warn("taskd: could not tell the manager that the proxy leaves; it will be declared lost", "err", err)
+	}
 }
 
 func (p *Proxy) runUpstream(ctx context.Context) error {
@@ -315,7 +335,7 @@ func (p *Proxy) upSession(ctx context.Context, sessions *int) error {
 		p.met.reconnects.Inc()
 	}
 	p.mu.Lock()
-	p.upReady, p.mgr, p.deadline = true, resp.GetManagerInstance(), deadline
+	p.upReady, p.joined, p.mgr, p.deadline = true, true, resp.GetManagerInstance(), deadline
 	ranks := make([]int, 0, len(p.workers))
 	for r := range p.workers {
 		ranks = append(ranks, r)
@@ -630,6 +650,27 @@ func (s *proxyControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreaming
 		p.mu.Unlock()
 	}
 	return err
+}
+
+// Leave relays a worker's leave to the manager and forgets the worker.
+func (s *proxyControl) Leave(ctx context.Context, req *pb.LeaveRequest) (*pb.LeaveResponse, error) {
+	p := s.p
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	mem := req.GetMember()
+	rank := int(mem.GetPosition().GetRank())
+	p.mu.Lock()
+	w := p.workers[rank]
+	held := w != nil && w.instance == mem.GetInstance() && roleFromPB(mem.GetRole()) == RoleWorker
+	p.mu.Unlock()
+	if !held {
+		return &pb.LeaveResponse{}, nil // gone already: nothing to relay
+	}
+	p.dropWorker(rank, w.instance)
+	cctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+	defer cancel()
+	return p.up.Leave(cctx, req)
 }
 
 func (s *proxyControl) Acknowledge(_ context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {

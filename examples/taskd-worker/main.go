@@ -10,6 +10,7 @@
 //
 // Stdin lines:
 //
+//	finish                    this rank ran its last step: its leave on exit says so
 //	fault KIND [MESSAGE...]   report a fault (process_exit, op_error, hang, ...)
 //	msg KIND [PAYLOAD...]     send an application message to the manager
 //	hang                      hang the fake trainer's step loop
@@ -100,6 +101,10 @@ func run() error {
 			f := strings.Fields(sc.Text())
 			if len(f) == 1 && f[0] == "hang" && tr != nil {
 				tr.Hang()
+				continue
+			}
+			if len(f) == 1 && f[0] == "finish" {
+				w.Finish()
 				continue
 			}
 			if len(f) < 2 {
