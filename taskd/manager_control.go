@@ -133,8 +133,10 @@ func (s *managerControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) 
 	resp := &pb.HeartbeatResponse{ManagerInstance: m.instance}
 	m.mu.Lock()
 	for _, b := range req.GetBeats() {
-		age := time.Duration(max(b.GetAgeMs(), 0)) * time.Millisecond
-		if !m.reg.beat(keyOf(b.GetMember()), b.GetMember().GetInstance(), now.Add(-age)) {
+		// Clamped before it becomes a Duration, which an age of 2^63 ns
+		// or more would overflow.
+		age := time.Duration(min(max(b.GetAgeMs(), 0), m.cfg.HeartbeatDeadline.Milliseconds())) * time.Millisecond
+		if !m.reg.beat(keyOf(b.GetMember()), b.GetMember().GetInstance(), now.Add(-age), now) {
 			resp.Unknown = append(resp.Unknown, b.GetMember())
 		}
 	}
