@@ -176,6 +176,7 @@ type Manager struct {
 	nextID   atomic.Uint64
 	events   *eventQueue
 	kick     chan struct{} // wakes the housekeeping loop
+	faults   *faultStore   // has a lock of its own
 
 	mu          sync.Mutex
 	reg         *registry
@@ -183,10 +184,7 @@ type Manager struct {
 	sw          *switchTracker
 	fanSpan     oteltrace.Span
 	swSubs      map[chan trace.Switch]struct{}
-	faults      *faultLog
 	evicted     *idSet // instances evicted by recovery: refused from then on
-	faultFile   *os.File
-	fileFaults  int // lines in faultFile
 	recentMsgs  *idSet
 	deliveries  map[uint64]*delivery
 	collections map[uint64]*collection
@@ -222,7 +220,6 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		downlinks:   make(map[memberKey]*downlink),
 		sw:          newSwitchTracker(cfg.AckTimeout, 30*time.Second),
 		swSubs:      make(map[chan trace.Switch]struct{}),
-		faults:      newFaultLog(cfg.MaxFaults),
 		evicted:     newIDSet(4096),
 		recentMsgs:  newIDSet(4096),
 		deliveries:  make(map[uint64]*delivery),
@@ -237,6 +234,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		tp = noop.NewTracerProvider()
 	}
 	m.tracer = tp.Tracer("github.com/faultline-ml/faultline/taskd")
+	m.faults = newFaultStore(cfg.MaxFaults, m.log)
 	if cfg.Orchestration != nil {
 		orch, err := newOrchestrator(m, *cfg.Orchestration)
 		if err != nil {
@@ -304,6 +302,7 @@ func (m *Manager) Run(ctx context.Context) error {
 		return nil
 	})
 	g.Go(func() error { return m.housekeep(ctx) })
+	g.Go(func() error { m.faults.run(ctx); return nil })
 	g.Go(func() error { return m.runHandlers(ctx) })
 	if m.orch != nil {
 		g.Go(func() error { return m.orch.run(ctx) })
@@ -328,7 +327,6 @@ func (m *Manager) Run(ctx context.Context) error {
 		m.fanSpan = nil
 	}
 	m.mu.Unlock()
-	m.closeState()
 	return err
 }
 
@@ -396,7 +394,6 @@ func (m *Manager) step(now time.Time) {
 			lostFaults = append(lostFaults, stored)
 		}
 	}
-	m.persistFaultsLocked(lostFaults)
 	for _, f := range lostFaults {
 		m.met.faults.WithLabelValues(string(f.Kind)).Inc()
 		evs = append(evs, Event{Kind: EventFault, Time: now, Fault: f, Position: f.Position, Role: RoleManager})
@@ -626,12 +623,10 @@ func (m *Manager) ReportFault(f Fault) (Fault, bool, error) {
 	if f.ReporterRole == 0 {
 		f.ReporterRole, f.Reporter = RoleManager, Position{Node: -1, Rank: -1}
 	}
-	m.mu.Lock()
 	stored, fresh := m.faults.add(f, now)
-	if fresh {
-		m.persistFaultsLocked([]Fault{stored})
+	if err := m.faults.wait(context.Background(), stored.Seq); err != nil {
+		return stored, fresh, err
 	}
-	m.mu.Unlock()
 	if !fresh {
 		m.met.faultDups.Inc()
 		return stored, false, nil
@@ -674,11 +669,7 @@ func (m *Manager) evict(ranks []int, why string) {
 }
 
 // Faults returns the job's faults with Seq above after, oldest first.
-func (m *Manager) Faults(after uint64) []Fault {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return m.faults.after(after)
-}
+func (m *Manager) Faults(after uint64) []Fault { return m.faults.after(after) }
 
 // MemberInfo describes a live member.
 type MemberInfo struct {
@@ -915,99 +906,11 @@ func (m *Manager) loadState() error {
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("taskd: state file: %w", err)
 	}
-	name := filepath.Join(dir, "faults.jsonl")
-	data, err := os.ReadFile(name)
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("taskd: state file: %w", err)
-	}
-	faults, tail, err := parseFaultLog(data)
-	if err != nil {
-		return fmt.Errorf("taskd: state file %s: %w", name, err)
-	}
-	for _, f := range faults {
-		m.faults.restore(f)
-	}
-	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o644)
-	if err != nil {
-		return fmt.Errorf("taskd: state file: %w", err)
-	}
-	if tail < len(data) {
-		// A torn last line was never acknowledged: cut it off.
-		m.log.Warn("taskd: dropping a torn last line of the fault log", "file", name, "offset", tail)
-		if err := f.Truncate(int64(tail)); err != nil {
-			f.Close()
-			return fmt.Errorf("taskd: state file %s: %w", name, err)
-		}
-	}
-	if _, err := f.Seek(0, 2); err != nil {
-		f.Close()
-		return fmt.Errorf("taskd: state file %s: %w", name, err)
-	}
-	m.faultFile = f
-	m.fileFaults = len(faults)
-	return nil
+	return m.faults.load(dir)
 }
 
-// persistFaultsLocked appends faults to the state file and syncs it. A
-// write error is logged: the faults stay in the log in memory.
-func (m *Manager) persistFaultsLocked(faults []Fault) {
-	if m.faultFile == nil || len(faults) == 0 {
-		return
-	}
-	var buf []byte
-	for _, f := range faults {
-		b, err := marshalFault(f)
-		if err != nil {
-			m.log.Error("taskd: marshal fault", "id", f.ID, "err", err)
-			continue
-		}
-		buf = append(buf, b...)
-	}
-	name := m.faultFile.Name()
-	if _, err := m.faultFile.Write(buf); err != nil {
-		m.log.Error("taskd: fault log not saved", "file", name, "err", err)
-		return
-	}
-	if err := m.faultFile.Sync(); err != nil {
-		m.log.Error("taskd: fault log not synced", "file", name, "err", err)
-	}
-	m.fileFaults += len(faults)
-	if m.fileFaults > 2*m.cfg.MaxFaults {
-		m.compactFaultsLocked()
-	}
-}
-
-// compactFaultsLocked rewrites the state file with the faults held.
-func (m *Manager) compactFaultsLocked() {
-	name := m.faultFile.Name()
-	var buf []byte
-	held := m.faults.after(0)
-	for _, f := range held {
-		b, _ := marshalFault(f)
-		buf = append(buf, b...)
-	}
-	if err := atomicfile.WriteFile(name, buf, 0o644); err != nil {
-		m.log.Error("taskd: fault log not compacted", "file", name, "err", err)
-		return
-	}
-	f, err := os.OpenFile(name, os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		m.log.Error("taskd: fault log reopen", "file", name, "err", err)
-		return
-	}
-	m.faultFile.Close()
-	m.faultFile = f
-	m.fileFaults = len(held)
-}
-
-func (m *Manager) closeState() {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.faultFile != nil {
-		m.faultFile.Close()
-		m.faultFile = nil
-	}
-}
+// closeState closes the state file of a manager that never ran.
+func (m *Manager) closeState() { m.faults.closeFile() }
 
 // newInstanceID returns a random identifier for one process start.
 func newInstanceID() string {

@@ -144,7 +144,7 @@ func (s *managerControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) 
 	return resp, nil
 }
 
-func (s *managerControl) Send(_ context.Context, req *pb.SendRequest) (*pb.SendResponse, error) {
+func (s *managerControl) Send(ctx context.Context, req *pb.SendRequest) (*pb.SendResponse, error) {
 	m := s.m
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
@@ -152,27 +152,31 @@ func (s *managerControl) Send(_ context.Context, req *pb.SendRequest) (*pb.SendR
 	if len(req.GetReports()) > 4096 {
 		return nil, status.Errorf(codes.InvalidArgument, "taskd: reports: %d in one call, at most 4096", len(req.GetReports()))
 	}
-	now := time.Now()
-	resp := &pb.SendResponse{}
-	var evs []Event
-	var fresh []Fault
-	m.mu.Lock()
 	for i, r := range req.GetReports() {
 		if r.GetId() == "" || len(r.GetId()) > 256 {
-			m.mu.Unlock()
 			return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d].id: length %d, want 1 to 256", i, len(r.GetId()))
 		}
-		from := r.GetFrom()
 		switch body := r.GetBody().(type) {
 		case *pb.Report_Fault:
 			if body.Fault.GetKind() == "" {
-				m.mu.Unlock()
 				return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d].fault.kind: empty", i)
 			}
-			f := faultFromPB(r.GetId(), from, r.GetTimeUnixNano(), body.Fault)
-			stored, isNew := m.faults.add(f, now)
+		case *pb.Report_Message:
+		default:
+			return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d]: no body", i)
+		}
+	}
+	now := time.Now()
+	resp := &pb.SendResponse{}
+	var evs []Event
+	var last uint64 // the newest fault of the call, to wait for on disk
+	for _, r := range req.GetReports() {
+		from := r.GetFrom()
+		switch body := r.GetBody().(type) {
+		case *pb.Report_Fault:
+			stored, isNew := m.faults.add(faultFromPB(r.GetId(), from, r.GetTimeUnixNano(), body.Fault), now)
+			last = max(last, stored.Seq)
 			if isNew {
-				fresh = append(fresh, stored)
 				m.met.faults.WithLabelValues(string(stored.Kind)).Inc()
 				m.log.Warn("taskd: fault", "seq", stored.Seq, "kind", stored.Kind, "position", stored.Position.String(), "code", stored.Code, "message", stored.Message)
 				evs = append(evs, Event{Kind: EventFault, Time: now, Role: roleFromPB(from.GetRole()), Position: positionOf(from), Fault: stored})
@@ -181,20 +185,23 @@ func (s *managerControl) Send(_ context.Context, req *pb.SendRequest) (*pb.SendR
 			}
 			m.met.messages.WithLabelValues("up", "fault").Inc()
 		case *pb.Report_Message:
-			if m.recentMsgs.add(r.GetId()) {
+			m.mu.Lock()
+			fresh := m.recentMsgs.add(r.GetId())
+			m.mu.Unlock()
+			if fresh {
 				evs = append(evs, Event{Kind: EventMessage, Time: now, Role: roleFromPB(from.GetRole()), Position: positionOf(from),
 					Message: Message{ID: r.GetId(), Kind: body.Message.GetKind(), Payload: body.Message.GetPayload(), From: positionOf(from)}})
 			}
 			m.met.messages.WithLabelValues("up", "message").Inc()
-		default:
-			m.mu.Unlock()
-			return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d]: no body", i)
 		}
 		resp.Accepted = append(resp.Accepted, r.GetId())
 	}
-	m.persistFaultsLocked(fresh)
-	m.mu.Unlock()
 	m.events.push(evs...)
+	// Acknowledged once on disk, off every lock: a heartbeat never waits
+	// for this fsync.
+	if err := m.faults.wait(ctx, last); err != nil {
+		return nil, status.Errorf(codes.Unavailable, "taskd: faults not saved: %v", err)
+	}
 	return resp, nil
 }
 
