@@ -1,15 +1,23 @@
 package taskd
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"fmt"
+	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 )
@@ -132,4 +140,181 @@ func TestFaultFileCompacted(t *testing.T) {
 	if got := m.Faults(0); len(got) != 10 || got[0].ID != "35" || got[9].Seq != 45 {
 		t.Fatalf("after restart: %d faults, first %+v", len(got), got[0])
 	}
+}
+
+// h2Conn is a bare HTTP/2 client connection, for calls no gRPC client
+// would make: a body that never ends, headers beyond any sane size.
+type h2Conn struct {
+	t   testing.TB
+	c   net.Conn
+	fr  *http2.Framer
+	hb  bytes.Buffer
+	enc *hpack.Encoder // one per connection: HPACK is stateful
+	// settings are the server's first SETTINGS.
+	settings map[http2.SettingID]uint32
+}
+
+func newH2Conn(t testing.TB, addr string) *h2Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetDeadline(time.Now().Add(20 * time.Second))
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	h := &h2Conn{t: t, c: c, fr: http2.NewFramer(c, c), settings: map[http2.SettingID]uint32{}}
+	h.enc = hpack.NewEncoder(&h.hb)
+	h.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	if err := h.fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		f, err := h.fr.ReadFrame()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sf, ok := f.(*http2.SettingsFrame); ok && !sf.IsAck() {
+			sf.ForeachSetting(func(s http2.Setting) error { h.settings[s.ID] = s.Val; return nil })
+			h.fr.WriteSettingsAck()
+			return h
+		}
+	}
+}
+
+// call opens stream id for method with the given authorization and extra
+// headers, and sends the first bytes of a gRPC message that declares
+// length bytes and never ends.
+func (h *h2Conn) call(id uint32, method, auth string, extra map[string]string, length uint32, sent int) {
+	h.t.Helper()
+	h.hb.Reset()
+	enc := h.enc
+	for _, kv := range [][2]string{{":method", "POST"}, {":scheme", "http"}, {":path", method}, {":authority", "x"}, {"content-type", "application/grpc"}, {"te", "trailers"}} {
+		enc.WriteField(hpack.HeaderField{Name: kv[0], Value: kv[1]})
+	}
+	if auth != "" {
+		enc.WriteField(hpack.HeaderField{Name: "authorization", Value: auth})
+	}
+	for k, v := range extra {
+		enc.WriteField(hpack.HeaderField{Name: k, Value: v})
+	}
+	block := h.hb.Bytes()
+	first := min(len(block), 16<<10)
+	if err := h.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: block[:first], EndHeaders: first == len(block)}); err != nil {
+		h.t.Fatal(err)
+	}
+	for rest := block[first:]; len(rest) > 0; {
+		n := min(len(rest), 16<<10)
+		if err := h.fr.WriteContinuation(id, n == len(rest), rest[:n]); err != nil {
+			return // the server may hang up on headers this large
+		}
+		rest = rest[n:]
+	}
+	msg := make([]byte, 5+sent)
+	binary.BigEndian.PutUint32(msg[1:], length)
+	for len(msg) > 0 {
+		n := min(len(msg), 16<<10)
+		if err := h.fr.WriteData(id, false, msg[:n]); err != nil {
+			return
+		}
+		msg = msg[n:]
+	}
+}
+
+// status reads frames until stream id ends, and returns its grpc-status
+// ("" when the server reset the stream or hung up without one).
+func (h *h2Conn) status(id uint32) string {
+	h.t.Helper()
+	for {
+		f, err := h.fr.ReadFrame()
+		if err != nil {
+			return ""
+		}
+		switch f := f.(type) {
+		case *http2.MetaHeadersFrame:
+			if f.StreamID == id {
+				if s := f.PseudoValue("status"); s != "" && s != "200" {
+					return "http " + s
+				}
+				for _, hf := range f.RegularFields() {
+					if hf.Name == "grpc-status" {
+						return hf.Value
+					}
+				}
+			}
+		case *http2.RSTStreamFrame:
+			if f.StreamID == id {
+				return ""
+			}
+		case *http2.GoAwayFrame:
+			return ""
+		}
+	}
+}
+
+// TestRefusedBeforeTheBody: a call with a wrong token is refused from its
+// headers, while its body is still coming; headers are capped; streams per
+// connection are bounded.
+func TestRefusedBeforeTheBody(t *testing.T) {
+	token := "0123456789abcdef0123456789abcdef"
+	c := newCluster(t, Security{Insecure: true, Token: token}, ManagerConfig{})
+	h := newH2Conn(t, c.m.Addr().String())
+	if n, ok := h.settings[http2.SettingMaxConcurrentStreams]; !ok || n > maxStreamsPerConn {
+		t.Fatalf("the server allows %d streams per connection (set: %v)", n, ok)
+	}
+	if n, ok := h.settings[http2.SettingMaxHeaderListSize]; !ok || n > maxHeaderBytes {
+		t.Fatalf("the server takes a header list of %d bytes (set: %v)", n, ok)
+	}
+	// 4 MiB declared, 16 KiB sent, never more: refused at once.
+	h.call(1, "/faultline.taskd.v1.Control/Send", "Bearer wrong", nil, 4<<20, 16<<10)
+	if got := h.status(1); got != fmt.Sprint(int(codes.Unauthenticated)) {
+		t.Fatalf("a wrong token with a body still coming: status %q, want Unauthenticated", got)
+	}
+	h.call(3, "/faultline.taskd.v1.Control/Send", "", nil, 4<<20, 16<<10)
+	if got := h.status(3); got != fmt.Sprint(int(codes.Unauthenticated)) {
+		t.Fatalf("no token: status %q, want Unauthenticated", got)
+	}
+	// Two authorization values: the right one is not enough.
+	h.call(5, "/faultline.taskd.v1.Control/Send", "Bearer wrong", map[string]string{"authorization": "Bearer " + token}, 4<<20, 16<<10)
+	if got := h.status(5); got != fmt.Sprint(int(codes.Unauthenticated)) {
+		t.Fatalf("two authorization values: status %q, want Unauthenticated", got)
+	}
+	if n := counterValue(c.m.met.guard.authFailures); n != 3 {
+		t.Fatalf("auth failures counted: %v", n)
+	}
+	// 20 KiB of headers with the right token: refused.
+	big := newH2Conn(t, c.m.Addr().String())
+	big.call(1, "/faultline.taskd.v1.Control/Send", "Bearer "+token, map[string]string{"x-pad": strings.Repeat("x", 20<<10)}, 10, 10)
+	if got := big.status(1); got == "0" {
+		t.Fatal("a header list of 20 KiB was taken")
+	}
+}
+
+// TestStreamsPerPeerBounded: the calls in flight from one peer address,
+// over all its connections, are bounded; one more is refused from its
+// headers, and a call that ends frees its place.
+func TestStreamsPerPeerBounded(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var streams []grpc.ClientStreamingClient[pb.UploadChunk, pb.UploadResponse]
+	for range maxStreamsPerPeer / maxStreamsPerConn {
+		r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{})
+		for range maxStreamsPerConn {
+			s, err := r.client.Upload(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			streams = append(streams, s)
+		}
+	}
+	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{})
+	waitFor(t, 20*time.Second, "the calls in flight refused", func() bool {
+		return status.Code(r.register()) == codes.ResourceExhausted
+	})
+	streams[0].CloseSend()
+	streams[0].CloseAndRecv()
+	waitFor(t, 20*time.Second, "a call taken once one ended", func() bool { return r.register() == nil })
 }

@@ -263,7 +263,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		return nil, fmt.Errorf("taskd: manager listen on %s: %w", cfg.Listen, err)
 	}
 	m.lis = lis
-	m.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: m.met.rateLimited.Inc}, m.log)
+	m.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: m.met.rateLimited.Inc}, newGuard(cfg.Security, m.met.guard, m.log), m.log)
 	pb.RegisterControlServer(m.srv, &managerControl{m: m})
 	pb.RegisterTrainingDataTraceServer(m.srv, &managerTraceAPI{m: m})
 	pb.RegisterAdminServer(m.srv, &managerAdmin{m: m})

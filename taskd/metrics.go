@@ -24,6 +24,7 @@ type managerMetrics struct {
 	dropped     prometheus.Counter
 	collected   prometheus.Counter
 	handlerErrs *prometheus.CounterVec
+	guard       guardMetrics
 }
 
 // newManagerMetrics builds the manager's collectors and registers them
@@ -47,6 +48,15 @@ func newManagerMetrics(r *promreg.Registrar) *managerMetrics {
 		dropped:     f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_downlink_dropped_total", Help: "Downward messages dropped because a member's send queue was full (they are re-sent)."}),
 		collected:   f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_collected_bytes_total", Help: "Bytes of dotting and stack files received from proxies."}),
 		handlerErrs: f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_handler_errors_total", Help: "Errors returned by plugin handlers, by handler."}, []string{"handler"}),
+		guard:       newGuardMetrics(f, "faultline_taskd_"),
+	}
+}
+
+// newGuardMetrics builds a guard's counters, named with prefix.
+func newGuardMetrics(f promauto.Factory, prefix string) guardMetrics {
+	return guardMetrics{
+		authFailures: f.NewCounter(prometheus.CounterOpts{Name: prefix + "auth_failures_total", Help: "Calls whose token was missing or wrong."}),
+		calls:        f.NewCounterVec(prometheus.CounterOpts{Name: prefix + "calls_refused_total", Help: "Calls refused before their body was read, by reason (unauthenticated, streams)."}, []string{"reason"}),
 	}
 }
 
@@ -57,6 +67,7 @@ type proxyMetrics struct {
 	rateLimited prometheus.Counter
 	dropped     prometheus.Counter
 	collected   prometheus.Counter
+	guard       guardMetrics
 }
 
 func newProxyMetrics(r *promreg.Registrar) *proxyMetrics {
@@ -68,6 +79,7 @@ func newProxyMetrics(r *promreg.Registrar) *proxyMetrics {
 		rateLimited: f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_proxy_rate_limited_total", Help: "Calls refused by the per-connection rate limit."}),
 		dropped:     f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_proxy_downlink_dropped_total", Help: "Downward messages dropped because a worker's send queue was full (they are re-sent)."}),
 		collected:   f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_proxy_collected_bytes_total", Help: "Bytes of dotting and stack files shipped to the manager."}),
+		guard:       newGuardMetrics(f, "faultline_taskd_proxy_"),
 	}
 }
 

@@ -2,7 +2,6 @@ package taskd
 
 import (
 	"context"
-	"crypto/subtle"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
@@ -15,11 +14,8 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/metadata"
-	"google.golang.org/grpc/status"
 )
 
 // Security says how members authenticate each other. Set the three files
@@ -78,7 +74,8 @@ func (s Security) warn(log *slog.Logger, side string) {
 	log.Warn("TASKD IS USING PLAINTEXT WITHOUT AUTHENTICATION: anyone who reaches the port can join the job; set mutual TLS or a token", "side", side)
 }
 
-// serverOptions returns the credentials and token check for a server.
+// serverOptions returns the credentials for a server; the token is the
+// guard's to check.
 func (s Security) serverOptions(log *slog.Logger) []grpc.ServerOption {
 	s.warn(log, "server")
 	var opts []grpc.ServerOption
@@ -104,36 +101,7 @@ func (s Security) serverOptions(log *slog.Logger) []grpc.ServerOption {
 	} else {
 		opts = append(opts, grpc.Creds(insecure.NewCredentials()))
 	}
-	if s.Token != "" {
-		check := tokenChecker(s.Token)
-		opts = append(opts,
-			grpc.ChainUnaryInterceptor(func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-				if err := check(ctx); err != nil {
-					return nil, err
-				}
-				return h(ctx, req)
-			}),
-			grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-				if err := check(ss.Context()); err != nil {
-					return err
-				}
-				return h(srv, ss)
-			}))
-	}
 	return opts
-}
-
-func tokenChecker(token string) func(context.Context) error {
-	want := []byte("Bearer " + token)
-	return func(ctx context.Context) error {
-		md, _ := metadata.FromIncomingContext(ctx)
-		for _, v := range md.Get("authorization") {
-			if subtle.ConstantTimeCompare([]byte(v), want) == 1 {
-				return nil
-			}
-		}
-		return status.Error(codes.Unauthenticated, "taskd: missing or wrong token")
-	}
 }
 
 // dialOptions returns the credentials for a client dialling addr.
