@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc"
@@ -317,4 +318,95 @@ func TestStreamsPerPeerBounded(t *testing.T) {
 	streams[0].CloseSend()
 	streams[0].CloseAndRecv()
 	waitFor(t, 20*time.Second, "a call taken once one ended", func() bool { return r.register() == nil })
+}
+
+// dialFrom returns a gRPC connection to addr made from the loopback
+// address local (127.0.0.0/8 is all loopback on Linux), as a peer on
+// another host would be.
+func dialFrom(t testing.TB, local, addr string, sec Security) *grpc.ClientConn {
+	t.Helper()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(local)}}
+	opts := append(sec.dialOptions(addr, discardIfNil(nil)), grpc.WithContextDialer(func(ctx context.Context, a string) (net.Conn, error) {
+		return d.DialContext(ctx, "tcp", a)
+	}))
+	conn, err := grpc.NewClient("passthrough:///"+addr, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+// silent opens a TCP connection from local to addr that sends nothing and
+// returns it.
+func silent(t testing.TB, local, addr string) net.Conn {
+	t.Helper()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(local)}}
+	c, err := d.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// closedByServer waits for the server to close c.
+func closedByServer(t testing.TB, c net.Conn, what string) {
+	t.Helper()
+	c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	if _, err := io.Copy(io.Discard, c); err != nil {
+		t.Fatalf("%s: not closed by the server: %v", what, err)
+	}
+}
+
+// TestConnectionsBounded: connections beyond the cap of one peer address
+// are closed at once, a connection that never speaks is closed after the
+// handshake timeout, and a member from another address is served
+// meanwhile.
+func TestConnectionsBounded(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	c := newCluster(t, insecureSec(), ManagerConfig{MaxConnectionsPerPeer: 4, Registerer: reg})
+	addr := c.m.Addr().String()
+	for range 4 {
+		silent(t, "127.0.0.2", addr)
+	}
+	waitFor(t, 20*time.Second, "4 connections open", func() bool { return gathered(t, reg)["faultline_taskd_connections"] == 4 })
+	closedByServer(t, silent(t, "127.0.0.2", addr), "a fifth connection from one address")
+	if got := gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="peer_limit"}`]; got != 1 {
+		t.Fatalf("refused for the peer limit: %v", got)
+	}
+	w := c.addWorker(0, 0)
+	waitFor(t, 20*time.Second, "a worker from another address", w.Connected)
+	closedByServer(t, silent(t, "127.0.0.3", addr), "a connection that never speaks")
+}
+
+// TestAuthFailuresLockOut: an address that keeps failing authentication
+// has its connection closed and may not connect again for a while; a
+// member on another address is served meanwhile.
+func TestAuthFailuresLockOut(t *testing.T) {
+	token := "0123456789abcdef0123456789abcdef"
+	reg := prometheus.NewRegistry()
+	sec := Security{Insecure: true, Token: token}
+	c := newCluster(t, sec, ManagerConfig{Registerer: reg})
+	addr := c.m.Addr().String()
+	guesser := pb.NewControlClient(dialFrom(t, "127.0.0.2", addr, Security{Insecure: true, Token: "guess"}))
+	ctx := context.Background()
+	var codesSeen []codes.Code
+	for range 2 * authFailureBurst {
+		_, err := guesser.Register(ctx, &pb.RegisterRequest{Job: c.job})
+		codesSeen = append(codesSeen, status.Code(err))
+		if status.Code(err) == codes.Unavailable {
+			break
+		}
+	}
+	if last := codesSeen[len(codesSeen)-1]; last != codes.Unavailable || len(codesSeen) > authFailureBurst+2 {
+		t.Fatalf("guesses answered %v: the connection was not closed after %d failures", codesSeen, authFailureBurst)
+	}
+	closedByServer(t, silent(t, "127.0.0.2", addr), "a new connection from the locked-out address")
+	if got := gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="locked_out"}`]; got < 2 {
+		t.Fatalf("locked out: %v", got)
+	}
+	if err := register(t, addr, sec, 0); err != nil {
+		t.Fatalf("a member on another address: %v", err)
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/subtle"
 	"log/slog"
+	"net"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -32,6 +33,15 @@ const (
 	// idleTimeout closes a connection that has had no call in flight for
 	// that long; a member always has its stream open.
 	idleTimeout = 30 * time.Second
+	// A peer address may fail authentication authFailureBurst times, and
+	// then once every authFailureEvery; past that budget the connection
+	// that failed is closed, and the address may not connect again until
+	// the budget refills.
+	authFailureBurst = 10
+	authFailureEvery = time.Second
+	// DefaultMaxConnectionsPerPeer bounds the connections from one peer
+	// address.
+	DefaultMaxConnectionsPerPeer = 256
 )
 
 // credential is what a call proved by its authorization header.
@@ -50,32 +60,42 @@ const (
 type guardMetrics struct {
 	authFailures prometheus.Counter
 	calls        *prometheus.CounterVec // refused calls, by reason
+	conns        *prometheus.CounterVec // refused connections, by reason
+	open         prometheus.Gauge       // connections open
 }
 
-// guard admits calls to a server before their body is read (a gRPC tap
-// handle, run as a call's headers arrive): it checks the one token the
-// call carries and bounds the calls in flight from each peer address. A
-// refused call costs its headers, never its body.
+// guard admits connections to a server (its listener), and calls before
+// their body is read (a gRPC tap handle, run as a call's headers arrive):
+// it bounds the connections in all and from each peer address, checks the
+// one token a call carries, rate-limits each address's failures, and
+// bounds the calls in flight from each address. A refused call costs its
+// headers, never its body.
 type guard struct {
 	log *slog.Logger
 	met guardMetrics
 	// tokens maps an authorization value to what it proves; empty when the
 	// server takes no token.
 	tokens map[string]credential
+	// maxConns bounds the connections open, maxPerPeer those from one
+	// peer address.
+	maxConns, maxPerPeer int
 
-	mu    sync.Mutex
-	peers map[string]*peerState // by peer IP
+	mu        sync.Mutex
+	peers     map[string]*peerState    // by peer IP, while it has connections or calls
+	penalties map[string]*rate.Limiter // by peer IP: its budget of failures
+	conns     int
 
 	refusals sync.Map // reason -> *refusalLog
 }
 
 // peerState is what a guard holds of one peer address.
 type peerState struct {
-	streams int // calls in flight
+	conns   map[string]net.Conn // open, by remote address
+	streams int                 // calls in flight
 }
 
-func newGuard(sec Security, met guardMetrics, log *slog.Logger) *guard {
-	g := &guard{log: log, met: met, peers: make(map[string]*peerState)}
+func newGuard(sec Security, maxConns, maxPerPeer int, met guardMetrics, log *slog.Logger) *guard {
+	g := &guard{log: log, met: met, maxConns: maxConns, maxPerPeer: maxPerPeer, peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter)}
 	if sec.Token != "" {
 		g.tokens = map[string]credential{"Bearer " + sec.Token: credMember}
 	}
@@ -91,21 +111,142 @@ func callCredential(ctx context.Context) credential {
 	return c
 }
 
+// peerLocked returns the state of ip, making it.
+func (g *guard) peerLocked(ip string) *peerState {
+	ps := g.peers[ip]
+	if ps == nil {
+		ps = &peerState{conns: make(map[string]net.Conn)}
+		g.peers[ip] = ps
+	}
+	return ps
+}
+
+// forgetLocked drops the state of ip once it holds nothing.
+func (g *guard) forgetLocked(ip string, ps *peerState) {
+	if len(ps.conns) == 0 && ps.streams <= 0 {
+		delete(g.peers, ip)
+	}
+}
+
+// listen wraps l so that the connections it accepts are admitted first.
+func (g *guard) listen(l net.Listener) net.Listener { return &guardListener{Listener: l, g: g} }
+
+type guardListener struct {
+	net.Listener
+	g *guard
+}
+
+// Accept returns the next connection admitted; one refused is closed at
+// once, before any handshake.
+func (l *guardListener) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		addr := c.RemoteAddr().String()
+		ip := peerHost(addr)
+		if reason := l.g.admit(ip, addr, c); reason != "" {
+			c.Close()
+			l.g.met.conns.WithLabelValues(reason).Inc()
+			l.g.logRefusal("connections refused", reason, ip, "")
+			continue
+		}
+		return &guardConn{Conn: c, g: l.g, ip: ip, addr: addr}, nil
+	}
+}
+
+// admit takes a connection from ip in, or returns why not.
+func (g *guard) admit(ip, addr string, c net.Conn) string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if lim := g.penalties[ip]; lim != nil && lim.Tokens() < 1 {
+		return "locked_out"
+	}
+	if g.conns >= g.maxConns {
+		return "limit"
+	}
+	ps := g.peerLocked(ip)
+	if len(ps.conns) >= g.maxPerPeer {
+		g.forgetLocked(ip, ps)
+		return "peer_limit"
+	}
+	ps.conns[addr] = c
+	g.conns++
+	g.met.open.Set(float64(g.conns))
+	return ""
+}
+
+// guardConn gives its place back when it closes.
+type guardConn struct {
+	net.Conn
+	g        *guard
+	ip, addr string
+	once     sync.Once
+}
+
+func (c *guardConn) Close() error {
+	c.once.Do(func() {
+		g := c.g
+		g.mu.Lock()
+		if ps := g.peers[c.ip]; ps != nil {
+			if _, ok := ps.conns[c.addr]; ok {
+				delete(ps.conns, c.addr)
+				g.conns--
+				g.met.open.Set(float64(g.conns))
+			}
+			g.forgetLocked(c.ip, ps)
+		}
+		g.mu.Unlock()
+	})
+	return c.Conn.Close()
+}
+
+// failed takes in an authentication failure of the call from addr: past
+// the address's budget, the connection is closed, and the address may
+// not connect again until the budget refills.
+func (g *guard) failed(ip, addr string) {
+	g.mu.Lock()
+	lim := g.penalties[ip]
+	if lim == nil {
+		if len(g.penalties) >= 4096 {
+			// Addresses whose budget is full again are forgotten, so
+			// that the table stays bounded.
+			for k, l := range g.penalties {
+				if l.Tokens() >= authFailureBurst {
+					delete(g.penalties, k)
+				}
+			}
+		}
+		lim = rate.NewLimiter(rate.Every(authFailureEvery), authFailureBurst)
+		g.penalties[ip] = lim
+	}
+	var c net.Conn
+	if !lim.Allow() {
+		if ps := g.peers[ip]; ps != nil {
+			c = ps.conns[addr]
+		}
+	}
+	g.mu.Unlock()
+	if c != nil {
+		c.Close()
+		g.met.conns.WithLabelValues("locked_out").Inc()
+		g.logRefusal("connection closed: too many authentication failures", "locked_out", ip, "")
+	}
+}
+
 // tap admits a call or refuses it, from its headers alone.
 func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error) {
-	ip := peerIP(ctx)
+	ip, addr := peerAddr(ctx)
 	cred, err := g.authenticate(info.Header.Get("authorization"))
 	if err != nil {
 		g.met.authFailures.Inc()
 		g.refuse("unauthenticated", ip, info.FullMethodName)
+		g.failed(ip, addr)
 		return nil, err
 	}
 	g.mu.Lock()
-	ps := g.peers[ip]
-	if ps == nil {
-		ps = &peerState{}
-		g.peers[ip] = ps
-	}
+	ps := g.peerLocked(ip)
 	if ps.streams >= maxStreamsPerPeer {
 		g.mu.Unlock()
 		g.refuse("streams", ip, info.FullMethodName)
@@ -124,9 +265,7 @@ func (g *guard) release(ip string) {
 	defer g.mu.Unlock()
 	if ps := g.peers[ip]; ps != nil {
 		ps.streams--
-		if ps.streams <= 0 {
-			delete(g.peers, ip)
-		}
+		g.forgetLocked(ip, ps)
 	}
 }
 
@@ -154,15 +293,24 @@ func (g *guard) authenticate(values []string) (credential, error) {
 	return cred, nil
 }
 
-// refuse counts a refused call and logs it, at most once every ten
-// seconds for each reason, with how many were refused since.
+// refuse counts a refused call and logs it.
 func (g *guard) refuse(reason, ip, method string) {
 	g.met.calls.WithLabelValues(reason).Inc()
-	v, _ := g.refusals.LoadOrStore(reason, &refusalLog{s: rate.Sometimes{Interval: 10 * time.Second}})
+	g.logRefusal("calls refused", reason, ip, method)
+}
+
+// logRefusal logs a refusal at most once every ten seconds for each
+// reason, with how many there were since.
+func (g *guard) logRefusal(msg, reason, ip, method string) {
+	v, _ := g.refusals.LoadOrStore(msg+"/"+reason, &refusalLog{s: rate.Sometimes{Interval: 10 * time.Second}})
 	rl := v.(*refusalLog)
 	n := rl.n.Add(1)
 	rl.s.Do(func() {
-		g.log.Warn("taskd: calls refused", "reason", reason, "count", n-rl.logged.Swap(n), "last_peer", ip, "last_method", method)
+		attrs := []any{"reason", reason, "count", n - rl.logged.Swap(n), "last_peer", ip}
+		if method != "" {
+			attrs = append(attrs, "last_method", method)
+		}
+		g.log.Warn("taskd: "+msg, attrs...)
 	})
 }
 
@@ -172,11 +320,13 @@ type refusalLog struct {
 	logged atomic.Int64 // n when last logged
 }
 
-// peerIP returns the address of the call's peer without its port.
-func peerIP(ctx context.Context) string {
+// peerAddr returns the address of the call's peer, without and with its
+// port.
+func peerAddr(ctx context.Context) (ip, addr string) {
 	p, ok := peer.FromContext(ctx)
 	if !ok || p.Addr == nil {
-		return ""
+		return "", ""
 	}
-	return peerHost(p.Addr.String())
+	addr = p.Addr.String()
+	return peerHost(addr), addr
 }

@@ -69,6 +69,11 @@ type ManagerConfig struct {
 	// 2000, burst RateBurst default twice that); negative means unlimited.
 	RateLimit float64
 	RateBurst int
+	// MaxConnections bounds the connections open at once (default half
+	// the process's open-file limit, at most 16384), and
+	// MaxConnectionsPerPeer those from one peer address (default 256);
+	// more are closed at once, counted and logged.
+	MaxConnections, MaxConnectionsPerPeer int
 	// StateDir, when set, keeps the fault log (faults.jsonl) and the switch
 	// (switch.json) across restarts. Faults are acknowledged to reporters
 	// only after they are synced there.
@@ -103,6 +108,8 @@ func (c *ManagerConfig) setDefaults() {
 	c.MaxMessageBytes = orDefault(c.MaxMessageBytes, DefaultMaxMessageBytes)
 	c.RateLimit = orDefault(c.RateLimit, DefaultRateLimit)
 	c.RateBurst = orDefault(c.RateBurst, int(2*c.RateLimit))
+	c.MaxConnections = orDefault(c.MaxConnections, defaultMaxConnections())
+	c.MaxConnectionsPerPeer = orDefault(c.MaxConnectionsPerPeer, DefaultMaxConnectionsPerPeer)
 	c.MaxFaults = orDefault(c.MaxFaults, 10000)
 	c.MaxCollectBytes = orDefault(c.MaxCollectBytes, 1<<30)
 }
@@ -141,6 +148,10 @@ func (c ManagerConfig) Validate() error {
 		return fmt.Errorf("taskd: ManagerConfig.HeartbeatDeadline: %v is not above HeartbeatInterval %v", c.HeartbeatDeadline, orDefault(c.HeartbeatInterval, DefaultHeartbeatInterval))
 	case c.MaxMessageBytes < 0 || (c.MaxMessageBytes > 0 && c.MaxMessageBytes < 64<<10):
 		return fmt.Errorf("taskd: ManagerConfig.MaxMessageBytes: %d is below 64 KiB", c.MaxMessageBytes)
+	case c.MaxConnections < 0:
+		return fmt.Errorf("taskd: ManagerConfig.MaxConnections: %d is negative", c.MaxConnections)
+	case c.MaxConnectionsPerPeer < 0:
+		return fmt.Errorf("taskd: ManagerConfig.MaxConnectionsPerPeer: %d is negative", c.MaxConnectionsPerPeer)
 	case c.MaxFaults < 0:
 		return fmt.Errorf("taskd: ManagerConfig.MaxFaults: %d is negative", c.MaxFaults)
 	case c.MaxCollectBytes < 0:
@@ -262,8 +273,9 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: manager listen on %s: %w", cfg.Listen, err)
 	}
-	m.lis = lis
-	m.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: m.met.rateLimited.Inc}, newGuard(cfg.Security, m.met.guard, m.log), m.log)
+	g := newGuard(cfg.Security, cfg.MaxConnections, cfg.MaxConnectionsPerPeer, m.met.guard, m.log)
+	m.lis = g.listen(lis)
+	m.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: m.met.rateLimited.Inc}, g, m.log)
 	pb.RegisterControlServer(m.srv, &managerControl{m: m})
 	pb.RegisterTrainingDataTraceServer(m.srv, &managerTraceAPI{m: m})
 	pb.RegisterAdminServer(m.srv, &managerAdmin{m: m})

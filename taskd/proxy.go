@@ -50,6 +50,10 @@ type ProxyConfig struct {
 	// unlimited.
 	RateLimit float64
 	RateBurst int
+	// MaxConnections bounds the workers' connections open at once
+	// (default half the process's open-file limit, at most 16384), and
+	// MaxConnectionsPerPeer those from one peer address (default 256).
+	MaxConnections, MaxConnectionsPerPeer int
 	// ReconnectMax caps the backoff between attempts to register with the
 	// manager again (default 5 s).
 	ReconnectMax time.Duration
@@ -84,6 +88,10 @@ func (c ProxyConfig) Validate() error {
 		return fmt.Errorf("taskd: ProxyConfig.MaxMessageBytes: %d is below 64 KiB", c.MaxMessageBytes)
 	case c.QueueSize < 0:
 		return fmt.Errorf("taskd: ProxyConfig.QueueSize: %d is negative", c.QueueSize)
+	case c.MaxConnections < 0:
+		return fmt.Errorf("taskd: ProxyConfig.MaxConnections: %d is negative", c.MaxConnections)
+	case c.MaxConnectionsPerPeer < 0:
+		return fmt.Errorf("taskd: ProxyConfig.MaxConnectionsPerPeer: %d is negative", c.MaxConnectionsPerPeer)
 	}
 	return c.Security.Validate()
 }
@@ -144,6 +152,8 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
 	cfg.RateLimit = orDefault(cfg.RateLimit, DefaultRateLimit)
 	cfg.RateBurst = orDefault(cfg.RateBurst, int(2*cfg.RateLimit))
+	cfg.MaxConnections = orDefault(cfg.MaxConnections, defaultMaxConnections())
+	cfg.MaxConnectionsPerPeer = orDefault(cfg.MaxConnectionsPerPeer, DefaultMaxConnectionsPerPeer)
 	cfg.ReconnectMax = orDefault(cfg.ReconnectMax, 5*time.Second)
 	cfg.DottingRoot = orDefault(cfg.DottingRoot, DefaultDottingRoot)
 	cfg.QueueSize = orDefault(cfg.QueueSize, 1024)
@@ -185,8 +195,9 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: proxy listen on %s: %w", cfg.Listen, err)
 	}
-	p.lis = lis
-	p.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: p.met.rateLimited.Inc}, newGuard(cfg.Security, p.met.guard, log), log)
+	g := newGuard(cfg.Security, cfg.MaxConnections, cfg.MaxConnectionsPerPeer, p.met.guard, log)
+	p.lis = g.listen(lis)
+	p.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: p.met.rateLimited.Inc}, g, log)
 	pb.RegisterControlServer(p.srv, &proxyControl{p: p})
 	return p, nil
 }
