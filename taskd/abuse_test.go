@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -19,8 +20,10 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/trace"
 )
 
 // rawMember is a member that speaks the protocol itself, as a buggy or
@@ -31,16 +34,18 @@ type rawMember struct {
 	conn   *grpc.ClientConn
 	client pb.ControlClient
 	self   *pb.Member
+	cred   *memberCred
 }
 
 func newRawMember(t testing.TB, addr, job string, sec Security, role Role, pos Position) *rawMember {
 	t.Helper()
-	conn, err := dial(addr, sec, DefaultMaxMessageBytes, discardIfNil(nil))
+	cred := &memberCred{}
+	conn, err := dial(addr, sec, DefaultMaxMessageBytes, discardIfNil(nil), cred.dialOptions()...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return &rawMember{t: t, job: job, conn: conn, client: pb.NewControlClient(conn), self: memberPB(role, pos, newInstanceID())}
+	return &rawMember{t: t, job: job, conn: conn, client: pb.NewControlClient(conn), self: memberPB(role, pos, newInstanceID()), cred: cred}
 }
 
 func (r *rawMember) ctx() context.Context {
@@ -49,8 +54,12 @@ func (r *rawMember) ctx() context.Context {
 	return ctx
 }
 
+// register registers the member and keeps the secret it is issued.
 func (r *rawMember) register() error {
-	_, err := r.client.Register(r.ctx(), &pb.RegisterRequest{Job: r.job, Member: r.self})
+	resp, err := r.client.Register(r.ctx(), &pb.RegisterRequest{Job: r.job, Member: r.self})
+	if err == nil {
+		r.cred.set(resp.GetSecret())
+	}
 	return err
 }
 
@@ -297,12 +306,17 @@ func TestRefusedBeforeTheBody(t *testing.T) {
 // over all its connections, are bounded; one more is refused from its
 // headers, and a call that ends frees its place.
 func TestStreamsPerPeerBounded(t *testing.T) {
-	c := newCluster(t, insecureSec(), ManagerConfig{})
+	// The members that open the calls never beat: a long deadline keeps
+	// them registered however slow the machine.
+	c := newCluster(t, insecureSec(), ManagerConfig{HeartbeatDeadline: 10 * time.Minute})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var streams []grpc.ClientStreamingClient[pb.UploadChunk, pb.UploadResponse]
-	for range maxStreamsPerPeer / maxStreamsPerConn {
-		r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{})
+	for i := range maxStreamsPerPeer / maxStreamsPerConn {
+		r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: i})
+		if err := r.register(); err != nil {
+			t.Fatal(err)
+		}
 		for range maxStreamsPerConn {
 			s, err := r.client.Upload(ctx)
 			if err != nil {
@@ -311,7 +325,7 @@ func TestStreamsPerPeerBounded(t *testing.T) {
 			streams = append(streams, s)
 		}
 	}
-	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{})
+	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: 99})
 	waitFor(t, 20*time.Second, "the calls in flight refused", func() bool {
 		return status.Code(r.register()) == codes.ResourceExhausted
 	})
@@ -408,5 +422,141 @@ func TestAuthFailuresLockOut(t *testing.T) {
 	}
 	if err := register(t, addr, sec, 0); err != nil {
 		t.Fatalf("a member on another address: %v", err)
+	}
+}
+
+// TestMemberIdentity: a member's secret, issued at registration, is the
+// only proof of who it is; what ListMembers shows (the instance) proves
+// nothing. A caller cannot take another member's stream, register its
+// live instance again, beat, acknowledge or report for it, or report a
+// fault about another rank or a rank that is not a member.
+func TestMemberIdentity(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{Nodes: 2, ProcsPerNode: 2})
+	addr := c.m.Addr().String()
+	// The victim registers and then says nothing: a deaf, dying member.
+	victim := newRawMember(t, addr, c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 1})
+	if err := victim.register(); err != nil {
+		t.Fatal(err)
+	}
+	api := newAdminClient(t, addr, c.job)
+	res, err := api.admin.ListMembers(api.ctx(), &pb.ListMembersReq{JobNsName: c.job})
+	if err != nil || len(res.GetMembers()) != 1 {
+		t.Fatalf("list: %v %v", res, err)
+	}
+	listed := res.GetMembers()[0].GetMember()
+	if b, _ := proto.Marshal(res); bytes.Contains(b, []byte(*victim.cred.secret.Load())) {
+		t.Fatal("ListMembers hands out the victim's secret")
+	}
+	thief := newRawMember(t, addr, c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
+	if err := thief.register(); err != nil {
+		t.Fatal(err)
+	}
+	want := func(err error, code codes.Code, what string) {
+		t.Helper()
+		if status.Code(err) != code {
+			t.Fatalf("%s: %v, want %v", what, err, code)
+		}
+	}
+	// The victim's instance, as listed, taken over.
+	stolen := newRawMember(t, addr, c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 1})
+	stolen.self = listed
+	want(stolen.register(), codes.PermissionDenied, "registering the victim's live instance again")
+	st, err := thief.client.Stream(thief.ctx(), &pb.StreamRequest{Job: c.job, Member: listed})
+	if err == nil {
+		_, err = st.Recv()
+	}
+	want(err, codes.PermissionDenied, "opening the victim's stream")
+	_, err = thief.client.Send(thief.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: "x", From: listed, Body: &pb.Report_Message{Message: &pb.UserMessage{Kind: "k"}}}}})
+	want(err, codes.PermissionDenied, "sending as the victim")
+	fault := func(id string, rank int32) *pb.SendRequest {
+		return &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: id, From: thief.self, Body: &pb.Report_Fault{Fault: &pb.FaultReport{Kind: string(FaultProcessExit), Node: 0, Rank: rank}}}}}
+	}
+	_, err = thief.client.Send(thief.ctx(), fault("f1", 1))
+	want(err, codes.PermissionDenied, "a fault about another rank")
+	_, err = thief.client.Send(thief.ctx(), fault("f2", 999))
+	want(err, codes.PermissionDenied, "a fault about a rank that is no member")
+	if _, err := thief.client.Send(thief.ctx(), fault("f3", 0)); err != nil {
+		t.Fatalf("a fault about itself: %v", err)
+	}
+	if fs := c.m.Faults(0); len(fs) != 1 || fs[0].ID != "f3" || fs[0].Reporter != (Position{Node: 0, Rank: 0}) {
+		t.Fatalf("faults %+v", fs)
+	}
+	// The switch goes to the victim, which never acknowledges it; forged
+	// acknowledgements do not count.
+	if _, err := c.m.SetSwitch(trace.Switch{Step: true}); err != nil {
+		t.Fatal(err)
+	}
+	var acks []*pb.Ack
+	for id := range uint64(64) {
+		acks = append(acks, &pb.Ack{Id: id, From: listed})
+	}
+	if _, err := thief.client.Acknowledge(thief.ctx(), &pb.AckRequest{Job: c.job, Acks: acks}); err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range c.m.SwitchStatus().Workers {
+		if w.Position.Rank == 1 && w.Domains["default"] != DomainWaiting {
+			t.Fatalf("the victim's switch is %v after forged acknowledgements", w.Domains)
+		}
+	}
+	// Beats for the victim keep it alive no longer than its deadline.
+	waitFor(t, 20*time.Second, "the victim lost, while another member beats for it", func() bool {
+		thief.client.Heartbeat(thief.ctx(), &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: thief.self}, {Member: listed}}})
+		for _, f := range c.m.Faults(0) {
+			if f.Kind == FaultLost && f.Position.Rank == 1 {
+				return true
+			}
+		}
+		return false
+	})
+}
+
+// TestProxyIdentity: a worker behind a proxy reports only its own faults,
+// and the proxy only its own node's; the manager takes a fault about a
+// rank from that rank's node's proxy.
+func TestProxyIdentity(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{Nodes: 2, ProcsPerNode: 2})
+	addr := c.m.Addr().String()
+	p := c.addProxy(0)
+	waitFor(t, 20*time.Second, "the proxy", func() bool { return len(c.m.Members()) == 1 })
+	w := newRawMember(t, p.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
+	waitFor(t, 20*time.Second, "a worker behind the proxy", func() bool { return w.register() == nil })
+	send := func(r *rawMember, id string, from *pb.Member, node, rank int32) error {
+		_, err := r.client.Send(r.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: id, From: from, Body: &pb.Report_Fault{Fault: &pb.FaultReport{Kind: string(FaultHang), Node: node, Rank: rank}}}}})
+		return err
+	}
+	if err := send(w, "w1", w.self, 0, 1); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a worker's fault about another rank, through its proxy: %v", err)
+	}
+	if err := send(w, "w2", w.self, 0, 0); err != nil {
+		t.Fatalf("a worker's own fault through its proxy: %v", err)
+	}
+	if err := p.ReportFault(Fault{Kind: FaultLink, Position: Position{Node: 1, Rank: 2}}); err == nil {
+		t.Fatal("a proxy queued a fault of another node")
+	}
+	// A proxy of node 1 speaking for itself.
+	p1 := newRawMember(t, addr, c.job, insecureSec(), RoleProxy, Position{Node: 1, Rank: -1})
+	if err := p1.register(); err != nil {
+		t.Fatal(err)
+	}
+	if err := send(p1, "p1", p1.self, 0, 0); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a proxy's fault about another node's rank: %v", err)
+	}
+	if err := send(p1, "p2", p1.self, 1, 3); err != nil {
+		t.Fatalf("a proxy's fault about its node's rank: %v", err)
+	}
+	if err := send(p1, "p3", p1.self, 1, 7); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a proxy's fault about a rank beyond the job: %v", err)
+	}
+	// The proxy of node 1 does not register node 0's workers.
+	_, err := p1.client.Register(p1.ctx(), &pb.RegisterRequest{Job: c.job, Member: memberPB(RoleWorker, Position{Node: 0, Rank: 1}, newInstanceID()), Via: p1.self})
+	if status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a proxy registering another node's worker: %v", err)
+	}
+	var ids []string
+	for _, f := range c.m.Faults(0) {
+		ids = append(ids, f.ID)
+	}
+	if !slices.Equal(ids, []string{"w2", "p2"}) {
+		t.Fatalf("faults %v", ids)
 	}
 }

@@ -251,6 +251,9 @@ func (m *Manager) receiveUpload(stream grpc.ClientStreamingServer[pb.UploadChunk
 	if first.GetJob() != m.cfg.Job {
 		return status.Errorf(grpccodes.NotFound, "taskd: unknown job %q", first.GetJob())
 	}
+	if err := nodeProxy(stream.Context(), first.GetNode()); err != nil {
+		return err
+	}
 	if m.cfg.CollectDir == "" {
 		return status.Error(grpccodes.FailedPrecondition, "taskd: collection is off (no CollectDir)")
 	}

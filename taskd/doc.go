@@ -150,8 +150,24 @@
 // Security is mutual TLS with certificates read from files and read again
 // when they change (SecurityFromDir takes a Kubernetes TLS secret), a
 // shared token, or both; plaintext only when Security.Insecure is set, and
-// logged loudly. Every server caps message size (MaxMessageBytes) and
-// rate-limits calls per connection (RateLimit).
+// logged loudly. A call's token (exactly one authorization value) is
+// checked from its headers, before its body is read; an address that
+// keeps failing has its connection closed and may not connect again for a
+// while. Every member is issued a secret by the server it registers with
+// (the manager, or its node's proxy), and every later call carries it: a
+// caller acts only for itself, a proxy for its node's workers, and a
+// fault about a rank is taken only from that rank, its node's proxy or
+// the manager's embedder (Manager.ReportFault). ListMembers shows
+// instances, which prove nothing.
+//
+// Every server bounds what a peer can make it hold: message size
+// (MaxMessageBytes), calls per second per connection (RateLimit), calls in
+// flight per connection (100) and per peer address (1000), header lists
+// (16 KiB), connections in all and per address (MaxConnections,
+// MaxConnectionsPerPeer), handshakes (5 s) and idle connections (30 s).
+// Refusals are counted (faultline_taskd_calls_refused_total,
+// faultline_taskd_connections_refused_total) and logged at most every ten
+// seconds.
 //
 // Observability is injected: a prometheus.Registerer (metrics named
 // faultline_taskd_*), an OpenTelemetry TracerProvider (spans on switch

@@ -5,6 +5,7 @@ import (
 	"crypto/subtle"
 	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,6 +16,8 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/tap"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 )
 
 // Bounds every server applies before it reads a call's body.
@@ -79,6 +82,9 @@ type guard struct {
 	// maxConns bounds the connections open, maxPerPeer those from one
 	// peer address.
 	maxConns, maxPerPeer int
+	// ids are the member secrets the server issued: every Control call
+	// but Register must carry one.
+	ids *identities
 
 	mu        sync.Mutex
 	peers     map[string]*peerState    // by peer IP, while it has connections or calls
@@ -94,8 +100,18 @@ type peerState struct {
 	streams int                 // calls in flight
 }
 
-func newGuard(sec Security, maxConns, maxPerPeer int, met guardMetrics, log *slog.Logger) *guard {
-	g := &guard{log: log, met: met, maxConns: maxConns, maxPerPeer: maxPerPeer, peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter)}
+// guardConfig is what a server's guard enforces.
+type guardConfig struct {
+	sec                  Security
+	maxConns, maxPerPeer int
+	ids                  *identities
+	met                  guardMetrics
+	log                  *slog.Logger
+}
+
+func newGuard(c guardConfig) *guard {
+	sec := c.sec
+	g := &guard{log: c.log, met: c.met, maxConns: c.maxConns, maxPerPeer: c.maxPerPeer, ids: c.ids, peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter)}
 	if sec.Token != "" {
 		g.tokens = map[string]credential{"Bearer " + sec.Token: credMember}
 	}
@@ -245,6 +261,11 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 		g.failed(ip, addr)
 		return nil, err
 	}
+	caller, err := g.identify(info.FullMethodName, info.Header.Get(memberHeader))
+	if err != nil {
+		g.refuse("unknown_member", ip, info.FullMethodName)
+		return nil, err
+	}
 	g.mu.Lock()
 	ps := g.peerLocked(ip)
 	if ps.streams >= maxStreamsPerPeer {
@@ -255,6 +276,9 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 	ps.streams++
 	g.mu.Unlock()
 	ctx = context.WithValue(ctx, authKey{}, cred)
+	if caller != nil {
+		ctx = context.WithValue(ctx, callerKey{}, caller)
+	}
 	// The call's context ends with the call, whatever ends it.
 	context.AfterFunc(ctx, func() { g.release(ip) })
 	return ctx, nil
@@ -291,6 +315,24 @@ func (g *guard) authenticate(values []string) (credential, error) {
 		return 0, status.Error(codes.Unauthenticated, "taskd: missing or wrong token")
 	}
 	return cred, nil
+}
+
+// identify returns the member a call's secret names. Every Control call
+// but Register must carry a secret the server issued; a registration may,
+// to prove that the instance registering again is the one it names.
+func (g *guard) identify(method string, values []string) (*identity, error) {
+	if g.ids == nil {
+		return nil, nil
+	}
+	if len(values) == 1 {
+		if id, ok := g.ids.lookup(values[0]); ok {
+			return &id, nil
+		}
+	}
+	if strings.HasPrefix(method, "/"+pb.Control_ServiceDesc.ServiceName+"/") && method != pb.Control_Register_FullMethodName {
+		return nil, errUnknownMember
+	}
+	return nil, nil
 }
 
 // refuse counts a refused call and logs it.

@@ -104,6 +104,7 @@ func (m *Manager) leave(key memberKey, instance string, finished bool, now time.
 		return
 	}
 	m.reg.remove(key, instance)
+	m.ids.revoke(key, instance)
 	if dl := m.downlinks[key]; dl != nil && dl.instance == instance {
 		dl.detach()
 		delete(m.downlinks, key)

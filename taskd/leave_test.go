@@ -112,7 +112,9 @@ func TestJobComplete(t *testing.T) {
 	}
 	p := c.addProxy(0)
 	ws := []*Worker{c.addWorker(0, 0), c.addWorker(0, 1), c.addWorker(1, 2), c.addWorker(1, 3)}
-	waitFor(t, 20*time.Second, "4 workers", func() bool { return c.liveWorkers() == 4 })
+	waitFor(t, 20*time.Second, "4 workers", func() bool {
+		return c.liveWorkers() == 4 && ws[0].Connected() && ws[1].Connected() && ws[2].Connected() && ws[3].Connected()
+	})
 	leave := func(w *Worker, finished bool, want int) {
 		t.Helper()
 		if finished {
@@ -129,7 +131,7 @@ func TestJobComplete(t *testing.T) {
 		t.Fatalf("after a leave that did not finish: %+v", st)
 	}
 	again := c.addWorker(1, 3)
-	waitFor(t, 20*time.Second, "rank 3 back", func() bool { return c.liveWorkers() == 1 })
+	waitFor(t, 20*time.Second, "rank 3 back", func() bool { return c.liveWorkers() == 1 && again.Connected() })
 	if st := c.m.JobStatus(); len(st.Departed) != 3 || !slices.Equal(st.Live, []int{3}) {
 		t.Fatalf("rank 3 back: %+v", st)
 	}

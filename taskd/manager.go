@@ -188,6 +188,7 @@ type Manager struct {
 	events   *eventQueue
 	kick     chan struct{} // wakes the housekeeping loop
 	faults   *faultStore   // has a lock of its own
+	ids      *identities   // secrets of the members attached directly; a lock of its own
 
 	mu          sync.Mutex
 	reg         *registry
@@ -236,6 +237,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		deliveries:  make(map[uint64]*delivery),
 		collections: make(map[uint64]*collection),
 		proxyHosts:  make(map[int]string),
+		ids:         newIdentities(),
 		gone:        newDepartures(cfg.Nodes * cfg.ProcsPerNode),
 		closed:      make(chan struct{}),
 		runDone:     make(chan struct{}),
@@ -273,7 +275,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: manager listen on %s: %w", cfg.Listen, err)
 	}
-	g := newGuard(cfg.Security, cfg.MaxConnections, cfg.MaxConnectionsPerPeer, m.met.guard, m.log)
+	g := newGuard(guardConfig{sec: cfg.Security, maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer, ids: m.ids, met: m.met.guard, log: m.log})
 	m.lis = g.listen(lis)
 	m.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: m.met.rateLimited.Inc}, g, m.log)
 	pb.RegisterControlServer(m.srv, &managerControl{m: m})
@@ -383,6 +385,7 @@ func (m *Manager) step(now time.Time) {
 	var evs []Event
 	var lostFaults []Fault
 	for _, lm := range m.reg.expire(now) {
+		m.ids.revoke(lm.key, lm.instance)
 		if dl := m.downlinks[lm.key]; dl != nil && dl.instance == lm.instance {
 			dl.detach()
 			delete(m.downlinks, lm.key)
@@ -669,6 +672,7 @@ func (m *Manager) evict(ranks []int, why string) {
 		}
 		m.evicted.add(wm.instance)
 		m.reg.remove(wm.key, wm.instance)
+		m.ids.revoke(wm.key, wm.instance)
 		m.sw.gone(r)
 		m.departedLocked(wm.pos, time.Now())
 		if dl := m.downlinks[wm.key]; dl != nil && dl.instance == wm.instance {

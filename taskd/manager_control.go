@@ -64,6 +64,7 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 	if p, ok := peer.FromContext(ctx); ok {
 		nm.addr = p.Addr.String()
 	}
+	caller := callerOf(ctx)
 	now := time.Now()
 	m.mu.Lock()
 	if m.evicted.has(nm.instance) {
@@ -76,12 +77,31 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 			m.mu.Unlock()
 			return nil, status.Error(codes.InvalidArgument, "taskd: via: only a worker registers through a proxy")
 		}
+		if !caller.is(via) {
+			m.mu.Unlock()
+			return nil, permission("%s: only the proxy of node %d registers workers through it", key, via.GetPosition().GetNode())
+		}
 		pm := m.reg.get(keyOf(via))
 		if pm == nil || pm.instance != via.GetInstance() {
 			m.mu.Unlock()
 			return nil, status.Errorf(codes.Unavailable, "taskd: proxy of node %d is not registered", via.GetPosition().GetNode())
 		}
+		if nm.pos.Node != pm.pos.Node {
+			m.mu.Unlock()
+			return nil, permission("%s of node %d: the proxy of node %d registers only its own node's workers", key, nm.pos.Node, pm.pos.Node)
+		}
 		nm.via = pm.pos.Node
+	}
+	old := m.reg.get(key)
+	if old != nil && old.instance == nm.instance && (old.via != nm.via || (nm.via < 0 && !caller.is(mem))) {
+		// The instance is live: registering it again takes its secret, or
+		// its proxy's.
+		m.mu.Unlock()
+		return nil, permission("%s: instance %s is live; registering it again takes its credential", key, nm.instance)
+	}
+	oldInstance := ""
+	if old != nil {
+		oldInstance = old.instance
 	}
 	fresh, err := m.reg.register(nm, now)
 	if err != nil {
@@ -90,6 +110,15 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		m.met.refused.Inc()
 		m.log.Warn("taskd: registration refused: position held by a live instance", "member", key.String(), "addr", nm.addr, "holder_addr", holder.addr)
 		return nil, status.Errorf(codes.AlreadyExists, "taskd: %s: %v", key, ErrRankTaken)
+	}
+	if oldInstance != "" && oldInstance != nm.instance {
+		m.ids.revoke(key, oldInstance)
+	}
+	secret := ""
+	if nm.via < 0 {
+		secret = m.ids.issue(identity{key: key, instance: nm.instance, node: nm.pos.Node})
+	} else {
+		m.ids.revoke(key, nm.instance) // reached through its proxy now
 	}
 	if dl := m.downlinks[key]; dl != nil && (dl.instance != nm.instance || nm.via >= 0) {
 		dl.detach()
@@ -118,17 +147,59 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		HeartbeatIntervalMs: m.cfg.HeartbeatInterval.Milliseconds(),
 		HeartbeatDeadlineMs: m.cfg.HeartbeatDeadline.Milliseconds(),
 		ManagerInstance:     m.instance,
+		Secret:              secret,
 		// Checked after registering: a worker held here registered before
 		// the resume picked its targets, so the resume reaches it.
 		Held: key.role == RoleWorker && m.orch != nil && m.orch.holding(nm.pos.Rank),
 	}, nil
 }
 
-func (s *managerControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
+// actsForLocked returns the live member mem names when caller may act for
+// it: it is mem, or mem is a worker registered through caller, its proxy.
+// The error says why not: the caller is someone else (PermissionDenied),
+// or mem is not live (FailedPrecondition: it registers again first).
+func (m *Manager) actsForLocked(caller *identity, mem *pb.Member) (*member, error) {
+	if mem.GetPosition() == nil {
+		return nil, status.Error(codes.InvalidArgument, "taskd: member: missing")
+	}
+	key := keyOf(mem)
+	mm := m.reg.get(key)
+	live := mm != nil && mm.instance == mem.GetInstance()
+	switch {
+	case caller == nil:
+		return nil, errUnknownMember
+	case caller.is(mem) && live:
+		return mm, nil
+	case caller.is(mem):
+		return nil, errUnknownMember // dropped since the call was admitted
+	case caller.key.role != RoleProxy || key.role != RoleWorker:
+	case !live:
+		return nil, status.Errorf(codes.FailedPrecondition, "taskd: %s is not registered", key)
+	case mm.via == caller.node:
+		return mm, nil
+	}
+	return nil, permission("%s may not act for %s", caller.key, key)
+}
+
+// knownOnNodeLocked reports whether rank is a worker of node: live there,
+// gone from there, or there by the job's shape.
+func (m *Manager) knownOnNodeLocked(rank, node int) bool {
+	if n, ppn := m.cfg.Nodes, m.cfg.ProcsPerNode; n > 0 && ppn > 0 && rank < n*ppn {
+		return rank/ppn == node
+	}
+	if mm := m.reg.get(workerKey(rank)); mm != nil {
+		return mm.pos.Node == node
+	}
+	d, gone := m.gone.byRank[rank]
+	return gone && d.Position.Node == node
+}
+
+func (s *managerControl) Heartbeat(ctx context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
 	m := s.m
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
 	}
+	caller := callerOf(ctx)
 	now := time.Now()
 	resp := &pb.HeartbeatResponse{ManagerInstance: m.instance}
 	m.mu.Lock()
@@ -136,7 +207,7 @@ func (s *managerControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) 
 		// Clamped before it becomes a Duration, which an age of 2^63 ns
 		// or more would overflow.
 		age := time.Duration(min(max(b.GetAgeMs(), 0), m.cfg.HeartbeatDeadline.Milliseconds())) * time.Millisecond
-		if !m.reg.beat(keyOf(b.GetMember()), b.GetMember().GetInstance(), now.Add(-age), now) {
+		if _, err := m.actsForLocked(caller, b.GetMember()); err != nil || !m.reg.beat(keyOf(b.GetMember()), b.GetMember().GetInstance(), now.Add(-age), now) {
 			resp.Unknown = append(resp.Unknown, b.GetMember())
 		}
 	}
@@ -165,6 +236,9 @@ func (s *managerControl) Send(ctx context.Context, req *pb.SendRequest) (*pb.Sen
 		default:
 			return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d]: no body", i)
 		}
+	}
+	if err := m.authorizeReports(callerOf(ctx), req.GetReports()); err != nil {
+		return nil, err
 	}
 	now := time.Now()
 	resp := &pb.SendResponse{}
@@ -205,6 +279,34 @@ func (s *managerControl) Send(ctx context.Context, req *pb.SendRequest) (*pb.Sen
 	return resp, nil
 }
 
+// authorizeReports checks that caller may send each report: it comes from
+// the caller or a worker behind it, and a fault is about its reporter: a
+// worker's own rank, or a proxy's node and a worker of that node.
+func (m *Manager) authorizeReports(caller *identity, reports []*pb.Report) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for i, r := range reports {
+		from, err := m.actsForLocked(caller, r.GetFrom())
+		if err != nil {
+			return status.Errorf(status.Code(err), "taskd: reports[%d].from: %s", i, status.Convert(err).Message())
+		}
+		f := r.GetFault()
+		if f == nil {
+			continue
+		}
+		pos := Position{Node: int(f.GetNode()), Rank: int(f.GetRank())}
+		switch {
+		case from.key.role == RoleWorker && pos != from.pos:
+			return permission("reports[%d].fault: about %s, but %s reports only its own faults", i, pos, from.key)
+		case from.key.role == RoleProxy && pos.Node != from.pos.Node:
+			return permission("reports[%d].fault: about %s, but the proxy of node %d reports only its node's", i, pos, from.pos.Node)
+		case from.key.role == RoleProxy && pos.Rank >= 0 && !m.knownOnNodeLocked(pos.Rank, pos.Node):
+			return permission("reports[%d].fault: rank %d is not a worker of node %d", i, pos.Rank, pos.Node)
+		}
+	}
+	return nil
+}
+
 func faultFromPB(id string, from *pb.Member, t int64, f *pb.FaultReport) Fault {
 	out := Fault{
 		ID:           id,
@@ -242,6 +344,9 @@ func (s *managerControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreami
 		return err
 	}
 	key := keyOf(req.GetMember())
+	if !callerOf(stream.Context()).is(req.GetMember()) {
+		return permission("%s: a member opens only its own stream", key)
+	}
 	m.mu.Lock()
 	mm := m.reg.get(key)
 	if mm == nil || mm.instance != req.GetMember().GetInstance() {
@@ -259,23 +364,40 @@ func (s *managerControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreami
 	return serveDownlink(stream.Context(), stop, dl, stream.Send)
 }
 
-func (s *managerControl) Acknowledge(_ context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {
+func (s *managerControl) Acknowledge(ctx context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {
 	m := s.m
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
 	}
+	caller := callerOf(ctx)
 	now := time.Now()
 	m.mu.Lock()
 	for _, a := range req.GetAcks() {
-		m.ackLocked(a, now)
+		// An acknowledgement counts only from the worker it names, as it
+		// is live now, or through its proxy.
+		if _, err := m.actsForLocked(caller, a.GetFrom()); err == nil {
+			m.ackLocked(a, now)
+		}
 	}
 	m.checkFanoutLocked(now)
 	m.mu.Unlock()
 	return &pb.AckResponse{}, nil
 }
 
-func (s *managerControl) UploadOffsets(_ context.Context, req *pb.UploadOffsetRequest) (*pb.UploadOffsetResponse, error) {
+// nodeProxy checks that the caller is the proxy of node: collection is
+// its alone.
+func nodeProxy(ctx context.Context, node int32) error {
+	if c := callerOf(ctx); c == nil || c.key.role != RoleProxy || c.node != int(node) {
+		return permission("node %d: only its proxy ships its files", node)
+	}
+	return nil
+}
+
+func (s *managerControl) UploadOffsets(ctx context.Context, req *pb.UploadOffsetRequest) (*pb.UploadOffsetResponse, error) {
 	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	if err := nodeProxy(ctx, req.GetNode()); err != nil {
 		return nil, err
 	}
 	return s.m.uploadOffsets(req)
@@ -285,15 +407,18 @@ func (s *managerControl) Upload(stream grpc.ClientStreamingServer[pb.UploadChunk
 	return s.m.receiveUpload(stream)
 }
 
-func (s *managerControl) CollectDone(_ context.Context, req *pb.CollectResult) (*pb.CollectResultResponse, error) {
+func (s *managerControl) CollectDone(ctx context.Context, req *pb.CollectResult) (*pb.CollectResultResponse, error) {
 	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	if err := nodeProxy(ctx, req.GetNode()); err != nil {
 		return nil, err
 	}
 	s.m.collectDone(req)
 	return &pb.CollectResultResponse{}, nil
 }
 
-func (s *managerControl) Leave(_ context.Context, req *pb.LeaveRequest) (*pb.LeaveResponse, error) {
+func (s *managerControl) Leave(ctx context.Context, req *pb.LeaveRequest) (*pb.LeaveResponse, error) {
 	m := s.m
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
@@ -301,6 +426,16 @@ func (s *managerControl) Leave(_ context.Context, req *pb.LeaveRequest) (*pb.Lea
 	mem := req.GetMember()
 	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode); err != nil {
 		return nil, err
+	}
+	m.mu.Lock()
+	_, err := m.actsForLocked(callerOf(ctx), mem)
+	m.mu.Unlock()
+	switch status.Code(err) {
+	case codes.OK:
+	case codes.PermissionDenied:
+		return nil, err
+	default:
+		return &pb.LeaveResponse{}, nil // gone already: nothing to do
 	}
 	m.leave(keyOf(mem), mem.GetInstance(), req.GetFinished(), time.Now())
 	return &pb.LeaveResponse{}, nil

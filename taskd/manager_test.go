@@ -143,16 +143,14 @@ func TestRateLimitAndSizeCap(t *testing.T) {
 	// Half a call a second after a burst of 5: at most 5 + t/2 of 20 calls
 	// get through, however slow the machine.
 	c := newCluster(t, insecureSec(), ManagerConfig{RateLimit: 0.5, RateBurst: 5, MaxMessageBytes: 64 << 10})
-	conn, err := grpc.NewClient("passthrough:///"+c.m.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
+	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: 0})
+	if err := r.register(); err != nil {
 		t.Fatal(err)
 	}
-	defer conn.Close()
-	client := pb.NewControlClient(conn)
 	ctx := context.Background()
 	limited := 0
 	for range 20 {
-		_, err := client.Heartbeat(ctx, &pb.HeartbeatRequest{Job: c.job})
+		_, err := r.client.Heartbeat(ctx, &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: r.self}}})
 		if status.Code(err) == codes.ResourceExhausted {
 			limited++
 		}
@@ -161,14 +159,12 @@ func TestRateLimitAndSizeCap(t *testing.T) {
 		t.Fatalf("%d of 20 calls limited (metric %v)", limited, counterValue(c.m.met.rateLimited))
 	}
 	// A new connection has its own budget.
-	conn2, _ := grpc.NewClient("passthrough:///"+c.m.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	defer conn2.Close()
-	client2 := pb.NewControlClient(conn2)
-	if _, err := client2.Heartbeat(ctx, &pb.HeartbeatRequest{Job: c.job}); err != nil {
+	r2 := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: 1})
+	if err := r2.register(); err != nil {
 		t.Fatalf("fresh connection: %v", err)
 	}
-	big := &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: "x", Body: &pb.Report_Message{Message: &pb.UserMessage{Kind: "k", Payload: make([]byte, 100<<10)}}}}}
-	if _, err := client2.Send(ctx, big); status.Code(err) != codes.ResourceExhausted {
+	big := &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: "x", From: r2.self, Body: &pb.Report_Message{Message: &pb.UserMessage{Kind: "k", Payload: make([]byte, 100<<10)}}}}}
+	if _, err := r2.client.Send(ctx, big); status.Code(err) != codes.ResourceExhausted {
 		t.Fatalf("oversized message: %v", err)
 	}
 	w, err := NewWorker(WorkerConfig{Job: c.job, Upstream: c.m.Addr().String(), Security: insecureSec(), MaxMessageBytes: 64 << 10})

@@ -113,6 +113,8 @@ type Proxy struct {
 	self    *pb.Member
 	upq     *uplink
 	acks    chan *pb.Ack
+	cred    *memberCred // the proxy's secret, issued by the manager
+	ids     *identities // the workers' secrets, issued by the proxy
 
 	mu       sync.Mutex
 	workers  map[int]*proxyWorker // by rank
@@ -176,6 +178,8 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		self:     memberPB(RoleProxy, Position{Node: cfg.Node, Rank: -1}, newInstanceID()),
 		acks:     make(chan *pb.Ack, 16384),
 		workers:  make(map[int]*proxyWorker),
+		ids:      newIdentities(),
+		cred:     &memberCred{},
 		deadline: DefaultHeartbeatDeadline,
 		collect:  make(chan *pb.CollectRequest, 16),
 		closed:   make(chan struct{}),
@@ -183,7 +187,7 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 	}
 	p.upq = &uplink{job: cfg.Job, self: p.self, queue: newReportQueue(cfg.QueueSize), maxMsg: cfg.MaxMessageBytes, ackTimeout: cfg.AckTimeout, log: log,
 		overflow: func() {}, queued: func(int) {}}
-	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log)
+	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log, p.cred.dialOptions()...)
 	if err != nil {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: proxy dial %s: %w", cfg.Upstream, err)
@@ -195,7 +199,7 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: proxy listen on %s: %w", cfg.Listen, err)
 	}
-	g := newGuard(cfg.Security, cfg.MaxConnections, cfg.MaxConnectionsPerPeer, p.met.guard, log)
+	g := newGuard(guardConfig{sec: cfg.Security, maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer, ids: p.ids, met: p.met.guard, log: log})
 	p.lis = g.listen(lis)
 	p.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: p.met.rateLimited.Inc}, g, log)
 	pb.RegisterControlServer(p.srv, &proxyControl{p: p})
@@ -205,11 +209,15 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 // Addr returns the address workers connect to.
 func (p *Proxy) Addr() net.Addr { return p.lis.Addr() }
 
-// ReportFault queues a node-level fault for the manager (Position.Rank -1
-// and this node when Position is zero).
+// ReportFault queues a fault of this node for the manager: of the whole
+// node (Position.Rank -1, and this node, when Position is zero) or of one
+// of its workers.
 func (p *Proxy) ReportFault(f Fault) error {
 	if f.Position == (Position{}) {
 		f.Position = Position{Node: p.cfg.Node, Rank: -1}
+	}
+	if f.Position.Node != p.cfg.Node {
+		return fmt.Errorf("taskd: Fault.Position: node %d is not this proxy's (%d)", f.Position.Node, p.cfg.Node)
 	}
 	return p.upq.reportFault(f)
 }
@@ -330,6 +338,7 @@ func (p *Proxy) upSession(ctx context.Context, sessions *int) error {
 	if err != nil {
 		return err
 	}
+	p.cred.set(resp.GetSecret())
 	interval := time.Duration(resp.GetHeartbeatIntervalMs()) * time.Millisecond
 	deadline := time.Duration(resp.GetHeartbeatDeadlineMs()) * time.Millisecond
 	if interval <= 0 || deadline <= interval {
@@ -425,6 +434,7 @@ func (p *Proxy) dropWorker(rank int, instance string) {
 	if w := p.workers[rank]; w != nil && w.instance == instance {
 		w.dl.detach()
 		delete(p.workers, rank)
+		p.ids.revoke(workerKey(rank), instance)
 		p.met.workers.Set(float64(len(p.workers)))
 	}
 }
@@ -480,6 +490,8 @@ func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration
 			}
 		case ctx.Err() != nil:
 			return nil
+		case status.Code(err) == codes.Unauthenticated:
+			return fmt.Errorf("%w: %v", errReregister, err) // its secret is unknown: the manager restarted
 		case time.Since(lastOK) > deadline:
 			return fmt.Errorf("taskd: no heartbeat through for %v: %w", deadline, err)
 		}
@@ -578,10 +590,15 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 		p.mu.Unlock()
 		return nil, status.Errorf(codes.AlreadyExists, "taskd: worker rank %d: %v", rank, ErrRankTaken)
 	}
+	if w != nil && w.instance == inst && !callerOf(ctx).is(mem) {
+		p.mu.Unlock()
+		return nil, permission("worker rank %d: instance %s is live; registering it again takes its credential", rank, inst)
+	}
 	created := w == nil || w.instance != inst
 	if created {
 		if w != nil {
 			w.dl.detach()
+			p.ids.revoke(workerKey(rank), w.instance)
 		}
 		w = &proxyWorker{instance: inst, dl: newDownlink(inst)}
 		p.workers[rank] = w
@@ -602,14 +619,18 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 	w.registered = true
 	p.mu.Unlock()
 	p.met.forwarded.WithLabelValues("up").Inc()
+	// The worker's secret is the proxy's to issue and check; the manager
+	// knows the worker through the proxy.
+	resp.Secret = p.ids.issue(identity{key: workerKey(rank), instance: inst, node: p.cfg.Node})
 	return resp, nil
 }
 
-func (s *proxyControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
+func (s *proxyControl) Heartbeat(ctx context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
 	p := s.p
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
 	}
+	caller := callerOf(ctx)
 	now := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -617,7 +638,7 @@ func (s *proxyControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) (*
 	for _, b := range req.GetBeats() {
 		m := b.GetMember()
 		w := p.workers[int(m.GetPosition().GetRank())]
-		if roleFromPB(m.GetRole()) != RoleWorker || w == nil || w.instance != m.GetInstance() {
+		if !caller.is(m) || w == nil || w.instance != m.GetInstance() {
 			resp.Unknown = append(resp.Unknown, m)
 			continue
 		}
@@ -629,6 +650,15 @@ func (s *proxyControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) (*
 func (s *proxyControl) Send(ctx context.Context, req *pb.SendRequest) (*pb.SendResponse, error) {
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
+	}
+	caller := callerOf(ctx)
+	for i, r := range req.GetReports() {
+		if !caller.is(r.GetFrom()) {
+			return nil, permission("reports[%d].from: a worker sends only its own reports", i)
+		}
+		if f := r.GetFault(); f != nil && (int(f.GetNode()) != caller.node || int(f.GetRank()) != caller.key.id) {
+			return nil, permission("reports[%d].fault: about node %d rank %d, but %s reports only its own faults", i, f.GetNode(), f.GetRank(), caller.key)
+		}
 	}
 	if err := s.ready(); err != nil {
 		return nil, err
@@ -643,6 +673,9 @@ func (s *proxyControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreaming
 		return err
 	}
 	rank := int(req.GetMember().GetPosition().GetRank())
+	if !callerOf(stream.Context()).is(req.GetMember()) {
+		return permission("worker rank %d: a worker opens only its own stream", rank)
+	}
 	p.mu.Lock()
 	w := p.workers[rank]
 	if w == nil || w.instance != req.GetMember().GetInstance() {
@@ -670,6 +703,9 @@ func (s *proxyControl) Leave(ctx context.Context, req *pb.LeaveRequest) (*pb.Lea
 		return nil, err
 	}
 	mem := req.GetMember()
+	if !callerOf(ctx).is(mem) {
+		return nil, permission("a worker leaves only for itself")
+	}
 	rank := int(mem.GetPosition().GetRank())
 	p.mu.Lock()
 	w := p.workers[rank]
@@ -684,11 +720,15 @@ func (s *proxyControl) Leave(ctx context.Context, req *pb.LeaveRequest) (*pb.Lea
 	return p.up.Leave(cctx, req)
 }
 
-func (s *proxyControl) Acknowledge(_ context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {
+func (s *proxyControl) Acknowledge(ctx context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
 	}
+	caller := callerOf(ctx)
 	for _, a := range req.GetAcks() {
+		if !caller.is(a.GetFrom()) {
+			continue // a worker acknowledges only for itself
+		}
 		select {
 		case s.p.acks <- a:
 		default: // the manager re-sends what it does not see acknowledged

@@ -94,8 +94,8 @@ func newServer(sec Security, l limits, g *guard, log *slog.Logger) *grpc.Server 
 
 // dial returns a client connection to addr; gRPC connects lazily and
 // reconnects by itself.
-func dial(addr string, sec Security, maxMsg int, log *slog.Logger) (*grpc.ClientConn, error) {
-	opts := sec.dialOptions(addr, log)
+func dial(addr string, sec Security, maxMsg int, log *slog.Logger, extra ...grpc.DialOption) (*grpc.ClientConn, error) {
+	opts := append(sec.dialOptions(addr, log), extra...)
 	opts = append(opts,
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsg), grpc.MaxCallSendMsgSize(maxMsg)),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),

@@ -96,6 +96,7 @@ type Worker struct {
 	up      *uplink
 	self    *pb.Member
 	acks    chan *pb.Ack
+	cred    *memberCred // the secret its upstream issued
 
 	ops chan trainerOp // trainer calls, one at a time
 
@@ -138,12 +139,14 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	if err := metrics.Err(); err != nil {
 		return nil, err
 	}
-	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log)
+	cred := &memberCred{}
+	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log, cred.dialOptions()...)
 	if err != nil {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: worker dial %s: %w", cfg.Upstream, err)
 	}
 	w := &Worker{
+		cred:       cred,
 		cfg:        cfg,
 		log:        log,
 		met:        met,
@@ -166,11 +169,17 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 }
 
 // ReportFault queues a fault for the manager. An empty ID is filled in; a
-// zero Position means this worker's, a zero Time now. It returns
-// ErrQueueFull when the queue is full.
+// zero Position means this worker's, a zero Time now. A worker reports its
+// own faults only: the manager takes a fault about a rank from that rank,
+// its node's proxy or the manager's embedder. It returns ErrQueueFull
+// when the queue is full.
 func (w *Worker) ReportFault(f Fault) error {
+	own := Position{Node: w.cfg.Node, Rank: w.cfg.Rank}
 	if f.Position == (Position{}) {
-		f.Position = Position{Node: w.cfg.Node, Rank: w.cfg.Rank}
+		f.Position = own
+	}
+	if f.Position != own {
+		return fmt.Errorf("taskd: Fault.Position: %s is not this worker's (%s); a fault about a rank is that rank's, its node's proxy's or the manager's to report", f.Position, own)
 	}
 	return w.up.reportFault(f)
 }
@@ -381,6 +390,7 @@ func (w *Worker) session(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	w.cred.set(resp.GetSecret())
 	mgr, held := resp.GetManagerInstance(), resp.GetHeld()
 	w.mu.Lock()
 	if held && !w.started && w.cfg.Trainer != nil {
@@ -490,6 +500,8 @@ func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *
 			}
 		case ctx.Err() != nil:
 			return nil
+		case status.Code(err) == codes.Unauthenticated:
+			return fmt.Errorf("%w: %v", errReregister, err) // its secret is unknown: the upstream restarted
 		case time.Since(lastOK) > deadline:
 			return fmt.Errorf("taskd: no heartbeat through for %v: %w", deadline, err)
 		}

@@ -361,7 +361,11 @@ type RegisterResponse struct {
 	// held is set when an orchestration holds the job paused: a worker
 	// registering for the first time does not start its trainer, and the
 	// orchestration resumes it with the others.
-	Held          bool `protobuf:"varint,4,opt,name=held,proto3" json:"held,omitempty"`
+	Held bool `protobuf:"varint,4,opt,name=held,proto3" json:"held,omitempty"`
+	// secret is the member's credential, issued by the server it registered
+	// with: every later call carries it in the "taskd-member" header, and a
+	// registration of the same instance again proves itself with it.
+	Secret        string `protobuf:"bytes,5,opt,name=secret,proto3" json:"secret,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -422,6 +426,13 @@ func (x *RegisterResponse) GetHeld() bool {
 		return x.Held
 	}
 	return false
+}
+
+func (x *RegisterResponse) GetSecret() string {
+	if x != nil {
+		return x.Secret
+	}
+	return ""
 }
 
 // Beat says a member was heard from age_ms before the heartbeat was sent.
@@ -3881,12 +3892,13 @@ const file_taskd_proto_rawDesc = "" +
 	"\n" +
 	"has_switch\x18\x05 \x01(\bR\thasSwitch\x12\x1a\n" +
 	"\bhostname\x18\x06 \x01(\tR\bhostname\x12\x10\n" +
-	"\x03pid\x18\a \x01(\x03R\x03pid\"\xb9\x01\n" +
+	"\x03pid\x18\a \x01(\x03R\x03pid\"\xd1\x01\n" +
 	"\x10RegisterResponse\x122\n" +
 	"\x15heartbeat_interval_ms\x18\x01 \x01(\x03R\x13heartbeatIntervalMs\x122\n" +
 	"\x15heartbeat_deadline_ms\x18\x02 \x01(\x03R\x13heartbeatDeadlineMs\x12)\n" +
 	"\x10manager_instance\x18\x03 \x01(\tR\x0fmanagerInstance\x12\x12\n" +
-	"\x04held\x18\x04 \x01(\bR\x04held\"Q\n" +
+	"\x04held\x18\x04 \x01(\bR\x04held\x12\x16\n" +
+	"\x06secret\x18\x05 \x01(\tR\x06secret\"Q\n" +
 	"\x04Beat\x122\n" +
 	"\x06member\x18\x01 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x06member\x12\x15\n" +
 	"\x06age_ms\x18\x02 \x01(\x03R\x05ageMs\"\x84\x01\n" +
