@@ -158,7 +158,12 @@
 // caller acts only for itself, a proxy for its node's workers, and a
 // fault about a rank is taken only from that rank, its node's proxy or
 // the manager's embedder (Manager.ReportFault). ListMembers shows
-// instances, which prove nothing.
+// instances, which prove nothing. Operators hold a credential of their
+// own (ManagerConfig.AdminToken): the Admin and TrainingDataTrace services
+// take nothing else, and it serves nothing else; with ProxyToken set, only
+// a proxy registers as one. The metrics are served by the embedder, over
+// plain HTTP in the reference binaries: keep them on loopback or a
+// cluster-internal address.
 //
 // Every server bounds what a peer can make it hold: message size
 // (MaxMessageBytes), calls per second per connection (RateLimit), calls in

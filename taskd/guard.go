@@ -56,6 +56,10 @@ const (
 	credOpen credential = iota
 	// credMember: the job's token, which every member holds.
 	credMember
+	// credProxy: ManagerConfig.ProxyToken, which only proxies hold.
+	credProxy
+	// credAdmin: ManagerConfig.AdminToken, the operators'.
+	credAdmin
 )
 
 // guardMetrics are the counters a guard keeps; the manager and the proxy
@@ -76,15 +80,17 @@ type guardMetrics struct {
 type guard struct {
 	log *slog.Logger
 	met guardMetrics
-	// tokens maps an authorization value to what it proves; empty when the
-	// server takes no token.
+	// tokens maps an authorization value to what it proves; open says
+	// that a call may carry none.
 	tokens map[string]credential
+	open   bool
 	// maxConns bounds the connections open, maxPerPeer those from one
 	// peer address.
 	maxConns, maxPerPeer int
 	// ids are the member secrets the server issued: every Control call
 	// but Register must carry one.
-	ids *identities
+	ids    *identities
+	policy func(method string, cred credential) error
 
 	mu        sync.Mutex
 	peers     map[string]*peerState    // by peer IP, while it has connections or calls
@@ -102,18 +108,29 @@ type peerState struct {
 
 // guardConfig is what a server's guard enforces.
 type guardConfig struct {
-	sec                  Security
+	// tokens maps each token the server takes to what it proves; open
+	// says that a call may carry none (credOpen): members hold no token.
+	tokens               map[string]credential
+	open                 bool
 	maxConns, maxPerPeer int
 	ids                  *identities
-	met                  guardMetrics
-	log                  *slog.Logger
+	// policy, if set, refuses a call to method with cred.
+	policy func(method string, cred credential) error
+	met    guardMetrics
+	log    *slog.Logger
 }
 
 func newGuard(c guardConfig) *guard {
-	sec := c.sec
-	g := &guard{log: c.log, met: c.met, maxConns: c.maxConns, maxPerPeer: c.maxPerPeer, ids: c.ids, peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter)}
-	if sec.Token != "" {
-		g.tokens = map[string]credential{"Bearer " + sec.Token: credMember}
+	g := &guard{log: c.log, met: c.met, maxConns: c.maxConns, maxPerPeer: c.maxPerPeer, ids: c.ids, policy: c.policy, open: c.open,
+		peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter)}
+	for token, cred := range c.tokens {
+		if token == "" {
+			continue
+		}
+		if g.tokens == nil {
+			g.tokens = make(map[string]credential)
+		}
+		g.tokens["Bearer "+token] = cred
 	}
 	return g
 }
@@ -261,6 +278,12 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 		g.failed(ip, addr)
 		return nil, err
 	}
+	if g.policy != nil {
+		if err := g.policy(info.FullMethodName, cred); err != nil {
+			g.refuse("permission", ip, info.FullMethodName)
+			return nil, err
+		}
+	}
 	caller, err := g.identify(info.FullMethodName, info.Header.Get(memberHeader))
 	if err != nil {
 		g.refuse("unknown_member", ip, info.FullMethodName)
@@ -293,11 +316,15 @@ func (g *guard) release(ip string) {
 	}
 }
 
-// authenticate checks the call's authorization values: exactly one, equal
-// to a token the server knows, compared in constant time.
+// authenticate checks the call's authorization values: none when the
+// server is open, else exactly one, equal to a token the server knows,
+// compared in constant time.
 func (g *guard) authenticate(values []string) (credential, error) {
-	if g.tokens == nil {
+	if len(values) == 0 && (g.open || g.tokens == nil) {
 		return credOpen, nil
+	}
+	if g.tokens == nil {
+		return credOpen, nil // a token sent to a server that takes none
 	}
 	if len(values) != 1 {
 		return 0, status.Errorf(codes.Unauthenticated, "taskd: %d authorization values, want exactly one", len(values))

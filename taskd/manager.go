@@ -55,6 +55,16 @@ type ManagerConfig struct {
 	Nodes, ProcsPerNode int
 	// Security: mutual TLS, token, or plaintext when asked; required.
 	Security Security
+	// AdminToken is the operators' credential: the Admin and
+	// TrainingDataTrace services take a call only with it, and it serves
+	// nothing else. Empty: with Security.Token set, those services refuse
+	// every call; without any token they take whoever the transport
+	// admits (logged at start).
+	AdminToken string
+	// ProxyToken, when set, is the proxies' credential: only a call with
+	// it registers as a proxy, so that a worker's token cannot. Proxies
+	// present it as ProxyConfig.UpstreamToken.
+	ProxyToken string
 	// HeartbeatInterval is how often members send heartbeats (default 1 s);
 	// a member not heard from within HeartbeatDeadline (default 5 s) is
 	// declared lost and a FaultLost is raised.
@@ -275,13 +285,41 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: manager listen on %s: %w", cfg.Listen, err)
 	}
-	g := newGuard(guardConfig{sec: cfg.Security, maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer, ids: m.ids, met: m.met.guard, log: m.log})
+	g := newGuard(guardConfig{
+		tokens: map[string]credential{cfg.Security.Token: credMember, cfg.ProxyToken: credProxy, cfg.AdminToken: credAdmin},
+		open:   cfg.Security.Token == "", maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer,
+		ids: m.ids, policy: m.policy, met: m.met.guard, log: m.log,
+	})
+	switch {
+	case cfg.AdminToken == "" && cfg.Security.Token != "":
+		m.log.Info("taskd: the Admin and TrainingDataTrace services are off: no AdminToken")
+	case cfg.AdminToken == "":
+		m.log.Warn("taskd: the Admin and TrainingDataTrace services take whoever the transport admits: set AdminToken")
+	}
 	m.lis = g.listen(lis)
 	m.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: m.met.rateLimited.Inc}, g, m.log)
 	pb.RegisterControlServer(m.srv, &managerControl{m: m})
 	pb.RegisterTrainingDataTraceServer(m.srv, &managerTraceAPI{m: m})
 	pb.RegisterAdminServer(m.srv, &managerAdmin{m: m})
 	return m, nil
+}
+
+// policy says which token each service takes: the operators' services
+// the operators' token alone, and that token nothing else.
+func (m *Manager) policy(method string, cred credential) error {
+	svc, _, _ := strings.Cut(strings.TrimPrefix(method, "/"), "/")
+	operator := svc == pb.Admin_ServiceDesc.ServiceName || svc == pb.TrainingDataTrace_ServiceDesc.ServiceName
+	switch {
+	case operator && (cred == credAdmin || (cred == credOpen && m.cfg.AdminToken == "")):
+		return nil
+	case operator && m.cfg.AdminToken == "":
+		return permission("%s takes the operators' token, ManagerConfig.AdminToken, which this manager was not given", svc)
+	case operator:
+		return permission("%s takes the operators' token", svc)
+	case cred == credAdmin:
+		return permission("the operators' token does not serve %s", svc)
+	}
+	return nil
 }
 
 // Addr returns the address the manager listens on.

@@ -65,6 +65,9 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		nm.addr = p.Addr.String()
 	}
 	caller := callerOf(ctx)
+	if key.role == RoleProxy && m.cfg.ProxyToken != "" && callCredential(ctx) != credProxy {
+		return nil, permission("%s: a proxy registers with the proxies' token (ManagerConfig.ProxyToken)", key)
+	}
 	now := time.Now()
 	m.mu.Lock()
 	if m.evicted.has(nm.instance) {

@@ -41,6 +41,9 @@ type ProxyConfig struct {
 	Listen string
 	// Security applies to both sides: the manager and the workers.
 	Security Security
+	// UpstreamToken, when set, is the token presented to the manager in
+	// place of Security.Token: the manager's ProxyToken.
+	UpstreamToken string
 	// AckTimeout bounds each call to the manager (default 3 s).
 	AckTimeout time.Duration
 	// MaxMessageBytes caps each message (default 4 MiB).
@@ -187,7 +190,11 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 	}
 	p.upq = &uplink{job: cfg.Job, self: p.self, queue: newReportQueue(cfg.QueueSize), maxMsg: cfg.MaxMessageBytes, ackTimeout: cfg.AckTimeout, log: log,
 		overflow: func() {}, queued: func(int) {}}
-	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log, p.cred.dialOptions()...)
+	upSec := cfg.Security
+	if cfg.UpstreamToken != "" {
+		upSec.Token = cfg.UpstreamToken
+	}
+	conn, err := dial(cfg.Upstream, upSec, cfg.MaxMessageBytes, log, p.cred.dialOptions()...)
 	if err != nil {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: proxy dial %s: %w", cfg.Upstream, err)
@@ -199,7 +206,8 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: proxy listen on %s: %w", cfg.Listen, err)
 	}
-	g := newGuard(guardConfig{sec: cfg.Security, maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer, ids: p.ids, met: p.met.guard, log: log})
+	g := newGuard(guardConfig{tokens: map[string]credential{cfg.Security.Token: credMember}, open: cfg.Security.Token == "",
+		maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer, ids: p.ids, met: p.met.guard, log: log})
 	p.lis = g.listen(lis)
 	p.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: p.met.rateLimited.Inc}, g, log)
 	pb.RegisterControlServer(p.srv, &proxyControl{p: p})

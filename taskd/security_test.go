@@ -12,6 +12,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -193,5 +194,65 @@ func TestSecurityValidate(t *testing.T) {
 		if err := tc.sec.Validate(); (err == nil) != tc.want {
 			t.Errorf("%+v: Validate() = %v, want ok=%v", tc.sec, err, tc.want)
 		}
+	}
+}
+
+// TestOperatorCredential: the Admin and TrainingDataTrace services take
+// the operators' token alone, which serves nothing else; with a proxy
+// token, a worker's token cannot register as a proxy.
+func TestOperatorCredential(t *testing.T) {
+	const (
+		member = "member-token-0123456789"
+		admin  = "admin-token-0123456789"
+		proxy  = "proxy-token-0123456789"
+	)
+	sec := Security{Insecure: true, Token: member}
+	c := newCluster(t, sec, ManagerConfig{AdminToken: admin, ProxyToken: proxy})
+	addr := c.m.Addr().String()
+	list := func(token string) error {
+		conn, err := dial(addr, Security{Insecure: true, Token: token}, DefaultMaxMessageBytes, discardIfNil(nil))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		if _, err := pb.NewAdminClient(conn).ListMembers(ctx, &pb.ListMembersReq{JobNsName: c.job}); err != nil {
+			return err
+		}
+		_, err = pb.NewTrainingDataTraceClient(conn).GetTrainingDataTraceSwitch(ctx, &pb.DataStatusReq{JobNsName: c.job})
+		return err
+	}
+	if err := list(member); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("the Admin service with a member's token: %v", err)
+	}
+	if err := list(admin); err != nil {
+		t.Fatalf("the Admin service with the operators' token: %v", err)
+	}
+	refused(t, addr, Security{Insecure: true, Token: admin}, 0, codes.PermissionDenied, "a registration with the operators' token")
+	// A worker's token does not make a proxy; the proxies' token does.
+	fake := newRawMember(t, addr, c.job, sec, RoleProxy, Position{Node: 0, Rank: -1})
+	if err := fake.register(); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a proxy registered with a member's token: %v", err)
+	}
+	p, err := NewProxy(ProxyConfig{Job: c.job, Node: 0, Upstream: addr, Listen: "127.0.0.1:0", Security: sec, UpstreamToken: proxy, AckTimeout: c.ack})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.proxies[0] = p
+	c.run(p, p.Run)
+	w := c.addWorker(0, 0)
+	waitFor(t, 20*time.Second, "a worker through the proxy", w.Connected)
+
+	// No operators' token: the services refuse members, naming the field.
+	c2 := newCluster(t, sec, ManagerConfig{})
+	conn, err := dial(c2.m.Addr().String(), sec, DefaultMaxMessageBytes, discardIfNil(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_, err = pb.NewAdminClient(conn).ListFaults(context.Background(), &pb.ListFaultsReq{JobNsName: c2.job})
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "AdminToken") {
+		t.Fatalf("the Admin service without an operators' token: %v", err)
 	}
 }

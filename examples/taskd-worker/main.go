@@ -64,13 +64,15 @@ func run() error {
 		sec = taskd.SecurityFromDir(*tlsDir)
 	}
 	sec.Insecure = *plaintext
-	sec.Token = os.Getenv("TASKD_TOKEN")
+	sec.Token = strings.TrimSpace(os.Getenv("TASKD_TOKEN"))
 	if *tokenFile != "" {
 		b, err := os.ReadFile(*tokenFile)
 		if err != nil {
 			return err
 		}
-		sec.Token = strings.TrimSpace(string(b))
+		if sec.Token = strings.TrimSpace(string(b)); sec.Token == "" {
+			return fmt.Errorf("--token-file %s: empty; put the token in it, or leave the flag out", *tokenFile)
+		}
 	}
 	var tr *trainertest.Trainer
 	var trainer taskd.Trainer
