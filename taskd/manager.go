@@ -172,6 +172,17 @@ func (c ManagerConfig) Validate() error {
 			return fmt.Errorf("taskd: ManagerConfig.Handlers[%d]: needs a Name and a Handle func", i)
 		}
 	}
+	tokens := []struct{ field, token string }{{"ManagerConfig.Security.Token", c.Security.Token}, {"ManagerConfig.AdminToken", c.AdminToken}, {"ManagerConfig.ProxyToken", c.ProxyToken}}
+	for i, t := range tokens {
+		if err := checkToken(t.field, t.token); err != nil {
+			return err
+		}
+		for _, u := range tokens[:i] {
+			if t.token != "" && t.token == u.token {
+				return fmt.Errorf("taskd: %s: the same as %s; each credential needs a token of its own", t.field, u.field)
+			}
+		}
+	}
 	if c.Orchestration != nil {
 		if err := c.Orchestration.validate(); err != nil {
 			return err

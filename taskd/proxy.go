@@ -96,6 +96,12 @@ func (c ProxyConfig) Validate() error {
 	case c.MaxConnectionsPerPeer < 0:
 		return fmt.Errorf("taskd: ProxyConfig.MaxConnectionsPerPeer: %d is negative", c.MaxConnectionsPerPeer)
 	}
+	if err := checkToken("ProxyConfig.Security.Token", c.Security.Token); err != nil {
+		return err
+	}
+	if err := checkToken("ProxyConfig.UpstreamToken", c.UpstreamToken); err != nil {
+		return err
+	}
 	return c.Security.Validate()
 }
 

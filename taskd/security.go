@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -34,6 +35,24 @@ type Security struct {
 	Token string
 	// Insecure allows connections without TLS.
 	Insecure bool
+}
+
+// MinTokenBytes is the length of the shortest token a server takes: 128
+// bits. A server refuses to start with a shorter one.
+const MinTokenBytes = 16
+
+// checkToken says what is wrong with a token a server is to take, named
+// field; an empty token is none.
+func checkToken(field, token string) error {
+	switch {
+	case token == "":
+		return nil
+	case len(token) < MinTokenBytes:
+		return fmt.Errorf("taskd: %s: %d bytes, want at least %d (128 bits); make one with: openssl rand -hex 16", field, len(token), MinTokenBytes)
+	case strings.IndexFunc(token, func(r rune) bool { return unicode.IsSpace(r) || unicode.IsControl(r) }) >= 0:
+		return fmt.Errorf("taskd: %s: holds white space or a control character", field)
+	}
+	return nil
 }
 
 // SecurityFromDir returns a Security with the Kubernetes TLS secret names

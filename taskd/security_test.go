@@ -169,9 +169,10 @@ func TestMutualTLS(t *testing.T) {
 }
 
 func TestToken(t *testing.T) {
-	c := newCluster(t, Security{Insecure: true, Token: "s3cret"}, ManagerConfig{})
+	const token = "s3cret-0123456789abcdef"
+	c := newCluster(t, Security{Insecure: true, Token: token}, ManagerConfig{})
 	addr := c.m.Addr().String()
-	if !tryWorker(t, addr, Security{Insecure: true, Token: "s3cret"}, 0, 20*time.Second) {
+	if !tryWorker(t, addr, Security{Insecure: true, Token: token}, 0, 20*time.Second) {
 		t.Fatal("a worker with the token was refused")
 	}
 	refused(t, addr, Security{Insecure: true, Token: "guess"}, 1, codes.Unauthenticated, "a worker with a wrong token")
