@@ -13,6 +13,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/net/http2"
@@ -558,5 +559,62 @@ func TestProxyIdentity(t *testing.T) {
 	}
 	if !slices.Equal(ids, []string{"w2", "p2"}) {
 		t.Fatalf("faults %v", ids)
+	}
+}
+
+// TestFaultContentsBounded: a fault's message and attributes are cut to
+// their bounds, a kind other than taskd's is one metric series ("other"),
+// an odd kind is refused, and ListFaults pages by bytes, so that faults of
+// a megabyte cost kilobytes and every page fits a message.
+func TestFaultContentsBounded(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	c := newCluster(t, insecureSec(), ManagerConfig{Registerer: reg, MaxMessageBytes: 256 << 10})
+	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
+	if err := r.register(); err != nil {
+		t.Fatal(err)
+	}
+	huge := strings.Repeat("é", 50<<10) // 100 KiB, two bytes a rune
+	attrs := map[string]string{}
+	for i := range 60 {
+		attrs[fmt.Sprintf("k%03d", i)] = huge[:3<<9]
+	}
+	for i := range 40 {
+		f := &pb.FaultReport{Kind: fmt.Sprintf("kind-%d", i), Rank: 0, Message: huge, Attrs: attrs}
+		if _, err := r.client.Send(r.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: fmt.Sprint(i), From: r.self, Body: &pb.Report_Fault{Fault: f}}}}); err != nil {
+			t.Fatalf("fault %d: %v", i, err)
+		}
+	}
+	_, err := r.client.Send(r.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: "odd", From: r.self, Body: &pb.Report_Fault{Fault: &pb.FaultReport{Kind: "a kind\\nwith a line"}}}}})
+	if status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("an odd kind: %v", err)
+	}
+	for _, f := range c.m.Faults(0) {
+		if len(f.Message) > MaxFaultMessageBytes || !utf8.ValidString(f.Message) || len(f.Attrs) != MaxFaultAttrs || len(f.Attrs["k000"]) > MaxFaultAttrBytes {
+			t.Fatalf("fault %s kept: message %d bytes, %d attributes", f.ID, len(f.Message), len(f.Attrs))
+		}
+	}
+	got := gathered(t, reg)
+	if got[`faultline_taskd_faults_total{kind="other"}`] != 40 || got[`faultline_taskd_faults_total{kind="kind-1"}`] != 0 {
+		t.Fatalf("fault metrics: %v", got)
+	}
+	api := newAdminClient(t, c.m.Addr().String(), c.job)
+	var n int
+	var after uint64
+	for pages := 0; ; pages++ {
+		res, err := api.admin.ListFaults(api.ctx(), &pb.ListFaultsReq{JobNsName: c.job, After: after})
+		if err != nil {
+			t.Fatalf("page %d: %v", pages, err)
+		}
+		if len(res.GetFaults()) == 0 {
+			if pages < 2 {
+				t.Fatalf("40 faults of %d KiB in %d pages", (MaxFaultMessageBytes+MaxFaultAttrs*MaxFaultAttrBytes)>>10, pages)
+			}
+			break
+		}
+		n += len(res.GetFaults())
+		after = res.GetFaults()[len(res.GetFaults())-1].GetSeq()
+	}
+	if n != 40 {
+		t.Fatalf("paged through %d faults", n)
 	}
 }

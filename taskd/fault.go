@@ -6,8 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"sort"
+	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // FaultKind says what went wrong. The constants are the kinds taskd and the
@@ -52,6 +55,68 @@ type Fault struct {
 	// Reporter is who reported it (the manager itself for FaultLost).
 	Reporter     Position `json:"reporter"`
 	ReporterRole Role     `json:"reporter_role"`
+}
+
+// Bounds of a fault's fields: a longer message or attribute value is cut,
+// attributes past the most are dropped (the first, by key, kept), and a
+// longer or odd kind is refused.
+const (
+	MaxFaultKindBytes    = 64
+	MaxFaultMessageBytes = 4 << 10
+	MaxFaultAttrs        = 32
+	MaxFaultAttrBytes    = 1 << 10 // a key or a value
+)
+
+// knownKinds are the kinds that are metric labels of their own; any other
+// is counted as "other", so that reporters cannot make series without end.
+var knownKinds = map[FaultKind]bool{FaultProcessExit: true, FaultOpError: true, FaultHang: true, FaultSlowNode: true, FaultLink: true, FaultLost: true, FaultStressTest: true}
+
+// kindLabel is the metric label of kind k.
+func kindLabel(k FaultKind) string {
+	if knownKinds[k] {
+		return string(k)
+	}
+	return "other"
+}
+
+// checkKind says what is wrong with a fault kind: empty, too long, or
+// holding other than letters, digits and "_-.:/".
+func checkKind(k FaultKind) error {
+	if k == "" || len(k) > MaxFaultKindBytes {
+		return fmt.Errorf("length %d, want 1 to %d", len(k), MaxFaultKindBytes)
+	}
+	for _, r := range k {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("_-.:/", r)) {
+			return fmt.Errorf("%q: only letters, digits and _-.:/", k)
+		}
+	}
+	return nil
+}
+
+// cut returns s cut to at most n bytes, on a rune boundary.
+func cut(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
+}
+
+// bounded returns f with its message and attributes cut to their bounds.
+func (f Fault) bounded() Fault {
+	f.Message = cut(f.Message, MaxFaultMessageBytes)
+	if len(f.Attrs) == 0 {
+		return f
+	}
+	keys := slices.Sorted(maps.Keys(f.Attrs))
+	attrs := make(map[string]string, min(len(keys), MaxFaultAttrs))
+	for _, k := range keys[:min(len(keys), MaxFaultAttrs)] {
+		attrs[cut(k, MaxFaultAttrBytes)] = cut(f.Attrs[k], MaxFaultAttrBytes)
+	}
+	f.Attrs = attrs
+	return f
 }
 
 func (f Fault) clone() Fault {
@@ -111,7 +176,7 @@ func (l *faultLog) add(f Fault, now time.Time) (Fault, bool) {
 	if seq, dup := l.ids[f.ID]; dup {
 		return l.get(seq), false
 	}
-	f = f.clone()
+	f = f.bounded()
 	f.Seq = l.next
 	f.Received = now
 	l.next++
@@ -125,7 +190,7 @@ func (l *faultLog) restore(f Fault) {
 	if _, dup := l.ids[f.ID]; dup || f.Seq < l.next {
 		return
 	}
-	l.push(f)
+	l.push(f.bounded())
 	l.ids[f.ID] = f.Seq
 	l.next = f.Seq + 1
 }

@@ -459,7 +459,7 @@ func (m *Manager) step(now time.Time) {
 		}
 	}
 	for _, f := range lostFaults {
-		m.met.faults.WithLabelValues(string(f.Kind)).Inc()
+		m.met.faults.WithLabelValues(kindLabel(f.Kind)).Inc()
 		evs = append(evs, Event{Kind: EventFault, Time: now, Fault: f, Position: f.Position, Role: RoleManager})
 	}
 	m.updateMemberGaugesLocked()
@@ -674,8 +674,8 @@ func (m *Manager) subscribeSwitch() (<-chan trace.Switch, func()) {
 // means now, and an empty ReporterRole means the manager. It returns the
 // fault as logged, and false when a fault with its ID was logged already.
 func (m *Manager) ReportFault(f Fault) (Fault, bool, error) {
-	if f.Kind == "" {
-		return Fault{}, false, errors.New("taskd: Fault.Kind: empty")
+	if err := checkKind(f.Kind); err != nil {
+		return Fault{}, false, fmt.Errorf("taskd: Fault.Kind: %w", err)
 	}
 	now := time.Now()
 	if f.ID == "" {
@@ -695,7 +695,7 @@ func (m *Manager) ReportFault(f Fault) (Fault, bool, error) {
 		m.met.faultDups.Inc()
 		return stored, false, nil
 	}
-	m.met.faults.WithLabelValues(string(stored.Kind)).Inc()
+	m.met.faults.WithLabelValues(kindLabel(stored.Kind)).Inc()
 	m.log.Warn("taskd: fault", "seq", stored.Seq, "kind", stored.Kind, "position", stored.Position.String(), "code", stored.Code, "message", stored.Message)
 	m.events.push(Event{Kind: EventFault, Time: now, Role: stored.ReporterRole, Position: stored.Reporter, Fault: stored})
 	return stored, true, nil

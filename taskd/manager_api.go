@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 	"github.com/faultline-ml/faultline/trace"
@@ -136,14 +137,15 @@ func (s *managerAdmin) ListFaults(_ context.Context, req *pb.ListFaultsReq) (*pb
 		return &pb.ListFaultsRes{Code: pb.Code_CODE_UNKNOWN_JOB, Message: "unknown job " + quote(req.GetJobNsName())}, nil
 	}
 	res := &pb.ListFaultsRes{Code: pb.Code_CODE_OK, Message: "ok"}
-	faults := s.m.Faults(req.GetAfter())
-	// One answer stays well under the message size cap; callers page on
-	// with after set to the last seq.
-	if len(faults) > maxFaultsPerList {
-		faults = faults[:maxFaultsPerList]
-	}
-	for _, f := range faults {
-		res.Faults = append(res.Faults, faultToPB(f))
+	// One answer stays under half the message size cap, and holds at
+	// least one fault; callers page on with after set to the last seq.
+	budget := s.m.cfg.MaxMessageBytes / 2
+	for _, f := range s.m.faults.page(req.GetAfter(), maxFaultsPerList) {
+		pf := faultToPB(f)
+		if budget -= proto.Size(pf) + 8; budget < 0 && len(res.Faults) > 0 {
+			break
+		}
+		res.Faults = append(res.Faults, pf)
 	}
 	return res, nil
 }

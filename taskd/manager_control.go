@@ -232,8 +232,8 @@ func (s *managerControl) Send(ctx context.Context, req *pb.SendRequest) (*pb.Sen
 		}
 		switch body := r.GetBody().(type) {
 		case *pb.Report_Fault:
-			if body.Fault.GetKind() == "" {
-				return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d].fault.kind: empty", i)
+			if err := checkKind(FaultKind(body.Fault.GetKind())); err != nil {
+				return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d].fault.kind: %v", i, err)
 			}
 		case *pb.Report_Message:
 		default:
@@ -254,7 +254,7 @@ func (s *managerControl) Send(ctx context.Context, req *pb.SendRequest) (*pb.Sen
 			stored, isNew := m.faults.add(faultFromPB(r.GetId(), from, r.GetTimeUnixNano(), body.Fault), now)
 			last = max(last, stored.Seq)
 			if isNew {
-				m.met.faults.WithLabelValues(string(stored.Kind)).Inc()
+				m.met.faults.WithLabelValues(kindLabel(stored.Kind)).Inc()
 				m.log.Warn("taskd: fault", "seq", stored.Seq, "kind", stored.Kind, "position", stored.Position.String(), "code", stored.Code, "message", stored.Message)
 				evs = append(evs, Event{Kind: EventFault, Time: now, Role: roleFromPB(from.GetRole()), Position: positionOf(from), Fault: stored})
 			} else {

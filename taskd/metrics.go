@@ -40,7 +40,7 @@ func newManagerMetrics(r *promreg.Registrar) *managerMetrics {
 		messages:    f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_messages_total", Help: "Messages handled by the manager, by direction (up, down) and kind."}, []string{"direction", "kind"}),
 		acks:        f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_acks_total", Help: "Acknowledgements of downward messages, by result (ok, error, timeout)."}, []string{"result"}),
 		ackLatency:  f.NewHistogram(prometheus.HistogramOpts{Name: "faultline_taskd_ack_latency_seconds", Help: "Time from sending a downward message to its acknowledgement.", Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}),
-		faults:      f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_faults_total", Help: "Faults taken into the job's fault log, by kind."}, []string{"kind"}),
+		faults:      f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_faults_total", Help: "Faults taken into the job's fault log, by kind (kinds that taskd does not define count as other)."}, []string{"kind"}),
 		faultDups:   f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_fault_duplicates_total", Help: "Fault reports dropped as duplicates of a logged fault."}),
 		fanout:      f.NewHistogram(prometheus.HistogramOpts{Name: "faultline_taskd_switch_fanout_seconds", Help: "Time from a switch change until every live worker acknowledged it.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
 		resends:     f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_switch_resends_total", Help: "Switch sends to workers that had not acknowledged it."}),

@@ -48,8 +48,8 @@ func (u *uplink) enqueue(r *pb.Report) error {
 // reportFault queues f. An empty ID is filled in, an empty Kind is an
 // error, and a zero Time means now.
 func (u *uplink) reportFault(f Fault) error {
-	if f.Kind == "" {
-		return fmt.Errorf("taskd: Fault.Kind: empty")
+	if err := checkKind(f.Kind); err != nil {
+		return fmt.Errorf("taskd: Fault.Kind: %w", err)
 	}
 	if f.ID == "" {
 		f.ID = u.nextID()
