@@ -618,3 +618,54 @@ func TestFaultContentsBounded(t *testing.T) {
 		t.Fatalf("paged through %d faults", n)
 	}
 }
+
+// TestMembershipBounded: without a shape, ranks and nodes are bounded;
+// hostnames are bounded; ListMembers pages by bytes; the switch status
+// forgets a rank that is gone when the shape does not list it.
+func TestMembershipBounded(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{MaxWorkers: 1000, MaxMessageBytes: 64 << 10, HeartbeatDeadline: 10 * time.Minute})
+	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{})
+	reg := func(role Role, pos Position, host string) error {
+		_, err := r.client.Register(r.ctx(), &pb.RegisterRequest{Job: c.job, Member: memberPB(role, pos, newInstanceID()), Hostname: host})
+		return err
+	}
+	for _, tc := range []struct {
+		role Role
+		pos  Position
+		host string
+	}{
+		{RoleWorker, Position{Node: 0, Rank: 1000}, ""},
+		{RoleWorker, Position{Node: 1000, Rank: 0}, ""},
+		{RoleProxy, Position{Node: 1000, Rank: -1}, ""},
+		{RoleWorker, Position{Node: 0, Rank: 0}, strings.Repeat("h", 256)},
+	} {
+		if err := reg(tc.role, tc.pos, tc.host); status.Code(err) != codes.InvalidArgument {
+			t.Errorf("%v %v, a hostname of %d bytes: %v", tc.role, tc.pos, len(tc.host), err)
+		}
+	}
+	host := strings.Repeat("h", maxHostnameBytes)
+	for rank := range 600 {
+		if err := reg(RoleWorker, Position{Node: rank / 8, Rank: rank}, host); err != nil {
+			t.Fatal(err)
+		}
+	}
+	api := newAdminClient(t, c.m.Addr().String(), c.job)
+	if got := api.members(); len(got) != 600 {
+		t.Fatalf("paged through %d of 600 members", len(got))
+	}
+	res, err := api.admin.ListMembers(api.ctx(), &pb.ListMembersReq{JobNsName: c.job})
+	if err != nil || res.GetTotal() != 600 || len(res.GetMembers()) >= 600 {
+		t.Fatalf("one page of 600 members with long hostnames: %d listed, total %d, %v", len(res.GetMembers()), res.GetTotal(), err)
+	}
+	// A rank that leaves is forgotten by the switch status.
+	w := c.addWorker(80, 700)
+	waitFor(t, 20*time.Second, "rank 700", w.Connected)
+	has := func() bool {
+		return slices.ContainsFunc(c.m.SwitchStatus().Workers, func(ws WorkerSwitch) bool { return ws.Position.Rank == 700 })
+	}
+	if !has() {
+		t.Fatal("rank 700 not in the switch status")
+	}
+	c.stop(w, w)
+	waitFor(t, 20*time.Second, "rank 700 forgotten", func() bool { return !has() })
+}

@@ -50,9 +50,11 @@ type ManagerConfig struct {
 	// Listen is the address to serve on; default ":9601".
 	Listen string
 	// Nodes and ProcsPerNode give the job's shape, so that ranks that never
-	// registered show as waiting in the switch status. Zero: unknown, and
-	// positions are not range-checked.
+	// registered show as waiting in the switch status, and positions
+	// outside it are refused. Zero: unknown, and nodes and ranks must be
+	// below MaxWorkers (default 16384).
 	Nodes, ProcsPerNode int
+	MaxWorkers          int
 	// Security: mutual TLS, token, or plaintext when asked; required.
 	Security Security
 	// AdminToken is the operators' credential: the Admin and
@@ -121,6 +123,7 @@ func (c *ManagerConfig) setDefaults() {
 	c.MaxConnections = orDefault(c.MaxConnections, defaultMaxConnections())
 	c.MaxConnectionsPerPeer = orDefault(c.MaxConnectionsPerPeer, DefaultMaxConnectionsPerPeer)
 	c.MaxFaults = orDefault(c.MaxFaults, 10000)
+	c.MaxWorkers = orDefault(c.MaxWorkers, DefaultMaxWorkers)
 	c.MaxCollectBytes = orDefault(c.MaxCollectBytes, 1<<30)
 }
 
@@ -151,6 +154,8 @@ func (c ManagerConfig) Validate() error {
 		return fmt.Errorf("taskd: ManagerConfig.Nodes: %d is negative", c.Nodes)
 	case c.ProcsPerNode < 0:
 		return fmt.Errorf("taskd: ManagerConfig.ProcsPerNode: %d is negative", c.ProcsPerNode)
+	case c.MaxWorkers < 0:
+		return fmt.Errorf("taskd: ManagerConfig.MaxWorkers: %d is negative", c.MaxWorkers)
 	case negative(c.HeartbeatInterval, c.HeartbeatDeadline, c.AckTimeout, c.DeliveryTimeout):
 		return negativeDuration("ManagerConfig", "HeartbeatInterval", c.HeartbeatInterval, "HeartbeatDeadline", c.HeartbeatDeadline,
 			"AckTimeout", c.AckTimeout, "DeliveryTimeout", c.DeliveryTimeout)

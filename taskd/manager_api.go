@@ -184,11 +184,22 @@ func (s *managerAdmin) ListMembers(_ context.Context, req *pb.ListMembersReq) (*
 	if req.GetJobNsName() != s.m.cfg.Job {
 		return &pb.ListMembersRes{Code: pb.Code_CODE_UNKNOWN_JOB, Message: "unknown job " + quote(req.GetJobNsName())}, nil
 	}
-	res := &pb.ListMembersRes{Code: pb.Code_CODE_OK, Message: "ok"}
-	for _, mi := range s.m.Members() {
-		res.Members = append(res.Members, &pb.MemberStatus{
+	members := s.m.Members()
+	res := &pb.ListMembersRes{Code: pb.Code_CODE_OK, Message: "ok", Total: int32(len(members))}
+	if req.GetOffset() < 0 {
+		return &pb.ListMembersRes{Code: pb.Code_CODE_BAD_PARAMETER, Message: "offset: negative"}, nil
+	}
+	// One answer stays under half the message size cap, and holds at
+	// least one member.
+	budget := s.m.cfg.MaxMessageBytes / 2
+	for _, mi := range members[min(int(req.GetOffset()), len(members)):] {
+		ms := &pb.MemberStatus{
 			Member: memberPB(mi.Role, mi.Position, mi.Instance), Via: int32(mi.Via), Hostname: mi.Hostname, Pid: int64(mi.PID), LastSeenUnixNano: mi.LastSeen.UnixNano(),
-		})
+		}
+		if budget -= proto.Size(ms) + 8; budget < 0 && len(res.Members) > 0 {
+			break
+		}
+		res.Members = append(res.Members, ms)
 	}
 	return res, nil
 }

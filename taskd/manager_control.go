@@ -26,23 +26,32 @@ func (s *managerControl) checkJob(job string) error {
 	return nil
 }
 
-// checkMember validates a member's identity and position.
-func checkMember(mem *pb.Member, nodes, procsPerNode int) error {
+// maxHostnameBytes bounds a member's hostname (DNS allows 253).
+const maxHostnameBytes = 255
+
+// checkMember validates a member's identity and position: its node below
+// nodes, its rank below nodes×procsPerNode, or both below maxWorkers when
+// the shape is unset.
+func checkMember(mem *pb.Member, nodes, procsPerNode, maxWorkers int) error {
 	if mem == nil || mem.GetPosition() == nil {
 		return status.Error(codes.InvalidArgument, "taskd: member: missing")
 	}
 	if n := len(mem.GetInstance()); n == 0 || n > 128 {
 		return status.Errorf(codes.InvalidArgument, "taskd: member.instance: length %d, want 1 to 128", n)
 	}
+	maxNodes, maxRanks := nodes, nodes*procsPerNode
+	if nodes <= 0 || procsPerNode <= 0 {
+		maxNodes, maxRanks = maxWorkers, maxWorkers
+	}
 	node, rank := int(mem.GetPosition().GetNode()), int(mem.GetPosition().GetRank())
-	if node < 0 || (nodes > 0 && node >= nodes) {
-		return status.Errorf(codes.InvalidArgument, "taskd: member.position.node: %d out of range [0,%d)", node, nodes)
+	if node < 0 || node >= maxNodes {
+		return status.Errorf(codes.InvalidArgument, "taskd: member.position.node: %d out of range [0,%d)", node, maxNodes)
 	}
 	switch roleFromPB(mem.GetRole()) {
 	case RoleProxy:
 	case RoleWorker:
-		if rank < 0 || (nodes > 0 && procsPerNode > 0 && rank >= nodes*procsPerNode) {
-			return status.Errorf(codes.InvalidArgument, "taskd: member.position.rank: %d out of range [0,%d)", rank, nodes*procsPerNode)
+		if rank < 0 || rank >= maxRanks {
+			return status.Errorf(codes.InvalidArgument, "taskd: member.position.rank: %d out of range [0,%d)", rank, maxRanks)
 		}
 	default:
 		return status.Errorf(codes.InvalidArgument, "taskd: member.role: %v cannot register", mem.GetRole())
@@ -56,8 +65,11 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		return nil, err
 	}
 	mem := req.GetMember()
-	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode); err != nil {
+	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode, m.cfg.MaxWorkers); err != nil {
 		return nil, err
+	}
+	if n := len(req.GetHostname()); n > maxHostnameBytes {
+		return nil, status.Errorf(codes.InvalidArgument, "taskd: hostname: %d bytes, at most %d", n, maxHostnameBytes)
 	}
 	key := keyOf(mem)
 	nm := member{key: key, pos: positionOf(mem), instance: mem.GetInstance(), via: -1, hostname: req.GetHostname(), pid: int(req.GetPid())}
@@ -427,7 +439,7 @@ func (s *managerControl) Leave(ctx context.Context, req *pb.LeaveRequest) (*pb.L
 		return nil, err
 	}
 	mem := req.GetMember()
-	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode); err != nil {
+	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode, m.cfg.MaxWorkers); err != nil {
 		return nil, err
 	}
 	m.mu.Lock()

@@ -581,7 +581,7 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 		return nil, err
 	}
 	mem := req.GetMember()
-	if err := checkMember(mem, 0, 0); err != nil {
+	if err := checkMember(mem, 0, 0, DefaultMaxWorkers); err != nil {
 		return nil, err
 	}
 	if roleFromPB(mem.GetRole()) != RoleWorker {

@@ -23,6 +23,9 @@ const (
 	DefaultRateLimit         = 2000 // calls per second per connection
 	DefaultManagerAddr       = ":9601"
 	DefaultProxyAddr         = "127.0.0.1:9602"
+	// DefaultMaxWorkers bounds ranks and nodes when a job's shape is not
+	// known.
+	DefaultMaxWorkers = 16384
 )
 
 // limits are a server's per-connection rate limit and message size cap.

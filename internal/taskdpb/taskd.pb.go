@@ -2692,8 +2692,12 @@ func (x *CollectRes) GetResults() []*CollectResult {
 }
 
 type ListMembersReq struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	JobNsName     string                 `protobuf:"bytes,1,opt,name=jobNsName,proto3" json:"jobNsName,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	JobNsName string                 `protobuf:"bytes,1,opt,name=jobNsName,proto3" json:"jobNsName,omitempty"`
+	// offset skips the first members of the list (proxies first, then
+	// workers, each in rank order); an answer holds what fits half a
+	// message: page on with offset plus the members returned, up to total.
+	Offset        int32 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2733,6 +2737,13 @@ func (x *ListMembersReq) GetJobNsName() string {
 		return x.JobNsName
 	}
 	return ""
+}
+
+func (x *ListMembersReq) GetOffset() int32 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
 }
 
 type MemberStatus struct {
@@ -2814,10 +2825,12 @@ func (x *MemberStatus) GetLastSeenUnixNano() int64 {
 }
 
 type ListMembersRes struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Message       string                 `protobuf:"bytes,1,opt,name=message,proto3" json:"message,omitempty"`
-	Code          Code                   `protobuf:"varint,2,opt,name=code,proto3,enum=faultline.taskd.v1.Code" json:"code,omitempty"`
-	Members       []*MemberStatus        `protobuf:"bytes,3,rep,name=members,proto3" json:"members,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Message string                 `protobuf:"bytes,1,opt,name=message,proto3" json:"message,omitempty"`
+	Code    Code                   `protobuf:"varint,2,opt,name=code,proto3,enum=faultline.taskd.v1.Code" json:"code,omitempty"`
+	Members []*MemberStatus        `protobuf:"bytes,3,rep,name=members,proto3" json:"members,omitempty"`
+	// total is how many members are live.
+	Total         int32 `protobuf:"varint,4,opt,name=total,proto3" json:"total,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2871,6 +2884,13 @@ func (x *ListMembersRes) GetMembers() []*MemberStatus {
 		return x.Members
 	}
 	return nil
+}
+
+func (x *ListMembersRes) GetTotal() int32 {
+	if x != nil {
+		return x.Total
+	}
+	return 0
 }
 
 // Transition is one change of an orchestration's state.
@@ -4065,19 +4085,21 @@ const file_taskd_proto_rawDesc = "" +
 	"CollectRes\x12\x18\n" +
 	"\amessage\x18\x01 \x01(\tR\amessage\x12,\n" +
 	"\x04code\x18\x02 \x01(\x0e2\x18.faultline.taskd.v1.CodeR\x04code\x12;\n" +
-	"\aresults\x18\x03 \x03(\v2!.faultline.taskd.v1.CollectResultR\aresults\".\n" +
+	"\aresults\x18\x03 \x03(\v2!.faultline.taskd.v1.CollectResultR\aresults\"F\n" +
 	"\x0eListMembersReq\x12\x1c\n" +
-	"\tjobNsName\x18\x01 \x01(\tR\tjobNsName\"\xb1\x01\n" +
+	"\tjobNsName\x18\x01 \x01(\tR\tjobNsName\x12\x16\n" +
+	"\x06offset\x18\x02 \x01(\x05R\x06offset\"\xb1\x01\n" +
 	"\fMemberStatus\x122\n" +
 	"\x06member\x18\x01 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x06member\x12\x10\n" +
 	"\x03via\x18\x02 \x01(\x05R\x03via\x12\x1a\n" +
 	"\bhostname\x18\x03 \x01(\tR\bhostname\x12\x10\n" +
 	"\x03pid\x18\x04 \x01(\x03R\x03pid\x12-\n" +
-	"\x13last_seen_unix_nano\x18\x05 \x01(\x03R\x10lastSeenUnixNano\"\x94\x01\n" +
+	"\x13last_seen_unix_nano\x18\x05 \x01(\x03R\x10lastSeenUnixNano\"\xaa\x01\n" +
 	"\x0eListMembersRes\x12\x18\n" +
 	"\amessage\x18\x01 \x01(\tR\amessage\x12,\n" +
 	"\x04code\x18\x02 \x01(\x0e2\x18.faultline.taskd.v1.CodeR\x04code\x12:\n" +
-	"\amembers\x18\x03 \x03(\v2 .faultline.taskd.v1.MemberStatusR\amembers\"n\n" +
+	"\amembers\x18\x03 \x03(\v2 .faultline.taskd.v1.MemberStatusR\amembers\x12\x14\n" +
+	"\x05total\x18\x04 \x01(\x05R\x05total\"n\n" +
 	"\n" +
 	"Transition\x12\x12\n" +
 	"\x04from\x18\x01 \x01(\tR\x04from\x12\x0e\n" +
