@@ -467,6 +467,9 @@ func (p *Proxy) shipFile(ctx context.Context, client pb.ControlClient, root *os.
 			lastErr = err
 			continue
 		}
+		if len(offs.GetOffsets()) != 1 || len(offs.GetComplete()) != 1 {
+			return fmt.Errorf("the manager answered %d offsets and %d completions for 1 path", len(offs.GetOffsets()), len(offs.GetComplete()))
+		}
 		n, err := p.sendFrom(ctx, client, root, path, remote, offs.GetOffsets()[0], offs.GetComplete()[0])
 		res.Bytes += n
 		if err == nil {

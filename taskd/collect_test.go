@@ -3,11 +3,16 @@ package taskd
 import (
 	"bytes"
 	"context"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 )
 
 func writeFile(t testing.TB, name string, data []byte) {
@@ -163,5 +168,37 @@ func TestHostMappingMerge(t *testing.T) {
 		if got, _ := os.ReadFile(name); string(got) != step.want {
 			t.Fatalf("got %q, want %q", got, step.want)
 		}
+	}
+}
+
+// emptyOffsets is a buggy manager: it answers UploadOffsets with no
+// offsets.
+type emptyOffsets struct{ pb.UnimplementedControlServer }
+
+func (emptyOffsets) UploadOffsets(context.Context, *pb.UploadOffsetRequest) (*pb.UploadOffsetResponse, error) {
+	return &pb.UploadOffsetResponse{}, nil
+}
+
+// TestCollectBadOffsets: a proxy told no offsets for its file reports the
+// file as failed; it does not panic.
+func TestCollectBadOffsets(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	pb.RegisterControlServer(srv, emptyOffsets{})
+	go srv.Serve(lis)
+	defer srv.Stop()
+	dotting := t.TempDir()
+	writeFile(t, filepath.Join(dotting, "job-1", "0", "1700000000"), []byte("x"))
+	p, err := NewProxy(ProxyConfig{Job: "job-1", Node: 0, Upstream: lis.Addr().String(), Listen: "127.0.0.1:0", Security: insecureSec(), DottingRoot: dotting})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	res := p.collectFiles(context.Background(), p.up, &pb.CollectRequest{Collection: 1, Dotting: true})
+	if res.GetFiles() != 0 || len(res.GetErrors()) != 1 || !strings.Contains(res.GetErrors()[0], "offsets") {
+		t.Fatalf("result %v", res)
 	}
 }
