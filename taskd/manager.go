@@ -226,7 +226,9 @@ type Manager struct {
 	recentMsgs  *idSet
 	deliveries  map[uint64]*delivery
 	collections map[uint64]*collection
-	collectMu   sync.Mutex // serialises Collect calls
+	collectMu   sync.Mutex      // serialises Collect calls
+	uploading   map[string]bool // collected paths being written, one upload each
+	uploadIdle  time.Duration   // uploadIdleTimeout, shorter in tests
 	proxyHosts  map[int]string
 	gone        *departures // workers lost, evicted or left
 	completedAt time.Time   // when every rank left finished; zero until then
@@ -262,6 +264,8 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		recentMsgs:  newIDSet(4096),
 		deliveries:  make(map[uint64]*delivery),
 		collections: make(map[uint64]*collection),
+		uploading:   make(map[string]bool),
+		uploadIdle:  uploadIdleTimeout,
 		proxyHosts:  make(map[int]string),
 		ids:         newIdentities(),
 		gone:        newDepartures(cfg.Nodes * cfg.ProcsPerNode),
