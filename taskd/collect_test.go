@@ -219,12 +219,14 @@ func uploadJob(t *testing.T) (*cluster, *rawMember, context.CancelFunc, <-chan [
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
 	done := make(chan []CollectResult, 1)
+	finished := make(chan struct{})
 	go func() {
+		defer close(finished)
 		res, _ := c.m.Collect(ctx, CollectOptions{Nodes: []int{0}})
 		done <- res
 	}()
+	t.Cleanup(func() { cancel(); <-finished })
 	if env, err := st.Recv(); err != nil || env.GetCollect() == nil {
 		t.Fatalf("no collection request: %v %v", env, err)
 	}
