@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"os"
 	"path/filepath"
@@ -668,4 +669,53 @@ func TestMembershipBounded(t *testing.T) {
 	}
 	c.stop(w, w)
 	waitFor(t, 20*time.Second, "rank 700 forgotten", func() bool { return !has() })
+}
+
+// TestOtherBounds: what a worker says in an acknowledgement is kept cut to
+// a bound, so that the switch status still fits a message; a Collect of
+// more nodes than the job has is refused; a fault's time far off the
+// manager's clock is not kept.
+func TestOtherBounds(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{CollectDir: t.TempDir()})
+	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
+	if err := r.register(); err != nil {
+		t.Fatal(err)
+	}
+	st, err := r.client.Stream(r.ctx(), &pb.StreamRequest{Job: c.job, Member: r.self})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.m.SetSwitch(trace.Switch{Step: true}); err != nil {
+		t.Fatal(err)
+	}
+	env, err := st.Recv()
+	if err != nil || env.GetSwitch() == nil {
+		t.Fatalf("no switch: %v %v", env, err)
+	}
+	_, err = r.client.Acknowledge(r.ctx(), &pb.AckRequest{Job: c.job, Acks: []*pb.Ack{{Id: env.GetId(), From: r.self, Error: strings.Repeat("e", 3<<20)}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	api := newAdminClient(t, c.m.Addr().String(), c.job)
+	res, err := api.admin.GetSwitchStatus(api.ctx(), &pb.DataStatusReq{JobNsName: c.job})
+	if err != nil || len(res.GetWorkers()) != 1 || res.GetWorkers()[0].GetError() == "" || len(res.GetWorkers()[0].GetError()) > maxAckErrorBytes {
+		t.Fatalf("switch status after a 3 MiB error: %d workers, %v", len(res.GetWorkers()), err)
+	}
+	nodes := make([]int32, 100000)
+	for i := range nodes {
+		nodes[i] = int32(i)
+	}
+	if res, err := api.admin.Collect(api.ctx(), &pb.CollectReq{JobNsName: c.job, Nodes: nodes}); err != nil || res.GetCode() != pb.Code_CODE_BAD_PARAMETER {
+		t.Fatalf("a collection of 100000 nodes: %v %v", res, err)
+	}
+	for i, at := range []int64{math.MaxInt64, math.MinInt64, time.Now().Add(time.Hour).UnixNano()} {
+		if _, err := r.client.Send(r.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: fmt.Sprint(i), From: r.self, TimeUnixNano: at, Body: &pb.Report_Fault{Fault: &pb.FaultReport{Kind: "hang"}}}}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, f := range c.m.Faults(0) {
+		if !f.Time.IsZero() {
+			t.Fatalf("fault %s kept the time %v", f.ID, f.Time)
+		}
+	}
 }

@@ -48,8 +48,9 @@ type Fault struct {
 	// process, e.g. "SIGKILL"), "host", "pod", "log" (a log line that
 	// matched), "device" (an accelerator index), "link" (a NIC or peer).
 	Attrs map[string]string `json:"attrs,omitempty"`
-	// Time is when the reporter saw the fault; Received when the manager
-	// took it in.
+	// Time is when the reporter saw the fault (zero when it said a time
+	// more than a minute ahead of the manager's clock or more than a week
+	// behind); Received when the manager took it in.
 	Time     time.Time `json:"time"`
 	Received time.Time `json:"received"`
 	// Reporter is who reported it (the manager itself for FaultLost).

@@ -926,14 +926,17 @@ func (m *Manager) resolveLocked(to Target) []int {
 func (m *Manager) ackLocked(a *pb.Ack, now time.Time) {
 	rank := int(a.GetFrom().GetPosition().GetRank())
 	result := "ok"
-	if a.GetError() != "" {
+	// What a worker says is kept for as long as its rank is, so it is
+	// cut to a bound.
+	errMsg := cut(a.GetError(), maxAckErrorBytes)
+	if errMsg != "" {
 		result = "error"
 	}
-	if sent, ok := m.sw.ack(a.GetId(), rank, a.GetError()); ok {
+	if sent, ok := m.sw.ack(a.GetId(), rank, errMsg); ok {
 		m.met.acks.WithLabelValues(result).Inc()
 		m.met.ackLatency.Observe(now.Sub(sent).Seconds())
-		if a.GetError() != "" {
-			m.log.Warn("taskd: worker could not apply the switch", "rank", rank, "err", a.GetError())
+		if errMsg != "" {
+			m.log.Warn("taskd: worker could not apply the switch", "rank", rank, "err", errMsg)
 		}
 		return
 	}
@@ -950,16 +953,25 @@ func (m *Manager) ackLocked(a *pb.Ack, now time.Time) {
 		m.met.ackLatency.Observe(now.Sub(sent).Seconds())
 	}
 	delete(d.waiting, rank)
-	if a.GetError() != "" {
-		d.results[rank] = &DeliveryError{Rank: rank, Msg: a.GetError()}
+	if errMsg != "" {
+		d.results[rank] = &DeliveryError{Rank: rank, Msg: errMsg}
 	}
-	if len(a.GetReply()) > 0 {
-		d.replies[rank] = a.GetReply()
+	switch reply := a.GetReply(); {
+	case len(reply) > maxAckReplyBytes:
+		d.results[rank] = &DeliveryError{Rank: rank, Msg: fmt.Sprintf("reply of %d bytes, at most %d", len(reply), maxAckReplyBytes)}
+	case len(reply) > 0:
+		d.replies[rank] = reply
 	}
 	if len(d.waiting) == 0 {
 		close(d.done)
 	}
 }
+
+// Bounds of what an acknowledgement may make the manager keep.
+const (
+	maxAckErrorBytes = 1 << 10
+	maxAckReplyBytes = 64 << 10
+)
 
 // loadState reads the fault log and switch kept in StateDir.
 func (m *Manager) loadState() error {

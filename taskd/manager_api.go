@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"google.golang.org/grpc"
@@ -122,10 +123,17 @@ func (s *managerAdmin) GetSwitchStatus(_ context.Context, req *pb.DataStatusReq)
 	}
 	st := s.m.SwitchStatus()
 	res := &pb.SwitchStatusRes{Code: pb.Code_CODE_OK, Message: "ok", Version: st.Version}
+	// The answer stays under half the message size cap: the workers past
+	// it are left out, and the message says so.
+	budget := s.m.cfg.MaxMessageBytes / 2
 	for _, w := range st.Workers {
 		ws := &pb.WorkerSwitchStatus{Position: &pb.Position{Node: int32(w.Position.Node), Rank: int32(w.Position.Rank)}, Error: w.Error}
 		for _, d := range Domains {
 			ws.Domains = append(ws.Domains, &pb.DomainStatus{Domain: d, Status: string(w.Domains[d])})
+		}
+		if budget -= proto.Size(ws) + 8; budget < 0 {
+			res.Message = fmt.Sprintf("ok: the first %d of %d workers; the answer is capped at half of %d bytes", len(res.Workers), len(st.Workers), s.m.cfg.MaxMessageBytes)
+			break
 		}
 		res.Workers = append(res.Workers, ws)
 	}
@@ -162,8 +170,18 @@ func (s *managerAdmin) Collect(ctx context.Context, req *pb.CollectReq) (*pb.Col
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(t)*time.Millisecond)
 		defer cancel()
 	}
+	maxNodes := s.m.cfg.Nodes
+	if maxNodes == 0 {
+		maxNodes = s.m.cfg.MaxWorkers
+	}
+	if len(req.GetNodes()) > maxNodes {
+		return &pb.CollectRes{Code: pb.Code_CODE_BAD_PARAMETER, Message: fmt.Sprintf("nodes: %d, the job has at most %d", len(req.GetNodes()), maxNodes)}, nil
+	}
 	opts := CollectOptions{Dotting: req.GetDotting(), Stacks: req.GetStacks()}
 	for _, n := range req.GetNodes() {
+		if n < 0 || int(n) >= maxNodes {
+			return &pb.CollectRes{Code: pb.Code_CODE_BAD_PARAMETER, Message: fmt.Sprintf("nodes: %d out of range [0,%d)", n, maxNodes)}, nil
+		}
 		opts.Nodes = append(opts.Nodes, int(n))
 	}
 	results, err := s.m.Collect(ctx, opts)

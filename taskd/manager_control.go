@@ -322,6 +322,13 @@ func (m *Manager) authorizeReports(caller *identity, reports []*pb.Report) error
 	return nil
 }
 
+// Bounds of a reporter's time: one further off the manager's clock is not
+// kept (the fault's time is then when the manager took it in).
+const (
+	maxFaultAhead  = time.Minute
+	maxFaultBehind = 7 * 24 * time.Hour
+)
+
 func faultFromPB(id string, from *pb.Member, t int64, f *pb.FaultReport) Fault {
 	out := Fault{
 		ID:           id,
@@ -335,8 +342,8 @@ func faultFromPB(id string, from *pb.Member, t int64, f *pb.FaultReport) Fault {
 	if len(f.GetAttrs()) > 0 {
 		out.Attrs = f.GetAttrs()
 	}
-	if t != 0 {
-		out.Time = time.Unix(0, t).UTC()
+	if at := time.Unix(0, t); t != 0 && at.Before(time.Now().Add(maxFaultAhead)) && at.After(time.Now().Add(-maxFaultBehind)) {
+		out.Time = at.UTC()
 	}
 	return out
 }
