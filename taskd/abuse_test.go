@@ -198,9 +198,19 @@ func newH2Conn(t testing.TB, addr string) *h2Conn {
 
 // call opens stream id for method with the given authorization and extra
 // headers, and sends the first bytes of a gRPC message that declares
-// length bytes and never ends.
+// length bytes and never ends. A write the server refused (it may hang up
+// on a call) shows in what status reads.
 func (h *h2Conn) call(id uint32, method, auth string, extra map[string]string, length uint32, sent int) {
-	h.t.Helper()
+	h.send(id, method, auth, extra, length, sent)
+}
+
+// tryCall is call without extra headers; it reports whether every write
+// went through.
+func (h *h2Conn) tryCall(id uint32, method, auth string, length uint32, sent int) bool {
+	return h.send(id, method, auth, nil, length, sent) == nil
+}
+
+func (h *h2Conn) send(id uint32, method, auth string, extra map[string]string, length uint32, sent int) error {
 	h.hb.Reset()
 	enc := h.enc
 	for _, kv := range [][2]string{{":method", "POST"}, {":scheme", "http"}, {":path", method}, {":authority", "x"}, {"content-type", "application/grpc"}, {"te", "trailers"}} {
@@ -215,12 +225,12 @@ func (h *h2Conn) call(id uint32, method, auth string, extra map[string]string, l
 	block := h.hb.Bytes()
 	first := min(len(block), 16<<10)
 	if err := h.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: block[:first], EndHeaders: first == len(block)}); err != nil {
-		h.t.Fatal(err)
+		return err
 	}
 	for rest := block[first:]; len(rest) > 0; {
 		n := min(len(rest), 16<<10)
 		if err := h.fr.WriteContinuation(id, n == len(rest), rest[:n]); err != nil {
-			return // the server may hang up on headers this large
+			return err
 		}
 		rest = rest[n:]
 	}
@@ -229,10 +239,11 @@ func (h *h2Conn) call(id uint32, method, auth string, extra map[string]string, l
 	for len(msg) > 0 {
 		n := min(len(msg), 16<<10)
 		if err := h.fr.WriteData(id, false, msg[:n]); err != nil {
-			return
+			return err
 		}
 		msg = msg[n:]
 	}
+	return nil
 }
 
 // status reads frames until stream id ends, and returns its grpc-status
