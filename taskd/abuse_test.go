@@ -730,3 +730,20 @@ func TestOtherBounds(t *testing.T) {
 		}
 	}
 }
+
+// TestEventQueueBounded: the events waiting for the handlers are bounded
+// in number and in the bytes of the messages they carry.
+func TestEventQueueBounded(t *testing.T) {
+	dropped := 0
+	q := newEventQueue(3, func() { dropped++ })
+	q.maxBytes = 10
+	msg := func(n int) Event { return Event{Kind: EventMessage, Message: Message{Payload: make([]byte, n)}} }
+	q.push(msg(6), msg(6), msg(4), Event{Kind: EventSwitch}, Event{Kind: EventSwitch})
+	if got := len(q.take()); got != 3 || dropped != 2 {
+		t.Fatalf("%d events queued, %d dropped; want 3 and 2", got, dropped)
+	}
+	q.push(msg(10))
+	if got := len(q.take()); got != 1 {
+		t.Fatalf("after a take, %d events queued", got)
+	}
+}

@@ -94,7 +94,8 @@ func checkKind(k FaultKind) error {
 	return nil
 }
 
-// cut returns s cut to at most n bytes, on a rune boundary.
+// cut returns s cut to at most n bytes, on a rune boundary. A cut string
+// is a copy, so that keeping it does not keep all of s.
 func cut(s string, n int) string {
 	if len(s) <= n {
 		return s
@@ -102,7 +103,7 @@ func cut(s string, n int) string {
 	for n > 0 && !utf8.RuneStart(s[n]) {
 		n--
 	}
-	return s[:n]
+	return strings.Clone(s[:n])
 }
 
 // bounded returns f with its message and attributes cut to their bounds.

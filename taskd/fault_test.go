@@ -7,8 +7,10 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/google/go-cmp/cmp"
 
@@ -222,5 +224,17 @@ func TestFaultLogAddIsConstant(t *testing.T) {
 	}
 	if f := l.get(10500); f.ID != "new/499" {
 		t.Fatalf("get(10500) = %+v", f)
+	}
+}
+
+// TestCutCopies: a field cut to its bound does not keep the rest of what
+// it was cut from.
+func TestCutCopies(t *testing.T) {
+	big := strings.Repeat("x", 1<<20)
+	if c := cut(big, 10); len(c) != 10 || unsafe.StringData(c) == unsafe.StringData(big) {
+		t.Fatalf("cut shares the memory of what it cut (%d bytes)", len(c))
+	}
+	if c := cut("é", 1); c != "" {
+		t.Fatalf("cut a rune in half: %q", c)
 	}
 }

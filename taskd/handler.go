@@ -88,18 +88,24 @@ func sortHandlers(hs []Handler) []Handler {
 	return out
 }
 
-// eventQueue is an unblocking, bounded FIFO between the RPC handlers and
-// the handler loop.
+// eventQueue is an unblocking FIFO between the RPC handlers and the
+// handler loop, bounded in events and in the bytes of the messages they
+// carry; past either bound an event is dropped and counted.
 type eventQueue struct {
-	mu      sync.Mutex
-	items   []Event
-	max     int
-	dropped int
-	wake    chan struct{}
+	mu       sync.Mutex
+	items    []Event
+	max      int
+	bytes    int // of the messages' payloads queued
+	maxBytes int
+	dropped  func() // counts an event dropped
+	wake     chan struct{}
 }
 
-func newEventQueue(max int) *eventQueue {
-	return &eventQueue{max: max, wake: make(chan struct{}, 1)}
+// maxEventBytes bounds the message payloads waiting for the handlers.
+const maxEventBytes = 64 << 20
+
+func newEventQueue(max int, dropped func()) *eventQueue {
+	return &eventQueue{max: max, maxBytes: maxEventBytes, dropped: dropped, wake: make(chan struct{}, 1)}
 }
 
 func (q *eventQueue) push(evs ...Event) {
@@ -108,10 +114,12 @@ func (q *eventQueue) push(evs ...Event) {
 	}
 	q.mu.Lock()
 	for _, ev := range evs {
-		if len(q.items) >= q.max {
-			q.dropped++
+		n := len(ev.Message.Payload)
+		if len(q.items) >= q.max || q.bytes+n > q.maxBytes {
+			q.dropped()
 			continue
 		}
+		q.bytes += n
 		q.items = append(q.items, ev)
 	}
 	q.mu.Unlock()
@@ -125,7 +133,7 @@ func (q *eventQueue) take() []Event {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	evs := q.items
-	q.items = nil
+	q.items, q.bytes = nil, 0
 	return evs
 }
 

@@ -254,7 +254,6 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		metrics:     metrics,
 		handlers:    sortHandlers(cfg.Handlers),
 		instance:    newInstanceID(),
-		events:      newEventQueue(1 << 16),
 		kick:        make(chan struct{}, 1),
 		reg:         newRegistry(cfg.HeartbeatDeadline),
 		downlinks:   make(map[memberKey]*downlink),
@@ -278,6 +277,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 	}
 	m.tracer = tp.Tracer("github.com/faultline-ml/faultline/taskd")
 	m.faults = newFaultStore(cfg.MaxFaults, m.log)
+	m.events = newEventQueue(1<<16, m.met.eventsDropped.Inc)
 	if cfg.Orchestration != nil {
 		orch, err := newOrchestrator(m, *cfg.Orchestration)
 		if err != nil {
@@ -521,9 +521,19 @@ type downlink struct {
 	stop     chan struct{} // closed to end the stream attached now
 }
 
-func newDownlink(instance string) *downlink {
-	return &downlink{instance: instance, ch: make(chan *pb.Envelope, 4096)}
+// newDownlink returns a member's send queue: size messages deep, so that a
+// proxy's holds its node's share of a fan-out, while the many workers
+// attached directly cost little each. What a full queue drops is sent
+// again.
+func newDownlink(instance string, size int) *downlink {
+	return &downlink{instance: instance, ch: make(chan *pb.Envelope, size)}
 }
+
+// Depths of the send queues.
+const (
+	proxyQueue  = 4096
+	workerQueue = 64
+)
 
 // attach ends the stream attached before, if any, and returns the channel
 // that ends the new one. The owner's lock is held.

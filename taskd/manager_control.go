@@ -140,7 +140,11 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		delete(m.downlinks, key)
 	}
 	if m.downlinks[key] == nil && nm.via < 0 {
-		m.downlinks[key] = newDownlink(nm.instance)
+		size := workerQueue
+		if key.role == RoleProxy {
+			size = proxyQueue
+		}
+		m.downlinks[key] = newDownlink(nm.instance, size)
 	}
 	switch key.role {
 	case RoleWorker:

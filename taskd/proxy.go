@@ -614,7 +614,7 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 			w.dl.detach()
 			p.ids.revoke(workerKey(rank), w.instance)
 		}
-		w = &proxyWorker{instance: inst, dl: newDownlink(inst)}
+		w = &proxyWorker{instance: inst, dl: newDownlink(inst, workerQueue)}
 		p.workers[rank] = w
 	}
 	w.req, w.lastBeat = fwd, time.Now()
