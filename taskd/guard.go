@@ -38,10 +38,11 @@ const (
 	idleTimeout = 30 * time.Second
 	// A peer address may fail authentication authFailureBurst times, and
 	// then once every authFailureEvery; past that budget the connection
-	// that failed is closed, and the address may not connect again until
-	// the budget refills.
+	// that failed is closed, and the address may not connect again for
+	// authLockout.
 	authFailureBurst = 10
 	authFailureEvery = time.Second
+	authLockout      = 10 * time.Second
 	// DefaultMaxConnectionsPerPeer bounds the connections from one peer
 	// address.
 	DefaultMaxConnectionsPerPeer = 256
@@ -93,8 +94,8 @@ type guard struct {
 	policy func(method string, cred credential) error
 
 	mu        sync.Mutex
-	peers     map[string]*peerState    // by peer IP, while it has connections or calls
-	penalties map[string]*rate.Limiter // by peer IP: its budget of failures
+	peers     map[string]*peerState // by peer IP, while it has connections or calls
+	penalties map[string]*penalty   // by peer IP
 	conns     int
 
 	refusals sync.Map // reason -> *refusalLog
@@ -122,7 +123,7 @@ type guardConfig struct {
 
 func newGuard(c guardConfig) *guard {
 	g := &guard{log: c.log, met: c.met, maxConns: c.maxConns, maxPerPeer: c.maxPerPeer, ids: c.ids, policy: c.policy, open: c.open,
-		peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter)}
+		peers: make(map[string]*peerState), penalties: make(map[string]*penalty)}
 	for token, cred := range c.tokens {
 		if token == "" {
 			continue
@@ -193,7 +194,7 @@ func (l *guardListener) Accept() (net.Conn, error) {
 func (g *guard) admit(ip, addr string, c net.Conn) string {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if lim := g.penalties[ip]; lim != nil && lim.Tokens() < 1 {
+	if p := g.penalties[ip]; p != nil && time.Now().Before(p.until) {
 		return "locked_out"
 	}
 	if g.conns >= g.maxConns {
@@ -235,27 +236,36 @@ func (c *guardConn) Close() error {
 	return c.Conn.Close()
 }
 
+// penalty is a peer address's budget of authentication failures, and
+// until when it is locked out for spending it.
+type penalty struct {
+	budget *rate.Limiter
+	until  time.Time
+}
+
 // failed takes in an authentication failure of the call from addr: past
 // the address's budget, the connection is closed, and the address may
-// not connect again until the budget refills.
+// not connect again for authLockout.
 func (g *guard) failed(ip, addr string) {
+	now := time.Now()
 	g.mu.Lock()
-	lim := g.penalties[ip]
-	if lim == nil {
+	p := g.penalties[ip]
+	if p == nil {
 		if len(g.penalties) >= 4096 {
 			// Addresses whose budget is full again are forgotten, so
 			// that the table stays bounded.
-			for k, l := range g.penalties {
-				if l.Tokens() >= authFailureBurst {
+			for k, q := range g.penalties {
+				if q.budget.TokensAt(now) >= authFailureBurst && now.After(q.until) {
 					delete(g.penalties, k)
 				}
 			}
 		}
-		lim = rate.NewLimiter(rate.Every(authFailureEvery), authFailureBurst)
-		g.penalties[ip] = lim
+		p = &penalty{budget: rate.NewLimiter(rate.Every(authFailureEvery), authFailureBurst)}
+		g.penalties[ip] = p
 	}
 	var c net.Conn
-	if !lim.Allow() {
+	if !p.budget.AllowN(now, 1) {
+		p.until = now.Add(authLockout)
 		if ps := g.peers[ip]; ps != nil {
 			c = ps.conns[addr]
 		}
