@@ -39,6 +39,7 @@ type childArgs struct {
 	Rank     int
 	StateDir string
 	TLSDir   string
+	Token    string
 	Interval time.Duration
 	Deadline time.Duration
 	Ack      time.Duration
@@ -46,9 +47,11 @@ type childArgs struct {
 
 func (a childArgs) security() Security {
 	if a.TLSDir != "" {
-		return SecurityFromDir(a.TLSDir)
+		sec := SecurityFromDir(a.TLSDir)
+		sec.Token = a.Token
+		return sec
 	}
-	return Security{Insecure: true}
+	return Security{Insecure: true, Token: a.Token}
 }
 
 // runChild runs one role until SIGTERM or SIGKILL. It prints "ready ADDR"
