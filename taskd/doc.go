@@ -40,8 +40,11 @@
 //   - Faults. Workers and proxies report faults (process exit, op error,
 //     hang, slow node, link; see FaultKind). The manager keeps one ordered,
 //     de-duplicated fault log per job (Faults, the Admin service, metrics),
-//     saved in StateDir before a report is acknowledged so that a manager
-//     restart loses none.
+//     bounded (MaxFaults, each fault's message and attributes cut to
+//     bounds), saved in StateDir before a report is acknowledged so that a
+//     manager restart loses none. The log has a lock of its own, and one
+//     goroutine writes and syncs the file, batching fsyncs: a heartbeat
+//     never waits for fault work.
 //   - Messages. Broadcast sends an application message to all workers, the
 //     workers of some nodes, or a rank list, and waits for their
 //     acknowledgements, re-sending with backoff.
@@ -152,8 +155,9 @@
 // shared token, or both; plaintext only when Security.Insecure is set, and
 // logged loudly. A call's token (exactly one authorization value) is
 // checked from its headers, before its body is read; an address that
-// keeps failing has its connection closed and may not connect again for a
-// while. Every member is issued a secret by the server it registers with
+// keeps failing (more than 10 times, then once a second) has its
+// connection closed and may not connect again for 10 s. A server refuses
+// to start with a token shorter than 16 bytes. Every member is issued a secret by the server it registers with
 // (the manager, or its node's proxy), and every later call carries it: a
 // caller acts only for itself, a proxy for its node's workers, and a
 // fault about a rank is taken only from that rank, its node's proxy or
@@ -169,7 +173,10 @@
 // (MaxMessageBytes), calls per second per connection (RateLimit), calls in
 // flight per connection (100) and per peer address (1000), header lists
 // (16 KiB), connections in all and per address (MaxConnections,
-// MaxConnectionsPerPeer), handshakes (5 s) and idle connections (30 s).
+// MaxConnectionsPerPeer), handshakes (5 s), idle connections (30 s),
+// uploads (one writer a path, 10 s idle), hostnames, acknowledgements,
+// and, without a job shape, ranks and nodes (MaxWorkers). Answers that
+// list (ListFaults, ListMembers, GetSwitchStatus) fit half a message.
 // Refusals are counted (faultline_taskd_calls_refused_total,
 // faultline_taskd_connections_refused_total) and logged at most every ten
 // seconds.
