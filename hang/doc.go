@@ -42,8 +42,9 @@
 //	faultline_hang_op_timeout_seconds{op,group} timeout applied to new ops, fixed or learned
 //	faultline_hang_ops_in_flight            ops started and not ended
 //
-// Close unregisters them, so that a restarted worker's new watchdog can
-// register its own.
+// A second live watchdog of one rank on the same Registerer is an error of
+// New, not a panic; Close unregisters them, so that a restarted worker's
+// new watchdog can register its own.
 //
 // xpu_timer's gauges carry ip, job_name, pod_name, local_rank and rank
 // labels; ours carry rank, and the others come from the scrape target's
@@ -115,10 +116,15 @@
 // Outputs: WriteFolded (Brendan Gregg's folded stacks), WritePprof (a
 // gzipped pprof profile with rank, node, kind and state labels, which
 // `go tool pprof -top` opens), WriteSVG (a self-contained flame graph
-// drawn here, tooltips in <title>, the frames where ranks split outlined),
-// Splits and Verdict (the frames where ranks part ways, the smallest
-// groups first, which is where the culprit usually is), and WriteFiles,
-// which writes them all as examples/hang-viewer does.
+// drawn here: frames labelled ranks first, then package.Func and the
+// file's base name, the full label in the <title> tooltip; the frames
+// where ranks split outlined in red, the smaller groups there in thick red
+// and drawn wide enough for their label however few ranks they hold; a
+// small inline script to zoom into a frame and search by name), Splits
+// and Verdict (the frames where ranks part ways, the smallest groups
+// first, which is where the culprit usually is), and WriteFiles, which
+// writes them all, for the kinds that have stacks, as examples/hang-viewer
+// does.
 //
 // # Tests
 //

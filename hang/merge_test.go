@@ -160,8 +160,12 @@ func checkSVG(t *testing.T, svg []byte) {
 		}
 		if se, ok := tok.(xml.StartElement); ok {
 			switch se.Name.Local {
-			case "script", "image", "use", "a", "foreignObject":
+			case "image", "use", "a", "foreignObject":
 				t.Errorf("SVG has a <%s> element", se.Name.Local)
+			case "script":
+				if len(se.Attr) != 1 || se.Attr[0].Name.Local != "type" {
+					t.Errorf("SVG script with attributes %v: only an inline one, with its type, is allowed", se.Attr)
+				}
 			case "title":
 				titles++
 			}

@@ -1,8 +1,10 @@
 package hang
 
 import (
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 
@@ -20,18 +22,30 @@ const (
 	PprofFile        = "stacks.pb.gz"
 )
 
-// WriteFiles writes the flame graphs and folded stacks of every kind, and
-// the pprof profile, atomically into dir (created if needed). Python and
-// native files are always written, empty graphs included, so that tools
-// find them. It returns the paths written.
+// WriteFiles writes, for each kind that has stacks, its flame graph and
+// folded stacks, and the pprof profile of them all, atomically into dir
+// (created if needed), and returns the paths written. A kind without
+// stacks gets no file (an empty picture says nothing): a file an earlier
+// merge left under its name is removed, so that none is mistaken for this
+// one's.
 func (m *Merged) WriteFiles(dir string) ([]string, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("hang: %w", err)
 	}
-	kinds := []Kind{KindPython, KindNative}
+	var kinds []Kind
 	for _, k := range m.Kinds() {
-		if k != KindPython && k != KindNative {
+		if m.HasStacks(k) {
 			kinds = append(kinds, k)
+		}
+	}
+	for _, k := range []Kind{KindPython, KindNative, KindGo} {
+		if m.HasStacks(k) {
+			continue
+		}
+		for _, name := range fileNames(k) {
+			if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				return nil, fmt.Errorf("hang: %w", err)
+			}
 		}
 	}
 	var paths []string
@@ -52,13 +66,8 @@ func (m *Merged) WriteFiles(dir string) ([]string, error) {
 		return nil
 	}
 	for _, k := range kinds {
-		svg, folded := string(k)+"_stack.svg", string(k)+"_stack.folded"
-		switch k {
-		case KindPython:
-			svg, folded = PythonSVGFile, PythonFoldedFile
-		case KindNative:
-			svg, folded = NativeSVGFile, NativeFoldedFile
-		}
+		names := fileNames(k)
+		svg, folded := names[0], names[1]
 		if err := write(svg, func(w io.Writer) error { return m.WriteSVG(w, k) }); err != nil {
 			return paths, err
 		}
@@ -70,4 +79,23 @@ func (m *Merged) WriteFiles(dir string) ([]string, error) {
 		return paths, err
 	}
 	return paths, nil
+}
+
+// HasStacks reports whether some rank gave stacks of kind k.
+func (m *Merged) HasStacks(k Kind) bool {
+	root := m.Trees[k]
+	return root != nil && root.weight > 0
+}
+
+// fileNames returns the flame graph's and the folded stacks' file names
+// of kind k: xpu_timer's for Python and native stacks, else
+// "<kind>_stack.svg" and "<kind>_stack.folded".
+func fileNames(k Kind) [2]string {
+	switch k {
+	case KindPython:
+		return [2]string{PythonSVGFile, PythonFoldedFile}
+	case KindNative:
+		return [2]string{NativeSVGFile, NativeFoldedFile}
+	}
+	return [2]string{string(k) + "_stack.svg", string(k) + "_stack.folded"}
 }

@@ -590,9 +590,7 @@ func (w *Watchdog) Close() error {
 		if done != nil {
 			<-done
 		}
-		if w.met.unregister != nil {
-			w.met.unregister()
-		}
+		w.met.reg.UnregisterAll()
 	})
 	return nil
 }

@@ -294,8 +294,10 @@ func (t Timing) slot2stream() int {
 func TestMetrics(t *testing.T) {
 	reg := prometheus.NewPedanticRegistry()
 	w, clock := newTestWatchdog(t, Config{Rank: 5, World: 8, Registerer: reg, Timeout: time.Second})
-	if _, err := New(Config{Rank: 5, World: 8, Registerer: reg}); err == nil {
-		t.Error("a second watchdog of rank 5 on one registry: no error")
+	var are prometheus.AlreadyRegisteredError
+	if _, err := New(Config{Rank: 5, World: 8, Registerer: reg}); !errors.As(err, &are) ||
+		!strings.HasPrefix(err.Error(), "hang: Config.Registerer (rank 5): register faultline_hang_") {
+		t.Errorf("a second watchdog of rank 5 on one registry: %v, want an AlreadyRegisteredError naming the field", err)
 	}
 	if _, err := New(Config{Rank: 6, World: 8, Registerer: reg}); err != nil {
 		t.Errorf("a watchdog of another rank on the same registry: %v", err)

@@ -39,6 +39,7 @@ type childArgs struct {
 	Rank     int
 	StateDir string
 	TLSDir   string
+	Token    string
 	Interval time.Duration
 	Deadline time.Duration
 	Ack      time.Duration
@@ -46,15 +47,18 @@ type childArgs struct {
 
 func (a childArgs) security() Security {
 	if a.TLSDir != "" {
-		return SecurityFromDir(a.TLSDir)
+		sec := SecurityFromDir(a.TLSDir)
+		sec.Token = a.Token
+		return sec
 	}
-	return Security{Insecure: true}
+	return Security{Insecure: true, Token: a.Token}
 }
 
 // runChild runs one role until SIGTERM or SIGKILL. It prints "ready ADDR"
 // once serving; a worker prints "connected"/"disconnected" as that changes
 // and "switch DOC" for each switch applied, and takes "fault ID KIND"
-// lines on stdin.
+// lines and "close" (Worker.Close, after which the child exits 0) on
+// stdin.
 func runChild(role string) int {
 	var a childArgs
 	if err := json.Unmarshal([]byte(os.Getenv(childArgsEnv)), &a); err != nil {
@@ -111,6 +115,10 @@ func runChild(role string) int {
 			sc := bufio.NewScanner(os.Stdin)
 			for sc.Scan() {
 				f := strings.Fields(sc.Text())
+				if len(f) == 1 && f[0] == "close" {
+					w.Close()
+					continue
+				}
 				if len(f) == 3 && f[0] == "fault" {
 					if err := w.ReportFault(Fault{ID: f[1], Kind: FaultKind(f[2])}); err != nil {
 						say("error %v", err)

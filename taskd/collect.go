@@ -241,15 +241,57 @@ func (m *Manager) uploadOffsets(req *pb.UploadOffsetRequest) (*pb.UploadOffsetRe
 
 func nodeDir(node int) string { return "node-" + strconv.Itoa(node) }
 
+// uploadIdleTimeout ends an upload that sends nothing for that long.
+const uploadIdleTimeout = 10 * time.Second
+
 // receiveUpload takes in one file's chunks and appends them to its partial
-// copy, which becomes the file when the last chunk is in.
+// copy, which becomes the file when the last chunk is in. One upload of a
+// path runs at a time; each chunk must come within the idle timeout and
+// while the node's collection is in progress.
 func (m *Manager) receiveUpload(stream grpc.ClientStreamingServer[pb.UploadChunk, pb.UploadResponse]) error {
-	first, err := stream.Recv()
+	ctx := stream.Context()
+	type received struct {
+		chunk *pb.UploadChunk
+		err   error
+	}
+	// Receiving runs beside, so that a silent sender is timed out; it
+	// ends with the stream, which ends when this returns.
+	next := make(chan received)
+	go func() {
+		for {
+			c, err := stream.Recv()
+			select {
+			case next <- received{c, err}:
+			case <-ctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	idle := time.NewTimer(m.uploadIdle)
+	defer idle.Stop()
+	recv := func() (*pb.UploadChunk, error) {
+		idle.Reset(m.uploadIdle)
+		select {
+		case r := <-next:
+			return r.chunk, r.err
+		case <-idle.C:
+			return nil, status.Errorf(grpccodes.DeadlineExceeded, "taskd: upload idle for %v", m.uploadIdle)
+		case <-ctx.Done():
+			return nil, status.FromContextError(ctx.Err()).Err()
+		}
+	}
+	first, err := recv()
 	if err != nil {
 		return err
 	}
 	if first.GetJob() != m.cfg.Job {
 		return status.Errorf(grpccodes.NotFound, "taskd: unknown job %q", first.GetJob())
+	}
+	if err := nodeProxy(ctx, first.GetNode()); err != nil {
+		return err
 	}
 	if m.cfg.CollectDir == "" {
 		return status.Error(grpccodes.FailedPrecondition, "taskd: collection is off (no CollectDir)")
@@ -258,18 +300,30 @@ func (m *Manager) receiveUpload(stream grpc.ClientStreamingServer[pb.UploadChunk
 	if err := cleanCollectPath(path); err != nil {
 		return status.Errorf(grpccodes.InvalidArgument, "taskd: %v", err)
 	}
+	dest := nodeDir(node) + "/" + path
 	m.mu.Lock()
 	c := m.activeCollectionLocked(node)
-	m.mu.Unlock()
-	if c == nil {
-		return status.Errorf(grpccodes.FailedPrecondition, "taskd: no collection in progress for node %d", node)
+	busy := m.uploading[dest]
+	if c != nil && !busy {
+		m.uploading[dest] = true
 	}
+	m.mu.Unlock()
+	switch {
+	case c == nil:
+		return status.Errorf(grpccodes.FailedPrecondition, "taskd: no collection in progress for node %d", node)
+	case busy:
+		return status.Errorf(grpccodes.Aborted, "taskd: %s: another upload of it is in progress", dest)
+	}
+	defer func() {
+		m.mu.Lock()
+		delete(m.uploading, dest)
+		m.mu.Unlock()
+	}()
 	root, rootDir, err := m.jobRoot()
 	if err != nil {
 		return status.Errorf(grpccodes.Internal, "taskd: collect dir: %v", err)
 	}
 	defer root.Close()
-	dest := nodeDir(node) + "/" + path
 	partial := dest + ".partial"
 	dir := filepath.Dir(filepath.FromSlash(dest))
 	if err := root.MkdirAll(dir, 0o755); err != nil {
@@ -314,12 +368,16 @@ func (m *Manager) receiveUpload(stream grpc.ClientStreamingServer[pb.UploadChunk
 		}
 		n := int64(len(chunk.GetData()))
 		m.mu.Lock()
+		ended := m.collections[c.id] != c || !c.waiting[node]
 		over := c.bytes+n > m.cfg.MaxCollectBytes
-		if !over {
+		if !ended && !over {
 			c.bytes += n
 		}
 		m.mu.Unlock()
-		if over {
+		switch {
+		case ended:
+			return status.Errorf(grpccodes.FailedPrecondition, "taskd: collection %d of node %d ended: late data refused", c.id, node)
+		case over:
 			return status.Errorf(grpccodes.ResourceExhausted, "taskd: collection exceeds %d bytes", m.cfg.MaxCollectBytes)
 		}
 		if _, err := f.Write(chunk.GetData()); err != nil {
@@ -330,7 +388,7 @@ func (m *Manager) receiveUpload(stream grpc.ClientStreamingServer[pb.UploadChunk
 		if chunk.GetLast() {
 			break
 		}
-		if chunk, err = stream.Recv(); err != nil {
+		if chunk, err = recv(); err != nil {
 			if errors.Is(err, io.EOF) {
 				err = status.Error(grpccodes.InvalidArgument, "taskd: upload ended without its last chunk")
 			}
@@ -463,6 +521,9 @@ func (p *Proxy) shipFile(ctx context.Context, client pb.ControlClient, root *os.
 		if err != nil {
 			lastErr = err
 			continue
+		}
+		if len(offs.GetOffsets()) != 1 || len(offs.GetComplete()) != 1 {
+			return fmt.Errorf("the manager answered %d offsets and %d completions for 1 path", len(offs.GetOffsets()), len(offs.GetComplete()))
 		}
 		n, err := p.sendFrom(ctx, client, root, path, remote, offs.GetOffsets()[0], offs.GetComplete()[0])
 		res.Bytes += n

@@ -3,11 +3,18 @@ package taskd
 import (
 	"bytes"
 	"context"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 )
 
 func writeFile(t testing.TB, name string, data []byte) {
@@ -163,5 +170,143 @@ func TestHostMappingMerge(t *testing.T) {
 		if got, _ := os.ReadFile(name); string(got) != step.want {
 			t.Fatalf("got %q, want %q", got, step.want)
 		}
+	}
+}
+
+// emptyOffsets is a buggy manager: it answers UploadOffsets with no
+// offsets.
+type emptyOffsets struct{ pb.UnimplementedControlServer }
+
+func (emptyOffsets) UploadOffsets(context.Context, *pb.UploadOffsetRequest) (*pb.UploadOffsetResponse, error) {
+	return &pb.UploadOffsetResponse{}, nil
+}
+
+// TestCollectBadOffsets: a proxy told no offsets for its file reports the
+// file as failed; it does not panic.
+func TestCollectBadOffsets(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	pb.RegisterControlServer(srv, emptyOffsets{})
+	go srv.Serve(lis)
+	defer srv.Stop()
+	dotting := t.TempDir()
+	writeFile(t, filepath.Join(dotting, "job-1", "0", "1700000000"), []byte("x"))
+	p, err := NewProxy(ProxyConfig{Job: "job-1", Node: 0, Upstream: lis.Addr().String(), Listen: "127.0.0.1:0", Security: insecureSec(), DottingRoot: dotting})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	res := p.collectFiles(context.Background(), p.up, &pb.CollectRequest{Collection: 1, Dotting: true})
+	if res.GetFiles() != 0 || len(res.GetErrors()) != 1 || !strings.Contains(res.GetErrors()[0], "offsets") {
+		t.Fatalf("result %v", res)
+	}
+}
+
+// uploadJob is a manager collecting from node 0, whose proxy is a bare
+// member that uploads what a test makes it.
+func uploadJob(t *testing.T) (*cluster, *rawMember, context.CancelFunc, <-chan []CollectResult) {
+	t.Helper()
+	c := newCluster(t, insecureSec(), ManagerConfig{CollectDir: t.TempDir()})
+	p := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleProxy, Position{Node: 0, Rank: -1})
+	if err := p.register(); err != nil {
+		t.Fatal(err)
+	}
+	st, err := p.client.Stream(p.ctx(), &pb.StreamRequest{Job: c.job, Member: p.self})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan []CollectResult, 1)
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		res, _ := c.m.Collect(ctx, CollectOptions{Nodes: []int{0}})
+		done <- res
+	}()
+	t.Cleanup(func() { cancel(); <-finished })
+	if env, err := st.Recv(); err != nil || env.GetCollect() == nil {
+		t.Fatalf("no collection request: %v %v", env, err)
+	}
+	return c, p, cancel, done
+}
+
+// TestUploadOneWriterPerPath: while one upload of a path runs, another is
+// refused with Aborted, and the file holds the first one's data.
+func TestUploadOneWriterPerPath(t *testing.T) {
+	c, p, _, _ := uploadJob(t)
+	chunk := func(off int64, data string, last bool) *pb.UploadChunk {
+		return &pb.UploadChunk{Job: c.job, Node: 0, Path: "dotting/0/1700000000", Offset: off, Data: []byte(data), Last: last}
+	}
+	first, err := p.client.Upload(p.ctx())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Send(chunk(0, "first ", false)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 20*time.Second, "the first upload under way", func() bool {
+		c.m.mu.Lock()
+		defer c.m.mu.Unlock()
+		return c.m.uploading["node-0/dotting/0/1700000000"]
+	})
+	second, err := p.client.Upload(p.ctx())
+	if err != nil {
+		t.Fatal(err)
+	}
+	second.Send(chunk(0, "second", true))
+	if _, err := second.CloseAndRecv(); status.Code(err) != codes.Aborted {
+		t.Fatalf("a second writer of the path: %v", err)
+	}
+	if err := first.Send(chunk(6, "writer", true)); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := first.CloseAndRecv(); err != nil || res.GetSize() != 12 {
+		t.Fatalf("the first writer: %v %v", res, err)
+	}
+	got, err := os.ReadFile(filepath.Join(c.mcfg.CollectDir, c.job, "node-0", "dotting", "0", "1700000000"))
+	if err != nil || string(got) != "first writer" {
+		t.Fatalf("the file holds %q, %v", got, err)
+	}
+}
+
+// TestUploadEnds: an upload that goes silent is ended after the idle
+// timeout, and one that goes on after its collection ended is refused.
+func TestUploadEnds(t *testing.T) {
+	c, p, cancel, done := uploadJob(t)
+	c.m.mu.Lock()
+	c.m.uploadIdle = 200 * time.Millisecond
+	c.m.mu.Unlock()
+	chunk := func(path string, off int64, last bool) *pb.UploadChunk {
+		return &pb.UploadChunk{Job: c.job, Node: 0, Path: path, Offset: off, Data: []byte("x"), Last: last}
+	}
+	silent, err := p.client.Upload(p.ctx())
+	if err != nil {
+		t.Fatal(err)
+	}
+	silent.Send(chunk("dotting/0/a", 0, false))
+	// Waits for the answer, the stream left open.
+	if err := silent.RecvMsg(new(pb.UploadResponse)); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("a silent upload: %v", err)
+	}
+	late, err := p.client.Upload(p.ctx())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := late.Send(chunk("dotting/0/b", 0, false)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 20*time.Second, "the upload under way", func() bool {
+		c.m.mu.Lock()
+		defer c.m.mu.Unlock()
+		return c.m.uploading["node-0/dotting/0/b"]
+	})
+	cancel() // the collection ends
+	<-done
+	late.Send(chunk("dotting/0/b", 1, true))
+	if _, err := late.CloseAndRecv(); status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("data after the collection ended: %v", err)
 	}
 }

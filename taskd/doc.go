@@ -19,6 +19,14 @@
 //     reconnect with backoff after a proxy or manager restart and register
 //     again; their queued reports (bounded, overflow counted) are kept and
 //     sent once the manager acknowledges them.
+//   - Leaves and completion. A member that stops on purpose (Worker.Close,
+//     Proxy.Close, the end of Run's context) leaves: the manager records a
+//     leave (EventLeft, faultline_taskd_left_total), not a fault, and
+//     stops expecting its heartbeats; one that dies without a word is
+//     lost. A worker whose rank ran its last step calls Finish before it
+//     stops; once every rank of the job left finished, the job is complete
+//     (EventJobComplete, faultline_taskd_job_complete, JobStatus and the
+//     Admin service's GetJob). A proxy is meant to outlive its workers.
 //   - Profiling switch. The job's trace.Switch comes from SetSwitch, from
 //     the TrainingDataTrace gRPC service (the meaning of ClusterD's
 //     ModifyTrainingDataTraceSwitch, GetTrainingDataTraceSwitch and
@@ -32,8 +40,11 @@
 //   - Faults. Workers and proxies report faults (process exit, op error,
 //     hang, slow node, link; see FaultKind). The manager keeps one ordered,
 //     de-duplicated fault log per job (Faults, the Admin service, metrics),
-//     saved in StateDir before a report is acknowledged so that a manager
-//     restart loses none.
+//     bounded (MaxFaults, each fault's message and attributes cut to
+//     bounds), saved in StateDir before a report is acknowledged so that a
+//     manager restart loses none. The log has a lock of its own, and one
+//     goroutine writes and syncs the file, batching fsyncs: a heartbeat
+//     never waits for fault work.
 //   - Messages. Broadcast sends an application message to all workers, the
 //     workers of some nodes, or a rank list, and waits for their
 //     acknowledgements, re-sending with backoff.
@@ -142,8 +153,33 @@
 // Security is mutual TLS with certificates read from files and read again
 // when they change (SecurityFromDir takes a Kubernetes TLS secret), a
 // shared token, or both; plaintext only when Security.Insecure is set, and
-// logged loudly. Every server caps message size (MaxMessageBytes) and
-// rate-limits calls per connection (RateLimit).
+// logged loudly. A call's token (exactly one authorization value) is
+// checked from its headers, before its body is read; an address that
+// keeps failing (more than 10 times, then once a second) has its
+// connection closed and may not connect again for 10 s. A server refuses
+// to start with a token shorter than 16 bytes. Every member is issued a secret by the server it registers with
+// (the manager, or its node's proxy), and every later call carries it: a
+// caller acts only for itself, a proxy for its node's workers, and a
+// fault about a rank is taken only from that rank, its node's proxy or
+// the manager's embedder (Manager.ReportFault). ListMembers shows
+// instances, which prove nothing. Operators hold a credential of their
+// own (ManagerConfig.AdminToken): the Admin and TrainingDataTrace services
+// take nothing else, and it serves nothing else; with ProxyToken set, only
+// a proxy registers as one. The metrics are served by the embedder, over
+// plain HTTP in the reference binaries: keep them on loopback or a
+// cluster-internal address.
+//
+// Every server bounds what a peer can make it hold: message size
+// (MaxMessageBytes), calls per second per connection (RateLimit), calls in
+// flight per connection (100) and per peer address (1000), header lists
+// (16 KiB), connections in all and per address (MaxConnections,
+// MaxConnectionsPerPeer), handshakes (5 s), idle connections (30 s),
+// uploads (one writer a path, 10 s idle), hostnames, acknowledgements,
+// and, without a job shape, ranks and nodes (MaxWorkers). Answers that
+// list (ListFaults, ListMembers, GetSwitchStatus) fit half a message.
+// Refusals are counted (faultline_taskd_calls_refused_total,
+// faultline_taskd_connections_refused_total) and logged at most every ten
+// seconds.
 //
 // Observability is injected: a prometheus.Registerer (metrics named
 // faultline_taskd_*), an OpenTelemetry TracerProvider (spans on switch

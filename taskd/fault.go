@@ -6,7 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
+	"sort"
+	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // FaultKind says what went wrong. The constants are the kinds taskd and the
@@ -44,13 +48,77 @@ type Fault struct {
 	// process, e.g. "SIGKILL"), "host", "pod", "log" (a log line that
 	// matched), "device" (an accelerator index), "link" (a NIC or peer).
 	Attrs map[string]string `json:"attrs,omitempty"`
-	// Time is when the reporter saw the fault; Received when the manager
-	// took it in.
+	// Time is when the reporter saw the fault (zero when it said a time
+	// more than a minute ahead of the manager's clock or more than a week
+	// behind); Received when the manager took it in.
 	Time     time.Time `json:"time"`
 	Received time.Time `json:"received"`
 	// Reporter is who reported it (the manager itself for FaultLost).
 	Reporter     Position `json:"reporter"`
 	ReporterRole Role     `json:"reporter_role"`
+}
+
+// Bounds of a fault's fields: a longer message or attribute value is cut,
+// attributes past the most are dropped (the first, by key, kept), and a
+// longer or odd kind is refused.
+const (
+	MaxFaultKindBytes    = 64
+	MaxFaultMessageBytes = 4 << 10
+	MaxFaultAttrs        = 32
+	MaxFaultAttrBytes    = 1 << 10 // a key or a value
+)
+
+// knownKinds are the kinds that are metric labels of their own; any other
+// is counted as "other", so that reporters cannot make series without end.
+var knownKinds = map[FaultKind]bool{FaultProcessExit: true, FaultOpError: true, FaultHang: true, FaultSlowNode: true, FaultLink: true, FaultLost: true, FaultStressTest: true}
+
+// kindLabel is the metric label of kind k.
+func kindLabel(k FaultKind) string {
+	if knownKinds[k] {
+		return string(k)
+	}
+	return "other"
+}
+
+// checkKind says what is wrong with a fault kind: empty, too long, or
+// holding other than letters, digits and "_-.:/".
+func checkKind(k FaultKind) error {
+	if k == "" || len(k) > MaxFaultKindBytes {
+		return fmt.Errorf("length %d, want 1 to %d", len(k), MaxFaultKindBytes)
+	}
+	for _, r := range k {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("_-.:/", r)) {
+			return fmt.Errorf("%q: only letters, digits and _-.:/", k)
+		}
+	}
+	return nil
+}
+
+// cut returns s cut to at most n bytes, on a rune boundary. A cut string
+// is a copy, so that keeping it does not keep all of s.
+func cut(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return strings.Clone(s[:n])
+}
+
+// bounded returns f with its message and attributes cut to their bounds.
+func (f Fault) bounded() Fault {
+	f.Message = cut(f.Message, MaxFaultMessageBytes)
+	if len(f.Attrs) == 0 {
+		return f
+	}
+	keys := slices.Sorted(maps.Keys(f.Attrs))
+	attrs := make(map[string]string, min(len(keys), MaxFaultAttrs))
+	for _, k := range keys[:min(len(keys), MaxFaultAttrs)] {
+		attrs[cut(k, MaxFaultAttrBytes)] = cut(f.Attrs[k], MaxFaultAttrBytes)
+	}
+	f.Attrs = attrs
+	return f
 }
 
 func (f Fault) clone() Fault {
@@ -59,16 +127,49 @@ func (f Fault) clone() Fault {
 }
 
 // faultLog is a job's ordered, de-duplicated fault log, bounded to max
-// entries (the oldest go first). It is pure: the caller serialises access.
+// entries (the oldest go first). It is a ring, so that taking a fault in
+// costs the same however full the log is. It is pure: the caller
+// serialises access.
 type faultLog struct {
-	max    int
-	faults []Fault
-	ids    map[string]uint64 // ID -> Seq of the faults held
-	next   uint64            // Seq of the next fault
+	max  int
+	ring []Fault           // held faults, oldest at head, Seq increasing
+	head int               // index of the oldest
+	n    int               // faults held
+	ids  map[string]uint64 // ID -> Seq of the faults held
+	next uint64            // Seq of the next fault
 }
 
 func newFaultLog(max int) *faultLog {
 	return &faultLog{max: max, ids: make(map[string]uint64), next: 1}
+}
+
+// at returns the i-th oldest fault held.
+func (l *faultLog) at(i int) *Fault { return &l.ring[(l.head+i)%len(l.ring)] }
+
+// push appends f, dropping the oldest when the log is full.
+func (l *faultLog) push(f Fault) {
+	if l.n == len(l.ring) && (l.max <= 0 || l.n < l.max) {
+		// Grown by doubling up to max: a log that never fills never takes
+		// its memory.
+		size := max(2*l.n, 16)
+		if l.max > 0 {
+			size = min(size, l.max)
+		}
+		grown := make([]Fault, size)
+		for i := range l.n {
+			grown[i] = *l.at(i)
+		}
+		l.ring, l.head = grown, 0
+	}
+	if l.n < len(l.ring) {
+		*l.at(l.n) = f
+		l.n++
+		return
+	}
+	old := l.at(0)
+	delete(l.ids, old.ID)
+	*old = f
+	l.head = (l.head + 1) % len(l.ring)
 }
 
 // add takes f in, assigning its Seq and Received. It returns the stored
@@ -77,19 +178,12 @@ func (l *faultLog) add(f Fault, now time.Time) (Fault, bool) {
 	if seq, dup := l.ids[f.ID]; dup {
 		return l.get(seq), false
 	}
-	f = f.clone()
+	f = f.bounded()
 	f.Seq = l.next
 	f.Received = now
 	l.next++
-	l.faults = append(l.faults, f)
+	l.push(f)
 	l.ids[f.ID] = f.Seq
-	if l.max > 0 && len(l.faults) > l.max {
-		drop := len(l.faults) - l.max
-		for _, old := range l.faults[:drop] {
-			delete(l.ids, old.ID)
-		}
-		l.faults = append(l.faults[:0:0], l.faults[drop:]...)
-	}
 	return f, true
 }
 
@@ -98,30 +192,40 @@ func (l *faultLog) restore(f Fault) {
 	if _, dup := l.ids[f.ID]; dup || f.Seq < l.next {
 		return
 	}
-	l.faults = append(l.faults, f)
+	l.push(f.bounded())
 	l.ids[f.ID] = f.Seq
 	l.next = f.Seq + 1
 }
 
+// search returns the index of the oldest fault held with Seq > seq, or n.
+func (l *faultLog) search(seq uint64) int {
+	return sort.Search(l.n, func(i int) bool { return l.at(i).Seq > seq })
+}
+
 func (l *faultLog) get(seq uint64) Fault {
-	for i := len(l.faults) - 1; i >= 0; i-- {
-		if l.faults[i].Seq == seq {
-			return l.faults[i].clone()
-		}
+	if i := l.search(seq - 1); i < l.n && l.at(i).Seq == seq {
+		return l.at(i).clone()
 	}
 	return Fault{}
 }
 
 // after returns the faults with Seq > seq, oldest first.
 func (l *faultLog) after(seq uint64) []Fault {
-	var out []Fault
-	for _, f := range l.faults {
-		if f.Seq > seq {
-			out = append(out, f.clone())
-		}
+	return l.page(seq, l.n)
+}
+
+// page returns at most limit faults with Seq > seq, oldest first.
+func (l *faultLog) page(seq uint64, limit int) []Fault {
+	i := l.search(seq)
+	out := make([]Fault, 0, min(l.n-i, limit))
+	for ; i < l.n && len(out) < limit; i++ {
+		out = append(out, l.at(i).clone())
 	}
 	return out
 }
+
+// len returns how many faults are held.
+func (l *faultLog) len() int { return l.n }
 
 // FaultLogError says which line of a fault log file is bad.
 type FaultLogError struct {

@@ -6,8 +6,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
+	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/google/go-cmp/cmp"
 
@@ -92,12 +95,10 @@ func TestManagerFaultLogSurvivesRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m.mu.Lock()
 	for _, id := range []string{"a", "b"} {
-		f, _ := m.faults.add(Fault{ID: id, Kind: FaultOpError}, t0)
-		m.persistFaultsLocked([]Fault{f})
+		m.faults.add(Fault{ID: id, Kind: FaultOpError}, t0)
 	}
-	m.mu.Unlock()
+	m.faults.flush() // as the manager's Run does
 	m.Close()
 	name := filepath.Join(dir, "faults.jsonl")
 	fh, _ := os.OpenFile(name, os.O_APPEND|os.O_WRONLY, 0)
@@ -111,10 +112,8 @@ func TestManagerFaultLogSurvivesRestart(t *testing.T) {
 	if got := m.Faults(0); len(got) != 2 || got[1].ID != "b" || got[1].Seq != 2 {
 		t.Fatalf("after restart: %+v", got)
 	}
-	m.mu.Lock()
-	f, _ := m.faults.add(Fault{ID: "c", Kind: FaultHang}, t0)
-	m.persistFaultsLocked([]Fault{f})
-	m.mu.Unlock()
+	m.faults.add(Fault{ID: "c", Kind: FaultHang}, t0)
+	m.faults.flush()
 	m.Close()
 	m, err = NewManager(cfg)
 	if err != nil {
@@ -197,5 +196,45 @@ func TestListFaultsPages(t *testing.T) {
 	}
 	if res, _ := api.ListFaults(context.Background(), &pb.ListFaultsReq{JobNsName: "other"}); res.GetCode() != pb.Code_CODE_UNKNOWN_JOB {
 		t.Fatalf("unknown job: %v", res)
+	}
+}
+
+// TestFaultLogAddIsConstant: once the log is full, adding a fault drops
+// the oldest in place: it costs the fault, not a copy of the log.
+func TestFaultLogAddIsConstant(t *testing.T) {
+	l := newFaultLog(10000)
+	for i := range 10000 {
+		l.add(Fault{ID: fmt.Sprint("old/", i), Kind: FaultHang}, t0)
+	}
+	ids := make([]string, 1000)
+	for i := range ids {
+		ids[i] = fmt.Sprint("new/", i)
+	}
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	for _, id := range ids {
+		l.add(Fault{ID: id, Kind: FaultHang}, t0)
+	}
+	runtime.ReadMemStats(&after)
+	if perAdd := (after.TotalAlloc - before.TotalAlloc) / 1000; perAdd > 1024 {
+		t.Fatalf("adding to a full log of 10000 allocates %d bytes a fault", perAdd)
+	}
+	if got := l.after(0); len(got) != 10000 || got[0].ID != "old/1000" || got[9999].ID != "new/999" || got[9999].Seq != 11000 {
+		t.Fatalf("log of %d, from %s to %s", len(got), got[0].ID, got[len(got)-1].ID)
+	}
+	if f := l.get(10500); f.ID != "new/499" {
+		t.Fatalf("get(10500) = %+v", f)
+	}
+}
+
+// TestCutCopies: a field cut to its bound does not keep the rest of what
+// it was cut from.
+func TestCutCopies(t *testing.T) {
+	big := strings.Repeat("x", 1<<20)
+	if c := cut(big, 10); len(c) != 10 || unsafe.StringData(c) == unsafe.StringData(big) {
+		t.Fatalf("cut shares the memory of what it cut (%d bytes)", len(c))
+	}
+	if c := cut("é", 1); c != "" {
+		t.Fatalf("cut a rune in half: %q", c)
 	}
 }

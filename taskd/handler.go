@@ -15,10 +15,12 @@ type EventKind int
 
 // Event kinds.
 const (
-	EventRegistered EventKind = iota + 1 // a worker or proxy registered (not a reconnect)
-	EventFault                           // a fault was taken into the log (FaultLost included)
-	EventMessage                         // a worker or proxy sent an application message
-	EventSwitch                          // the job's profiling switch changed
+	EventRegistered  EventKind = iota + 1 // a worker or proxy registered (not a reconnect)
+	EventFault                            // a fault was taken into the log (FaultLost included)
+	EventMessage                          // a worker or proxy sent an application message
+	EventSwitch                           // the job's profiling switch changed
+	EventLeft                             // a worker or proxy left on purpose (its silence is no fault)
+	EventJobComplete                      // every rank of the job left after its last step
 )
 
 func (k EventKind) String() string {
@@ -31,6 +33,10 @@ func (k EventKind) String() string {
 		return "message"
 	case EventSwitch:
 		return "switch"
+	case EventLeft:
+		return "left"
+	case EventJobComplete:
+		return "job-complete"
 	}
 	return fmt.Sprintf("EventKind(%d)", int(k))
 }
@@ -45,6 +51,8 @@ type Event struct {
 	Fault    Fault        // EventFault
 	Message  Message      // EventMessage
 	Switch   trace.Switch // EventSwitch
+	// Departure is who left (EventLeft); a proxy's Position.Rank is -1.
+	Departure Departure
 }
 
 // Message is an application message between the manager and a member.
@@ -80,18 +88,24 @@ func sortHandlers(hs []Handler) []Handler {
 	return out
 }
 
-// eventQueue is an unblocking, bounded FIFO between the RPC handlers and
-// the handler loop.
+// eventQueue is an unblocking FIFO between the RPC handlers and the
+// handler loop, bounded in events and in the bytes of the messages they
+// carry; past either bound an event is dropped and counted.
 type eventQueue struct {
-	mu      sync.Mutex
-	items   []Event
-	max     int
-	dropped int
-	wake    chan struct{}
+	mu       sync.Mutex
+	items    []Event
+	max      int
+	bytes    int // of the messages' payloads queued
+	maxBytes int
+	dropped  func() // counts an event dropped
+	wake     chan struct{}
 }
 
-func newEventQueue(max int) *eventQueue {
-	return &eventQueue{max: max, wake: make(chan struct{}, 1)}
+// maxEventBytes bounds the message payloads waiting for the handlers.
+const maxEventBytes = 64 << 20
+
+func newEventQueue(max int, dropped func()) *eventQueue {
+	return &eventQueue{max: max, maxBytes: maxEventBytes, dropped: dropped, wake: make(chan struct{}, 1)}
 }
 
 func (q *eventQueue) push(evs ...Event) {
@@ -100,10 +114,12 @@ func (q *eventQueue) push(evs ...Event) {
 	}
 	q.mu.Lock()
 	for _, ev := range evs {
-		if len(q.items) >= q.max {
-			q.dropped++
+		n := len(ev.Message.Payload)
+		if len(q.items) >= q.max || q.bytes+n > q.maxBytes {
+			q.dropped()
 			continue
 		}
+		q.bytes += n
 		q.items = append(q.items, ev)
 	}
 	q.mu.Unlock()
@@ -117,7 +133,7 @@ func (q *eventQueue) take() []Event {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	evs := q.items
-	q.items = nil
+	q.items, q.bytes = nil, 0
 	return evs
 }
 

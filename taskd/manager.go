@@ -50,11 +50,23 @@ type ManagerConfig struct {
 	// Listen is the address to serve on; default ":9601".
 	Listen string
 	// Nodes and ProcsPerNode give the job's shape, so that ranks that never
-	// registered show as waiting in the switch status. Zero: unknown, and
-	// positions are not range-checked.
+	// registered show as waiting in the switch status, and positions
+	// outside it are refused. Zero: unknown, and nodes and ranks must be
+	// below MaxWorkers (default 16384).
 	Nodes, ProcsPerNode int
+	MaxWorkers          int
 	// Security: mutual TLS, token, or plaintext when asked; required.
 	Security Security
+	// AdminToken is the operators' credential: the Admin and
+	// TrainingDataTrace services take a call only with it, and it serves
+	// nothing else. Empty: with Security.Token set, those services refuse
+	// every call; without any token they take whoever the transport
+	// admits (logged at start).
+	AdminToken string
+	// ProxyToken, when set, is the proxies' credential: only a call with
+	// it registers as a proxy, so that a worker's token cannot. Proxies
+	// present it as ProxyConfig.UpstreamToken.
+	ProxyToken string
 	// HeartbeatInterval is how often members send heartbeats (default 1 s);
 	// a member not heard from within HeartbeatDeadline (default 5 s) is
 	// declared lost and a FaultLost is raised.
@@ -69,6 +81,11 @@ type ManagerConfig struct {
 	// 2000, burst RateBurst default twice that); negative means unlimited.
 	RateLimit float64
 	RateBurst int
+	// MaxConnections bounds the connections open at once (default half
+	// the process's open-file limit, at most 16384), and
+	// MaxConnectionsPerPeer those from one peer address (default 256);
+	// more are closed at once, counted and logged.
+	MaxConnections, MaxConnectionsPerPeer int
 	// StateDir, when set, keeps the fault log (faults.jsonl) and the switch
 	// (switch.json) across restarts. Faults are acknowledged to reporters
 	// only after they are synced there.
@@ -103,7 +120,10 @@ func (c *ManagerConfig) setDefaults() {
 	c.MaxMessageBytes = orDefault(c.MaxMessageBytes, DefaultMaxMessageBytes)
 	c.RateLimit = orDefault(c.RateLimit, DefaultRateLimit)
 	c.RateBurst = orDefault(c.RateBurst, int(2*c.RateLimit))
+	c.MaxConnections = orDefault(c.MaxConnections, defaultMaxConnections())
+	c.MaxConnectionsPerPeer = orDefault(c.MaxConnectionsPerPeer, DefaultMaxConnectionsPerPeer)
 	c.MaxFaults = orDefault(c.MaxFaults, 10000)
+	c.MaxWorkers = orDefault(c.MaxWorkers, DefaultMaxWorkers)
 	c.MaxCollectBytes = orDefault(c.MaxCollectBytes, 1<<30)
 }
 
@@ -134,6 +154,8 @@ func (c ManagerConfig) Validate() error {
 		return fmt.Errorf("taskd: ManagerConfig.Nodes: %d is negative", c.Nodes)
 	case c.ProcsPerNode < 0:
 		return fmt.Errorf("taskd: ManagerConfig.ProcsPerNode: %d is negative", c.ProcsPerNode)
+	case c.MaxWorkers < 0:
+		return fmt.Errorf("taskd: ManagerConfig.MaxWorkers: %d is negative", c.MaxWorkers)
 	case negative(c.HeartbeatInterval, c.HeartbeatDeadline, c.AckTimeout, c.DeliveryTimeout):
 		return negativeDuration("ManagerConfig", "HeartbeatInterval", c.HeartbeatInterval, "HeartbeatDeadline", c.HeartbeatDeadline,
 			"AckTimeout", c.AckTimeout, "DeliveryTimeout", c.DeliveryTimeout)
@@ -141,6 +163,10 @@ func (c ManagerConfig) Validate() error {
 		return fmt.Errorf("taskd: ManagerConfig.HeartbeatDeadline: %v is not above HeartbeatInterval %v", c.HeartbeatDeadline, orDefault(c.HeartbeatInterval, DefaultHeartbeatInterval))
 	case c.MaxMessageBytes < 0 || (c.MaxMessageBytes > 0 && c.MaxMessageBytes < 64<<10):
 		return fmt.Errorf("taskd: ManagerConfig.MaxMessageBytes: %d is below 64 KiB", c.MaxMessageBytes)
+	case c.MaxConnections < 0:
+		return fmt.Errorf("taskd: ManagerConfig.MaxConnections: %d is negative", c.MaxConnections)
+	case c.MaxConnectionsPerPeer < 0:
+		return fmt.Errorf("taskd: ManagerConfig.MaxConnectionsPerPeer: %d is negative", c.MaxConnectionsPerPeer)
 	case c.MaxFaults < 0:
 		return fmt.Errorf("taskd: ManagerConfig.MaxFaults: %d is negative", c.MaxFaults)
 	case c.MaxCollectBytes < 0:
@@ -149,6 +175,17 @@ func (c ManagerConfig) Validate() error {
 	for i, h := range c.Handlers {
 		if h.Name == "" || h.Handle == nil {
 			return fmt.Errorf("taskd: ManagerConfig.Handlers[%d]: needs a Name and a Handle func", i)
+		}
+	}
+	tokens := []struct{ field, token string }{{"ManagerConfig.Security.Token", c.Security.Token}, {"ManagerConfig.AdminToken", c.AdminToken}, {"ManagerConfig.ProxyToken", c.ProxyToken}}
+	for i, t := range tokens {
+		if err := checkToken(t.field, t.token); err != nil {
+			return err
+		}
+		for _, u := range tokens[:i] {
+			if t.token != "" && t.token == u.token {
+				return fmt.Errorf("taskd: %s: the same as %s; each credential needs a token of its own", t.field, u.field)
+			}
 		}
 	}
 	if c.Orchestration != nil {
@@ -176,6 +213,8 @@ type Manager struct {
 	nextID   atomic.Uint64
 	events   *eventQueue
 	kick     chan struct{} // wakes the housekeeping loop
+	faults   *faultStore   // has a lock of its own
+	ids      *identities   // secrets of the members attached directly; a lock of its own
 
 	mu          sync.Mutex
 	reg         *registry
@@ -183,15 +222,16 @@ type Manager struct {
 	sw          *switchTracker
 	fanSpan     oteltrace.Span
 	swSubs      map[chan trace.Switch]struct{}
-	faults      *faultLog
 	evicted     *idSet // instances evicted by recovery: refused from then on
-	faultFile   *os.File
-	fileFaults  int // lines in faultFile
 	recentMsgs  *idSet
 	deliveries  map[uint64]*delivery
 	collections map[uint64]*collection
-	collectMu   sync.Mutex // serialises Collect calls
+	collectMu   sync.Mutex      // serialises Collect calls
+	uploading   map[string]bool // collected paths being written, one upload each
+	uploadIdle  time.Duration   // uploadIdleTimeout, shorter in tests
 	proxyHosts  map[int]string
+	gone        *departures // workers lost, evicted or left
+	completedAt time.Time   // when every rank left finished; zero until then
 
 	state     atomic.Int32 // 0 new, 1 running, 2 closed
 	closed    chan struct{}
@@ -214,18 +254,20 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		metrics:     metrics,
 		handlers:    sortHandlers(cfg.Handlers),
 		instance:    newInstanceID(),
-		events:      newEventQueue(1 << 16),
 		kick:        make(chan struct{}, 1),
 		reg:         newRegistry(cfg.HeartbeatDeadline),
 		downlinks:   make(map[memberKey]*downlink),
 		sw:          newSwitchTracker(cfg.AckTimeout, 30*time.Second),
 		swSubs:      make(map[chan trace.Switch]struct{}),
-		faults:      newFaultLog(cfg.MaxFaults),
 		evicted:     newIDSet(4096),
 		recentMsgs:  newIDSet(4096),
 		deliveries:  make(map[uint64]*delivery),
 		collections: make(map[uint64]*collection),
+		uploading:   make(map[string]bool),
+		uploadIdle:  uploadIdleTimeout,
 		proxyHosts:  make(map[int]string),
+		ids:         newIdentities(),
+		gone:        newDepartures(cfg.Nodes * cfg.ProcsPerNode),
 		closed:      make(chan struct{}),
 		runDone:     make(chan struct{}),
 	}
@@ -234,6 +276,8 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		tp = noop.NewTracerProvider()
 	}
 	m.tracer = tp.Tracer("github.com/faultline-ml/faultline/taskd")
+	m.faults = newFaultStore(cfg.MaxFaults, m.log)
+	m.events = newEventQueue(1<<16, m.met.eventsDropped.Inc)
 	if cfg.Orchestration != nil {
 		orch, err := newOrchestrator(m, *cfg.Orchestration)
 		if err != nil {
@@ -261,12 +305,41 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: manager listen on %s: %w", cfg.Listen, err)
 	}
-	m.lis = lis
-	m.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: m.met.rateLimited.Inc}, m.log)
+	g := newGuard(guardConfig{
+		tokens: map[string]credential{cfg.Security.Token: credMember, cfg.ProxyToken: credProxy, cfg.AdminToken: credAdmin},
+		open:   cfg.Security.Token == "", maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer,
+		ids: m.ids, policy: m.policy, met: m.met.guard, log: m.log,
+	})
+	switch {
+	case cfg.AdminToken == "" && cfg.Security.Token != "":
+		m.log.Info("taskd: the Admin and TrainingDataTrace services are off: no AdminToken")
+	case cfg.AdminToken == "":
+		m.log.Warn("taskd: the Admin and TrainingDataTrace services take whoever the transport admits: set AdminToken")
+	}
+	m.lis = g.listen(lis)
+	m.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: m.met.rateLimited.Inc}, g, m.log)
 	pb.RegisterControlServer(m.srv, &managerControl{m: m})
 	pb.RegisterTrainingDataTraceServer(m.srv, &managerTraceAPI{m: m})
 	pb.RegisterAdminServer(m.srv, &managerAdmin{m: m})
 	return m, nil
+}
+
+// policy says which token each service takes: the operators' services
+// the operators' token alone, and that token nothing else.
+func (m *Manager) policy(method string, cred credential) error {
+	svc, _, _ := strings.Cut(strings.TrimPrefix(method, "/"), "/")
+	operator := svc == pb.Admin_ServiceDesc.ServiceName || svc == pb.TrainingDataTrace_ServiceDesc.ServiceName
+	switch {
+	case operator && (cred == credAdmin || (cred == credOpen && m.cfg.AdminToken == "")):
+		return nil
+	case operator && m.cfg.AdminToken == "":
+		return permission("%s takes the operators' token, ManagerConfig.AdminToken, which this manager was not given", svc)
+	case operator:
+		return permission("%s takes the operators' token", svc)
+	case cred == credAdmin:
+		return permission("the operators' token does not serve %s", svc)
+	}
+	return nil
 }
 
 // Addr returns the address the manager listens on.
@@ -301,6 +374,7 @@ func (m *Manager) Run(ctx context.Context) error {
 		return nil
 	})
 	g.Go(func() error { return m.housekeep(ctx) })
+	g.Go(func() error { m.faults.run(ctx); return nil })
 	g.Go(func() error { return m.runHandlers(ctx) })
 	if m.orch != nil {
 		g.Go(func() error { return m.orch.run(ctx) })
@@ -325,7 +399,6 @@ func (m *Manager) Run(ctx context.Context) error {
 		m.fanSpan = nil
 	}
 	m.mu.Unlock()
-	m.closeState()
 	return err
 }
 
@@ -370,12 +443,14 @@ func (m *Manager) step(now time.Time) {
 	var evs []Event
 	var lostFaults []Fault
 	for _, lm := range m.reg.expire(now) {
+		m.ids.revoke(lm.key, lm.instance)
 		if dl := m.downlinks[lm.key]; dl != nil && dl.instance == lm.instance {
 			dl.detach()
 			delete(m.downlinks, lm.key)
 		}
 		if lm.key.role == RoleWorker {
 			m.sw.gone(lm.key.id)
+			m.departedLocked(lm.pos, lm.lastSeen)
 		}
 		m.met.lost.WithLabelValues(lm.key.role.String()).Inc()
 		m.log.Warn("taskd: member lost: no heartbeat within the deadline", "member", lm.key.String(), "last_seen", lm.lastSeen, "deadline", m.cfg.HeartbeatDeadline)
@@ -392,9 +467,8 @@ func (m *Manager) step(now time.Time) {
 			lostFaults = append(lostFaults, stored)
 		}
 	}
-	m.persistFaultsLocked(lostFaults)
 	for _, f := range lostFaults {
-		m.met.faults.WithLabelValues(string(f.Kind)).Inc()
+		m.met.faults.WithLabelValues(kindLabel(f.Kind)).Inc()
 		evs = append(evs, Event{Kind: EventFault, Time: now, Fault: f, Position: f.Position, Role: RoleManager})
 	}
 	m.updateMemberGaugesLocked()
@@ -447,9 +521,19 @@ type downlink struct {
 	stop     chan struct{} // closed to end the stream attached now
 }
 
-func newDownlink(instance string) *downlink {
-	return &downlink{instance: instance, ch: make(chan *pb.Envelope, 4096)}
+// newDownlink returns a member's send queue: size messages deep, so that a
+// proxy's holds its node's share of a fan-out, while the many workers
+// attached directly cost little each. What a full queue drops is sent
+// again.
+func newDownlink(instance string, size int) *downlink {
+	return &downlink{instance: instance, ch: make(chan *pb.Envelope, size)}
 }
+
+// Depths of the send queues.
+const (
+	proxyQueue  = 4096
+	workerQueue = 64
+)
 
 // attach ends the stream attached before, if any, and returns the channel
 // that ends the new one. The owner's lock is held.
@@ -609,8 +693,8 @@ func (m *Manager) subscribeSwitch() (<-chan trace.Switch, func()) {
 // means now, and an empty ReporterRole means the manager. It returns the
 // fault as logged, and false when a fault with its ID was logged already.
 func (m *Manager) ReportFault(f Fault) (Fault, bool, error) {
-	if f.Kind == "" {
-		return Fault{}, false, errors.New("taskd: Fault.Kind: empty")
+	if err := checkKind(f.Kind); err != nil {
+		return Fault{}, false, fmt.Errorf("taskd: Fault.Kind: %w", err)
 	}
 	now := time.Now()
 	if f.ID == "" {
@@ -622,17 +706,15 @@ func (m *Manager) ReportFault(f Fault) (Fault, bool, error) {
 	if f.ReporterRole == 0 {
 		f.ReporterRole, f.Reporter = RoleManager, Position{Node: -1, Rank: -1}
 	}
-	m.mu.Lock()
 	stored, fresh := m.faults.add(f, now)
-	if fresh {
-		m.persistFaultsLocked([]Fault{stored})
+	if err := m.faults.wait(context.Background(), stored.Seq); err != nil {
+		return stored, fresh, err
 	}
-	m.mu.Unlock()
 	if !fresh {
 		m.met.faultDups.Inc()
 		return stored, false, nil
 	}
-	m.met.faults.WithLabelValues(string(stored.Kind)).Inc()
+	m.met.faults.WithLabelValues(kindLabel(stored.Kind)).Inc()
 	m.log.Warn("taskd: fault", "seq", stored.Seq, "kind", stored.Kind, "position", stored.Position.String(), "code", stored.Code, "message", stored.Message)
 	m.events.push(Event{Kind: EventFault, Time: now, Role: stored.ReporterRole, Position: stored.Reporter, Fault: stored})
 	return stored, true, nil
@@ -658,7 +740,9 @@ func (m *Manager) evict(ranks []int, why string) {
 		}
 		m.evicted.add(wm.instance)
 		m.reg.remove(wm.key, wm.instance)
+		m.ids.revoke(wm.key, wm.instance)
 		m.sw.gone(r)
+		m.departedLocked(wm.pos, time.Now())
 		if dl := m.downlinks[wm.key]; dl != nil && dl.instance == wm.instance {
 			dl.detach()
 			delete(m.downlinks, wm.key)
@@ -669,11 +753,7 @@ func (m *Manager) evict(ranks []int, why string) {
 }
 
 // Faults returns the job's faults with Seq above after, oldest first.
-func (m *Manager) Faults(after uint64) []Fault {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return m.faults.after(after)
-}
+func (m *Manager) Faults(after uint64) []Fault { return m.faults.after(after) }
 
 // MemberInfo describes a live member.
 type MemberInfo struct {
@@ -856,14 +936,17 @@ func (m *Manager) resolveLocked(to Target) []int {
 func (m *Manager) ackLocked(a *pb.Ack, now time.Time) {
 	rank := int(a.GetFrom().GetPosition().GetRank())
 	result := "ok"
-	if a.GetError() != "" {
+	// What a worker says is kept for as long as its rank is, so it is
+	// cut to a bound.
+	errMsg := cut(a.GetError(), maxAckErrorBytes)
+	if errMsg != "" {
 		result = "error"
 	}
-	if sent, ok := m.sw.ack(a.GetId(), rank, a.GetError()); ok {
+	if sent, ok := m.sw.ack(a.GetId(), rank, errMsg); ok {
 		m.met.acks.WithLabelValues(result).Inc()
 		m.met.ackLatency.Observe(now.Sub(sent).Seconds())
-		if a.GetError() != "" {
-			m.log.Warn("taskd: worker could not apply the switch", "rank", rank, "err", a.GetError())
+		if errMsg != "" {
+			m.log.Warn("taskd: worker could not apply the switch", "rank", rank, "err", errMsg)
 		}
 		return
 	}
@@ -880,16 +963,25 @@ func (m *Manager) ackLocked(a *pb.Ack, now time.Time) {
 		m.met.ackLatency.Observe(now.Sub(sent).Seconds())
 	}
 	delete(d.waiting, rank)
-	if a.GetError() != "" {
-		d.results[rank] = &DeliveryError{Rank: rank, Msg: a.GetError()}
+	if errMsg != "" {
+		d.results[rank] = &DeliveryError{Rank: rank, Msg: errMsg}
 	}
-	if len(a.GetReply()) > 0 {
-		d.replies[rank] = a.GetReply()
+	switch reply := a.GetReply(); {
+	case len(reply) > maxAckReplyBytes:
+		d.results[rank] = &DeliveryError{Rank: rank, Msg: fmt.Sprintf("reply of %d bytes, at most %d", len(reply), maxAckReplyBytes)}
+	case len(reply) > 0:
+		d.replies[rank] = reply
 	}
 	if len(d.waiting) == 0 {
 		close(d.done)
 	}
 }
+
+// Bounds of what an acknowledgement may make the manager keep.
+const (
+	maxAckErrorBytes = 1 << 10
+	maxAckReplyBytes = 64 << 10
+)
 
 // loadState reads the fault log and switch kept in StateDir.
 func (m *Manager) loadState() error {
@@ -910,99 +1002,11 @@ func (m *Manager) loadState() error {
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("taskd: state file: %w", err)
 	}
-	name := filepath.Join(dir, "faults.jsonl")
-	data, err := os.ReadFile(name)
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("taskd: state file: %w", err)
-	}
-	faults, tail, err := parseFaultLog(data)
-	if err != nil {
-		return fmt.Errorf("taskd: state file %s: %w", name, err)
-	}
-	for _, f := range faults {
-		m.faults.restore(f)
-	}
-	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o644)
-	if err != nil {
-		return fmt.Errorf("taskd: state file: %w", err)
-	}
-	if tail < len(data) {
-		// A torn last line was never acknowledged: cut it off.
-		m.log.Warn("taskd: dropping a torn last line of the fault log", "file", name, "offset", tail)
-		if err := f.Truncate(int64(tail)); err != nil {
-			f.Close()
-			return fmt.Errorf("taskd: state file %s: %w", name, err)
-		}
-	}
-	if _, err := f.Seek(0, 2); err != nil {
-		f.Close()
-		return fmt.Errorf("taskd: state file %s: %w", name, err)
-	}
-	m.faultFile = f
-	m.fileFaults = len(faults)
-	return nil
+	return m.faults.load(dir)
 }
 
-// persistFaultsLocked appends faults to the state file and syncs it. A
-// write error is logged: the faults stay in the log in memory.
-func (m *Manager) persistFaultsLocked(faults []Fault) {
-	if m.faultFile == nil || len(faults) == 0 {
-		return
-	}
-	var buf []byte
-	for _, f := range faults {
-		b, err := marshalFault(f)
-		if err != nil {
-			m.log.Error("taskd: marshal fault", "id", f.ID, "err", err)
-			continue
-		}
-		buf = append(buf, b...)
-	}
-	name := m.faultFile.Name()
-	if _, err := m.faultFile.Write(buf); err != nil {
-		m.log.Error("taskd: fault log not saved", "file", name, "err", err)
-		return
-	}
-	if err := m.faultFile.Sync(); err != nil {
-		m.log.Error("taskd: fault log not synced", "file", name, "err", err)
-	}
-	m.fileFaults += len(faults)
-	if m.fileFaults > 2*m.cfg.MaxFaults {
-		m.compactFaultsLocked()
-	}
-}
-
-// compactFaultsLocked rewrites the state file with the faults held.
-func (m *Manager) compactFaultsLocked() {
-	name := m.faultFile.Name()
-	var buf []byte
-	held := m.faults.after(0)
-	for _, f := range held {
-		b, _ := marshalFault(f)
-		buf = append(buf, b...)
-	}
-	if err := atomicfile.WriteFile(name, buf, 0o644); err != nil {
-		m.log.Error("taskd: fault log not compacted", "file", name, "err", err)
-		return
-	}
-	f, err := os.OpenFile(name, os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		m.log.Error("taskd: fault log reopen", "file", name, "err", err)
-		return
-	}
-	m.faultFile.Close()
-	m.faultFile = f
-	m.fileFaults = len(held)
-}
-
-func (m *Manager) closeState() {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.faultFile != nil {
-		m.faultFile.Close()
-		m.faultFile = nil
-	}
-}
+// closeState closes the state file of a manager that never ran.
+func (m *Manager) closeState() { m.faults.closeFile() }
 
 // newInstanceID returns a random identifier for one process start.
 func newInstanceID() string {

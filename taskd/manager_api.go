@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 	"github.com/faultline-ml/faultline/trace"
@@ -121,10 +123,17 @@ func (s *managerAdmin) GetSwitchStatus(_ context.Context, req *pb.DataStatusReq)
 	}
 	st := s.m.SwitchStatus()
 	res := &pb.SwitchStatusRes{Code: pb.Code_CODE_OK, Message: "ok", Version: st.Version}
+	// The answer stays under half the message size cap: the workers past
+	// it are left out, and the message says so.
+	budget := s.m.cfg.MaxMessageBytes / 2
 	for _, w := range st.Workers {
 		ws := &pb.WorkerSwitchStatus{Position: &pb.Position{Node: int32(w.Position.Node), Rank: int32(w.Position.Rank)}, Error: w.Error}
 		for _, d := range Domains {
 			ws.Domains = append(ws.Domains, &pb.DomainStatus{Domain: d, Status: string(w.Domains[d])})
+		}
+		if budget -= proto.Size(ws) + 8; budget < 0 {
+			res.Message = fmt.Sprintf("ok: the first %d of %d workers; the answer is capped at half of %d bytes", len(res.Workers), len(st.Workers), s.m.cfg.MaxMessageBytes)
+			break
 		}
 		res.Workers = append(res.Workers, ws)
 	}
@@ -136,14 +145,15 @@ func (s *managerAdmin) ListFaults(_ context.Context, req *pb.ListFaultsReq) (*pb
 		return &pb.ListFaultsRes{Code: pb.Code_CODE_UNKNOWN_JOB, Message: "unknown job " + quote(req.GetJobNsName())}, nil
 	}
 	res := &pb.ListFaultsRes{Code: pb.Code_CODE_OK, Message: "ok"}
-	faults := s.m.Faults(req.GetAfter())
-	// One answer stays well under the message size cap; callers page on
-	// with after set to the last seq.
-	if len(faults) > maxFaultsPerList {
-		faults = faults[:maxFaultsPerList]
-	}
-	for _, f := range faults {
-		res.Faults = append(res.Faults, faultToPB(f))
+	// One answer stays under half the message size cap, and holds at
+	// least one fault; callers page on with after set to the last seq.
+	budget := s.m.cfg.MaxMessageBytes / 2
+	for _, f := range s.m.faults.page(req.GetAfter(), maxFaultsPerList) {
+		pf := faultToPB(f)
+		if budget -= proto.Size(pf) + 8; budget < 0 && len(res.Faults) > 0 {
+			break
+		}
+		res.Faults = append(res.Faults, pf)
 	}
 	return res, nil
 }
@@ -160,8 +170,18 @@ func (s *managerAdmin) Collect(ctx context.Context, req *pb.CollectReq) (*pb.Col
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(t)*time.Millisecond)
 		defer cancel()
 	}
+	maxNodes := s.m.cfg.Nodes
+	if maxNodes == 0 {
+		maxNodes = s.m.cfg.MaxWorkers
+	}
+	if len(req.GetNodes()) > maxNodes {
+		return &pb.CollectRes{Code: pb.Code_CODE_BAD_PARAMETER, Message: fmt.Sprintf("nodes: %d, the job has at most %d", len(req.GetNodes()), maxNodes)}, nil
+	}
 	opts := CollectOptions{Dotting: req.GetDotting(), Stacks: req.GetStacks()}
 	for _, n := range req.GetNodes() {
+		if n < 0 || int(n) >= maxNodes {
+			return &pb.CollectRes{Code: pb.Code_CODE_BAD_PARAMETER, Message: fmt.Sprintf("nodes: %d out of range [0,%d)", n, maxNodes)}, nil
+		}
 		opts.Nodes = append(opts.Nodes, int(n))
 	}
 	results, err := s.m.Collect(ctx, opts)
@@ -182,11 +202,22 @@ func (s *managerAdmin) ListMembers(_ context.Context, req *pb.ListMembersReq) (*
 	if req.GetJobNsName() != s.m.cfg.Job {
 		return &pb.ListMembersRes{Code: pb.Code_CODE_UNKNOWN_JOB, Message: "unknown job " + quote(req.GetJobNsName())}, nil
 	}
-	res := &pb.ListMembersRes{Code: pb.Code_CODE_OK, Message: "ok"}
-	for _, mi := range s.m.Members() {
-		res.Members = append(res.Members, &pb.MemberStatus{
+	members := s.m.Members()
+	res := &pb.ListMembersRes{Code: pb.Code_CODE_OK, Message: "ok", Total: int32(len(members))}
+	if req.GetOffset() < 0 {
+		return &pb.ListMembersRes{Code: pb.Code_CODE_BAD_PARAMETER, Message: "offset: negative"}, nil
+	}
+	// One answer stays under half the message size cap, and holds at
+	// least one member.
+	budget := s.m.cfg.MaxMessageBytes / 2
+	for _, mi := range members[min(int(req.GetOffset()), len(members)):] {
+		ms := &pb.MemberStatus{
 			Member: memberPB(mi.Role, mi.Position, mi.Instance), Via: int32(mi.Via), Hostname: mi.Hostname, Pid: int64(mi.PID), LastSeenUnixNano: mi.LastSeen.UnixNano(),
-		})
+		}
+		if budget -= proto.Size(ms) + 8; budget < 0 && len(res.Members) > 0 {
+			break
+		}
+		res.Members = append(res.Members, ms)
 	}
 	return res, nil
 }

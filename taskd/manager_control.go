@@ -26,23 +26,32 @@ func (s *managerControl) checkJob(job string) error {
 	return nil
 }
 
-// checkMember validates a member's identity and position.
-func checkMember(mem *pb.Member, nodes, procsPerNode int) error {
+// maxHostnameBytes bounds a member's hostname (DNS allows 253).
+const maxHostnameBytes = 255
+
+// checkMember validates a member's identity and position: its node below
+// nodes, its rank below nodes×procsPerNode, or both below maxWorkers when
+// the shape is unset.
+func checkMember(mem *pb.Member, nodes, procsPerNode, maxWorkers int) error {
 	if mem == nil || mem.GetPosition() == nil {
 		return status.Error(codes.InvalidArgument, "taskd: member: missing")
 	}
 	if n := len(mem.GetInstance()); n == 0 || n > 128 {
 		return status.Errorf(codes.InvalidArgument, "taskd: member.instance: length %d, want 1 to 128", n)
 	}
+	maxNodes, maxRanks := nodes, nodes*procsPerNode
+	if nodes <= 0 || procsPerNode <= 0 {
+		maxNodes, maxRanks = maxWorkers, maxWorkers
+	}
 	node, rank := int(mem.GetPosition().GetNode()), int(mem.GetPosition().GetRank())
-	if node < 0 || (nodes > 0 && node >= nodes) {
-		return status.Errorf(codes.InvalidArgument, "taskd: member.position.node: %d out of range [0,%d)", node, nodes)
+	if node < 0 || node >= maxNodes {
+		return status.Errorf(codes.InvalidArgument, "taskd: member.position.node: %d out of range [0,%d)", node, maxNodes)
 	}
 	switch roleFromPB(mem.GetRole()) {
 	case RoleProxy:
 	case RoleWorker:
-		if rank < 0 || (nodes > 0 && procsPerNode > 0 && rank >= nodes*procsPerNode) {
-			return status.Errorf(codes.InvalidArgument, "taskd: member.position.rank: %d out of range [0,%d)", rank, nodes*procsPerNode)
+		if rank < 0 || rank >= maxRanks {
+			return status.Errorf(codes.InvalidArgument, "taskd: member.position.rank: %d out of range [0,%d)", rank, maxRanks)
 		}
 	default:
 		return status.Errorf(codes.InvalidArgument, "taskd: member.role: %v cannot register", mem.GetRole())
@@ -56,13 +65,20 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		return nil, err
 	}
 	mem := req.GetMember()
-	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode); err != nil {
+	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode, m.cfg.MaxWorkers); err != nil {
 		return nil, err
+	}
+	if n := len(req.GetHostname()); n > maxHostnameBytes {
+		return nil, status.Errorf(codes.InvalidArgument, "taskd: hostname: %d bytes, at most %d", n, maxHostnameBytes)
 	}
 	key := keyOf(mem)
 	nm := member{key: key, pos: positionOf(mem), instance: mem.GetInstance(), via: -1, hostname: req.GetHostname(), pid: int(req.GetPid())}
 	if p, ok := peer.FromContext(ctx); ok {
 		nm.addr = p.Addr.String()
+	}
+	caller := callerOf(ctx)
+	if key.role == RoleProxy && m.cfg.ProxyToken != "" && callCredential(ctx) != credProxy {
+		return nil, permission("%s: a proxy registers with the proxies' token (ManagerConfig.ProxyToken)", key)
 	}
 	now := time.Now()
 	m.mu.Lock()
@@ -76,12 +92,31 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 			m.mu.Unlock()
 			return nil, status.Error(codes.InvalidArgument, "taskd: via: only a worker registers through a proxy")
 		}
+		if !caller.is(via) {
+			m.mu.Unlock()
+			return nil, permission("%s: only the proxy of node %d registers workers through it", key, via.GetPosition().GetNode())
+		}
 		pm := m.reg.get(keyOf(via))
 		if pm == nil || pm.instance != via.GetInstance() {
 			m.mu.Unlock()
 			return nil, status.Errorf(codes.Unavailable, "taskd: proxy of node %d is not registered", via.GetPosition().GetNode())
 		}
+		if nm.pos.Node != pm.pos.Node {
+			m.mu.Unlock()
+			return nil, permission("%s of node %d: the proxy of node %d registers only its own node's workers", key, nm.pos.Node, pm.pos.Node)
+		}
 		nm.via = pm.pos.Node
+	}
+	old := m.reg.get(key)
+	if old != nil && old.instance == nm.instance && (old.via != nm.via || (nm.via < 0 && !caller.is(mem))) {
+		// The instance is live: registering it again takes its secret, or
+		// its proxy's.
+		m.mu.Unlock()
+		return nil, permission("%s: instance %s is live; registering it again takes its credential", key, nm.instance)
+	}
+	oldInstance := ""
+	if old != nil {
+		oldInstance = old.instance
 	}
 	fresh, err := m.reg.register(nm, now)
 	if err != nil {
@@ -91,15 +126,31 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		m.log.Warn("taskd: registration refused: position held by a live instance", "member", key.String(), "addr", nm.addr, "holder_addr", holder.addr)
 		return nil, status.Errorf(codes.AlreadyExists, "taskd: %s: %v", key, ErrRankTaken)
 	}
+	if oldInstance != "" && oldInstance != nm.instance {
+		m.ids.revoke(key, oldInstance)
+	}
+	secret := ""
+	if nm.via < 0 {
+		secret = m.ids.issue(identity{key: key, instance: nm.instance, node: nm.pos.Node})
+	} else {
+		m.ids.revoke(key, nm.instance) // reached through its proxy now
+	}
 	if dl := m.downlinks[key]; dl != nil && (dl.instance != nm.instance || nm.via >= 0) {
 		dl.detach()
 		delete(m.downlinks, key)
 	}
 	if m.downlinks[key] == nil && nm.via < 0 {
-		m.downlinks[key] = newDownlink(nm.instance)
+		size := workerQueue
+		if key.role == RoleProxy {
+			size = proxyQueue
+		}
+		m.downlinks[key] = newDownlink(nm.instance, size)
 	}
 	switch key.role {
 	case RoleWorker:
+		if fresh {
+			m.returnedLocked(key.id)
+		}
 		m.sw.registered(key.id, nm.pos.Node, req.GetSwitchBits(), req.GetHasSwitch())
 	case RoleProxy:
 		m.proxyHosts[nm.pos.Node] = peerHost(nm.addr)
@@ -115,23 +166,67 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		HeartbeatIntervalMs: m.cfg.HeartbeatInterval.Milliseconds(),
 		HeartbeatDeadlineMs: m.cfg.HeartbeatDeadline.Milliseconds(),
 		ManagerInstance:     m.instance,
+		Secret:              secret,
 		// Checked after registering: a worker held here registered before
 		// the resume picked its targets, so the resume reaches it.
 		Held: key.role == RoleWorker && m.orch != nil && m.orch.holding(nm.pos.Rank),
 	}, nil
 }
 
-func (s *managerControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
+// actsForLocked returns the live member mem names when caller may act for
+// it: it is mem, or mem is a worker registered through caller, its proxy.
+// The error says why not: the caller is someone else (PermissionDenied),
+// or mem is not live (FailedPrecondition: it registers again first).
+func (m *Manager) actsForLocked(caller *identity, mem *pb.Member) (*member, error) {
+	if mem.GetPosition() == nil {
+		return nil, status.Error(codes.InvalidArgument, "taskd: member: missing")
+	}
+	key := keyOf(mem)
+	mm := m.reg.get(key)
+	live := mm != nil && mm.instance == mem.GetInstance()
+	switch {
+	case caller == nil:
+		return nil, errUnknownMember
+	case caller.is(mem) && live:
+		return mm, nil
+	case caller.is(mem):
+		return nil, errUnknownMember // dropped since the call was admitted
+	case caller.key.role != RoleProxy || key.role != RoleWorker:
+	case !live:
+		return nil, status.Errorf(codes.FailedPrecondition, "taskd: %s is not registered", key)
+	case mm.via == caller.node:
+		return mm, nil
+	}
+	return nil, permission("%s may not act for %s", caller.key, key)
+}
+
+// knownOnNodeLocked reports whether rank is a worker of node: live there,
+// gone from there, or there by the job's shape.
+func (m *Manager) knownOnNodeLocked(rank, node int) bool {
+	if n, ppn := m.cfg.Nodes, m.cfg.ProcsPerNode; n > 0 && ppn > 0 && rank < n*ppn {
+		return rank/ppn == node
+	}
+	if mm := m.reg.get(workerKey(rank)); mm != nil {
+		return mm.pos.Node == node
+	}
+	d, gone := m.gone.byRank[rank]
+	return gone && d.Position.Node == node
+}
+
+func (s *managerControl) Heartbeat(ctx context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
 	m := s.m
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
 	}
+	caller := callerOf(ctx)
 	now := time.Now()
 	resp := &pb.HeartbeatResponse{ManagerInstance: m.instance}
 	m.mu.Lock()
 	for _, b := range req.GetBeats() {
-		age := time.Duration(max(b.GetAgeMs(), 0)) * time.Millisecond
-		if !m.reg.beat(keyOf(b.GetMember()), b.GetMember().GetInstance(), now.Add(-age)) {
+		// Clamped before it becomes a Duration, which an age of 2^63 ns
+		// or more would overflow.
+		age := time.Duration(min(max(b.GetAgeMs(), 0), m.cfg.HeartbeatDeadline.Milliseconds())) * time.Millisecond
+		if _, err := m.actsForLocked(caller, b.GetMember()); err != nil || !m.reg.beat(keyOf(b.GetMember()), b.GetMember().GetInstance(), now.Add(-age), now) {
 			resp.Unknown = append(resp.Unknown, b.GetMember())
 		}
 	}
@@ -139,7 +234,7 @@ func (s *managerControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) 
 	return resp, nil
 }
 
-func (s *managerControl) Send(_ context.Context, req *pb.SendRequest) (*pb.SendResponse, error) {
+func (s *managerControl) Send(ctx context.Context, req *pb.SendRequest) (*pb.SendResponse, error) {
 	m := s.m
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
@@ -147,28 +242,35 @@ func (s *managerControl) Send(_ context.Context, req *pb.SendRequest) (*pb.SendR
 	if len(req.GetReports()) > 4096 {
 		return nil, status.Errorf(codes.InvalidArgument, "taskd: reports: %d in one call, at most 4096", len(req.GetReports()))
 	}
+	for i, r := range req.GetReports() {
+		if r.GetId() == "" || len(r.GetId()) > 256 {
+			return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d].id: length %d, want 1 to 256", i, len(r.GetId()))
+		}
+		switch body := r.GetBody().(type) {
+		case *pb.Report_Fault:
+			if err := checkKind(FaultKind(body.Fault.GetKind())); err != nil {
+				return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d].fault.kind: %v", i, err)
+			}
+		case *pb.Report_Message:
+		default:
+			return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d]: no body", i)
+		}
+	}
+	if err := m.authorizeReports(callerOf(ctx), req.GetReports()); err != nil {
+		return nil, err
+	}
 	now := time.Now()
 	resp := &pb.SendResponse{}
 	var evs []Event
-	var fresh []Fault
-	m.mu.Lock()
-	for i, r := range req.GetReports() {
-		if r.GetId() == "" || len(r.GetId()) > 256 {
-			m.mu.Unlock()
-			return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d].id: length %d, want 1 to 256", i, len(r.GetId()))
-		}
+	var last uint64 // the newest fault of the call, to wait for on disk
+	for _, r := range req.GetReports() {
 		from := r.GetFrom()
 		switch body := r.GetBody().(type) {
 		case *pb.Report_Fault:
-			if body.Fault.GetKind() == "" {
-				m.mu.Unlock()
-				return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d].fault.kind: empty", i)
-			}
-			f := faultFromPB(r.GetId(), from, r.GetTimeUnixNano(), body.Fault)
-			stored, isNew := m.faults.add(f, now)
+			stored, isNew := m.faults.add(faultFromPB(r.GetId(), from, r.GetTimeUnixNano(), body.Fault), now)
+			last = max(last, stored.Seq)
 			if isNew {
-				fresh = append(fresh, stored)
-				m.met.faults.WithLabelValues(string(stored.Kind)).Inc()
+				m.met.faults.WithLabelValues(kindLabel(stored.Kind)).Inc()
 				m.log.Warn("taskd: fault", "seq", stored.Seq, "kind", stored.Kind, "position", stored.Position.String(), "code", stored.Code, "message", stored.Message)
 				evs = append(evs, Event{Kind: EventFault, Time: now, Role: roleFromPB(from.GetRole()), Position: positionOf(from), Fault: stored})
 			} else {
@@ -176,22 +278,60 @@ func (s *managerControl) Send(_ context.Context, req *pb.SendRequest) (*pb.SendR
 			}
 			m.met.messages.WithLabelValues("up", "fault").Inc()
 		case *pb.Report_Message:
-			if m.recentMsgs.add(r.GetId()) {
+			m.mu.Lock()
+			fresh := m.recentMsgs.add(r.GetId())
+			m.mu.Unlock()
+			if fresh {
 				evs = append(evs, Event{Kind: EventMessage, Time: now, Role: roleFromPB(from.GetRole()), Position: positionOf(from),
 					Message: Message{ID: r.GetId(), Kind: body.Message.GetKind(), Payload: body.Message.GetPayload(), From: positionOf(from)}})
 			}
 			m.met.messages.WithLabelValues("up", "message").Inc()
-		default:
-			m.mu.Unlock()
-			return nil, status.Errorf(codes.InvalidArgument, "taskd: reports[%d]: no body", i)
 		}
 		resp.Accepted = append(resp.Accepted, r.GetId())
 	}
-	m.persistFaultsLocked(fresh)
-	m.mu.Unlock()
 	m.events.push(evs...)
+	// Acknowledged once on disk, off every lock: a heartbeat never waits
+	// for this fsync.
+	if err := m.faults.wait(ctx, last); err != nil {
+		return nil, status.Errorf(codes.Unavailable, "taskd: faults not saved: %v", err)
+	}
 	return resp, nil
 }
+
+// authorizeReports checks that caller may send each report: it comes from
+// the caller or a worker behind it, and a fault is about its reporter: a
+// worker's own rank, or a proxy's node and a worker of that node.
+func (m *Manager) authorizeReports(caller *identity, reports []*pb.Report) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for i, r := range reports {
+		from, err := m.actsForLocked(caller, r.GetFrom())
+		if err != nil {
+			return status.Errorf(status.Code(err), "taskd: reports[%d].from: %s", i, status.Convert(err).Message())
+		}
+		f := r.GetFault()
+		if f == nil {
+			continue
+		}
+		pos := Position{Node: int(f.GetNode()), Rank: int(f.GetRank())}
+		switch {
+		case from.key.role == RoleWorker && pos != from.pos:
+			return permission("reports[%d].fault: about %s, but %s reports only its own faults", i, pos, from.key)
+		case from.key.role == RoleProxy && pos.Node != from.pos.Node:
+			return permission("reports[%d].fault: about %s, but the proxy of node %d reports only its node's", i, pos, from.pos.Node)
+		case from.key.role == RoleProxy && pos.Rank >= 0 && !m.knownOnNodeLocked(pos.Rank, pos.Node):
+			return permission("reports[%d].fault: rank %d is not a worker of node %d", i, pos.Rank, pos.Node)
+		}
+	}
+	return nil
+}
+
+// Bounds of a reporter's time: one further off the manager's clock is not
+// kept (the fault's time is then when the manager took it in).
+const (
+	maxFaultAhead  = time.Minute
+	maxFaultBehind = 7 * 24 * time.Hour
+)
 
 func faultFromPB(id string, from *pb.Member, t int64, f *pb.FaultReport) Fault {
 	out := Fault{
@@ -206,8 +346,8 @@ func faultFromPB(id string, from *pb.Member, t int64, f *pb.FaultReport) Fault {
 	if len(f.GetAttrs()) > 0 {
 		out.Attrs = f.GetAttrs()
 	}
-	if t != 0 {
-		out.Time = time.Unix(0, t).UTC()
+	if at := time.Unix(0, t); t != 0 && at.Before(time.Now().Add(maxFaultAhead)) && at.After(time.Now().Add(-maxFaultBehind)) {
+		out.Time = at.UTC()
 	}
 	return out
 }
@@ -230,6 +370,9 @@ func (s *managerControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreami
 		return err
 	}
 	key := keyOf(req.GetMember())
+	if !callerOf(stream.Context()).is(req.GetMember()) {
+		return permission("%s: a member opens only its own stream", key)
+	}
 	m.mu.Lock()
 	mm := m.reg.get(key)
 	if mm == nil || mm.instance != req.GetMember().GetInstance() {
@@ -247,23 +390,40 @@ func (s *managerControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreami
 	return serveDownlink(stream.Context(), stop, dl, stream.Send)
 }
 
-func (s *managerControl) Acknowledge(_ context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {
+func (s *managerControl) Acknowledge(ctx context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {
 	m := s.m
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
 	}
+	caller := callerOf(ctx)
 	now := time.Now()
 	m.mu.Lock()
 	for _, a := range req.GetAcks() {
-		m.ackLocked(a, now)
+		// An acknowledgement counts only from the worker it names, as it
+		// is live now, or through its proxy.
+		if _, err := m.actsForLocked(caller, a.GetFrom()); err == nil {
+			m.ackLocked(a, now)
+		}
 	}
 	m.checkFanoutLocked(now)
 	m.mu.Unlock()
 	return &pb.AckResponse{}, nil
 }
 
-func (s *managerControl) UploadOffsets(_ context.Context, req *pb.UploadOffsetRequest) (*pb.UploadOffsetResponse, error) {
+// nodeProxy checks that the caller is the proxy of node: collection is
+// its alone.
+func nodeProxy(ctx context.Context, node int32) error {
+	if c := callerOf(ctx); c == nil || c.key.role != RoleProxy || c.node != int(node) {
+		return permission("node %d: only its proxy ships its files", node)
+	}
+	return nil
+}
+
+func (s *managerControl) UploadOffsets(ctx context.Context, req *pb.UploadOffsetRequest) (*pb.UploadOffsetResponse, error) {
 	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	if err := nodeProxy(ctx, req.GetNode()); err != nil {
 		return nil, err
 	}
 	return s.m.uploadOffsets(req)
@@ -273,12 +433,38 @@ func (s *managerControl) Upload(stream grpc.ClientStreamingServer[pb.UploadChunk
 	return s.m.receiveUpload(stream)
 }
 
-func (s *managerControl) CollectDone(_ context.Context, req *pb.CollectResult) (*pb.CollectResultResponse, error) {
+func (s *managerControl) CollectDone(ctx context.Context, req *pb.CollectResult) (*pb.CollectResultResponse, error) {
 	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	if err := nodeProxy(ctx, req.GetNode()); err != nil {
 		return nil, err
 	}
 	s.m.collectDone(req)
 	return &pb.CollectResultResponse{}, nil
+}
+
+func (s *managerControl) Leave(ctx context.Context, req *pb.LeaveRequest) (*pb.LeaveResponse, error) {
+	m := s.m
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	mem := req.GetMember()
+	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode, m.cfg.MaxWorkers); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	_, err := m.actsForLocked(callerOf(ctx), mem)
+	m.mu.Unlock()
+	switch status.Code(err) {
+	case codes.OK:
+	case codes.PermissionDenied:
+		return nil, err
+	default:
+		return &pb.LeaveResponse{}, nil // gone already: nothing to do
+	}
+	m.leave(keyOf(mem), mem.GetInstance(), req.GetFinished(), time.Now())
+	return &pb.LeaveResponse{}, nil
 }
 
 // statusMessage returns the message of a gRPC error, or its text.

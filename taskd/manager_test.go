@@ -69,48 +69,63 @@ func TestBroadcast(t *testing.T) {
 	}
 }
 
+// TestLostAndRejoin: a worker process killed without a word is lost once
+// its heartbeats stop; a worker that closes leaves, with no fault; a
+// restarted process takes the rank again.
 func TestLostAndRejoin(t *testing.T) {
 	var mu sync.Mutex
-	var lost []Fault
+	var events []Event
 	got := make(chan struct{}, 10)
 	c := newCluster(t, insecureSec(), ManagerConfig{Handlers: []Handler{{Name: "rec", Handle: func(_ context.Context, _ *Manager, ev Event) error {
-		if ev.Kind == EventFault && ev.Fault.Kind == FaultLost {
+		if ev.Kind == EventFault || ev.Kind == EventLeft {
 			mu.Lock()
-			lost = append(lost, ev.Fault)
+			events = append(events, ev)
 			mu.Unlock()
 			got <- struct{}{}
 		}
 		return nil
 	}}}})
-	w := c.addWorker(0, 0)
-	waitFor(t, 20*time.Second, "registration", w.Connected)
-	stopped := time.Now()
-	c.stop(w, w)
-	select {
-	case <-got:
-	case <-time.After(testTimings.deadline + 20*time.Second):
-		t.Fatal("no FaultLost")
+	next := func() Event {
+		t.Helper()
+		select {
+		case <-got:
+		case <-time.After(testTimings.deadline + 20*time.Second):
+			t.Fatal("no event")
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		ev := events[0]
+		events = events[1:]
+		return ev
 	}
-	mu.Lock()
-	f := lost[0]
-	mu.Unlock()
+	a := childArgs{Job: c.job, Upstream: c.m.Addr().String(), Interval: testTimings.interval, Deadline: testTimings.deadline, Ack: testTimings.ack}
+	proc := startChild(t, "worker", a)
+	proc.expect(0, "connected", 60*time.Second)
+	killed := time.Now()
+	proc.kill()
+	ev := next()
 	// Lost only after its heartbeats stopped; how long after depends on
 	// when the last one got through, which a loaded machine delays.
-	if f.Position != (Position{0, 0}) || f.ReporterRole != RoleManager || f.Received.Before(stopped) {
-		t.Fatalf("lost fault %+v, %v after stopping", f, f.Received.Sub(stopped))
+	if f := ev.Fault; ev.Kind != EventFault || f.Kind != FaultLost || f.Position != (Position{0, 0}) || f.ReporterRole != RoleManager || f.Received.Before(killed) {
+		t.Fatalf("after the kill: %+v, %v after it", ev, ev.Fault.Received.Sub(killed))
 	}
-	// A restarted process takes the rank again.
-	w2 := c.addWorker(0, 0)
-	waitFor(t, 20*time.Second, "re-registration", w2.Connected)
+	// A restarted process takes the rank again, and leaves when it stops.
+	w := c.addWorker(0, 0)
+	waitFor(t, 20*time.Second, "re-registration", w.Connected)
+	c.stop(w, w)
+	if ev := next(); ev.Kind != EventLeft || ev.Departure.Position != (Position{0, 0}) || !ev.Departure.Left {
+		t.Fatalf("after Close: %+v", ev)
+	}
+	if st := c.m.JobStatus(); len(st.Live) != 0 || len(st.Departed) != 1 || st.Complete {
+		t.Fatalf("job status %+v", st)
+	}
 }
 
 func TestDirectImpersonation(t *testing.T) {
 	c := newCluster(t, insecureSec(), ManagerConfig{})
 	w := c.addWorker(0, 0)
 	waitFor(t, 20*time.Second, "registration", w.Connected)
-	if tryWorker(t, c.m.Addr().String(), insecureSec(), 0, time.Second) {
-		t.Fatal("a second instance of rank 0 got in")
-	}
+	refused(t, c.m.Addr().String(), insecureSec(), 0, codes.AlreadyExists, "a second instance of rank 0")
 	if n := counterValue(c.m.met.refused); n < 1 {
 		t.Fatalf("refused = %v", n)
 	}
@@ -128,16 +143,14 @@ func TestRateLimitAndSizeCap(t *testing.T) {
 	// Half a call a second after a burst of 5: at most 5 + t/2 of 20 calls
 	// get through, however slow the machine.
 	c := newCluster(t, insecureSec(), ManagerConfig{RateLimit: 0.5, RateBurst: 5, MaxMessageBytes: 64 << 10})
-	conn, err := grpc.NewClient("passthrough:///"+c.m.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
+	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: 0})
+	if err := r.register(); err != nil {
 		t.Fatal(err)
 	}
-	defer conn.Close()
-	client := pb.NewControlClient(conn)
 	ctx := context.Background()
 	limited := 0
 	for range 20 {
-		_, err := client.Heartbeat(ctx, &pb.HeartbeatRequest{Job: c.job})
+		_, err := r.client.Heartbeat(ctx, &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: r.self}}})
 		if status.Code(err) == codes.ResourceExhausted {
 			limited++
 		}
@@ -146,14 +159,12 @@ func TestRateLimitAndSizeCap(t *testing.T) {
 		t.Fatalf("%d of 20 calls limited (metric %v)", limited, counterValue(c.m.met.rateLimited))
 	}
 	// A new connection has its own budget.
-	conn2, _ := grpc.NewClient("passthrough:///"+c.m.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	defer conn2.Close()
-	client2 := pb.NewControlClient(conn2)
-	if _, err := client2.Heartbeat(ctx, &pb.HeartbeatRequest{Job: c.job}); err != nil {
+	r2 := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: 1})
+	if err := r2.register(); err != nil {
 		t.Fatalf("fresh connection: %v", err)
 	}
-	big := &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: "x", Body: &pb.Report_Message{Message: &pb.UserMessage{Kind: "k", Payload: make([]byte, 100<<10)}}}}}
-	if _, err := client2.Send(ctx, big); status.Code(err) != codes.ResourceExhausted {
+	big := &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: "x", From: r2.self, Body: &pb.Report_Message{Message: &pb.UserMessage{Kind: "k", Payload: make([]byte, 100<<10)}}}}}
+	if _, err := r2.client.Send(ctx, big); status.Code(err) != codes.ResourceExhausted {
 		t.Fatalf("oversized message: %v", err)
 	}
 	w, err := NewWorker(WorkerConfig{Job: c.job, Upstream: c.m.Addr().String(), Security: insecureSec(), MaxMessageBytes: 64 << 10})
@@ -304,6 +315,12 @@ func TestConfigValidate(t *testing.T) {
 		{ManagerConfig{Job: "j", Security: sec, MaxMessageBytes: 10}.Validate(), "MaxMessageBytes"},
 		{ManagerConfig{Job: "j", Security: sec, Handlers: []Handler{{Name: "x"}}}.Validate(), "Handlers[0]"},
 		{ManagerConfig{Job: "j"}.Validate(), "Security"},
+		{ManagerConfig{Job: "j", Security: Security{Insecure: true, Token: "short"}}.Validate(), "ManagerConfig.Security.Token: 5 bytes, want at least 16"},
+		{ManagerConfig{Job: "j", Security: Security{Insecure: true, Token: "0123456789abcdef "}}.Validate(), "ManagerConfig.Security.Token: holds white space"},
+		{ManagerConfig{Job: "j", Security: sec, AdminToken: "admin"}.Validate(), "ManagerConfig.AdminToken: 5 bytes"},
+		{ManagerConfig{Job: "j", Security: Security{Insecure: true, Token: "0123456789abcdef"}, AdminToken: "0123456789abcdef"}.Validate(), "ManagerConfig.AdminToken: the same as ManagerConfig.Security.Token"},
+		{ProxyConfig{Job: "j", Upstream: "x", Security: Security{Insecure: true, Token: "s3cret"}}.Validate(), "ProxyConfig.Security.Token: 6 bytes"},
+		{ProxyConfig{Job: "j", Upstream: "x", Security: sec, UpstreamToken: "x"}.Validate(), "ProxyConfig.UpstreamToken: 1 bytes"},
 		{ProxyConfig{Job: "j", Security: sec}.Validate(), "Upstream"},
 		{ProxyConfig{Job: "j", Upstream: "x", Node: -1, Security: sec}.Validate(), "Node"},
 		{WorkerConfig{Job: "j", Rank: -2, Security: sec}.Validate(), "Rank"},
@@ -325,14 +342,17 @@ func TestConfigValidate(t *testing.T) {
 func TestSwitchFile(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "profilingSwitch")
 	writeFile(t, path, []byte(`{"Step":"on"}`))
-	c := newCluster(t, insecureSec(), ManagerConfig{SwitchSource: SwitchFile(trace.SwitchWatcherConfig{Path: path, PollInterval: 50 * time.Millisecond})})
+	reg := prometheus.NewRegistry()
+	c := newCluster(t, insecureSec(), ManagerConfig{SwitchSource: SwitchFile(trace.SwitchWatcherConfig{Path: path, PollInterval: 50 * time.Millisecond, Registerer: reg})})
 	w := c.addWorker(0, 0)
 	waitFor(t, 20*time.Second, "the file's switch applied", func() bool { sw, _ := w.Switch(); return sw == trace.Switch{Step: true} })
 	writeFile(t, path, []byte(`{"Step":"on","CommunicationOperator":"on"}`))
 	waitFor(t, 20*time.Second, "the change applied", func() bool { sw, _ := w.Switch(); return sw.CommunicationOperator })
-	writeFile(t, path, []byte(`{"Step":"bogus"}`))
 	v := c.m.SwitchStatus().Version
-	time.Sleep(300 * time.Millisecond) // several polls; nothing to wait for
+	writeFile(t, path, []byte(`{"Step":"bogus"}`))
+	waitFor(t, 20*time.Second, "the bad document read and rejected", func() bool {
+		return gathered(t, reg)[`faultline_trace_switch_loads_total{result="error"}`] >= 1
+	})
 	if st := c.m.SwitchStatus(); st.Version != v || !st.Switch.CommunicationOperator {
 		t.Fatalf("after a bad document: %+v", st)
 	}

@@ -46,15 +46,20 @@ func (a *adminClient) ctx() context.Context {
 
 // members returns the live members by key, empty while the manager is down.
 func (a *adminClient) members() map[memberKey]*pb.MemberStatus {
-	res, err := a.admin.ListMembers(a.ctx(), &pb.ListMembersReq{JobNsName: a.job})
 	out := map[memberKey]*pb.MemberStatus{}
-	if err != nil {
-		return out
+	for offset := int32(0); ; {
+		res, err := a.admin.ListMembers(a.ctx(), &pb.ListMembersReq{JobNsName: a.job, Offset: offset})
+		if err != nil {
+			return map[memberKey]*pb.MemberStatus{}
+		}
+		for _, m := range res.GetMembers() {
+			out[keyOf(m.GetMember())] = m
+		}
+		offset += int32(len(res.GetMembers()))
+		if len(res.GetMembers()) == 0 || offset >= res.GetTotal() {
+			return out
+		}
 	}
-	for _, m := range res.GetMembers() {
-		out[keyOf(m.GetMember())] = m
-	}
-	return out
 }
 
 func (a *adminClient) faults() []*pb.Fault {
@@ -150,7 +155,6 @@ func TestProcesses(t *testing.T) {
 			}
 		}
 		waitFor(t, 30*time.Second, "every worker but the stopped one opened", allBut(string(DomainOpened)))
-		time.Sleep(3 * base.Ack) // several re-sends go unanswered
 		if st := api.switchStatus()[stoppedRank]; st["default"] != string(DomainWaiting) {
 			t.Fatalf("stopped worker: %v, want waiting", st)
 		}

@@ -41,6 +41,9 @@ type ProxyConfig struct {
 	Listen string
 	// Security applies to both sides: the manager and the workers.
 	Security Security
+	// UpstreamToken, when set, is the token presented to the manager in
+	// place of Security.Token: the manager's ProxyToken.
+	UpstreamToken string
 	// AckTimeout bounds each call to the manager (default 3 s).
 	AckTimeout time.Duration
 	// MaxMessageBytes caps each message (default 4 MiB).
@@ -50,6 +53,10 @@ type ProxyConfig struct {
 	// unlimited.
 	RateLimit float64
 	RateBurst int
+	// MaxConnections bounds the workers' connections open at once
+	// (default half the process's open-file limit, at most 16384), and
+	// MaxConnectionsPerPeer those from one peer address (default 256).
+	MaxConnections, MaxConnectionsPerPeer int
 	// ReconnectMax caps the backoff between attempts to register with the
 	// manager again (default 5 s).
 	ReconnectMax time.Duration
@@ -84,6 +91,16 @@ func (c ProxyConfig) Validate() error {
 		return fmt.Errorf("taskd: ProxyConfig.MaxMessageBytes: %d is below 64 KiB", c.MaxMessageBytes)
 	case c.QueueSize < 0:
 		return fmt.Errorf("taskd: ProxyConfig.QueueSize: %d is negative", c.QueueSize)
+	case c.MaxConnections < 0:
+		return fmt.Errorf("taskd: ProxyConfig.MaxConnections: %d is negative", c.MaxConnections)
+	case c.MaxConnectionsPerPeer < 0:
+		return fmt.Errorf("taskd: ProxyConfig.MaxConnectionsPerPeer: %d is negative", c.MaxConnectionsPerPeer)
+	}
+	if err := checkToken("ProxyConfig.Security.Token", c.Security.Token); err != nil {
+		return err
+	}
+	if err := checkToken("ProxyConfig.UpstreamToken", c.UpstreamToken); err != nil {
+		return err
 	}
 	return c.Security.Validate()
 }
@@ -105,10 +122,13 @@ type Proxy struct {
 	self    *pb.Member
 	upq     *uplink
 	acks    chan *pb.Ack
+	cred    *memberCred // the proxy's secret, issued by the manager
+	ids     *identities // the workers' secrets, issued by the proxy
 
 	mu       sync.Mutex
 	workers  map[int]*proxyWorker // by rank
 	upReady  bool
+	joined   bool          // registered with the manager at least once
 	mgr      string        // the manager's instance
 	deadline time.Duration // the manager's heartbeat deadline
 	collect  chan *pb.CollectRequest
@@ -143,6 +163,8 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
 	cfg.RateLimit = orDefault(cfg.RateLimit, DefaultRateLimit)
 	cfg.RateBurst = orDefault(cfg.RateBurst, int(2*cfg.RateLimit))
+	cfg.MaxConnections = orDefault(cfg.MaxConnections, defaultMaxConnections())
+	cfg.MaxConnectionsPerPeer = orDefault(cfg.MaxConnectionsPerPeer, DefaultMaxConnectionsPerPeer)
 	cfg.ReconnectMax = orDefault(cfg.ReconnectMax, 5*time.Second)
 	cfg.DottingRoot = orDefault(cfg.DottingRoot, DefaultDottingRoot)
 	cfg.QueueSize = orDefault(cfg.QueueSize, 1024)
@@ -165,6 +187,8 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		self:     memberPB(RoleProxy, Position{Node: cfg.Node, Rank: -1}, newInstanceID()),
 		acks:     make(chan *pb.Ack, 16384),
 		workers:  make(map[int]*proxyWorker),
+		ids:      newIdentities(),
+		cred:     &memberCred{},
 		deadline: DefaultHeartbeatDeadline,
 		collect:  make(chan *pb.CollectRequest, 16),
 		closed:   make(chan struct{}),
@@ -172,7 +196,11 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 	}
 	p.upq = &uplink{job: cfg.Job, self: p.self, queue: newReportQueue(cfg.QueueSize), maxMsg: cfg.MaxMessageBytes, ackTimeout: cfg.AckTimeout, log: log,
 		overflow: func() {}, queued: func(int) {}}
-	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log)
+	upSec := cfg.Security
+	if cfg.UpstreamToken != "" {
+		upSec.Token = cfg.UpstreamToken
+	}
+	conn, err := dial(cfg.Upstream, upSec, cfg.MaxMessageBytes, log, p.cred.dialOptions()...)
 	if err != nil {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: proxy dial %s: %w", cfg.Upstream, err)
@@ -184,8 +212,10 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: proxy listen on %s: %w", cfg.Listen, err)
 	}
-	p.lis = lis
-	p.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: p.met.rateLimited.Inc}, log)
+	g := newGuard(guardConfig{tokens: map[string]credential{cfg.Security.Token: credMember}, open: cfg.Security.Token == "",
+		maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer, ids: p.ids, met: p.met.guard, log: log})
+	p.lis = g.listen(lis)
+	p.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: p.met.rateLimited.Inc}, g, log)
 	pb.RegisterControlServer(p.srv, &proxyControl{p: p})
 	return p, nil
 }
@@ -193,17 +223,22 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 // Addr returns the address workers connect to.
 func (p *Proxy) Addr() net.Addr { return p.lis.Addr() }
 
-// ReportFault queues a node-level fault for the manager (Position.Rank -1
-// and this node when Position is zero).
+// ReportFault queues a fault of this node for the manager: of the whole
+// node (Position.Rank -1, and this node, when Position is zero) or of one
+// of its workers.
 func (p *Proxy) ReportFault(f Fault) error {
 	if f.Position == (Position{}) {
 		f.Position = Position{Node: p.cfg.Node, Rank: -1}
+	}
+	if f.Position.Node != p.cfg.Node {
+		return fmt.Errorf("taskd: Fault.Position: node %d is not this proxy's (%d)", f.Position.Node, p.cfg.Node)
 	}
 	return p.upq.reportFault(f)
 }
 
 // Run serves the node's workers and keeps the proxy registered with the
-// manager until ctx ends or Close is called; then it returns nil.
+// manager until ctx ends or Close is called; then it leaves the job and
+// returns nil.
 func (p *Proxy) Run(ctx context.Context) error {
 	if !p.state.CompareAndSwap(0, 1) {
 		return errors.New("taskd: Proxy.Run called twice or after Close")
@@ -228,6 +263,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 		cancel()
 		return nil
 	})
+	defer p.leave()
 	g.Go(func() error { return p.runUpstream(ctx) })
 	g.Go(func() error { return runAcks(ctx, p.up, p.cfg.Job, p.acks, p.cfg.AckTimeout, p.log) })
 	g.Go(func() error {
@@ -266,6 +302,23 @@ func (p *Proxy) Close() error {
 	return nil
 }
 
+// leave tells the manager that the proxy is going, so that its silence is
+// not taken for a fault. Its workers stay members until they leave or are
+// lost: a node's proxy is meant to outlive them.
+func (p *Proxy) leave() {
+	p.mu.Lock()
+	joined := p.joined
+	p.mu.Unlock()
+	if !joined {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), min(closeGrace, p.cfg.AckTimeout))
+	defer cancel()
+	if _, err := p.up.Leave(ctx, &pb.LeaveRequest{Job: p.cfg.Job, Member: p.self}); err != nil {
+		p.log.Warn("taskd: could not tell the manager that the proxy leaves; it will be declared lost", "err", err)
+	}
+}
+
 func (p *Proxy) runUpstream(ctx context.Context) error {
 	bo := newBackoff(50*time.Millisecond, p.cfg.ReconnectMax)
 	sessions := 0
@@ -299,6 +352,7 @@ func (p *Proxy) upSession(ctx context.Context, sessions *int) error {
 	if err != nil {
 		return err
 	}
+	p.cred.set(resp.GetSecret())
 	interval := time.Duration(resp.GetHeartbeatIntervalMs()) * time.Millisecond
 	deadline := time.Duration(resp.GetHeartbeatDeadlineMs()) * time.Millisecond
 	if interval <= 0 || deadline <= interval {
@@ -315,7 +369,7 @@ func (p *Proxy) upSession(ctx context.Context, sessions *int) error {
 		p.met.reconnects.Inc()
 	}
 	p.mu.Lock()
-	p.upReady, p.mgr, p.deadline = true, resp.GetManagerInstance(), deadline
+	p.upReady, p.joined, p.mgr, p.deadline = true, true, resp.GetManagerInstance(), deadline
 	ranks := make([]int, 0, len(p.workers))
 	for r := range p.workers {
 		ranks = append(ranks, r)
@@ -394,6 +448,7 @@ func (p *Proxy) dropWorker(rank int, instance string) {
 	if w := p.workers[rank]; w != nil && w.instance == instance {
 		w.dl.detach()
 		delete(p.workers, rank)
+		p.ids.revoke(workerKey(rank), instance)
 		p.met.workers.Set(float64(len(p.workers)))
 	}
 }
@@ -449,6 +504,8 @@ func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration
 			}
 		case ctx.Err() != nil:
 			return nil
+		case status.Code(err) == codes.Unauthenticated:
+			return fmt.Errorf("%w: %v", errReregister, err) // its secret is unknown: the manager restarted
 		case time.Since(lastOK) > deadline:
 			return fmt.Errorf("taskd: no heartbeat through for %v: %w", deadline, err)
 		}
@@ -524,7 +581,7 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 		return nil, err
 	}
 	mem := req.GetMember()
-	if err := checkMember(mem, 0, 0); err != nil {
+	if err := checkMember(mem, 0, 0, DefaultMaxWorkers); err != nil {
 		return nil, err
 	}
 	if roleFromPB(mem.GetRole()) != RoleWorker {
@@ -547,12 +604,17 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 		p.mu.Unlock()
 		return nil, status.Errorf(codes.AlreadyExists, "taskd: worker rank %d: %v", rank, ErrRankTaken)
 	}
+	if w != nil && w.instance == inst && !callerOf(ctx).is(mem) {
+		p.mu.Unlock()
+		return nil, permission("worker rank %d: instance %s is live; registering it again takes its credential", rank, inst)
+	}
 	created := w == nil || w.instance != inst
 	if created {
 		if w != nil {
 			w.dl.detach()
+			p.ids.revoke(workerKey(rank), w.instance)
 		}
-		w = &proxyWorker{instance: inst, dl: newDownlink(inst)}
+		w = &proxyWorker{instance: inst, dl: newDownlink(inst, workerQueue)}
 		p.workers[rank] = w
 	}
 	w.req, w.lastBeat = fwd, time.Now()
@@ -571,14 +633,18 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 	w.registered = true
 	p.mu.Unlock()
 	p.met.forwarded.WithLabelValues("up").Inc()
+	// The worker's secret is the proxy's to issue and check; the manager
+	// knows the worker through the proxy.
+	resp.Secret = p.ids.issue(identity{key: workerKey(rank), instance: inst, node: p.cfg.Node})
 	return resp, nil
 }
 
-func (s *proxyControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
+func (s *proxyControl) Heartbeat(ctx context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
 	p := s.p
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
 	}
+	caller := callerOf(ctx)
 	now := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -586,7 +652,7 @@ func (s *proxyControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) (*
 	for _, b := range req.GetBeats() {
 		m := b.GetMember()
 		w := p.workers[int(m.GetPosition().GetRank())]
-		if roleFromPB(m.GetRole()) != RoleWorker || w == nil || w.instance != m.GetInstance() {
+		if !caller.is(m) || w == nil || w.instance != m.GetInstance() {
 			resp.Unknown = append(resp.Unknown, m)
 			continue
 		}
@@ -598,6 +664,15 @@ func (s *proxyControl) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) (*
 func (s *proxyControl) Send(ctx context.Context, req *pb.SendRequest) (*pb.SendResponse, error) {
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
+	}
+	caller := callerOf(ctx)
+	for i, r := range req.GetReports() {
+		if !caller.is(r.GetFrom()) {
+			return nil, permission("reports[%d].from: a worker sends only its own reports", i)
+		}
+		if f := r.GetFault(); f != nil && (int(f.GetNode()) != caller.node || int(f.GetRank()) != caller.key.id) {
+			return nil, permission("reports[%d].fault: about node %d rank %d, but %s reports only its own faults", i, f.GetNode(), f.GetRank(), caller.key)
+		}
 	}
 	if err := s.ready(); err != nil {
 		return nil, err
@@ -612,6 +687,9 @@ func (s *proxyControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreaming
 		return err
 	}
 	rank := int(req.GetMember().GetPosition().GetRank())
+	if !callerOf(stream.Context()).is(req.GetMember()) {
+		return permission("worker rank %d: a worker opens only its own stream", rank)
+	}
 	p.mu.Lock()
 	w := p.workers[rank]
 	if w == nil || w.instance != req.GetMember().GetInstance() {
@@ -632,11 +710,39 @@ func (s *proxyControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreaming
 	return err
 }
 
-func (s *proxyControl) Acknowledge(_ context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {
+// Leave relays a worker's leave to the manager and forgets the worker.
+func (s *proxyControl) Leave(ctx context.Context, req *pb.LeaveRequest) (*pb.LeaveResponse, error) {
+	p := s.p
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
 	}
+	mem := req.GetMember()
+	if !callerOf(ctx).is(mem) {
+		return nil, permission("a worker leaves only for itself")
+	}
+	rank := int(mem.GetPosition().GetRank())
+	p.mu.Lock()
+	w := p.workers[rank]
+	held := w != nil && w.instance == mem.GetInstance() && roleFromPB(mem.GetRole()) == RoleWorker
+	p.mu.Unlock()
+	if !held {
+		return &pb.LeaveResponse{}, nil // gone already: nothing to relay
+	}
+	p.dropWorker(rank, w.instance)
+	cctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+	defer cancel()
+	return p.up.Leave(cctx, req)
+}
+
+func (s *proxyControl) Acknowledge(ctx context.Context, req *pb.AckRequest) (*pb.AckResponse, error) {
+	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	caller := callerOf(ctx)
 	for _, a := range req.GetAcks() {
+		if !caller.is(a.GetFrom()) {
+			continue // a worker acknowledges only for itself
+		}
 		select {
 		case s.p.acks <- a:
 		default: // the manager re-sends what it does not see acknowledged

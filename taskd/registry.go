@@ -64,12 +64,16 @@ func (r *registry) register(m member, now time.Time) (fresh bool, err error) {
 	return old == nil || old.instance != m.instance, nil
 }
 
-// beat records that k (as instance) was heard from at seen. It reports
-// false when k is not live under that instance and must register again.
-func (r *registry) beat(k memberKey, instance string, seen time.Time) bool {
+// beat records that k (as instance) was heard from at seen, which is
+// never later than now. It reports false when k is not live under that
+// instance and must register again.
+func (r *registry) beat(k memberKey, instance string, seen, now time.Time) bool {
 	m := r.members[k]
 	if m == nil || m.instance != instance {
 		return false
+	}
+	if seen.After(now) {
+		seen = now
 	}
 	if seen.After(m.lastSeen) {
 		m.lastSeen = seen

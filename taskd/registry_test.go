@@ -26,14 +26,16 @@ func TestRegistryLiveness(t *testing.T) {
 	if _, err := r.register(imp, t0.Add(2*time.Second)); !errors.Is(err, ErrRankTaken) {
 		t.Fatalf("impersonation: %v, want ErrRankTaken", err)
 	}
-	if !r.beat(w.key, "a", t0.Add(4*time.Second)) {
+	if !r.beat(w.key, "a", t0.Add(4*time.Second), t0.Add(4*time.Second)) {
 		t.Fatal("beat of the holder refused")
 	}
-	if r.beat(w.key, "b", t0.Add(4*time.Second)) {
+	if r.beat(w.key, "b", t0.Add(4*time.Second), t0.Add(4*time.Second)) {
 		t.Fatal("beat of a stranger accepted")
 	}
 	// A beat stamped in the past (relayed with its age) never moves time back.
-	r.beat(w.key, "a", t0.Add(3*time.Second))
+	r.beat(w.key, "a", t0.Add(3*time.Second), t0.Add(4*time.Second))
+	// Nor past now.
+	r.beat(w.key, "a", t0.Add(time.Hour), t0.Add(4*time.Second))
 	if lost := r.expire(t0.Add(9 * time.Second)); len(lost) != 0 {
 		t.Fatalf("lost before the deadline: %v", lost)
 	}

@@ -12,8 +12,14 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 )
 
 type testCA struct {
@@ -105,6 +111,30 @@ func tryWorker(t testing.TB, addr string, sec Security, rank int, d time.Duratio
 	return false
 }
 
+// register makes one registration of rank at addr with sec and returns
+// its error: a refusal is an outcome, with no window to wait out.
+func register(t testing.TB, addr string, sec Security, rank int) error {
+	t.Helper()
+	conn, err := dial(addr, sec, DefaultMaxMessageBytes, discardIfNil(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	_, err = pb.NewControlClient(conn).Register(ctx, &pb.RegisterRequest{Job: "job-1", Member: memberPB(RoleWorker, Position{Node: 0, Rank: rank}, newInstanceID())})
+	return err
+}
+
+// refused fails the test unless a registration with sec is refused with
+// code.
+func refused(t testing.TB, addr string, sec Security, rank int, code codes.Code, what string) {
+	t.Helper()
+	if err := register(t, addr, sec, rank); status.Code(err) != code {
+		t.Fatalf("%s: registration: %v, want %v", what, err, code)
+	}
+}
+
 func TestMutualTLS(t *testing.T) {
 	ca1, ca2 := newTestCA(t, "ca1"), newTestCA(t, "ca2")
 	mdir := ca1.issue(t, "manager", ca1)
@@ -114,15 +144,9 @@ func TestMutualTLS(t *testing.T) {
 	if !tryWorker(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca1)), 0, 20*time.Second) {
 		t.Fatal("a worker with a certificate of the job's CA was refused")
 	}
-	if tryWorker(t, addr, SecurityFromDir(ca2.issue(t, "intruder", ca1)), 1, time.Second) {
-		t.Fatal("a worker with a certificate of another CA got in")
-	}
-	if tryWorker(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca2)), 2, time.Second) {
-		t.Fatal("a worker that trusts another CA accepted the manager")
-	}
-	if tryWorker(t, addr, Security{Insecure: true}, 3, time.Second) {
-		t.Fatal("a plaintext worker got in")
-	}
+	refused(t, addr, SecurityFromDir(ca2.issue(t, "intruder", ca1)), 1, codes.Unavailable, "a worker with a certificate of another CA")
+	refused(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca2)), 2, codes.Unavailable, "a worker that trusts another CA")
+	refused(t, addr, Security{Insecure: true}, 3, codes.Unavailable, "a plaintext worker")
 
 	// Rotate the manager to the other CA: new connections follow the files.
 	ca2.issueInto(t, mdir, "manager", ca2)
@@ -133,9 +157,7 @@ func TestMutualTLS(t *testing.T) {
 	if !tryWorker(t, addr, SecurityFromDir(ca2.issue(t, "worker", ca2)), 4, 20*time.Second) {
 		t.Fatal("after rotation, a worker of the new CA was refused")
 	}
-	if tryWorker(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca1)), 5, time.Second) {
-		t.Fatal("after rotation, a worker of the old CA got in")
-	}
+	refused(t, addr, SecurityFromDir(ca1.issue(t, "worker", ca1)), 5, codes.Unavailable, "after rotation, a worker of the old CA")
 
 	// A broken file keeps the last good certificates in force.
 	if err := os.WriteFile(filepath.Join(mdir, "tls.crt"), []byte("garbage"), 0o600); err != nil {
@@ -147,17 +169,14 @@ func TestMutualTLS(t *testing.T) {
 }
 
 func TestToken(t *testing.T) {
-	c := newCluster(t, Security{Insecure: true, Token: "s3cret"}, ManagerConfig{})
+	const token = "s3cret-0123456789abcdef"
+	c := newCluster(t, Security{Insecure: true, Token: token}, ManagerConfig{})
 	addr := c.m.Addr().String()
-	if !tryWorker(t, addr, Security{Insecure: true, Token: "s3cret"}, 0, 20*time.Second) {
+	if !tryWorker(t, addr, Security{Insecure: true, Token: token}, 0, 20*time.Second) {
 		t.Fatal("a worker with the token was refused")
 	}
-	if tryWorker(t, addr, Security{Insecure: true, Token: "guess"}, 1, time.Second) {
-		t.Fatal("a worker with a wrong token got in")
-	}
-	if tryWorker(t, addr, Security{Insecure: true}, 2, time.Second) {
-		t.Fatal("a worker without a token got in")
-	}
+	refused(t, addr, Security{Insecure: true, Token: "guess"}, 1, codes.Unauthenticated, "a worker with a wrong token")
+	refused(t, addr, Security{Insecure: true}, 2, codes.Unauthenticated, "a worker without a token")
 }
 
 func TestSecurityValidate(t *testing.T) {
@@ -176,5 +195,65 @@ func TestSecurityValidate(t *testing.T) {
 		if err := tc.sec.Validate(); (err == nil) != tc.want {
 			t.Errorf("%+v: Validate() = %v, want ok=%v", tc.sec, err, tc.want)
 		}
+	}
+}
+
+// TestOperatorCredential: the Admin and TrainingDataTrace services take
+// the operators' token alone, which serves nothing else; with a proxy
+// token, a worker's token cannot register as a proxy.
+func TestOperatorCredential(t *testing.T) {
+	const (
+		member = "member-token-0123456789"
+		admin  = "admin-token-0123456789"
+		proxy  = "proxy-token-0123456789"
+	)
+	sec := Security{Insecure: true, Token: member}
+	c := newCluster(t, sec, ManagerConfig{AdminToken: admin, ProxyToken: proxy})
+	addr := c.m.Addr().String()
+	list := func(token string) error {
+		conn, err := dial(addr, Security{Insecure: true, Token: token}, DefaultMaxMessageBytes, discardIfNil(nil))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		if _, err := pb.NewAdminClient(conn).ListMembers(ctx, &pb.ListMembersReq{JobNsName: c.job}); err != nil {
+			return err
+		}
+		_, err = pb.NewTrainingDataTraceClient(conn).GetTrainingDataTraceSwitch(ctx, &pb.DataStatusReq{JobNsName: c.job})
+		return err
+	}
+	if err := list(member); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("the Admin service with a member's token: %v", err)
+	}
+	if err := list(admin); err != nil {
+		t.Fatalf("the Admin service with the operators' token: %v", err)
+	}
+	refused(t, addr, Security{Insecure: true, Token: admin}, 0, codes.PermissionDenied, "a registration with the operators' token")
+	// A worker's token does not make a proxy; the proxies' token does.
+	fake := newRawMember(t, addr, c.job, sec, RoleProxy, Position{Node: 0, Rank: -1})
+	if err := fake.register(); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a proxy registered with a member's token: %v", err)
+	}
+	p, err := NewProxy(ProxyConfig{Job: c.job, Node: 0, Upstream: addr, Listen: "127.0.0.1:0", Security: sec, UpstreamToken: proxy, AckTimeout: c.ack})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.proxies[0] = p
+	c.run(p, p.Run)
+	w := c.addWorker(0, 0)
+	waitFor(t, 20*time.Second, "a worker through the proxy", w.Connected)
+
+	// No operators' token: the services refuse members, naming the field.
+	c2 := newCluster(t, sec, ManagerConfig{})
+	conn, err := dial(c2.m.Addr().String(), sec, DefaultMaxMessageBytes, discardIfNil(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_, err = pb.NewAdminClient(conn).ListFaults(context.Background(), &pb.ListFaultsReq{JobNsName: c2.job})
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "AdminToken") {
+		t.Fatalf("the Admin service without an operators' token: %v", err)
 	}
 }

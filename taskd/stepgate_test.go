@@ -5,6 +5,7 @@ import (
 	"errors"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -29,8 +30,11 @@ func gatedLoop(ctx context.Context, g *StepGate, steps *int, step <-chan struct{
 
 // TestStepGate: a pause waits for the step in flight and no step starts
 // after it; a resume lets the loop on; a stop ends the loop and makes a
-// pause return at once.
-func TestStepGate(t *testing.T) {
+// pause return at once. It runs in a synctest bubble, so that "nothing
+// happened" is checked once every goroutine is parked.
+func TestStepGate(t *testing.T) { synctest.Test(t, testStepGate) }
+
+func testStepGate(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var g StepGate
@@ -58,10 +62,11 @@ func TestStepGate(t *testing.T) {
 		defer g.Unlock()
 		paused <- g.PauseLocked(ctx)
 	}()
+	synctest.Wait()
 	select {
 	case err := <-paused:
 		t.Fatalf("PauseLocked returned %v while a step was in flight", err)
-	case <-time.After(50 * time.Millisecond):
+	default:
 	}
 	step <- struct{}{} // the second step ends
 	if err := <-paused; err != nil {
@@ -95,7 +100,9 @@ func TestStepGate(t *testing.T) {
 
 // TestStepGateContext: the end of ctx ends a paused loop and a pause that
 // waits for a step.
-func TestStepGateContext(t *testing.T) {
+func TestStepGateContext(t *testing.T) { synctest.Test(t, testStepGateContext) }
+
+func testStepGateContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	var g StepGate
 	steps := 0

@@ -63,6 +63,7 @@ type switchTracker struct {
 
 type workerSwitch struct {
 	node     int
+	expected bool   // a rank of the job's shape: kept when gone
 	live     bool   // registered and not lost or evicted since
 	acked    uint64 // the version the worker acknowledged last
 	err      string // its error for acked, "" when applied
@@ -86,8 +87,13 @@ func (t *switchTracker) newBackoff() *backoff.ExponentialBackOff {
 }
 
 // expect lists a rank the job should have, so that it shows as waiting
-// before it registers.
+// before it registers, and after it is gone.
 func (t *switchTracker) expect(rank, node int) {
+	t.ensure(rank, node)
+	t.workers[rank].expected = true
+}
+
+func (t *switchTracker) ensure(rank, node int) {
 	if t.workers[rank] == nil {
 		t.workers[rank] = &workerSwitch{node: node, bo: t.newBackoff()}
 	}
@@ -140,7 +146,7 @@ func (t *switchTracker) update(w *workerSwitch, f func()) {
 // applies the job's switch counts as acknowledged; any other is sent the
 // switch at once.
 func (t *switchTracker) registered(rank, node int, bits uint32, has bool) {
-	t.expect(rank, node)
+	t.ensure(rank, node)
 	w := t.workers[rank]
 	t.update(w, func() {
 		w.node, w.live = node, true
@@ -159,11 +165,17 @@ func (t *switchTracker) registered(rank, node int, bits uint32, has bool) {
 	})
 }
 
-// gone notes that rank is no longer live (lost or evicted): the fan-out
-// no longer waits for it.
+// gone notes that rank is no longer live (lost, evicted or left): the
+// fan-out no longer waits for it. A rank the job's shape does not list is
+// forgotten, so that the tracker holds only the ranks the job has.
 func (t *switchTracker) gone(rank int) {
-	if w := t.workers[rank]; w != nil {
-		t.update(w, func() { w.live = false })
+	w := t.workers[rank]
+	if w == nil {
+		return
+	}
+	t.update(w, func() { w.live = false })
+	if !w.expected {
+		delete(t.workers, rank)
 	}
 }
 

@@ -23,6 +23,9 @@ const (
 	DefaultRateLimit         = 2000 // calls per second per connection
 	DefaultManagerAddr       = ":9601"
 	DefaultProxyAddr         = "127.0.0.1:9602"
+	// DefaultMaxWorkers bounds ranks and nodes when a job's shape is not
+	// known.
+	DefaultMaxWorkers = 16384
 )
 
 // limits are a server's per-connection rate limit and message size cap.
@@ -60,11 +63,17 @@ func (l limits) allow(ctx context.Context) error {
 	return status.Error(codes.ResourceExhausted, "taskd: rate limit of this connection exceeded")
 }
 
-// newServer builds a gRPC server with security, size cap, rate limit and
-// keepalive settings that find dead peers within seconds.
-func newServer(sec Security, l limits, log *slog.Logger) *grpc.Server {
+// newServer builds a gRPC server with security, the guard's admission of
+// each call before its body is read, size cap, rate limit, bounds on
+// streams, headers and handshakes, and keepalive settings that find dead
+// peers within seconds and close idle connections.
+func newServer(sec Security, l limits, g *guard, log *slog.Logger) *grpc.Server {
 	opts := sec.serverOptions(log)
 	opts = append(opts,
+		grpc.InTapHandle(g.tap),
+		grpc.MaxConcurrentStreams(maxStreamsPerConn),
+		grpc.MaxHeaderListSize(maxHeaderBytes),
+		grpc.ConnectionTimeout(handshakeTimeout),
 		grpc.MaxRecvMsgSize(l.maxMsg),
 		grpc.MaxSendMsgSize(l.maxMsg),
 		grpc.StatsHandler(connLimits{l}),
@@ -81,15 +90,15 @@ func newServer(sec Security, l limits, log *slog.Logger) *grpc.Server {
 			return h(srv, ss)
 		}),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 2 * time.Second, PermitWithoutStream: true}),
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second}),
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, MaxConnectionIdle: idleTimeout}),
 	)
 	return grpc.NewServer(opts...)
 }
 
 // dial returns a client connection to addr; gRPC connects lazily and
 // reconnects by itself.
-func dial(addr string, sec Security, maxMsg int, log *slog.Logger) (*grpc.ClientConn, error) {
-	opts := sec.dialOptions(addr, log)
+func dial(addr string, sec Security, maxMsg int, log *slog.Logger, extra ...grpc.DialOption) (*grpc.ClientConn, error) {
+	opts := append(sec.dialOptions(addr, log), extra...)
 	opts = append(opts,
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsg), grpc.MaxCallSendMsgSize(maxMsg)),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),

@@ -48,8 +48,8 @@ func (u *uplink) enqueue(r *pb.Report) error {
 // reportFault queues f. An empty ID is filled in, an empty Kind is an
 // error, and a zero Time means now.
 func (u *uplink) reportFault(f Fault) error {
-	if f.Kind == "" {
-		return fmt.Errorf("taskd: Fault.Kind: empty")
+	if err := checkKind(f.Kind); err != nil {
+		return fmt.Errorf("taskd: Fault.Kind: %w", err)
 	}
 	if f.ID == "" {
 		f.ID = u.nextID()
@@ -108,18 +108,18 @@ func (u *uplink) sendBatch(ctx context.Context, client pb.ControlClient) error {
 	cctx, cancel := context.WithTimeout(ctx, u.ackTimeout)
 	resp, err := client.Send(cctx, &pb.SendRequest{Job: u.job, Reports: batch})
 	cancel()
-	switch {
-	case status.Code(err) == codes.InvalidArgument:
+	switch status.Code(err) {
+	case codes.InvalidArgument, codes.PermissionDenied:
 		u.log.Error("taskd: reports refused by the manager, dropped", "count", len(batch), "err", err)
 		ids := make([]string, len(batch))
 		for i, r := range batch {
 			ids[i] = r.GetId()
 		}
 		u.queue.remove(ids)
-	case err != nil:
-		return err
-	default:
+	case codes.OK:
 		u.queue.remove(resp.GetAccepted())
+	default:
+		return err
 	}
 	u.queued(u.queue.len())
 	return nil

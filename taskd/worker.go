@@ -96,6 +96,7 @@ type Worker struct {
 	up      *uplink
 	self    *pb.Member
 	acks    chan *pb.Ack
+	cred    *memberCred // the secret its upstream issued
 
 	ops chan trainerOp // trainer calls, one at a time
 
@@ -115,6 +116,7 @@ type Worker struct {
 	heldBy string
 
 	connected atomic.Bool
+	finished  atomic.Bool
 	state     atomic.Int32
 	closed    chan struct{}
 	closeOnce sync.Once
@@ -137,12 +139,14 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	if err := metrics.Err(); err != nil {
 		return nil, err
 	}
-	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log)
+	cred := &memberCred{}
+	conn, err := dial(cfg.Upstream, cfg.Security, cfg.MaxMessageBytes, log, cred.dialOptions()...)
 	if err != nil {
 		metrics.UnregisterAll()
 		return nil, fmt.Errorf("taskd: worker dial %s: %w", cfg.Upstream, err)
 	}
 	w := &Worker{
+		cred:       cred,
 		cfg:        cfg,
 		log:        log,
 		met:        met,
@@ -165,11 +169,17 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 }
 
 // ReportFault queues a fault for the manager. An empty ID is filled in; a
-// zero Position means this worker's, a zero Time now. It returns
-// ErrQueueFull when the queue is full.
+// zero Position means this worker's, a zero Time now. A worker reports its
+// own faults only: the manager takes a fault about a rank from that rank,
+// its node's proxy or the manager's embedder. It returns ErrQueueFull
+// when the queue is full.
 func (w *Worker) ReportFault(f Fault) error {
+	own := Position{Node: w.cfg.Node, Rank: w.cfg.Rank}
 	if f.Position == (Position{}) {
-		f.Position = Position{Node: w.cfg.Node, Rank: w.cfg.Rank}
+		f.Position = own
+	}
+	if f.Position != own {
+		return fmt.Errorf("taskd: Fault.Position: %s is not this worker's (%s); a fault about a rank is that rank's, its node's proxy's or the manager's to report", f.Position, own)
 	}
 	return w.up.reportFault(f)
 }
@@ -185,6 +195,13 @@ func (w *Worker) Switch() (trace.Switch, bool) {
 	return w.sw, w.hasSwitch
 }
 
+// Finish records that this rank ran its last step. The worker leaves the
+// job when it stops (Close, or the end of Run's context), and its leave
+// then says it finished: once every rank of the job left finished, the
+// manager records the job complete (EventJobComplete). Without Finish, the
+// leave only says that the worker's silence is no fault.
+func (w *Worker) Finish() { w.finished.Store(true) }
+
 // Connected reports whether the worker is registered and streaming now.
 func (w *Worker) Connected() bool { return w.connected.Load() }
 
@@ -193,8 +210,9 @@ func (w *Worker) Pending() int { return w.up.queue.len() }
 
 // Run keeps the worker registered until ctx ends or Close is called, then
 // returns nil; or until the manager refuses this instance as evicted by
-// recovery, then returns ErrEvicted. On the way out it lets a trainer call in progress end and
-// sends what is queued (see Close). Run may be called once.
+// recovery, then returns ErrEvicted. On the way out it lets a trainer
+// call in progress end, sends what is queued and leaves the job (see
+// Close). Run may be called once.
 func (w *Worker) Run(ctx context.Context) error {
 	if !w.state.CompareAndSwap(0, 1) {
 		return errors.New("taskd: Worker.Run called twice or after Close")
@@ -237,7 +255,9 @@ func (w *Worker) Run(ctx context.Context) error {
 		<-trainerDone
 	}
 	grace.Stop()
-	w.flush()
+	if err == nil {
+		w.flush() // an evicted instance can send nothing more, nor leave
+	}
 	return err
 }
 
@@ -279,9 +299,10 @@ func (w *Worker) serve(ctx context.Context) error {
 
 // flush sends the reports and then the acknowledgements still queued (a
 // fault the trainer reported before its call returned is logged before
-// the call is acknowledged), for at most closeGrace (AckTimeout if
-// shorter). What does not get through is lost: the manager re-sends its
-// messages and times out its calls.
+// the call is acknowledged), and then the leave, for at most closeGrace
+// (AckTimeout if shorter). What does not get through is lost: the manager
+// re-sends its messages and times out its calls, and a worker whose leave
+// is lost is declared lost.
 func (w *Worker) flush() {
 	ctx, cancel := context.WithTimeout(context.Background(), min(closeGrace, w.cfg.AckTimeout))
 	defer cancel()
@@ -312,18 +333,31 @@ func (w *Worker) flush() {
 		}
 		if _, err := w.client.Acknowledge(ctx, &pb.AckRequest{Job: w.cfg.Job, Acks: acks}); err != nil {
 			w.log.Debug("taskd: acknowledgements not delivered on close", "count", len(acks), "err", err)
-			return
+			break
 		}
 	}
+	w.mu.Lock()
+	registered := w.registered > 0
+	w.mu.Unlock()
+	if !registered {
+		return
+	}
+	finished := w.finished.Load()
+	if _, err := w.client.Leave(ctx, &pb.LeaveRequest{Job: w.cfg.Job, Member: w.self, Finished: finished}); err != nil {
+		w.log.Warn("taskd: could not tell the manager that the worker leaves; it will be declared lost", "err", err)
+		return
+	}
+	w.log.Info("taskd: left the job", "finished", finished)
 }
 
 // Close stops the worker and waits for Run to return. A trainer call in
 // progress gets up to a second to end, its context still live; then the
-// acknowledgements and reports queued are sent, for up to a second more
-// (AckTimeout if shorter), so that a trainer that exits right after a Stop
-// does not leave the manager waiting out its deadline. Then it
-// unregisters the worker's metrics; call it also after Run returned on
-// its own. It is idempotent.
+// acknowledgements and reports queued are sent, and the worker leaves the
+// job, for up to a second more (AckTimeout if shorter), so that a trainer
+// that exits right after a Stop does not leave the manager waiting out its
+// deadline, and a worker that stops on purpose is not taken for a lost
+// one. Then it unregisters the worker's metrics; call it also after Run
+// returned on its own. It is idempotent.
 func (w *Worker) Close() error {
 	w.closeOnce.Do(func() {
 		close(w.closed)
@@ -369,6 +403,7 @@ func (w *Worker) session(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	w.cred.set(resp.GetSecret())
 	mgr, held := resp.GetManagerInstance(), resp.GetHeld()
 	w.mu.Lock()
 	if held && !w.started && w.cfg.Trainer != nil {
@@ -478,6 +513,8 @@ func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *
 			}
 		case ctx.Err() != nil:
 			return nil
+		case status.Code(err) == codes.Unauthenticated:
+			return fmt.Errorf("%w: %v", errReregister, err) // its secret is unknown: the upstream restarted
 		case time.Since(lastOK) > deadline:
 			return fmt.Errorf("taskd: no heartbeat through for %v: %w", deadline, err)
 		}

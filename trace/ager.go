@@ -14,7 +14,10 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
 	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
 // Ager defaults, as MindCluster ages its profiling folder.
@@ -121,8 +124,8 @@ type Ager struct {
 	running sync.Mutex // held by Run
 	closing chan struct{}
 	once    sync.Once
-	m       *agerMetrics
-	reg     prometheus.Registerer // where m is registered, nil without metrics
+	m       agerMetrics
+	metrics *promreg.Registrar
 
 	mu       sync.Mutex
 	stats    AgerStats
@@ -135,10 +138,6 @@ type agerMetrics struct {
 	deletedBytes prometheus.Counter
 	errors       prometheus.Counter
 	scans        *prometheus.CounterVec
-}
-
-func (m *agerMetrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.bytes, m.deletedFiles, m.deletedBytes, m.errors, m.scans}
 }
 
 // NewAger returns an Ager; Run does the checking, Check one check.
@@ -168,28 +167,22 @@ func NewAger(cfg AgerConfig) (*Ager, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	a := &Ager{cfg: cfg, jobs: map[string]*jobIndex{}, closing: make(chan struct{})}
-	if cfg.Registerer != nil {
-		m := &agerMetrics{
-			bytes: prometheus.NewGauge(prometheus.GaugeOpts{Name: "faultline_trace_root_bytes",
-				Help: "Bytes of dotting record files under the ager's root at its last check."}),
-			deletedFiles: prometheus.NewCounter(prometheus.CounterOpts{Name: "faultline_trace_aged_files_total",
-				Help: "Dotting record files deleted to keep the root within its budget."}),
-			deletedBytes: prometheus.NewCounter(prometheus.CounterOpts{Name: "faultline_trace_aged_bytes_total",
-				Help: "Bytes of dotting record files deleted to keep the root within its budget."}),
-			errors: prometheus.NewCounter(prometheus.CounterOpts{Name: "faultline_trace_ager_errors_total",
-				Help: "Errors while checking or aging the dotting root."}),
-			scans: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "faultline_trace_ager_checks_total",
-				Help: "Checks of the dotting root, by kind (light, full)."}, []string{"kind"}),
-		}
-		for i, c := range m.collectors() {
-			if err := cfg.Registerer.Register(c); err != nil {
-				for _, d := range m.collectors()[:i] {
-					cfg.Registerer.Unregister(d)
-				}
-				return nil, fmt.Errorf("trace: register ager metrics: %w", err)
-			}
-		}
-		a.m, a.reg = m, cfg.Registerer
+	a.metrics = promreg.New(cfg.Registerer, "trace: AgerConfig.Registerer")
+	f := promauto.With(a.metrics)
+	a.m = agerMetrics{
+		bytes: f.NewGauge(prometheus.GaugeOpts{Name: "faultline_trace_root_bytes",
+			Help: "Bytes of dotting record files under the ager's root at its last check."}),
+		deletedFiles: f.NewCounter(prometheus.CounterOpts{Name: "faultline_trace_aged_files_total",
+			Help: "Dotting record files deleted to keep the root within its budget."}),
+		deletedBytes: f.NewCounter(prometheus.CounterOpts{Name: "faultline_trace_aged_bytes_total",
+			Help: "Bytes of dotting record files deleted to keep the root within its budget."}),
+		errors: f.NewCounter(prometheus.CounterOpts{Name: "faultline_trace_ager_errors_total",
+			Help: "Errors while checking or aging the dotting root."}),
+		scans: f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_trace_ager_checks_total",
+			Help: "Checks of the dotting root, by kind (light, full)."}, []string{"kind"}),
+	}
+	if err := a.metrics.Err(); err != nil {
+		return nil, err
 	}
 	return a, nil
 }
@@ -223,11 +216,7 @@ func (a *Ager) Run(ctx context.Context) error {
 func (a *Ager) Close() error {
 	a.once.Do(func() {
 		close(a.closing)
-		if a.reg != nil {
-			for _, c := range a.m.collectors() {
-				a.reg.Unregister(c)
-			}
-		}
+		a.metrics.UnregisterAll()
 	})
 	a.running.Lock() // held by Run until it returns
 	a.running.Unlock()
@@ -272,13 +261,11 @@ func (a *Ager) Check() (AgeReport, error) {
 		a.lastFull = now
 	}
 	a.mu.Unlock()
-	if a.m != nil {
-		kind := "light"
-		if full {
-			kind = "full"
-		}
-		a.m.scans.WithLabelValues(kind).Inc()
+	kind := "light"
+	if full {
+		kind = "full"
 	}
+	a.m.scans.WithLabelValues(kind).Inc()
 	rep := AgeReport{Full: full}
 	var firstErr error
 	note := func(err error) {
@@ -289,9 +276,7 @@ func (a *Ager) Check() (AgeReport, error) {
 		a.stats.Errors++
 		a.stats.LastError = err
 		a.mu.Unlock()
-		if a.m != nil {
-			a.m.errors.Inc()
-		}
+		a.m.errors.Inc()
 	}
 	var listings, stats uint64
 	defer func() {
@@ -464,11 +449,9 @@ func (a *Ager) publish(rep *AgeReport) {
 	a.stats.DeletedFiles += uint64(rep.DeletedFiles)
 	a.stats.DeletedBytes += uint64(rep.DeletedBytes)
 	a.mu.Unlock()
-	if a.m != nil {
-		a.m.bytes.Set(float64(rep.Bytes))
-		a.m.deletedFiles.Add(float64(rep.DeletedFiles))
-		a.m.deletedBytes.Add(float64(rep.DeletedBytes))
-	}
+	a.m.bytes.Set(float64(rep.Bytes))
+	a.m.deletedFiles.Add(float64(rep.DeletedFiles))
+	a.m.deletedBytes.Add(float64(rep.DeletedBytes))
 	if rep.DeletedFiles > 0 {
 		a.cfg.Logger.Info("trace: aged record files", "root", a.cfg.Root, "files", rep.DeletedFiles,
 			"bytes", rep.DeletedBytes, "left", rep.Bytes, "budget", a.cfg.BudgetBytes)

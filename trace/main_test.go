@@ -58,8 +58,7 @@ func runChild(mode string) int {
 				return 1
 			}
 			flushed += 200
-			fmt.Println(flushed)
-			time.Sleep(time.Millisecond)
+			fmt.Println(flushed) // blocks once the parent stops reading: the writes stay few
 		}
 	}
 	fmt.Fprintln(os.Stderr, "unknown child mode", mode)

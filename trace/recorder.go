@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
 // Recorder defaults.
@@ -100,15 +102,15 @@ type Recorder struct {
 
 	dropped [numDomains]atomic.Uint64 // ring full
 
-	w          *Writer
-	cfg        RecorderConfig
-	reqs       chan func(*Writer)
-	stop       chan struct{}
-	done       chan struct{}
-	swMu       sync.Mutex
-	stopOnce   sync.Once
-	closeErr   error
-	unregister func() // undoes the metrics' registration; nil without a Registerer
+	w        *Writer
+	cfg      RecorderConfig
+	reqs     chan func(*Writer)
+	stop     chan struct{}
+	done     chan struct{}
+	swMu     sync.Mutex
+	stopOnce sync.Once
+	closeErr error
+	metrics  *promreg.Registrar
 }
 
 // NewRecorder starts a Recorder and the goroutine that writes its records.
@@ -145,12 +147,11 @@ func NewRecorder(ctx context.Context, cfg RecorderConfig) (*Recorder, error) {
 		done:   make(chan struct{}),
 	}
 	r.bits.Store(bitOpen | switchBits(cfg.Switch))
-	if cfg.Registerer != nil {
-		c := newStatsCollector(w.c, &r.dropped, &r.bits)
-		if err := cfg.Registerer.Register(c); err != nil {
-			return nil, fmt.Errorf("trace: register recorder metrics: %w", err)
-		}
-		r.unregister = func() { cfg.Registerer.Unregister(c) }
+	r.metrics = promreg.New(cfg.Registerer, "trace: RecorderConfig.Registerer")
+	r.metrics.MustRegister(newStatsCollector(w.c, &r.dropped, &r.bits))
+	if err := r.metrics.Err(); err != nil {
+		w.Close()
+		return nil, err
 	}
 	go r.loop(ctx)
 	return r, nil
@@ -450,9 +451,7 @@ func (r *Recorder) Stats() Stats {
 func (r *Recorder) Close() error {
 	r.stopOnce.Do(func() {
 		close(r.stop)
-		if r.unregister != nil {
-			r.unregister()
-		}
+		r.metrics.UnregisterAll()
 	})
 	<-r.done
 	return r.closeErr

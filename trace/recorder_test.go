@@ -2,6 +2,7 @@ package trace
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -275,16 +276,16 @@ func TestCloseUnregistersMetrics(t *testing.T) {
 		name string
 		make func(prometheus.Registerer) (io.Closer, error)
 	}{
-		{"Writer", func(reg prometheus.Registerer) (io.Closer, error) {
+		{"WriterConfig", func(reg prometheus.Registerer) (io.Closer, error) {
 			return NewWriter(WriterConfig{Root: root, Job: "job", Registerer: reg})
 		}},
-		{"Recorder", func(reg prometheus.Registerer) (io.Closer, error) {
+		{"RecorderConfig", func(reg prometheus.Registerer) (io.Closer, error) {
 			return NewRecorder(context.Background(), RecorderConfig{Root: root, Job: "job", Registerer: reg})
 		}},
-		{"Ager", func(reg prometheus.Registerer) (io.Closer, error) {
+		{"AgerConfig", func(reg prometheus.Registerer) (io.Closer, error) {
 			return NewAger(AgerConfig{Root: root, Registerer: reg})
 		}},
-		{"SwitchWatcher", func(reg prometheus.Registerer) (io.Closer, error) {
+		{"SwitchWatcherConfig", func(reg prometheus.Registerer) (io.Closer, error) {
 			return NewSwitchWatcher(SwitchWatcherConfig{Path: filepath.Join(root, "switch"), Registerer: reg})
 		}},
 	} {
@@ -294,9 +295,14 @@ func TestCloseUnregistersMetrics(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if second, err := tc.make(reg); err == nil {
+			second, err := tc.make(reg)
+			if err == nil {
 				second.Close()
 				t.Fatal("a second one registered its metrics beside the first")
+			}
+			var are prometheus.AlreadyRegisteredError
+			if !errors.As(err, &are) || !strings.HasPrefix(err.Error(), "trace: "+tc.name+".Registerer: register faultline_trace_") {
+				t.Errorf("second: %v, want an AlreadyRegisteredError naming %s.Registerer", err, tc.name)
 			}
 			if err := first.Close(); err != nil {
 				t.Fatal(err)

@@ -15,7 +15,10 @@ import (
 
 	"github.com/fsnotify/fsnotify"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
 	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
 // DefaultPollInterval is how often a SwitchWatcher re-reads the file when
@@ -59,7 +62,8 @@ func (c SwitchWatcherConfig) Validate() error {
 // reported (Err, log, metric) and the last good switch stays in force.
 type SwitchWatcher struct {
 	cfg     SwitchWatcherConfig
-	loads   *prometheus.CounterVec // nil without a Registerer
+	loads   *prometheus.CounterVec
+	metrics *promreg.Registrar
 	closing chan struct{}
 	once    sync.Once
 	running sync.Mutex
@@ -86,14 +90,13 @@ func NewSwitchWatcher(cfg SwitchWatcherConfig) (*SwitchWatcher, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	w := &SwitchWatcher{cfg: cfg, closing: make(chan struct{})}
-	if cfg.Registerer != nil {
-		w.loads = prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "faultline_trace_switch_loads_total",
-			Help: "Reads of the profiling switch file that changed something, by result (ok, missing, error).",
-		}, []string{"result"})
-		if err := cfg.Registerer.Register(w.loads); err != nil {
-			return nil, fmt.Errorf("trace: register switch watcher metrics: %w", err)
-		}
+	w.metrics = promreg.New(cfg.Registerer, "trace: SwitchWatcherConfig.Registerer")
+	w.loads = promauto.With(w.metrics).NewCounterVec(prometheus.CounterOpts{
+		Name: "faultline_trace_switch_loads_total",
+		Help: "Reads of the profiling switch file that changed something, by result (ok, missing, error).",
+	}, []string{"result"})
+	if err := w.metrics.Err(); err != nil {
+		return nil, err
 	}
 	return w, nil
 }
@@ -183,9 +186,7 @@ func (w *SwitchWatcher) Run(ctx context.Context) error {
 func (w *SwitchWatcher) Close() error {
 	w.once.Do(func() {
 		close(w.closing)
-		if w.loads != nil {
-			w.cfg.Registerer.Unregister(w.loads)
-		}
+		w.metrics.UnregisterAll()
 	})
 	w.running.Lock() // held by Run until it returns
 	w.running.Unlock()
@@ -226,9 +227,7 @@ func (w *SwitchWatcher) load() {
 		w.mu.Unlock()
 		if !sameErr {
 			w.cfg.Logger.Warn("trace: switch file rejected, keeping the last good switch", "err", err)
-			if w.loads != nil {
-				w.loads.WithLabelValues(result).Inc()
-			}
+			w.loads.WithLabelValues(result).Inc()
 		}
 		if !w.loaded {
 			w.apply(Switch{}, true) // nothing good yet: all off
@@ -237,9 +236,7 @@ func (w *SwitchWatcher) load() {
 	}
 	w.lastErr = nil
 	w.mu.Unlock()
-	if w.loads != nil {
-		w.loads.WithLabelValues(result).Inc()
-	}
+	w.loads.WithLabelValues(result).Inc()
 	w.apply(s, !w.loaded)
 }
 

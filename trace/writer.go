@@ -15,6 +15,8 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
 // Writer defaults.
@@ -170,9 +172,9 @@ type Writer struct {
 	lastLog    time.Time
 	lastLogMsg string
 
-	c          *counters
-	closed     bool
-	unregister func() // undoes the metrics' registration; nil without a Registerer
+	c       *counters
+	closed  bool
+	metrics *promreg.Registrar
 }
 
 // NewWriter returns a Writer; it touches no file until the first record.
@@ -187,12 +189,10 @@ func NewWriter(cfg WriterConfig) (*Writer, error) {
 		backoff.WithInitialInterval(time.Second),
 		backoff.WithMaxInterval(30*time.Second),
 		backoff.WithMaxElapsedTime(0))
-	if cfg.Registerer != nil {
-		c := newStatsCollector(w.c, nil, nil)
-		if err := cfg.Registerer.Register(c); err != nil {
-			return nil, fmt.Errorf("trace: register writer metrics: %w", err)
-		}
-		w.unregister = func() { cfg.Registerer.Unregister(c) }
+	w.metrics = promreg.New(cfg.Registerer, "trace: WriterConfig.Registerer")
+	w.metrics.MustRegister(newStatsCollector(w.c, nil, nil))
+	if err := w.metrics.Err(); err != nil {
+		return nil, err
 	}
 	return w, nil
 }
@@ -338,9 +338,7 @@ func (w *Writer) Close() error {
 	if w.closed {
 		return nil
 	}
-	if w.unregister != nil {
-		w.unregister()
-	}
+	w.metrics.UnregisterAll()
 	err := w.Sync()
 	if cerr := w.closeFile(); err == nil {
 		err = cerr

@@ -8,7 +8,8 @@
 // `dump --json` files named by rank (3.json, rank-3.json, ...), and writes
 // py_stack.svg, cpp_stack.svg, py_stack.folded, cpp_stack.folded and
 // stacks.pb.gz (plus go_stack.* for Go ranks) into --out, which defaults
-// to --path. Files it cannot read are listed; the rest still merges.
+// to --path; a kind no rank gave stacks of gets no file, and the listing
+// says so. Files it cannot read are listed; the rest still merges.
 package main
 
 import (
@@ -65,6 +66,18 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fmt.Fprintln(stdout, "wrote:")
 	for _, f := range files {
 		fmt.Fprintln(stdout, " ", f)
+	}
+	for _, k := range []struct {
+		kind      hang.Kind
+		what      string
+		svg, fold string
+	}{
+		{hang.KindPython, "Python", hang.PythonSVGFile, hang.PythonFoldedFile},
+		{hang.KindNative, "native", hang.NativeSVGFile, hang.NativeFoldedFile},
+	} {
+		if !m.HasStacks(k.kind) {
+			fmt.Fprintf(stdout, "no %s stacks from any rank: %s and %s not written\n", k.what, k.svg, k.fold)
+		}
 	}
 	return 0
 }

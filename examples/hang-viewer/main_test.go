@@ -7,11 +7,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/google/pprof/profile"
 	"go.uber.org/goleak"
+
+	"github.com/faultline-ml/faultline/hang"
 )
 
 const job8 = "../../hang/testdata/job8"
@@ -73,6 +76,40 @@ func TestViewerWritesEverything(t *testing.T) {
 	}
 	if matches, _ := filepath.Glob(filepath.Join(out, "go_stack.*")); len(matches) != 0 {
 		t.Errorf("go files for a job without Go stacks: %v", matches)
+	}
+}
+
+// TestViewerWritesOnlyWhatHasContent merges ranks that gave Python stacks
+// only: no native file is written (one an earlier merge left is removed),
+// and the listing says why.
+func TestViewerWritesOnlyWhatHasContent(t *testing.T) {
+	in, out := t.TempDir(), t.TempDir()
+	for r := range 4 {
+		d := &hang.Dump{Rank: r, World: 4, State: "S (sleeping)", Threads: []hang.Thread{{Kind: hang.KindPython, ID: 1,
+			Frames: []hang.Frame{{Func: "all_reduce", File: "c10d.py", Line: 9}, {Func: "<module>", File: "train.py", Line: 3}}}}}
+		if _, err := hang.WriteStackFile(in, d); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stale := filepath.Join(out, hang.NativeSVGFile)
+	if err := os.WriteFile(stale, []byte("<svg/>"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var stdout, stderr bytes.Buffer
+	if code := run([]string{"--path", in, "--out", out}, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	if !strings.Contains(stdout.String(), "no native stacks from any rank: cpp_stack.svg and cpp_stack.folded not written") ||
+		strings.Contains(stdout.String(), "Python stacks from any rank") {
+		t.Errorf("listing:\n%s", stdout.String())
+	}
+	ents, _ := os.ReadDir(out)
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	if want := []string{"py_stack.folded", "py_stack.svg", "stacks.pb.gz"}; !slices.Equal(names, want) {
+		t.Errorf("wrote %v, want %v", names, want)
 	}
 }
 

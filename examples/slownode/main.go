@@ -4,6 +4,9 @@
 //
 //	slownode --dir <root>/<job> [--ranks-per-node 8] [--rank-table hccl.json]
 //	         [--format text|json|html] [--out FILE] [--follow] [--poll 1s]
+//	         [--relative-threshold 0.15] [--min-effect 0.02] [--nsigma 3]
+//	         [--consecutive 3] [--cluster-distance 1.3] [--normal-steps 15]
+//	         [--degradation 0.3] [--window 8] [--silent-steps 100]
 //
 // Without --follow it reads every rank folder to its end and prints one
 // verdict. With --follow it keeps tailing the files and prints a new
@@ -13,8 +16,12 @@
 //
 // The text format is a table to read in a terminal; json is MindCluster's
 // ClusterJobResult with evidence added; html is one page with no external
-// resources: charts of step time per rank and the sortable trajectory
-// table.
+// resources: charts of the job's step time and of the figures that set the
+// slow ranks apart, and the sortable trajectory table.
+//
+// The threshold flags set the fields of slownode.Config of the same
+// meaning (see its documentation for how each default was chosen); 0
+// keeps the default.
 package main
 
 import (
@@ -56,11 +63,36 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	follow := fs.Bool("follow", false, "keep tailing the files and print each new verdict")
 	poll := fs.Duration("poll", slownode.DefaultPollInterval, "with --follow, how often to look for new records")
 	quiet := fs.Bool("quiet", false, "no progress on standard error")
+	var cfg slownode.Config
+	thresholds := []struct {
+		name, field, usage string
+		f                  *float64
+		i                  *int
+	}{
+		{"relative-threshold", "RelativeThreshold", "how far above its healthy peers' median (a fraction) a rank's figure must be", &cfg.RelativeThreshold, nil},
+		{"min-effect", "MinEffect", "the smallest difference worth a finding, as a fraction of the step time", &cfg.MinEffect, nil},
+		{"nsigma", "NSigma", "how many deviations of the ranks' noise a figure must stand above its peers, and the step time above its baseline", &cfg.NSigma, nil},
+		{"consecutive", "Consecutive", "anomalous steps in a row that make a finding, and normal ones that clear it", nil, &cfg.Consecutive},
+		{"cluster-distance", "ClusterMeanDistance", "homogenisation: how many times longer the members that wait more must wait", &cfg.ClusterMeanDistance, nil},
+		{"normal-steps", "NormalSteps", "steps that make the job's step-time baseline", nil, &cfg.NormalSteps},
+		{"degradation", "DegradationPercentage", "how far above its baseline (a fraction) the job's step time must be", &cfg.DegradationPercentage, nil},
+		{"window", "Window", "recent steps the evidence and the scores are taken over", nil, &cfg.Window},
+		{"silent-steps", "SilentSteps", "steps behind the job after which a rank that stopped writing is silent", nil, &cfg.SilentSteps},
+	}
+	flagOf := map[string]string{"RanksPerNode": "ranks-per-node", "PollInterval": "poll"}
+	for _, th := range thresholds {
+		flagOf[th.field] = th.name
+		if th.f != nil {
+			fs.Float64Var(th.f, th.name, defaultOf(th.field), th.usage)
+		} else {
+			fs.IntVar(th.i, th.name, int(defaultOf(th.field)), th.usage)
+		}
+	}
 	if err := fs.Parse(args); err != nil {
 		return exitUsage
 	}
 	if *dir == "" || fs.NArg() > 0 {
-		fmt.Fprintln(stderr, "usage: slownode --dir <root>/<job> [--ranks-per-node N] [--rank-table FILE] [--format text|json|html] [--out FILE] [--follow]")
+		fmt.Fprintln(stderr, "usage: slownode --dir <root>/<job> [--ranks-per-node N] [--rank-table FILE] [--format text|json|html] [--out FILE] [--follow] [threshold flags, see -h]")
 		return exitUsage
 	}
 	switch *format {
@@ -69,7 +101,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "slownode: --format %q: want text, json or html\n", *format)
 		return exitUsage
 	}
-	cfg := slownode.Config{RanksPerNode: *rpn, PollInterval: *poll}
+	cfg.RanksPerNode, cfg.PollInterval = *rpn, *poll
 	if *rankTable != "" {
 		b, err := os.ReadFile(*rankTable)
 		if err == nil {
@@ -81,7 +113,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	if err := cfg.Validate(); err != nil {
-		fmt.Fprintln(stderr, err)
+		var ce *slownode.ConfigError
+		if errors.As(err, &ce) && flagOf[ce.Field] != "" {
+			fmt.Fprintf(stderr, "slownode: --%s: %v %s\n", flagOf[ce.Field], ce.Value, ce.Why)
+		} else {
+			fmt.Fprintln(stderr, err)
+		}
 		return exitUsage
 	}
 	if !*quiet {
@@ -126,6 +163,21 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitError
 	}
 	return exitOK
+}
+
+// defaultOf returns the default of the threshold field of slownode.Config.
+func defaultOf(field string) float64 {
+	return map[string]float64{
+		"RelativeThreshold":     slownode.DefaultRelativeThreshold,
+		"MinEffect":             slownode.DefaultMinEffect,
+		"NSigma":                slownode.DefaultNSigma,
+		"Consecutive":           slownode.DefaultConsecutive,
+		"ClusterMeanDistance":   slownode.DefaultClusterMeanDistance,
+		"NormalSteps":           slownode.DefaultNormalSteps,
+		"DegradationPercentage": slownode.DefaultDegradationPercentage,
+		"Window":                slownode.DefaultWindow,
+		"SilentSteps":           slownode.DefaultSilentSteps,
+	}[field]
 }
 
 // progressPrinter reports reading progress on large inputs.

@@ -125,7 +125,7 @@ func TestUsageAndErrors(t *testing.T) {
 		{nil, exitUsage, "usage"},
 		{[]string{"--dir", "x", "extra"}, exitUsage, "usage"},
 		{[]string{"--dir", "x", "--format", "xml"}, exitUsage, "--format"},
-		{[]string{"--dir", "x", "--ranks-per-node", "-1"}, exitUsage, "RanksPerNode"},
+		{[]string{"--dir", "x", "--ranks-per-node", "-1"}, exitUsage, "--ranks-per-node: -1 is negative"},
 		{[]string{"--dir", "x", "--rank-table", bad}, exitUsage, "--rank-table"},
 		{[]string{"--dir", filepath.Join(t.TempDir(), "missing")}, exitError, "job folder"},
 		{[]string{"--dir", t.TempDir()}, exitError, "no rank folders"},
@@ -162,5 +162,32 @@ func TestFollow(t *testing.T) {
 	}
 	if !strings.Contains(w.buf.String(), "slow compute ranks: 5") {
 		t.Errorf("follow printed:\n%s", w.buf.String())
+	}
+}
+
+// TestThresholdFlags sets thresholds from the command line: a finding
+// needs as many slow steps in a row as --consecutive says, and a value the
+// detector cannot use is refused naming the flag.
+func TestThresholdFlags(t *testing.T) {
+	job := writeJob(t)
+	var out, errb bytes.Buffer
+	if code := run(context.Background(), []string{"--dir", job, "--quiet", "--consecutive", "25"}, &out, &errb); code != exitOK {
+		t.Fatalf("exit %d: %s", code, errb.String())
+	}
+	if !strings.Contains(out.String(), "not slow") {
+		t.Errorf("20 slow steps made a finding with --consecutive 25:\n%s", out.String())
+	}
+	for _, tc := range []struct{ args []string }{
+		{[]string{"--min-effect", "1.5"}},
+		{[]string{"--cluster-distance", "0.9"}},
+		{[]string{"--consecutive", "-1"}},
+		{[]string{"--nsigma", "abc"}},
+	} {
+		var out, errb bytes.Buffer
+		code := run(context.Background(), append([]string{"--dir", job}, tc.args...), &out, &errb)
+		if code != exitUsage || !strings.Contains(errb.String(), strings.TrimLeft(tc.args[0], "-")) ||
+			strings.Contains(errb.String(), "Config.") {
+			t.Errorf("%v: exit %d, %q; want exit %d naming the flag", tc.args, code, errb.String(), exitUsage)
+		}
 	}
 }

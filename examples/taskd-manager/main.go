@@ -8,10 +8,19 @@
 //	    [--orchestrate [--pause-timeout D]]
 //
 // --tls-dir holds ca.crt, tls.crt and tls.key (a Kubernetes TLS secret);
-// without it --insecure must be given. The shared token is read from
-// --token-file or TASKD_TOKEN. --switch-file follows a profilingSwitch file
-// such as a mounted ConfigMap; the switch can also be changed through the
-// TrainingDataTrace gRPC service on the same port.
+// without it --insecure must be given. The members' shared token is read
+// from --token-file or TASKD_TOKEN, the operators' (which the Admin and
+// TrainingDataTrace services take, and nothing else) from
+// --admin-token-file or TASKD_ADMIN_TOKEN, and the proxies' (without
+// which any member may register as a proxy) from --proxy-token-file or
+// TASKD_PROXY_TOKEN. A token file must hold a token of 16 bytes or more
+// (openssl rand -hex 16); an empty one is refused. --switch-file follows a
+// profilingSwitch file such as a mounted ConfigMap; the switch can also be
+// changed through the TrainingDataTrace gRPC service on the same port.
+//
+// --metrics-listen serves /metrics over plain HTTP, without
+// authentication: bind it to loopback or a cluster-internal address, and
+// let the network policy say who may scrape it.
 //
 // --orchestrate turns on online recovery, link switches and stress tests
 // (the Admin service's SwitchLink, StressTest and GetOrchestration) for
@@ -56,7 +65,9 @@ func run() error {
 		ppn         = flag.Int("procs-per-node", 0, "training processes per node (0: unknown)")
 		switchFile  = flag.String("switch-file", "", "profilingSwitch file to follow, e.g. "+trace.DefaultSwitchPath)
 		tlsDir      = flag.String("tls-dir", "", "directory with ca.crt, tls.crt and tls.key for mutual TLS")
-		tokenFile   = flag.String("token-file", "", "file holding the shared token (default $TASKD_TOKEN)")
+		tokenFile   = flag.String("token-file", "", "file holding the members' shared token (default $TASKD_TOKEN)")
+		adminFile   = flag.String("admin-token-file", "", "file holding the operators' token (default $TASKD_ADMIN_TOKEN)")
+		proxyFile   = flag.String("proxy-token-file", "", "file holding the proxies' token (default $TASKD_PROXY_TOKEN)")
 		plaintext   = flag.Bool("insecure", false, "allow plaintext connections (no TLS)")
 		stateDir    = flag.String("state-dir", "", "directory keeping the fault log and switch across restarts")
 		collectDir  = flag.String("collect-dir", "", "directory receiving collected dotting and stack files")
@@ -72,9 +83,17 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	adminToken, err := readToken("--admin-token-file", *adminFile, "TASKD_ADMIN_TOKEN")
+	if err != nil {
+		return err
+	}
+	proxyToken, err := readToken("--proxy-token-file", *proxyFile, "TASKD_PROXY_TOKEN")
+	if err != nil {
+		return err
+	}
 	reg := prometheus.NewRegistry()
 	cfg := taskd.ManagerConfig{
-		Job: *job, Listen: *listen, Nodes: *nodes, ProcsPerNode: *ppn, Security: sec,
+		Job: *job, Listen: *listen, Nodes: *nodes, ProcsPerNode: *ppn, Security: sec, AdminToken: adminToken, ProxyToken: proxyToken,
 		HeartbeatInterval: *interval, HeartbeatDeadline: *deadline,
 		StateDir: *stateDir, CollectDir: *collectDir,
 		Registerer: reg, Logger: log,
@@ -107,15 +126,30 @@ func security(tlsDir, tokenFile string, plaintext bool) (taskd.Security, error) 
 		sec = taskd.SecurityFromDir(tlsDir)
 	}
 	sec.Insecure = plaintext
-	sec.Token = os.Getenv("TASKD_TOKEN")
-	if tokenFile != "" {
-		b, err := os.ReadFile(tokenFile)
-		if err != nil {
-			return sec, err
-		}
-		sec.Token = strings.TrimSpace(string(b))
+	token, err := readToken("--token-file", tokenFile, "TASKD_TOKEN")
+	if err != nil {
+		return sec, err
 	}
+	sec.Token = token
 	return sec, sec.Validate()
+}
+
+// readToken returns the token in file, else in the environment variable
+// env; "" when neither is set. A file that holds nothing but white space
+// (a secret never filled in) is an error, not the absence of a token.
+func readToken(flagName, file, env string) (string, error) {
+	if file == "" {
+		return strings.TrimSpace(os.Getenv(env)), nil
+	}
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", flagName, err)
+	}
+	token := strings.TrimSpace(string(b))
+	if token == "" {
+		return "", fmt.Errorf("%s %s: empty; put the token in it, or leave the flag out", flagName, file)
+	}
+	return token, nil
 }
 
 func serveMetrics(addr string, reg *prometheus.Registry, log *slog.Logger) *http.Server {

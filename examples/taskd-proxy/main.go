@@ -4,6 +4,14 @@
 //
 //	taskd-proxy --upstream HOST:9601 --listen 127.0.0.1:9602 --job ID --node N \
 //	    [--tls-dir D] [--dotting-root R] [--stack-root S]
+//
+// The workers' shared token is read from --token-file or TASKD_TOKEN; the
+// proxies' token, which the manager may ask of a proxy
+// (ManagerConfig.ProxyToken), from --proxy-token-file or
+// TASKD_PROXY_TOKEN. An empty token file is refused.
+//
+// --metrics-listen serves /metrics over plain HTTP, without
+// authentication: keep it on loopback or a cluster-internal address.
 package main
 
 import (
@@ -41,7 +49,8 @@ func run() error {
 		job       = flag.String("job", os.Getenv("MINDX_TASK_ID"), "job identifier (default $MINDX_TASK_ID)")
 		nodeRank  = flag.Int("node", node, "this node's rank (default $NODE_RANK)")
 		tlsDir    = flag.String("tls-dir", "", "directory with ca.crt, tls.crt and tls.key for mutual TLS")
-		tokenFile = flag.String("token-file", "", "file holding the shared token (default $TASKD_TOKEN)")
+		tokenFile = flag.String("token-file", "", "file holding the workers' shared token (default $TASKD_TOKEN)")
+		proxyFile = flag.String("proxy-token-file", "", "file holding the proxies' token for the manager (default $TASKD_PROXY_TOKEN)")
 		plaintext = flag.Bool("insecure", false, "allow plaintext connections (no TLS)")
 		dotting   = flag.String("dotting-root", taskd.DefaultDottingRoot, "root of the node's dotting files")
 		stacks    = flag.String("stack-root", "", "root of the node's stack files")
@@ -53,9 +62,13 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	proxyToken, err := readToken("--proxy-token-file", *proxyFile, "TASKD_PROXY_TOKEN")
+	if err != nil {
+		return err
+	}
 	reg := prometheus.NewRegistry()
 	p, err := taskd.NewProxy(taskd.ProxyConfig{
-		Job: *job, Node: *nodeRank, Upstream: *upstream, Listen: *listen, Security: sec,
+		Job: *job, Node: *nodeRank, Upstream: *upstream, Listen: *listen, Security: sec, UpstreamToken: proxyToken,
 		DottingRoot: *dotting, StackRoot: *stacks, Registerer: reg, Logger: log,
 	})
 	if err != nil {
@@ -85,13 +98,28 @@ func security(tlsDir, tokenFile string, plaintext bool) (taskd.Security, error) 
 		sec = taskd.SecurityFromDir(tlsDir)
 	}
 	sec.Insecure = plaintext
-	sec.Token = os.Getenv("TASKD_TOKEN")
-	if tokenFile != "" {
-		b, err := os.ReadFile(tokenFile)
-		if err != nil {
-			return sec, err
-		}
-		sec.Token = strings.TrimSpace(string(b))
+	token, err := readToken("--token-file", tokenFile, "TASKD_TOKEN")
+	if err != nil {
+		return sec, err
 	}
+	sec.Token = token
 	return sec, sec.Validate()
+}
+
+// readToken returns the token in file, else in the environment variable
+// env; "" when neither is set. A file that holds nothing but white space
+// (a secret never filled in) is an error, not the absence of a token.
+func readToken(flagName, file, env string) (string, error) {
+	if file == "" {
+		return strings.TrimSpace(os.Getenv(env)), nil
+	}
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", flagName, err)
+	}
+	token := strings.TrimSpace(string(b))
+	if token == "" {
+		return "", fmt.Errorf("%s %s: empty; put the token in it, or leave the flag out", flagName, file)
+	}
+	return token, nil
 }

@@ -10,6 +10,7 @@
 //
 // Stdin lines:
 //
+//	finish                    this rank ran its last step: its leave on exit says so
 //	fault KIND [MESSAGE...]   report a fault (process_exit, op_error, hang, ...)
 //	msg KIND [PAYLOAD...]     send an application message to the manager
 //	hang                      hang the fake trainer's step loop
@@ -63,13 +64,15 @@ func run() error {
 		sec = taskd.SecurityFromDir(*tlsDir)
 	}
 	sec.Insecure = *plaintext
-	sec.Token = os.Getenv("TASKD_TOKEN")
+	sec.Token = strings.TrimSpace(os.Getenv("TASKD_TOKEN"))
 	if *tokenFile != "" {
 		b, err := os.ReadFile(*tokenFile)
 		if err != nil {
 			return err
 		}
-		sec.Token = strings.TrimSpace(string(b))
+		if sec.Token = strings.TrimSpace(string(b)); sec.Token == "" {
+			return fmt.Errorf("--token-file %s: empty; put the token in it, or leave the flag out", *tokenFile)
+		}
 	}
 	var tr *trainertest.Trainer
 	var trainer taskd.Trainer
@@ -100,6 +103,10 @@ func run() error {
 			f := strings.Fields(sc.Text())
 			if len(f) == 1 && f[0] == "hang" && tr != nil {
 				tr.Hang()
+				continue
+			}
+			if len(f) == 1 && f[0] == "finish" {
+				w.Finish()
 				continue
 			}
 			if len(f) < 2 {

@@ -361,7 +361,11 @@ type RegisterResponse struct {
 	// held is set when an orchestration holds the job paused: a worker
 	// registering for the first time does not start its trainer, and the
 	// orchestration resumes it with the others.
-	Held          bool `protobuf:"varint,4,opt,name=held,proto3" json:"held,omitempty"`
+	Held bool `protobuf:"varint,4,opt,name=held,proto3" json:"held,omitempty"`
+	// secret is the member's credential, issued by the server it registered
+	// with: every later call carries it in the "taskd-member" header, and a
+	// registration of the same instance again proves itself with it.
+	Secret        string `protobuf:"bytes,5,opt,name=secret,proto3" json:"secret,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -422,6 +426,13 @@ func (x *RegisterResponse) GetHeld() bool {
 		return x.Held
 	}
 	return false
+}
+
+func (x *RegisterResponse) GetSecret() string {
+	if x != nil {
+		return x.Secret
+	}
+	return ""
 }
 
 // Beat says a member was heard from age_ms before the heartbeat was sent.
@@ -1740,6 +1751,106 @@ func (*CollectResultResponse) Descriptor() ([]byte, []int) {
 	return file_taskd_proto_rawDescGZIP(), []int{24}
 }
 
+// LeaveRequest says a member is going away on purpose: its silence from
+// now on is not a fault. A worker's proxy relays it.
+type LeaveRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Job    string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
+	Member *Member                `protobuf:"bytes,2,opt,name=member,proto3" json:"member,omitempty"`
+	// finished says the worker's rank ran its last step; the job is complete
+	// once every rank left finished.
+	Finished      bool `protobuf:"varint,3,opt,name=finished,proto3" json:"finished,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LeaveRequest) Reset() {
+	*x = LeaveRequest{}
+	mi := &file_taskd_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LeaveRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LeaveRequest) ProtoMessage() {}
+
+func (x *LeaveRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LeaveRequest.ProtoReflect.Descriptor instead.
+func (*LeaveRequest) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *LeaveRequest) GetJob() string {
+	if x != nil {
+		return x.Job
+	}
+	return ""
+}
+
+func (x *LeaveRequest) GetMember() *Member {
+	if x != nil {
+		return x.Member
+	}
+	return nil
+}
+
+func (x *LeaveRequest) GetFinished() bool {
+	if x != nil {
+		return x.Finished
+	}
+	return false
+}
+
+type LeaveResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LeaveResponse) Reset() {
+	*x = LeaveResponse{}
+	mi := &file_taskd_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LeaveResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LeaveResponse) ProtoMessage() {}
+
+func (x *LeaveResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LeaveResponse.ProtoReflect.Descriptor instead.
+func (*LeaveResponse) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{26}
+}
+
 // ProfilingSwitch is the profilingSwitch document as fields of "on"/"off".
 type ProfilingSwitch struct {
 	state                 protoimpl.MessageState `protogen:"open.v1"`
@@ -1754,7 +1865,7 @@ type ProfilingSwitch struct {
 
 func (x *ProfilingSwitch) Reset() {
 	*x = ProfilingSwitch{}
-	mi := &file_taskd_proto_msgTypes[25]
+	mi := &file_taskd_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1766,7 +1877,7 @@ func (x *ProfilingSwitch) String() string {
 func (*ProfilingSwitch) ProtoMessage() {}
 
 func (x *ProfilingSwitch) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[25]
+	mi := &file_taskd_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1779,7 +1890,7 @@ func (x *ProfilingSwitch) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProfilingSwitch.ProtoReflect.Descriptor instead.
 func (*ProfilingSwitch) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{25}
+	return file_taskd_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ProfilingSwitch) GetCommunicationOperator() string {
@@ -1827,7 +1938,7 @@ type DataTypeReq struct {
 
 func (x *DataTypeReq) Reset() {
 	*x = DataTypeReq{}
-	mi := &file_taskd_proto_msgTypes[26]
+	mi := &file_taskd_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1839,7 +1950,7 @@ func (x *DataTypeReq) String() string {
 func (*DataTypeReq) ProtoMessage() {}
 
 func (x *DataTypeReq) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[26]
+	mi := &file_taskd_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1852,7 +1963,7 @@ func (x *DataTypeReq) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DataTypeReq.ProtoReflect.Descriptor instead.
 func (*DataTypeReq) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{26}
+	return file_taskd_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *DataTypeReq) GetJobNsName() string {
@@ -1879,7 +1990,7 @@ type DataTypeRes struct {
 
 func (x *DataTypeRes) Reset() {
 	*x = DataTypeRes{}
-	mi := &file_taskd_proto_msgTypes[27]
+	mi := &file_taskd_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1891,7 +2002,7 @@ func (x *DataTypeRes) String() string {
 func (*DataTypeRes) ProtoMessage() {}
 
 func (x *DataTypeRes) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[27]
+	mi := &file_taskd_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1904,7 +2015,7 @@ func (x *DataTypeRes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DataTypeRes.ProtoReflect.Descriptor instead.
 func (*DataTypeRes) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{27}
+	return file_taskd_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *DataTypeRes) GetMessage() string {
@@ -1930,7 +2041,7 @@ type DataStatusReq struct {
 
 func (x *DataStatusReq) Reset() {
 	*x = DataStatusReq{}
-	mi := &file_taskd_proto_msgTypes[28]
+	mi := &file_taskd_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1942,7 +2053,7 @@ func (x *DataStatusReq) String() string {
 func (*DataStatusReq) ProtoMessage() {}
 
 func (x *DataStatusReq) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[28]
+	mi := &file_taskd_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1955,7 +2066,7 @@ func (x *DataStatusReq) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DataStatusReq.ProtoReflect.Descriptor instead.
 func (*DataStatusReq) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{28}
+	return file_taskd_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *DataStatusReq) GetJobNsName() string {
@@ -1976,7 +2087,7 @@ type DataStatusRes struct {
 
 func (x *DataStatusRes) Reset() {
 	*x = DataStatusRes{}
-	mi := &file_taskd_proto_msgTypes[29]
+	mi := &file_taskd_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1988,7 +2099,7 @@ func (x *DataStatusRes) String() string {
 func (*DataStatusRes) ProtoMessage() {}
 
 func (x *DataStatusRes) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[29]
+	mi := &file_taskd_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2001,7 +2112,7 @@ func (x *DataStatusRes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DataStatusRes.ProtoReflect.Descriptor instead.
 func (*DataStatusRes) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{29}
+	return file_taskd_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *DataStatusRes) GetMessage() string {
@@ -2036,7 +2147,7 @@ type DomainStatus struct {
 
 func (x *DomainStatus) Reset() {
 	*x = DomainStatus{}
-	mi := &file_taskd_proto_msgTypes[30]
+	mi := &file_taskd_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2048,7 +2159,7 @@ func (x *DomainStatus) String() string {
 func (*DomainStatus) ProtoMessage() {}
 
 func (x *DomainStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[30]
+	mi := &file_taskd_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2061,7 +2172,7 @@ func (x *DomainStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DomainStatus.ProtoReflect.Descriptor instead.
 func (*DomainStatus) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{30}
+	return file_taskd_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *DomainStatus) GetDomain() string {
@@ -2089,7 +2200,7 @@ type WorkerSwitchStatus struct {
 
 func (x *WorkerSwitchStatus) Reset() {
 	*x = WorkerSwitchStatus{}
-	mi := &file_taskd_proto_msgTypes[31]
+	mi := &file_taskd_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2101,7 +2212,7 @@ func (x *WorkerSwitchStatus) String() string {
 func (*WorkerSwitchStatus) ProtoMessage() {}
 
 func (x *WorkerSwitchStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[31]
+	mi := &file_taskd_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2114,7 +2225,7 @@ func (x *WorkerSwitchStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WorkerSwitchStatus.ProtoReflect.Descriptor instead.
 func (*WorkerSwitchStatus) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{31}
+	return file_taskd_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *WorkerSwitchStatus) GetPosition() *Position {
@@ -2150,7 +2261,7 @@ type SwitchStatusRes struct {
 
 func (x *SwitchStatusRes) Reset() {
 	*x = SwitchStatusRes{}
-	mi := &file_taskd_proto_msgTypes[32]
+	mi := &file_taskd_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2162,7 +2273,7 @@ func (x *SwitchStatusRes) String() string {
 func (*SwitchStatusRes) ProtoMessage() {}
 
 func (x *SwitchStatusRes) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[32]
+	mi := &file_taskd_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2175,7 +2286,7 @@ func (x *SwitchStatusRes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SwitchStatusRes.ProtoReflect.Descriptor instead.
 func (*SwitchStatusRes) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{32}
+	return file_taskd_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *SwitchStatusRes) GetMessage() string {
@@ -2225,7 +2336,7 @@ type Fault struct {
 
 func (x *Fault) Reset() {
 	*x = Fault{}
-	mi := &file_taskd_proto_msgTypes[33]
+	mi := &file_taskd_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2237,7 +2348,7 @@ func (x *Fault) String() string {
 func (*Fault) ProtoMessage() {}
 
 func (x *Fault) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[33]
+	mi := &file_taskd_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2250,7 +2361,7 @@ func (x *Fault) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Fault.ProtoReflect.Descriptor instead.
 func (*Fault) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{33}
+	return file_taskd_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *Fault) GetSeq() uint64 {
@@ -2342,7 +2453,7 @@ type ListFaultsReq struct {
 
 func (x *ListFaultsReq) Reset() {
 	*x = ListFaultsReq{}
-	mi := &file_taskd_proto_msgTypes[34]
+	mi := &file_taskd_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2354,7 +2465,7 @@ func (x *ListFaultsReq) String() string {
 func (*ListFaultsReq) ProtoMessage() {}
 
 func (x *ListFaultsReq) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[34]
+	mi := &file_taskd_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2367,7 +2478,7 @@ func (x *ListFaultsReq) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListFaultsReq.ProtoReflect.Descriptor instead.
 func (*ListFaultsReq) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{34}
+	return file_taskd_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *ListFaultsReq) GetJobNsName() string {
@@ -2395,7 +2506,7 @@ type ListFaultsRes struct {
 
 func (x *ListFaultsRes) Reset() {
 	*x = ListFaultsRes{}
-	mi := &file_taskd_proto_msgTypes[35]
+	mi := &file_taskd_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2407,7 +2518,7 @@ func (x *ListFaultsRes) String() string {
 func (*ListFaultsRes) ProtoMessage() {}
 
 func (x *ListFaultsRes) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[35]
+	mi := &file_taskd_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2420,7 +2531,7 @@ func (x *ListFaultsRes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListFaultsRes.ProtoReflect.Descriptor instead.
 func (*ListFaultsRes) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{35}
+	return file_taskd_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ListFaultsRes) GetMessage() string {
@@ -2457,7 +2568,7 @@ type CollectReq struct {
 
 func (x *CollectReq) Reset() {
 	*x = CollectReq{}
-	mi := &file_taskd_proto_msgTypes[36]
+	mi := &file_taskd_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2469,7 +2580,7 @@ func (x *CollectReq) String() string {
 func (*CollectReq) ProtoMessage() {}
 
 func (x *CollectReq) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[36]
+	mi := &file_taskd_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2482,7 +2593,7 @@ func (x *CollectReq) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CollectReq.ProtoReflect.Descriptor instead.
 func (*CollectReq) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{36}
+	return file_taskd_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *CollectReq) GetJobNsName() string {
@@ -2531,7 +2642,7 @@ type CollectRes struct {
 
 func (x *CollectRes) Reset() {
 	*x = CollectRes{}
-	mi := &file_taskd_proto_msgTypes[37]
+	mi := &file_taskd_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2543,7 +2654,7 @@ func (x *CollectRes) String() string {
 func (*CollectRes) ProtoMessage() {}
 
 func (x *CollectRes) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[37]
+	mi := &file_taskd_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2556,7 +2667,7 @@ func (x *CollectRes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CollectRes.ProtoReflect.Descriptor instead.
 func (*CollectRes) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{37}
+	return file_taskd_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *CollectRes) GetMessage() string {
@@ -2581,15 +2692,19 @@ func (x *CollectRes) GetResults() []*CollectResult {
 }
 
 type ListMembersReq struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	JobNsName     string                 `protobuf:"bytes,1,opt,name=jobNsName,proto3" json:"jobNsName,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	JobNsName string                 `protobuf:"bytes,1,opt,name=jobNsName,proto3" json:"jobNsName,omitempty"`
+	// offset skips the first members of the list (proxies first, then
+	// workers, each in rank order); an answer holds what fits half a
+	// message: page on with offset plus the members returned, up to total.
+	Offset        int32 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ListMembersReq) Reset() {
 	*x = ListMembersReq{}
-	mi := &file_taskd_proto_msgTypes[38]
+	mi := &file_taskd_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2601,7 +2716,7 @@ func (x *ListMembersReq) String() string {
 func (*ListMembersReq) ProtoMessage() {}
 
 func (x *ListMembersReq) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[38]
+	mi := &file_taskd_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2614,7 +2729,7 @@ func (x *ListMembersReq) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListMembersReq.ProtoReflect.Descriptor instead.
 func (*ListMembersReq) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{38}
+	return file_taskd_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *ListMembersReq) GetJobNsName() string {
@@ -2622,6 +2737,13 @@ func (x *ListMembersReq) GetJobNsName() string {
 		return x.JobNsName
 	}
 	return ""
+}
+
+func (x *ListMembersReq) GetOffset() int32 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
 }
 
 type MemberStatus struct {
@@ -2639,7 +2761,7 @@ type MemberStatus struct {
 
 func (x *MemberStatus) Reset() {
 	*x = MemberStatus{}
-	mi := &file_taskd_proto_msgTypes[39]
+	mi := &file_taskd_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2651,7 +2773,7 @@ func (x *MemberStatus) String() string {
 func (*MemberStatus) ProtoMessage() {}
 
 func (x *MemberStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[39]
+	mi := &file_taskd_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2664,7 +2786,7 @@ func (x *MemberStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberStatus.ProtoReflect.Descriptor instead.
 func (*MemberStatus) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{39}
+	return file_taskd_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *MemberStatus) GetMember() *Member {
@@ -2703,17 +2825,19 @@ func (x *MemberStatus) GetLastSeenUnixNano() int64 {
 }
 
 type ListMembersRes struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Message       string                 `protobuf:"bytes,1,opt,name=message,proto3" json:"message,omitempty"`
-	Code          Code                   `protobuf:"varint,2,opt,name=code,proto3,enum=faultline.taskd.v1.Code" json:"code,omitempty"`
-	Members       []*MemberStatus        `protobuf:"bytes,3,rep,name=members,proto3" json:"members,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Message string                 `protobuf:"bytes,1,opt,name=message,proto3" json:"message,omitempty"`
+	Code    Code                   `protobuf:"varint,2,opt,name=code,proto3,enum=faultline.taskd.v1.Code" json:"code,omitempty"`
+	Members []*MemberStatus        `protobuf:"bytes,3,rep,name=members,proto3" json:"members,omitempty"`
+	// total is how many members are live.
+	Total         int32 `protobuf:"varint,4,opt,name=total,proto3" json:"total,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ListMembersRes) Reset() {
 	*x = ListMembersRes{}
-	mi := &file_taskd_proto_msgTypes[40]
+	mi := &file_taskd_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2725,7 +2849,7 @@ func (x *ListMembersRes) String() string {
 func (*ListMembersRes) ProtoMessage() {}
 
 func (x *ListMembersRes) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[40]
+	mi := &file_taskd_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2738,7 +2862,7 @@ func (x *ListMembersRes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListMembersRes.ProtoReflect.Descriptor instead.
 func (*ListMembersRes) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{40}
+	return file_taskd_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *ListMembersRes) GetMessage() string {
@@ -2762,6 +2886,13 @@ func (x *ListMembersRes) GetMembers() []*MemberStatus {
 	return nil
 }
 
+func (x *ListMembersRes) GetTotal() int32 {
+	if x != nil {
+		return x.Total
+	}
+	return 0
+}
+
 // Transition is one change of an orchestration's state.
 type Transition struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -2775,7 +2906,7 @@ type Transition struct {
 
 func (x *Transition) Reset() {
 	*x = Transition{}
-	mi := &file_taskd_proto_msgTypes[41]
+	mi := &file_taskd_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2787,7 +2918,7 @@ func (x *Transition) String() string {
 func (*Transition) ProtoMessage() {}
 
 func (x *Transition) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[41]
+	mi := &file_taskd_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2800,7 +2931,7 @@ func (x *Transition) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Transition.ProtoReflect.Descriptor instead.
 func (*Transition) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{41}
+	return file_taskd_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *Transition) GetFrom() string {
@@ -2847,7 +2978,7 @@ type LinkRequest struct {
 
 func (x *LinkRequest) Reset() {
 	*x = LinkRequest{}
-	mi := &file_taskd_proto_msgTypes[42]
+	mi := &file_taskd_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2859,7 +2990,7 @@ func (x *LinkRequest) String() string {
 func (*LinkRequest) ProtoMessage() {}
 
 func (x *LinkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[42]
+	mi := &file_taskd_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2872,7 +3003,7 @@ func (x *LinkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LinkRequest.ProtoReflect.Descriptor instead.
 func (*LinkRequest) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{42}
+	return file_taskd_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *LinkRequest) GetNode() int32 {
@@ -2915,7 +3046,7 @@ type StressRequest struct {
 
 func (x *StressRequest) Reset() {
 	*x = StressRequest{}
-	mi := &file_taskd_proto_msgTypes[43]
+	mi := &file_taskd_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2927,7 +3058,7 @@ func (x *StressRequest) String() string {
 func (*StressRequest) ProtoMessage() {}
 
 func (x *StressRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[43]
+	mi := &file_taskd_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2940,7 +3071,7 @@ func (x *StressRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StressRequest.ProtoReflect.Descriptor instead.
 func (*StressRequest) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{43}
+	return file_taskd_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *StressRequest) GetNodes() []int32 {
@@ -3000,7 +3131,7 @@ type Orchestration struct {
 
 func (x *Orchestration) Reset() {
 	*x = Orchestration{}
-	mi := &file_taskd_proto_msgTypes[44]
+	mi := &file_taskd_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3012,7 +3143,7 @@ func (x *Orchestration) String() string {
 func (*Orchestration) ProtoMessage() {}
 
 func (x *Orchestration) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[44]
+	mi := &file_taskd_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3025,7 +3156,7 @@ func (x *Orchestration) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Orchestration.ProtoReflect.Descriptor instead.
 func (*Orchestration) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{44}
+	return file_taskd_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *Orchestration) GetId() uint64 {
@@ -3179,7 +3310,7 @@ type LinkState struct {
 
 func (x *LinkState) Reset() {
 	*x = LinkState{}
-	mi := &file_taskd_proto_msgTypes[45]
+	mi := &file_taskd_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3191,7 +3322,7 @@ func (x *LinkState) String() string {
 func (*LinkState) ProtoMessage() {}
 
 func (x *LinkState) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[45]
+	mi := &file_taskd_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3204,7 +3335,7 @@ func (x *LinkState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LinkState.ProtoReflect.Descriptor instead.
 func (*LinkState) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{45}
+	return file_taskd_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *LinkState) GetNode() int32 {
@@ -3239,7 +3370,7 @@ type GetOrchestrationReq struct {
 
 func (x *GetOrchestrationReq) Reset() {
 	*x = GetOrchestrationReq{}
-	mi := &file_taskd_proto_msgTypes[46]
+	mi := &file_taskd_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3251,7 +3382,7 @@ func (x *GetOrchestrationReq) String() string {
 func (*GetOrchestrationReq) ProtoMessage() {}
 
 func (x *GetOrchestrationReq) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[46]
+	mi := &file_taskd_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3264,7 +3395,7 @@ func (x *GetOrchestrationReq) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetOrchestrationReq.ProtoReflect.Descriptor instead.
 func (*GetOrchestrationReq) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{46}
+	return file_taskd_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *GetOrchestrationReq) GetJobNsName() string {
@@ -3297,7 +3428,7 @@ type GetOrchestrationRes struct {
 
 func (x *GetOrchestrationRes) Reset() {
 	*x = GetOrchestrationRes{}
-	mi := &file_taskd_proto_msgTypes[47]
+	mi := &file_taskd_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3309,7 +3440,7 @@ func (x *GetOrchestrationRes) String() string {
 func (*GetOrchestrationRes) ProtoMessage() {}
 
 func (x *GetOrchestrationRes) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[47]
+	mi := &file_taskd_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3322,7 +3453,7 @@ func (x *GetOrchestrationRes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetOrchestrationRes.ProtoReflect.Descriptor instead.
 func (*GetOrchestrationRes) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{47}
+	return file_taskd_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *GetOrchestrationRes) GetMessage() string {
@@ -3373,7 +3504,7 @@ type SwitchLinkReq struct {
 
 func (x *SwitchLinkReq) Reset() {
 	*x = SwitchLinkReq{}
-	mi := &file_taskd_proto_msgTypes[48]
+	mi := &file_taskd_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3385,7 +3516,7 @@ func (x *SwitchLinkReq) String() string {
 func (*SwitchLinkReq) ProtoMessage() {}
 
 func (x *SwitchLinkReq) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[48]
+	mi := &file_taskd_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3398,7 +3529,7 @@ func (x *SwitchLinkReq) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SwitchLinkReq.ProtoReflect.Descriptor instead.
 func (*SwitchLinkReq) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{48}
+	return file_taskd_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *SwitchLinkReq) GetJobNsName() string {
@@ -3433,7 +3564,7 @@ type StressTestReq struct {
 
 func (x *StressTestReq) Reset() {
 	*x = StressTestReq{}
-	mi := &file_taskd_proto_msgTypes[49]
+	mi := &file_taskd_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3445,7 +3576,7 @@ func (x *StressTestReq) String() string {
 func (*StressTestReq) ProtoMessage() {}
 
 func (x *StressTestReq) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[49]
+	mi := &file_taskd_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3458,7 +3589,7 @@ func (x *StressTestReq) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StressTestReq.ProtoReflect.Descriptor instead.
 func (*StressTestReq) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{49}
+	return file_taskd_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *StressTestReq) GetJobNsName() string {
@@ -3493,7 +3624,7 @@ type OrchestrationRes struct {
 
 func (x *OrchestrationRes) Reset() {
 	*x = OrchestrationRes{}
-	mi := &file_taskd_proto_msgTypes[50]
+	mi := &file_taskd_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3505,7 +3636,7 @@ func (x *OrchestrationRes) String() string {
 func (*OrchestrationRes) ProtoMessage() {}
 
 func (x *OrchestrationRes) ProtoReflect() protoreflect.Message {
-	mi := &file_taskd_proto_msgTypes[50]
+	mi := &file_taskd_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3518,7 +3649,7 @@ func (x *OrchestrationRes) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OrchestrationRes.ProtoReflect.Descriptor instead.
 func (*OrchestrationRes) Descriptor() ([]byte, []int) {
-	return file_taskd_proto_rawDescGZIP(), []int{50}
+	return file_taskd_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *OrchestrationRes) GetMessage() string {
@@ -3538,6 +3669,224 @@ func (x *OrchestrationRes) GetCode() Code {
 func (x *OrchestrationRes) GetOrchestration() *Orchestration {
 	if x != nil {
 		return x.Orchestration
+	}
+	return nil
+}
+
+type GetJobReq struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	JobNsName string                 `protobuf:"bytes,1,opt,name=jobNsName,proto3" json:"jobNsName,omitempty"`
+	// from_rank returns only departures of ranks from it on; one answer
+	// holds at most 10000, in rank order.
+	FromRank      int32 `protobuf:"varint,2,opt,name=from_rank,json=fromRank,proto3" json:"from_rank,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetJobReq) Reset() {
+	*x = GetJobReq{}
+	mi := &file_taskd_proto_msgTypes[53]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetJobReq) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetJobReq) ProtoMessage() {}
+
+func (x *GetJobReq) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[53]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetJobReq.ProtoReflect.Descriptor instead.
+func (*GetJobReq) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{53}
+}
+
+func (x *GetJobReq) GetJobNsName() string {
+	if x != nil {
+		return x.JobNsName
+	}
+	return ""
+}
+
+func (x *GetJobReq) GetFromRank() int32 {
+	if x != nil {
+		return x.FromRank
+	}
+	return 0
+}
+
+// Departure is a worker that is no longer live.
+type Departure struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Position *Position              `protobuf:"bytes,1,opt,name=position,proto3" json:"position,omitempty"`
+	// left is set when the worker said it was going, unset when it was
+	// declared lost or evicted by recovery.
+	Left          bool  `protobuf:"varint,2,opt,name=left,proto3" json:"left,omitempty"`
+	Finished      bool  `protobuf:"varint,3,opt,name=finished,proto3" json:"finished,omitempty"`
+	TimeUnixNano  int64 `protobuf:"varint,4,opt,name=time_unix_nano,json=timeUnixNano,proto3" json:"time_unix_nano,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Departure) Reset() {
+	*x = Departure{}
+	mi := &file_taskd_proto_msgTypes[54]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Departure) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Departure) ProtoMessage() {}
+
+func (x *Departure) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[54]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Departure.ProtoReflect.Descriptor instead.
+func (*Departure) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{54}
+}
+
+func (x *Departure) GetPosition() *Position {
+	if x != nil {
+		return x.Position
+	}
+	return nil
+}
+
+func (x *Departure) GetLeft() bool {
+	if x != nil {
+		return x.Left
+	}
+	return false
+}
+
+func (x *Departure) GetFinished() bool {
+	if x != nil {
+		return x.Finished
+	}
+	return false
+}
+
+func (x *Departure) GetTimeUnixNano() int64 {
+	if x != nil {
+		return x.TimeUnixNano
+	}
+	return 0
+}
+
+type GetJobRes struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Message string                 `protobuf:"bytes,1,opt,name=message,proto3" json:"message,omitempty"`
+	Code    Code                   `protobuf:"varint,2,opt,name=code,proto3,enum=faultline.taskd.v1.Code" json:"code,omitempty"`
+	// complete is set once every rank of the job left finished.
+	Complete         bool         `protobuf:"varint,3,opt,name=complete,proto3" json:"complete,omitempty"`
+	CompleteUnixNano int64        `protobuf:"varint,4,opt,name=complete_unix_nano,json=completeUnixNano,proto3" json:"complete_unix_nano,omitempty"`
+	LiveWorkers      int32        `protobuf:"varint,5,opt,name=live_workers,json=liveWorkers,proto3" json:"live_workers,omitempty"`
+	DepartedWorkers  int32        `protobuf:"varint,6,opt,name=departed_workers,json=departedWorkers,proto3" json:"departed_workers,omitempty"`
+	Departed         []*Departure `protobuf:"bytes,7,rep,name=departed,proto3" json:"departed,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *GetJobRes) Reset() {
+	*x = GetJobRes{}
+	mi := &file_taskd_proto_msgTypes[55]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetJobRes) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetJobRes) ProtoMessage() {}
+
+func (x *GetJobRes) ProtoReflect() protoreflect.Message {
+	mi := &file_taskd_proto_msgTypes[55]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetJobRes.ProtoReflect.Descriptor instead.
+func (*GetJobRes) Descriptor() ([]byte, []int) {
+	return file_taskd_proto_rawDescGZIP(), []int{55}
+}
+
+func (x *GetJobRes) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+func (x *GetJobRes) GetCode() Code {
+	if x != nil {
+		return x.Code
+	}
+	return Code_CODE_OK
+}
+
+func (x *GetJobRes) GetComplete() bool {
+	if x != nil {
+		return x.Complete
+	}
+	return false
+}
+
+func (x *GetJobRes) GetCompleteUnixNano() int64 {
+	if x != nil {
+		return x.CompleteUnixNano
+	}
+	return 0
+}
+
+func (x *GetJobRes) GetLiveWorkers() int32 {
+	if x != nil {
+		return x.LiveWorkers
+	}
+	return 0
+}
+
+func (x *GetJobRes) GetDepartedWorkers() int32 {
+	if x != nil {
+		return x.DepartedWorkers
+	}
+	return 0
+}
+
+func (x *GetJobRes) GetDeparted() []*Departure {
+	if x != nil {
+		return x.Departed
 	}
 	return nil
 }
@@ -3563,12 +3912,13 @@ const file_taskd_proto_rawDesc = "" +
 	"\n" +
 	"has_switch\x18\x05 \x01(\bR\thasSwitch\x12\x1a\n" +
 	"\bhostname\x18\x06 \x01(\tR\bhostname\x12\x10\n" +
-	"\x03pid\x18\a \x01(\x03R\x03pid\"\xb9\x01\n" +
+	"\x03pid\x18\a \x01(\x03R\x03pid\"\xd1\x01\n" +
 	"\x10RegisterResponse\x122\n" +
 	"\x15heartbeat_interval_ms\x18\x01 \x01(\x03R\x13heartbeatIntervalMs\x122\n" +
 	"\x15heartbeat_deadline_ms\x18\x02 \x01(\x03R\x13heartbeatDeadlineMs\x12)\n" +
 	"\x10manager_instance\x18\x03 \x01(\tR\x0fmanagerInstance\x12\x12\n" +
-	"\x04held\x18\x04 \x01(\bR\x04held\"Q\n" +
+	"\x04held\x18\x04 \x01(\bR\x04held\x12\x16\n" +
+	"\x06secret\x18\x05 \x01(\tR\x06secret\"Q\n" +
 	"\x04Beat\x122\n" +
 	"\x06member\x18\x01 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x06member\x12\x15\n" +
 	"\x06age_ms\x18\x02 \x01(\x03R\x05ageMs\"\x84\x01\n" +
@@ -3661,7 +4011,12 @@ const file_taskd_proto_rawDesc = "" +
 	"\x05files\x18\x04 \x01(\x05R\x05files\x12\x14\n" +
 	"\x05bytes\x18\x05 \x01(\x03R\x05bytes\x12\x16\n" +
 	"\x06errors\x18\x06 \x03(\tR\x06errors\"\x17\n" +
-	"\x15CollectResultResponse\"\xb3\x01\n" +
+	"\x15CollectResultResponse\"p\n" +
+	"\fLeaveRequest\x12\x10\n" +
+	"\x03job\x18\x01 \x01(\tR\x03job\x122\n" +
+	"\x06member\x18\x02 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x06member\x12\x1a\n" +
+	"\bfinished\x18\x03 \x01(\bR\bfinished\"\x0f\n" +
+	"\rLeaveResponse\"\xb3\x01\n" +
 	"\x0fProfilingSwitch\x124\n" +
 	"\x15CommunicationOperator\x18\x01 \x01(\tR\x15CommunicationOperator\x12\x12\n" +
 	"\x04Step\x18\x02 \x01(\tR\x04Step\x12&\n" +
@@ -3730,19 +4085,21 @@ const file_taskd_proto_rawDesc = "" +
 	"CollectRes\x12\x18\n" +
 	"\amessage\x18\x01 \x01(\tR\amessage\x12,\n" +
 	"\x04code\x18\x02 \x01(\x0e2\x18.faultline.taskd.v1.CodeR\x04code\x12;\n" +
-	"\aresults\x18\x03 \x03(\v2!.faultline.taskd.v1.CollectResultR\aresults\".\n" +
+	"\aresults\x18\x03 \x03(\v2!.faultline.taskd.v1.CollectResultR\aresults\"F\n" +
 	"\x0eListMembersReq\x12\x1c\n" +
-	"\tjobNsName\x18\x01 \x01(\tR\tjobNsName\"\xb1\x01\n" +
+	"\tjobNsName\x18\x01 \x01(\tR\tjobNsName\x12\x16\n" +
+	"\x06offset\x18\x02 \x01(\x05R\x06offset\"\xb1\x01\n" +
 	"\fMemberStatus\x122\n" +
 	"\x06member\x18\x01 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x06member\x12\x10\n" +
 	"\x03via\x18\x02 \x01(\x05R\x03via\x12\x1a\n" +
 	"\bhostname\x18\x03 \x01(\tR\bhostname\x12\x10\n" +
 	"\x03pid\x18\x04 \x01(\x03R\x03pid\x12-\n" +
-	"\x13last_seen_unix_nano\x18\x05 \x01(\x03R\x10lastSeenUnixNano\"\x94\x01\n" +
+	"\x13last_seen_unix_nano\x18\x05 \x01(\x03R\x10lastSeenUnixNano\"\xaa\x01\n" +
 	"\x0eListMembersRes\x12\x18\n" +
 	"\amessage\x18\x01 \x01(\tR\amessage\x12,\n" +
 	"\x04code\x18\x02 \x01(\x0e2\x18.faultline.taskd.v1.CodeR\x04code\x12:\n" +
-	"\amembers\x18\x03 \x03(\v2 .faultline.taskd.v1.MemberStatusR\amembers\"n\n" +
+	"\amembers\x18\x03 \x03(\v2 .faultline.taskd.v1.MemberStatusR\amembers\x12\x14\n" +
+	"\x05total\x18\x04 \x01(\x05R\x05total\"n\n" +
 	"\n" +
 	"Transition\x12\x12\n" +
 	"\x04from\x18\x01 \x01(\tR\x04from\x12\x0e\n" +
@@ -3806,7 +4163,23 @@ const file_taskd_proto_rawDesc = "" +
 	"\x10OrchestrationRes\x12\x18\n" +
 	"\amessage\x18\x01 \x01(\tR\amessage\x12,\n" +
 	"\x04code\x18\x02 \x01(\x0e2\x18.faultline.taskd.v1.CodeR\x04code\x12G\n" +
-	"\rorchestration\x18\x03 \x01(\v2!.faultline.taskd.v1.OrchestrationR\rorchestration*O\n" +
+	"\rorchestration\x18\x03 \x01(\v2!.faultline.taskd.v1.OrchestrationR\rorchestration\"F\n" +
+	"\tGetJobReq\x12\x1c\n" +
+	"\tjobNsName\x18\x01 \x01(\tR\tjobNsName\x12\x1b\n" +
+	"\tfrom_rank\x18\x02 \x01(\x05R\bfromRank\"\x9b\x01\n" +
+	"\tDeparture\x128\n" +
+	"\bposition\x18\x01 \x01(\v2\x1c.faultline.taskd.v1.PositionR\bposition\x12\x12\n" +
+	"\x04left\x18\x02 \x01(\bR\x04left\x12\x1a\n" +
+	"\bfinished\x18\x03 \x01(\bR\bfinished\x12$\n" +
+	"\x0etime_unix_nano\x18\x04 \x01(\x03R\ftimeUnixNano\"\xa6\x02\n" +
+	"\tGetJobRes\x12\x18\n" +
+	"\amessage\x18\x01 \x01(\tR\amessage\x12,\n" +
+	"\x04code\x18\x02 \x01(\x0e2\x18.faultline.taskd.v1.CodeR\x04code\x12\x1a\n" +
+	"\bcomplete\x18\x03 \x01(\bR\bcomplete\x12,\n" +
+	"\x12complete_unix_nano\x18\x04 \x01(\x03R\x10completeUnixNano\x12!\n" +
+	"\flive_workers\x18\x05 \x01(\x05R\vliveWorkers\x12)\n" +
+	"\x10departed_workers\x18\x06 \x01(\x05R\x0fdepartedWorkers\x129\n" +
+	"\bdeparted\x18\a \x03(\v2\x1d.faultline.taskd.v1.DepartureR\bdeparted*O\n" +
 	"\x04Role\x12\x14\n" +
 	"\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n" +
 	"\fROLE_MANAGER\x10\x01\x12\x0e\n" +
@@ -3819,7 +4192,7 @@ const file_taskd_proto_rawDesc = "" +
 	"\x10CODE_UNKNOWN_JOB\x10\x02\x12\x11\n" +
 	"\rCODE_INTERNAL\x10\x03\x12\r\n" +
 	"\tCODE_BUSY\x10\x04\x12\x0f\n" +
-	"\vCODE_FAILED\x10\x052\xb4\x05\n" +
+	"\vCODE_FAILED\x10\x052\x82\x06\n" +
 	"\aControl\x12U\n" +
 	"\bRegister\x12#.faultline.taskd.v1.RegisterRequest\x1a$.faultline.taskd.v1.RegisterResponse\x12X\n" +
 	"\tHeartbeat\x12$.faultline.taskd.v1.HeartbeatRequest\x1a%.faultline.taskd.v1.HeartbeatResponse\x12I\n" +
@@ -3828,11 +4201,12 @@ const file_taskd_proto_rawDesc = "" +
 	"\vAcknowledge\x12\x1e.faultline.taskd.v1.AckRequest\x1a\x1f.faultline.taskd.v1.AckResponse\x12b\n" +
 	"\rUploadOffsets\x12'.faultline.taskd.v1.UploadOffsetRequest\x1a(.faultline.taskd.v1.UploadOffsetResponse\x12O\n" +
 	"\x06Upload\x12\x1f.faultline.taskd.v1.UploadChunk\x1a\".faultline.taskd.v1.UploadResponse(\x01\x12[\n" +
-	"\vCollectDone\x12!.faultline.taskd.v1.CollectResult\x1a).faultline.taskd.v1.CollectResultResponse2\xbe\x02\n" +
+	"\vCollectDone\x12!.faultline.taskd.v1.CollectResult\x1a).faultline.taskd.v1.CollectResultResponse\x12L\n" +
+	"\x05Leave\x12 .faultline.taskd.v1.LeaveRequest\x1a!.faultline.taskd.v1.LeaveResponse2\xbe\x02\n" +
 	"\x11TrainingDataTrace\x12a\n" +
 	"\x1dModifyTrainingDataTraceSwitch\x12\x1f.faultline.taskd.v1.DataTypeReq\x1a\x1f.faultline.taskd.v1.DataTypeRes\x12b\n" +
 	"\x1aGetTrainingDataTraceSwitch\x12!.faultline.taskd.v1.DataStatusReq\x1a!.faultline.taskd.v1.DataStatusRes\x12b\n" +
-	"\x18SubscribeDataTraceSwitch\x12!.faultline.taskd.v1.DataStatusReq\x1a!.faultline.taskd.v1.DataStatusRes0\x012\xec\x04\n" +
+	"\x18SubscribeDataTraceSwitch\x12!.faultline.taskd.v1.DataStatusReq\x1a!.faultline.taskd.v1.DataStatusRes0\x012\xb4\x05\n" +
 	"\x05Admin\x12U\n" +
 	"\vListMembers\x12\".faultline.taskd.v1.ListMembersReq\x1a\".faultline.taskd.v1.ListMembersRes\x12Y\n" +
 	"\x0fGetSwitchStatus\x12!.faultline.taskd.v1.DataStatusReq\x1a#.faultline.taskd.v1.SwitchStatusRes\x12R\n" +
@@ -3843,7 +4217,8 @@ const file_taskd_proto_rawDesc = "" +
 	"\n" +
 	"SwitchLink\x12!.faultline.taskd.v1.SwitchLinkReq\x1a$.faultline.taskd.v1.OrchestrationRes\x12U\n" +
 	"\n" +
-	"StressTest\x12!.faultline.taskd.v1.StressTestReq\x1a$.faultline.taskd.v1.OrchestrationResB4Z2github.com/faultline-ml/faultline/internal/taskdpbb\x06proto3"
+	"StressTest\x12!.faultline.taskd.v1.StressTestReq\x1a$.faultline.taskd.v1.OrchestrationRes\x12F\n" +
+	"\x06GetJob\x12\x1d.faultline.taskd.v1.GetJobReq\x1a\x1d.faultline.taskd.v1.GetJobResB4Z2github.com/faultline-ml/faultline/internal/taskdpbb\x06proto3"
 
 var (
 	file_taskd_proto_rawDescOnce sync.Once
@@ -3858,7 +4233,7 @@ func file_taskd_proto_rawDescGZIP() []byte {
 }
 
 var file_taskd_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_taskd_proto_msgTypes = make([]protoimpl.MessageInfo, 53)
+var file_taskd_proto_msgTypes = make([]protoimpl.MessageInfo, 58)
 var file_taskd_proto_goTypes = []any{
 	(Role)(0),                     // 0: faultline.taskd.v1.Role
 	(Code)(0),                     // 1: faultline.taskd.v1.Code
@@ -3887,34 +4262,39 @@ var file_taskd_proto_goTypes = []any{
 	(*UploadResponse)(nil),        // 24: faultline.taskd.v1.UploadResponse
 	(*CollectResult)(nil),         // 25: faultline.taskd.v1.CollectResult
 	(*CollectResultResponse)(nil), // 26: faultline.taskd.v1.CollectResultResponse
-	(*ProfilingSwitch)(nil),       // 27: faultline.taskd.v1.ProfilingSwitch
-	(*DataTypeReq)(nil),           // 28: faultline.taskd.v1.DataTypeReq
-	(*DataTypeRes)(nil),           // 29: faultline.taskd.v1.DataTypeRes
-	(*DataStatusReq)(nil),         // 30: faultline.taskd.v1.DataStatusReq
-	(*DataStatusRes)(nil),         // 31: faultline.taskd.v1.DataStatusRes
-	(*DomainStatus)(nil),          // 32: faultline.taskd.v1.DomainStatus
-	(*WorkerSwitchStatus)(nil),    // 33: faultline.taskd.v1.WorkerSwitchStatus
-	(*SwitchStatusRes)(nil),       // 34: faultline.taskd.v1.SwitchStatusRes
-	(*Fault)(nil),                 // 35: faultline.taskd.v1.Fault
-	(*ListFaultsReq)(nil),         // 36: faultline.taskd.v1.ListFaultsReq
-	(*ListFaultsRes)(nil),         // 37: faultline.taskd.v1.ListFaultsRes
-	(*CollectReq)(nil),            // 38: faultline.taskd.v1.CollectReq
-	(*CollectRes)(nil),            // 39: faultline.taskd.v1.CollectRes
-	(*ListMembersReq)(nil),        // 40: faultline.taskd.v1.ListMembersReq
-	(*MemberStatus)(nil),          // 41: faultline.taskd.v1.MemberStatus
-	(*ListMembersRes)(nil),        // 42: faultline.taskd.v1.ListMembersRes
-	(*Transition)(nil),            // 43: faultline.taskd.v1.Transition
-	(*LinkRequest)(nil),           // 44: faultline.taskd.v1.LinkRequest
-	(*StressRequest)(nil),         // 45: faultline.taskd.v1.StressRequest
-	(*Orchestration)(nil),         // 46: faultline.taskd.v1.Orchestration
-	(*LinkState)(nil),             // 47: faultline.taskd.v1.LinkState
-	(*GetOrchestrationReq)(nil),   // 48: faultline.taskd.v1.GetOrchestrationReq
-	(*GetOrchestrationRes)(nil),   // 49: faultline.taskd.v1.GetOrchestrationRes
-	(*SwitchLinkReq)(nil),         // 50: faultline.taskd.v1.SwitchLinkReq
-	(*StressTestReq)(nil),         // 51: faultline.taskd.v1.StressTestReq
-	(*OrchestrationRes)(nil),      // 52: faultline.taskd.v1.OrchestrationRes
-	nil,                           // 53: faultline.taskd.v1.FaultReport.AttrsEntry
-	nil,                           // 54: faultline.taskd.v1.Fault.AttrsEntry
+	(*LeaveRequest)(nil),          // 27: faultline.taskd.v1.LeaveRequest
+	(*LeaveResponse)(nil),         // 28: faultline.taskd.v1.LeaveResponse
+	(*ProfilingSwitch)(nil),       // 29: faultline.taskd.v1.ProfilingSwitch
+	(*DataTypeReq)(nil),           // 30: faultline.taskd.v1.DataTypeReq
+	(*DataTypeRes)(nil),           // 31: faultline.taskd.v1.DataTypeRes
+	(*DataStatusReq)(nil),         // 32: faultline.taskd.v1.DataStatusReq
+	(*DataStatusRes)(nil),         // 33: faultline.taskd.v1.DataStatusRes
+	(*DomainStatus)(nil),          // 34: faultline.taskd.v1.DomainStatus
+	(*WorkerSwitchStatus)(nil),    // 35: faultline.taskd.v1.WorkerSwitchStatus
+	(*SwitchStatusRes)(nil),       // 36: faultline.taskd.v1.SwitchStatusRes
+	(*Fault)(nil),                 // 37: faultline.taskd.v1.Fault
+	(*ListFaultsReq)(nil),         // 38: faultline.taskd.v1.ListFaultsReq
+	(*ListFaultsRes)(nil),         // 39: faultline.taskd.v1.ListFaultsRes
+	(*CollectReq)(nil),            // 40: faultline.taskd.v1.CollectReq
+	(*CollectRes)(nil),            // 41: faultline.taskd.v1.CollectRes
+	(*ListMembersReq)(nil),        // 42: faultline.taskd.v1.ListMembersReq
+	(*MemberStatus)(nil),          // 43: faultline.taskd.v1.MemberStatus
+	(*ListMembersRes)(nil),        // 44: faultline.taskd.v1.ListMembersRes
+	(*Transition)(nil),            // 45: faultline.taskd.v1.Transition
+	(*LinkRequest)(nil),           // 46: faultline.taskd.v1.LinkRequest
+	(*StressRequest)(nil),         // 47: faultline.taskd.v1.StressRequest
+	(*Orchestration)(nil),         // 48: faultline.taskd.v1.Orchestration
+	(*LinkState)(nil),             // 49: faultline.taskd.v1.LinkState
+	(*GetOrchestrationReq)(nil),   // 50: faultline.taskd.v1.GetOrchestrationReq
+	(*GetOrchestrationRes)(nil),   // 51: faultline.taskd.v1.GetOrchestrationRes
+	(*SwitchLinkReq)(nil),         // 52: faultline.taskd.v1.SwitchLinkReq
+	(*StressTestReq)(nil),         // 53: faultline.taskd.v1.StressTestReq
+	(*OrchestrationRes)(nil),      // 54: faultline.taskd.v1.OrchestrationRes
+	(*GetJobReq)(nil),             // 55: faultline.taskd.v1.GetJobReq
+	(*Departure)(nil),             // 56: faultline.taskd.v1.Departure
+	(*GetJobRes)(nil),             // 57: faultline.taskd.v1.GetJobRes
+	nil,                           // 58: faultline.taskd.v1.FaultReport.AttrsEntry
+	nil,                           // 59: faultline.taskd.v1.Fault.AttrsEntry
 }
 var file_taskd_proto_depIdxs = []int32{
 	0,  // 0: faultline.taskd.v1.Member.role:type_name -> faultline.taskd.v1.Role
@@ -3928,7 +4308,7 @@ var file_taskd_proto_depIdxs = []int32{
 	3,  // 8: faultline.taskd.v1.Report.from:type_name -> faultline.taskd.v1.Member
 	10, // 9: faultline.taskd.v1.Report.fault:type_name -> faultline.taskd.v1.FaultReport
 	11, // 10: faultline.taskd.v1.Report.message:type_name -> faultline.taskd.v1.UserMessage
-	53, // 11: faultline.taskd.v1.FaultReport.attrs:type_name -> faultline.taskd.v1.FaultReport.AttrsEntry
+	58, // 11: faultline.taskd.v1.FaultReport.attrs:type_name -> faultline.taskd.v1.FaultReport.AttrsEntry
 	9,  // 12: faultline.taskd.v1.SendRequest.reports:type_name -> faultline.taskd.v1.Report
 	3,  // 13: faultline.taskd.v1.StreamRequest.member:type_name -> faultline.taskd.v1.Member
 	16, // 14: faultline.taskd.v1.Envelope.switch:type_name -> faultline.taskd.v1.SwitchUpdate
@@ -3936,76 +4316,84 @@ var file_taskd_proto_depIdxs = []int32{
 	17, // 16: faultline.taskd.v1.Envelope.collect:type_name -> faultline.taskd.v1.CollectRequest
 	3,  // 17: faultline.taskd.v1.Ack.from:type_name -> faultline.taskd.v1.Member
 	18, // 18: faultline.taskd.v1.AckRequest.acks:type_name -> faultline.taskd.v1.Ack
-	27, // 19: faultline.taskd.v1.DataTypeReq.profilingSwitch:type_name -> faultline.taskd.v1.ProfilingSwitch
-	1,  // 20: faultline.taskd.v1.DataTypeRes.code:type_name -> faultline.taskd.v1.Code
-	27, // 21: faultline.taskd.v1.DataStatusRes.profilingSwitch:type_name -> faultline.taskd.v1.ProfilingSwitch
-	1,  // 22: faultline.taskd.v1.DataStatusRes.code:type_name -> faultline.taskd.v1.Code
-	2,  // 23: faultline.taskd.v1.WorkerSwitchStatus.position:type_name -> faultline.taskd.v1.Position
-	32, // 24: faultline.taskd.v1.WorkerSwitchStatus.domains:type_name -> faultline.taskd.v1.DomainStatus
-	1,  // 25: faultline.taskd.v1.SwitchStatusRes.code:type_name -> faultline.taskd.v1.Code
-	33, // 26: faultline.taskd.v1.SwitchStatusRes.workers:type_name -> faultline.taskd.v1.WorkerSwitchStatus
-	54, // 27: faultline.taskd.v1.Fault.attrs:type_name -> faultline.taskd.v1.Fault.AttrsEntry
-	3,  // 28: faultline.taskd.v1.Fault.reporter:type_name -> faultline.taskd.v1.Member
-	1,  // 29: faultline.taskd.v1.ListFaultsRes.code:type_name -> faultline.taskd.v1.Code
-	35, // 30: faultline.taskd.v1.ListFaultsRes.faults:type_name -> faultline.taskd.v1.Fault
-	1,  // 31: faultline.taskd.v1.CollectRes.code:type_name -> faultline.taskd.v1.Code
-	25, // 32: faultline.taskd.v1.CollectRes.results:type_name -> faultline.taskd.v1.CollectResult
-	3,  // 33: faultline.taskd.v1.MemberStatus.member:type_name -> faultline.taskd.v1.Member
-	1,  // 34: faultline.taskd.v1.ListMembersRes.code:type_name -> faultline.taskd.v1.Code
-	41, // 35: faultline.taskd.v1.ListMembersRes.members:type_name -> faultline.taskd.v1.MemberStatus
-	35, // 36: faultline.taskd.v1.Orchestration.faults:type_name -> faultline.taskd.v1.Fault
-	43, // 37: faultline.taskd.v1.Orchestration.transitions:type_name -> faultline.taskd.v1.Transition
-	44, // 38: faultline.taskd.v1.Orchestration.link:type_name -> faultline.taskd.v1.LinkRequest
-	45, // 39: faultline.taskd.v1.Orchestration.stress:type_name -> faultline.taskd.v1.StressRequest
-	1,  // 40: faultline.taskd.v1.GetOrchestrationRes.code:type_name -> faultline.taskd.v1.Code
-	46, // 41: faultline.taskd.v1.GetOrchestrationRes.current:type_name -> faultline.taskd.v1.Orchestration
-	46, // 42: faultline.taskd.v1.GetOrchestrationRes.history:type_name -> faultline.taskd.v1.Orchestration
-	47, // 43: faultline.taskd.v1.GetOrchestrationRes.links:type_name -> faultline.taskd.v1.LinkState
-	44, // 44: faultline.taskd.v1.SwitchLinkReq.link:type_name -> faultline.taskd.v1.LinkRequest
-	45, // 45: faultline.taskd.v1.StressTestReq.stress:type_name -> faultline.taskd.v1.StressRequest
-	1,  // 46: faultline.taskd.v1.OrchestrationRes.code:type_name -> faultline.taskd.v1.Code
-	46, // 47: faultline.taskd.v1.OrchestrationRes.orchestration:type_name -> faultline.taskd.v1.Orchestration
-	4,  // 48: faultline.taskd.v1.Control.Register:input_type -> faultline.taskd.v1.RegisterRequest
-	7,  // 49: faultline.taskd.v1.Control.Heartbeat:input_type -> faultline.taskd.v1.HeartbeatRequest
-	12, // 50: faultline.taskd.v1.Control.Send:input_type -> faultline.taskd.v1.SendRequest
-	14, // 51: faultline.taskd.v1.Control.Stream:input_type -> faultline.taskd.v1.StreamRequest
-	19, // 52: faultline.taskd.v1.Control.Acknowledge:input_type -> faultline.taskd.v1.AckRequest
-	21, // 53: faultline.taskd.v1.Control.UploadOffsets:input_type -> faultline.taskd.v1.UploadOffsetRequest
-	23, // 54: faultline.taskd.v1.Control.Upload:input_type -> faultline.taskd.v1.UploadChunk
-	25, // 55: faultline.taskd.v1.Control.CollectDone:input_type -> faultline.taskd.v1.CollectResult
-	28, // 56: faultline.taskd.v1.TrainingDataTrace.ModifyTrainingDataTraceSwitch:input_type -> faultline.taskd.v1.DataTypeReq
-	30, // 57: faultline.taskd.v1.TrainingDataTrace.GetTrainingDataTraceSwitch:input_type -> faultline.taskd.v1.DataStatusReq
-	30, // 58: faultline.taskd.v1.TrainingDataTrace.SubscribeDataTraceSwitch:input_type -> faultline.taskd.v1.DataStatusReq
-	40, // 59: faultline.taskd.v1.Admin.ListMembers:input_type -> faultline.taskd.v1.ListMembersReq
-	30, // 60: faultline.taskd.v1.Admin.GetSwitchStatus:input_type -> faultline.taskd.v1.DataStatusReq
-	36, // 61: faultline.taskd.v1.Admin.ListFaults:input_type -> faultline.taskd.v1.ListFaultsReq
-	38, // 62: faultline.taskd.v1.Admin.Collect:input_type -> faultline.taskd.v1.CollectReq
-	48, // 63: faultline.taskd.v1.Admin.GetOrchestration:input_type -> faultline.taskd.v1.GetOrchestrationReq
-	50, // 64: faultline.taskd.v1.Admin.SwitchLink:input_type -> faultline.taskd.v1.SwitchLinkReq
-	51, // 65: faultline.taskd.v1.Admin.StressTest:input_type -> faultline.taskd.v1.StressTestReq
-	5,  // 66: faultline.taskd.v1.Control.Register:output_type -> faultline.taskd.v1.RegisterResponse
-	8,  // 67: faultline.taskd.v1.Control.Heartbeat:output_type -> faultline.taskd.v1.HeartbeatResponse
-	13, // 68: faultline.taskd.v1.Control.Send:output_type -> faultline.taskd.v1.SendResponse
-	15, // 69: faultline.taskd.v1.Control.Stream:output_type -> faultline.taskd.v1.Envelope
-	20, // 70: faultline.taskd.v1.Control.Acknowledge:output_type -> faultline.taskd.v1.AckResponse
-	22, // 71: faultline.taskd.v1.Control.UploadOffsets:output_type -> faultline.taskd.v1.UploadOffsetResponse
-	24, // 72: faultline.taskd.v1.Control.Upload:output_type -> faultline.taskd.v1.UploadResponse
-	26, // 73: faultline.taskd.v1.Control.CollectDone:output_type -> faultline.taskd.v1.CollectResultResponse
-	29, // 74: faultline.taskd.v1.TrainingDataTrace.ModifyTrainingDataTraceSwitch:output_type -> faultline.taskd.v1.DataTypeRes
-	31, // 75: faultline.taskd.v1.TrainingDataTrace.GetTrainingDataTraceSwitch:output_type -> faultline.taskd.v1.DataStatusRes
-	31, // 76: faultline.taskd.v1.TrainingDataTrace.SubscribeDataTraceSwitch:output_type -> faultline.taskd.v1.DataStatusRes
-	42, // 77: faultline.taskd.v1.Admin.ListMembers:output_type -> faultline.taskd.v1.ListMembersRes
-	34, // 78: faultline.taskd.v1.Admin.GetSwitchStatus:output_type -> faultline.taskd.v1.SwitchStatusRes
-	37, // 79: faultline.taskd.v1.Admin.ListFaults:output_type -> faultline.taskd.v1.ListFaultsRes
-	39, // 80: faultline.taskd.v1.Admin.Collect:output_type -> faultline.taskd.v1.CollectRes
-	49, // 81: faultline.taskd.v1.Admin.GetOrchestration:output_type -> faultline.taskd.v1.GetOrchestrationRes
-	52, // 82: faultline.taskd.v1.Admin.SwitchLink:output_type -> faultline.taskd.v1.OrchestrationRes
-	52, // 83: faultline.taskd.v1.Admin.StressTest:output_type -> faultline.taskd.v1.OrchestrationRes
-	66, // [66:84] is the sub-list for method output_type
-	48, // [48:66] is the sub-list for method input_type
-	48, // [48:48] is the sub-list for extension type_name
-	48, // [48:48] is the sub-list for extension extendee
-	0,  // [0:48] is the sub-list for field type_name
+	3,  // 19: faultline.taskd.v1.LeaveRequest.member:type_name -> faultline.taskd.v1.Member
+	29, // 20: faultline.taskd.v1.DataTypeReq.profilingSwitch:type_name -> faultline.taskd.v1.ProfilingSwitch
+	1,  // 21: faultline.taskd.v1.DataTypeRes.code:type_name -> faultline.taskd.v1.Code
+	29, // 22: faultline.taskd.v1.DataStatusRes.profilingSwitch:type_name -> faultline.taskd.v1.ProfilingSwitch
+	1,  // 23: faultline.taskd.v1.DataStatusRes.code:type_name -> faultline.taskd.v1.Code
+	2,  // 24: faultline.taskd.v1.WorkerSwitchStatus.position:type_name -> faultline.taskd.v1.Position
+	34, // 25: faultline.taskd.v1.WorkerSwitchStatus.domains:type_name -> faultline.taskd.v1.DomainStatus
+	1,  // 26: faultline.taskd.v1.SwitchStatusRes.code:type_name -> faultline.taskd.v1.Code
+	35, // 27: faultline.taskd.v1.SwitchStatusRes.workers:type_name -> faultline.taskd.v1.WorkerSwitchStatus
+	59, // 28: faultline.taskd.v1.Fault.attrs:type_name -> faultline.taskd.v1.Fault.AttrsEntry
+	3,  // 29: faultline.taskd.v1.Fault.reporter:type_name -> faultline.taskd.v1.Member
+	1,  // 30: faultline.taskd.v1.ListFaultsRes.code:type_name -> faultline.taskd.v1.Code
+	37, // 31: faultline.taskd.v1.ListFaultsRes.faults:type_name -> faultline.taskd.v1.Fault
+	1,  // 32: faultline.taskd.v1.CollectRes.code:type_name -> faultline.taskd.v1.Code
+	25, // 33: faultline.taskd.v1.CollectRes.results:type_name -> faultline.taskd.v1.CollectResult
+	3,  // 34: faultline.taskd.v1.MemberStatus.member:type_name -> faultline.taskd.v1.Member
+	1,  // 35: faultline.taskd.v1.ListMembersRes.code:type_name -> faultline.taskd.v1.Code
+	43, // 36: faultline.taskd.v1.ListMembersRes.members:type_name -> faultline.taskd.v1.MemberStatus
+	37, // 37: faultline.taskd.v1.Orchestration.faults:type_name -> faultline.taskd.v1.Fault
+	45, // 38: faultline.taskd.v1.Orchestration.transitions:type_name -> faultline.taskd.v1.Transition
+	46, // 39: faultline.taskd.v1.Orchestration.link:type_name -> faultline.taskd.v1.LinkRequest
+	47, // 40: faultline.taskd.v1.Orchestration.stress:type_name -> faultline.taskd.v1.StressRequest
+	1,  // 41: faultline.taskd.v1.GetOrchestrationRes.code:type_name -> faultline.taskd.v1.Code
+	48, // 42: faultline.taskd.v1.GetOrchestrationRes.current:type_name -> faultline.taskd.v1.Orchestration
+	48, // 43: faultline.taskd.v1.GetOrchestrationRes.history:type_name -> faultline.taskd.v1.Orchestration
+	49, // 44: faultline.taskd.v1.GetOrchestrationRes.links:type_name -> faultline.taskd.v1.LinkState
+	46, // 45: faultline.taskd.v1.SwitchLinkReq.link:type_name -> faultline.taskd.v1.LinkRequest
+	47, // 46: faultline.taskd.v1.StressTestReq.stress:type_name -> faultline.taskd.v1.StressRequest
+	1,  // 47: faultline.taskd.v1.OrchestrationRes.code:type_name -> faultline.taskd.v1.Code
+	48, // 48: faultline.taskd.v1.OrchestrationRes.orchestration:type_name -> faultline.taskd.v1.Orchestration
+	2,  // 49: faultline.taskd.v1.Departure.position:type_name -> faultline.taskd.v1.Position
+	1,  // 50: faultline.taskd.v1.GetJobRes.code:type_name -> faultline.taskd.v1.Code
+	56, // 51: faultline.taskd.v1.GetJobRes.departed:type_name -> faultline.taskd.v1.Departure
+	4,  // 52: faultline.taskd.v1.Control.Register:input_type -> faultline.taskd.v1.RegisterRequest
+	7,  // 53: faultline.taskd.v1.Control.Heartbeat:input_type -> faultline.taskd.v1.HeartbeatRequest
+	12, // 54: faultline.taskd.v1.Control.Send:input_type -> faultline.taskd.v1.SendRequest
+	14, // 55: faultline.taskd.v1.Control.Stream:input_type -> faultline.taskd.v1.StreamRequest
+	19, // 56: faultline.taskd.v1.Control.Acknowledge:input_type -> faultline.taskd.v1.AckRequest
+	21, // 57: faultline.taskd.v1.Control.UploadOffsets:input_type -> faultline.taskd.v1.UploadOffsetRequest
+	23, // 58: faultline.taskd.v1.Control.Upload:input_type -> faultline.taskd.v1.UploadChunk
+	25, // 59: faultline.taskd.v1.Control.CollectDone:input_type -> faultline.taskd.v1.CollectResult
+	27, // 60: faultline.taskd.v1.Control.Leave:input_type -> faultline.taskd.v1.LeaveRequest
+	30, // 61: faultline.taskd.v1.TrainingDataTrace.ModifyTrainingDataTraceSwitch:input_type -> faultline.taskd.v1.DataTypeReq
+	32, // 62: faultline.taskd.v1.TrainingDataTrace.GetTrainingDataTraceSwitch:input_type -> faultline.taskd.v1.DataStatusReq
+	32, // 63: faultline.taskd.v1.TrainingDataTrace.SubscribeDataTraceSwitch:input_type -> faultline.taskd.v1.DataStatusReq
+	42, // 64: faultline.taskd.v1.Admin.ListMembers:input_type -> faultline.taskd.v1.ListMembersReq
+	32, // 65: faultline.taskd.v1.Admin.GetSwitchStatus:input_type -> faultline.taskd.v1.DataStatusReq
+	38, // 66: faultline.taskd.v1.Admin.ListFaults:input_type -> faultline.taskd.v1.ListFaultsReq
+	40, // 67: faultline.taskd.v1.Admin.Collect:input_type -> faultline.taskd.v1.CollectReq
+	50, // 68: faultline.taskd.v1.Admin.GetOrchestration:input_type -> faultline.taskd.v1.GetOrchestrationReq
+	52, // 69: faultline.taskd.v1.Admin.SwitchLink:input_type -> faultline.taskd.v1.SwitchLinkReq
+	53, // 70: faultline.taskd.v1.Admin.StressTest:input_type -> faultline.taskd.v1.StressTestReq
+	55, // 71: faultline.taskd.v1.Admin.GetJob:input_type -> faultline.taskd.v1.GetJobReq
+	5,  // 72: faultline.taskd.v1.Control.Register:output_type -> faultline.taskd.v1.RegisterResponse
+	8,  // 73: faultline.taskd.v1.Control.Heartbeat:output_type -> faultline.taskd.v1.HeartbeatResponse
+	13, // 74: faultline.taskd.v1.Control.Send:output_type -> faultline.taskd.v1.SendResponse
+	15, // 75: faultline.taskd.v1.Control.Stream:output_type -> faultline.taskd.v1.Envelope
+	20, // 76: faultline.taskd.v1.Control.Acknowledge:output_type -> faultline.taskd.v1.AckResponse
+	22, // 77: faultline.taskd.v1.Control.UploadOffsets:output_type -> faultline.taskd.v1.UploadOffsetResponse
+	24, // 78: faultline.taskd.v1.Control.Upload:output_type -> faultline.taskd.v1.UploadResponse
+	26, // 79: faultline.taskd.v1.Control.CollectDone:output_type -> faultline.taskd.v1.CollectResultResponse
+	28, // 80: faultline.taskd.v1.Control.Leave:output_type -> faultline.taskd.v1.LeaveResponse
+	31, // 81: faultline.taskd.v1.TrainingDataTrace.ModifyTrainingDataTraceSwitch:output_type -> faultline.taskd.v1.DataTypeRes
+	33, // 82: faultline.taskd.v1.TrainingDataTrace.GetTrainingDataTraceSwitch:output_type -> faultline.taskd.v1.DataStatusRes
+	33, // 83: faultline.taskd.v1.TrainingDataTrace.SubscribeDataTraceSwitch:output_type -> faultline.taskd.v1.DataStatusRes
+	44, // 84: faultline.taskd.v1.Admin.ListMembers:output_type -> faultline.taskd.v1.ListMembersRes
+	36, // 85: faultline.taskd.v1.Admin.GetSwitchStatus:output_type -> faultline.taskd.v1.SwitchStatusRes
+	39, // 86: faultline.taskd.v1.Admin.ListFaults:output_type -> faultline.taskd.v1.ListFaultsRes
+	41, // 87: faultline.taskd.v1.Admin.Collect:output_type -> faultline.taskd.v1.CollectRes
+	51, // 88: faultline.taskd.v1.Admin.GetOrchestration:output_type -> faultline.taskd.v1.GetOrchestrationRes
+	54, // 89: faultline.taskd.v1.Admin.SwitchLink:output_type -> faultline.taskd.v1.OrchestrationRes
+	54, // 90: faultline.taskd.v1.Admin.StressTest:output_type -> faultline.taskd.v1.OrchestrationRes
+	57, // 91: faultline.taskd.v1.Admin.GetJob:output_type -> faultline.taskd.v1.GetJobRes
+	72, // [72:92] is the sub-list for method output_type
+	52, // [52:72] is the sub-list for method input_type
+	52, // [52:52] is the sub-list for extension type_name
+	52, // [52:52] is the sub-list for extension extendee
+	0,  // [0:52] is the sub-list for field type_name
 }
 
 func init() { file_taskd_proto_init() }
@@ -4028,7 +4416,7 @@ func file_taskd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_taskd_proto_rawDesc), len(file_taskd_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   53,
+			NumMessages:   58,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -31,6 +31,7 @@ const (
 	Control_UploadOffsets_FullMethodName = "/faultline.taskd.v1.Control/UploadOffsets"
 	Control_Upload_FullMethodName        = "/faultline.taskd.v1.Control/Upload"
 	Control_CollectDone_FullMethodName   = "/faultline.taskd.v1.Control/CollectDone"
+	Control_Leave_FullMethodName         = "/faultline.taskd.v1.Control/Leave"
 )
 
 // ControlClient is the client API for Control service.
@@ -47,6 +48,7 @@ type ControlClient interface {
 	UploadOffsets(ctx context.Context, in *UploadOffsetRequest, opts ...grpc.CallOption) (*UploadOffsetResponse, error)
 	Upload(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[UploadChunk, UploadResponse], error)
 	CollectDone(ctx context.Context, in *CollectResult, opts ...grpc.CallOption) (*CollectResultResponse, error)
+	Leave(ctx context.Context, in *LeaveRequest, opts ...grpc.CallOption) (*LeaveResponse, error)
 }
 
 type controlClient struct {
@@ -149,6 +151,16 @@ func (c *controlClient) CollectDone(ctx context.Context, in *CollectResult, opts
 	return out, nil
 }
 
+func (c *controlClient) Leave(ctx context.Context, in *LeaveRequest, opts ...grpc.CallOption) (*LeaveResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(LeaveResponse)
+	err := c.cc.Invoke(ctx, Control_Leave_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ControlServer is the server API for Control service.
 // All implementations must embed UnimplementedControlServer
 // for forward compatibility.
@@ -163,6 +175,7 @@ type ControlServer interface {
 	UploadOffsets(context.Context, *UploadOffsetRequest) (*UploadOffsetResponse, error)
 	Upload(grpc.ClientStreamingServer[UploadChunk, UploadResponse]) error
 	CollectDone(context.Context, *CollectResult) (*CollectResultResponse, error)
+	Leave(context.Context, *LeaveRequest) (*LeaveResponse, error)
 	mustEmbedUnimplementedControlServer()
 }
 
@@ -196,6 +209,9 @@ func (UnimplementedControlServer) Upload(grpc.ClientStreamingServer[UploadChunk,
 }
 func (UnimplementedControlServer) CollectDone(context.Context, *CollectResult) (*CollectResultResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method CollectDone not implemented")
+}
+func (UnimplementedControlServer) Leave(context.Context, *LeaveRequest) (*LeaveResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Leave not implemented")
 }
 func (UnimplementedControlServer) mustEmbedUnimplementedControlServer() {}
 func (UnimplementedControlServer) testEmbeddedByValue()                 {}
@@ -344,6 +360,24 @@ func _Control_CollectDone_Handler(srv interface{}, ctx context.Context, dec func
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Control_Leave_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(LeaveRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ControlServer).Leave(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Control_Leave_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ControlServer).Leave(ctx, req.(*LeaveRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Control_ServiceDesc is the grpc.ServiceDesc for Control service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -374,6 +408,10 @@ var Control_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "CollectDone",
 			Handler:    _Control_CollectDone_Handler,
+		},
+		{
+			MethodName: "Leave",
+			Handler:    _Control_Leave_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{
@@ -585,6 +623,7 @@ const (
 	Admin_GetOrchestration_FullMethodName = "/faultline.taskd.v1.Admin/GetOrchestration"
 	Admin_SwitchLink_FullMethodName       = "/faultline.taskd.v1.Admin/SwitchLink"
 	Admin_StressTest_FullMethodName       = "/faultline.taskd.v1.Admin/StressTest"
+	Admin_GetJob_FullMethodName           = "/faultline.taskd.v1.Admin/GetJob"
 )
 
 // AdminClient is the client API for Admin service.
@@ -606,6 +645,9 @@ type AdminClient interface {
 	SwitchLink(ctx context.Context, in *SwitchLinkReq, opts ...grpc.CallOption) (*OrchestrationRes, error)
 	// StressTest runs an online stress test and waits for it to finish.
 	StressTest(ctx context.Context, in *StressTestReq, opts ...grpc.CallOption) (*OrchestrationRes, error)
+	// GetJob says which workers are live, which left or were lost, and
+	// whether the job is complete.
+	GetJob(ctx context.Context, in *GetJobReq, opts ...grpc.CallOption) (*GetJobRes, error)
 }
 
 type adminClient struct {
@@ -686,6 +728,16 @@ func (c *adminClient) StressTest(ctx context.Context, in *StressTestReq, opts ..
 	return out, nil
 }
 
+func (c *adminClient) GetJob(ctx context.Context, in *GetJobReq, opts ...grpc.CallOption) (*GetJobRes, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(GetJobRes)
+	err := c.cc.Invoke(ctx, Admin_GetJob_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServer is the server API for Admin service.
 // All implementations must embed UnimplementedAdminServer
 // for forward compatibility.
@@ -705,6 +757,9 @@ type AdminServer interface {
 	SwitchLink(context.Context, *SwitchLinkReq) (*OrchestrationRes, error)
 	// StressTest runs an online stress test and waits for it to finish.
 	StressTest(context.Context, *StressTestReq) (*OrchestrationRes, error)
+	// GetJob says which workers are live, which left or were lost, and
+	// whether the job is complete.
+	GetJob(context.Context, *GetJobReq) (*GetJobRes, error)
 	mustEmbedUnimplementedAdminServer()
 }
 
@@ -735,6 +790,9 @@ func (UnimplementedAdminServer) SwitchLink(context.Context, *SwitchLinkReq) (*Or
 }
 func (UnimplementedAdminServer) StressTest(context.Context, *StressTestReq) (*OrchestrationRes, error) {
 	return nil, status.Error(codes.Unimplemented, "method StressTest not implemented")
+}
+func (UnimplementedAdminServer) GetJob(context.Context, *GetJobReq) (*GetJobRes, error) {
+	return nil, status.Error(codes.Unimplemented, "method GetJob not implemented")
 }
 func (UnimplementedAdminServer) mustEmbedUnimplementedAdminServer() {}
 func (UnimplementedAdminServer) testEmbeddedByValue()               {}
@@ -883,6 +941,24 @@ func _Admin_StressTest_Handler(srv interface{}, ctx context.Context, dec func(in
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Admin_GetJob_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetJobReq)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).GetJob(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_GetJob_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).GetJob(ctx, req.(*GetJobReq))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Admin_ServiceDesc is the grpc.ServiceDesc for Admin service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -917,6 +993,10 @@ var Admin_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "StressTest",
 			Handler:    _Admin_StressTest_Handler,
+		},
+		{
+			MethodName: "GetJob",
+			Handler:    _Admin_GetJob_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -34,7 +34,11 @@ func TestRecovery(t *testing.T) {
 
 	t.Run("SIGKILL: the rank restarts in place and every rank resumes from the newest intact checkpoint", func(t *testing.T) {
 		j.t = t
-		time.Sleep(500 * time.Millisecond) // some steps and saves
+		for deadline := time.Now().Add(time.Minute); j.committed() < 0; time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("no checkpoint committed within a minute")
+			}
+		}
 		from, committed := j.marks(), j.committed()
 		j.signal(last, syscall.SIGKILL)
 		rec := j.next(taskd.KindRecovery)

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt"
@@ -47,93 +48,101 @@ func waitStep(t *testing.T, tr *trainertest.Trainer, step int64) {
 	}
 }
 
+// The trainer is in-memory and its steps are timers: the tests run in a
+// synctest bubble, where a pause that must hold for some steps' time is
+// held for exactly that time, at once.
+
 func TestPauseStopsTheLoop(t *testing.T) {
-	var mu sync.Mutex
-	var saved []int64
-	tr := trainertest.New(trainertest.Config{StepTime: 2 * time.Millisecond, SaveEvery: 3, Save: func(_ context.Context, step int64) error {
+	synctest.Test(t, func(t *testing.T) {
+		var mu sync.Mutex
+		var saved []int64
+		tr := trainertest.New(trainertest.Config{StepTime: 2 * time.Millisecond, SaveEvery: 3, Save: func(_ context.Context, step int64) error {
+			mu.Lock()
+			defer mu.Unlock()
+			saved = append(saved, step)
+			return nil
+		}})
+		stop := running(t, tr)
+		ctx := context.Background()
+		time.Sleep(10 * 2 * time.Millisecond) // ten steps' time
+		if tr.Step() != -1 || tr.Running() {
+			t.Fatalf("a new trainer stepped: %d", tr.Step())
+		}
+		if err := tr.Resume(ctx, taskd.ResumeRequest{Step: -1}); err != nil {
+			t.Fatal(err)
+		}
+		waitStep(t, tr, 7)
+		paused, err := tr.Pause(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(10 * 2 * time.Millisecond)
+		if got := tr.Step(); got != paused {
+			t.Fatalf("paused after step %d, now at %d", paused, got)
+		}
+		if again, _ := tr.Pause(ctx); again != paused {
+			t.Fatalf("a second pause: %d", again)
+		}
+		tr.Resume(ctx, taskd.ResumeRequest{Step: -1})
+		waitStep(t, tr, paused+3)
+		if err := tr.Stop(ctx, "done"); err != nil {
+			t.Fatal(err)
+		}
+		stop()
 		mu.Lock()
 		defer mu.Unlock()
-		saved = append(saved, step)
-		return nil
-	}})
-	stop := running(t, tr)
-	ctx := context.Background()
-	time.Sleep(20 * time.Millisecond)
-	if tr.Step() != -1 || tr.Running() {
-		t.Fatalf("a new trainer stepped: %d", tr.Step())
-	}
-	if err := tr.Resume(ctx, taskd.ResumeRequest{Step: -1}); err != nil {
-		t.Fatal(err)
-	}
-	waitStep(t, tr, 7)
-	paused, err := tr.Pause(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	time.Sleep(20 * time.Millisecond)
-	if got := tr.Step(); got != paused {
-		t.Fatalf("paused after step %d, now at %d", paused, got)
-	}
-	if again, _ := tr.Pause(ctx); again != paused {
-		t.Fatalf("a second pause: %d", again)
-	}
-	tr.Resume(ctx, taskd.ResumeRequest{Step: -1})
-	waitStep(t, tr, paused+3)
-	if err := tr.Stop(ctx, "done"); err != nil {
-		t.Fatal(err)
-	}
-	stop()
-	mu.Lock()
-	defer mu.Unlock()
-	for i, s := range saved {
-		if s != int64(3*i) {
-			t.Fatalf("saved %v", saved)
+		for i, s := range saved {
+			if s != int64(3*i) {
+				t.Fatalf("saved %v", saved)
+			}
 		}
-	}
+	})
 }
 
 func TestHangAndFailNext(t *testing.T) {
-	tr := trainertest.New(trainertest.Config{StepTime: time.Millisecond})
-	stop := running(t, tr)
-	ctx := context.Background()
-	tr.Resume(ctx, taskd.ResumeRequest{Step: -1})
-	waitStep(t, tr, 2)
-	tr.Hang()
-	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
-	defer cancel()
-	if _, err := tr.Pause(short); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("pause of a hung trainer: %v", err)
-	}
-	tr.Unhang()
-	if _, err := tr.Pause(ctx); err != nil {
-		t.Fatal(err)
-	}
-	nic := errors.New("NIC down")
-	tr.FailNext("SwitchLink", nic)
-	l := taskd.LinkRequest{Node: 0, Devices: []int{1, 2}, Target: taskd.LinkStandby}
-	if err := tr.SwitchLink(ctx, l); !errors.Is(err, nic) {
-		t.Fatalf("switch: %v", err)
-	}
-	if err := tr.SwitchLink(ctx, l); err != nil || len(tr.Links()) != 2 {
-		t.Fatalf("switch again: %v %v", err, tr.Links())
-	}
-	l.Target = taskd.LinkPrimary
-	tr.SwitchLink(ctx, l)
-	if len(tr.Links()) != 0 {
-		t.Fatalf("after switchback: %v", tr.Links())
-	}
-	if err := tr.RetryStep(ctx); err != nil || tr.Retries() != 1 {
-		t.Fatalf("retry: %v", err)
-	}
-	s, _ := tr.Strategies(ctx, taskd.FaultNotice{})
-	if !slices.Equal(s, taskd.AllStrategies()) {
-		t.Fatalf("strategies %v", s)
-	}
-	if err := tr.Resume(ctx, taskd.ResumeRequest{Step: 5}); !errors.Is(err, taskd.ErrUnsupported) {
-		t.Fatalf("resume from step 5 without a Load: %v", err)
-	}
-	tr.Stop(ctx, "done")
-	stop()
+	synctest.Test(t, func(t *testing.T) {
+		tr := trainertest.New(trainertest.Config{StepTime: time.Millisecond})
+		stop := running(t, tr)
+		ctx := context.Background()
+		tr.Resume(ctx, taskd.ResumeRequest{Step: -1})
+		waitStep(t, tr, 2)
+		tr.Hang()
+		short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		defer cancel()
+		if _, err := tr.Pause(short); !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("pause of a hung trainer: %v", err)
+		}
+		tr.Unhang()
+		if _, err := tr.Pause(ctx); err != nil {
+			t.Fatal(err)
+		}
+		nic := errors.New("NIC down")
+		tr.FailNext("SwitchLink", nic)
+		l := taskd.LinkRequest{Node: 0, Devices: []int{1, 2}, Target: taskd.LinkStandby}
+		if err := tr.SwitchLink(ctx, l); !errors.Is(err, nic) {
+			t.Fatalf("switch: %v", err)
+		}
+		if err := tr.SwitchLink(ctx, l); err != nil || len(tr.Links()) != 2 {
+			t.Fatalf("switch again: %v %v", err, tr.Links())
+		}
+		l.Target = taskd.LinkPrimary
+		tr.SwitchLink(ctx, l)
+		if len(tr.Links()) != 0 {
+			t.Fatalf("after switchback: %v", tr.Links())
+		}
+		if err := tr.RetryStep(ctx); err != nil || tr.Retries() != 1 {
+			t.Fatalf("retry: %v", err)
+		}
+		s, _ := tr.Strategies(ctx, taskd.FaultNotice{})
+		if !slices.Equal(s, taskd.AllStrategies()) {
+			t.Fatalf("strategies %v", s)
+		}
+		if err := tr.Resume(ctx, taskd.ResumeRequest{Step: 5}); !errors.Is(err, taskd.ErrUnsupported) {
+			t.Fatalf("resume from step 5 without a Load: %v", err)
+		}
+		tr.Stop(ctx, "done")
+		stop()
+	})
 }
 
 func TestCkptState(t *testing.T) {

@@ -2,8 +2,13 @@ package slownode
 
 import (
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"math"
 	"math/rand/v2"
+	"reflect"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -136,6 +141,93 @@ func TestOneOutlierStepIsNotASlowNode(t *testing.T) {
 	j.run(d, 36, 50)
 	if r := d.Result(); r.IsSlow != 0 {
 		t.Fatalf("isolated spikes made a slow node: %+v", r.Findings)
+	}
+}
+
+// contendedJob models a 4-rank data-parallel job whose ranks share two
+// cores with each other and with whatever else runs, as the PyTorch job of
+// TestRealDDPJob does: a rank loses whole 4 ms time slices at random in
+// its compute and its data loading, two ranks at times lose them together
+// for a few steps, and every rank waits in the gradient all-reduce for the
+// last.
+type contendedJob struct {
+	rng       *rand.Rand
+	slow      map[int]float64       // rank → compute factor
+	io        map[int]time.Duration // rank → added dataloader time
+	pairUntil int64                 // ranks 0 and 1 lose slices together until this step
+}
+
+func (j *contendedJob) steps(n int64) []Step {
+	const ranks = 4
+	slice := 4 * time.Millisecond
+	lost := func(p float64) time.Duration {
+		k := 0
+		for range 3 {
+			if j.rng.Float64() < p {
+				k++
+			}
+		}
+		return time.Duration(k) * slice
+	}
+	if n >= j.pairUntil && j.rng.IntN(15) == 0 {
+		j.pairUntil = n + 4
+	}
+	comp := make([]time.Duration, ranks)
+	dl := make([]time.Duration, ranks)
+	var arrive time.Duration
+	for r := range ranks {
+		comp[r] = 6*time.Millisecond + lost(0.25)
+		if n < j.pairUntil && r < 2 {
+			comp[r] += 2 * slice
+		}
+		if f, ok := j.slow[r]; ok {
+			comp[r] = time.Duration(float64(comp[r]) * f)
+		}
+		dl[r] = 2300*time.Microsecond + lost(0.12) + j.io[r]
+		arrive = max(arrive, dl[r]+comp[r])
+	}
+	out := make([]Step, ranks)
+	for r := range ranks {
+		wait := arrive - dl[r] - comp[r] + 2*time.Millisecond
+		out[r] = Step{Number: n, Time: arrive + 2*time.Millisecond, Compute: comp[r], DataLoader: dl[r], Forward: comp[r] / 3,
+			Comm: []CommTime{{Group: "dp", Op: "allreduce", Time: wait, Count: 1}}, Have: FigStep | FigForward | FigDataLoader | FigComm}
+	}
+	return out
+}
+
+// TestContendedRanksAreNotSlow feeds the contended job healthy, and then
+// with a rank computing 2.5 times as long and another loading 10 ms more
+// from step 100: the healthy noise (a rank two slices behind its peers for
+// a step, two ranks behind for four) makes no finding, and the slowdowns
+// are named.
+func TestContendedRanksAreNotSlow(t *testing.T) {
+	groups := trace.ParallelGroups{"dp": {GroupName: "dp", GlobalRanks: []int{0, 1, 2, 3}}}
+	for seed := uint64(1); seed <= 10; seed++ {
+		for _, slow := range []bool{false, true} {
+			j := &contendedJob{rng: rand.New(rand.NewPCG(seed, 3)), slow: map[int]float64{}, io: map[int]time.Duration{}}
+			d, err := New(Config{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			d.AddGroups(groups)
+			for n := int64(0); n < 200; n++ {
+				if slow && n == 100 {
+					j.slow[2], j.io[3] = 2.5, 10*time.Millisecond
+				}
+				for r, st := range j.steps(n) {
+					d.AddStep(r, st)
+				}
+			}
+			r := d.Result()
+			want := [2][]int{{}, {}}
+			if slow {
+				want = [2][]int{{2}, {3}}
+			}
+			if !slices.Equal(r.SlowCalculateRanks, want[0]) || !slices.Equal(r.SlowIORanks, want[1]) {
+				t.Errorf("seed %d, slow %v: compute %v io %v, want %v %v; findings %+v", seed, slow,
+					r.SlowCalculateRanks, r.SlowIORanks, want[0], want[1], r.Findings)
+			}
+		}
 	}
 }
 
@@ -295,7 +387,7 @@ func TestMemoryIsBoundedPerRank(t *testing.T) {
 		}
 	}
 	r := d.Result()
-	if n := len(r.History.Ranks[0].Step); n > 64 || n < 32 {
+	if n := len(r.History.Rank(0, SeriesStep)); n > 64 || n < 32 {
 		t.Errorf("history of %d points for 3000 steps, want 32..64", n)
 	}
 }
@@ -311,13 +403,22 @@ func TestMissingMarkersDegradeGracefully(t *testing.T) {
 		}
 	}
 	r := d.Result()
-	want := []string{"forward", "dataloader", "checkpoint", "communication", "trajectory"}
-	if !slices.Equal(r.Unavailable, want) {
-		t.Errorf("unavailable %v, want %v", r.Unavailable, want)
+	want := []string{"forward", "dataloader", "checkpoint", "communication", "send", "trajectory"}
+	if got := missingFigures(r); !slices.Equal(got, want) {
+		t.Errorf("unavailable %v, want %v", got, want)
 	}
 	if r.IsSlow != 0 || r.LastStep != 29 {
 		t.Errorf("isSlow %d lastStep %d", r.IsSlow, r.LastStep)
 	}
+}
+
+// missingFigures returns the names of r.Unavailable.
+func missingFigures(r *Result) []string {
+	var out []string
+	for _, m := range r.Unavailable {
+		out = append(out, m.Figure)
+	}
+	return out
 }
 
 func TestConfigValidateNamesTheField(t *testing.T) {
@@ -415,5 +516,66 @@ func TestRowCommSlots(t *testing.T) {
 				t.Errorf("cell %d slot %d holds %v, want %v", i, k, got, want)
 			}
 		}
+	}
+}
+
+// TestConfigDocNamesTheDefaults reads the doc comment of each field of
+// Config: the default it names is the one the code applies.
+func TestConfigDocNamesTheDefaults(t *testing.T) {
+	want := map[string]string{
+		"NormalSteps": fmt.Sprint(DefaultNormalSteps), "DegradationPercentage": fmt.Sprint(DefaultDegradationPercentage),
+		"NSigma": fmt.Sprint(DefaultNSigma), "Consecutive": fmt.Sprint(DefaultConsecutive),
+		"ClusterMeanDistance": fmt.Sprint(DefaultClusterMeanDistance), "RelativeThreshold": fmt.Sprint(DefaultRelativeThreshold),
+		"MinEffect": fmt.Sprint(DefaultMinEffect), "Window": fmt.Sprint(DefaultWindow), "SilentSteps": fmt.Sprint(DefaultSilentSteps),
+		"Horizon": fmt.Sprint(DefaultHorizon), "TrailingGap": DefaultTrailingGap.String(), "HistoryPoints": fmt.Sprint(DefaultHistoryPoints),
+		"MaxPendingRanges": fmt.Sprint(DefaultMaxPendingRanges), "MaxRanks": fmt.Sprint(DefaultMaxRanks),
+		"RanksPerNode": fmt.Sprint(DefaultRanksPerNode), "PollInterval": DefaultPollInterval.String(),
+	}
+	var cfg Config
+	cfg.setDefaults()
+	applied := reflect.ValueOf(cfg)
+	f, err := parser.ParseFile(token.NewFileSet(), "config.go", nil, parser.ParseComments)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defaultRe := regexp.MustCompile(`Defaults? ([0-9][0-9.µsm]*)(?: and ([0-9][0-9.µsm]*))?`)
+	var named []string // the defaults of the comment in force, for its fields in turn
+	seen := map[string]bool{}
+	ast.Inspect(f, func(n ast.Node) bool {
+		ts, ok := n.(*ast.TypeSpec)
+		if !ok || ts.Name.Name != "Config" {
+			return true
+		}
+		for _, fld := range ts.Type.(*ast.StructType).Fields.List {
+			if fld.Doc != nil {
+				named = nil
+				if m := defaultRe.FindStringSubmatch(strings.Join(strings.Fields(fld.Doc.Text()), " ")); m != nil {
+					named = slices.DeleteFunc(m[1:], func(s string) bool { return s == "" })
+				}
+			}
+			for _, id := range fld.Names {
+				w, ok := want[id.Name]
+				if !ok {
+					continue
+				}
+				seen[id.Name] = true
+				if len(named) == 0 {
+					t.Errorf("Config.%s: its doc names no default; the code's is %s", id.Name, w)
+					continue
+				}
+				got := strings.TrimSuffix(named[0], ".")
+				named = named[1:]
+				if got != w {
+					t.Errorf("Config.%s: the doc says default %s, the code's is %s", id.Name, got, w)
+				}
+				if v := applied.FieldByName(id.Name); fmt.Sprint(v.Interface()) != w {
+					t.Errorf("Config.%s: setDefaults applies %v, the constant is %s", id.Name, v.Interface(), w)
+				}
+			}
+		}
+		return false
+	})
+	if len(seen) != len(want) {
+		t.Errorf("checked %d fields, want %d", len(seen), len(want))
 	}
 }

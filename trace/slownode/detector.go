@@ -86,6 +86,7 @@ type Detector struct {
 	hold bool // a reading pass is under way: evaluate nothing yet
 
 	job      jobState
+	jitter   []stageJitter // per pipeline stage
 	findings map[findingKey]*finding
 	epoch    int // bumps at each phase change, resetting rank bests
 
@@ -113,8 +114,7 @@ type rankState struct {
 	best    float64
 	bestEp  int
 	block   []float64
-	hist    series
-	histC   series
+	hist    history
 	steps   uint64
 }
 
@@ -271,7 +271,7 @@ func (d *Detector) rankIdx(rank int) int32 {
 		}
 		i = int32(len(d.ranks))
 		rs := &rankState{rank: rank, node: d.nodeOf(rank), last: -1,
-			hist: newSeries(d.cfg.HistoryPoints), histC: newSeries(d.cfg.HistoryPoints)}
+			hist: newHistory(d.cfg.HistoryPoints)}
 		rs.asm.last = -1
 		// One block for the rank's windows: a step pushes to each.
 		w := d.cfg.Window
@@ -550,8 +550,13 @@ func (d *Detector) addStep(ri int32, st *Step, ops []int32) {
 		c.m[i] = nan
 	}
 	c.m[mStep] = ms(st.Time)
-	c.m[mCompute] = ms(st.Compute)
 	have := st.Have | FigStep
+	if st.Compute > 0 {
+		c.m[mCompute] = ms(st.Compute)
+		have |= FigCompute
+	} else {
+		have &^= FigCompute
+	}
 	if have&FigDataLoader != 0 {
 		c.m[mDataLoader] = ms(st.DataLoader)
 	}
@@ -590,6 +595,7 @@ func (d *Detector) addStep(ri int32, st *Step, ops []int32) {
 			total += t
 			if isSend(ct.Op) {
 				send += t
+				have |= FigSend
 			}
 			if slots[i] >= 0 {
 				rw.addComm(c, slots[i], t)

@@ -42,20 +42,30 @@
 //
 // Within each pipeline stage (ranks that do the same work), the healthy
 // ranks are found by splitting the stage's figures in clusters (1-D
-// 2-means, peeling off upper clusters while at least a third remain), so
-// that a slow host holding half a stage, or an outlier step beside it,
-// does not hide in the median. A rank whose compute, dataloader or send
-// time exceeds the healthy median by RelativeThreshold, NSigma of the
-// healthy ranks' standard deviations and MinEffect of the step is
-// anomalous for the step. Inside each communicator, MindCluster's
-// homogenisation splits the members' communication times in two: when
-// those who wait more wait ClusterMeanDistance times longer, the others
-// are late, which their compute confirms. A communicator that waits
+// 2-means, peeling off upper clusters while at least a third, and at
+// least three ranks, remain), so that a slow host holding half a stage,
+// or an outlier step beside it, does not hide in the median. A rank whose
+// compute, dataloader or send time exceeds the healthy median by
+// RelativeThreshold, by MinEffect of the step, and by NSigma of the
+// ranks' noise is anomalous for the step. That noise is the larger of the
+// healthy ranks' spread in the step and how far the stage's ranks moved
+// from one step to the next over the last Window steps (the median over
+// ranks of each one's move): a few ranks show no spread in one step, but
+// ranks that share their cores with other work jump by whole time slices
+// from step to step, and a slow rank's figure stays high where noise
+// comes and goes. Inside each communicator, MindCluster's homogenisation
+// splits the members' communication times in two: when those who wait
+// more (a majority) wait ClusterMeanDistance times longer, the others are
+// late, which their compute confirms (above the healthy median by half
+// the margins of the peer test). A communicator that waits
 // ClusterMeanDistance times longer than the healthy ones of its kind in
 // its stage, with no member to blame, is slow; a host is slow when all
 // its ranks are. Lateness that a slow communicator, link or data loading
 // explains is not blamed on compute. Consecutive anomalous steps make a
-// finding (one outlier step does not) and as many normal ones clear it.
+// finding (one outlier step does not) and as many normal ones clear it; a
+// step where most of a stage stood apart from the rest has no healthy
+// ranks to compare with and counts neither way, but a run of anomalous
+// steps must fit in twice Consecutive steps.
 //
 // MindCluster's time detector runs on the job's step time: a baseline of
 // the first NormalSteps steps (their median, and σ from their median
@@ -75,15 +85,20 @@
 // slowCommunicationDomains, slowHostNodes, slowIORanks,
 // slowCommunicationRanks) plus per-finding evidence (peer baseline,
 // recent value, ratio, method), the onset step, a confidence, per-rank
-// figures and input counters. WriteText, WriteJSON and WriteHTML render
-// it; the HTML page is self-contained.
+// figures and input counters. A figure no marker gave (a switch off, or
+// communication covering all of forward and backward, which leaves no
+// compute to tell) is named in Result.Unavailable with the reason, and
+// left out of the reports. WriteText, WriteJSON and WriteHTML render it;
+// the HTML page is self-contained.
 //
 // Hosts come from Config.Nodes (see ParseRankTable for hccl.json), from
 // a <job>/<host>/<rank>/ layout, or from Config.RanksPerNode.
 //
 // # Metrics
 //
-// Analyze and Watch register on Config.Registerer, while they run:
+// Analyze and Watch register on Config.Registerer while they run (another
+// Analyze or Watch running on the same Registerer makes that their
+// error):
 // faultline_slownode_records_total, faultline_slownode_read_bytes_total,
 // faultline_slownode_garbage_lines_total,
 // faultline_slownode_verdict_changes_total,
@@ -99,6 +114,11 @@
 // and outlier steps, healthy or with one injected slowdown each, and
 // assert precision, recall and a detection latency of at most 3 steps.
 // FAULTLINE_SLOWNODE_LARGE=1 adds 128- and 512-rank layouts and ten more
-// seeds (about a minute); the
-// benchmarks (go test -bench .) generate a 1024-rank, 200-step job.
+// seeds (about a minute). Where python3 has torch (Debian's
+// python3-torch), TestRealDDPJob runs testdata/ddp.py, a 4-rank
+// data-parallel PyTorch job on gloo that writes its dotting in this
+// format, healthy and with a slow rank and a slow data loader.
+// FAULTLINE_SLOWNODE_CALIBRATE=1 prints how each threshold trades false
+// findings for missed ones on both kinds of job (see Config's defaults).
+// The benchmarks (go test -bench .) generate a 1024-rank, 200-step job.
 package slownode

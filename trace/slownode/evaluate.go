@@ -25,10 +25,15 @@ type scratch struct {
 	stages  [][]int32
 	flags   []uint8
 	ref     [][numMetrics]float64 // per stage: peer medians
+	sigma   [][numMetrics]float64 // per stage: the noise the peer tests allowed for
+	healthy [][numMetrics]bool    // per stage: the peer test found a healthy cluster
 	pairs   []rankValue
 	buckets []groupRef
 	gref    []float64 // per group: the healthy median of its bucket, NaN if untested
 	above   []int32
+	waited  []float64 // per rank: how long its peers waited for it, where homogenisation found it late
+	waitGi  []int32   // per rank: the communicator of waited
+	fwdRef  []float64 // per stage: the median forward time, NaN until asked for
 }
 
 type rankValue struct {
@@ -59,17 +64,26 @@ func (d *Detector) evaluate(rw *row) {
 	cellOf := func(ri int32) *cell { return &rw.cells[ri] }
 	val := func(ri int32, m metric) float64 { return rw.cells[ri].m[m] }
 
-	sc.vals = sc.vals[:0]
-	for _, ri := range sc.present {
-		sc.vals = append(sc.vals, val(ri, mStep))
+	// The job's figures: medians over the ranks that have them. Those
+	// only the charts draw are taken over a sample of the ranks.
+	var job [numMetrics]float64
+	for i := range job {
+		job[i] = math.NaN()
 	}
-	jobStep := median(sc.vals)
-	sc.vals = sc.vals[:0]
-	for _, ri := range sc.present {
-		sc.vals = append(sc.vals, val(ri, mCompute))
+	for _, m := range histMetrics {
+		stride := 1
+		if m != mStep && m != mCompute {
+			stride = sampleStride(len(sc.present))
+		}
+		sc.vals = sc.vals[:0]
+		for k := 0; k < len(sc.present); k += stride {
+			if v := val(sc.present[k], m); !math.IsNaN(v) {
+				sc.vals = append(sc.vals, v)
+			}
+		}
+		job[m] = median(sc.vals)
 	}
-	jobCompute := median(sc.vals)
-	effect := d.cfg.MinEffect * jobStep
+	effect := d.cfg.MinEffect * job[mStep]
 
 	// Per-rank history and windows.
 	for _, ri := range sc.present {
@@ -79,8 +93,10 @@ func (d *Detector) evaluate(rw *row) {
 				rs.win[m].push(v)
 			}
 		}
-		rs.hist.add(s, c.m[mStep])
-		rs.histC.add(s, c.m[mCompute])
+		rs.hist.add(s, &c.m)
+		if math.IsNaN(c.m[mCompute]) {
+			continue
+		}
 		rs.block = append(rs.block, c.m[mCompute])
 		if len(rs.block) >= d.cfg.Window {
 			sc.tmp = append(sc.tmp[:0], rs.block...)
@@ -104,19 +120,31 @@ func (d *Detector) evaluate(rw *row) {
 	}
 	sc.flags = slices.Grow(sc.flags[:0], len(d.ranks))[:len(d.ranks)]
 	clear(sc.flags)
+	sc.waited = slices.Grow(sc.waited[:0], len(d.ranks))[:len(d.ranks)]
+	clear(sc.waited)
+	sc.waitGi = slices.Grow(sc.waitGi[:0], len(d.ranks))[:len(d.ranks)]
+	sc.fwdRef = slices.Grow(sc.fwdRef[:0], len(sc.stages))[:len(sc.stages)]
+	for i := range sc.fwdRef {
+		sc.fwdRef[i] = math.NaN()
+	}
 	for len(sc.ref) < len(sc.stages) {
 		sc.ref = append(sc.ref, [numMetrics]float64{})
+		sc.sigma = append(sc.sigma, [numMetrics]float64{})
+		sc.healthy = append(sc.healthy, [numMetrics]bool{})
 	}
-	tests := [...]struct {
-		m    metric
-		flag uint8
-	}{{mCompute, fCompute}, {mDataLoader, fIO}, {mSend, fLink}}
+	for len(d.jitter) < len(sc.stages) {
+		var j stageJitter
+		for i := range j {
+			j[i] = newWindow(d.cfg.Window)
+		}
+		d.jitter = append(d.jitter, j)
+	}
 	for st, peers := range sc.stages {
 		for i := range sc.ref[st] {
-			sc.ref[st][i] = math.NaN()
+			sc.ref[st][i], sc.sigma[st][i], sc.healthy[st][i] = math.NaN(), 0, false
 		}
-		for _, t := range tests {
-			sc.ref[st][t.m] = d.peerTest(rw, peers, t.m, t.flag, effect)
+		for i, t := range peerTests {
+			sc.ref[st][t.m], sc.sigma[st][t.m], sc.healthy[st][t.m] = d.peerTest(rw, peers, t.m, t.flag, effect, &d.jitter[st][i])
 		}
 	}
 
@@ -150,13 +178,21 @@ func (d *Detector) evaluate(rw *row) {
 			continue
 		}
 		cut, lo, hi := split2(vals)
-		if cut*2 <= n && hi > lo*d.cfg.ClusterMeanDistance && hi-lo >= effect {
+		if cut*2 < n && hi > lo*d.cfg.ClusterMeanDistance && hi-lo >= effect {
 			g.flagged = true
+			late := vals[cut:] // those who wait more: the others are late
+			peers := late[len(late)/2]
+			if len(late)%2 == 0 {
+				peers = (late[len(late)/2-1] + peers) / 2
+			}
 			for _, p := range sc.pairs {
-				if p.v < vals[cut] {
-					sc.flags[p.ri] |= fHomLow
-				} else {
+				if p.v >= vals[cut] {
 					sc.flags[p.ri] |= fHomHigh
+					continue
+				}
+				sc.flags[p.ri] |= fHomLow
+				if w := peers - p.v; w > sc.waited[p.ri] {
+					sc.waited[p.ri], sc.waitGi[p.ri] = w, int32(gi)
 				}
 			}
 		}
@@ -194,7 +230,7 @@ func (d *Detector) evaluate(rw *row) {
 		// A communicator's wait is the noisier figure (its members' noise
 		// adds up in it): it must exceed the healthy ones by
 		// ClusterMeanDistance, the homogenisation threshold.
-		ref, _ := d.healthy(sc.pairs, d.cfg.ClusterMeanDistance-1, effect, func(gi int32) { sc.above = append(sc.above, gi) })
+		ref, _, _ := d.healthy(sc.pairs, d.cfg.ClusterMeanDistance-1, effect, 0, 1, func(gi int32) { sc.above = append(sc.above, gi) })
 		for _, r := range b {
 			sc.gref[r.gi] = ref
 		}
@@ -204,7 +240,7 @@ func (d *Detector) evaluate(rw *row) {
 				g.masked = true // neither slow nor healthy this step
 				continue
 			}
-			d.flagSubject(findingKey{kindDomain, gi}, s, g.value, ref, "relative")
+			d.flagSubject(findingKey{kindDomain, gi}, s, g.value, ref, "relative", mComm, 0, -1)
 			for _, ri := range g.members {
 				sc.flags[ri] |= fInDomain
 			}
@@ -215,10 +251,7 @@ func (d *Detector) evaluate(rw *row) {
 	// and lateness another finding explains is not slow compute.
 	for _, ri := range sc.present {
 		f := sc.flags[ri]
-		ref := sc.ref[d.ranks[ri].stage][mCompute]
-		c := val(ri, mCompute)
-		hom := f&fHomLow != 0 && f&fHomHigh == 0 && f&(fIO|fLink|fInDomain) == 0 &&
-			(math.IsNaN(ref) || c >= ref*(1+d.cfg.RelativeThreshold/2))
+		hom := f&fHomLow != 0 && f&fHomHigh == 0 && f&(fIO|fLink|fInDomain) == 0 && d.computesMore(ri, rw)
 		if f&fCompute != 0 || hom {
 			sc.flags[ri] |= fSlowCompute
 		}
@@ -235,13 +268,18 @@ func (d *Detector) evaluate(rw *row) {
 			case f&fHomLow != 0 && f&fHomHigh == 0:
 				method = "relative+homogenisation"
 			}
-			d.flagSubject(findingKey{kindCompute, ri}, s, val(ri, mCompute), ref[mCompute], method)
+			v, r, m := d.computeFigure(ri, rw)
+			waited := 0.0
+			if f&fHomLow != 0 && f&fHomHigh == 0 {
+				waited = sc.waited[ri]
+			}
+			d.flagSubject(findingKey{kindCompute, ri}, s, v, r, method, m, waited, sc.waitGi[ri])
 		}
 		if f&fIO != 0 {
-			d.flagSubject(findingKey{kindIO, ri}, s, val(ri, mDataLoader), ref[mDataLoader], "relative")
+			d.flagSubject(findingKey{kindIO, ri}, s, val(ri, mDataLoader), ref[mDataLoader], "relative", mDataLoader, 0, -1)
 		}
 		if f&fLink != 0 && !d.neighbourSlow(ri) {
-			d.flagSubject(findingKey{kindLink, ri}, s, val(ri, mSend), ref[mSend], "relative")
+			d.flagSubject(findingKey{kindLink, ri}, s, val(ri, mSend), ref[mSend], "relative", mSend, 0, -1)
 		}
 	}
 
@@ -256,9 +294,9 @@ func (d *Detector) evaluate(rw *row) {
 		}
 		v, ref, ok := d.subjectValue(k, rw)
 		if !ok {
-			continue // not seen this step: neither slow nor healthy
+			continue // neither slow nor healthy this step
 		}
-		f.observe(v, ref, false)
+		f.observe(v, ref, 0, false)
 		f.run = 0
 		if !f.active {
 			delete(d.findings, k)
@@ -274,13 +312,30 @@ func (d *Detector) evaluate(rw *row) {
 			anyPending = true
 		}
 	}
-	d.job.update(s, jobStep, jobCompute, anyPending, d)
+	d.job.update(s, &job, anyPending, d)
 }
+
+// peerTests are the figures each rank is compared on with its stage's
+// peers, and the flag a rank that stands above them gets.
+var peerTests = [...]struct {
+	m    metric
+	flag uint8
+}{{mCompute, fCompute}, {mDataLoader, fIO}, {mSend, fLink}}
+
+// stageJitter holds, per peer test, the rank-to-rank noise of a stage's
+// recent steps (see jitterOf).
+type stageJitter [len(peerTests)]window
+
+// jitterScale turns the median absolute deviation of differences of two
+// draws into the σ of one: 1.4826 / √2.
+const jitterScale = 1.4826 / math.Sqrt2
 
 // peerTest flags the peers whose figure m stands above the healthy ones
 // (see healthy) and returns the healthy peers' median, NaN for fewer than
-// three peers.
-func (d *Detector) peerTest(rw *row, peers []int32, m metric, flag uint8, effect float64) float64 {
+// three peers, the noise σ the test allowed for, and whether it found a
+// healthy cluster. jw keeps the stage's recent noise: no rank stands
+// above by less than NSigma of it.
+func (d *Detector) peerTest(rw *row, peers []int32, m metric, flag uint8, effect float64, jw *window) (ref, sigma float64, ok bool) {
 	sc := &d.scratch
 	sc.pairs = sc.pairs[:0]
 	for _, ri := range peers {
@@ -288,13 +343,24 @@ func (d *Detector) peerTest(rw *row, peers []int32, m metric, flag uint8, effect
 			sc.pairs = append(sc.pairs, rankValue{v, ri})
 		}
 	}
-	ref, _ := d.healthy(sc.pairs, d.cfg.RelativeThreshold, effect, func(ri int32) { sc.flags[ri] |= flag })
-	return ref
+	sc.tmp = jw.values(sc.tmp[:0])
+	noise := 0.0
+	if len(sc.tmp) > 0 {
+		noise = median(sc.tmp) * jitterScale
+	}
+	ref, sigma, ok = d.healthy(sc.pairs, d.cfg.RelativeThreshold, effect, noise, minHealthyRanks, func(ri int32) { sc.flags[ri] |= flag })
+	if j, ok := d.jitterOf(rw, peers, m, ref); ok {
+		jw.push(j)
+	}
+	return ref, sigma, ok
 }
 
 // healthy calls above for each of pairs that stands above the healthy
-// ones by threshold (a fraction), and returns their median; NaN for fewer
-// than three pairs.
+// ones by threshold (a fraction), and returns their median and the σ it
+// allowed for; NaN for fewer than three pairs. noise floors that σ, as a
+// fraction of the median; a healthy cluster holds at least minRef pairs.
+// ok is false where no healthy cluster was found: fewer than three pairs,
+// or too many of them standing apart above the rest.
 //
 // The values are split in two clusters (1-D 2-means), peeling upper
 // clusters off while they stand apart by RelativeThreshold and the rest
@@ -304,33 +370,36 @@ func (d *Detector) peerTest(rw *row, peers []int32, m metric, flag uint8, effect
 // above its median by threshold, NSigma of its standard
 // deviations and effect stands above. With no such cluster (most values
 // high), the median of all is returned and nothing stands above.
-func (d *Detector) healthy(pairs []rankValue, threshold, effect float64, above func(id int32)) (ref float64, ok bool) {
+func (d *Detector) healthy(pairs []rankValue, threshold, effect, noise float64, minRef int, above func(id int32)) (ref, sd float64, ok bool) {
 	sc := &d.scratch
 	n := len(pairs)
 	if n < 3 {
-		return math.NaN(), false
+		return math.NaN(), 0, false
 	}
 	if v := pairs[0].v; v >= 0 && same(pairs) {
 		// What the clustering comes to for one value repeated (a figure
 		// nobody has, such as the send time of ranks with no pipeline),
 		// without sorting it: its median, with nothing above it.
-		return v, false
+		return v, 0, true
 	}
 	sc.sortedValues(pairs)
 	cut := n
 	for {
 		c, lo, hi := split2(sc.vals[:cut])
-		if c >= cut || c*3 < n || !(hi > lo*(1+d.cfg.RelativeThreshold)) {
+		if c >= cut || c*3 < n || c < minRef || !(hi > lo*(1+d.cfg.RelativeThreshold)) {
 			break
 		}
 		cut = c
 	}
 	if cut == n {
-		if c, _, _ := split2(sc.vals); c*2 < n {
-			return median(sc.vals), false
-		} else {
-			cut = c
+		c, lo, hi := split2(sc.vals)
+		if c*2 < n || c < minRef {
+			// No cluster holds enough values to be the reference. Where
+			// the upper one stands apart, most are slow and none is known
+			// healthy; where not, they are all alike.
+			return median(sc.vals), 0, !(hi > lo*(1+d.cfg.RelativeThreshold))
 		}
+		cut = c
 	}
 	low := sc.vals[:cut]
 	if cut%2 == 1 {
@@ -338,7 +407,7 @@ func (d *Detector) healthy(pairs []rankValue, threshold, effect float64, above f
 	} else {
 		ref = (low[cut/2-1] + low[cut/2]) / 2
 	}
-	var mean, sd float64
+	var mean float64
 	for _, v := range low {
 		mean += v
 	}
@@ -349,14 +418,60 @@ func (d *Detector) healthy(pairs []rankValue, threshold, effect float64, above f
 	if cut > 1 {
 		sd = math.Sqrt(sd / float64(cut-1))
 	}
-	sd = max(sd, ref*minSpread)
+	sd = max(sd, ref*noise, ref*minSpread)
 	for _, p := range pairs {
 		if p.v >= sc.vals[cut] && p.v > ref*(1+threshold) && p.v-ref > d.cfg.NSigma*sd && p.v-ref >= effect {
 			above(p.ri)
 		}
 	}
-	return ref, true
+	return ref, sd, true
 }
+
+// sampleSize is how many ranks a median the detector only estimates (a
+// noise level, a chart's line) is taken over, at most.
+const sampleSize = 128
+
+// sampleStride returns the stride that takes about sampleSize of n ranks,
+// spread over all of them.
+func sampleStride(n int) int { return max(1, n/sampleSize) }
+
+// jitterOf returns how much the figure m of the stage's ranks moved from
+// their previous step to this one: the median over the ranks (a sample of
+// sampleSize) of |Δ|, relative to ref. A few ranks' jumps (a slow rank's
+// onset, an outlier step) do not move it, nor, in the window's median, a
+// step that moved every rank (a phase); what is left is the noise of the
+// ranks' figures, which a single step's cannot show where a stage has
+// few ranks.
+func (d *Detector) jitterOf(rw *row, peers []int32, m metric, ref float64) (float64, bool) {
+	if !(ref > 0) {
+		return 0, false
+	}
+	sc := &d.scratch
+	sc.tmp = sc.tmp[:0]
+	for k := 0; k < len(peers); k += sampleStride(len(peers)) {
+		ri := peers[k]
+		v := rw.cells[ri].m[m]
+		if math.IsNaN(v) {
+			continue
+		}
+		if prev, ok := d.ranks[ri].win[m].prev(); ok {
+			sc.tmp = append(sc.tmp, v-prev)
+		}
+	}
+	if len(sc.tmp) < 3 {
+		return 0, false
+	}
+	for i, x := range sc.tmp {
+		sc.tmp[i] = math.Abs(x)
+	}
+	return median(sc.tmp) / ref, true
+}
+
+// minHealthyRanks is the fewest ranks a healthy reference is made of:
+// with two, noise that two ranks share (a core they both wait for) makes
+// the other two look slow. A communicator's wait, a median over its
+// members, is steadier: a reference of one will do.
+const minHealthyRanks = 3
 
 // same reports whether all pairs hold one value.
 func same(pairs []rankValue) bool {
@@ -397,14 +512,30 @@ func (d *Detector) memberToBlame(g *group, rw *row) bool {
 		if g.flagged && f&fHomLow != 0 && d.neighbourFlagged(ri, fLink) {
 			return true // late because a pipeline neighbour's send was slow
 		}
-		if g.flagged && f&fHomLow != 0 {
-			ref := sc.ref[d.ranks[ri].stage][mCompute]
-			if c := rw.cells[ri].m[mCompute]; math.IsNaN(ref) || c >= ref*(1+d.cfg.RelativeThreshold/2) {
-				return true
-			}
+		if g.flagged && f&fHomLow != 0 && d.computesMore(ri, rw) {
+			return true
 		}
 	}
 	return false
+}
+
+// computesMore reports whether rank ri's compute this step backs what
+// homogenisation found (that it came late): above its stage's healthy
+// median by half of what the peer test asks, RelativeThreshold and NSigma
+// alike, or unknown. With no healthy cluster among its peers (most of
+// them slow too) it backs nothing.
+func (d *Detector) computesMore(ri int32, rw *row) bool {
+	sc := &d.scratch
+	st := d.ranks[ri].stage
+	ref, sigma := sc.ref[st][mCompute], sc.sigma[st][mCompute]
+	c := rw.cells[ri].m[mCompute]
+	switch {
+	case math.IsNaN(ref) || math.IsNaN(c):
+		return true
+	case !sc.healthy[st][mCompute]:
+		return false
+	}
+	return c >= ref*(1+d.cfg.RelativeThreshold/2) && c-ref >= d.cfg.NSigma/2*sigma
 }
 
 // neighbourSlow reports whether a pipeline neighbour of ri (the previous
@@ -431,7 +562,10 @@ func (d *Detector) neighbourFlagged(ri int32, flags uint8) bool {
 	return false
 }
 
-// subjectValue returns the figure a finding watches at this step.
+// subjectValue returns the figure a finding watches at this step, and
+// whether the step bears on it: not where the figure or its reference is
+// missing, nor where no peers were healthy to compare with (most were
+// slow too).
 func (d *Detector) subjectValue(k findingKey, rw *row) (v, ref float64, ok bool) {
 	sc := &d.scratch
 	if k.kind == kindDomain {
@@ -445,28 +579,77 @@ func (d *Detector) subjectValue(k findingKey, rw *row) (v, ref float64, ok bool)
 		return 0, 0, false
 	}
 	m := k.kind.metric()
-	v = rw.cells[k.id].m[m]
-	ref = sc.ref[d.ranks[k.id].stage][m]
-	if math.IsNaN(v) || math.IsNaN(ref) {
+	st := d.ranks[k.id].stage
+	v, ref = rw.cells[k.id].m[m], sc.ref[st][m]
+	if k.kind == kindCompute {
+		v, ref, m = d.computeFigure(k.id, rw)
+		if math.IsNaN(v) && math.IsNaN(ref) {
+			// Found by homogenisation alone, with no figure of its
+			// compute: a step that did not find it late clears it.
+			return v, ref, true
+		}
+	}
+	if math.IsNaN(v) || math.IsNaN(ref) || m != mForward && !sc.healthy[st][m] {
 		return 0, 0, false
 	}
 	return v, ref, true
 }
 
+// computeFigure returns what rank ri computed this step and the median of
+// its stage's peers: its compute, or its forward time where compute is not
+// computed, or NaNs where neither is.
+func (d *Detector) computeFigure(ri int32, rw *row) (v, ref float64, m metric) {
+	sc := &d.scratch
+	st := d.ranks[ri].stage
+	c := &rw.cells[ri]
+	if v := c.m[mCompute]; !math.IsNaN(v) {
+		return v, sc.ref[st][mCompute], mCompute
+	}
+	v = c.m[mForward]
+	if math.IsNaN(v) {
+		return math.NaN(), math.NaN(), mCompute
+	}
+	if math.IsNaN(sc.fwdRef[st]) {
+		sc.vals = sc.vals[:0]
+		for _, p := range sc.stages[st] {
+			if f := rw.cells[p].m[mForward]; !math.IsNaN(f) {
+				sc.vals = append(sc.vals, f)
+			}
+		}
+		if len(sc.vals) >= 3 {
+			sc.fwdRef[st] = median(sc.vals)
+		}
+	}
+	return v, sc.fwdRef[st], mForward
+}
+
 // flagSubject counts an anomaly of a subject at step s.
-func (d *Detector) flagSubject(k findingKey, s int64, v, ref float64, method string) {
+// v and ref are the subject's figure m and its peers'; waited is how long
+// the peers in communicator gi waited for it (homogenisation), 0 if not.
+func (d *Detector) flagSubject(k findingKey, s int64, v, ref float64, method string, m metric, waited float64, gi int32) {
 	f := d.findings[k]
 	if f == nil {
-		f = &finding{key: k, flaggedAt: -1, val: newWindow(d.cfg.Window), ref: newWindow(d.cfg.Window), hits: newWindow(d.cfg.Window)}
+		w := d.cfg.Window
+		f = &finding{key: k, flaggedAt: -1, group: -1,
+			val: newWindow(w), ref: newWindow(w), hits: newWindow(w), waited: newWindow(w)}
 		d.findings[k] = f
 	}
 	if f.flaggedAt == s {
 		return
 	}
 	f.flaggedAt = s
-	f.method = method
-	f.observe(v, ref, true)
+	f.method, f.metric = method, m
+	if waited > 0 {
+		f.group = gi
+	}
+	f.observe(v, ref, waited, true)
 	f.calm = 0
+	if !f.active && f.run > 0 && s-f.onset >= 2*int64(d.cfg.Consecutive) {
+		// Steps that could not be compared (no healthy peers) neither
+		// break a run nor make one: a run takes at most twice
+		// Consecutive steps.
+		f.run = 0
+	}
 	f.run++
 	if f.run == 1 && !f.active {
 		f.onset = s

@@ -35,9 +35,9 @@ func (k findingKind) metric() metric {
 	return mCompute
 }
 
-func (k findingKind) metricName() string {
-	return [...]string{"compute", "dataloader", "send", "communication"}[k]
-}
+// metricNames name the figures a finding's evidence may be.
+var metricNames = map[metric]string{mCompute: "compute", mForward: "forward", mDataLoader: "dataloader",
+	mSend: "send", mComm: "communication"}
 
 type findingKey struct {
 	kind findingKind
@@ -54,13 +54,17 @@ type finding struct {
 	detected  int64 // step at which it became active
 	flaggedAt int64
 	method    string
-	val, ref  window // the subject's figure and its reference, recent steps
+	metric    metric // the figure val and ref hold, as of the latest anomalous step
+	group     int32  // the communicator of the latest waited, -1 for none
+	val, ref  window // the subject's figure and its reference, recent steps; NaN where not computed
+	waited    window // how long its peers waited for it (homogenisation), 0 where they did not
 	hits      window // 1 for an anomalous step, 0 for a normal one
 }
 
-func (f *finding) observe(v, ref float64, hit bool) {
+func (f *finding) observe(v, ref, waited float64, hit bool) {
 	f.val.push(v)
 	f.ref.push(ref)
+	f.waited.push(waited)
 	h := 0.0
 	if hit {
 		h = 1
@@ -68,14 +72,14 @@ func (f *finding) observe(v, ref float64, hit bool) {
 	f.hits.push(h)
 }
 
-// evidence returns the recent figure, the reference and a confidence in
-// [0, 1]: the share of recent steps that were anomalous, weighted by how
-// far beyond the threshold the figure is.
-func (f *finding) evidence(threshold float64, scratch []float64) (recent, ref, conf float64) {
-	scratch = f.val.values(scratch[:0])
-	recent = median(scratch)
-	scratch = f.ref.values(scratch[:0])
-	ref = median(scratch)
+// evidence returns the recent figure, the reference (NaN where neither
+// was computed), how long the peers waited for the subject, and a
+// confidence in [0, 1]: the share of recent steps that were anomalous,
+// weighted by how far beyond the threshold the figure is.
+func (f *finding) evidence(threshold float64, scratch []float64) (recent, ref, waited, conf float64) {
+	recent = medianComputed(f.val.values(scratch[:0]))
+	ref = medianComputed(f.ref.values(scratch[:0]))
+	waited = median(f.waited.values(scratch[:0]))
 	scratch = f.hits.values(scratch[:0])
 	var hits float64
 	for _, h := range scratch {
@@ -86,5 +90,18 @@ func (f *finding) evidence(threshold float64, scratch []float64) (recent, ref, c
 	if ref > 0 && threshold > 0 {
 		margin = math.Min(1, math.Max(0, (recent/ref-1)/(2*threshold)))
 	}
-	return recent, ref, persistence * (0.5 + 0.5*margin)
+	return recent, ref, waited, persistence * (0.5 + 0.5*margin)
+}
+
+// medianComputed returns the median of the values of xs that are not
+// NaN, NaN if none; it reorders xs.
+func medianComputed(xs []float64) float64 {
+	n := 0
+	for _, x := range xs {
+		if !math.IsNaN(x) {
+			xs[n] = x
+			n++
+		}
+	}
+	return median(xs[:n])
 }

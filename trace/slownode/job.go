@@ -37,25 +37,25 @@ type jobState struct {
 	tmp        []float64
 	recent     window
 	phases     []PhaseChange
-	hist       series
-	histC      series
+	hist       history
 	lastStep   int64
 	lastMedian float64
 }
 
 func newJobState(cfg *Config) jobState {
-	return jobState{cfg: cfg, recent: newWindow(cfg.Window), hist: newSeries(cfg.HistoryPoints),
-		histC: newSeries(cfg.HistoryPoints), onset: -1, lastStep: -1}
+	return jobState{cfg: cfg, recent: newWindow(cfg.Window), hist: newHistory(cfg.HistoryPoints), onset: -1, lastStep: -1}
 }
 
 // maxPhases bounds the phase changes a result lists; older ones go.
 const maxPhases = 32
 
-func (j *jobState) update(s int64, v, compute float64, explained bool, d *Detector) {
+// update takes the job's figures of step s (medians over ranks); explained
+// says whether a finding accounts for a slowdown.
+func (j *jobState) update(s int64, fig *[numMetrics]float64, explained bool, d *Detector) {
+	v := fig[mStep]
 	j.lastStep = s
 	j.recent.push(v)
-	j.hist.add(s, v)
-	j.histC.add(s, compute)
+	j.hist.add(s, fig)
 	if !j.ready {
 		j.base = append(j.base, v)
 		if len(j.base) >= j.cfg.NormalSteps {

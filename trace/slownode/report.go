@@ -110,12 +110,14 @@ func WriteText(w io.Writer, r *Result) error {
 		{"slow IO ranks", joinInts(r.SlowIORanks)},
 		{"slow link ranks", joinInts(r.SlowCommunicationRanks)},
 		{"silent ranks", joinInts(r.SilentRanks)},
-		{"unavailable figures", strings.Join(r.Unavailable, " ")},
 	}
 	for _, l := range lists {
 		if l.v != "" {
 			ew.printf("  %s: %s\n", l.name, l.v)
 		}
+	}
+	for _, m := range r.Unavailable {
+		ew.printf("  not computed: %s: %s\n", m.Figure, m.Reason)
 	}
 	for _, d := range r.SlowCommunicationDomains {
 		ew.printf("  slow communication domain: [%s]\n", joinInts(d))
@@ -128,12 +130,21 @@ func WriteText(w io.Writer, r *Result) error {
 		ew.printf("  warning: %s\n", warn)
 	}
 	if len(r.Findings) > 0 {
+		waited := slices.ContainsFunc(r.Findings, func(f Finding) bool { return f.WaitedOn > 0 })
 		ew.printf("\nFINDINGS\n")
 		tw := tabwriter.NewWriter(ew, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "KIND\tSUBJECT\tMETRIC\tMETHOD\tPEERS ms\tRECENT ms\tRATIO\tONSET\tSEEN\tCONF")
+		head := "KIND\tSUBJECT\tMETRIC\tMETHOD\tPEERS ms\tRECENT ms\tRATIO"
+		if waited {
+			head += "\tPEERS WAITED FOR IT ms"
+		}
+		fmt.Fprintln(tw, head+"\tONSET\tSEEN\tCONF")
 		for _, f := range r.Findings {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%.2f\t%d\t%d\t%.2f\n", f.Kind, f.subject(), f.Metric, f.Method,
-				fmtMs(f.Baseline), fmtMs(f.Recent), f.Ratio, f.OnsetStep, f.DetectedStep, f.Confidence)
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s", f.Kind, f.subject(), f.Metric, f.Method,
+				orDash(f.Baseline, fmtMs), orDash(f.Recent, fmtMs), orDash(f.Ratio, fmtRatio))
+			if waited {
+				fmt.Fprintf(tw, "\t%s", f.waitedText())
+			}
+			fmt.Fprintf(tw, "\t%d\t%d\t%.2f\n", f.OnsetStep, f.DetectedStep, f.Confidence)
 		}
 		tw.Flush()
 	}
@@ -150,14 +161,20 @@ func WriteText(w io.Writer, r *Result) error {
 			shown++
 		}
 		ew.printf("\nRANKS (slowest first, %d of %d; medians of recent steps in ms)\n", shown, len(ranks))
+		cols := rankColumns(r)
 		var tb bytes.Buffer
 		tw := tabwriter.NewWriter(&tb, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(tw, "RANK\tNODE\tSTAGE\tSTATUS\tSTEP\tLAST\tGAP\tFP+BP\tTRAIL\tCOMPUTE\tDATA\tCKPT\tCOMM\tSEND\tREL\tIND\tFLAGS\t")
+		fmt.Fprint(tw, "RANK\tNODE\tSTAGE\tSTATUS\tLAST\t")
+		for _, c := range cols {
+			fmt.Fprint(tw, c.short, "\t")
+		}
+		fmt.Fprintln(tw, "FLAGS\t")
 		for _, rk := range ranks[:shown] {
-			fmt.Fprintf(tw, "%d\t%s\t%d\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.3f\t%.3f\t%s\t\n",
-				rk.Rank, rk.Node, rk.Stage, rk.Status, fmtMs(rk.StepMs), rk.LastStep, fmtMs(rk.GapMs), fmtMs(rk.FPBPMs),
-				fmtMs(rk.TrailingMs), fmtMs(rk.ComputeMs), fmtMs(rk.DataLoaderMs), fmtMs(rk.CheckpointMs),
-				fmtMs(rk.CommMs), fmtMs(rk.SendMs), rk.RelativeScore, rk.IndividualScore, strings.Join(rk.Flags, ","))
+			fmt.Fprintf(tw, "%d\t%s\t%d\t%s\t%d\t", rk.Rank, rk.Node, rk.Stage, rk.Status, rk.LastStep)
+			for _, c := range cols {
+				fmt.Fprint(tw, c.cell(&rk), "\t")
+			}
+			fmt.Fprintln(tw, strings.Join(rk.Flags, ","), "\t")
 		}
 		tw.Flush()
 		for line := range strings.Lines(tb.String()) {
@@ -168,6 +185,70 @@ func WriteText(w io.Writer, r *Result) error {
 	ew.printf("\ninput: %d ranks, %d records, %d bytes, %d garbage lines, %d unmatched ends, %d steps evaluated\n",
 		in.Ranks, in.Records, in.Bytes, in.GarbageLines, in.UnmatchedEnds, in.Detector.Evaluated)
 	return ew.err
+}
+
+// rankColumn is a figure of the rank tables.
+type rankColumn struct {
+	short, long string // text and HTML headers
+	figure      string // what Unavailable calls it
+	value       func(*RankSummary) float64
+	score       bool // printed with three decimals, not as milliseconds
+}
+
+var allRankColumns = []rankColumn{
+	{"STEP", "Step", "step", func(r *RankSummary) float64 { return r.StepMs }, false},
+	{"GAP", "Gap", "trajectory", func(r *RankSummary) float64 { return r.GapMs }, false},
+	{"FP+BP", "FP+BP", "trajectory", func(r *RankSummary) float64 { return r.FPBPMs }, false},
+	{"TRAIL", "Trailing", "trajectory", func(r *RankSummary) float64 { return r.TrailingMs }, false},
+	{"COMPUTE", "Compute", "compute", func(r *RankSummary) float64 { return r.ComputeMs }, false},
+	{"FWD", "Forward", "forward", func(r *RankSummary) float64 { return r.ForwardMs }, false},
+	{"DATA", "Data", "dataloader", func(r *RankSummary) float64 { return r.DataLoaderMs }, false},
+	{"CKPT", "Ckpt", "checkpoint", func(r *RankSummary) float64 { return r.CheckpointMs }, false},
+	{"COMM", "Comm", "communication", func(r *RankSummary) float64 { return r.CommMs }, false},
+	{"SEND", "Send", "send", func(r *RankSummary) float64 { return r.SendMs }, false},
+	{"REL", "Rel.", relativeScore, func(r *RankSummary) float64 { return r.RelativeScore }, true},
+	{"IND", "Ind.", individualScore, func(r *RankSummary) float64 { return r.IndividualScore }, true},
+}
+
+// rankColumns returns the columns of the figures some rank has: a column
+// no rank computed is left out (r.Unavailable says why).
+func rankColumns(r *Result) []rankColumn {
+	var cols []rankColumn
+	for _, c := range allRankColumns {
+		if !slices.ContainsFunc(r.Unavailable, func(m Missing) bool { return m.Figure == c.figure }) {
+			cols = append(cols, c)
+		}
+	}
+	return cols
+}
+
+// cell formats the column's figure of a rank, "-" where the rank lacks it.
+func (c *rankColumn) cell(r *RankSummary) string {
+	if r.Status == "waiting" || slices.Contains(r.Unavailable, c.figure) {
+		return "-"
+	}
+	if c.score {
+		return strconv.FormatFloat(c.value(r), 'f', 3, 64)
+	}
+	return fmtMs(c.value(r))
+}
+
+// orDash formats v, or "-" for a figure not computed (0).
+func orDash(v float64, format func(float64) string) string {
+	if v == 0 {
+		return "-"
+	}
+	return format(v)
+}
+
+func fmtRatio(v float64) string { return strconv.FormatFloat(v, 'f', 2, 64) }
+
+// waitedText says how long a rank's peers waited for it, and where.
+func (f *Finding) waitedText() string {
+	if f.WaitedOn == 0 {
+		return "-"
+	}
+	return fmtMs(f.WaitedOn) + " in " + f.Group
 }
 
 type errWriter struct {

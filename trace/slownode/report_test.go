@@ -7,11 +7,14 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/faultline-ml/faultline/trace"
 	"github.com/faultline-ml/faultline/trace/slownode/internal/gen"
 )
 
@@ -174,6 +177,104 @@ func TestRankTableRoundTrip(t *testing.T) {
 		_, err := ParseRankTable([]byte(tc.in))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: %v, want an error with %q", tc.in, err, tc.want)
+		}
+	}
+}
+
+// homogenisationOnly returns the result of a 4-rank data-parallel job
+// whose communication ranges cover forward and backward, so that no
+// compute figure is computed, and whose rank 2 computes 1.6 times as long
+// from step 20: homogenisation finds it late by its peers' wait. With
+// forward set, the ranks' forward time is known.
+func homogenisationOnly(t *testing.T, forward bool) *Result {
+	t.Helper()
+	d, err := New(Config{JobID: "hom"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.AddGroups(trace.ParallelGroups{"dp-0": {GroupName: "dp", GlobalRanks: []int{0, 1, 2, 3}}})
+	for n := int64(0); n < 40; n++ {
+		fwd := make([]time.Duration, 4)
+		var arrive time.Duration
+		for r := range 4 {
+			fwd[r] = time.Duration(30+n%3+int64(r)%2) * time.Millisecond
+			if r == 2 && n >= 20 {
+				fwd[r] = fwd[r] * 16 / 10
+			}
+			arrive = max(arrive, fwd[r])
+		}
+		for r := range 4 {
+			st := Step{Number: n, Time: arrive + 5*time.Millisecond,
+				Comm: []CommTime{{Group: "dp-0", Op: "allreduce", Time: arrive - fwd[r] + 5*time.Millisecond, Count: 1}},
+				Have: FigStep | FigComm}
+			if forward {
+				st.Forward, st.Have = fwd[r], st.Have|FigForward
+			}
+			d.AddStep(r, st)
+		}
+	}
+	return d.Result()
+}
+
+// TestHomogenisationFindingCarriesEvidence: a rank convicted by
+// homogenisation carries the figures that convicted it, its forward time
+// against its peers' where compute is not computed, and how long its
+// peers waited for it; the reports print them, and leave out what was not
+// computed (compute, the scores) with the reason.
+func TestHomogenisationFindingCarriesEvidence(t *testing.T) {
+	for _, forward := range []bool{true, false} {
+		r := homogenisationOnly(t, forward)
+		if len(r.Findings) != 1 || !slices.Equal(r.SlowCalculateRanks, []int{2}) {
+			t.Fatalf("forward %v: findings %+v, want rank 2 slow to compute", forward, r.Findings)
+		}
+		f := r.Findings[0]
+		if f.Method != "homogenisation" || f.Group != "dp-0" || f.GroupKind != "dp" || f.WaitedOn < 10 || f.WaitedOn > 25 {
+			t.Errorf("forward %v: %+v, want homogenisation in dp-0 with its peers waiting about 18 ms for it", forward, f)
+		}
+		wantMetric := "communication"
+		if forward {
+			wantMetric = "forward"
+			if f.Baseline < 29 || f.Baseline > 33 || f.Recent < 47 || f.Recent > 54 || f.Ratio < 1.5 || f.Ratio > 1.7 {
+				t.Errorf("forward: peers %v ms, rank 2 %v ms, ratio %v; want about 31, 50 and 1.6", f.Baseline, f.Recent, f.Ratio)
+			}
+		} else if f.Baseline != 0 || f.Recent != 0 || f.Ratio != 0 {
+			t.Errorf("no forward: figures %v %v %v where none was computed", f.Baseline, f.Recent, f.Ratio)
+		}
+		if f.Metric != wantMetric || f.RelativeScore != 0 || f.IndividualScore != 0 {
+			t.Errorf("forward %v: metric %q scores %v %v; want %q and no score", forward, f.Metric, f.RelativeScore, f.IndividualScore, wantMetric)
+		}
+		missing := missingFigures(r)
+		for _, m := range []string{"compute", relativeScore, individualScore} {
+			if !slices.Contains(missing, m) {
+				t.Errorf("forward %v: unavailable %v lacks %s", forward, missing, m)
+			}
+		}
+
+		var js, text, page bytes.Buffer
+		if err := WriteJSON(&js, r); err != nil {
+			t.Fatal(err)
+		}
+		WriteText(&text, r)
+		WriteHTML(&page, r)
+		if strings.Contains(js.String(), `"relativeScore"`) || !strings.Contains(js.String(), `"waitedOnMs"`) {
+			t.Errorf("forward %v: JSON:\n%s", forward, js.String())
+		}
+		if !strings.Contains(text.String(), "PEERS WAITED FOR IT ms") || !strings.Contains(text.String(), " in dp-0") ||
+			strings.Contains(text.String(), "0.000") || strings.Contains(text.String(), "COMPUTE") ||
+			!strings.Contains(text.String(), "not computed: compute: communication ranges covered") {
+			t.Errorf("forward %v: text:\n%s", forward, text.String())
+		}
+		html := page.String()
+		for _, bad := range []string{"0.000", "<th>Rel.</th>", "<th>Compute</th>", "Compute time per rank"} {
+			if strings.Contains(html, bad) {
+				t.Errorf("forward %v: page has %q, of a figure not computed", forward, bad)
+			}
+		}
+		for _, want := range []string{"Peers waited for it", "Communication time per rank", "the slow rank waits least",
+			"onset, step 20", "<li>compute: communication ranges covered"} {
+			if !strings.Contains(html, want) {
+				t.Errorf("forward %v: page lacks %q", forward, want)
+			}
 		}
 	}
 }

@@ -36,7 +36,7 @@ type Result struct {
 	Findings     []Finding     `json:"findings"`
 	PhaseChanges []PhaseChange `json:"phaseChanges"`
 	SilentRanks  []int         `json:"silentRanks"` // stopped writing while the others went on
-	Unavailable  []string      `json:"unavailable"` // figures no rank's markers provided
+	Unavailable  []Missing     `json:"unavailable"` // figures no rank has, and why
 	Ranks        []RankSummary `json:"ranks"`
 	Input        InputStats    `json:"input"`
 
@@ -44,18 +44,37 @@ type Result struct {
 	History *History `json:"-"`
 }
 
-// Finding is one thing found slow, with its evidence.
+// Missing names a figure the input did not give, and why.
+type Missing struct {
+	Figure string `json:"figure"` // a name of Figures.Names, "relative score" or "individual score"
+	Reason string `json:"reason"`
+}
+
+// Finding is one thing found slow, with its evidence: the figures that
+// convicted it.
 type Finding struct {
-	Kind      string  `json:"kind"` // KindCompute, KindIO, KindLink, KindCommunicationDomain, KindHost
-	Ranks     []int   `json:"ranks"`
-	Group     string  `json:"group,omitempty"`     // communicator, for KindCommunicationDomain
-	GroupKind string  `json:"groupKind,omitempty"` // "tp", "dp", ... from parallel_group.json
-	Node      string  `json:"node,omitempty"`
-	Metric    string  `json:"metric"`     // compute, dataloader, send, communication
-	Method    string  `json:"method"`     // relative, homogenisation, relative+homogenisation
-	Baseline  float64 `json:"baselineMs"` // what the subject's peers took, recent median
-	Recent    float64 `json:"recentMs"`   // what the subject took, recent median
-	Ratio     float64 `json:"ratio"`      // Recent / Baseline
+	Kind  string `json:"kind"` // KindCompute, KindIO, KindLink, KindCommunicationDomain, KindHost
+	Ranks []int  `json:"ranks"`
+	// Group is the communicator: the slow one of a
+	// KindCommunicationDomain finding, or the one whose members waited
+	// for a rank that homogenisation found late.
+	Group     string `json:"group,omitempty"`
+	GroupKind string `json:"groupKind,omitempty"` // "tp", "dp", ... from parallel_group.json
+	Node      string `json:"node,omitempty"`
+	// Metric names the figure of Baseline and Recent: compute, forward
+	// (a rank whose compute the markers do not give), dataloader, send or
+	// communication. The three are left out (0) where the subject's
+	// figure was not computed: a rank found late by homogenisation alone,
+	// whose evidence is then WaitedOn.
+	Metric   string  `json:"metric"`
+	Method   string  `json:"method"`               // relative, homogenisation, relative+homogenisation
+	Baseline float64 `json:"baselineMs,omitempty"` // what the subject's peers took, recent median
+	Recent   float64 `json:"recentMs,omitempty"`   // what the subject took, recent median
+	Ratio    float64 `json:"ratio,omitempty"`      // Recent / Baseline
+	// WaitedOn is, for a rank homogenisation found late, how long the
+	// other members of Group waited for it a step: the median wait of
+	// those who waited more, less its own (recent median).
+	WaitedOn float64 `json:"waitedOnMs,omitempty"`
 	// RelativeScore is the NVIDIA-style relative score of a rank: the
 	// best of its stage's ranks over its own (1 is the best rank), and
 	// IndividualScore its own best over its recent compute time.
@@ -67,7 +86,9 @@ type Finding struct {
 }
 
 // RankSummary is one rank's recent figures (medians over the last Window
-// evaluated steps, in milliseconds) and status.
+// evaluated steps, in milliseconds) and status. A figure the rank's
+// markers do not give is 0 and named in Unavailable, and so is a score
+// not computed (no compute figure, or too few steps for a best).
 type RankSummary struct {
 	Rank            int      `json:"rank"`
 	Node            string   `json:"node"`
@@ -85,8 +106,8 @@ type RankSummary struct {
 	CheckpointMs    float64  `json:"checkpointMs"` // median of the recent saves among the last Window steps
 	CommMs          float64  `json:"commMs"`
 	SendMs          float64  `json:"sendMs"`
-	RelativeScore   float64  `json:"relativeScore"`
-	IndividualScore float64  `json:"individualScore"`
+	RelativeScore   float64  `json:"relativeScore,omitempty"`
+	IndividualScore float64  `json:"individualScore,omitempty"`
 	Unavailable     []string `json:"unavailable,omitempty"`
 }
 
@@ -101,17 +122,19 @@ type InputStats struct {
 	Warnings      []string `json:"warnings,omitempty"`
 }
 
-// History is what the charts of the HTML report draw.
+// History is what the charts of the HTML report draw: the Series of each
+// rank and of the job (medians over ranks), step by step. A figure never
+// computed has no points.
 type History struct {
-	JobStep    []Point             // median over ranks of each step time
-	JobCompute []Point             // median over ranks of each compute time
-	Ranks      map[int]RankHistory // per rank
+	job   []histPoint
+	ranks map[int][]histPoint // five figures to a point, as the detector keeps them
 }
 
-// RankHistory is a rank's step and compute time series.
-type RankHistory struct {
-	Step, Compute []Point
-}
+// Job returns the job's series s: the median over ranks at each step.
+func (h *History) Job(s Series) []Point { return seriesOf(h.job, s) }
+
+// Rank returns the series s of rank, nil for a rank h does not hold.
+func (h *History) Rank(rank int, s Series) []Point { return seriesOf(h.ranks[rank], s) }
 
 // ErrResult is wrapped by the errors of ParseResult.
 var ErrResult = errors.New("invalid slow-node result")
@@ -177,7 +200,7 @@ func (d *Detector) Result() *Result {
 		Findings:                 []Finding{},
 		PhaseChanges:             slices.Clone(d.job.phases),
 		SilentRanks:              []int{},
-		Unavailable:              []string{},
+		Unavailable:              []Missing{},
 		Input:                    InputStats{Ranks: len(d.ranks), Detector: d.stats},
 	}
 	if r.PhaseChanges == nil {
@@ -238,14 +261,22 @@ func (d *Detector) Result() *Result {
 	for _, k := range keys {
 		f := d.findings[k]
 		thr := d.cfg.RelativeThreshold
-		recentV, ref, conf := f.evidence(thr, tmp)
+		recentV, ref, waited, conf := f.evidence(thr, tmp)
 		fd := Finding{
-			Kind: k.kind.String(), Metric: k.kind.metricName(), Method: f.method,
-			Baseline: round3(ref), Recent: round3(recentV), OnsetStep: f.onset, DetectedStep: f.detected,
-			Confidence: round3(conf),
+			Kind: k.kind.String(), Metric: metricNames[f.metric], Method: f.method,
+			OnsetStep: f.onset, DetectedStep: f.detected, Confidence: round3(conf),
 		}
-		if ref > 0 {
-			fd.Ratio = round3(recentV / ref)
+		if !math.IsNaN(recentV) && !math.IsNaN(ref) {
+			fd.Baseline, fd.Recent = round3(ref), round3(recentV)
+			if ref > 0 {
+				fd.Ratio = round3(recentV / ref)
+			}
+		} else if k.kind == kindCompute {
+			fd.Metric = metricNames[mComm]
+		}
+		if waited > 0 && f.group >= 0 {
+			g := d.groups[f.group]
+			fd.Group, fd.GroupKind, fd.WaitedOn = g.name, g.kind, round3(waited)
 		}
 		if k.kind == kindDomain {
 			g := d.groups[k.id]
@@ -305,18 +336,24 @@ func (d *Detector) Result() *Result {
 		}
 		slices.Sort(ranks)
 		r.SlowHostNodes = append(r.SlowHostNodes, node)
+		// The mean of its ranks' evidence, over those that have one.
 		var ratio, conf, base, rec float64
+		var n int
 		for _, f := range r.Findings {
 			if f.Kind == KindCompute && slices.Contains(ranks, f.Ranks[0]) {
-				ratio += f.Ratio / float64(len(ranks))
-				base += f.Baseline / float64(len(ranks))
-				rec += f.Recent / float64(len(ranks))
 				conf = max(conf, f.Confidence)
 				detected = max(detected, f.DetectedStep)
+				if f.Metric == "compute" && f.Baseline > 0 {
+					ratio, base, rec, n = ratio+f.Ratio, base+f.Baseline, rec+f.Recent, n+1
+				}
 			}
 		}
-		hostFindings = append(hostFindings, Finding{Kind: KindHost, Ranks: ranks, Node: node, Metric: "compute",
-			Method: "all ranks of the node", Baseline: round3(base), Recent: round3(rec), Ratio: round3(ratio), OnsetStep: onset, DetectedStep: detected, Confidence: conf})
+		hf := Finding{Kind: KindHost, Ranks: ranks, Node: node, Metric: "compute",
+			Method: "all ranks of the node", OnsetStep: onset, DetectedStep: detected, Confidence: conf}
+		if n > 0 {
+			hf.Baseline, hf.Recent, hf.Ratio = round3(base/float64(n)), round3(rec/float64(n)), round3(ratio/float64(n))
+		}
+		hostFindings = append(hostFindings, hf)
 		for _, rk := range ranks {
 			flags[rk] = append(flags[rk], KindHost)
 		}
@@ -346,6 +383,7 @@ func (d *Detector) Result() *Result {
 
 	// Ranks.
 	var have Figures
+	var scored [2]bool // some rank has a relative, an individual score
 	for i, rs := range d.ranks {
 		have |= rs.asm.have
 		s := RankSummary{Rank: rs.rank, Node: rs.node, Status: "ok", LastStep: rs.last, Stage: rs.stage,
@@ -367,24 +405,77 @@ func (d *Detector) Result() *Result {
 		s.RelativeScore, s.IndividualScore = relScore(i), indScore(i)
 		if rs.steps > 0 {
 			s.Unavailable = (allFigures &^ rs.asm.have).Names()
+			if s.RelativeScore == 0 {
+				s.Unavailable = append(s.Unavailable, relativeScore)
+			}
+			if s.IndividualScore == 0 {
+				s.Unavailable = append(s.Unavailable, individualScore)
+			}
 		}
+		scored[0] = scored[0] || s.RelativeScore > 0
+		scored[1] = scored[1] || s.IndividualScore > 0
 		r.Ranks = append(r.Ranks, s)
 	}
 	slices.SortFunc(r.Ranks, func(a, b RankSummary) int { return cmp.Compare(a.Rank, b.Rank) })
 	slices.Sort(r.SilentRanks)
 	if len(d.ranks) > 0 {
-		r.Unavailable = append(r.Unavailable, (allFigures &^ have).Names()...)
+		for _, name := range (allFigures &^ have).Names() {
+			r.Unavailable = append(r.Unavailable, Missing{name, missingReason(name, have)})
+		}
+		needs := "needs compute"
+		if have&FigCompute != 0 {
+			needs = "needs " + strconv.Itoa(d.cfg.Window) + " steps with compute since the start or the last phase change"
+		}
+		if !scored[0] {
+			r.Unavailable = append(r.Unavailable, Missing{relativeScore, "needs compute"})
+		}
+		if !scored[1] {
+			r.Unavailable = append(r.Unavailable, Missing{individualScore, needs})
+		}
 	}
 	if r.Ranks == nil {
 		r.Ranks = []RankSummary{}
 	}
 
-	h := &History{JobStep: d.job.hist.points(), JobCompute: d.job.histC.points(), Ranks: make(map[int]RankHistory, len(d.ranks))}
+	h := &History{job: d.job.hist.snapshot(), ranks: make(map[int][]histPoint, len(d.ranks))}
 	for _, rs := range d.ranks {
-		h.Ranks[rs.rank] = RankHistory{Step: rs.hist.points(), Compute: rs.histC.points()}
+		h.ranks[rs.rank] = rs.hist.snapshot()
 	}
 	r.History = h
 	return r
+}
+
+// Names of the scores in Missing and RankSummary.Unavailable.
+const (
+	relativeScore   = "relative score"
+	individualScore = "individual score"
+)
+
+// missingReason says why the figure name is missing from every rank,
+// have being the figures some rank has.
+func missingReason(name string, have Figures) string {
+	switch name {
+	case "step":
+		return `no "step <n>" markers`
+	case "compute":
+		return "communication ranges covered forward and backward in every step"
+	case "forward":
+		return "no forward markers (the FP switch is off)"
+	case "dataloader":
+		return "no dataloader markers (the DataLoader switch is off)"
+	case "checkpoint":
+		return "no save_checkpoint markers: no checkpoint saved, or the SaveCheckpoint switch off"
+	case "communication":
+		return "no communication markers (the CommunicationOperator switch is off)"
+	case "send":
+		if have&FigComm == 0 {
+			return "no communication markers (the CommunicationOperator switch is off)"
+		}
+		return "no send among the communication ops (no pipeline parallelism)"
+	case "trajectory":
+		return "needs forward markers (the FP switch is off)"
+	}
+	return "not in the markers"
 }
 
 func (d *Detector) subjectOrder(k findingKey) int {

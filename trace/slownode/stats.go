@@ -237,64 +237,144 @@ func (w *window) values(dst []float64) []float64 {
 
 func (w *window) reset() { w.next, w.full = 0, false }
 
-// series is a bounded, evenly decimated history of one figure for charts:
-// when full, adjacent points are merged (averaged) and the stride doubles,
-// so memory stays fixed however long a job runs.
-type series struct {
+// prev returns the value pushed before the newest one.
+func (w *window) prev() (float64, bool) {
+	n := len(w.buf)
+	if w.len() < 2 {
+		return 0, false
+	}
+	return w.buf[(w.next-2+n)%n], true
+}
+
+// Series names a figure a History keeps.
+type Series int
+
+// The series of a History.
+const (
+	SeriesStep       Series = iota // step time
+	SeriesCompute                  // compute time
+	SeriesDataLoader               // dataloader time
+	SeriesComm                     // communication time, all communicators
+	SeriesSend                     // send time
+	numHist          = iota
+)
+
+// histMetrics are the detector's metrics of the history's series.
+var histMetrics = [numHist]metric{mStep, mCompute, mDataLoader, mComm, mSend}
+
+// history is a bounded, evenly decimated history of a few figures for
+// charts: when full, adjacent points are merged (averaged) and the stride
+// doubles, so memory stays fixed however long a job runs. The figures
+// share their steps, and keep float32 values: 32 bytes a point for five
+// figures, where a Point a figure would take 80.
+type history struct {
 	max    int // points kept; the slice is allocated at the first point
-	pts    []Point
+	pts    []histPoint
 	stride int64 // steps per point
-	acc    Point // point being accumulated
+	acc    histPoint
+	sum    [numHist]float64 // NaN once a step of the point lacked the figure
 	accN   int64
 }
 
+type histPoint struct {
+	step int64
+	v    [numHist]float32 // NaN where the figure was not computed
+}
+
 // Point is one point of a chart series: a step and a value in
-// milliseconds (a mean over Span steps when the series is decimated).
+// milliseconds (a mean over the steps it stands for when the series is
+// decimated; a figure one of them lacked is left out of that point).
 type Point struct {
 	Step  int64   `json:"step"`
 	Value float64 `json:"ms"`
 }
 
-func newSeries(capacity int) series { return series{max: capacity, stride: 1} }
+func newHistory(capacity int) history { return history{max: capacity, stride: 1} }
 
-func (s *series) add(step int64, v float64) {
-	if s.max == 0 || math.IsNaN(v) {
-		return
+// add adds a step's figures, m being the detector's metrics of a rank or
+// of the job; a NaN one is left out of its series. It is small enough to
+// be inlined: the detector calls it for every rank at every step.
+func (h *history) add(step int64, m *[numMetrics]float64) {
+	if h.accN == 0 {
+		h.acc.step = step
 	}
-	if s.pts == nil {
-		s.pts = make([]Point, 0, s.max)
+	// A NaN stays in a sum, and leaves the figure out of the point.
+	h.sum[SeriesStep] += m[mStep]
+	h.sum[SeriesCompute] += m[mCompute]
+	h.sum[SeriesDataLoader] += m[mDataLoader]
+	h.sum[SeriesComm] += m[mComm]
+	h.sum[SeriesSend] += m[mSend]
+	h.accN++
+	if h.accN >= h.stride {
+		h.flush()
 	}
-	if s.accN == 0 {
-		s.acc.Step = step
-	}
-	s.acc.Value += v
-	s.accN++
-	if s.accN < s.stride {
-		return
-	}
-	s.acc.Value /= float64(s.accN)
-	if len(s.pts) == cap(s.pts) {
-		half := len(s.pts) / 2
-		for i := 0; i < half; i++ {
-			a, b := s.pts[2*i], s.pts[2*i+1]
-			s.pts[i] = Point{Step: a.Step, Value: (a.Value + b.Value) / 2}
-		}
-		if len(s.pts)%2 == 1 {
-			s.pts[half] = s.pts[len(s.pts)-1]
-			half++
-		}
-		s.pts = s.pts[:half]
-		s.stride *= 2
-	}
-	s.pts = append(s.pts, s.acc)
-	s.acc, s.accN = Point{}, 0
 }
 
-// points returns a copy of the series, the partial point included.
-func (s *series) points() []Point {
-	out := slices.Clone(s.pts)
-	if s.accN > 0 {
-		out = append(out, Point{Step: s.acc.Step, Value: s.acc.Value / float64(s.accN)})
+// flush ends the point being accumulated, merging the points pairwise
+// and doubling the stride when they fill the history.
+func (h *history) flush() {
+	if h.max == 0 {
+		h.sum, h.accN = [numHist]float64{}, 0
+		return
+	}
+	if h.pts == nil {
+		h.pts = make([]histPoint, 0, h.max)
+	}
+	if len(h.pts) == cap(h.pts) {
+		half := len(h.pts) / 2
+		for i := 0; i < half; i++ {
+			h.pts[i] = mergePoints(h.pts[2*i], h.pts[2*i+1])
+		}
+		if len(h.pts)%2 == 1 {
+			h.pts[half] = h.pts[len(h.pts)-1]
+			half++
+		}
+		h.pts = h.pts[:half]
+		h.stride *= 2
+	}
+	h.pts = append(h.pts, h.point())
+	h.sum, h.accN = [numHist]float64{}, 0
+}
+
+// point returns the point being accumulated.
+func (h *history) point() histPoint {
+	p := histPoint{step: h.acc.step}
+	for i, sum := range h.sum {
+		p.v[i] = float32(sum / float64(h.accN))
+	}
+	return p
+}
+
+// mergePoints averages two points, each figure over those that have it.
+func mergePoints(a, b histPoint) histPoint {
+	for i, x := range b.v {
+		switch y := a.v[i]; {
+		case math.IsNaN(float64(y)):
+			a.v[i] = x
+		case !math.IsNaN(float64(x)):
+			a.v[i] = (x + y) / 2
+		}
+	}
+	return a
+}
+
+// snapshot returns a copy of the points, the partial one included.
+func (h *history) snapshot() []histPoint {
+	out := make([]histPoint, len(h.pts), len(h.pts)+1)
+	copy(out, h.pts)
+	if h.accN > 0 {
+		out = append(out, h.point())
+	}
+	return out
+}
+
+// seriesOf returns series s of pts, the points that have it.
+func seriesOf(pts []histPoint, s Series) []Point {
+	var out []Point
+	for _, p := range pts {
+		if v := p.v[s]; !math.IsNaN(float64(v)) {
+			out = append(out, Point{Step: p.step, Value: round3(float64(v))})
+		}
 	}
 	return out
 }

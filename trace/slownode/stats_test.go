@@ -59,12 +59,12 @@ func TestHealthyOfOneValue(t *testing.T) {
 			for i := range pairs {
 				pairs[i] = rankValue{v, int32(i)}
 			}
-			ref, _ := d.healthy(pairs, d.cfg.RelativeThreshold, 0.01, func(ri int32) { t.Errorf("n %d v %v: rank %d above", n, v, ri) })
+			ref, _, _ := d.healthy(pairs, d.cfg.RelativeThreshold, 0.01, 0, minHealthyRanks, func(ri int32) { t.Errorf("n %d v %v: rank %d above", n, v, ri) })
 			if ref != v {
 				t.Errorf("n %d v %v: ref %v", n, v, ref)
 			}
 			pairs[n-1].v = math.Nextafter(v, math.Inf(1)) // one value a hair above: the long path
-			ref, _ = d.healthy(pairs, d.cfg.RelativeThreshold, 0.01, func(ri int32) { t.Errorf("n %d v %v: rank %d above", n, v, ri) })
+			ref, _, _ = d.healthy(pairs, d.cfg.RelativeThreshold, 0.01, 0, minHealthyRanks, func(ri int32) { t.Errorf("n %d v %v: rank %d above", n, v, ri) })
 			if ref != v {
 				t.Errorf("n %d v %v, one a hair above: ref %v", n, v, ref)
 			}

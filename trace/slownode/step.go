@@ -22,6 +22,8 @@ const (
 	FigCheckpoint                     // checkpoint-save time: "save_checkpoint" ranges
 	FigComm                           // communication time: communication-domain ranges
 	FigTrajectory                     // iteration gap, forward+backward and trailing: forward and communication ranges
+	FigCompute                        // busy compute: some of the step not covered by communication (see Step.Compute)
+	FigSend                           // send time: send ops among the communication ranges
 )
 
 var figureNames = []struct {
@@ -29,10 +31,12 @@ var figureNames = []struct {
 	name string
 }{
 	{FigStep, "step"},
+	{FigCompute, "compute"},
 	{FigForward, "forward"},
 	{FigDataLoader, "dataloader"},
 	{FigCheckpoint, "checkpoint"},
 	{FigComm, "communication"},
+	{FigSend, "send"},
 	{FigTrajectory, "trajectory"},
 }
 
@@ -48,7 +52,7 @@ func (f Figures) Names() []string {
 }
 
 // allFigures is the set a rank with every marker kind provides.
-const allFigures = FigStep | FigForward | FigDataLoader | FigCheckpoint | FigComm | FigTrajectory
+const allFigures = FigStep | FigForward | FigDataLoader | FigCheckpoint | FigComm | FigTrajectory | FigCompute | FigSend
 
 // Step is what one rank did in one training step. Durations come from one
 // rank's clock only: they are differences of that rank's own timestamps,
@@ -71,9 +75,12 @@ type Step struct {
 	// Compute is busy compute: FPBP less the communication inside it, or,
 	// without forward markers, Time less communication, dataloader and
 	// checkpoint. Communication overlapped with compute on another stream
-	// makes it a lower bound. Without communication markers it is the
-	// forward time: waiting in a collective then looks like compute, and
-	// only collectives outside forward (data parallelism) leave it clean.
+	// makes it a lower bound, and where communication ranges cover all of
+	// forward and backward it comes to 0, which says nothing: FigCompute
+	// is set only when it is above 0. Without communication markers it is
+	// the forward time: waiting in a collective then looks like compute,
+	// and only collectives outside forward (data parallelism) leave it
+	// clean.
 	Compute time.Duration
 
 	// Comm is the communication time per communicator and op.
@@ -226,7 +233,7 @@ func (a *assembler) finish(st *Step, stOps *[]int32, number int64, start, end ui
 			st.Comm[i].Count++
 		}
 	}
-	st.Have |= a.have
+	st.Have |= a.have &^ (FigCompute | FigSend) // figures of this step only
 
 	// The trailing run: walk back from the latest-ending op while the ops
 	// follow each other with gaps below trailingGap.
@@ -297,6 +304,9 @@ func (a *assembler) finish(st *Step, stOps *[]int32, number int64, start, end ui
 	} else {
 		busy := int64(end-start) - int64(commIn(start, end)) - int64(st.DataLoader) - int64(st.Checkpoint)
 		st.Compute = time.Duration(max(busy, 0))
+	}
+	if st.Compute > 0 {
+		st.Have |= FigCompute
 	}
 	a.pending = a.pending[:0]
 }

@@ -53,7 +53,7 @@ func TestStepFigures(t *testing.T) {
 			{Group: "tp0", Op: "HcclAllReduce", Time: 7 * time.Millisecond, Count: 2},
 			{Group: "dp0", Op: "HcclAllReduce", Time: 15*time.Millisecond - 100*time.Microsecond, Count: 2},
 		},
-		Have: FigStep | FigForward | FigDataLoader | FigComm | FigTrajectory}
+		Have: FigStep | FigForward | FigDataLoader | FigComm | FigTrajectory | FigCompute}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Fatalf("step (-want +got):\n%s", diff)
 	}

@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/faultline-ml/faultline/internal/promreg"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -163,7 +164,7 @@ type source struct {
 	log                 *slog.Logger
 	tracer              oteltrace.Tracer
 	metrics             *metrics
-	reg                 prometheus.Registerer
+	reg                 *promreg.Registrar
 	prog                func(Progress)
 	readers             int // workers that read ahead
 	bufs                *trace.BufferPool
@@ -189,7 +190,7 @@ func newSource(jobDir string, cfg Config) (*source, error) {
 		return nil, fmt.Errorf("slownode: job folder %s is not a folder", jobDir)
 	}
 	s := &source{dir: jobDir, d: d, byRank: map[int]*rankSource{}, log: cfg.Logger, prog: cfg.Progress,
-		metrics: newMetrics(), reg: cfg.Registerer, readers: d.cfg.Readers, bufs: trace.NewBufferPool(readBufferBytes)}
+		metrics: newMetrics(), reg: promreg.New(cfg.Registerer, "slownode: Config.Registerer"), readers: d.cfg.Readers, bufs: trace.NewBufferPool(readBufferBytes)}
 	if s.log == nil {
 		s.log = slog.New(slog.DiscardHandler)
 	}
@@ -198,10 +199,9 @@ func newSource(jobDir string, cfg Config) (*source, error) {
 		tp = noop.NewTracerProvider()
 	}
 	s.tracer = tp.Tracer("github.com/faultline-ml/faultline/trace/slownode")
-	if s.reg != nil {
-		if err := s.reg.Register(s.metrics); err != nil {
-			return nil, fmt.Errorf("slownode: register metrics: %w", err)
-		}
+	s.reg.MustRegister(s.metrics)
+	if err := s.reg.Err(); err != nil {
+		return nil, err
 	}
 	return s, nil
 }
@@ -212,9 +212,7 @@ func (s *source) close() {
 			rs.rd.Close()
 		}
 	}
-	if s.reg != nil {
-		s.reg.Unregister(s.metrics)
-	}
+	s.reg.UnregisterAll()
 }
 
 // discover opens the rank folders that appeared since the last pass.

@@ -242,6 +242,46 @@ func TestAnalyzeMetricsAndSpans(t *testing.T) {
 	}
 }
 
+// TestRegistererCollision runs Analyze on the Registerer of a running
+// Watch: the collision is Analyze's error, and once Watch has returned its
+// metrics are gone and Analyze registers.
+func TestRegistererCollision(t *testing.T) {
+	src := t.TempDir()
+	if _, err := gen.Generate(gen.Config{Root: src, Job: "job", TP: 4, DP: 1, PP: 1, Steps: 20, Seed: 14}); err != nil {
+		t.Fatal(err)
+	}
+	job := filepath.Join(src, "job")
+	reg := prometheus.NewPedanticRegistry()
+	ctx, cancel := context.WithCancel(context.Background())
+	watching := make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		var once bool
+		done <- Watch(ctx, job, Config{Registerer: reg, PollInterval: time.Hour}, func(*Result) {
+			if !once {
+				once = true
+				close(watching)
+			}
+		})
+	}()
+	<-watching
+	_, err := Analyze(context.Background(), job, Config{Registerer: reg})
+	var are prometheus.AlreadyRegisteredError
+	if !errors.As(err, &are) || !strings.HasPrefix(err.Error(), "slownode: Config.Registerer: register faultline_slownode_") {
+		t.Errorf("Analyze beside a Watch on one Registerer: %v, want an AlreadyRegisteredError naming the field", err)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if mfs, _ := reg.Gather(); len(mfs) != 0 {
+		t.Errorf("%d metric families left after Watch returned", len(mfs))
+	}
+	if _, err := Analyze(context.Background(), job, Config{Registerer: reg}); err != nil {
+		t.Errorf("Analyze after Watch returned: %v", err)
+	}
+}
+
 // lintRegisterer registers on a pedantic registry and gathers from it
 // at once, which checks the collector's descriptions against its metrics.
 type lintRegisterer struct {
@@ -279,6 +319,27 @@ func (l *lintRegisterer) MustRegister(cs ...prometheus.Collector) {
 }
 
 func (l *lintRegisterer) Unregister(c prometheus.Collector) bool { return l.reg.Unregister(c) }
+
+// cmpHistory compares Histories by their series.
+var cmpHistory = cmp.Comparer(func(a, b *History) bool {
+	if (a == nil) != (b == nil) {
+		return false
+	}
+	if a == nil {
+		return true
+	}
+	for s := range Series(numHist) {
+		if !slices.Equal(a.Job(s), b.Job(s)) {
+			return false
+		}
+		for rk := range a.ranks {
+			if !slices.Equal(a.Rank(rk, s), b.Rank(rk, s)) {
+				return false
+			}
+		}
+	}
+	return len(a.ranks) == len(b.ranks)
+})
 
 // TestAnalyzeReadAhead reads a job whose ranks hold a step of more ranges
 // than a worker reads ahead at once, with garbage lines in between: every
@@ -347,7 +408,7 @@ func TestAnalyzeReadAhead(t *testing.T) {
 		t.Errorf("slow ranks %v, want [4]", results[0].SlowCalculateRanks)
 	}
 	for i, r := range results[1:] {
-		if diff := cmp.Diff(results[0], r); diff != "" {
+		if diff := cmp.Diff(results[0], r, cmpHistory); diff != "" {
 			t.Errorf("result with %d readers differs (-1 reader +more):\n%s", []int{2, 5}[i], diff)
 		}
 	}

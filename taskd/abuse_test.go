@@ -1,0 +1,749 @@
+package taskd
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+	"unicode/utf8"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// rawMember is a member that speaks the protocol itself, as a buggy or
+// hostile peer would.
+type rawMember struct {
+	t      testing.TB
+	job    string
+	conn   *grpc.ClientConn
+	client pb.ControlClient
+	self   *pb.Member
+	cred   *memberCred
+}
+
+func newRawMember(t testing.TB, addr, job string, sec Security, role Role, pos Position) *rawMember {
+	t.Helper()
+	cred := &memberCred{}
+	conn, err := dial(addr, sec, DefaultMaxMessageBytes, discardIfNil(nil), cred.dialOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return &rawMember{t: t, job: job, conn: conn, client: pb.NewControlClient(conn), self: memberPB(role, pos, newInstanceID()), cred: cred}
+}
+
+func (r *rawMember) ctx() context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	r.t.Cleanup(cancel)
+	return ctx
+}
+
+// register registers the member and keeps the secret it is issued.
+func (r *rawMember) register() error {
+	resp, err := r.client.Register(r.ctx(), &pb.RegisterRequest{Job: r.job, Member: r.self})
+	if err == nil {
+		r.cred.set(resp.GetSecret())
+	}
+	return err
+}
+
+// TestHeartbeatAgeClamped: a heartbeat's age is clamped to the deadline
+// and never moves a member's last sight past now, so that a member sending
+// an absurd age still expires.
+func TestHeartbeatAgeClamped(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{})
+	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
+	if err := r.register(); err != nil {
+		t.Fatal(err)
+	}
+	for _, age := range []int64{-1 << 62, 1 << 62, 9_300_000_000_000} {
+		if _, err := r.client.Heartbeat(r.ctx(), &pb.HeartbeatRequest{Job: c.job, From: r.self, Beats: []*pb.Beat{{Member: r.self, AgeMs: age}}}); err != nil {
+			t.Fatal(err)
+		}
+		for _, mi := range c.m.Members() {
+			if mi.LastSeen.After(time.Now()) {
+				t.Fatalf("age %d: last seen %v, in the future", age, mi.LastSeen)
+			}
+		}
+	}
+	waitFor(t, 20*time.Second, "the silent member lost", func() bool { return len(c.m.Members()) == 0 })
+}
+
+// TestHeartbeatsDoNotWaitForFaults: the fault log has a lock of its own
+// and is written off it, so that a heartbeat is served while fault work
+// holds that lock; a fault is acknowledged once it is on disk.
+func TestHeartbeatsDoNotWaitForFaults(t *testing.T) {
+	dir := t.TempDir()
+	c := newCluster(t, insecureSec(), ManagerConfig{StateDir: dir})
+	a := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
+	b := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 1})
+	for _, r := range []*rawMember{a, b} {
+		if err := r.register(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.m.faults.mu.Lock()
+	sent := make(chan error, 1)
+	go func() {
+		_, err := a.client.Send(a.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: "f1", From: a.self, Body: &pb.Report_Fault{Fault: &pb.FaultReport{Kind: "hang", Rank: 0}}}}})
+		sent <- err
+	}()
+	_, err := b.client.Heartbeat(b.ctx(), &pb.HeartbeatRequest{Job: c.job, From: b.self, Beats: []*pb.Beat{{Member: b.self}}})
+	c.m.faults.mu.Unlock()
+	if err != nil {
+		t.Fatalf("heartbeat while the fault log is busy: %v", err)
+	}
+	if err := <-sent; err != nil {
+		t.Fatal(err)
+	}
+	data, err := os.ReadFile(filepath.Join(dir, "faults.jsonl"))
+	if err != nil || !strings.Contains(string(data), `"id":"f1"`) {
+		t.Fatalf("acknowledged fault not on disk: %q %v", data, err)
+	}
+}
+
+// TestFaultFileCompacted: the state file is rewritten with the faults
+// kept once it holds twice as many, and a restart reads them back.
+func TestFaultFileCompacted(t *testing.T) {
+	dir := t.TempDir()
+	cfg := ManagerConfig{Job: "j", Listen: "127.0.0.1:0", Security: insecureSec(), StateDir: dir, MaxFaults: 10}
+	m, err := NewManager(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 45 {
+		m.faults.add(Fault{ID: fmt.Sprint(i), Kind: FaultHang}, t0)
+		if i%3 == 0 {
+			m.faults.flush()
+		}
+	}
+	m.faults.flush()
+	m.Close()
+	data, err := os.ReadFile(filepath.Join(dir, "faults.jsonl"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(string(data), "\n"); n > 20 {
+		t.Fatalf("%d lines in the file, kept 10", n)
+	}
+	m, err = NewManager(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if got := m.Faults(0); len(got) != 10 || got[0].ID != "35" || got[9].Seq != 45 {
+		t.Fatalf("after restart: %d faults, first %+v", len(got), got[0])
+	}
+}
+
+// h2Conn is a bare HTTP/2 client connection, for calls no gRPC client
+// would make: a body that never ends, headers beyond any sane size.
+type h2Conn struct {
+	t   testing.TB
+	c   net.Conn
+	fr  *http2.Framer
+	hb  bytes.Buffer
+	enc *hpack.Encoder // one per connection: HPACK is stateful
+	// settings are the server's first SETTINGS.
+	settings map[http2.SettingID]uint32
+}
+
+func newH2Conn(t testing.TB, addr string) *h2Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetDeadline(time.Now().Add(20 * time.Second))
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	h := &h2Conn{t: t, c: c, fr: http2.NewFramer(c, c), settings: map[http2.SettingID]uint32{}}
+	h.enc = hpack.NewEncoder(&h.hb)
+	h.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	if err := h.fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		f, err := h.fr.ReadFrame()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sf, ok := f.(*http2.SettingsFrame); ok && !sf.IsAck() {
+			sf.ForeachSetting(func(s http2.Setting) error { h.settings[s.ID] = s.Val; return nil })
+			h.fr.WriteSettingsAck()
+			return h
+		}
+	}
+}
+
+// call opens stream id for method with the given authorization and extra
+// headers, and sends the first bytes of a gRPC message that declares
+// length bytes and never ends. A write the server refused (it may hang up
+// on a call) shows in what status reads.
+func (h *h2Conn) call(id uint32, method, auth string, extra map[string]string, length uint32, sent int) {
+	h.send(id, method, auth, extra, length, sent)
+}
+
+// tryCall is call without extra headers; it reports whether every write
+// went through.
+func (h *h2Conn) tryCall(id uint32, method, auth string, length uint32, sent int) bool {
+	return h.send(id, method, auth, nil, length, sent) == nil
+}
+
+func (h *h2Conn) send(id uint32, method, auth string, extra map[string]string, length uint32, sent int) error {
+	h.hb.Reset()
+	enc := h.enc
+	for _, kv := range [][2]string{{":method", "POST"}, {":scheme", "http"}, {":path", method}, {":authority", "x"}, {"content-type", "application/grpc"}, {"te", "trailers"}} {
+		enc.WriteField(hpack.HeaderField{Name: kv[0], Value: kv[1]})
+	}
+	if auth != "" {
+		enc.WriteField(hpack.HeaderField{Name: "authorization", Value: auth})
+	}
+	for k, v := range extra {
+		enc.WriteField(hpack.HeaderField{Name: k, Value: v})
+	}
+	block := h.hb.Bytes()
+	first := min(len(block), 16<<10)
+	if err := h.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: block[:first], EndHeaders: first == len(block)}); err != nil {
+		return err
+	}
+	for rest := block[first:]; len(rest) > 0; {
+		n := min(len(rest), 16<<10)
+		if err := h.fr.WriteContinuation(id, n == len(rest), rest[:n]); err != nil {
+			return err
+		}
+		rest = rest[n:]
+	}
+	msg := make([]byte, 5+sent)
+	binary.BigEndian.PutUint32(msg[1:], length)
+	for len(msg) > 0 {
+		n := min(len(msg), 16<<10)
+		if err := h.fr.WriteData(id, false, msg[:n]); err != nil {
+			return err
+		}
+		msg = msg[n:]
+	}
+	return nil
+}
+
+// status reads frames until stream id ends, and returns its grpc-status
+// ("" when the server reset the stream or hung up without one).
+func (h *h2Conn) status(id uint32) string {
+	h.t.Helper()
+	for {
+		f, err := h.fr.ReadFrame()
+		if err != nil {
+			return ""
+		}
+		switch f := f.(type) {
+		case *http2.MetaHeadersFrame:
+			if f.StreamID == id {
+				if s := f.PseudoValue("status"); s != "" && s != "200" {
+					return "http " + s
+				}
+				for _, hf := range f.RegularFields() {
+					if hf.Name == "grpc-status" {
+						return hf.Value
+					}
+				}
+			}
+		case *http2.RSTStreamFrame:
+			if f.StreamID == id {
+				return ""
+			}
+		case *http2.GoAwayFrame:
+			return ""
+		}
+	}
+}
+
+// TestRefusedBeforeTheBody: a call with a wrong token is refused from its
+// headers, while its body is still coming; headers are capped; streams per
+// connection are bounded.
+func TestRefusedBeforeTheBody(t *testing.T) {
+	token := "0123456789abcdef0123456789abcdef"
+	c := newCluster(t, Security{Insecure: true, Token: token}, ManagerConfig{})
+	h := newH2Conn(t, c.m.Addr().String())
+	if n, ok := h.settings[http2.SettingMaxConcurrentStreams]; !ok || n > maxStreamsPerConn {
+		t.Fatalf("the server allows %d streams per connection (set: %v)", n, ok)
+	}
+	if n, ok := h.settings[http2.SettingMaxHeaderListSize]; !ok || n > maxHeaderBytes {
+		t.Fatalf("the server takes a header list of %d bytes (set: %v)", n, ok)
+	}
+	// 4 MiB declared, 16 KiB sent, never more: refused at once.
+	h.call(1, "/faultline.taskd.v1.Control/Send", "Bearer wrong", nil, 4<<20, 16<<10)
+	if got := h.status(1); got != fmt.Sprint(int(codes.Unauthenticated)) {
+		t.Fatalf("a wrong token with a body still coming: status %q, want Unauthenticated", got)
+	}
+	h.call(3, "/faultline.taskd.v1.Control/Send", "", nil, 4<<20, 16<<10)
+	if got := h.status(3); got != fmt.Sprint(int(codes.Unauthenticated)) {
+		t.Fatalf("no token: status %q, want Unauthenticated", got)
+	}
+	// Two authorization values: the right one is not enough.
+	h.call(5, "/faultline.taskd.v1.Control/Send", "Bearer wrong", map[string]string{"authorization": "Bearer " + token}, 4<<20, 16<<10)
+	if got := h.status(5); got != fmt.Sprint(int(codes.Unauthenticated)) {
+		t.Fatalf("two authorization values: status %q, want Unauthenticated", got)
+	}
+	if n := counterValue(c.m.met.guard.authFailures); n != 3 {
+		t.Fatalf("auth failures counted: %v", n)
+	}
+	// 20 KiB of headers with the right token: refused.
+	big := newH2Conn(t, c.m.Addr().String())
+	big.call(1, "/faultline.taskd.v1.Control/Send", "Bearer "+token, map[string]string{"x-pad": strings.Repeat("x", 20<<10)}, 10, 10)
+	if got := big.status(1); got == "0" {
+		t.Fatal("a header list of 20 KiB was taken")
+	}
+}
+
+// TestStreamsPerPeerBounded: the calls in flight from one peer address,
+// over all its connections, are bounded; one more is refused from its
+// headers, and a call that ends frees its place.
+func TestStreamsPerPeerBounded(t *testing.T) {
+	// The members that open the calls never beat: a long deadline keeps
+	// them registered however slow the machine.
+	c := newCluster(t, insecureSec(), ManagerConfig{HeartbeatDeadline: 10 * time.Minute})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var streams []grpc.ClientStreamingClient[pb.UploadChunk, pb.UploadResponse]
+	for i := range maxStreamsPerPeer / maxStreamsPerConn {
+		r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: i})
+		if err := r.register(); err != nil {
+			t.Fatal(err)
+		}
+		for range maxStreamsPerConn {
+			s, err := r.client.Upload(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			streams = append(streams, s)
+		}
+	}
+	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: 99})
+	waitFor(t, 20*time.Second, "the calls in flight refused", func() bool {
+		return status.Code(r.register()) == codes.ResourceExhausted
+	})
+	streams[0].CloseSend()
+	streams[0].CloseAndRecv()
+	waitFor(t, 20*time.Second, "a call taken once one ended", func() bool { return r.register() == nil })
+}
+
+// dialFrom returns a gRPC connection to addr made from the loopback
+// address local (127.0.0.0/8 is all loopback on Linux), as a peer on
+// another host would be.
+func dialFrom(t testing.TB, local, addr string, sec Security) *grpc.ClientConn {
+	t.Helper()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(local)}}
+	opts := append(sec.dialOptions(addr, discardIfNil(nil)), grpc.WithContextDialer(func(ctx context.Context, a string) (net.Conn, error) {
+		return d.DialContext(ctx, "tcp", a)
+	}))
+	conn, err := grpc.NewClient("passthrough:///"+addr, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+// silent opens a TCP connection from local to addr that sends nothing and
+// returns it.
+func silent(t testing.TB, local, addr string) net.Conn {
+	t.Helper()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(local)}}
+	c, err := d.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// closedByServer waits for the server to close c.
+func closedByServer(t testing.TB, c net.Conn, what string) {
+	t.Helper()
+	c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	if _, err := io.Copy(io.Discard, c); err != nil {
+		t.Fatalf("%s: not closed by the server: %v", what, err)
+	}
+}
+
+// TestConnectionsBounded: connections beyond the cap of one peer address
+// are closed at once, a connection that never speaks is closed after the
+// handshake timeout, and a member from another address is served
+// meanwhile.
+func TestConnectionsBounded(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	c := newCluster(t, insecureSec(), ManagerConfig{MaxConnectionsPerPeer: 4, Registerer: reg})
+	addr := c.m.Addr().String()
+	for range 4 {
+		silent(t, "127.0.0.2", addr)
+	}
+	waitFor(t, 20*time.Second, "4 connections open", func() bool { return gathered(t, reg)["faultline_taskd_connections"] == 4 })
+	closedByServer(t, silent(t, "127.0.0.2", addr), "a fifth connection from one address")
+	if got := gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="peer_limit"}`]; got != 1 {
+		t.Fatalf("refused for the peer limit: %v", got)
+	}
+	w := c.addWorker(0, 0)
+	waitFor(t, 20*time.Second, "a worker from another address", w.Connected)
+	closedByServer(t, silent(t, "127.0.0.3", addr), "a connection that never speaks")
+}
+
+// TestAuthFailuresLockOut: an address that keeps failing authentication
+// has its connection closed and may not connect again for a while; a
+// member on another address is served meanwhile.
+func TestAuthFailuresLockOut(t *testing.T) {
+	token := "0123456789abcdef0123456789abcdef"
+	reg := prometheus.NewRegistry()
+	sec := Security{Insecure: true, Token: token}
+	c := newCluster(t, sec, ManagerConfig{Registerer: reg})
+	addr := c.m.Addr().String()
+	guesser := pb.NewControlClient(dialFrom(t, "127.0.0.2", addr, Security{Insecure: true, Token: "guess"}))
+	ctx := context.Background()
+	var codesSeen []codes.Code
+	for range 2 * authFailureBurst {
+		_, err := guesser.Register(ctx, &pb.RegisterRequest{Job: c.job})
+		codesSeen = append(codesSeen, status.Code(err))
+		if status.Code(err) == codes.Unavailable {
+			break
+		}
+	}
+	if last := codesSeen[len(codesSeen)-1]; last != codes.Unavailable || len(codesSeen) > authFailureBurst+2 {
+		t.Fatalf("guesses answered %v: the connection was not closed after %d failures", codesSeen, authFailureBurst)
+	}
+	closedByServer(t, silent(t, "127.0.0.2", addr), "a new connection from the locked-out address")
+	if got := gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="locked_out"}`]; got < 2 {
+		t.Fatalf("locked out: %v", got)
+	}
+	if err := register(t, addr, sec, 0); err != nil {
+		t.Fatalf("a member on another address: %v", err)
+	}
+}
+
+// TestMemberIdentity: a member's secret, issued at registration, is the
+// only proof of who it is; what ListMembers shows (the instance) proves
+// nothing. A caller cannot take another member's stream, register its
+// live instance again, beat, acknowledge or report for it, or report a
+// fault about another rank or a rank that is not a member.
+func TestMemberIdentity(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{Nodes: 2, ProcsPerNode: 2})
+	addr := c.m.Addr().String()
+	// The victim registers and then says nothing: a deaf, dying member.
+	victim := newRawMember(t, addr, c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 1})
+	if err := victim.register(); err != nil {
+		t.Fatal(err)
+	}
+	api := newAdminClient(t, addr, c.job)
+	res, err := api.admin.ListMembers(api.ctx(), &pb.ListMembersReq{JobNsName: c.job})
+	if err != nil || len(res.GetMembers()) != 1 {
+		t.Fatalf("list: %v %v", res, err)
+	}
+	listed := res.GetMembers()[0].GetMember()
+	if b, _ := proto.Marshal(res); bytes.Contains(b, []byte(*victim.cred.secret.Load())) {
+		t.Fatal("ListMembers hands out the victim's secret")
+	}
+	thief := newRawMember(t, addr, c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
+	if err := thief.register(); err != nil {
+		t.Fatal(err)
+	}
+	want := func(err error, code codes.Code, what string) {
+		t.Helper()
+		if status.Code(err) != code {
+			t.Fatalf("%s: %v, want %v", what, err, code)
+		}
+	}
+	// The victim's instance, as listed, taken over.
+	stolen := newRawMember(t, addr, c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 1})
+	stolen.self = listed
+	want(stolen.register(), codes.PermissionDenied, "registering the victim's live instance again")
+	st, err := thief.client.Stream(thief.ctx(), &pb.StreamRequest{Job: c.job, Member: listed})
+	if err == nil {
+		_, err = st.Recv()
+	}
+	want(err, codes.PermissionDenied, "opening the victim's stream")
+	_, err = thief.client.Send(thief.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: "x", From: listed, Body: &pb.Report_Message{Message: &pb.UserMessage{Kind: "k"}}}}})
+	want(err, codes.PermissionDenied, "sending as the victim")
+	fault := func(id string, rank int32) *pb.SendRequest {
+		return &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: id, From: thief.self, Body: &pb.Report_Fault{Fault: &pb.FaultReport{Kind: string(FaultProcessExit), Node: 0, Rank: rank}}}}}
+	}
+	_, err = thief.client.Send(thief.ctx(), fault("f1", 1))
+	want(err, codes.PermissionDenied, "a fault about another rank")
+	_, err = thief.client.Send(thief.ctx(), fault("f2", 999))
+	want(err, codes.PermissionDenied, "a fault about a rank that is no member")
+	if _, err := thief.client.Send(thief.ctx(), fault("f3", 0)); err != nil {
+		t.Fatalf("a fault about itself: %v", err)
+	}
+	if fs := c.m.Faults(0); len(fs) != 1 || fs[0].ID != "f3" || fs[0].Reporter != (Position{Node: 0, Rank: 0}) {
+		t.Fatalf("faults %+v", fs)
+	}
+	// The switch goes to the victim, which never acknowledges it; forged
+	// acknowledgements do not count.
+	if _, err := c.m.SetSwitch(trace.Switch{Step: true}); err != nil {
+		t.Fatal(err)
+	}
+	var acks []*pb.Ack
+	for id := range uint64(64) {
+		acks = append(acks, &pb.Ack{Id: id, From: listed})
+	}
+	if _, err := thief.client.Acknowledge(thief.ctx(), &pb.AckRequest{Job: c.job, Acks: acks}); err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range c.m.SwitchStatus().Workers {
+		if w.Position.Rank == 1 && w.Domains["default"] != DomainWaiting {
+			t.Fatalf("the victim's switch is %v after forged acknowledgements", w.Domains)
+		}
+	}
+	// Beats for the victim keep it alive no longer than its deadline.
+	waitFor(t, 20*time.Second, "the victim lost, while another member beats for it", func() bool {
+		thief.client.Heartbeat(thief.ctx(), &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: thief.self}, {Member: listed}}})
+		for _, f := range c.m.Faults(0) {
+			if f.Kind == FaultLost && f.Position.Rank == 1 {
+				return true
+			}
+		}
+		return false
+	})
+}
+
+// TestProxyIdentity: a worker behind a proxy reports only its own faults,
+// and the proxy only its own node's; the manager takes a fault about a
+// rank from that rank's node's proxy.
+func TestProxyIdentity(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{Nodes: 2, ProcsPerNode: 2})
+	addr := c.m.Addr().String()
+	p := c.addProxy(0)
+	waitFor(t, 20*time.Second, "the proxy", func() bool { return len(c.m.Members()) == 1 })
+	w := newRawMember(t, p.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
+	waitFor(t, 20*time.Second, "a worker behind the proxy", func() bool { return w.register() == nil })
+	send := func(r *rawMember, id string, from *pb.Member, node, rank int32) error {
+		_, err := r.client.Send(r.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: id, From: from, Body: &pb.Report_Fault{Fault: &pb.FaultReport{Kind: string(FaultHang), Node: node, Rank: rank}}}}})
+		return err
+	}
+	if err := send(w, "w1", w.self, 0, 1); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a worker's fault about another rank, through its proxy: %v", err)
+	}
+	if err := send(w, "w2", w.self, 0, 0); err != nil {
+		t.Fatalf("a worker's own fault through its proxy: %v", err)
+	}
+	if err := p.ReportFault(Fault{Kind: FaultLink, Position: Position{Node: 1, Rank: 2}}); err == nil {
+		t.Fatal("a proxy queued a fault of another node")
+	}
+	// A proxy of node 1 speaking for itself.
+	p1 := newRawMember(t, addr, c.job, insecureSec(), RoleProxy, Position{Node: 1, Rank: -1})
+	if err := p1.register(); err != nil {
+		t.Fatal(err)
+	}
+	if err := send(p1, "p1", p1.self, 0, 0); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a proxy's fault about another node's rank: %v", err)
+	}
+	if err := send(p1, "p2", p1.self, 1, 3); err != nil {
+		t.Fatalf("a proxy's fault about its node's rank: %v", err)
+	}
+	if err := send(p1, "p3", p1.self, 1, 7); status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a proxy's fault about a rank beyond the job: %v", err)
+	}
+	// The proxy of node 1 does not register node 0's workers.
+	_, err := p1.client.Register(p1.ctx(), &pb.RegisterRequest{Job: c.job, Member: memberPB(RoleWorker, Position{Node: 0, Rank: 1}, newInstanceID()), Via: p1.self})
+	if status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a proxy registering another node's worker: %v", err)
+	}
+	var ids []string
+	for _, f := range c.m.Faults(0) {
+		ids = append(ids, f.ID)
+	}
+	if !slices.Equal(ids, []string{"w2", "p2"}) {
+		t.Fatalf("faults %v", ids)
+	}
+}
+
+// TestFaultContentsBounded: a fault's message and attributes are cut to
+// their bounds, a kind other than taskd's is one metric series ("other"),
+// an odd kind is refused, and ListFaults pages by bytes, so that faults of
+// a megabyte cost kilobytes and every page fits a message.
+func TestFaultContentsBounded(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	c := newCluster(t, insecureSec(), ManagerConfig{Registerer: reg, MaxMessageBytes: 256 << 10})
+	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
+	if err := r.register(); err != nil {
+		t.Fatal(err)
+	}
+	huge := strings.Repeat("é", 50<<10) // 100 KiB, two bytes a rune
+	attrs := map[string]string{}
+	for i := range 60 {
+		attrs[fmt.Sprintf("k%03d", i)] = huge[:3<<9]
+	}
+	for i := range 40 {
+		f := &pb.FaultReport{Kind: fmt.Sprintf("kind-%d", i), Rank: 0, Message: huge, Attrs: attrs}
+		if _, err := r.client.Send(r.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: fmt.Sprint(i), From: r.self, Body: &pb.Report_Fault{Fault: f}}}}); err != nil {
+			t.Fatalf("fault %d: %v", i, err)
+		}
+	}
+	_, err := r.client.Send(r.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: "odd", From: r.self, Body: &pb.Report_Fault{Fault: &pb.FaultReport{Kind: "a kind\\nwith a line"}}}}})
+	if status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("an odd kind: %v", err)
+	}
+	for _, f := range c.m.Faults(0) {
+		if len(f.Message) > MaxFaultMessageBytes || !utf8.ValidString(f.Message) || len(f.Attrs) != MaxFaultAttrs || len(f.Attrs["k000"]) > MaxFaultAttrBytes {
+			t.Fatalf("fault %s kept: message %d bytes, %d attributes", f.ID, len(f.Message), len(f.Attrs))
+		}
+	}
+	got := gathered(t, reg)
+	if got[`faultline_taskd_faults_total{kind="other"}`] != 40 || got[`faultline_taskd_faults_total{kind="kind-1"}`] != 0 {
+		t.Fatalf("fault metrics: %v", got)
+	}
+	api := newAdminClient(t, c.m.Addr().String(), c.job)
+	var n int
+	var after uint64
+	for pages := 0; ; pages++ {
+		res, err := api.admin.ListFaults(api.ctx(), &pb.ListFaultsReq{JobNsName: c.job, After: after})
+		if err != nil {
+			t.Fatalf("page %d: %v", pages, err)
+		}
+		if len(res.GetFaults()) == 0 {
+			if pages < 2 {
+				t.Fatalf("40 faults of %d KiB in %d pages", (MaxFaultMessageBytes+MaxFaultAttrs*MaxFaultAttrBytes)>>10, pages)
+			}
+			break
+		}
+		n += len(res.GetFaults())
+		after = res.GetFaults()[len(res.GetFaults())-1].GetSeq()
+	}
+	if n != 40 {
+		t.Fatalf("paged through %d faults", n)
+	}
+}
+
+// TestMembershipBounded: without a shape, ranks and nodes are bounded;
+// hostnames are bounded; ListMembers pages by bytes; the switch status
+// forgets a rank that is gone when the shape does not list it.
+func TestMembershipBounded(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{MaxWorkers: 1000, MaxMessageBytes: 64 << 10, HeartbeatDeadline: 10 * time.Minute})
+	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{})
+	reg := func(role Role, pos Position, host string) error {
+		_, err := r.client.Register(r.ctx(), &pb.RegisterRequest{Job: c.job, Member: memberPB(role, pos, newInstanceID()), Hostname: host})
+		return err
+	}
+	for _, tc := range []struct {
+		role Role
+		pos  Position
+		host string
+	}{
+		{RoleWorker, Position{Node: 0, Rank: 1000}, ""},
+		{RoleWorker, Position{Node: 1000, Rank: 0}, ""},
+		{RoleProxy, Position{Node: 1000, Rank: -1}, ""},
+		{RoleWorker, Position{Node: 0, Rank: 0}, strings.Repeat("h", 256)},
+	} {
+		if err := reg(tc.role, tc.pos, tc.host); status.Code(err) != codes.InvalidArgument {
+			t.Errorf("%v %v, a hostname of %d bytes: %v", tc.role, tc.pos, len(tc.host), err)
+		}
+	}
+	host := strings.Repeat("h", maxHostnameBytes)
+	for rank := range 600 {
+		if err := reg(RoleWorker, Position{Node: rank / 8, Rank: rank}, host); err != nil {
+			t.Fatal(err)
+		}
+	}
+	api := newAdminClient(t, c.m.Addr().String(), c.job)
+	if got := api.members(); len(got) != 600 {
+		t.Fatalf("paged through %d of 600 members", len(got))
+	}
+	res, err := api.admin.ListMembers(api.ctx(), &pb.ListMembersReq{JobNsName: c.job})
+	if err != nil || res.GetTotal() != 600 || len(res.GetMembers()) >= 600 {
+		t.Fatalf("one page of 600 members with long hostnames: %d listed, total %d, %v", len(res.GetMembers()), res.GetTotal(), err)
+	}
+	// A rank that leaves is forgotten by the switch status.
+	w := c.addWorker(80, 700)
+	waitFor(t, 20*time.Second, "rank 700", w.Connected)
+	has := func() bool {
+		return slices.ContainsFunc(c.m.SwitchStatus().Workers, func(ws WorkerSwitch) bool { return ws.Position.Rank == 700 })
+	}
+	if !has() {
+		t.Fatal("rank 700 not in the switch status")
+	}
+	c.stop(w, w)
+	waitFor(t, 20*time.Second, "rank 700 forgotten", func() bool { return !has() })
+}
+
+// TestOtherBounds: what a worker says in an acknowledgement is kept cut to
+// a bound, so that the switch status still fits a message; a Collect of
+// more nodes than the job has is refused; a fault's time far off the
+// manager's clock is not kept.
+func TestOtherBounds(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{CollectDir: t.TempDir()})
+	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
+	if err := r.register(); err != nil {
+		t.Fatal(err)
+	}
+	st, err := r.client.Stream(r.ctx(), &pb.StreamRequest{Job: c.job, Member: r.self})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.m.SetSwitch(trace.Switch{Step: true}); err != nil {
+		t.Fatal(err)
+	}
+	env, err := st.Recv()
+	if err != nil || env.GetSwitch() == nil {
+		t.Fatalf("no switch: %v %v", env, err)
+	}
+	_, err = r.client.Acknowledge(r.ctx(), &pb.AckRequest{Job: c.job, Acks: []*pb.Ack{{Id: env.GetId(), From: r.self, Error: strings.Repeat("e", 3<<20)}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	api := newAdminClient(t, c.m.Addr().String(), c.job)
+	res, err := api.admin.GetSwitchStatus(api.ctx(), &pb.DataStatusReq{JobNsName: c.job})
+	if err != nil || len(res.GetWorkers()) != 1 || res.GetWorkers()[0].GetError() == "" || len(res.GetWorkers()[0].GetError()) > maxAckErrorBytes {
+		t.Fatalf("switch status after a 3 MiB error: %d workers, %v", len(res.GetWorkers()), err)
+	}
+	nodes := make([]int32, 100000)
+	for i := range nodes {
+		nodes[i] = int32(i)
+	}
+	if res, err := api.admin.Collect(api.ctx(), &pb.CollectReq{JobNsName: c.job, Nodes: nodes}); err != nil || res.GetCode() != pb.Code_CODE_BAD_PARAMETER {
+		t.Fatalf("a collection of 100000 nodes: %v %v", res, err)
+	}
+	for i, at := range []int64{math.MaxInt64, math.MinInt64, time.Now().Add(time.Hour).UnixNano()} {
+		if _, err := r.client.Send(r.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: fmt.Sprint(i), From: r.self, TimeUnixNano: at, Body: &pb.Report_Fault{Fault: &pb.FaultReport{Kind: "hang"}}}}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, f := range c.m.Faults(0) {
+		if !f.Time.IsZero() {
+			t.Fatalf("fault %s kept the time %v", f.ID, f.Time)
+		}
+	}
+}
+
+// TestEventQueueBounded: the events waiting for the handlers are bounded
+// in number and in the bytes of the messages they carry.
+func TestEventQueueBounded(t *testing.T) {
+	dropped := 0
+	q := newEventQueue(3, func() { dropped++ })
+	q.maxBytes = 10
+	msg := func(n int) Event { return Event{Kind: EventMessage, Message: Message{Payload: make([]byte, n)}} }
+	q.push(msg(6), msg(6), msg(4), Event{Kind: EventSwitch}, Event{Kind: EventSwitch})
+	if got := len(q.take()); got != 3 || dropped != 2 {
+		t.Fatalf("%d events queued, %d dropped; want 3 and 2", got, dropped)
+	}
+	q.push(msg(10))
+	if got := len(q.take()); got != 1 {
+		t.Fatalf("after a take, %d events queued", got)
+	}
+}

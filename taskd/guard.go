@@ -1,0 +1,411 @@
+package taskd
+
+import (
+	"context"
+	"crypto/subtle"
+	"log/slog"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/time/rate"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
+
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+)
+
+// Bounds every server applies before it reads a call's body.
+const (
+	// maxStreamsPerConn bounds the calls in flight on one connection
+	// (HTTP/2 MAX_CONCURRENT_STREAMS); a client queues past it.
+	maxStreamsPerConn = 100
+	// maxStreamsPerPeer bounds the calls in flight from one peer address
+	// over all its connections; more are refused.
+	maxStreamsPerPeer = 1000
+	// maxHeaderBytes caps a call's header list, which is read before the
+	// token is checked.
+	maxHeaderBytes = 16 << 10
+	// handshakeTimeout bounds a new connection's TLS and HTTP/2 handshake.
+	handshakeTimeout = 5 * time.Second
+	// idleTimeout closes a connection that has had no call in flight for
+	// that long; a member always has its stream open.
+	idleTimeout = 30 * time.Second
+	// A peer address may fail authentication authFailureBurst times, and
+	// then once every authFailureEvery; past that budget the connection
+	// that failed is closed, and the address may not connect again for
+	// authLockout.
+	authFailureBurst = 10
+	authFailureEvery = time.Second
+	authLockout      = 10 * time.Second
+	// DefaultMaxConnectionsPerPeer bounds the connections from one peer
+	// address.
+	DefaultMaxConnectionsPerPeer = 256
+)
+
+// credential is what a call proved by its authorization header.
+type credential int
+
+const (
+	// credOpen: the server takes no token; the transport (mutual TLS, or
+	// plaintext when asked) is all there is.
+	credOpen credential = iota
+	// credMember: the job's token, which every member holds.
+	credMember
+	// credProxy: ManagerConfig.ProxyToken, which only proxies hold.
+	credProxy
+	// credAdmin: ManagerConfig.AdminToken, the operators'.
+	credAdmin
+)
+
+// guardMetrics are the counters a guard keeps; the manager and the proxy
+// register them under their own names.
+type guardMetrics struct {
+	authFailures prometheus.Counter
+	calls        *prometheus.CounterVec // refused calls, by reason
+	conns        *prometheus.CounterVec // refused connections, by reason
+	open         prometheus.Gauge       // connections open
+}
+
+// guard admits connections to a server (its listener), and calls before
+// their body is read (a gRPC tap handle, run as a call's headers arrive):
+// it bounds the connections in all and from each peer address, checks the
+// one token a call carries, rate-limits each address's failures, and
+// bounds the calls in flight from each address. A refused call costs its
+// headers, never its body.
+type guard struct {
+	log *slog.Logger
+	met guardMetrics
+	// tokens maps an authorization value to what it proves; open says
+	// that a call may carry none.
+	tokens map[string]credential
+	open   bool
+	// maxConns bounds the connections open, maxPerPeer those from one
+	// peer address.
+	maxConns, maxPerPeer int
+	// ids are the member secrets the server issued: every Control call
+	// but Register must carry one.
+	ids    *identities
+	policy func(method string, cred credential) error
+
+	mu        sync.Mutex
+	peers     map[string]*peerState // by peer IP, while it has connections or calls
+	penalties map[string]*penalty   // by peer IP
+	conns     int
+
+	refusals sync.Map // reason -> *refusalLog
+}
+
+// peerState is what a guard holds of one peer address.
+type peerState struct {
+	conns   map[string]net.Conn // open, by remote address
+	streams int                 // calls in flight
+}
+
+// guardConfig is what a server's guard enforces.
+type guardConfig struct {
+	// tokens maps each token the server takes to what it proves; open
+	// says that a call may carry none (credOpen): members hold no token.
+	tokens               map[string]credential
+	open                 bool
+	maxConns, maxPerPeer int
+	ids                  *identities
+	// policy, if set, refuses a call to method with cred.
+	policy func(method string, cred credential) error
+	met    guardMetrics
+	log    *slog.Logger
+}
+
+func newGuard(c guardConfig) *guard {
+	g := &guard{log: c.log, met: c.met, maxConns: c.maxConns, maxPerPeer: c.maxPerPeer, ids: c.ids, policy: c.policy, open: c.open,
+		peers: make(map[string]*peerState), penalties: make(map[string]*penalty)}
+	for token, cred := range c.tokens {
+		if token == "" {
+			continue
+		}
+		if g.tokens == nil {
+			g.tokens = make(map[string]credential)
+		}
+		g.tokens["Bearer "+token] = cred
+	}
+	return g
+}
+
+// authKey carries a call's credential in its context.
+type authKey struct{}
+
+// callCredential returns what the call of ctx proved.
+func callCredential(ctx context.Context) credential {
+	c, _ := ctx.Value(authKey{}).(credential)
+	return c
+}
+
+// peerLocked returns the state of ip, making it.
+func (g *guard) peerLocked(ip string) *peerState {
+	ps := g.peers[ip]
+	if ps == nil {
+		ps = &peerState{conns: make(map[string]net.Conn)}
+		g.peers[ip] = ps
+	}
+	return ps
+}
+
+// forgetLocked drops the state of ip once it holds nothing.
+func (g *guard) forgetLocked(ip string, ps *peerState) {
+	if len(ps.conns) == 0 && ps.streams <= 0 {
+		delete(g.peers, ip)
+	}
+}
+
+// listen wraps l so that the connections it accepts are admitted first.
+func (g *guard) listen(l net.Listener) net.Listener { return &guardListener{Listener: l, g: g} }
+
+type guardListener struct {
+	net.Listener
+	g *guard
+}
+
+// Accept returns the next connection admitted; one refused is closed at
+// once, before any handshake.
+func (l *guardListener) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		addr := c.RemoteAddr().String()
+		ip := peerHost(addr)
+		if reason := l.g.admit(ip, addr, c); reason != "" {
+			c.Close()
+			l.g.met.conns.WithLabelValues(reason).Inc()
+			l.g.logRefusal("connections refused", reason, ip, "")
+			continue
+		}
+		return &guardConn{Conn: c, g: l.g, ip: ip, addr: addr}, nil
+	}
+}
+
+// admit takes a connection from ip in, or returns why not.
+func (g *guard) admit(ip, addr string, c net.Conn) string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if p := g.penalties[ip]; p != nil && time.Now().Before(p.until) {
+		return "locked_out"
+	}
+	if g.conns >= g.maxConns {
+		return "limit"
+	}
+	ps := g.peerLocked(ip)
+	if len(ps.conns) >= g.maxPerPeer {
+		g.forgetLocked(ip, ps)
+		return "peer_limit"
+	}
+	ps.conns[addr] = c
+	g.conns++
+	g.met.open.Set(float64(g.conns))
+	return ""
+}
+
+// guardConn gives its place back when it closes.
+type guardConn struct {
+	net.Conn
+	g        *guard
+	ip, addr string
+	once     sync.Once
+}
+
+func (c *guardConn) Close() error {
+	c.once.Do(func() {
+		g := c.g
+		g.mu.Lock()
+		if ps := g.peers[c.ip]; ps != nil {
+			if _, ok := ps.conns[c.addr]; ok {
+				delete(ps.conns, c.addr)
+				g.conns--
+				g.met.open.Set(float64(g.conns))
+			}
+			g.forgetLocked(c.ip, ps)
+		}
+		g.mu.Unlock()
+	})
+	return c.Conn.Close()
+}
+
+// penalty is a peer address's budget of authentication failures, and
+// until when it is locked out for spending it.
+type penalty struct {
+	budget *rate.Limiter
+	until  time.Time
+}
+
+// failed takes in an authentication failure of the call from addr: past
+// the address's budget, the connection is closed, and the address may
+// not connect again for authLockout.
+func (g *guard) failed(ip, addr string) {
+	now := time.Now()
+	g.mu.Lock()
+	p := g.penalties[ip]
+	if p == nil {
+		if len(g.penalties) >= 4096 {
+			// Addresses whose budget is full again are forgotten, so
+			// that the table stays bounded.
+			for k, q := range g.penalties {
+				if q.budget.TokensAt(now) >= authFailureBurst && now.After(q.until) {
+					delete(g.penalties, k)
+				}
+			}
+		}
+		p = &penalty{budget: rate.NewLimiter(rate.Every(authFailureEvery), authFailureBurst)}
+		g.penalties[ip] = p
+	}
+	var c net.Conn
+	if !p.budget.AllowN(now, 1) {
+		p.until = now.Add(authLockout)
+		if ps := g.peers[ip]; ps != nil {
+			c = ps.conns[addr]
+		}
+	}
+	g.mu.Unlock()
+	if c != nil {
+		c.Close()
+		g.met.conns.WithLabelValues("locked_out").Inc()
+		g.logRefusal("connection closed: too many authentication failures", "locked_out", ip, "")
+	}
+}
+
+// tap admits a call or refuses it, from its headers alone.
+func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error) {
+	ip, addr := peerAddr(ctx)
+	cred, err := g.authenticate(info.Header.Get("authorization"))
+	if err != nil {
+		g.met.authFailures.Inc()
+		g.refuse("unauthenticated", ip, info.FullMethodName)
+		g.failed(ip, addr)
+		return nil, err
+	}
+	if g.policy != nil {
+		if err := g.policy(info.FullMethodName, cred); err != nil {
+			g.refuse("permission", ip, info.FullMethodName)
+			return nil, err
+		}
+	}
+	caller, err := g.identify(info.FullMethodName, info.Header.Get(memberHeader))
+	if err != nil {
+		g.refuse("unknown_member", ip, info.FullMethodName)
+		return nil, err
+	}
+	g.mu.Lock()
+	ps := g.peerLocked(ip)
+	if ps.streams >= maxStreamsPerPeer {
+		g.mu.Unlock()
+		g.refuse("streams", ip, info.FullMethodName)
+		return nil, status.Errorf(codes.ResourceExhausted, "taskd: %d calls in flight from %s, at most %d", maxStreamsPerPeer, ip, maxStreamsPerPeer)
+	}
+	ps.streams++
+	g.mu.Unlock()
+	ctx = context.WithValue(ctx, authKey{}, cred)
+	if caller != nil {
+		ctx = context.WithValue(ctx, callerKey{}, caller)
+	}
+	// The call's context ends with the call, whatever ends it.
+	context.AfterFunc(ctx, func() { g.release(ip) })
+	return ctx, nil
+}
+
+func (g *guard) release(ip string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if ps := g.peers[ip]; ps != nil {
+		ps.streams--
+		g.forgetLocked(ip, ps)
+	}
+}
+
+// authenticate checks the call's authorization values: none when the
+// server is open, else exactly one, equal to a token the server knows,
+// compared in constant time.
+func (g *guard) authenticate(values []string) (credential, error) {
+	if len(values) == 0 && (g.open || g.tokens == nil) {
+		return credOpen, nil
+	}
+	if g.tokens == nil {
+		return credOpen, nil // a token sent to a server that takes none
+	}
+	if len(values) != 1 {
+		return 0, status.Errorf(codes.Unauthenticated, "taskd: %d authorization values, want exactly one", len(values))
+	}
+	got := []byte(values[0])
+	found, cred := 0, credential(0)
+	for want, c := range g.tokens {
+		// Every token is compared, so that the time taken says nothing
+		// of which one matched.
+		if subtle.ConstantTimeCompare(got, []byte(want)) == 1 {
+			found, cred = 1, c
+		}
+	}
+	if found == 0 {
+		return 0, status.Error(codes.Unauthenticated, "taskd: missing or wrong token")
+	}
+	return cred, nil
+}
+
+// identify returns the member a call's secret names. Every Control call
+// but Register must carry a secret the server issued; a registration may,
+// to prove that the instance registering again is the one it names.
+func (g *guard) identify(method string, values []string) (*identity, error) {
+	if g.ids == nil {
+		return nil, nil
+	}
+	if len(values) == 1 {
+		if id, ok := g.ids.lookup(values[0]); ok {
+			return &id, nil
+		}
+	}
+	if strings.HasPrefix(method, "/"+pb.Control_ServiceDesc.ServiceName+"/") && method != pb.Control_Register_FullMethodName {
+		return nil, errUnknownMember
+	}
+	return nil, nil
+}
+
+// refuse counts a refused call and logs it.
+func (g *guard) refuse(reason, ip, method string) {
+	g.met.calls.WithLabelValues(reason).Inc()
+	g.logRefusal("calls refused", reason, ip, method)
+}
+
+// logRefusal logs a refusal at most once every ten seconds for each
+// reason, with how many there were since.
+func (g *guard) logRefusal(msg, reason, ip, method string) {
+	v, _ := g.refusals.LoadOrStore(msg+"/"+reason, &refusalLog{s: rate.Sometimes{Interval: 10 * time.Second}})
+	rl := v.(*refusalLog)
+	n := rl.n.Add(1)
+	rl.s.Do(func() {
+		attrs := []any{"reason", reason, "count", n - rl.logged.Swap(n), "last_peer", ip}
+		if method != "" {
+			attrs = append(attrs, "last_method", method)
+		}
+		g.log.Warn("taskd: "+msg, attrs...)
+	})
+}
+
+type refusalLog struct {
+	s      rate.Sometimes
+	n      atomic.Int64 // refused so far
+	logged atomic.Int64 // n when last logged
+}
+
+// peerAddr returns the address of the call's peer, without and with its
+// port.
+func peerAddr(ctx context.Context) (ip, addr string) {
+	p, ok := peer.FromContext(ctx)
+	if !ok || p.Addr == nil {
+		return "", ""
+	}
+	addr = p.Addr.String()
+	return peerHost(addr), addr
+}
