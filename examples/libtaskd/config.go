@@ -22,9 +22,9 @@ import (
 
 // Environment variables read when a configuration leaves a field out.
 const (
-	envTaskID        = trace.EnvTaskID // job id, as MindCluster
+	envTaskID        = trace.EnvTaskID       // job id, as MindCluster
 	envRunID         = "TORCHELASTIC_RUN_ID" // torchrun's job id, the same on every node
-	envNodeRank      = "NODE_RANK"     // node rank (torchrun sets GROUP_RANK too)
+	envNodeRank      = "NODE_RANK"           // node rank (torchrun sets GROUP_RANK too)
 	envGroupRank     = "GROUP_RANK"
 	envLocalRank     = "LOCAL_RANK"
 	envMasterAddr    = "MASTER_ADDR"
@@ -153,7 +153,9 @@ func (o securityOptions) resolve(config string, getenv func(string) string) (tas
 		if err != nil {
 			return sec, &configError{Config: config, Field: "token_file", Msg: err.Error()}
 		}
-		sec.Token = strings.TrimSpace(string(b))
+		if sec.Token = strings.TrimSpace(string(b)); sec.Token == "" {
+			return sec, &configError{Config: config, Field: "token_file", Msg: o.TokenFile + " holds no token (an unfilled secret?)"}
+		}
 	}
 	if sec.Token == "" {
 		sec.Token = getenv(envToken)
@@ -332,9 +334,7 @@ func resolveWorker(rank, diskLimitMB int, framework string, options []byte, gete
 	// job under plain torchrun), the worker dots into files and connects
 	// nowhere; naming either asks for the control plane, and then both
 	// must be right.
-	if s.Upstream == "" && !o.securityOptions.named(getenv) {
-		s.LogLevel, _ = logLevel(cfgName, o.LogLevel, getenv)
-	} else {
+	if s.Upstream != "" || o.securityOptions.named(getenv) {
 		if s.Upstream == "" {
 			s.Upstream = taskd.DefaultProxyAddr
 		}
@@ -365,11 +365,16 @@ func resolveWorker(rank, diskLimitMB int, framework string, options []byte, gete
 	} else if s.MarkerLibrary == "" {
 		s.MarkerLibrary = defaultMarkerLibrary
 	}
+	var err error
 	if s.LogLevel, err = logLevel(cfgName, o.LogLevel, getenv); err != nil {
 		return s, err
 	}
 	return s, nil
 }
+
+// resolveJob claims the job folder of this process's launcher on this
+// node (trace.ResolveJob); a variable, so that tests use their own.
+var resolveJob = trace.ResolveJob
 
 // managerOptions is the JSON of taskd_init_manager. MindCluster's keys
 // (job_id, node_nums, proc_per_node) are accepted beside ours.
