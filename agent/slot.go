@@ -277,7 +277,8 @@ func (s *slot) exited(p *rankProc) {
 	if code == 0 && sig == 0 {
 		s.a.log.Info("agent: rank finished", "rank", s.rank, "pid", p.pid)
 		if w != nil {
-			w.Close() // leaves the job
+			w.Finish()
+			w.Close() // leaves the job, finished
 		}
 		s.a.slotEnded()
 		return
