@@ -58,6 +58,7 @@ type Agent struct {
 	stopped  string // why recovery stopped the job, "" while it runs
 	finished chan struct{}
 	once     sync.Once
+	warnOnce sync.Once // a step longer than the collective timeout
 	closed   bool
 }
 
