@@ -86,4 +86,3 @@ func recoveryTime(b *testing.B, cmd *exec.Cmd) time.Duration {
 	}
 	return back.Sub(killed)
 }
-
