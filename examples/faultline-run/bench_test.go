@@ -18,7 +18,8 @@ import (
 // faultline-run (memory checkpoints every step, warm spares) and under
 // torch.distributed.run (--max_restarts 3, torch.save every 10 steps, as
 // a torchrun job checkpoints). The job: train.py, 4 ranks, 100 ms a
-// step, rank 2 killed at step 25. Run it with
+// step, rank 2 killed at step 60, once faultline-run's spare interpreters
+// have had the seconds they take to import torch. Run it with
 //
 //	go test -run '^$' -bench Recovery -benchtime 1x ./examples/faultline-run/
 //
@@ -30,7 +31,7 @@ func BenchmarkRecovery(b *testing.B) {
 	bin := binary(b)
 	train, _ := filepath.Abs("train.py")
 	torchrun, _ := filepath.Abs(filepath.Join("testdata", "torchrun.py"))
-	args := []string{"--steps", "40", "--step-ms", "100", "--kill-rank", "2", "--kill-step", "25"}
+	args := []string{"--steps", "80", "--step-ms", "100", "--kill-rank", "2", "--kill-step", "60"}
 	var fl, tr time.Duration
 	for range b.N {
 		dir := b.TempDir()
