@@ -178,7 +178,10 @@
 //  1. Pick the target half: not the one holding the newest complete step
 //     (highest seq among complete halves whose meta_crc holds; with none,
 //     1 - active).
-//  2. If its pin is non-zero, skip this save (the owner is reading it).
+//  2. If its pin is non-zero (the owner is reading it, say to persist it)
+//     and it holds a complete step, take the other half instead: the
+//     newest step is overwritten while the pinned one stays as the step a
+//     crash leaves. If the half taken is pinned too, skip this save.
 //  3. Set its state to 1; read pin again, and if it is now non-zero, set
 //     the state back and skip; otherwise increment gen.
 //  4. Write the blobs, then the table, then bytes [16,64) of the header

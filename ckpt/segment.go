@@ -20,7 +20,7 @@ var (
 	// ErrBusy is returned by a save whose target half is pinned by the
 	// owner (a persist or a replica copy is reading it). The save is
 	// skipped; the previous step stays in memory.
-	ErrBusy = errors.New("ckpt: target half is being persisted; save skipped")
+	ErrBusy = errors.New("ckpt: both halves are being read by the owner; save skipped")
 	// ErrTooLarge is returned by a save that does not fit in a half and
 	// cannot grow the segment, and by a replica too large for the local
 	// segment.
@@ -337,10 +337,16 @@ func (s *segment) begin(meta StepMeta) (*halfWriter, error) {
 		return nil, badSave(meta, err)
 	}
 	// Write over the half that does not hold the newest intact step, so
-	// that a crash mid-save leaves that step as it was.
+	// that a crash mid-save leaves that step as it was. While the owner
+	// reads that half (a persist), write over the newest step instead:
+	// the older step being read is the one a crash leaves.
 	idx := 1 - int(s.active()&1)
-	if c := s.newest(); len(c) > 0 {
+	c := s.newest()
+	if len(c) > 0 {
 		idx = 1 - c[0]
+	}
+	if atomic.LoadUint32(s.u32(s.halfBase(idx)+offPin)) != 0 && len(c) > 0 && atomic.LoadUint32(s.u32(s.halfBase(idx)+offState)) == StateComplete {
+		idx = c[0]
 	}
 	base := s.halfBase(idx)
 	pin, state := s.u32(base+offPin), s.u32(base+offState)

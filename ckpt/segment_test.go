@@ -88,7 +88,11 @@ func TestSaveFromReaders(t *testing.T) {
 	}
 }
 
-func TestSaveSkipsPinnedHalf(t *testing.T) {
+// TestSaveAroundPinnedHalf: while the owner reads the half of the older
+// step (a persist), a save writes over the newest step instead, so that
+// saves go on and the step being read is the one a crash leaves; with
+// both halves pinned the save is skipped.
+func TestSaveAroundPinnedHalf(t *testing.T) {
 	ctx := context.Background()
 	o, w := newPair(t, OwnerConfig{})
 	for step := int64(1); step <= 2; step++ {
@@ -98,18 +102,32 @@ func TestSaveSkipsPinnedHalf(t *testing.T) {
 	}
 	// The owner pins the half that holds step 1, as a persist does.
 	seg := o.segs[0]
-	old := seg.newest()[1]
+	old, newest := seg.newest()[1], seg.newest()[0]
 	pin := seg.u32(seg.halfBase(old) + offPin)
 	atomic.AddUint32(pin, 1)
-	if err := w.Save(ctx, 3, blobs(3)...); !errors.Is(err, ErrBusy) {
-		t.Fatalf("Save over a pinned half = %v, want ErrBusy", err)
+	for step := int64(3); step <= 4; step++ {
+		if err := w.Save(ctx, step, blobs(step)...); err != nil {
+			t.Fatalf("Save of step %d beside a pinned half = %v", step, err)
+		}
 	}
-	if ck, err := w.Load(ctx); err != nil || ck.Step != 2 {
-		t.Fatalf("Load = %v, %v; want step 2", ck, err)
+	if ck, err := w.Load(ctx); err != nil || ck.Step != 4 {
+		t.Fatalf("Load = %v, %v; want step 4", ck, err)
 	}
+	if m, ok := seg.metaOK(old); !ok || m.Step != 1 {
+		t.Fatalf("the pinned half holds %+v, want step 1", m)
+	}
+	other := seg.u32(seg.halfBase(newest) + offPin)
+	atomic.AddUint32(other, 1)
+	if err := w.Save(ctx, 5, blobs(5)...); !errors.Is(err, ErrBusy) {
+		t.Fatalf("Save with both halves pinned = %v, want ErrBusy", err)
+	}
+	atomic.AddUint32(other, ^uint32(0))
 	atomic.AddUint32(pin, ^uint32(0))
-	if err := w.Save(ctx, 3, blobs(3)...); err != nil {
+	if err := w.Save(ctx, 5, blobs(5)...); err != nil {
 		t.Fatal(err)
+	}
+	if ck, err := w.Load(ctx); err != nil || ck.Step != 5 {
+		t.Fatalf("Load = %v, %v; want step 5", ck, err)
 	}
 }
 

@@ -85,7 +85,7 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 	if m.evicted.has(nm.instance) {
 		m.mu.Unlock()
 		m.met.refused.Inc()
-		return nil, status.Errorf(codes.AlreadyExists, "taskd: %s: this instance was evicted by recovery; its successor takes the rank", key)
+		return nil, status.Errorf(codes.FailedPrecondition, "taskd: %s: %v", key, ErrEvicted)
 	}
 	if via := req.GetVia(); via != nil {
 		if key.role != RoleWorker || roleFromPB(via.GetRole()) != RoleProxy {

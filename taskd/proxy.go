@@ -435,7 +435,7 @@ func (p *Proxy) reregister(ctx context.Context, rank int) error {
 	switch status.Code(err) {
 	case codes.OK:
 		return nil
-	case codes.AlreadyExists, codes.InvalidArgument, codes.NotFound:
+	case codes.AlreadyExists, codes.FailedPrecondition, codes.InvalidArgument, codes.NotFound:
 		p.dropWorker(rank, w.instance)
 		return nil
 	}

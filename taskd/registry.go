@@ -10,6 +10,12 @@ import (
 // instance holds.
 var ErrRankTaken = errors.New("taskd: position is held by another live instance")
 
+// ErrEvicted ends a Worker's Run when recovery evicted its instance: the
+// process it stood for was to be restarted or replaced, and a successor
+// (a new Worker, with a new instance) takes the rank. An embedder that
+// hosts workers for processes it restarts itself builds that successor.
+var ErrEvicted = errors.New("taskd: this instance was evicted by recovery; its successor takes the rank")
+
 // member is a registered, live member of the tree.
 type member struct {
 	key      memberKey

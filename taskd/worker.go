@@ -209,9 +209,10 @@ func (w *Worker) Connected() bool { return w.connected.Load() }
 func (w *Worker) Pending() int { return w.up.queue.len() }
 
 // Run keeps the worker registered until ctx ends or Close is called, then
-// returns nil. On the way out it lets a trainer call in progress end,
-// sends what is queued and leaves the job (see Close). Run may be called
-// once.
+// returns nil; or until the manager refuses this instance as evicted by
+// recovery, then returns ErrEvicted. On the way out it lets a trainer
+// call in progress end, sends what is queued and leaves the job (see
+// Close). Run may be called once.
 func (w *Worker) Run(ctx context.Context) error {
 	if !w.state.CompareAndSwap(0, 1) {
 		return errors.New("taskd: Worker.Run called twice or after Close")
@@ -227,11 +228,13 @@ func (w *Worker) Run(ctx context.Context) error {
 	defer tcancel()
 	stopping := make(chan struct{})
 	watched := make(chan struct{})
+	served := make(chan struct{}) // serve returned: evicted, or ctx ended
 	go func() {
 		defer close(watched)
 		select {
 		case <-w.closed:
 		case <-ctx.Done():
+		case <-served:
 		}
 		close(stopping)
 		cancel()
@@ -241,7 +244,8 @@ func (w *Worker) Run(ctx context.Context) error {
 		defer close(trainerDone)
 		w.runTrainer(tctx, stopping)
 	}()
-	w.serve(sctx)
+	err := w.serve(sctx)
+	close(served)
 	<-watched
 	grace := time.NewTimer(closeGrace)
 	select {
@@ -251,8 +255,10 @@ func (w *Worker) Run(ctx context.Context) error {
 		<-trainerDone
 	}
 	grace.Stop()
-	w.flush()
-	return nil
+	if err == nil {
+		w.flush() // an evicted instance can send nothing more, nor leave
+	}
+	return err
 }
 
 // closeGrace bounds how long a worker that stops waits for a trainer call
@@ -260,14 +266,18 @@ func (w *Worker) Run(ctx context.Context) error {
 const closeGrace = time.Second
 
 // serve registers again after each session ends, with backoff, until ctx
-// ends.
-func (w *Worker) serve(ctx context.Context) {
+// ends (nil) or the instance is evicted (ErrEvicted).
+func (w *Worker) serve(ctx context.Context) error {
 	bo := newBackoff(50*time.Millisecond, w.cfg.ReconnectMax)
 	for {
 		start := time.Now()
 		err := w.session(ctx)
 		if ctx.Err() != nil {
-			return
+			return nil
+		}
+		if errors.Is(err, ErrEvicted) {
+			w.log.Info("taskd: this instance was evicted by recovery; its successor takes the rank")
+			return ErrEvicted
 		}
 		if time.Since(start) > 2*w.cfg.ReconnectMax {
 			bo.Reset()
@@ -281,7 +291,7 @@ func (w *Worker) serve(ctx context.Context) {
 		}
 		select {
 		case <-ctx.Done():
-			return
+			return nil
 		case <-time.After(wait):
 		}
 	}
@@ -387,6 +397,9 @@ func (w *Worker) session(ctx context.Context) error {
 	rctx, cancel := context.WithTimeout(ctx, w.cfg.AckTimeout)
 	resp, err := w.client.Register(rctx, &pb.RegisterRequest{Job: w.cfg.Job, Member: w.self, SwitchBits: bits, HasSwitch: has, Hostname: host, Pid: int64(os.Getpid())}, grpc.WaitForReady(true))
 	cancel()
+	if status.Code(err) == codes.FailedPrecondition {
+		return fmt.Errorf("%w: %v", ErrEvicted, err)
+	}
 	if err != nil {
 		return err
 	}

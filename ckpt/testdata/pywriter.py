@@ -99,7 +99,12 @@ def main():
     else:
         t = 1 - (active & 1)
     b = base(t)
-    # 2-3. Skip a pinned half; claim it; bump gen.
+    # 2. A pinned half holding a complete step stays: write over the newest
+    # step instead. 2-3. Skip a pinned half; claim it; bump gen.
+    (pin, state) = struct.unpack_from("<II", m, b + 4)[0], struct.unpack_from("<I", m, b)[0]
+    if pin and state == COMPLETE and complete:
+        t = 1 - t
+        b = base(t)
     (pin,) = struct.unpack_from("<I", m, b + 4)
     if pin:
         fcntl.flock(fd, fcntl.LOCK_UN)

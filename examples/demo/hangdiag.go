@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -243,7 +242,10 @@ collect:
 
 	// The culprit: the ranks stuck in a function of the training code
 	// that no other rank is in.
-	res.Culprit, res.Split = culprit(dumps)
+	pkg := trainingLoop[:strings.Index(trainingLoop, ".(")+1] // "main."
+	res.Culprit, res.Split = hang.Culprit(dumps, func(k hang.Kind, f hang.Frame) bool {
+		return k == hang.KindGo && strings.HasPrefix(f.Func, pkg)
+	})
 	if len(res.Culprit) == 0 {
 		return errors.New("the stacks single out no rank: " + res.Verdict)
 	}
@@ -263,66 +265,6 @@ collect:
 		}
 	}
 	return nil
-}
-
-// culprit names the ranks whose training goroutine is in a function of
-// the training code that the fewest ranks are in (and not all of them),
-// and says where they and the others are. Ranks waiting in a collective
-// share its frames with every other waiting rank; the rank stuck somewhere
-// of its own is the one to blame, even in a group of two where the size of
-// a split of the merged tree cannot tell, and whatever the process state
-// or the line each rank happened to be on at the moment of the dump.
-func culprit(dumps []*hang.Dump) ([]int, string) {
-	pkg := trainingLoop[:strings.Index(trainingLoop, ".(")+1] // "main."
-	funcs := map[int][]string{}                               // rank: its training-code functions, innermost first
-	holders := map[string][]int{}                             // function: the ranks in it
-	for _, d := range dumps {
-		for _, t := range d.Threads {
-			if t.Kind != hang.KindGo {
-				continue
-			}
-			for _, f := range t.Frames {
-				if strings.HasPrefix(f.Func, pkg) && !slices.Contains(funcs[d.Rank], f.Func) {
-					funcs[d.Rank] = append(funcs[d.Rank], f.Func)
-					holders[f.Func] = append(holders[f.Func], d.Rank)
-				}
-			}
-		}
-	}
-	var fn string
-	for f, rs := range holders {
-		if len(rs) == len(dumps) {
-			continue
-		}
-		if fn == "" || len(rs) < len(holders[fn]) || len(rs) == len(holders[fn]) && f < fn {
-			fn = f
-		}
-	}
-	if fn == "" {
-		return nil, ""
-	}
-	ranks := slices.Sorted(slices.Values(holders[fn]))
-	// The others, by the outermost function that not every rank is in:
-	// the collective each waits in.
-	others := map[string][]int{}
-	for r, fs := range funcs {
-		if slices.Contains(ranks, r) {
-			continue
-		}
-		at := fs[0]
-		for _, f := range fs {
-			if len(holders[f]) < len(dumps) {
-				at = f
-			}
-		}
-		others[at] = append(others[at], r)
-	}
-	var where []string
-	for _, f := range slices.Sorted(maps.Keys(others)) {
-		rs := slices.Sorted(slices.Values(others[f]))
-		where = append(where, fmt.Sprintf("%s in %s", rankWord(joinInts(rs), len(rs)), f))
-	}
-	return ranks, fmt.Sprintf("%s in %s, where no other rank is; %s", rankWord(joinInts(ranks), len(ranks)), fn, strings.Join(where, ", "))
 }
 
 func rankWord(ranks string, n int) string {

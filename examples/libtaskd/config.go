@@ -22,8 +22,9 @@ import (
 
 // Environment variables read when a configuration leaves a field out.
 const (
-	envTaskID        = trace.EnvTaskID // job id, as MindCluster
-	envNodeRank      = "NODE_RANK"     // node rank (torchrun sets GROUP_RANK too)
+	envTaskID        = trace.EnvTaskID       // job id, as MindCluster
+	envRunID         = "TORCHELASTIC_RUN_ID" // torchrun's job id, the same on every node
+	envNodeRank      = "NODE_RANK"           // node rank (torchrun sets GROUP_RANK too)
 	envGroupRank     = "GROUP_RANK"
 	envLocalRank     = "LOCAL_RANK"
 	envMasterAddr    = "MASTER_ADDR"
@@ -152,7 +153,9 @@ func (o securityOptions) resolve(config string, getenv func(string) string) (tas
 		if err != nil {
 			return sec, &configError{Config: config, Field: "token_file", Msg: err.Error()}
 		}
-		sec.Token = strings.TrimSpace(string(b))
+		if sec.Token = strings.TrimSpace(string(b)); sec.Token == "" {
+			return sec, &configError{Config: config, Field: "token_file", Msg: o.TokenFile + " holds no token (an unfilled secret?)"}
+		}
 	}
 	if sec.Token == "" {
 		sec.Token = getenv(envToken)
@@ -167,9 +170,18 @@ func (o securityOptions) resolve(config string, getenv func(string) string) (tas
 		sec.Insecure = b
 	}
 	if err := sec.Validate(); err != nil {
-		return sec, &configError{Config: config, Field: "tls_dir", Msg: err.Error() + " (options tls_dir, insecure)"}
+		return sec, &configError{Config: config, Field: "tls_dir", Msg: fmt.Sprintf(
+			"no way to reach the control plane safely: give option tls_dir or $%s (mutual TLS), option token, token_file or $%s (a shared token, with insecure for plaintext), or option insecure or $%s=1 (plaintext, for a trusted network): %v",
+			envTLSDir, envToken, envInsecure, err)}
 	}
 	return sec, nil
+}
+
+// named reports whether any credential is given, by option or
+// environment.
+func (o securityOptions) named(getenv func(string) string) bool {
+	return o.TLSDir != "" || o.Token != "" || o.TokenFile != "" || o.Insecure != nil ||
+		getenv(envTLSDir) != "" || getenv(envToken) != "" || getenv(envInsecure) != ""
 }
 
 // envInt reads the first of names that is set as an int.
@@ -203,11 +215,11 @@ func logLevel(config, s string, getenv func(string) string) (slog.Level, error) 
 // workerOptions is the JSON a C caller may add to taskd_init_worker; every
 // field may be left out.
 type workerOptions struct {
-	Job       string `json:"job"`        // default $MINDX_TASK_ID; required
+	Job       string `json:"job"`        // default $MINDX_TASK_ID, $TORCHELASTIC_RUN_ID, else claimed per launcher
 	Node      *int   `json:"node"`       // default $NODE_RANK, $GROUP_RANK, 0
 	LocalRank *int   `json:"local_rank"` // default $LOCAL_RANK, else the rank
 	Device    *int   `json:"device"`     // device id in records; default the local rank
-	Upstream  string `json:"upstream"`   // default $TASKD_UPSTREAM, 127.0.0.1:9602
+	Upstream  string `json:"upstream"`   // default $TASKD_UPSTREAM, 127.0.0.1:9602 when a credential is given; else none
 	securityOptions
 	Root          string   `json:"root"`           // default $TASKD_PROFILING_ROOT, /user/cluster-info/profiling
 	Ager          string   `json:"ager"`           // auto (local rank 0), on, off
@@ -262,14 +274,29 @@ func resolveWorker(rank, diskLimitMB int, framework string, options []byte, gete
 	if !frameworkRE.MatchString(s.Framework) {
 		return s, &configError{Config: cfgName, Field: "framework", Msg: fmt.Sprintf("%q is not a framework name such as \"pt\" or \"ms\"", s.Framework)}
 	}
-	if s.Job == "" {
-		s.Job = getenv(envTaskID)
+	if s.Root == "" {
+		s.Root = getenv(envProfilingRoot)
+	}
+	if s.Root == "" {
+		s.Root = trace.DefaultRoot
+	}
+	// The job: named, else the launcher's (torchrun's run id is the same on
+	// every node), else one claimed once per launcher on this node.
+	from := "option job"
+	for _, v := range []string{envTaskID, envRunID} {
+		if s.Job == "" {
+			s.Job, from = getenv(v), "$"+v
+		}
 	}
 	if s.Job == "" {
-		return s, &configError{Config: cfgName, Field: "job", Msg: "empty, and $" + envTaskID + " is not set"}
+		job, err := resolveJob(s.Root)
+		if err != nil {
+			return s, &configError{Config: cfgName, Field: "job", Msg: fmt.Sprintf("empty, $%s and $%s are not set, and no job could be claimed under %s: %v", envTaskID, envRunID, s.Root, err)}
+		}
+		s.Job, from = job, "a job claimed under "+s.Root
 	}
 	if err := trace.ValidateJob(s.Job); err != nil {
-		return s, &configError{Config: cfgName, Field: "job", Msg: err.Error()}
+		return s, &configError{Config: cfgName, Field: "job", Msg: fmt.Sprintf("%s: %v", from, err)}
 	}
 	if o.Node != nil {
 		s.Node = *o.Node
@@ -303,22 +330,22 @@ func resolveWorker(rank, diskLimitMB int, framework string, options []byte, gete
 	if s.Upstream == "" {
 		s.Upstream = getenv(envUpstream)
 	}
-	if s.Upstream == "" {
-		s.Upstream = taskd.DefaultProxyAddr
-	}
-	if _, _, err := net.SplitHostPort(s.Upstream); err != nil {
-		return s, &configError{Config: cfgName, Field: "upstream", Msg: err.Error()}
-	}
-	sec, err := o.securityOptions.resolve(cfgName, getenv)
-	if err != nil {
-		return s, err
-	}
-	s.Security = sec
-	if s.Root == "" {
-		s.Root = getenv(envProfilingRoot)
-	}
-	if s.Root == "" {
-		s.Root = trace.DefaultRoot
+	// With no control plane named at all (no upstream, no credential: a
+	// job under plain torchrun), the worker dots into files and connects
+	// nowhere; naming either asks for the control plane, and then both
+	// must be right.
+	if s.Upstream != "" || o.securityOptions.named(getenv) {
+		if s.Upstream == "" {
+			s.Upstream = taskd.DefaultProxyAddr
+		}
+		if _, _, err := net.SplitHostPort(s.Upstream); err != nil {
+			return s, &configError{Config: cfgName, Field: "upstream", Msg: err.Error()}
+		}
+		sec, err := o.securityOptions.resolve(cfgName, getenv)
+		if err != nil {
+			return s, err
+		}
+		s.Security = sec
 	}
 	switch o.Ager {
 	case "", agerAuto:
@@ -338,11 +365,16 @@ func resolveWorker(rank, diskLimitMB int, framework string, options []byte, gete
 	} else if s.MarkerLibrary == "" {
 		s.MarkerLibrary = defaultMarkerLibrary
 	}
+	var err error
 	if s.LogLevel, err = logLevel(cfgName, o.LogLevel, getenv); err != nil {
 		return s, err
 	}
 	return s, nil
 }
+
+// resolveJob claims the job folder of this process's launcher on this
+// node (trace.ResolveJob); a variable, so that tests use their own.
+var resolveJob = trace.ResolveJob
 
 // managerOptions is the JSON of taskd_init_manager. MindCluster's keys
 // (job_id, node_nums, proc_per_node) are accepted beside ours.

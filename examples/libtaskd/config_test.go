@@ -66,6 +66,12 @@ func TestResolveWorkerOptions(t *testing.T) {
 
 func TestResolveWorkerErrors(t *testing.T) {
 	base := map[string]string{"MINDX_TASK_ID": "job", "TASKD_INSECURE": "true"}
+	blank := filepath.Join(t.TempDir(), "token")
+	if err := os.WriteFile(blank, []byte(" \n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	defer func(f func(string) (string, error)) { resolveJob = f }(resolveJob)
+	resolveJob = func(root string) (string, error) { return "", errors.New("no launcher to claim for") }
 	for _, tc := range []struct {
 		name      string
 		rank, mb  int
@@ -78,13 +84,15 @@ func TestResolveWorkerErrors(t *testing.T) {
 		{name: "no disk", mb: 0, field: "upper_limit_of_disk_in_mb"},
 		{name: "framework", mb: 1, framework: "PyTorch 2", field: "framework"},
 		{name: "no job", mb: 1, env: map[string]string{"TASKD_INSECURE": "1"}, field: "job"},
+		{name: "bad run id", mb: 1, env: map[string]string{"TORCHELASTIC_RUN_ID": "a/b", "TASKD_INSECURE": "1"}, field: "job"},
 		{name: "traversal", mb: 1, opts: `{"job":"../../etc"}`, field: "job"},
 		{name: "node env", mb: 1, env: map[string]string{"MINDX_TASK_ID": "j", "NODE_RANK": "x", "TASKD_INSECURE": "1"}, field: "node"},
 		{name: "negative node", mb: 1, opts: `{"node":-2}`, field: "node"},
 		{name: "negative local rank", mb: 1, opts: `{"local_rank":-1}`, field: "local_rank"},
 		{name: "device", mb: 1, opts: `{"device":-3}`, field: "device"},
 		{name: "upstream", mb: 1, opts: `{"upstream":"no-port"}`, field: "upstream"},
-		{name: "no security", mb: 1, env: map[string]string{"MINDX_TASK_ID": "j"}, field: "tls_dir"},
+		{name: "no security", mb: 1, env: map[string]string{"MINDX_TASK_ID": "j", "TASKD_UPSTREAM": "127.0.0.1:9602"}, field: "tls_dir"},
+		{name: "blank token file", mb: 1, opts: `{"token_file":"` + blank + `"}`, field: "token_file"},
 		{name: "insecure env", mb: 1, env: map[string]string{"MINDX_TASK_ID": "j", "TASKD_INSECURE": "maybe"}, field: "insecure"},
 		{name: "token file", mb: 1, opts: `{"token_file":"/no/such/file"}`, field: "token_file"},
 		{name: "ager", mb: 1, opts: `{"ager":"sometimes"}`, field: "ager"},
@@ -112,6 +120,22 @@ func TestResolveWorkerErrors(t *testing.T) {
 				t.Errorf("error %q names config %q field %q, want worker %q", err, ce.Config, ce.Field, tc.field)
 			}
 		})
+	}
+}
+
+// TestResolveWorkerUnderTorchrun: under plain torchrun (no MINDX_TASK_ID,
+// no control plane named) a worker takes torchrun's run id, or one job
+// claimed per launcher, and dots into files without a control plane.
+func TestResolveWorkerUnderTorchrun(t *testing.T) {
+	defer func(f func(string) (string, error)) { resolveJob = f }(resolveJob)
+	resolveJob = func(root string) (string, error) { return "default_task_id_1700000000", nil }
+	got, err := resolveWorker(1, 100, "pt", nil, env(map[string]string{"TORCHELASTIC_RUN_ID": "d1f2-run", "LOCAL_RANK": "1"}))
+	if err != nil || got.Job != "d1f2-run" || got.Upstream != "" || got.Security != (taskd.Security{}) {
+		t.Fatalf("resolveWorker = %+v, %v; want job d1f2-run and no control plane", got, err)
+	}
+	got, err = resolveWorker(1, 100, "pt", nil, env(nil))
+	if err != nil || got.Job != "default_task_id_1700000000" {
+		t.Fatalf("resolveWorker = %+v, %v; want the claimed job", got, err)
 	}
 }
 

@@ -45,10 +45,14 @@
 //
 // What the options leave out comes from the environment:
 //
-//	MINDX_TASK_ID          job id (required)
+//	MINDX_TASK_ID          job id; else TORCHELASTIC_RUN_ID (torchrun's, the same
+//	                       on every node); else one claimed once per launcher on
+//	                       this node (trace.ResolveJob)
 //	NODE_RANK, GROUP_RANK  node rank (default 0)
 //	LOCAL_RANK             local rank: device id in records, ager on 0 (default: the rank)
-//	TASKD_UPSTREAM         the node's proxy or the manager (default 127.0.0.1:9602)
+//	TASKD_UPSTREAM         the node's proxy or the manager (default 127.0.0.1:9602 when a
+//	                       credential is given; with neither, as under plain torchrun,
+//	                       the worker dots into files and joins no control plane)
 //	TASKD_TLS_DIR          ca.crt, tls.crt, tls.key for mutual TLS
 //	TASKD_TOKEN            shared token
 //	TASKD_INSECURE         1 allows plaintext

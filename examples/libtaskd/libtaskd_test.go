@@ -380,8 +380,9 @@ func TestRecoveryCallbacks(t *testing.T) {
 	m := startManager(t, taskd.ManagerConfig{Orchestration: &taskd.OrchestrationConfig{}})
 	const rank = 2
 	py := startPython(t, lib, "recovery", workerEnv(t, m, root, rank, nil)...)
-	py.expect("started", 30*time.Second)
-	if got := py.expect("resumed", 30*time.Second); got != "resumed -1 - []" {
+	// The worker resumes the trainer once registered, on its own thread:
+	// its line may come before or after the main thread's "started".
+	if got := py.expectAll(30*time.Second, "started", "resumed")["resumed"]; got != "resumed -1 - []" {
 		t.Errorf("start: %q, want the worker's resume with step -1", got)
 	}
 	waitFor(t, "the worker to register", 30*time.Second, func() bool { return registered(m, rank) })

@@ -190,6 +190,34 @@ func (p *python) expect(prefix string, within time.Duration) string {
 	}
 }
 
+// expectAll reads lines until one starts with each of prefixes, in any
+// order (lines from the worker's threads race the main thread's), and
+// returns the first line of each.
+func (p *python) expectAll(within time.Duration, prefixes ...string) map[string]string {
+	p.t.Helper()
+	got := make(map[string]string, len(prefixes))
+	timer := time.NewTimer(within)
+	defer timer.Stop()
+	for len(got) < len(prefixes) {
+		select {
+		case line, ok := <-p.lines:
+			if !ok {
+				<-p.done
+				p.t.Fatalf("trainer exited (%v) before %q (got %q)\nstderr:\n%s", p.err, prefixes, got, p.stderr())
+			}
+			for _, pre := range prefixes {
+				if _, seen := got[pre]; !seen && strings.HasPrefix(line, pre) {
+					got[pre] = line
+					break
+				}
+			}
+		case <-timer.C:
+			p.t.Fatalf("not all of %q from the trainer within %v (got %q)\nstderr:\n%s", prefixes, within, got, p.stderr())
+		}
+	}
+	return got
+}
+
 // send writes a command line to the trainer.
 func (p *python) send(line string) {
 	p.t.Helper()

@@ -66,7 +66,7 @@ const stopCallWait = 5 * time.Second
 // on; the switch is all off until the manager sends one.
 func newWorker(set workerSettings) (*worker, error) {
 	w := &worker{set: set, log: newLogger(set.LogLevel, "libtaskd-worker"), cbs: newCallbacks(), stop: newStopTrack()}
-	if err := w.taskdConfig().Validate(); err != nil {
+	if err := w.taskdConfig().Validate(); set.Upstream != "" && err != nil {
 		return nil, &configError{Config: "worker", Msg: err.Error()}
 	}
 	// The recorder has a context of its own: it is closed last, after the
@@ -121,22 +121,38 @@ func (w *worker) start() error {
 		return errStarted
 	}
 	cfg := w.taskdConfig()
-	tw, err := taskd.NewWorker(cfg)
-	if err != nil {
-		return err
-	}
-	var ager *trace.Ager
-	if w.set.RunAger {
-		if ager, err = trace.NewAger(trace.AgerConfig{Root: w.set.Root, BudgetBytes: w.set.BudgetBytes, Logger: w.log}); err != nil {
-			tw.Close()
+	var tw *taskd.Worker
+	if w.set.Upstream != "" { // else no control plane was named: dotting alone
+		var err error
+		if tw, err = taskd.NewWorker(cfg); err != nil {
 			return err
 		}
 	}
-	w.started, w.tw, w.trained, w.ager = true, tw, cfg.Trainer != nil, ager
+	var ager *trace.Ager
+	var err error
+	if w.set.RunAger {
+		if ager, err = trace.NewAger(trace.AgerConfig{Root: w.set.Root, BudgetBytes: w.set.BudgetBytes, Logger: w.log}); err != nil {
+			if tw != nil {
+				tw.Close()
+			}
+			return err
+		}
+	}
+	w.started, w.tw, w.trained, w.ager = true, tw, tw != nil && cfg.Trainer != nil, ager
 	if ager != nil {
 		w.goRun("ager", ager.Run)
 	}
-	w.goRun("control plane", tw.Run)
+	if tw != nil {
+		w.goRun("control plane", tw.Run)
+	} else {
+		w.log.Info("no control plane named (TASKD_UPSTREAM and a credential): the worker dots into files only")
+		if cfg.Trainer != nil {
+			// Nothing would resume the trainer, which begins paused: start it.
+			w.goRun("trainer start", func(ctx context.Context) error {
+				return cfg.Trainer.Resume(ctx, taskd.ResumeRequest{Step: -1})
+			})
+		}
+	}
 	w.log.Info("worker started", "job", w.set.Job, "node", w.set.Node, "rank", w.set.Rank,
 		"framework", w.set.Framework, "upstream", w.set.Upstream, "trainer", w.trained, "ager", ager != nil)
 	if w.set.MarkerLibrary == "" {
@@ -221,6 +237,7 @@ func (w *worker) close() error {
 		errs = append(errs, src.Close())
 	}
 	if tw != nil {
+		tw.Finish() // destroyed: the rank ran its last step
 		errs = append(errs, tw.Close())
 	}
 	if ager != nil {

@@ -1,0 +1,401 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/faultline-ml/faultline/hang"
+	"github.com/faultline-ml/faultline/rescheduling"
+	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/trace"
+	"github.com/faultline-ml/faultline/trace/slownode"
+)
+
+// Errors that end Run.
+var (
+	// ErrStopped: recovery stopped the job for good (its restart budget
+	// spent, or a fault no strategy could repair); the error says why.
+	ErrStopped = errors.New("agent: the job was stopped")
+	// ErrClosed: Run after Close.
+	ErrClosed = errors.New("agent: closed")
+)
+
+// stackSignal is the signal on which a rank's faulthandler dumps its
+// stacks: a real-time signal no library of the training stack takes.
+const stackSignal = syscall.Signal(37) // SIGRTMIN+3 under glibc
+
+// Agent runs one node of a training job: it starts the node's ranks,
+// owns their checkpoint segments and dotting rings, watches them for
+// exits, hangs and slowness, and has the job's taskd manager stop,
+// restart and resume them together when one fails.
+type Agent struct {
+	cfg   Config
+	log   *slog.Logger
+	world int
+	dir   string // the agent's private folder: socket, stack files
+	sock  string
+	slots []*slot
+
+	mgr      *taskd.Manager // node 0's, when the job has no other
+	mgrAddr  string
+	policy   *rescheduling.Policy
+	ckpts    *checkpoints
+	incident *incidents
+
+	mu       sync.Mutex
+	sw       trace.Switch
+	stopped  string // why recovery stopped the job, "" while it runs
+	finished chan struct{}
+	once     sync.Once
+	closed   bool
+}
+
+// New builds the agent of one node: its rings and folders; nothing runs
+// before Run.
+func New(cfg Config) (*Agent, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.setDefaults()
+	a := &Agent{cfg: cfg, log: cfg.Logger.With("node", cfg.NodeRank), world: cfg.world(), finished: make(chan struct{})}
+	for _, d := range []string{cfg.Out, cfg.TraceRoot} {
+		if err := os.MkdirAll(d, 0o750); err != nil {
+			return nil, fmt.Errorf("agent: Out: %w", err)
+		}
+	}
+	var err error
+	if a.dir, err = os.MkdirTemp("", "faultline-run-"); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	a.sock = filepath.Join(a.dir, "agent.sock")
+	a.ckpts = newCheckpoints(a)
+	a.incident = newIncidents(a)
+	for l := range cfg.ProcsPerNode {
+		s, err := newSlot(a, l)
+		if err != nil {
+			a.cleanup()
+			return nil, err
+		}
+		a.slots = append(a.slots, s)
+	}
+	a.applySwitch(a.initialSwitch())
+	return a, nil
+}
+
+// Run starts the ranks and serves them until the job ends: nil when every
+// rank exited 0, an error wrapping ErrStopped when recovery stopped the
+// job, or ctx's error.
+func (a *Agent) Run(ctx context.Context) error {
+	a.mu.Lock()
+	if a.closed {
+		a.mu.Unlock()
+		return ErrClosed
+	}
+	a.mu.Unlock()
+	defer a.cleanup()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	srv, err := listen(a)
+	if err != nil {
+		return err
+	}
+	defer srv.close()
+
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { srv.serve(gctx); return nil })
+	if err := a.startManager(gctx, g); err != nil {
+		cancel()
+		_ = g.Wait()
+		return err
+	}
+	g.Go(func() error { a.drain(gctx); return nil })
+	g.Go(func() error { a.watchSlowness(gctx); return nil })
+	for _, s := range a.slots {
+		g.Go(func() error { return s.wd.Run(gctx) })
+		g.Go(func() error { s.serveWorkers(gctx); return nil })
+	}
+	g.Go(func() error { a.awaitManager(gctx); return nil })
+	var result error
+	select {
+	case <-a.finished:
+		a.mu.Lock()
+		if a.stopped != "" {
+			result = fmt.Errorf("%w: %s", ErrStopped, a.stopped)
+		}
+		a.mu.Unlock()
+	case <-ctx.Done():
+		result = ctx.Err()
+	}
+	a.shutdown()
+	cancel()
+	if err := g.Wait(); err != nil && result == nil && !errors.Is(err, context.Canceled) {
+		result = err
+	}
+	if ctx.Err() == nil || result != nil {
+		a.ckpts.release(result == nil)
+	}
+	return result
+}
+
+// startManager runs node 0's manager when the job names no other.
+func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
+	a.mgrAddr = a.cfg.Manager
+	if a.cfg.Manager != "" || a.cfg.NodeRank != 0 {
+		if a.mgrAddr == "" {
+			a.mgrAddr = a.cfg.ManagerListen
+		}
+		return nil
+	}
+	policy, err := rescheduling.NewPolicy(rescheduling.Config{
+		// The restart budget is the agent's (MaxRestarts, whole job): the
+		// policy only orders the restarts of one recovery.
+		MaxRestarts: 1 << 30, PodRestarts: 1 << 30, JobRestarts: 1 << 30,
+		FailWindow: -1, Backoff: rescheduling.Backoff{Initial: time.Millisecond, Max: time.Millisecond, Jitter: -1},
+		Logger: a.log,
+	})
+	if err != nil {
+		return fmt.Errorf("agent: %w", err)
+	}
+	a.policy = policy
+	m, err := taskd.NewManager(taskd.ManagerConfig{
+		Job: a.cfg.Job, Listen: a.cfg.ManagerListen, Nodes: a.cfg.Nodes, ProcsPerNode: a.cfg.ProcsPerNode,
+		Security: a.cfg.Security, StateDir: filepath.Join(a.cfg.Out, "manager"),
+		HeartbeatInterval: 500 * time.Millisecond, HeartbeatDeadline: 3 * time.Second,
+		Handlers:     []taskd.Handler{a.ckpts.handler()},
+		SwitchSource: switchSource(a.cfg.SwitchFile),
+		Orchestration: &taskd.OrchestrationConfig{
+			Policy:      policy,
+			Executor:    executor{},
+			Checkpoints: a.ckpts,
+			// A rank's process group dies with any member: every rank is
+			// restarted, so the strategies that keep processes are out.
+			Strategies:   []taskd.Strategy{taskd.StrategyRecoverInPlace, taskd.StrategyDump, taskd.StrategyExit},
+			OnTransition: a.incident.transition,
+			Timeouts:     taskd.Timeouts{Pause: 20 * time.Second, Restart: 30 * time.Second, Resume: 60 * time.Second},
+		},
+		Registerer: a.cfg.Registerer,
+		Logger:     a.log.With("component", "manager"),
+	})
+	if err != nil {
+		return fmt.Errorf("agent: manager: %w", err)
+	}
+	a.mgr = m
+	a.mgrAddr = m.Addr().String()
+	if a.cfg.SwitchFile == "" {
+		if _, err := m.SetSwitch(a.initialSwitch()); err != nil {
+			return fmt.Errorf("agent: manager: %w", err)
+		}
+	}
+	g.Go(func() error {
+		err := m.Run(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	})
+	return nil
+}
+
+// awaitManager says so when the ranks wait long for the manager: they
+// start once their workers are registered with it.
+func (a *Agent) awaitManager(ctx context.Context) {
+	t := time.NewTimer(15 * time.Second)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return
+	case <-t.C:
+	}
+	for _, s := range a.slots {
+		s.mu.Lock()
+		w := s.worker
+		s.mu.Unlock()
+		if w == nil || !w.Connected() {
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d's ranks wait for the job's manager at %s (job %q): not registered after 15s; check --master-addr, --master-port, --rdzv-id and the token on every node\n",
+				a.cfg.NodeRank, a.mgrAddr, a.cfg.Job)
+			return
+		}
+	}
+}
+
+// initialSwitch is the profiling switch the ranks start with, before the
+// manager's reaches them.
+func (a *Agent) initialSwitch() trace.Switch {
+	if a.cfg.Switch != nil {
+		return *a.cfg.Switch
+	}
+	if a.cfg.SwitchFile != "" {
+		return trace.Switch{}
+	}
+	return trace.AllOn()
+}
+
+// switchSource follows a profilingSwitch file, when one is named.
+func switchSource(path string) taskd.SwitchSource {
+	if path == "" {
+		return nil
+	}
+	return taskd.SwitchFile(trace.SwitchWatcherConfig{Path: path})
+}
+
+// slotEnded is told when a slot's rank is done (exit 0); the job ends
+// when every slot's is.
+func (a *Agent) slotEnded() {
+	for _, s := range a.slots {
+		if !s.stateIs(slotDone) {
+			return
+		}
+	}
+	a.incident.finish("the job finished")
+	a.once.Do(func() { close(a.finished) })
+}
+
+// stop records why recovery stopped the job (the first reason given
+// stays: the most telling one comes first).
+func (a *Agent) stop(reason string) {
+	a.mu.Lock()
+	if a.stopped == "" {
+		a.stopped = reason
+	}
+	a.mu.Unlock()
+}
+
+// stopOthers stops the node's ranks but s's, their stacks first, into
+// the open incident's folder.
+func (a *Agent) stopOthers(s *slot, why string) {
+	dir := a.incident.stackDir()
+	var wg sync.WaitGroup
+	for _, o := range a.slots {
+		if o != s {
+			wg.Go(func() { o.stop("stopped: "+why, dir) })
+		}
+	}
+	wg.Wait()
+}
+
+// stopNode stops every rank of the node for good, and ends the job here.
+func (a *Agent) stopNode(reason string) {
+	a.stop(reason)
+	a.mu.Lock()
+	reason = a.stopped // the first, most telling reason
+	a.mu.Unlock()
+	for _, s := range a.slots {
+		s.kill()
+		s.mu.Lock()
+		s.state = slotStopped
+		s.mu.Unlock()
+	}
+	a.incident.finish("stopped: " + reason)
+	a.once.Do(func() { close(a.finished) })
+}
+
+// stopJob, on node 0, has every node stop its ranks: recovery gave up.
+func (a *Agent) stopJob(reason string) {
+	if a.mgr != nil && a.cfg.Nodes > 1 {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := a.mgr.Broadcast(ctx, taskd.AllWorkers(), kindStop, []byte(reason)); err != nil {
+			a.log.Warn("agent: not every node was told to stop", "err", err)
+		}
+	}
+	a.stopNode(reason)
+}
+
+// shutdown kills what still runs: ranks, spares.
+func (a *Agent) shutdown() {
+	for _, s := range a.slots {
+		s.shutdown()
+	}
+	if a.mgr != nil {
+		// Let node 0's manager outlive this node's ranks while another
+		// node's are still registered: they would lose their control plane.
+		deadline := time.Now().Add(30 * time.Second)
+		for time.Now().Before(deadline) && slices.ContainsFunc(a.mgr.Members(), func(mi taskd.MemberInfo) bool {
+			return mi.Role == taskd.RoleWorker && mi.Position.Node != a.cfg.NodeRank
+		}) {
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+}
+
+// Close releases what New made. It is idempotent; Run cleans up too.
+func (a *Agent) Close() error {
+	a.mu.Lock()
+	a.closed = true
+	a.mu.Unlock()
+	a.cleanup()
+	return nil
+}
+
+func (a *Agent) cleanup() {
+	for _, s := range a.slots {
+		s.close()
+	}
+	a.ckpts.close()
+	if a.mgr != nil {
+		a.mgr.Close()
+	}
+	if a.policy != nil {
+		a.policy.Close()
+	}
+	if a.dir != "" {
+		os.RemoveAll(a.dir)
+	}
+}
+
+// applySwitch applies a profiling switch to every rank: its ring, which
+// the rank reads before each range, and its recorder.
+func (a *Agent) applySwitch(sw trace.Switch) error {
+	a.mu.Lock()
+	a.sw = sw
+	a.mu.Unlock()
+	for _, s := range a.slots {
+		s.applySwitch(sw)
+	}
+	return nil
+}
+
+// watchSlowness runs slownode.Watch over the job's live dotting files and
+// writes each new verdict to Out as it changes.
+func (a *Agent) watchSlowness(ctx context.Context) {
+	jobDir := filepath.Join(a.cfg.TraceRoot, a.cfg.Job)
+	if err := os.MkdirAll(jobDir, 0o750); err != nil {
+		a.log.Warn("agent: slownode: no dotting folder", "err", err)
+		return
+	}
+	err := slownode.Watch(ctx, jobDir, slownode.Config{RanksPerNode: a.cfg.ProcsPerNode}, func(r *slownode.Result) {
+		a.writeVerdict(r)
+	})
+	if err != nil && ctx.Err() == nil {
+		a.log.Warn("agent: slownode watch ended", "err", err)
+	}
+}
+
+// hangConfig is the watchdog configuration of rank.
+func (a *Agent) hangConfig(rank int, onFault func(hang.Fault)) hang.Config {
+	c := hang.Config{Rank: rank, World: a.world, Timeout: a.cfg.CollectiveTimeout, OnFault: onFault,
+		Logger: a.log, Registerer: wrapRank(a.cfg.Registerer, rank)}
+	if a.cfg.CollectiveTimeout == 0 {
+		c.LearnTimeouts = true
+	}
+	return c
+}
+
+// wrapRank gives each rank's collectors a label of their own on reg.
+func wrapRank(reg prometheus.Registerer, rank int) prometheus.Registerer {
+	if reg == nil {
+		return nil
+	}
+	return prometheus.WrapRegistererWith(prometheus.Labels{"rank": fmt.Sprint(rank)}, reg)
+}

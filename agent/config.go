@@ -1,0 +1,150 @@
+package agent
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// Config configures the agent of one node. The zero value of each field
+// but Job, Command and Security is its documented default.
+type Config struct {
+	// Job is the job's identifier: the dotting folder, the checkpoint
+	// segments' and the control plane's name for it; required (the
+	// launcher takes MINDX_TASK_ID, --rdzv-id or a fresh one).
+	Job string
+	// Nodes is the number of nodes (default 1); NodeRank is this one's.
+	Nodes, NodeRank int
+	// ProcsPerNode is the number of ranks on each node (default 1).
+	ProcsPerNode int
+	// MasterAddr and MasterPort are where rank 0 serves the ranks' store
+	// (MASTER_ADDR, MASTER_PORT); default 127.0.0.1 and 29500.
+	MasterAddr string
+	MasterPort int
+	// MaxRestarts is how many times the job's ranks may be restarted
+	// together (torchrun's --max-restarts; default 0: none).
+	MaxRestarts int
+	// MonitorInterval is how often the agent looks at its ranks' rings
+	// and slowness (default 20ms for the rings; slownode reads every
+	// second). A rank's exit is seen at once whatever it says.
+	MonitorInterval time.Duration
+	// Command is what each rank runs: a script and its arguments, run by
+	// Python; with NoPython, a program and its arguments; with Module, a
+	// module run as python -m does. Required.
+	Command  []string
+	NoPython bool
+	Module   bool
+	// Python is the interpreter (default "python3").
+	Python string
+	// PythonPath is put first on each rank's PYTHONPATH, so that
+	// "import faultline" works; the launcher extracts the package there.
+	PythonPath string
+	// Spares keeps a warm interpreter per rank that has imported torch,
+	// so that a restart does not import it again (default on; ignored
+	// with NoPython).
+	NoSpares bool
+	// CollectiveTimeout is how long a collective may run before it is a
+	// hang; 0 learns it from the job's own collectives (hang's learned
+	// timeouts, capped at 300 s).
+	CollectiveTimeout time.Duration
+	// Out is where every diagnosis goes: incidents.jsonl, slownode.json,
+	// hang stacks and verdicts (default "faultline-out").
+	Out string
+	// TraceRoot is the dotting root; default Out/profiling.
+	TraceRoot string
+	// Switch is the profiling switch the job starts with; nil turns every
+	// kind on (the slow-rank analysis and the incidents' step figures read
+	// the dotting). SwitchFile, when set, is a profilingSwitch file (a
+	// mounted ConfigMap) that node 0's manager follows instead; the
+	// manager's TrainingDataTrace API changes it too.
+	Switch     *trace.Switch
+	SwitchFile string
+	// ShmDir holds the checkpoint segments and rings; default /dev/shm.
+	ShmDir string
+	// Manager is the address of the job's taskd manager; "" runs one in
+	// node 0's agent, listening on ManagerListen (default MasterAddr with
+	// port MasterPort+1).
+	Manager       string
+	ManagerListen string
+	// Security of the control plane; required (Insecure for loopback).
+	Security taskd.Security
+	// Env is added to each rank's environment (default os.Environ()).
+	Env []string
+	// Stdout and Stderr receive the ranks' output, each line prefixed
+	// with its rank (default os.Stdout, os.Stderr).
+	Stdout, Stderr *os.File
+
+	Registerer prometheus.Registerer // nil: no metrics
+	Logger     *slog.Logger          // nil: silent
+}
+
+// errConfig is wrapped by every configuration error.
+var errConfig = errors.New("agent: invalid configuration")
+
+// Validate reports the first field that is wrong.
+func (c Config) Validate() error {
+	bad := func(field string, v any, why string) error {
+		return fmt.Errorf("%w: %s = %v: %s", errConfig, field, v, why)
+	}
+	switch {
+	case trace.ValidateJob(c.Job) != nil:
+		return bad("Job", strconv.Quote(c.Job), trace.ValidateJob(c.Job).Error())
+	case len(c.Command) == 0 || c.Command[0] == "":
+		return bad("Command", c.Command, "name the script (or, with NoPython, the program) each rank runs")
+	case c.Nodes < 0:
+		return bad("Nodes", c.Nodes, "negative")
+	case c.NodeRank < 0 || c.NodeRank >= max(c.Nodes, 1):
+		return bad("NodeRank", c.NodeRank, fmt.Sprintf("outside [0, %d)", max(c.Nodes, 1)))
+	case c.ProcsPerNode < 0:
+		return bad("ProcsPerNode", c.ProcsPerNode, "negative")
+	case c.MasterPort < 0 || c.MasterPort > 65534:
+		return bad("MasterPort", c.MasterPort, "outside [0, 65534]")
+	case c.MaxRestarts < 0:
+		return bad("MaxRestarts", c.MaxRestarts, "negative")
+	case c.MonitorInterval < 0:
+		return bad("MonitorInterval", c.MonitorInterval, "negative")
+	case c.CollectiveTimeout < 0:
+		return bad("CollectiveTimeout", c.CollectiveTimeout, "negative")
+	case c.Module && c.NoPython:
+		return bad("Module", c.Module, "a module needs Python: drop NoPython")
+	}
+	return nil
+}
+
+func (c *Config) setDefaults() {
+	c.Nodes = max(c.Nodes, 1)
+	c.ProcsPerNode = max(c.ProcsPerNode, 1)
+	c.MasterAddr = cmp.Or(c.MasterAddr, "127.0.0.1")
+	c.MasterPort = cmp.Or(c.MasterPort, 29500)
+	c.MonitorInterval = cmp.Or(c.MonitorInterval, 20*time.Millisecond)
+	c.Python = cmp.Or(c.Python, "python3")
+	c.Out = cmp.Or(c.Out, "faultline-out")
+	if abs, err := filepath.Abs(c.Out); err == nil {
+		c.Out = abs
+	}
+	c.TraceRoot = cmp.Or(c.TraceRoot, filepath.Join(c.Out, "profiling"))
+	c.ShmDir = cmp.Or(c.ShmDir, "/dev/shm")
+	c.ManagerListen = cmp.Or(c.ManagerListen, net.JoinHostPort(c.MasterAddr, strconv.Itoa(c.MasterPort+1)))
+	if c.Env == nil {
+		c.Env = os.Environ()
+	}
+	c.Stdout = cmp.Or(c.Stdout, os.Stdout)
+	c.Stderr = cmp.Or(c.Stderr, os.Stderr)
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+}
+
+// world is the number of ranks of the job.
+func (c *Config) world() int { return c.Nodes * c.ProcsPerNode }

@@ -1,0 +1,215 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/faultline-ml/faultline/hang"
+	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// drain takes in what the ranks wrote to their rings every
+// MonitorInterval until ctx ends.
+func (a *Agent) drain(ctx context.Context) {
+	t := time.NewTicker(a.cfg.MonitorInterval)
+	defer t.Stop()
+	for {
+		for _, s := range a.slots {
+			s.drainRing()
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// maxOpen bounds the ranges a slot remembers while they are open.
+const maxOpen = 4096
+
+// openRange is a range whose start the ring gave and whose end it has not.
+type openRange struct {
+	kind trace.Kind
+	step int64 // for a step range, its number; else -1
+}
+
+// drainRing reads the slot's ring. A ring the rank corrupted (it maps it
+// read-write) is skipped to its end, and said once.
+func (s *slot) drainRing() {
+	s.drainMu.Lock()
+	defer s.drainMu.Unlock()
+	if _, err := s.ring.Drain(s.take); err != nil {
+		s.a.log.Warn("agent: rank's dotting ring is corrupt; skipping what it holds", "rank", s.rank, "err", err)
+	}
+}
+
+// take is one record of the slot's ring.
+func (s *slot) take(r *RingRecord) {
+	s.mu.Lock()
+	pid := 0
+	if s.proc != nil {
+		pid = s.proc.pid
+	}
+	s.mu.Unlock()
+	domain := trace.DomainDefault
+	if r.Domain == RingDomainCommunication {
+		domain = trace.DomainCommunication
+	}
+	rec := trace.Record{Kind: trace.ActivityKindMarker, SourceKind: trace.SourceKindHost, Timestamp: uint64(r.Time), ID: r.ID,
+		ProcessID: uint32(pid), ThreadID: r.TID, DeviceID: uint32(s.local), Domain: domain}
+	switch r.Type {
+	case RingRangeStart, RingMark:
+		name := string(r.Name)
+		kind, ok := trace.KindOf(name, domain)
+		if !ok {
+			return
+		}
+		if r.Type == RingMark {
+			_, _, rec.Flag = kind.Flags()
+			rec.Name = name
+			s.rec.Record(&rec)
+			return
+		}
+		step := int64(-1)
+		if kind == trace.Step {
+			step, _ = strconv.ParseInt(strings.TrimPrefix(name, "step "), 10, 64)
+		}
+		s.openRange(r.ID, openRange{kind: kind, step: step})
+		rec.Flag, _, _ = kind.Flags()
+		rec.Name = name
+		s.rec.Record(&rec)
+	case RingRangeEnd:
+		o, ok := s.closeRange(r.ID)
+		if !ok {
+			return
+		}
+		_, rec.Flag, _ = o.kind.Flags()
+		s.rec.Record(&rec)
+		if o.step >= 0 {
+			s.stepDone(o.step, time.Unix(0, r.Time))
+		}
+	case RingCollectiveStart:
+		op, err := trace.ParseCommOp(string(r.Name))
+		if err != nil {
+			return
+		}
+		s.timings[r.ID] = s.op(op.OpName, op.GroupName).Start(int(op.StreamID))
+		rec.Flag, _, _ = trace.CommunicationOperator.Flags()
+		rec.Name, rec.Domain = string(r.Name), trace.DomainCommunication
+		s.rec.Record(&rec) // written only while CommunicationOperator is on
+	case RingCollectiveEnd, RingCollectiveError:
+		t, ok := s.timings[r.ID]
+		if !ok {
+			return
+		}
+		delete(s.timings, r.ID)
+		if r.Type == RingCollectiveError {
+			t.Fail(errors.New(string(r.Name)))
+		} else {
+			t.End()
+		}
+		_, rec.Flag, _ = trace.CommunicationOperator.Flags()
+		rec.Domain = trace.DomainCommunication
+		s.rec.Record(&rec)
+	}
+}
+
+func (s *slot) openRange(id uint64, o openRange) {
+	if len(s.opens) >= maxOpen {
+		clear(s.opens) // a rank that never ends its ranges
+	}
+	s.opens[id] = o
+}
+
+func (s *slot) closeRange(id uint64) (openRange, bool) {
+	o, ok := s.opens[id]
+	delete(s.opens, id)
+	return o, ok
+}
+
+// op returns the watchdog's op of a collective.
+func (s *slot) op(name, group string) *hang.Op {
+	key := name + "\x00" + group
+	o := s.ops[key]
+	if o == nil {
+		o = s.wd.Op(name, group)
+		s.ops[key] = o
+	}
+	return o
+}
+
+// stepDone notes that the rank completed step n at t.
+func (s *slot) stepDone(n int64, t time.Time) {
+	s.mu.Lock()
+	s.lastStep = n
+	s.mu.Unlock()
+	s.a.incident.step(s.rank, n, t)
+}
+
+// onHang takes a fault of the slot's watchdog: a collective past its
+// timeout or one that failed.
+func (s *slot) onHang(f hang.Fault) {
+	go s.a.hangFault(s, f)
+}
+
+// hangFault handles a collective that hung or failed on slot s: a failed
+// one is an op error of the rank; for a hung one the agent takes every
+// local rank's stacks before anything moves, merges them, and reports the
+// rank they single out as hung (the rank that is not where the others
+// are), which starts the recovery.
+func (a *Agent) hangFault(s *slot, f hang.Fault) {
+	now := time.Now()
+	pos := taskd.Position{Node: a.cfg.NodeRank, Rank: s.rank}
+	if f.Kind == hang.FaultOpError {
+		if errors.Is(f.Err, errStopped) {
+			return
+		}
+		tf := taskd.Fault{Kind: taskd.FaultOpError, Position: pos, Message: f.String(), Time: f.Time,
+			Attrs: map[string]string{"op": f.Op, "group": f.Group}}
+		if a.incident.fault(tf, now) {
+			s.report(tf)
+			a.stopOthers(s, tf.Message)
+		}
+		return
+	}
+	if f.Kind != hang.FaultHang {
+		return
+	}
+	in, first := a.incident.hang(f, now)
+	if !first {
+		return // the agent is already diagnosing this hang
+	}
+	fmt.Fprintf(a.cfg.Stderr, "faultline-run: rank %d: %s\n", s.rank, f)
+	culprits, where := a.diagnoseHang(in)
+	if len(culprits) == 0 {
+		culprits = []int{s.rank}
+	}
+	for _, r := range culprits {
+		t := a.slotOf(r)
+		if t == nil {
+			continue
+		}
+		msg := f.String()
+		if where != "" {
+			msg += "; merged stacks: " + where
+		}
+		t.report(taskd.Fault{Kind: taskd.FaultHang, Position: taskd.Position{Node: a.cfg.NodeRank, Rank: r}, Message: msg, Time: f.Time,
+			Attrs: map[string]string{"op": f.Op, "group": f.Group, "stacks": in.Dir}})
+	}
+}
+
+// slotOf returns the local slot of a global rank, nil when it is not on
+// this node.
+func (a *Agent) slotOf(rank int) *slot {
+	l := rank - a.cfg.NodeRank*a.cfg.ProcsPerNode
+	if l < 0 || l >= len(a.slots) {
+		return nil
+	}
+	return a.slots[l]
+}

@@ -1,0 +1,521 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/hang"
+	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// slotState is where a slot's rank is.
+type slotState int
+
+const (
+	slotIdle    slotState = iota // not started yet
+	slotRunning                  // its process runs
+	slotPaused                   // stopped by the agent or a recovery (its stacks taken): waits for a resume
+	slotFailed                   // exited non-zero or killed by a signal: a fault
+	slotDone                     // exited 0: the rank finished
+	slotStopped                  // stopped for good by recovery
+)
+
+func (s slotState) String() string {
+	return [...]string{"idle", "running", "paused", "failed", "done", "stopped"}[s]
+}
+
+// ringBytes is the data area of each rank's dotting ring.
+const ringBytes = 4 << 20
+
+// slot is one local rank: the succession of processes that run it, its
+// ring, recorder, watchdog and taskd worker.
+type slot struct {
+	a           *Agent
+	local, rank int
+	ringPath    string
+	ring        *Ring
+	rec         *trace.Recorder
+	wd          *hang.Watchdog
+	stackFile   string
+	out, errOut *lineWriter
+
+	mu       sync.Mutex
+	state    slotState
+	proc     *rankProc
+	spare    *spareProc
+	starts   int   // processes started: the restart count is starts-1
+	lastStep int64 // the last step its ring says it completed, -1 before
+	resume   int64 // the step agreed at its last start, -1 none
+	worker   *taskd.Worker
+	drainMu  sync.Mutex             // the ring's reader, and the two maps below
+	opens    map[uint64]openRange   // ranges in flight, by ring id
+	timings  map[uint64]hang.Timing // collectives in flight, by ring id
+	ops      map[string]*hang.Op
+	closed   bool
+}
+
+// rankProc is one process of a slot.
+type rankProc struct {
+	cmd      *exec.Cmd
+	pid      int
+	started  time.Time
+	done     chan struct{} // closed once reaped
+	state    *os.ProcessState
+	expected bool // the agent killed it: its exit is no fault
+	hello    bool // it said hello: its faulthandler dumps on stackSignal
+}
+
+func newSlot(a *Agent, local int) (*slot, error) {
+	rank := a.cfg.NodeRank*a.cfg.ProcsPerNode + local
+	s := &slot{a: a, local: local, rank: rank, lastStep: -1, resume: -1, opens: map[uint64]openRange{}, timings: map[uint64]hang.Timing{}, ops: map[string]*hang.Op{}}
+	s.ringPath = filepath.Join(a.cfg.ShmDir, fmt.Sprintf("faultline-%s-ring-%d", a.cfg.Job, rank))
+	var err error
+	if s.ring, err = CreateRing(s.ringPath, ringBytes); err != nil {
+		return nil, fmt.Errorf("agent: rank %d: ring %s: %w", rank, s.ringPath, err)
+	}
+	s.rec, err = trace.NewRecorder(context.Background(), trace.RecorderConfig{Root: a.cfg.TraceRoot, Job: a.cfg.Job, Rank: rank,
+		FlushInterval: time.Second, Registerer: wrapRank(a.cfg.Registerer, rank), Logger: a.log})
+	if err != nil {
+		s.close()
+		return nil, fmt.Errorf("agent: rank %d: %w", rank, err)
+	}
+	if s.wd, err = hang.New(a.hangConfig(rank, s.onHang)); err != nil {
+		s.close()
+		return nil, fmt.Errorf("agent: rank %d: %w", rank, err)
+	}
+	s.stackFile = filepath.Join(a.dir, fmt.Sprintf("stacks-%d.txt", rank))
+	prefix := fmt.Sprintf("[rank%d]: ", rank)
+	s.out, s.errOut = newLineWriter(a.cfg.Stdout, prefix), newLineWriter(a.cfg.Stderr, prefix)
+	return s, nil
+}
+
+// env is the environment of the slot's next process, a restart of count
+// restart resuming from step resume (-1: none agreed).
+func (s *slot) env(restart int, resume int64) map[string]string {
+	c := &s.a.cfg
+	e := map[string]string{
+		"RANK": strconv.Itoa(s.rank), "LOCAL_RANK": strconv.Itoa(s.local), "WORLD_SIZE": strconv.Itoa(s.a.world),
+		"LOCAL_WORLD_SIZE": strconv.Itoa(c.ProcsPerNode), "GROUP_RANK": strconv.Itoa(c.NodeRank), "GROUP_WORLD_SIZE": strconv.Itoa(c.Nodes),
+		"ROLE_RANK": strconv.Itoa(s.rank), "ROLE_WORLD_SIZE": strconv.Itoa(s.a.world), "ROLE_NAME": "default",
+		"MASTER_ADDR": c.MasterAddr, "MASTER_PORT": strconv.Itoa(c.MasterPort),
+		"TORCHELASTIC_RESTART_COUNT": strconv.Itoa(restart), "TORCHELASTIC_MAX_RESTARTS": strconv.Itoa(c.MaxRestarts),
+		"TORCHELASTIC_RUN_ID": c.Job, "FAULTLINE_JOB": c.Job,
+		"FAULTLINE_AGENT": s.a.sock, "FAULTLINE_RING": s.ringPath,
+		"FAULTLINE_STACK_FILE": s.stackFile, "FAULTLINE_STACK_SIGNAL": strconv.Itoa(int(stackSignal)),
+		"FAULTLINE_RESUME_STEP": strconv.FormatInt(resume, 10),
+	}
+	return e
+}
+
+// environ is the full environment of a process with the variables of e.
+func (s *slot) environ(e map[string]string) []string {
+	c := &s.a.cfg
+	out := make([]string, 0, len(c.Env)+len(e)+3)
+	seen := map[string]bool{}
+	for _, kv := range c.Env {
+		k, v, _ := strings.Cut(kv, "=")
+		if _, over := e[k]; over {
+			continue
+		}
+		switch k {
+		case "PYTHONPATH":
+			if c.PythonPath != "" {
+				v = c.PythonPath + string(os.PathListSeparator) + v
+			}
+		}
+		seen[k] = true
+		out = append(out, k+"="+v)
+	}
+	if !seen["PYTHONPATH"] && c.PythonPath != "" {
+		out = append(out, "PYTHONPATH="+c.PythonPath)
+	}
+	if !seen["MINDX_TASK_ID"] {
+		out = append(out, "MINDX_TASK_ID="+c.Job)
+	}
+	if !seen["PYTHONUNBUFFERED"] && !c.NoPython {
+		out = append(out, "PYTHONUNBUFFERED=1") // lines reach the agent's output as they are printed
+	}
+	if !seen["OMP_NUM_THREADS"] && c.ProcsPerNode > 1 {
+		out = append(out, "OMP_NUM_THREADS=1") // as torchrun does
+	}
+	for k, v := range e {
+		out = append(out, k+"="+v)
+	}
+	return out
+}
+
+// command is the argv of a rank run directly (no spare).
+func (s *slot) command() []string {
+	c := &s.a.cfg
+	switch {
+	case c.NoPython:
+		return c.Command
+	case c.Module:
+		return append([]string{c.Python, "-m"}, c.Command...)
+	}
+	return append([]string{c.Python}, c.Command...)
+}
+
+// start starts the slot's next process, resuming from step resume (-1:
+// none agreed): from its warm spare when it has one, else directly.
+func (s *slot) start(ctx context.Context, resume int64) error {
+	s.mu.Lock()
+	if s.closed || s.state == slotStopped {
+		s.mu.Unlock()
+		return fmt.Errorf("agent: rank %d: stopped", s.rank)
+	}
+	restart := s.starts
+	sp := s.spare // stays the slot's spare, found by its pid, until it runs the rank
+	s.mu.Unlock()
+
+	s.forget()
+	env := s.env(restart, resume)
+	// The process is the slot's before it can run a line of the script, so
+	// that however soon it exits, its exit is the rank's.
+	run := func(p *rankProc) {
+		s.mu.Lock()
+		if s.spare == sp {
+			s.spare = nil
+		}
+		s.proc, s.state, s.resume = p, slotRunning, resume
+		s.starts = restart + 1
+		s.mu.Unlock()
+	}
+	var p *rankProc
+	if sp != nil {
+		if err := sp.run(ctx, env, s.a.cfg, run); err != nil {
+			s.a.log.Warn("agent: spare interpreter unusable; starting the rank afresh", "rank", s.rank, "err", err)
+			s.killProc(sp.p)
+		} else {
+			p = sp.p
+		}
+	}
+	if p == nil {
+		argv := s.command()
+		cmd := exec.Command(argv[0], argv[1:]...)
+		cmd.Env = s.environ(env)
+		var err error
+		if p, err = s.launch(cmd, run); err != nil {
+			return fmt.Errorf("agent: rank %d: start %s: %w", s.rank, argv[0], err)
+		}
+	}
+	s.a.log.Info("agent: rank started", "rank", s.rank, "pid", p.pid, "restart", restart, "resume_step", resume, "spare", p != nil && sp != nil && p == sp.p)
+	s.prepareSpare()
+	return nil
+}
+
+// forget drops what the slot's last process left in its ring and in the
+// watchdog: the next one starts clean.
+func (s *slot) forget() {
+	s.drainMu.Lock()
+	defer s.drainMu.Unlock()
+	if _, err := s.ring.Drain(func(*RingRecord) {}); err != nil {
+		s.a.log.Warn("agent: rank's dotting ring is corrupt; skipping what it holds", "rank", s.rank, "err", err)
+	}
+	for id, t := range s.timings {
+		t.Fail(errStopped)
+		delete(s.timings, id)
+	}
+	clear(s.opens)
+}
+
+// launch starts cmd as a rank's process (or spare): in a process group
+// of its own, killed with the agent, its output prefixed. own makes it
+// the slot's before its exit is watched.
+func (s *slot) launch(cmd *exec.Cmd, own func(*rankProc)) (*rankProc, error) {
+	cmd.Stdout, cmd.Stderr = s.out, s.errOut
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	cmd.WaitDelay = time.Second
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	p := &rankProc{cmd: cmd, pid: cmd.Process.Pid, started: time.Now(), done: make(chan struct{})}
+	own(p)
+	go func() {
+		_ = cmd.Wait()
+		p.state = cmd.ProcessState
+		close(p.done)
+		s.exited(p)
+	}()
+	return p, nil
+}
+
+// exited takes in the exit of p: a rank's process or a spare.
+func (s *slot) exited(p *rankProc) {
+	s.mu.Lock()
+	if s.spare != nil && s.spare.p == p {
+		s.spare = nil // died unused
+	}
+	current := s.proc == p
+	expected := p.expected || s.closed
+	if current && !expected {
+		if p.state.Success() {
+			s.state = slotDone
+		} else {
+			s.state = slotFailed
+		}
+	}
+	w := s.worker
+	s.mu.Unlock()
+	if !current || expected {
+		return
+	}
+	code, sig := exitOf(p.state)
+	if code == 0 && sig == 0 {
+		s.a.log.Info("agent: rank finished", "rank", s.rank, "pid", p.pid)
+		if w != nil {
+			w.Finish()
+			w.Close() // leaves the job, finished
+		}
+		s.a.slotEnded()
+		return
+	}
+	now := time.Now()
+	msg := fmt.Sprintf("rank %d (pid %d) exited with code %d", s.rank, p.pid, code)
+	attrs := map[string]string{"pid": strconv.Itoa(p.pid)}
+	if sig != 0 {
+		msg = fmt.Sprintf("rank %d (pid %d) was killed by %s", s.rank, p.pid, unix.SignalName(sig))
+		attrs["signal"] = unix.SignalName(sig)
+	}
+	f := taskd.Fault{Kind: taskd.FaultProcessExit, Position: taskd.Position{Node: s.a.cfg.NodeRank, Rank: s.rank}, Code: code,
+		Message: msg, Attrs: attrs, Time: now}
+	if !s.a.incident.fault(f, now) {
+		return // its peers' failure: recorded in the incident
+	}
+	fmt.Fprintf(s.a.cfg.Stderr, "faultline-run: %s\n", msg)
+	s.report(f)
+	// The node's other ranks cannot go on without this one: stop them now,
+	// stacks first, rather than let each fail on its own.
+	s.a.stopOthers(s, msg)
+}
+
+// report sends f to the manager through the slot's worker.
+func (s *slot) report(f taskd.Fault) {
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		s.mu.Lock()
+		w := s.worker
+		s.mu.Unlock()
+		if w != nil {
+			if err := w.ReportFault(f); err == nil {
+				return
+			} else if time.Now().After(deadline) {
+				s.a.log.Error("agent: fault not reported", "rank", s.rank, "err", err)
+				return
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// exitOf returns the exit code of a process state as a shell reports it
+// (128+n for signal n), and the signal that ended it.
+func exitOf(ps *os.ProcessState) (int, syscall.Signal) {
+	if ws, ok := ps.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		return 128 + int(ws.Signal()), ws.Signal()
+	}
+	return ps.ExitCode(), 0
+}
+
+// kill ends the slot's current process; see killProc.
+func (s *slot) kill() {
+	s.mu.Lock()
+	p := s.proc
+	s.mu.Unlock()
+	s.killProc(p)
+}
+
+// killProc ends p (its whole process group) and waits for it to be
+// reaped; its exit is no fault.
+func (s *slot) killProc(p *rankProc) {
+	if p == nil {
+		return
+	}
+	// One that died on its own before this (a zombie not reaped yet) keeps
+	// its exit: it is a fault of its own, not one the agent caused.
+	if !strings.HasPrefix(procState(p.pid), "Z") {
+		s.mu.Lock()
+		p.expected = true
+		s.mu.Unlock()
+	}
+	select {
+	case <-p.done:
+	default:
+		_ = killGroup(p.pid)
+		<-p.done
+	}
+}
+
+// errStopped ends the watchdog timings of a process the agent stopped:
+// its collectives neither hung nor failed, and none of them is learned.
+var errStopped = errors.New("agent: the rank was stopped")
+
+// stop takes the stacks of the slot's running process (reason says why)
+// and kills it: the rank waits for a resume. It returns the dump, nil
+// when none was taken.
+func (s *slot) stop(reason, dir string) *hang.Dump {
+	s.mu.Lock()
+	p, state := s.proc, s.state
+	s.mu.Unlock()
+	if p == nil || state != slotRunning {
+		return nil
+	}
+	var d *hang.Dump
+	if dir != "" {
+		d = s.dumpStacks(context.Background(), p, reason, dir)
+	}
+	s.killProc(p)
+	s.mu.Lock()
+	if s.proc == p && s.state == slotRunning {
+		s.state = slotPaused
+	}
+	s.mu.Unlock()
+	return d
+}
+
+// killGroup kills the process group that pid leads: a rank and whatever
+// it started (data loader workers).
+func killGroup(pid int) error { return syscall.Kill(-pid, syscall.SIGKILL) }
+
+// stateIs reports whether the slot is in state st.
+func (s *slot) stateIs(st slotState) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.state == st
+}
+
+// ended reports whether the slot's rank is done or stopped.
+func (s *slot) ended() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.state == slotDone || s.state == slotStopped
+}
+
+// shutdown kills the slot's process and spare; Run ends.
+func (s *slot) shutdown() {
+	s.mu.Lock()
+	sp := s.spare
+	s.spare = nil
+	s.mu.Unlock()
+	if sp != nil {
+		s.killProc(sp.p)
+	}
+	s.kill()
+}
+
+// close releases the slot's ring, recorder and watchdog.
+func (s *slot) close() {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return
+	}
+	s.closed = true
+	s.mu.Unlock()
+	s.shutdown()
+	if s.rec != nil {
+		s.rec.Close()
+	}
+	if s.wd != nil {
+		s.wd.Close()
+	}
+	if s.ring != nil {
+		s.ring.Close()
+		os.Remove(s.ringPath)
+	}
+}
+
+// applySwitch applies sw to the slot's ring and recorder.
+func (s *slot) applySwitch(sw trace.Switch) {
+	s.ring.SetSwitch(sw)
+	s.rec.SetSwitch(sw)
+}
+
+// serveWorkers keeps a taskd worker registered for the slot's rank until
+// ctx ends or the rank is done, building a successor each time recovery
+// evicts one.
+func (s *slot) serveWorkers(ctx context.Context) {
+	for ctx.Err() == nil {
+		w, err := taskd.NewWorker(taskd.WorkerConfig{Job: s.a.cfg.Job, Node: s.a.cfg.NodeRank, Rank: s.rank,
+			Upstream: s.a.mgrAddr, Security: s.a.cfg.Security, Trainer: trainer{s},
+			OnSwitch: func(sw trace.Switch) error { return s.a.applySwitch(sw) },
+			OnMessage: func(m taskd.Message) error {
+				switch m.Kind {
+				case kindPersist:
+					return s.a.ckpts.persistLocal(ctx)
+				case kindStop:
+					go s.a.stopNode(string(m.Payload))
+				}
+				return nil
+			},
+			Registerer: wrapRank(s.a.cfg.Registerer, s.rank), Logger: s.a.log.With("rank", s.rank)})
+		if err != nil {
+			s.a.log.Error("agent: taskd worker", "rank", s.rank, "err", err)
+			return
+		}
+		s.mu.Lock()
+		if s.state == slotDone || s.closed {
+			s.mu.Unlock()
+			w.Close()
+			return
+		}
+		s.worker = w
+		s.mu.Unlock()
+		err = w.Run(ctx)
+		w.Close()
+		if !errors.Is(err, taskd.ErrEvicted) {
+			return
+		}
+		s.a.log.Info("agent: recovery evicted the rank's worker; registering its successor", "rank", s.rank)
+	}
+}
+
+// Lines of output from the ranks.
+
+// lineWriter writes whole lines to w, each with prefix, so that ranks'
+// lines do not interleave.
+type lineWriter struct {
+	w      *os.File
+	prefix string
+	mu     sync.Mutex
+	part   []byte
+}
+
+var outputMu sync.Mutex // one line at a time on the agent's output
+
+func newLineWriter(w *os.File, prefix string) *lineWriter { return &lineWriter{w: w, prefix: prefix} }
+
+func (l *lineWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.part = append(l.part, p...)
+	for {
+		i := bytes.IndexByte(l.part, '\n')
+		if i < 0 {
+			break
+		}
+		outputMu.Lock()
+		l.w.WriteString(l.prefix + string(l.part[:i+1]))
+		outputMu.Unlock()
+		l.part = l.part[i+1:]
+	}
+	if len(l.part) > 64<<10 { // a line that never ends
+		outputMu.Lock()
+		l.w.WriteString(l.prefix + string(l.part) + "\n")
+		outputMu.Unlock()
+		l.part = l.part[:0]
+	}
+	return len(p), nil
+}

@@ -1,0 +1,111 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/faultline-ml/faultline/rescheduling"
+	"github.com/faultline-ml/faultline/taskd"
+)
+
+// trainer is a slot as the taskd worker sees it: the manager's recovery
+// pauses, restarts and resumes the rank through it. A process group
+// cannot lose a member and carry on, so a rank is paused by freezing its
+// process (SIGSTOP, after its stacks are taken) and resumed, after a
+// fault anywhere, by a new process that loads the step the job agreed on.
+type trainer struct{ s *slot }
+
+var _ taskd.Trainer = trainer{}
+
+// Pause takes the rank's stacks and ends its process: a process group
+// cannot carry on without a member, so every rank is restarted when the
+// job resumes (a frozen process would still hold rank 0's store port).
+func (t trainer) Pause(ctx context.Context) (int64, error) {
+	s := t.s
+	s.a.incident.pausing(time.Now())
+	s.stop("paused by recovery", s.a.incident.stackDir())
+	s.mu.Lock()
+	step := s.lastStep
+	s.mu.Unlock()
+	s.a.incident.paused(s.rank, time.Now())
+	return step, nil
+}
+
+// Resume starts the rank's process when it has none running: from its
+// warm spare, loading r.Step (-1: the newest step the job's ranks hold).
+func (t trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
+	s := t.s
+	s.mu.Lock()
+	state := s.state
+	s.mu.Unlock()
+	switch {
+	case state == slotRunning && r.Step < 0 && len(r.Restarted) == 0:
+		return nil
+	case state == slotDone || state == slotStopped:
+		return fmt.Errorf("agent: rank %d is %s", s.rank, state)
+	}
+	s.kill()
+	if err := s.start(ctx, r.Step); err != nil {
+		return err
+	}
+	if state != slotIdle {
+		s.a.incident.restarted(s.rank, r.Step, time.Now())
+	}
+	return nil
+}
+
+// Strategies offers restarting the rank (every rank, in fact) while the
+// job's restart budget lasts, and dump and exit after.
+func (t trainer) Strategies(context.Context, taskd.FaultNotice) ([]taskd.Strategy, error) {
+	s := t.s
+	s.mu.Lock()
+	restarts := s.starts - 1
+	s.mu.Unlock()
+	if restarts < s.a.cfg.MaxRestarts {
+		return []taskd.Strategy{taskd.StrategyRecoverInPlace, taskd.StrategyDump, taskd.StrategyExit}, nil
+	}
+	why := fmt.Sprintf("the restart budget is spent: %d restarts of %d allowed (--max-restarts)", restarts, s.a.cfg.MaxRestarts)
+	if f := s.a.incident.last(); f != "" {
+		why += "; the last fault: " + f
+	}
+	s.a.stop(why)
+	return []taskd.Strategy{taskd.StrategyDump, taskd.StrategyExit}, nil
+}
+
+// RetryStep is not for a process group: it cannot run a step again
+// without its lost member.
+func (trainer) RetryStep(context.Context) error {
+	return fmt.Errorf("%w: a torch.distributed process group cannot run a step again after a member failed", taskd.ErrUnsupported)
+}
+
+// SwitchLink is not for a PyTorch rank: its communicators pick their
+// links when they are built.
+func (trainer) SwitchLink(context.Context, taskd.LinkRequest) error {
+	return fmt.Errorf("%w: link switch of a PyTorch rank", taskd.ErrUnsupported)
+}
+
+// StressTest is not for a PyTorch rank.
+func (trainer) StressTest(context.Context, taskd.StressRequest) error {
+	return fmt.Errorf("%w: stress test of a PyTorch rank", taskd.ErrUnsupported)
+}
+
+// Stop ends the rank for good, and with it the node's others: they
+// cannot go on without it.
+func (t trainer) Stop(_ context.Context, reason string) error {
+	go t.s.a.stopNode(reason) // the worker acknowledges the call first
+	return nil
+}
+
+// executor is the rescheduling.Executor of a job whose agents restart
+// processes themselves: recovery evicts the faulty ranks' workers, the
+// agents register their successors, and every rank's process is replaced
+// when the recovery resumes the job (Resume). Nothing is left to do here.
+type executor struct{}
+
+func (executor) RestartProcesses(context.Context, rescheduling.Decision) error { return nil }
+func (executor) RecreatePods(context.Context, rescheduling.Decision) error     { return nil }
+func (executor) RestartJob(context.Context, rescheduling.Decision) error       { return nil }
+func (executor) AvoidNode(context.Context, rescheduling.Decision) error {
+	return fmt.Errorf("%w: the agents restart processes where they are", rescheduling.ErrUnsupported)
+}

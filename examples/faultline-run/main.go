@@ -1,0 +1,268 @@
+// Command faultline-run runs one node's ranks of a training job the way
+// torchrun does, and is that node's agent: it owns the ranks' checkpoint
+// segments (memory outlives every rank), times their collectives for hangs,
+// watches their dotting for slowness, and when a rank fails, stops every
+// rank, keeps their stacks, restarts them (from interpreters that have
+// imported torch already) and has them resume from the newest step every
+// rank holds in memory.
+//
+//	faultline-run --standalone --nproc-per-node 4 train.py [args...]
+//	faultline-run --nnodes 2 --node-rank 0 --master-addr HOST --master-port 29500 \
+//	    --nproc-per-node 8 train.py [args...]
+//
+// The flags torchrun users know keep their meaning: --standalone,
+// --nnodes N, --nproc-per-node (also --nproc_per_node; auto and cpu count
+// the processors), --node-rank, --master-addr, --master-port,
+// --max-restarts (restarts of the whole job, default 0), --monitor-interval
+// (seconds), --no-python, -m, --rdzv-id (the job id; default
+// $MINDX_TASK_ID, else a fresh one). Each rank gets torchrun's environment
+// (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+// MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
+// TORCHELASTIC_RUN_ID) and a PYTHONPATH on which "import faultline" works;
+// its output passes through, each line prefixed with its rank.
+//
+// Faultline's own:
+//
+//	--python PATH             the interpreter (default python3)
+//	--collective-timeout D    a collective running longer is a hang (default: learned from the job's own)
+//	--out DIR                 where diagnoses go (default faultline-out): incidents.jsonl, slownode.json,
+//	                          incident-N/ with the stacks, flame graphs and verdict of a hang
+//	--manager ADDR            the job's taskd manager, when it runs apart (default: node 0's faultline-run,
+//	                          on --master-addr at --master-port + 1)
+//	--token-file F            the control plane's shared token (default $TASKD_TOKEN); a job of one node
+//	                          makes its own, a job of several needs one, or --insecure
+//	--no-spares               start each rank afresh instead of from a warm interpreter
+//
+// Exit status: 0 when every rank finished, 1 when the job was stopped
+// (its restart budget spent, or a fault no restart repairs), 2 for bad
+// usage.
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/faultline-ml/faultline/agent"
+	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/trace"
+)
+
+// Exit codes.
+const (
+	exitStopped = 1
+	exitUsage   = 2
+)
+
+func main() {
+	cfg, err := parse(os.Args[1:])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "faultline-run:", err)
+		os.Exit(exitUsage)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, cfg); err != nil {
+		fmt.Fprintln(os.Stderr, "faultline-run:", err)
+		os.Exit(exitStopped)
+	}
+}
+
+func run(ctx context.Context, cfg agent.Config) error {
+	if !cfg.NoPython {
+		dir, err := pythonPath()
+		if err != nil {
+			return err
+		}
+		cfg.PythonPath = dir
+	}
+	a, err := agent.New(cfg)
+	if err != nil {
+		return err
+	}
+	defer a.Close()
+	return a.Run(ctx)
+}
+
+// errUsage is wrapped by every command-line error.
+var errUsage = errors.New("usage")
+
+// parse reads the command line into an agent's configuration.
+func parse(args []string) (agent.Config, error) {
+	fs := flag.NewFlagSet("faultline-run", flag.ContinueOnError)
+	var (
+		standalone  = fs.Bool("standalone", false, "a job of one node on this machine, on a free port")
+		nnodes      = fs.String("nnodes", "1", "number of nodes, N or MIN:MAX (MIN = MAX: membership is fixed)")
+		nproc       = fs.String("nproc-per-node", "1", "ranks on this node: a number, auto or cpu")
+		nodeRank    = fs.Int("node-rank", 0, "this node's rank")
+		masterAddr  = fs.String("master-addr", "127.0.0.1", "address of node 0 (rank 0's store, the manager)")
+		masterPort  = fs.Int("master-port", 29500, "port of rank 0's store; the manager listens on the next one")
+		maxRestarts = fs.Int("max-restarts", 0, "restarts of the job's ranks allowed")
+		monitor     = fs.Float64("monitor-interval", 0.02, "seconds between looks at the ranks' rings")
+		noPython    = fs.Bool("no-python", false, "run the command itself, not through Python")
+		module      = fs.Bool("m", false, "run a module, as python -m")
+		pythonExe   = fs.String("python", "python3", "the Python interpreter")
+		collTimeout = fs.Duration("collective-timeout", 0, "a collective running longer is a hang (0: learned)")
+		out         = fs.String("out", "faultline-out", "folder for every diagnosis")
+		runID       = fs.String("rdzv-id", os.Getenv("MINDX_TASK_ID"), "the job id (default $MINDX_TASK_ID, else a fresh one)")
+		manager     = fs.String("manager", "", "address of a taskd manager running apart")
+		tokenFile   = fs.String("token-file", "", "file holding the control plane's token (default $TASKD_TOKEN)")
+		insecure    = fs.Bool("insecure", false, "allow a multi-node control plane in plaintext without a token")
+		noSpares    = fs.Bool("no-spares", false, "start each rank afresh, not from a warm interpreter")
+		verbose     = fs.Bool("v", false, "log the agent's and the control plane's work")
+	)
+	// torchrun's underscore spellings.
+	for _, alias := range []struct{ old, new string }{{"nproc_per_node", "nproc-per-node"}, {"node_rank", "node-rank"},
+		{"master_addr", "master-addr"}, {"master_port", "master-port"}, {"max_restarts", "max-restarts"},
+		{"monitor_interval", "monitor-interval"}, {"no_python", "no-python"}, {"rdzv_id", "rdzv-id"}, {"run-id", "rdzv-id"}, {"module", "m"}} {
+		f := fs.Lookup(alias.new)
+		fs.Var(f.Value, alias.old, "same as --"+alias.new)
+	}
+	if err := fs.Parse(args); err != nil {
+		return agent.Config{}, fmt.Errorf("%w: %v", errUsage, err)
+	}
+	cmd := fs.Args()
+	if len(cmd) == 0 {
+		return agent.Config{}, fmt.Errorf("%w: name the training script (or, with --no-python, the program) and its arguments", errUsage)
+	}
+	cfg := agent.Config{Command: cmd, NodeRank: *nodeRank, MasterAddr: *masterAddr, MasterPort: *masterPort,
+		MaxRestarts: *maxRestarts, NoPython: *noPython, Module: *module, Python: *pythonExe, CollectiveTimeout: *collTimeout,
+		Out: *out, Manager: *manager, NoSpares: *noSpares}
+	var err error
+	if cfg.Nodes, err = parseNodes(*nnodes); err != nil {
+		return cfg, err
+	}
+	if cfg.ProcsPerNode, err = parseNproc(*nproc); err != nil {
+		return cfg, err
+	}
+	if *monitor <= 0 {
+		return cfg, fmt.Errorf("%w: --monitor-interval %v: give a positive number of seconds", errUsage, *monitor)
+	}
+	cfg.MonitorInterval = time.Duration(*monitor * float64(time.Second))
+	if *standalone {
+		cfg.Nodes, cfg.NodeRank, cfg.MasterAddr = 1, 0, "127.0.0.1"
+		if cfg.MasterPort, err = freePorts(); err != nil {
+			return cfg, err
+		}
+	}
+	cfg.Job = *runID
+	if cfg.Job == "" {
+		if cfg.Nodes > 1 {
+			return cfg, fmt.Errorf("%w: a job of %d nodes needs one id on every node: give --rdzv-id or set MINDX_TASK_ID", errUsage, cfg.Nodes)
+		}
+		cfg.Job = "faultline-" + time.Now().Format("20060102-150405") + "-" + randomHex(3)
+	}
+	if err := trace.ValidateJob(cfg.Job); err != nil {
+		return cfg, fmt.Errorf("%w: --rdzv-id %q: %v", errUsage, cfg.Job, err)
+	}
+	if cfg.Security, err = security(*tokenFile, *insecure, cfg.Nodes, cfg.Manager); err != nil {
+		return cfg, err
+	}
+	if *verbose {
+		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	} else {
+		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	}
+	if err := cfg.Validate(); err != nil {
+		return cfg, fmt.Errorf("%w: %v", errUsage, err)
+	}
+	return cfg, nil
+}
+
+// parseNodes reads --nnodes: N, or MIN:MAX with MIN = MAX (the agents
+// keep a fixed membership: a failed node is restarted, not dropped).
+func parseNodes(s string) (int, error) {
+	lo, hi, ranged := strings.Cut(s, ":")
+	n, err := strconv.Atoi(lo)
+	if err != nil || n < 1 {
+		return 0, fmt.Errorf("%w: --nnodes %q: give a positive number of nodes, or MIN:MAX", errUsage, s)
+	}
+	if ranged {
+		m, err := strconv.Atoi(hi)
+		if err != nil || m < n {
+			return 0, fmt.Errorf("%w: --nnodes %q: MAX must be a number no smaller than MIN", errUsage, s)
+		}
+		if m != n {
+			return 0, fmt.Errorf("%w: --nnodes %q: an elastic range is not supported; faultline-run keeps a fixed membership and restarts a failed node's ranks: give %d or %d:%d", errUsage, s, m, m, m)
+		}
+	}
+	return n, nil
+}
+
+// parseNproc reads --nproc-per-node: a number, or auto and cpu (the
+// processors of this machine; no accelerator is counted here).
+func parseNproc(s string) (int, error) {
+	switch s {
+	case "auto", "cpu":
+		return runtime.NumCPU(), nil
+	case "gpu":
+		return 0, fmt.Errorf("%w: --nproc-per-node gpu: give the number of ranks", errUsage)
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 1 {
+		return 0, fmt.Errorf("%w: --nproc-per-node %q: give a positive number, auto or cpu", errUsage, s)
+	}
+	return n, nil
+}
+
+// freePorts finds a port p such that p and p+1 are free on loopback: the
+// ranks' store and the manager.
+func freePorts() (int, error) {
+	for range 50 {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return 0, err
+		}
+		p := l.Addr().(*net.TCPAddr).Port
+		l2, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(p+1)))
+		l.Close()
+		if err == nil {
+			l2.Close()
+			return p, nil
+		}
+	}
+	return 0, errors.New("no two adjacent free ports on 127.0.0.1")
+}
+
+// security is the control plane's: a job of one node whose manager runs
+// here makes a token of its own; others take --token-file or
+// $TASKD_TOKEN, or plaintext with --insecure.
+func security(tokenFile string, insecure bool, nodes int, manager string) (taskd.Security, error) {
+	token := os.Getenv("TASKD_TOKEN")
+	if tokenFile != "" {
+		b, err := os.ReadFile(tokenFile)
+		if err != nil {
+			return taskd.Security{}, fmt.Errorf("%w: --token-file: %v", errUsage, err)
+		}
+		if token = strings.TrimSpace(string(b)); token == "" {
+			return taskd.Security{}, fmt.Errorf("%w: --token-file %s holds no token", errUsage, tokenFile)
+		}
+	}
+	switch {
+	case token != "":
+		return taskd.Security{Token: token, Insecure: true}, nil
+	case nodes == 1 && manager == "":
+		return taskd.Security{Token: randomHex(32), Insecure: true}, nil
+	case insecure:
+		return taskd.Security{Insecure: true}, nil
+	}
+	return taskd.Security{}, fmt.Errorf("%w: a job of %d nodes needs the control plane's token on every node: --token-file or TASKD_TOKEN (or --insecure for plaintext)", errUsage, nodes)
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	rand.Read(b)
+	return hex.EncodeToString(b)
+}

@@ -1,0 +1,327 @@
+"""Checkpointer: state_dicts saved into a segment in the ckpt FORMAT and
+loaded back bitwise, and the inputs it refuses."""
+
+import math
+import os
+import random
+import struct
+import unittest
+import warnings
+
+import torch
+
+import faultline
+import faultline.torch as ft
+from faultline import _segment, _state
+
+from helpers import FakeAgent, newest_half
+
+
+def bits(x):
+    """A comparable form of a state: tensors by dtype, shape and bytes."""
+    if isinstance(x, torch.Tensor):
+        t = x.resolve_conj().contiguous()
+        return ("tensor", str(t.dtype), tuple(t.shape),
+                bytes(t.reshape(-1).view(torch.uint8).numpy()) if t.numel()
+                else b"")
+    if isinstance(x, dict):
+        return ("dict", [(k, bits(v)) for k, v in x.items()])
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, [bits(v) for v in x])
+    if isinstance(x, float):
+        return ("float", struct.pack("<d", x))
+    return (type(x).__name__, x)
+
+
+def every_dtype():
+    g = torch.Generator().manual_seed(7)
+    out = {}
+    for name in _state.DTYPES:
+        dt = getattr(torch, name)
+        if dt.is_floating_point or dt.is_complex:
+            t = torch.randn(5, 3, generator=g, dtype=dt)
+        elif dt == torch.bool:
+            t = torch.rand(5, 3, generator=g) > 0.5
+        else:
+            t = torch.randint(-100 if name != "uint8" else 0, 100, (5, 3),
+                              generator=g, dtype=dt)
+        out[name] = t
+    out["float32_special"] = torch.tensor([math.inf, -math.inf, math.nan,
+                                           -0.0, 1e-45])
+    return out
+
+
+def model_and_optimizer():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16),
+                                torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+class CheckpointTest(unittest.TestCase):
+    def setUp(self):
+        self.agent = FakeAgent()
+        os.environ["FAULTLINE_AGENT"] = self.agent.sock
+        faultline._reset()
+        self.ckpt = ft.Checkpointer(os.path.join(self.agent.dir, "ckpt"))
+
+    def tearDown(self):
+        del os.environ["FAULTLINE_AGENT"]
+        faultline._reset()
+        self.agent.close()
+
+    def roundtrip(self, state, step=1):
+        self.assertTrue(self.ckpt.save_checkpoint(step, state))
+        got = self.ckpt.load_checkpoint()
+        self.assertEqual(bits(got), bits(state))
+        return got
+
+    def test_model_optimizer_rng_and_plain_values(self):
+        model, opt = model_and_optimizer()
+        state = {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "step": 12,
+            "rng": {"torch": torch.get_rng_state(),
+                    "python": random.getstate()},
+            "plain": [None, True, False, 0, -(1 << 70), 1.5, math.inf,
+                      -math.inf, -0.0, "é\n\"", b"\x00\xff", (1, (2, [3])),
+                      {}, [], {"nested": {"deeper": [{"x": 1}]}}],
+            "int keys": {0: "zero", -5: "minus five", "s": 2},
+        }
+        got = self.roundtrip(state)
+        self.assertTrue(math.isnan(self.ckpt.load_checkpoint()["plain"][6]
+                                   - math.inf))
+        # The model and the optimizer take the state back.
+        m2, o2 = model_and_optimizer()
+        m2.load_state_dict(got["model"])
+        o2.load_state_dict(got["optimizer"])
+        self.assertEqual(bits(m2.state_dict()), bits(model.state_dict()))
+        torch.set_rng_state(got["rng"]["torch"])
+        random.setstate(got["rng"]["python"])
+
+    def test_every_dtype_empty_and_zero_d(self):
+        state = every_dtype()
+        state.update({
+            "empty": torch.empty(0, 3),
+            "empty_int": torch.zeros(2, 0, 5, dtype=torch.int8),
+            "zero_d": torch.tensor(3.25), "zero_d_bool": torch.tensor(True),
+            "zero_d_complex": torch.tensor(1 + 2j, dtype=torch.complex128),
+        })
+        got = self.roundtrip(state)
+        self.assertEqual(got["zero_d"].shape, torch.Size([]))
+        self.assertEqual(got["empty_int"].shape, (2, 0, 5))
+
+    def test_non_contiguous_tensors_are_saved_contiguous(self):
+        base = torch.arange(60, dtype=torch.float64).reshape(3, 4, 5)
+        state = {"t": base.transpose(0, 2), "s": base[:, ::2, 1],
+                 "e": base.expand(2, 3, 4, 5),
+                 "c": torch.randn(3, 2, dtype=torch.complex64).conj()}
+        got = self.roundtrip(state)
+        for k, v in state.items():
+            self.assertTrue(got[k].is_contiguous())
+            self.assertTrue(torch.equal(got[k], v.resolve_conj()), k)
+
+    def test_requires_grad_and_parameters(self):
+        p = torch.nn.Parameter(torch.randn(4))
+        got = self.roundtrip({"p": p})
+        self.assertFalse(got["p"].requires_grad)
+
+    def test_steps_alternate_halves_and_load_the_newest(self):
+        for step in range(1, 5):
+            self.assertTrue(self.ckpt.save_checkpoint(step, {"w": torch.full(
+                (10,), float(step)), "step": step}))
+            got = self.ckpt.load_checkpoint()
+            self.assertEqual(got["step"], step)
+        path, _ = self.agent.segments[self.ckpt.checkpoint_dir]
+        half, seq, step = newest_half(path)
+        self.assertEqual((seq, step), (4, 4))
+        self.assertEqual(self.agent.ops().count("saved"), 4)
+        self.assertEqual(self.agent.ops().count("segment"), 1)
+
+    def test_no_checkpoint_is_an_empty_dict(self):
+        self.assertEqual(self.ckpt.load_checkpoint(), {})
+
+    def test_refused_before_anything_is_written(self):
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(3)}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # complex32 is experimental
+            chalf = torch.ones(2, dtype=torch.complex32)
+        bad = [
+            ({"a": {"b": [torch.ones(2).to_sparse()]}}, '["a"]["b"][0]'),
+            ({"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0,
+                                             torch.qint8)}, '["q"]'),
+            ({"h": chalf}, '["h"]'),
+            ({"o": object()}, '["o"]'),
+            ({"s": {1, 2}}, '["s"]'),
+            ({(1, 2): 3}, "(1, 2)"),
+            ({True: 3}, "True"),
+            ({"m": torch.empty(3, device="meta")}, '["m"]'),
+        ]
+        for state, where in bad:
+            with self.assertRaises(TypeError) as cm:
+                self.ckpt.save_checkpoint(2, state)
+            self.assertIn(where, str(cm.exception))
+        loop = []
+        loop.append(loop)
+        with self.assertRaises(TypeError):
+            self.ckpt.save_checkpoint(2, {"loop": loop})
+        for step in (-1, 1.5, True, "3"):
+            with self.assertRaises(ValueError):
+                self.ckpt.save_checkpoint(step, {})
+        with self.assertRaises(ValueError):
+            self.ckpt.save_checkpoint(2, {}, storage_type="disk")
+        # Nothing reached the segment: step 1 is still the newest.
+        self.assertEqual(self.ckpt.load_checkpoint()["w"].tolist(), [1.0] * 3)
+        self.assertEqual(self.agent.ops().count("saved"), 1)
+
+    def test_a_larger_state_grows_the_segment(self):
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(10)}))
+        path, _ = self.agent.segments[self.ckpt.checkpoint_dir]
+        ino = os.stat(path).st_ino
+        big = {"w": torch.arange(200000, dtype=torch.float64)}
+        self.assertTrue(self.ckpt.save_checkpoint(2, big))
+        self.assertEqual(self.agent.ops().count("segment"), 2)
+        self.assertEqual(bits(self.ckpt.load_checkpoint()), bits(big))
+        path2, half_size = self.agent.segments[self.ckpt.checkpoint_dir]
+        self.assertEqual(path2, path)  # grown under its name
+        self.assertNotEqual(os.stat(path).st_ino, ino)
+        self.assertGreaterEqual(half_size, 200000 * 8)
+
+    def test_a_segment_grown_by_the_agent_is_mapped_anew(self):
+        # The agent may grow the segment on its own (Owner.Grow): the next
+        # save finds the path naming a new file and maps it.
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(10)}))
+        path, half = self.agent.segments[self.ckpt.checkpoint_dir]
+        self.agent.grow(path, half, 4 * half)
+        self.agent.segments[self.ckpt.checkpoint_dir] = (path, 4 * half)
+        self.assertEqual(self.ckpt.load_checkpoint()["w"].tolist(), [1.0] * 10)
+        self.assertTrue(self.ckpt.save_checkpoint(2, {"w": torch.zeros(10)}))
+        self.assertEqual(self.ckpt._seg.half_size, 4 * half)
+        self.assertEqual(self.ckpt.load_checkpoint()["w"].tolist(), [0.0] * 10)
+        self.assertEqual(self.agent.ops().count("segment"), 1)
+
+    def test_a_save_holds_the_shared_lock(self):
+        import fcntl
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(10)}))
+        path, _ = self.agent.segments[self.ckpt.checkpoint_dir]
+        held = []
+
+        def probe(i, off, orig=None):
+            fd = os.open(path, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+            finally:
+                os.close(fd)
+
+        seg = self.ckpt._seg
+        seg.save(2, ["meta"], [1], probe)
+        self.assertEqual(held, [True])
+        fd = os.open(path, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after
+        os.close(fd)
+
+    def test_a_segment_the_agent_cannot_grow(self):
+        self.agent.handlers["segment"] = lambda req, conn: {
+            "ok": False, "error": f"segment for {req['dir']}: {req['bytes']} "
+            "bytes exceed the free shared memory"}
+        with self.assertRaises(faultline.AgentError) as cm:
+            self.ckpt.save_checkpoint(1, {"w": torch.ones(10)})
+        self.assertIn("free shared memory", str(cm.exception))
+
+    def test_busy_half_skips_the_save(self):
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(3)}))
+        seg = self.ckpt._seg
+        t = seg.target()
+        pin = (seg.base(t) + 4) // 4
+        seg.u32[pin] = 1
+        self.assertFalse(self.ckpt.save_checkpoint(2, {"w": torch.zeros(3)}))
+        seg.u32[pin] = 0
+        self.assertEqual(self.ckpt.load_checkpoint()["w"].tolist(), [1.0] * 3)
+        self.assertTrue(self.ckpt.save_checkpoint(2, {"w": torch.zeros(3)}))
+
+    def test_disk_asks_the_agent_to_persist(self):
+        self.assertTrue(self.ckpt.wait_latest_checkpoint(1))
+        self.assertTrue(self.ckpt.save_checkpoint(
+            5, {"w": torch.ones(3)}, storage_type=ft.StorageType.DISK))
+        saved = [r for r in self.agent.requests if r["op"] == "saved"]
+        self.assertEqual(saved[-1], {"op": "saved", "step": 5,
+                                     "persist": True})
+        seg = self.ckpt._seg
+        self.assertEqual(seg.u64[40 // 8], 1)  # persist_seq = the save's seq
+        with self.assertWarns(RuntimeWarning):
+            self.assertFalse(self.ckpt.wait_latest_checkpoint(1))
+        self.agent.committed = 5
+        self.assertTrue(self.ckpt.wait_latest_checkpoint(1))
+        self.assertTrue(ft.DdpCheckpointer is ft.Checkpointer)
+
+    def test_the_segment_holds_the_format(self):
+        state = {"a": torch.arange(5, dtype=torch.int32), "b": [1, "x"]}
+        self.assertTrue(self.ckpt.save_checkpoint(9, state))
+        seg = self.ckpt._seg
+        h = seg.read(newest_half(seg.path)[0])
+        self.assertEqual(h.step, 9)
+        self.assertEqual(list(h.blobs), ["meta", "t0"])
+        off, size = h.blobs["t0"]
+        self.assertEqual(off % 64, 0)
+        self.assertEqual(bytes(seg.mv[off:off + size]),
+                         bytes(torch.arange(5, dtype=torch.int32).numpy()))
+        import json
+        off, size = h.blobs["meta"]
+        self.assertEqual(json.loads(bytes(seg.mv[off:off + size])), {
+            "format": "faultline.state/1", "step": 9, "tree": {"d": [
+                ["a", {"t": 0, "dtype": "int32", "shape": [5]}],
+                ["b", {"l": [{"v": 1}, {"v": "x"}]}]]}})
+
+    def test_staged_copy_in_chunks(self):
+        src = torch.arange(1000, dtype=torch.int16).view(torch.uint8)
+        for stage in (1, 7, 64, 2000, 4000):
+            dst = torch.zeros(src.numel(), dtype=torch.uint8)
+            bufs = [torch.empty(stage, dtype=torch.uint8) for _ in range(2)]
+            copies = []
+
+            def copy_in(buf, part):
+                buf.copy_(part)
+                copies.append(buf.data_ptr())
+                return len(copies)
+
+            ft._chunked_copy(dst, src, bufs, copy_in, lambda tok: None)
+            self.assertTrue(torch.equal(dst, src), stage)
+
+    def test_without_agent(self):
+        del os.environ["FAULTLINE_AGENT"]
+        with self.assertRaises(RuntimeError) as cm:
+            ft.Checkpointer("/tmp/x")
+        self.assertIn("FAULTLINE_AGENT", str(cm.exception))
+        self.assertIn("faultline-run", str(cm.exception))
+        os.environ["FAULTLINE_AGENT"] = self.agent.sock
+
+
+class StateTest(unittest.TestCase):
+    def test_bad_trees_are_refused(self):
+        for tree in ({}, {"x": 1}, {"d": 3}, {"d": [[1, {"v": 1}]]},
+                     {"t": 0, "dtype": "uint16", "shape": [1]},
+                     {"f": "huge"}, {"b": "!!"}, {"l": {}}):
+            with self.assertRaises(_state.TreeError):
+                _state.unflatten(tree, lambda *a: None)
+
+    def test_segment_layout_matches_ckpt(self):
+        # ckpt.StepSize: header, table, CRC array, 64-aligned blobs, pages.
+        table, offs, end = _segment.layout(["meta", "t0"], [10, 100])
+        self.assertEqual(table, 2 * 32)
+        self.assertEqual(offs, [192, 256])
+        self.assertEqual(end, 356)
+        self.assertEqual(_segment.step_size(["meta", "t0"], [10, 100]), 4096)
+
+
+if __name__ == "__main__":
+    unittest.main()
