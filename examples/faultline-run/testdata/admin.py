@@ -3,10 +3,17 @@ manager's Admin API serves (members, switch status, faults, orchestrations)."""
 
 import json
 import os
+import time
 
 import faultline.admin
 
-members = faultline.admin.members()
+world = int(os.environ["WORLD_SIZE"])
+deadline = time.monotonic() + 30
+while True:  # the other ranks' workers register as they start
+    members = faultline.admin.members()
+    if sum(m["role"] == "worker" for m in members) == world or time.monotonic() > deadline:
+        break
+    time.sleep(0.05)
 switch = faultline.admin.switch_status()
 faults = faultline.admin.faults()
 orchs = faultline.admin.orchestrations()
