@@ -5,8 +5,11 @@ import json
 import os
 import time
 
+import torch.distributed as dist
+
 import faultline.admin
 
+dist.init_process_group("gloo")  # so that no rank leaves before the others have read
 world = int(os.environ["WORLD_SIZE"])
 deadline = time.monotonic() + 30
 while True:  # the other ranks' workers register as they start
@@ -20,3 +23,5 @@ orchs = faultline.admin.orchestrations()
 workers = sorted(m["rank"] for m in members if m["role"] == "worker")
 print("admin", os.environ["RANK"], json.dumps({"workers": workers, "switch": switch["Switch"],
                                                 "faults": len(faults or []), "history": len(orchs.get("History") or [])}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
