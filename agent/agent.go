@@ -58,6 +58,7 @@ type Agent struct {
 	stopped  string // why recovery stopped the job, "" while it runs
 	finished chan struct{}
 	once     sync.Once
+	warnOnce sync.Once // a step longer than the collective timeout
 	closed   bool
 }
 
@@ -114,6 +115,19 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { srv.serve(gctx); return nil })
+	if a.hostsStore() {
+		ready, failed := make(chan struct{}), make(chan error, 1)
+		g.Go(func() error {
+			err := a.runStore(gctx, ready)
+			failed <- err
+			return err
+		})
+		if err := a.awaitStore(gctx, ready, failed); err != nil {
+			cancel()
+			_ = g.Wait()
+			return err
+		}
+	}
 	if err := a.startManager(gctx, g); err != nil {
 		cancel()
 		_ = g.Wait()
@@ -228,6 +242,10 @@ func (a *Agent) awaitManager(ctx context.Context) {
 		}
 	}
 }
+
+// hostsStore reports whether this agent hosts the job's c10d store: node
+// 0's, for Python ranks.
+func (a *Agent) hostsStore() bool { return a.cfg.NodeRank == 0 && !a.cfg.NoPython }
 
 // initialSwitch is the profiling switch the ranks start with, before the
 // manager's reaches them.

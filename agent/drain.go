@@ -35,8 +35,9 @@ const maxOpen = 4096
 
 // openRange is a range whose start the ring gave and whose end it has not.
 type openRange struct {
-	kind trace.Kind
-	step int64 // for a step range, its number; else -1
+	kind  trace.Kind
+	step  int64 // for a step range, its number; else -1
+	start int64 // unix nanoseconds
 }
 
 // drainRing reads the slot's ring. A ring the rank corrupted (it maps it
@@ -80,7 +81,7 @@ func (s *slot) take(r *RingRecord) {
 		if kind == trace.Step {
 			step, _ = strconv.ParseInt(strings.TrimPrefix(name, "step "), 10, 64)
 		}
-		s.openRange(r.ID, openRange{kind: kind, step: step})
+		s.openRange(r.ID, openRange{kind: kind, step: step, start: r.Time})
 		rec.Flag, _, _ = kind.Flags()
 		rec.Name = name
 		s.rec.Record(&rec)
@@ -92,7 +93,7 @@ func (s *slot) take(r *RingRecord) {
 		_, rec.Flag, _ = o.kind.Flags()
 		s.rec.Record(&rec)
 		if o.step >= 0 {
-			s.stepDone(o.step, time.Unix(0, r.Time))
+			s.stepDone(o.step, time.Unix(0, r.Time), time.Duration(r.Time-o.start))
 		}
 	case RingCollectiveStart:
 		op, err := trace.ParseCommOp(string(r.Name))
@@ -144,12 +145,18 @@ func (s *slot) op(name, group string) *hang.Op {
 	return o
 }
 
-// stepDone notes that the rank completed step n at t.
-func (s *slot) stepDone(n int64, t time.Time) {
+// stepDone notes that the rank completed step n at t, after d.
+func (s *slot) stepDone(n int64, t time.Time, d time.Duration) {
 	s.mu.Lock()
 	s.lastStep = n
 	s.mu.Unlock()
 	s.a.incident.step(s.rank, n, t)
+	if limit := s.a.cfg.CollectiveTimeout; limit > 0 && d > limit {
+		s.a.warnOnce.Do(func() {
+			fmt.Fprintf(s.a.cfg.Stderr, "faultline-run: warning: rank %d's step %d took %v, longer than --collective-timeout %v: a collective waiting on a rank still in its step would be called a hang; raise the timeout, or leave it out to learn it from the job\n",
+				s.rank, n, d.Round(time.Millisecond), limit)
+		})
+	}
 }
 
 // onHang takes a fault of the slot's watchdog: a collective past its

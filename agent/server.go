@@ -232,7 +232,12 @@ func (a *Agent) admin(what string) (any, error) {
 	}
 	switch what {
 	case "members":
-		return m.Members(), nil
+		var out []map[string]any
+		for _, mi := range m.Members() {
+			out = append(out, map[string]any{"role": mi.Role.String(), "node": mi.Position.Node, "rank": mi.Position.Rank,
+				"via": mi.Via, "host": mi.Hostname, "pid": mi.PID, "since": mi.Since, "last_seen": mi.LastSeen})
+		}
+		return out, nil
 	case "switch":
 		return m.SwitchStatus(), nil
 	case "faults":

@@ -117,6 +117,9 @@ func (s *slot) env(restart int, resume int64) map[string]string {
 		"FAULTLINE_STACK_FILE": s.stackFile, "FAULTLINE_STACK_SIGNAL": strconv.Itoa(int(stackSignal)),
 		"FAULTLINE_RESUME_STEP": strconv.FormatInt(resume, 10),
 	}
+	if !c.NoPython {
+		e["TORCHELASTIC_USE_AGENT_STORE"] = "True" // node 0's agent hosts the store (runStore)
+	}
 	return e
 }
 

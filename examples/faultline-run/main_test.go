@@ -46,7 +46,7 @@ func needTorch(t *testing.T) {
 }
 
 // binary builds faultline-run once for the package's tests.
-func binary(t *testing.T) string {
+func binary(t testing.TB) string {
 	t.Helper()
 	binOnce.Do(func() {
 		dir, err := os.MkdirTemp("", "faultline-run-test-")
@@ -421,6 +421,39 @@ func TestBudget(t *testing.T) {
 	}
 	if !bytes.Contains(out, []byte("restart budget is spent: 2 restarts of 2 allowed")) {
 		t.Fatalf("no word of the budget:\n%s", out)
+	}
+}
+
+// TestTimeoutShorterThanAStep: a collective timeout shorter than the
+// job's steps is warned of.
+func TestTimeoutShorterThanAStep(t *testing.T) {
+	needTorch(t)
+	dir := t.TempDir()
+	j := start(t, filepath.Join(dir, "out"), []string{"--standalone", "--nproc-per-node", "2", "--collective-timeout", "1s", "--no-spares"},
+		"--steps", "2", "--step-ms", "1200", "--ckpt", filepath.Join(dir, "ckpt"))
+	if err := j.wait(2 * time.Minute); err != nil {
+		t.Fatalf("faultline-run: %v\nstderr:\n%s", err, j.errText())
+	}
+	if !strings.Contains(j.errText(), "longer than --collective-timeout 1s") {
+		t.Fatalf("no warning of the timeout shorter than a step:\n%s", j.errText())
+	}
+}
+
+// TestAdmin: a rank reads what the manager's Admin API serves through its
+// node agent.
+func TestAdmin(t *testing.T) {
+	needTorch(t)
+	dir := t.TempDir()
+	script, _ := filepath.Abs(filepath.Join("testdata", "admin.py"))
+	out, err := exec.Command(binary(t), "--standalone", "--nproc-per-node", "2", "--no-spares", "--python", torchPython,
+		"--out", filepath.Join(dir, "out"), script).CombinedOutput()
+	if err != nil {
+		t.Fatalf("faultline-run: %v\n%s", err, out)
+	}
+	for _, want := range []string{`[rank0]: admin 0 {"workers": [0, 1]`, `[rank1]: admin 1 {"workers": [0, 1]`, `"Step": "on"`} {
+		if !bytes.Contains(out, []byte(want)) {
+			t.Errorf("no %q in:\n%s", want, out)
+		}
 	}
 }
 

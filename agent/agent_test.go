@@ -1,0 +1,153 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/faultline-ml/faultline/taskd"
+)
+
+// The agent's own tests run ranks that are shell commands (NoPython):
+// process handling, restarts, the budget and incidents, in seconds.
+// examples/faultline-run's tests run real PyTorch jobs through it.
+
+// shellAgent builds an agent of n ranks, each running script with sh.
+func shellAgent(t *testing.T, n, restarts int, script string) (*Agent, *os.File, string) {
+	t.Helper()
+	dir := t.TempDir()
+	out, err := os.Create(filepath.Join(dir, "output"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { out.Close() })
+	a, err := New(Config{Job: "agent-test-" + strings.ReplaceAll(t.Name(), "/", "-"), ProcsPerNode: n, MaxRestarts: restarts,
+		Command: []string{"sh", "-c", script}, NoPython: true, Out: filepath.Join(dir, "out"), ShmDir: dir,
+		ManagerListen: "127.0.0.1:0", Security: taskd.Security{Token: "0123456789abcdef0123456789abcdef", Insecure: true},
+		Env: append(os.Environ(), "WORK="+dir), Stdout: out, Stderr: out})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	return a, out, dir
+}
+
+func run(t *testing.T, a *Agent) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	return a.Run(ctx)
+}
+
+func output(t *testing.T, f *os.File) string {
+	t.Helper()
+	b, err := os.ReadFile(f.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+func incidentsOf(t *testing.T, dir string) []Incident {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, "out", IncidentsFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	var in []Incident
+	for _, l := range bytes.Split(bytes.TrimSpace(b), []byte("\n")) {
+		var c Incident
+		if err := json.Unmarshal(l, &c); err != nil {
+			t.Fatal(err)
+		}
+		in = append(in, c)
+	}
+	return in
+}
+
+// TestRunFinishes: every rank exits 0 with torchrun's environment; the
+// output is prefixed by rank; Run returns nil.
+func TestRunFinishes(t *testing.T) {
+	a, out, dir := shellAgent(t, 2, 0, `echo "rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE restart=$TORCHELASTIC_RESTART_COUNT job=$TORCHELASTIC_RUN_ID"`)
+	if err := run(t, a); err != nil {
+		t.Fatal(err)
+	}
+	got := output(t, out)
+	for _, want := range []string{"[rank0]: rank=0 local=0 world=2 restart=0 job=agent-test-TestRunFinishes",
+		"[rank1]: rank=1 local=1 world=2 restart=0 job=agent-test-TestRunFinishes"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("no %q in the output:\n%s", want, got)
+		}
+	}
+	if in := incidentsOf(t, dir); len(in) != 0 {
+		t.Errorf("incidents of a job without faults: %+v", in)
+	}
+}
+
+// TestRunRestarts: a rank that fails once is restarted together with the
+// other rank, within the budget; the incident says so.
+func TestRunRestarts(t *testing.T) {
+	a, out, dir := shellAgent(t, 2, 2, `if [ "$RANK" = 1 ] && [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exit 7; fi; sleep 0.2; echo "done $RANK after $TORCHELASTIC_RESTART_COUNT"`)
+	if err := run(t, a); err != nil {
+		t.Fatalf("%v\n%s", err, output(t, out))
+	}
+	got := output(t, out)
+	for _, want := range []string{"rank 1 (pid ", "exited with code 7", "[rank0]: done 0 after 1", "[rank1]: done 1 after 1"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("no %q in the output:\n%s", want, got)
+		}
+	}
+	in := incidentsOf(t, dir)
+	if len(in) != 1 || in[0].Fault.Rank != 1 || in[0].Fault.Code != 7 || in[0].Restarted.IsZero() || in[0].Strategy != string(taskd.StrategyRecoverInPlace) {
+		t.Fatalf("incidents: %+v", in)
+	}
+}
+
+// TestRunStopsWhenBudgetSpent: a rank that fails at once every time ends
+// the job once the budget is spent, with the reason and the last fault.
+func TestRunStopsWhenBudgetSpent(t *testing.T) {
+	a, out, _ := shellAgent(t, 2, 1, `exit 3`)
+	err := run(t, a)
+	if !errors.Is(err, ErrStopped) || !strings.Contains(err.Error(), "the restart budget is spent: 1 restarts of 1 allowed") ||
+		!strings.Contains(err.Error(), "exited with code 3") {
+		t.Fatalf("Run = %v\n%s", err, output(t, out))
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	ok := Config{Job: "j", Command: []string{"train.py"}}
+	if err := ok.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		edit  func(*Config)
+		field string
+	}{
+		{func(c *Config) { c.Job = "" }, "Job"},
+		{func(c *Config) { c.Job = "../x" }, "Job"},
+		{func(c *Config) { c.Command = nil }, "Command"},
+		{func(c *Config) { c.Nodes = -1 }, "Nodes"},
+		{func(c *Config) { c.Nodes, c.NodeRank = 2, 2 }, "NodeRank"},
+		{func(c *Config) { c.ProcsPerNode = -1 }, "ProcsPerNode"},
+		{func(c *Config) { c.MasterPort = 70000 }, "MasterPort"},
+		{func(c *Config) { c.MaxRestarts = -1 }, "MaxRestarts"},
+		{func(c *Config) { c.CollectiveTimeout = -time.Second }, "CollectiveTimeout"},
+		{func(c *Config) { c.Module, c.NoPython = true, true }, "Module"},
+	} {
+		c := ok
+		tc.edit(&c)
+		err := c.Validate()
+		if !errors.Is(err, errConfig) || !strings.Contains(err.Error(), tc.field+" = ") {
+			t.Errorf("Validate of %+v = %v, want an error naming %s", c, err, tc.field)
+		}
+	}
+}
