@@ -171,30 +171,23 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 		}
 		return nil
 	}
-	policy, err := rescheduling.NewPolicy(rescheduling.Config{
-		// The restart budget is the agent's (MaxRestarts, whole job): the
-		// policy only orders the restarts of one recovery.
-		MaxRestarts: 1 << 30, PodRestarts: 1 << 30, JobRestarts: 1 << 30,
-		FailWindow: -1, Backoff: rescheduling.Backoff{Initial: time.Millisecond, Max: time.Millisecond, Jitter: -1},
-		Logger: a.log,
-	})
+	policy, err := newPolicy(a.log)
 	if err != nil {
 		return fmt.Errorf("agent: %w", err)
 	}
 	a.policy = policy
+	job := newJobCheckpoints(a.cfg.Nodes, a, a.log)
 	m, err := taskd.NewManager(taskd.ManagerConfig{
 		Job: a.cfg.Job, Listen: a.cfg.ManagerListen, Nodes: a.cfg.Nodes, ProcsPerNode: a.cfg.ProcsPerNode,
 		Security: a.cfg.Security, StateDir: filepath.Join(a.cfg.Out, "manager"),
 		HeartbeatInterval: 500 * time.Millisecond, HeartbeatDeadline: 3 * time.Second,
-		Handlers:     []taskd.Handler{a.ckpts.handler()},
+		Handlers:     []taskd.Handler{job.handler()},
 		SwitchSource: switchSource(a.cfg.SwitchFile),
 		Orchestration: &taskd.OrchestrationConfig{
-			Policy:      policy,
-			Executor:    executor{},
-			Checkpoints: a.ckpts,
-			// A rank's process group dies with any member: every rank is
-			// restarted, so the strategies that keep processes are out.
-			Strategies:   []taskd.Strategy{taskd.StrategyRecoverInPlace, taskd.StrategyDump, taskd.StrategyExit},
+			Policy:       policy,
+			Executor:     executor{},
+			Checkpoints:  job,
+			Strategies:   strategies,
 			OnTransition: a.incident.transition,
 			Timeouts:     taskd.Timeouts{Pause: 20 * time.Second, Restart: 30 * time.Second, Resume: 60 * time.Second},
 		},

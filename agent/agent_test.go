@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -149,5 +150,52 @@ func TestConfigValidate(t *testing.T) {
 		if !errors.Is(err, errConfig) || !strings.Contains(err.Error(), tc.field+" = ") {
 			t.Errorf("Validate of %+v = %v, want an error naming %s", c, err, tc.field)
 		}
+	}
+}
+
+// TestManagerApart: two nodes' agents and a taskd manager running apart
+// with Orchestration: a rank on node 1 that fails once restarts both
+// nodes' ranks, and the job finishes.
+func TestManagerApart(t *testing.T) {
+	sec := taskd.Security{Token: "0123456789abcdef0123456789abcdef", Insecure: true}
+	orch, h, err := Orchestration(2, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer orch.Policy.Close()
+	m, err := taskd.NewManager(taskd.ManagerConfig{Job: "apart", Listen: "127.0.0.1:0", Nodes: 2, ProcsPerNode: 1, Security: sec,
+		Handlers: []taskd.Handler{h}, Orchestration: orch})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	mdone := make(chan error, 1)
+	go func() { mdone <- m.Run(ctx) }()
+	defer func() { cancel(); <-mdone; m.Close() }()
+	dir := t.TempDir()
+	errs := make(chan error, 2)
+	for node := range 2 {
+		out := filepath.Join(dir, fmt.Sprint(node))
+		a, err := New(Config{Job: "apart", Nodes: 2, NodeRank: node, Manager: m.Addr().String(), MaxRestarts: 1,
+			Command:  []string{"sh", "-c", `if [ "$RANK" = 1 ] && [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exit 7; fi; sleep 0.3; echo done`},
+			NoPython: true, Out: out, ShmDir: dir, Security: sec, Stdout: os.Stderr, Stderr: os.Stderr})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer a.Close()
+		go func() { errs <- a.Run(ctx) }()
+	}
+	for range 2 {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if js := m.JobStatus(); !js.Complete {
+		t.Errorf("job status %+v, want complete", js)
+	}
+	st := m.Orchestrations(0)
+	if len(st.History) != 1 || st.History[0].State != taskd.StateRecovered {
+		t.Fatalf("orchestrations: %+v", st)
 	}
 }

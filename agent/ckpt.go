@@ -2,7 +2,7 @@ package agent
 
 import (
 	"context"
-	"encoding/json"
+
 	"errors"
 	"fmt"
 	"io"
@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt"
-	"github.com/faultline-ml/faultline/taskd"
 )
 
 // Message kinds between the agents and node 0's manager.
@@ -30,14 +29,12 @@ const (
 type checkpoints struct {
 	a *Agent
 
-	mu      sync.Mutex
-	ctx     context.Context // the owners run on it
-	dir     string          // the job's checkpoint folder; "" until a rank names one
-	shards  map[int]*shard  // by rank
-	held    map[int]heldReport
-	starts  map[int]int64 // the step of each start with none agreed, by start count
-	changed chan struct{} // closed and replaced when held changes
-	wg      sync.WaitGroup
+	mu     sync.Mutex
+	ctx    context.Context // the owners run on it
+	dir    string          // the job's checkpoint folder; "" until a rank names one
+	shards map[int]*shard  // by rank
+	starts map[int]int64   // the step of each start with none agreed, by start count
+	wg     sync.WaitGroup
 }
 
 // shard is the segment of one rank and its owner.
@@ -47,17 +44,8 @@ type shard struct {
 	cancel context.CancelFunc
 }
 
-// heldReport is what a node says it holds: the steps every one of its
-// ranks holds intact in memory, and whether its ranks are all paused or
-// dead (the report then holds until they are restarted).
-type heldReport struct {
-	Node   int     `json:"node"`
-	Steps  []int64 `json:"steps"`
-	Paused bool    `json:"paused"`
-}
-
 func newCheckpoints(a *Agent) *checkpoints {
-	return &checkpoints{a: a, ctx: context.Background(), shards: map[int]*shard{}, held: map[int]heldReport{}, starts: map[int]int64{}, changed: make(chan struct{})}
+	return &checkpoints{a: a, ctx: context.Background(), shards: map[int]*shard{}, starts: map[int]int64{}}
 }
 
 // run sets the context the owners run on.
@@ -206,80 +194,6 @@ func (c *checkpoints) diskStep() int64 {
 	return step
 }
 
-// LoadNewest is the job's step to resume from, for the manager's
-// recovery: the newest step that every rank of every node holds in
-// memory, else the newest committed on disk; -1 when there is none.
-func (c *checkpoints) LoadNewest(ctx context.Context) (int64, error) {
-	steps := c.localSteps()
-	if c.a.cfg.Nodes > 1 {
-		var err error
-		if steps, err = c.jobSteps(ctx, steps); err != nil {
-			return -1, err
-		}
-	}
-	// Never an older step than one committed on disk: memory may have lost
-	// newer steps that disk holds.
-	disk := c.diskStep()
-	c.a.log.Info("agent: the job's step to resume from", "memory", steps, "disk", disk)
-	if len(steps) == 0 || disk > steps[0] {
-		return disk, nil
-	}
-	return steps[0], nil
-}
-
-// jobSteps intersects this node's steps with what every other node
-// reported once its ranks were paused or dead.
-func (c *checkpoints) jobSteps(ctx context.Context, local []int64) ([]int64, error) {
-	t := time.NewTimer(5 * time.Second)
-	defer t.Stop()
-	for {
-		c.mu.Lock()
-		ch := c.changed
-		steps, complete := slices.Clone(local), true
-		for n := range c.a.cfg.Nodes {
-			if n == c.a.cfg.NodeRank {
-				continue
-			}
-			r, ok := c.held[n]
-			if !ok || !r.Paused {
-				complete = false
-				break
-			}
-			steps = slices.DeleteFunc(steps, func(st int64) bool { return !slices.Contains(r.Steps, st) })
-		}
-		c.mu.Unlock()
-		if complete {
-			return steps, nil
-		}
-		select {
-		case <-ch:
-		case <-t.C:
-			return nil, nil // a node that never said: disk, which is the job's
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		}
-	}
-}
-
-// PersistNewest has every node persist the newest step all its shards
-// hold in memory, for the dump strategy.
-func (c *checkpoints) PersistNewest(ctx context.Context) (int64, error) {
-	if c.a.cfg.Nodes > 1 && c.a.mgr != nil {
-		ds, err := c.a.mgr.Broadcast(ctx, taskd.AllWorkers(), kindPersist, nil)
-		if err != nil {
-			return -1, err
-		}
-		for _, d := range ds {
-			if d.Err != nil {
-				return -1, fmt.Errorf("rank %d: %w", d.Rank, d.Err)
-			}
-		}
-	} else if err := c.persistLocal(ctx); err != nil {
-		return -1, err
-	}
-	return c.diskStep(), nil
-}
-
 // persistLocal persists the newest step of each local shard and waits
 // for it to be committed.
 func (c *checkpoints) persistLocal(ctx context.Context) error {
@@ -296,47 +210,6 @@ func (c *checkpoints) persistLocal(ctx context.Context) error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// handler takes in, on node 0's manager, what the nodes hold.
-func (c *checkpoints) handler() taskd.Handler {
-	return taskd.Handler{Name: "faultline-run checkpoints", Handle: func(_ context.Context, _ *taskd.Manager, ev taskd.Event) error {
-		if ev.Kind != taskd.EventMessage || ev.Message.Kind != kindHeld {
-			return nil
-		}
-		var r heldReport
-		if err := json.Unmarshal(ev.Message.Payload, &r); err != nil {
-			return fmt.Errorf("%s from %v: %w", kindHeld, ev.Position, err)
-		}
-		c.mu.Lock()
-		c.held[r.Node] = r
-		close(c.changed)
-		c.changed = make(chan struct{})
-		c.mu.Unlock()
-		return nil
-	}}
-}
-
-// reportHeld sends node 0 what this node holds once its ranks are all
-// paused or dead, when the job has other nodes.
-func (c *checkpoints) reportHeld() {
-	if c.a.cfg.Nodes == 1 {
-		return
-	}
-	for _, s := range c.a.slots {
-		if s.stateIs(slotRunning) || s.stateIs(slotIdle) {
-			return
-		}
-	}
-	b, _ := json.Marshal(heldReport{Node: c.a.cfg.NodeRank, Steps: c.localSteps(), Paused: true})
-	for _, s := range c.a.slots {
-		s.mu.Lock()
-		w := s.worker
-		s.mu.Unlock()
-		if w != nil && w.Send(kindHeld, b) == nil {
-			return
-		}
-	}
 }
 
 // release gives the node's shared memory back as the job ends: always

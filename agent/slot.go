@@ -392,6 +392,13 @@ func (s *slot) stop(reason, dir string) *hang.Dump {
 // it started (data loader workers).
 func killGroup(pid int) error { return syscall.Kill(-pid, syscall.SIGKILL) }
 
+// restarts is how many times the slot's rank was restarted.
+func (s *slot) restarts() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return max(s.starts-1, 0)
+}
+
 // stateIs reports whether the slot is in state st.
 func (s *slot) stateIs(st slotState) bool {
 	s.mu.Lock()

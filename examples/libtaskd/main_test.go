@@ -190,6 +190,21 @@ func (p *python) expect(prefix string, within time.Duration) string {
 	}
 }
 
+// drain drops the lines the trainer printed so far, so that what is read
+// next was printed from now on.
+func (p *python) drain() {
+	for {
+		select {
+		case _, ok := <-p.lines:
+			if !ok {
+				return
+			}
+		default:
+			return
+		}
+	}
+}
+
 // expectAll reads lines until one starts with each of prefixes, in any
 // order (lines from the worker's threads race the main thread's), and
 // returns the first line of each.

@@ -1,0 +1,257 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/faultline-ml/faultline/rescheduling"
+	"github.com/faultline-ml/faultline/taskd"
+)
+
+// heldReport is what a node's agent tells the manager once its ranks are
+// all stopped for a recovery: the steps every one of them holds intact in
+// memory, the newest step committed on disk, and the restart its ranks are
+// waiting for (the count of restarts so far), so that a report from an
+// earlier recovery is never taken for this one.
+type heldReport struct {
+	Node    int     `json:"node"`
+	Restart int     `json:"restart"`
+	Steps   []int64 `json:"steps"`
+	Disk    int64   `json:"disk"`
+}
+
+// jobCheckpoints is the job's checkpoint store as the manager's recovery
+// sees it (taskd.Checkpoints): the step to resume from is the newest that
+// every rank of every node holds in memory, else the newest on disk, from
+// what each node's agent reports. local is the agent the manager runs in,
+// whose node it reads itself; nil for a manager apart.
+type jobCheckpoints struct {
+	nodes int
+	local *Agent
+	log   *slog.Logger
+
+	mu      sync.Mutex
+	mgr     *taskd.Manager // learned from the handler's calls
+	held    map[int]heldReport
+	changed chan struct{} // closed and replaced when held changes
+}
+
+func newJobCheckpoints(nodes int, local *Agent, log *slog.Logger) *jobCheckpoints {
+	return &jobCheckpoints{nodes: nodes, local: local, log: log, held: map[int]heldReport{}, changed: make(chan struct{})}
+}
+
+// reportTimeout bounds how long LoadNewest waits for every node's report;
+// a node that never reports leaves the job to resume from disk.
+const reportTimeout = 5 * time.Second
+
+// LoadNewest returns the step the job resumes from, -1 when there is none.
+func (j *jobCheckpoints) LoadNewest(ctx context.Context) (int64, error) {
+	round := -1
+	var steps []int64
+	disk := int64(-1)
+	if j.local != nil {
+		round = j.local.slots[0].restarts()
+		steps, disk = j.local.ckpts.localSteps(), j.local.ckpts.diskStep()
+	}
+	reports, err := j.reports(ctx, round)
+	if err != nil {
+		return -1, err
+	}
+	for i, r := range reports {
+		if i == 0 && j.local == nil {
+			steps = slices.Clone(r.Steps)
+		} else {
+			steps = slices.DeleteFunc(steps, func(st int64) bool { return !slices.Contains(r.Steps, st) })
+		}
+		disk = max(disk, r.Disk)
+	}
+	if reports == nil && j.wantsReports() {
+		steps = nil // a node that never said: disk, which is the job's
+	}
+	j.log.Info("agent: the job's step to resume from", "memory", steps, "disk", disk)
+	// Never an older step than one committed on disk: memory may have lost
+	// newer steps that disk holds.
+	if len(steps) == 0 || disk > steps[0] {
+		return disk, nil
+	}
+	return steps[0], nil
+}
+
+// wantsReports reports whether other nodes report to this store.
+func (j *jobCheckpoints) wantsReports() bool { return j.local == nil || j.nodes > 1 }
+
+// reports waits for a report of round from every node the store does not
+// read itself, and returns them; nil when one did not come in time. A
+// store apart takes the newest round reported as the round.
+func (j *jobCheckpoints) reports(ctx context.Context, round int) ([]heldReport, error) {
+	if !j.wantsReports() {
+		return []heldReport{}, nil
+	}
+	t := time.NewTimer(reportTimeout)
+	defer t.Stop()
+	for {
+		j.mu.Lock()
+		ch := j.changed
+		want := round
+		if want < 0 {
+			for _, r := range j.held {
+				want = max(want, r.Restart)
+			}
+		}
+		var got []heldReport
+		for n := range j.nodes {
+			if j.local != nil && n == j.local.cfg.NodeRank {
+				continue
+			}
+			if r, ok := j.held[n]; ok && r.Restart == want {
+				got = append(got, r)
+			}
+		}
+		complete := want >= 0 && len(got) == j.nodes-btoi(j.local != nil)
+		j.mu.Unlock()
+		if complete {
+			return got, nil
+		}
+		select {
+		case <-ch:
+		case <-t.C:
+			j.log.Warn("agent: not every node said what it holds; resuming from disk")
+			return nil, nil
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// PersistNewest has every node persist the newest step all its shards
+// hold in memory, for the dump strategy, and returns the newest step
+// committed on disk after it (-1 when it cannot tell).
+func (j *jobCheckpoints) PersistNewest(ctx context.Context) (int64, error) {
+	j.mu.Lock()
+	m := j.mgr
+	j.mu.Unlock()
+	if m == nil && j.local != nil {
+		m = j.local.mgr
+	}
+	if j.local != nil && j.nodes == 1 {
+		if err := j.local.ckpts.persistLocal(ctx); err != nil {
+			return -1, err
+		}
+		return j.local.ckpts.diskStep(), nil
+	}
+	if m == nil {
+		return -1, fmt.Errorf("agent: no manager to reach the nodes through")
+	}
+	ds, err := m.Broadcast(ctx, taskd.AllWorkers(), kindPersist, nil)
+	if err != nil {
+		return -1, err
+	}
+	for _, d := range ds {
+		if d.Err != nil {
+			return -1, fmt.Errorf("rank %d: %w", d.Rank, d.Err)
+		}
+	}
+	if j.local != nil {
+		return j.local.ckpts.diskStep(), nil
+	}
+	return -1, nil
+}
+
+// handler takes in the nodes' reports on the manager.
+func (j *jobCheckpoints) handler() taskd.Handler {
+	return taskd.Handler{Name: "faultline-run checkpoints", Handle: func(_ context.Context, m *taskd.Manager, ev taskd.Event) error {
+		j.mu.Lock()
+		j.mgr = m
+		j.mu.Unlock()
+		if ev.Kind != taskd.EventMessage || ev.Message.Kind != kindHeld {
+			return nil
+		}
+		var r heldReport
+		if err := json.Unmarshal(ev.Message.Payload, &r); err != nil {
+			return fmt.Errorf("%s from %v: %w", kindHeld, ev.Position, err)
+		}
+		if r.Node != ev.Position.Node {
+			return fmt.Errorf("%s from %v speaks for node %d", kindHeld, ev.Position, r.Node)
+		}
+		j.mu.Lock()
+		j.held[r.Node] = r
+		close(j.changed)
+		j.changed = make(chan struct{})
+		j.mu.Unlock()
+		return nil
+	}}
+}
+
+// reportHeld tells the job's manager what this node holds, once its ranks
+// are all stopped, when the manager needs it (it runs apart, or the job
+// has other nodes).
+func (a *Agent) reportHeld() {
+	if a.mgr != nil && a.cfg.Nodes == 1 {
+		return
+	}
+	for _, s := range a.slots {
+		if s.stateIs(slotRunning) || s.stateIs(slotIdle) {
+			return
+		}
+	}
+	b, _ := json.Marshal(heldReport{Node: a.cfg.NodeRank, Restart: a.slots[0].restarts(), Steps: a.ckpts.localSteps(), Disk: a.ckpts.diskStep()})
+	for _, s := range a.slots {
+		s.mu.Lock()
+		w := s.worker
+		s.mu.Unlock()
+		if w != nil && w.Send(kindHeld, b) == nil {
+			return
+		}
+	}
+}
+
+// strategies are the recovery strategies of a job of torch.distributed
+// ranks: a process group dies with any member, so every rank is
+// restarted, and those that keep processes (retry) are out.
+var strategies = []taskd.Strategy{taskd.StrategyRecoverInPlace, taskd.StrategyDump, taskd.StrategyExit}
+
+// newPolicy is the rescheduling policy of such a job: the restart budget
+// is the agents' (Config.MaxRestarts, counted for the whole job), so the
+// policy only orders the restarts of one recovery, without waiting.
+func newPolicy(log *slog.Logger) (*rescheduling.Policy, error) {
+	return rescheduling.NewPolicy(rescheduling.Config{
+		MaxRestarts: 1 << 30, PodRestarts: 1 << 30, JobRestarts: 1 << 30, FailWindow: -1,
+		Backoff: rescheduling.Backoff{Initial: time.Millisecond, Max: time.Millisecond, Jitter: -1},
+		Logger:  log,
+	})
+}
+
+// Orchestration is what a taskd manager running apart from the agents
+// (taskd-manager --agents, and faultline-run --manager ADDR on every node)
+// needs to recover a job of nodes nodes whose ranks faultline-run agents
+// run: their restart executor, the store that picks the step to resume
+// from by what each node's agent reports, the strategies of a
+// torch.distributed job and a policy that leaves the budget to the agents.
+// Install the handler with the manager (ManagerConfig.Handlers) and close
+// the policy (cfg.Policy.Close) when the manager is done.
+func Orchestration(nodes int, log *slog.Logger) (*taskd.OrchestrationConfig, taskd.Handler, error) {
+	if nodes < 1 {
+		return nil, taskd.Handler{}, fmt.Errorf("%w: nodes = %d: at least 1", errConfig, nodes)
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	p, err := newPolicy(log)
+	if err != nil {
+		return nil, taskd.Handler{}, err
+	}
+	j := newJobCheckpoints(nodes, nil, log)
+	return &taskd.OrchestrationConfig{Policy: p, Executor: executor{}, Checkpoints: j, Strategies: strategies}, j.handler(), nil
+}
