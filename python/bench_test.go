@@ -101,7 +101,10 @@ func BenchmarkSpan(b *testing.B) {
 // tensor.copy_ of the same bytes into and out of preallocated shared-memory
 // tensors and torch.save to a file, all measured in the same run.
 // Targets (1024 MiB): x-copy-save >= 0.9, x-torchsave >= 10,
-// x-copy-load >= 0.8.
+// x-copy-load >= 0.8. A save with blocking=False blocks for
+// save-async-blocking-s (x-torchsave-async: torch.save over that) while
+// its copy goes on in a thread (x-copy-save-async: the copy over the whole
+// of such a save, its end included).
 //
 // Nothing seals the saves here and the stand-in agent answers load without
 // reading the blobs, so that save-s and load-s are the rank's own work:
@@ -134,6 +137,8 @@ func BenchmarkCheckpoint(b *testing.B) {
 		TorchSaveFsync   float64 `json:"torch_save_fsync"`
 		CopyBack         float64 `json:"copy_back"`
 		CopyBackPrealloc float64 `json:"copy_back_prealloc"`
+		SaveAsync        float64 `json:"save_async"`
+		SaveAsyncTotal   float64 `json:"save_async_total"`
 	}
 	for b.Loop() {
 		runBench(b, py, pyEnv(pkg, "FAULTLINE_AGENT="+a.sock), &r, "testdata/bench_ckpt.py", strconv.Itoa(mib), shm, disk)
@@ -144,6 +149,9 @@ func BenchmarkCheckpoint(b *testing.B) {
 	b.ReportMetric(r.Copy/r.Save, "x-copy-save")
 	b.ReportMetric(r.TorchSave, "torchsave-s")
 	b.ReportMetric(r.TorchSave/r.Save, "x-torchsave")
+	b.ReportMetric(r.SaveAsync, "save-async-blocking-s")
+	b.ReportMetric(r.TorchSave/r.SaveAsync, "x-torchsave-async")
+	b.ReportMetric(r.Copy/r.SaveAsyncTotal, "x-copy-save-async")
 	b.ReportMetric(r.TorchSaveFsync/r.Save, "x-torchsave-fsync")
 	b.ReportMetric(r.Load, "load-s")
 	b.ReportMetric(r.CopyBack, "copyback-s")

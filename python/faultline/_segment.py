@@ -234,13 +234,35 @@ class Segment:
         It holds the shared lock of lock() throughout, so that a grow of
         the segment waits for it and no save lands in a replaced file.
         """
+        p = self.begin(step, names, sizes)
+        if p is None:
+            return None
+        try:
+            for i, off in enumerate(p.offsets):
+                write(i, p.base + off)
+        except BaseException:
+            p.abort()
+            raise
+        return p.finish(persist)
+
+    def begin(self, step, names, sizes):
+        """Claims the half a save of step writes, and returns the save in
+        progress (Pending), whose blobs the caller writes at
+        pending.base + pending.offsets[i] before it calls finish or abort;
+        None when the save is skipped (both halves pinned). The shared lock
+        of lock() is held until then. Raises TooSmall when the step does
+        not fit."""
         self.lock()
         try:
-            return self._save(step, names, sizes, write, persist)
-        finally:
+            p = self._begin(step, names, sizes)
+        except BaseException:
             self.unlock()
+            raise
+        if p is None:
+            self.unlock()
+        return p
 
-    def _save(self, step, names, sizes, write, persist):
+    def _begin(self, step, names, sizes):
         table_size, offsets, end = layout(names, sizes)
         if end > self.half_size:
             raise TooSmall(f"segment {self.path}: a step of {end} bytes "
@@ -264,25 +286,8 @@ class Segment:
             return None
         self.u64[q_gen] += 1
         self._known.pop(t, None)
-        for i, off in enumerate(offsets):
-            write(i, b + off)
-        table = bytearray()
-        for name, size, off in zip(names, sizes, offsets):
-            nb = name.encode()
-            table += _ENTRY.pack(off, size, 0, len(nb), 0)
-            table += nb + bytes(_align(len(nb), 8) - len(nb))
-        crcs = b + STEP_HEADER + table_size
-        self.mv[b + STEP_HEADER:crcs] = table
-        self.mv[crcs:crcs + 4 * len(names)] = bytes(4 * len(names))
-        head = _STEP.pack(seq, step, time.time_ns(), len(names), table_size)
-        self.mv[b + 16:b + 48] = head
-        self.mv[b + 48:b + 60] = bytes(12)
-        self.u32[(b + 60) // 4] = crc32c(table, crc32c(head))
-        self.u32[w_state] = COMPLETE
-        self.u32[36 // 4] = t
-        if persist:
-            self.u64[40 // 8] = seq
-        return seq, t
+        return Pending(self, t, b, seq, step, names, sizes, offsets,
+                       table_size)
 
     def read(self, i):
         """Reads the table of the complete step in half i."""
@@ -321,3 +326,47 @@ class Segment:
         """Reports whether half still holds the step read() returned."""
         return (self._state(half.index) == COMPLETE
                 and self._gen(half.index) == half.gen)
+
+
+class Pending:
+    """A save in progress into one half of a Segment (Segment.begin): its
+    blobs go at base + offsets[i]; finish makes it the newest step, abort
+    leaves the half as a save cut short (which no reader takes). Either
+    releases the segment's shared lock."""
+
+    def __init__(self, seg, half, base, seq, step, names, sizes, offsets,
+                 table_size):
+        self.seg, self.half, self.base, self.seq = seg, half, base, seq
+        self.step, self.names, self.sizes = step, names, sizes
+        self.offsets, self.table_size = offsets, table_size
+
+    def finish(self, persist=False):
+        """Writes the table and the step header, marks the half complete
+        and active (asking for a persist with persist), and returns
+        (seq, half)."""
+        seg, b = self.seg, self.base
+        try:
+            table = bytearray()
+            for name, size, off in zip(self.names, self.sizes, self.offsets):
+                nb = name.encode()
+                table += _ENTRY.pack(off, size, 0, len(nb), 0)
+                table += nb + bytes(_align(len(nb), 8) - len(nb))
+            crcs = b + STEP_HEADER + self.table_size
+            seg.mv[b + STEP_HEADER:crcs] = table
+            seg.mv[crcs:crcs + 4 * len(self.names)] = bytes(4 * len(self.names))
+            head = _STEP.pack(self.seq, self.step, time.time_ns(),
+                              len(self.names), self.table_size)
+            seg.mv[b + 16:b + 48] = head
+            seg.mv[b + 48:b + 60] = bytes(12)
+            seg.u32[(b + 60) // 4] = crc32c(table, crc32c(head))
+            seg.u32[b // 4] = COMPLETE
+            seg.u32[36 // 4] = self.half
+            if persist:
+                seg.u64[40 // 8] = self.seq
+            return self.seq, self.half
+        finally:
+            seg.unlock()
+
+    def abort(self):
+        """Leaves the half in the writing state, as a save cut short."""
+        self.seg.unlock()

@@ -27,6 +27,7 @@ Nothing is unpickled on load, and loaded tensors are bitwise the saved ones,
 on the CPU.
 """
 
+import atexit
 import enum
 import functools
 import inspect
@@ -34,6 +35,7 @@ import json
 import os
 import threading
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -517,12 +519,26 @@ class Checkpointer:
         self._seg = None
         self._persisted = None  # the newest step saved with DISK
         self._stages = {}       # device -> pinned staging buffers
+        self._pending = None    # the save in flight (blocking=False)
+        atexit.register(_wait_at_exit, weakref.ref(self))
 
     def save_checkpoint(self, step, state_dict,
-                        storage_type=StorageType.MEMORY):
+                        storage_type=StorageType.MEMORY, blocking=True):
         """Saves state_dict as step; returns True when saved, False when
         skipped because the agent is reading the half this save would write
         (the previous step stays).
+
+        With blocking=False the call returns as soon as the save began: its
+        tensors are copied in a thread of their own, while training goes
+        on, and the save becomes the newest step at the next call of this
+        Checkpointer (or wait(), or when the process exits), provided no
+        tensor of the state changed meanwhile: each tensor's version
+        counter is read when the save begins and again then, so a tensor
+        updated in place before its copy was done (an optimizer's step, a
+        BatchNorm's running statistics) abandons the save instead of
+        keeping a torn one. Save after optimizer.step() and it is done long
+        before the next one in any but the tiniest model. True then means
+        the save began.
 
         A TypeError naming the key path is raised, before anything is
         written, for what a checkpoint cannot hold. A state larger than the
@@ -535,6 +551,7 @@ class Checkpointer:
             raise ValueError(f"faultline: save_checkpoint: storage_type "
                              f"{storage_type!r}: want StorageType.MEMORY or "
                              "StorageType.DISK")
+        self.wait()
         tree, tensors = _state.flatten(state_dict, torch.Tensor,
                                        _check_tensor)
         meta = json.dumps({"format": _state.FORMAT, "step": step,
@@ -561,23 +578,48 @@ class Checkpointer:
                 self._from_device(dst, t)
 
         with faultline.span("save_checkpoint"), torch.no_grad():
+            save = seg.save if blocking else seg.begin
+            args = (step, names, sizes, write, persist) if blocking else \
+                (step, names, sizes)
             try:
-                done = seg.save(step, names, sizes, write, persist)
+                done = save(*args)
             except _segment.TooSmall:
                 # Replaced meanwhile by a segment still too small: ask.
                 seg = self._segment(need, grow=True)
-                done = seg.save(step, names, sizes, write, persist)
-        if done is None:
-            return False
+                save = seg.save if blocking else seg.begin
+                done = save(*args)
+            if done is None:
+                return False
+            if not blocking:
+                self._pending = _AsyncSave(done, write, tensors, persist)
+                return True
+        self._saved(step, persist)
+        return True
+
+    def wait(self):
+        """Ends the save in flight of save_checkpoint(..., blocking=False):
+        waits for its copy, then keeps it as the newest step when no tensor
+        of its state changed since it began, and abandons it otherwise.
+        Returns True when it was kept, False when abandoned, None when no
+        save was in flight."""
+        a, self._pending = self._pending, None
+        if a is None:
+            return None
+        kept = a.end()
+        if kept:
+            self._saved(a.pending.step, a.persist)
+        return kept
+
+    def _saved(self, step, persist):
         self._client.call({"op": "saved", "step": step, "persist": persist})
         if persist:
             self._persisted = step
-        return True
 
     def load_checkpoint(self):
         """Returns the newest state_dict the agent agrees on for this rank
         (the job's resume step, else this rank's newest intact one), with
         tensors on the CPU, bitwise the saved ones; {} when there is none."""
+        self.wait()
         resp = self._client.call({"op": "load", "dir": self.checkpoint_dir},
                                  timeout=600)
         if resp.get("tier") in (None, "", "none") or resp.get("step", -1) < 0:
@@ -603,6 +645,7 @@ class Checkpointer:
         disk; True when it is (or there was none), False after timeout
         seconds or when the agent reports it failed (with a warning that
         says why)."""
+        self.wait()
         if self._persisted is None:
             return True
         try:
@@ -704,6 +747,57 @@ class Checkpointer:
             return ev
 
         _chunked_copy(dst, src, bufs, copy_in, lambda ev: ev.synchronize())
+
+
+class _AsyncSave:
+    """A save whose tensors a thread of its own copies into the segment
+    (Checkpointer.save_checkpoint with blocking=False)."""
+
+    def __init__(self, pending, write, tensors, persist):
+        self.pending, self.tensors, self.persist = pending, tensors, persist
+        self.versions = [t._version for t in tensors]
+        self.error = None
+        self.thread = threading.Thread(target=self._copy, args=(write,),
+                                       name="faultline-save", daemon=True)
+        self.thread.start()
+
+    def _copy(self, write):
+        p = self.pending
+        try:
+            with torch.no_grad():
+                for i, off in enumerate(p.offsets):
+                    write(i, p.base + off)
+        except BaseException as e:  # reported when the save ends
+            self.error = e
+
+    def end(self):
+        """Waits for the copy; finishes the save when no tensor changed
+        since it began (the caller's thread runs no kernel now, so a change
+        made during the copy shows in the version counters), else abandons
+        it. Returns whether it was kept."""
+        self.thread.join()
+        changed = [i for i, (t, v) in enumerate(zip(self.tensors,
+                                                    self.versions))
+                   if t._version != v]
+        if self.error is not None or changed:
+            self.pending.abort()
+            if self.error is not None:
+                warnings.warn(f"faultline: the save of step "
+                              f"{self.pending.step} failed and was "
+                              f"abandoned: {self.error}", RuntimeWarning)
+            return False
+        self.pending.finish(self.persist)
+        return True
+
+
+def _wait_at_exit(ref):
+    c = ref()
+    if c is not None and c._pending is not None:
+        try:
+            c.wait()
+        except Exception as e:  # the agent may be gone as the process exits
+            warnings.warn(f"faultline: the save in flight at exit: {e}",
+                          RuntimeWarning)
 
 
 DdpCheckpointer = Checkpointer

@@ -80,11 +80,18 @@ def main():
         return run
 
     copy_in()
-    times = {k: [] for k in ("save", "copy", "load", "copy_back",
+    times = {k: [] for k in ("save", "save_async", "save_async_total",
+                             "copy", "load", "copy_back",
                              "copy_back_prealloc", "torch_save",
                              "torch_save_fsync")}
     for r in range(ROUNDS):
         times["save"].append(timed(lambda: ckpt.save_checkpoint(2 + r, state)))
+        t0 = time.perf_counter()
+        assert ckpt.save_checkpoint(100 + r, state, blocking=False)
+        t1 = time.perf_counter()
+        assert ckpt.wait()
+        times["save_async"].append(t1 - t0)
+        times["save_async_total"].append(time.perf_counter() - t0)
         times["copy"].append(timed(copy_in))
         times["load"].append(timed(ckpt.load_checkpoint))
         times["copy_back"].append(timed(copy_out))
