@@ -101,7 +101,9 @@ func BenchmarkSpan(b *testing.B) {
 // tensor.copy_ of the same bytes into and out of preallocated shared-memory
 // tensors and torch.save to a file, all measured in the same run.
 // Targets (1024 MiB): x-copy-save >= 0.9, x-torchsave >= 10,
-// x-copy-load >= 0.8. A save with blocking=False blocks for
+// x-copy-load >= 0.8 (x-prealloc-load-into: a load into the tensors of a
+// state of the same shape, beside the copy into preallocated tensors). A
+// save with blocking=False blocks for
 // save-async-blocking-s (x-torchsave-async: torch.save over that) while
 // its copy goes on in a thread (x-copy-save-async: the copy over the whole
 // of such a save, its end included).
@@ -137,6 +139,7 @@ func BenchmarkCheckpoint(b *testing.B) {
 		TorchSaveFsync   float64 `json:"torch_save_fsync"`
 		CopyBack         float64 `json:"copy_back"`
 		CopyBackPrealloc float64 `json:"copy_back_prealloc"`
+		LoadInto         float64 `json:"load_into"`
 		SaveAsync        float64 `json:"save_async"`
 		SaveAsyncTotal   float64 `json:"save_async_total"`
 	}
@@ -157,4 +160,5 @@ func BenchmarkCheckpoint(b *testing.B) {
 	b.ReportMetric(r.CopyBack, "copyback-s")
 	b.ReportMetric(r.CopyBack/r.Load, "x-copy-load")
 	b.ReportMetric(r.CopyBackPrealloc/r.Load, "x-prealloc-load")
+	b.ReportMetric(r.CopyBackPrealloc/r.LoadInto, "x-prealloc-load-into")
 }

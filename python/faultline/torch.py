@@ -615,10 +615,17 @@ class Checkpointer:
         if persist:
             self._persisted = step
 
-    def load_checkpoint(self):
+    def load_checkpoint(self, into=None):
         """Returns the newest state_dict the agent agrees on for this rank
         (the job's resume step, else this rank's newest intact one), with
-        tensors on the CPU, bitwise the saved ones; {} when there is none."""
+        tensors on the CPU, bitwise the saved ones; {} when there is none.
+
+        into, a state of the same shape ({"model": model.state_dict(),
+        ...}), has each saved tensor copied into the tensor at its key path
+        when that one is a contiguous CPU tensor of the same dtype and shape
+        (a model's parameters and buffers take the step in place, with one
+        copy); the state returned holds those tensors, and new ones where
+        into has none to take it."""
         self.wait()
         resp = self._client.call({"op": "load", "dir": self.checkpoint_dir},
                                  timeout=600)
@@ -634,7 +641,7 @@ class Checkpointer:
             raise _agent.AgentError(
                 f"faultline agent: op load: step {resp['step']} but half "
                 f"{half} of {seg.path} holds step {h.step}")
-        state = self._decode(seg, h)
+        state = self._decode(seg, h, into)
         if not seg.unchanged(h):
             raise RuntimeError(f"faultline: the step in half {half} of "
                                f"{seg.path} was overwritten while it loaded")
@@ -692,7 +699,7 @@ class Checkpointer:
             path, lambda mm: torch.frombuffer(mm, dtype=torch.uint8))
         return self._seg
 
-    def _decode(self, seg, h):
+    def _decode(self, seg, h, into=None):
         meta = h.blobs.get("meta")
         if meta is None:
             raise ValueError(f"faultline: half {h.index} of {seg.path} has no "
@@ -720,6 +727,14 @@ class Checkpointer:
                     f"{h.index} of {seg.path} is "
                     f"{'missing' if blob is None else f'{blob[1]} bytes'}, "
                     f"want {n} ({dtype} {shape})")
+            dst = _at(into, path)
+            if (isinstance(dst, torch.Tensor) and dst.device.type == "cpu"
+                    and dst.dtype == dt and list(dst.shape) == shape
+                    and dst.is_contiguous()):
+                if n:
+                    with torch.no_grad():
+                        dst.copy_(u8[blob[0]:blob[0] + n].view(dt).view(shape))
+                return dst
             if n == 0:
                 return torch.empty(shape, dtype=dt)
             # clone of a typed view: a new tensor, copied at memcpy speed.
@@ -747,6 +762,17 @@ class Checkpointer:
             return ev
 
         _chunked_copy(dst, src, bufs, copy_in, lambda ev: ev.synchronize())
+
+
+def _at(tree, path):
+    """The value at path (keys and indices) in tree, None when there is
+    none."""
+    for k in path:
+        try:
+            tree = tree[k]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return tree
 
 
 class _AsyncSave:

@@ -80,8 +80,9 @@ def main():
         return run
 
     copy_in()
+    into_state = {"model": {f"layer{i}.weight": o for i, o in enumerate(into)}}
     times = {k: [] for k in ("save", "save_async", "save_async_total",
-                             "copy", "load", "copy_back",
+                             "copy", "load", "load_into", "copy_back",
                              "copy_back_prealloc", "torch_save",
                              "torch_save_fsync")}
     for r in range(ROUNDS):
@@ -94,6 +95,8 @@ def main():
         times["save_async_total"].append(time.perf_counter() - t0)
         times["copy"].append(timed(copy_in))
         times["load"].append(timed(ckpt.load_checkpoint))
+        times["load_into"].append(timed(
+            lambda: ckpt.load_checkpoint(into=into_state)))
         times["copy_back"].append(timed(copy_out))
         times["copy_back_prealloc"].append(timed(copy_out_prealloc))
         if r < 2:

@@ -175,6 +175,25 @@ class CheckpointTest(unittest.TestCase):
             3, {"model": model.state_dict(), "step": 3}, blocking=False))
         self.assertEqual(self.ckpt.load_checkpoint()["step"], 3)
 
+    def test_load_into_a_state_in_place(self):
+        model, opt = model_and_optimizer()
+        saved = {"model": model.state_dict(), "step": 4}
+        want = bits(saved)
+        self.assertTrue(self.ckpt.save_checkpoint(4, saved))
+        m2, _ = model_and_optimizer()
+        m2.apply(lambda m: [p.data.zero_() for p in m.parameters(recurse=False)])
+        into = {"model": m2.state_dict(), "step": None}
+        got = self.ckpt.load_checkpoint(into=into)
+        self.assertEqual(bits(got), want)
+        for k, t in m2.state_dict().items():  # the model took the step in place
+            self.assertEqual(got["model"][k].data_ptr(), t.data_ptr())
+        self.assertEqual(bits(m2.state_dict()), bits(model.state_dict()))
+        # A tensor of another shape there is not written over.
+        odd = {"model": {k: torch.zeros(1) for k in saved["model"]}}
+        got = self.ckpt.load_checkpoint(into=odd)
+        self.assertEqual(bits(got), want)
+        self.assertTrue(all(t.numel() == 1 for t in odd["model"].values()))
+
     def test_no_checkpoint_is_an_empty_dict(self):
         self.assertEqual(self.ckpt.load_checkpoint(), {})
 
