@@ -124,13 +124,13 @@ func benchLines() ([]byte, int) {
 // ones outside the timed region, so that neither waits for the disk's
 // writeback of gigabytes: the figures compare the work on the CPU.
 
-// BenchmarkWriterThroughput writes records through a Writer (encoding,
+// BenchmarkWriterThroughput writes records through a fileWriter (encoding,
 // buffering, a new file every 10 MiB). Compare with BenchmarkRawFileWrite.
 func BenchmarkWriterThroughput(b *testing.B) {
 	recs := benchRecords()
 	lines, _ := benchLines()
 	root := b.TempDir()
-	w, err := NewWriter(WriterConfig{Root: root, Job: "bench"})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "bench"})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -172,7 +172,7 @@ func removeAllButNewest(b *testing.B, dir string) {
 func BenchmarkRawFileWrite(b *testing.B) {
 	lines, _ := benchLines()
 	dir := b.TempDir()
-	perFile := DefaultMaxFileBytes / len(lines)
+	perFile := defaultMaxFileBytes / len(lines)
 	create := func(n int) *os.File {
 		f, err := os.Create(filepath.Join(dir, strconv.Itoa(n)))
 		if err != nil {
@@ -301,7 +301,7 @@ func BenchmarkAppendJSON(b *testing.B) {
 	}
 }
 
-// BenchmarkEncoder encodes records as a Writer does, with its memory of
+// BenchmarkEncoder encodes records as a fileWriter does, with its memory of
 // the last heads, object ids, names and leading digits. Compare with
 // BenchmarkCopyLines.
 func BenchmarkEncoder(b *testing.B) {

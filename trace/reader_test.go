@@ -51,7 +51,7 @@ func openReader(t *testing.T, dir string, cfg ReaderConfig) *RankReader {
 
 func TestRankReaderTailsAcrossRotation(t *testing.T) {
 	root := t.TempDir()
-	w, err := NewWriter(WriterConfig{Root: root, Job: "j", MaxFileBytes: 2000, Now: fixedNow(1731000000)})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "j", MaxFileBytes: 2000, Now: fixedNow(1731000000)})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -167,7 +167,7 @@ func FuzzParseRecord(f *testing.F) {
 	})
 }
 
-// TestCanonicalFastPath checks that the lines Writer and MindCluster write
+// TestCanonicalFastPath checks that the lines a Recorder and MindCluster write
 // take the fast path, names seen before included, and read as the generic
 // path reads them.
 func TestCanonicalFastPath(t *testing.T) {

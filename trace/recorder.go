@@ -62,8 +62,8 @@ func (c RecorderConfig) Validate() error {
 
 // writerConfig is the config of the recorder's writer; its metrics are
 // the recorder's.
-func (c RecorderConfig) writerConfig() WriterConfig {
-	return WriterConfig{Root: c.Root, Job: c.Job, Rank: c.Rank, MaxFileBytes: c.MaxFileBytes, Logger: c.Logger}
+func (c RecorderConfig) writerConfig() fileWriterConfig {
+	return fileWriterConfig{Root: c.Root, Job: c.Job, Rank: c.Rank, MaxFileBytes: c.MaxFileBytes, Logger: c.Logger}
 }
 
 // Bits of Recorder.bits above the kinds.
@@ -86,7 +86,7 @@ var (
 // kind switched off cost an atomic load and a branch. Calls with it on
 // take a timestamp and put an entry into a bounded lock-free ring with no
 // allocation and no lock; a goroutine owned by the Recorder encodes the
-// entries and hands them to a Writer. When that goroutine falls behind the
+// entries and writes them to the rank's files. When that goroutine falls behind the
 // ring fills and records are dropped and counted; a caller never waits.
 //
 // All methods are safe for concurrent use. Ids are unique per Recorder
@@ -102,9 +102,9 @@ type Recorder struct {
 
 	dropped [numDomains]atomic.Uint64 // ring full
 
-	w        *Writer
+	w        *fileWriter
 	cfg      RecorderConfig
-	reqs     chan func(*Writer)
+	reqs     chan func(*fileWriter)
 	stop     chan struct{}
 	done     chan struct{}
 	swMu     sync.Mutex
@@ -121,7 +121,7 @@ func NewRecorder(ctx context.Context, cfg RecorderConfig) (*Recorder, error) {
 		return nil, err
 	}
 	if cfg.FlushInterval == 0 {
-		cfg.FlushInterval = DefaultFlushInterval
+		cfg.FlushInterval = defaultFlushInterval
 	}
 	if cfg.BufferRecords == 0 {
 		cfg.BufferRecords = DefaultBufferRecords
@@ -129,7 +129,7 @@ func NewRecorder(ctx context.Context, cfg RecorderConfig) (*Recorder, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	w, err := NewWriter(cfg.writerConfig())
+	w, err := newFileWriter(cfg.writerConfig())
 	if err != nil {
 		return nil, err
 	}
@@ -142,7 +142,7 @@ func NewRecorder(ctx context.Context, cfg RecorderConfig) (*Recorder, error) {
 		pid:    uint32(os.Getpid()),
 		w:      w,
 		cfg:    cfg,
-		reqs:   make(chan func(*Writer)),
+		reqs:   make(chan func(*fileWriter)),
 		stop:   make(chan struct{}),
 		done:   make(chan struct{}),
 	}
@@ -411,10 +411,10 @@ func (r *Recorder) shutdown(drain func() int) {
 }
 
 // do runs fn on the writer goroutine after the ring is drained.
-func (r *Recorder) do(fn func(*Writer) error) error {
+func (r *Recorder) do(fn func(*fileWriter) error) error {
 	errc := make(chan error, 1)
 	select {
-	case r.reqs <- func(w *Writer) { errc <- fn(w) }:
+	case r.reqs <- func(w *fileWriter) { errc <- fn(w) }:
 		return <-errc
 	case <-r.done:
 		return fmt.Errorf("trace: recorder: %w", os.ErrClosed)
@@ -422,12 +422,12 @@ func (r *Recorder) do(fn func(*Writer) error) error {
 }
 
 // Flush writes every record recorded before the call to the file.
-func (r *Recorder) Flush() error { return r.do((*Writer).Flush) }
+func (r *Recorder) Flush() error { return r.do((*fileWriter).Flush) }
 
 // WriteParallelGroups writes g as parallel_group.json into this rank's
 // folder.
 func (r *Recorder) WriteParallelGroups(g ParallelGroups) error {
-	return r.do(func(w *Writer) error { return w.WriteParallelGroups(g) })
+	return r.do(func(w *fileWriter) error { return w.WriteParallelGroups(g) })
 }
 
 // Dir returns the rank folder once the writer has resolved it, else "".

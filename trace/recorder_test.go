@@ -212,7 +212,7 @@ func TestRecorderDropsWhenWriterStalls(t *testing.T) {
 	rec := newTestRecorder(t, RecorderConfig{Root: root, Switch: AllOn(), BufferRecords: 64, Registerer: reg})
 	release := make(chan struct{})
 	held := make(chan struct{})
-	go rec.do(func(*Writer) error { close(held); <-release; return nil })
+	go rec.do(func(*fileWriter) error { close(held); <-release; return nil })
 	<-held
 	for i := range 100 {
 		rec.StartStep(uint64(i), 0, 0).End()
@@ -276,9 +276,6 @@ func TestCloseUnregistersMetrics(t *testing.T) {
 		name string
 		make func(prometheus.Registerer) (io.Closer, error)
 	}{
-		{"WriterConfig", func(reg prometheus.Registerer) (io.Closer, error) {
-			return NewWriter(WriterConfig{Root: root, Job: "job", Registerer: reg})
-		}},
 		{"RecorderConfig", func(reg prometheus.Registerer) (io.Closer, error) {
 			return NewRecorder(context.Background(), RecorderConfig{Root: root, Job: "job", Registerer: reg})
 		}},

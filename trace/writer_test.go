@@ -33,7 +33,7 @@ func TestWriterFormatLayoutAndModes(t *testing.T) {
 	old := unix.Umask(0o077) // modes must not depend on the umask
 	defer unix.Umask(old)
 	root := filepath.Join(t.TempDir(), "profiling")
-	w, err := NewWriter(WriterConfig{Root: root, Job: "job-1", Rank: 7, Now: fixedNow(1731000000)})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "job-1", Rank: 7, Now: fixedNow(1731000000)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -83,7 +83,7 @@ func TestWriterRotatesAndNeverAppends(t *testing.T) {
 	os.MkdirAll(dir, 0o750)
 	// A file from an earlier process in the same second: left alone.
 	os.WriteFile(filepath.Join(dir, "1731000000"), []byte("earlier\n"), 0o640)
-	w, err := NewWriter(WriterConfig{Root: root, Job: "j", MaxFileBytes: 1000, Now: fixedNow(1731000000)})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "j", MaxFileBytes: 1000, Now: fixedNow(1731000000)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,7 +99,7 @@ func TestWriterRotatesAndNeverAppends(t *testing.T) {
 	}
 	// A later process of the rank, its clock behind the names of the first:
 	// its file still sorts last, so a reader tailing the folder sees it.
-	w2, _ := NewWriter(WriterConfig{Root: root, Job: "j", Now: fixedNow(1731000002)})
+	w2, _ := newFileWriter(fileWriterConfig{Root: root, Job: "j", Now: fixedNow(1731000002)})
 	r := testRecord(n)
 	w2.Write(&r)
 	w2.Close()
@@ -140,7 +140,7 @@ func TestWriterIgnoresFarFutureNames(t *testing.T) {
 	dir := filepath.Join(root, "j", "0")
 	os.MkdirAll(dir, 0o750)
 	os.WriteFile(filepath.Join(dir, "9223372036854775807"), nil, 0o640)
-	w, err := NewWriter(WriterConfig{Root: root, Job: "j", Now: fixedNow(1731000000)})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "j", Now: fixedNow(1731000000)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -167,8 +167,8 @@ func TestJobValidation(t *testing.T) {
 		if err := ValidateJob(job); !errors.Is(err, ErrPath) {
 			t.Errorf("ValidateJob(%q) = %v, want ErrPath", job, err)
 		}
-		if _, err := NewWriter(WriterConfig{Job: job}); job != "" && err == nil {
-			t.Errorf("NewWriter accepted job %q", job)
+		if _, err := newFileWriter(fileWriterConfig{Job: job}); job != "" && err == nil {
+			t.Errorf("newFileWriter accepted job %q", job)
 		}
 	}
 	for _, job := range []string{"default_task_id_1731000000", "3f1e2d4c-aaaa-bbbb-cccc-0123456789ab", "job.v2"} {
@@ -182,7 +182,7 @@ func TestWriterRefusesTaskIDTraversal(t *testing.T) {
 	base := t.TempDir()
 	root := filepath.Join(base, "root")
 	t.Setenv(EnvTaskID, "../../etc")
-	w, err := NewWriter(WriterConfig{Root: root})
+	w, err := newFileWriter(fileWriterConfig{Root: root})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -212,7 +212,7 @@ func TestWriterRefusesPlantedSymlinks(t *testing.T) {
 				os.Mkdir(filepath.Join(root, "j"), 0o750)
 				os.Symlink(outside, filepath.Join(root, "j", "0"))
 			}
-			w, _ := NewWriter(WriterConfig{Root: root, Job: "j"})
+			w, _ := newFileWriter(fileWriterConfig{Root: root, Job: "j"})
 			r := testRecord(0)
 			if err := w.Write(&r); !errors.Is(err, ErrPath) {
 				t.Fatalf("Write through a planted symlink: %v", err)
@@ -242,7 +242,7 @@ func mountTmpfs(t *testing.T, size int, flags uintptr) string {
 
 func TestWriterDiskFull(t *testing.T) {
 	root := mountTmpfs(t, 64<<10, 0)
-	w, err := NewWriter(WriterConfig{Root: root, Job: "j", BufferBytes: 4 << 10})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "j", BufferBytes: 4 << 10})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -281,7 +281,7 @@ func TestWriterDiskFull(t *testing.T) {
 func TestWriterUnwritableRoot(t *testing.T) {
 	t.Run("read-only", func(t *testing.T) {
 		root := mountTmpfs(t, 64<<10, unix.MS_RDONLY)
-		w, _ := NewWriter(WriterConfig{Root: root, Job: "j"})
+		w, _ := newFileWriter(fileWriterConfig{Root: root, Job: "j"})
 		r := testRecord(0)
 		err := w.Write(&r)
 		if !errors.Is(err, syscall.EROFS) || !strings.Contains(err.Error(), root) {
@@ -298,7 +298,7 @@ func TestWriterUnwritableRoot(t *testing.T) {
 	t.Run("root is a file", func(t *testing.T) {
 		root := filepath.Join(t.TempDir(), "file")
 		os.WriteFile(root, nil, 0o640)
-		w, _ := NewWriter(WriterConfig{Root: root, Job: "j"})
+		w, _ := newFileWriter(fileWriterConfig{Root: root, Job: "j"})
 		r := testRecord(0)
 		if err := w.Write(&r); err == nil || !strings.Contains(err.Error(), root) {
 			t.Fatalf("Write with a file as root: %v", err)
@@ -468,7 +468,7 @@ func TestListRanksAndJobs(t *testing.T) {
 // follow whole lines, and Flush ends the file on a line.
 func TestWriterAlignedFlush(t *testing.T) {
 	root := t.TempDir()
-	w, err := NewWriter(WriterConfig{Root: root, Job: "j", BufferBytes: 4 << 10, Now: fixedNow(1731000000)})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "j", BufferBytes: 4 << 10, Now: fixedNow(1731000000)})
 	if err != nil {
 		t.Fatal(err)
 	}
