@@ -55,7 +55,7 @@ func (s *statsCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(s.files, prometheus.CounterValue, float64(s.c.files.Load()))
 	ch <- prometheus.MustNewConstMetric(s.errors, prometheus.CounterValue, float64(s.c.errors.Load()))
 	b := s.bits.Load()
-	for _, k := range Kinds {
+	for _, k := range kinds {
 		v := 0.0
 		if b&kindBit(k) != 0 {
 			v = 1

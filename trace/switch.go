@@ -104,7 +104,7 @@ func (s Switch) DomainEnabled(domain string) bool {
 // Bits returns s as a bit set with bit k set when kind k is on.
 func (s Switch) Bits() uint32 {
 	var b uint32
-	for _, k := range Kinds {
+	for _, k := range kinds {
 		if s.Enabled(k) {
 			b |= 1 << k
 		}
@@ -115,7 +115,7 @@ func (s Switch) Bits() uint32 {
 // SwitchFromBits is the inverse of Switch.Bits.
 func SwitchFromBits(b uint32) Switch {
 	var s Switch
-	for _, k := range Kinds {
+	for _, k := range kinds {
 		s = s.With(k, b&(1<<k) != 0)
 	}
 	return s
