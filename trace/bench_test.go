@@ -26,11 +26,12 @@ func BenchmarkTimeNowPair(b *testing.B) {
 // drained outside the timed region every so often, so that the figure is
 // the recording path and not the drop path.
 func BenchmarkRangeOn(b *testing.B) {
-	rec, err := NewRecorder(context.Background(), RecorderConfig{Root: b.TempDir(), Job: "bench",
+	rec, err := NewRecorder(RecorderConfig{Root: b.TempDir(), Job: "bench",
 		Switch: AllOn(), BufferRecords: 1 << 16, MaxFileBytes: 1 << 30})
 	if err != nil {
 		b.Fatal(err)
 	}
+	go rec.Run(context.Background())
 	defer rec.Close()
 	b.ReportAllocs()
 	i := 0
@@ -51,11 +52,12 @@ func BenchmarkRangeOn(b *testing.B) {
 // BenchmarkRangeOnParallel is BenchmarkRangeOn from every P at once: the
 // producers share one ring.
 func BenchmarkRangeOnParallel(b *testing.B) {
-	rec, err := NewRecorder(context.Background(), RecorderConfig{Root: b.TempDir(), Job: "bench",
+	rec, err := NewRecorder(RecorderConfig{Root: b.TempDir(), Job: "bench",
 		Switch: AllOn(), BufferRecords: 1 << 20, MaxFileBytes: 1 << 30})
 	if err != nil {
 		b.Fatal(err)
 	}
+	go rec.Run(context.Background())
 	defer rec.Close()
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
@@ -70,10 +72,11 @@ func BenchmarkRangeOnParallel(b *testing.B) {
 
 // BenchmarkRangeOff is a start and an end with the kind off.
 func BenchmarkRangeOff(b *testing.B) {
-	rec, err := NewRecorder(context.Background(), RecorderConfig{Root: b.TempDir(), Job: "bench"})
+	rec, err := NewRecorder(RecorderConfig{Root: b.TempDir(), Job: "bench"})
 	if err != nil {
 		b.Fatal(err)
 	}
+	go rec.Run(context.Background())
 	defer rec.Close()
 	b.ReportAllocs()
 	for b.Loop() {

@@ -28,8 +28,10 @@
 //
 // A Recorder is built once per training process (one rank):
 //
-//	rec, err := trace.NewRecorder(ctx, trace.RecorderConfig{Rank: rank})
+//	rec, err := trace.NewRecorder(trace.RecorderConfig{Rank: rank})
 //	...
+//	go rec.Run(ctx)
+//	defer rec.Close()
 //	s := rec.StartStep(step, device, stream)
 //	f := rec.Start(trace.FP, trace.MarkerForward, device, stream)
 //	f.End()
@@ -40,8 +42,8 @@
 // With the kind off, a call costs an atomic load and a branch: Start,
 // StartStep, StartComm and Span.End inline into the caller. With it on, the call takes a monotonic
 // timestamp and claims a slot of a bounded lock-free ring (one CAS and one
-// store; no allocation, no lock). A goroutine owned by the Recorder drains
-// the ring, encodes records and writes them; names are encoded there, so a
+// store; no allocation, no lock). Run drains the ring, encodes records and
+// writes them; names are encoded there, so a
 // step number or a CommOp costs the caller nothing to format. When the
 // writer falls behind the ring fills and new records are dropped and
 // counted; training never waits. Ids are unique per recorder and, being

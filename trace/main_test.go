@@ -38,13 +38,14 @@ func runChild(mode string) int {
 		// Writes records, flushing each batch, and says how many are on disk
 		// after each flush until it is killed.
 		rank, _ := strconv.Atoi(os.Getenv("TRACE_RANK"))
-		rec, err := NewRecorder(context.Background(), RecorderConfig{
+		rec, err := NewRecorder(RecorderConfig{
 			Root: root, Job: "killed", Rank: rank, Switch: AllOn(), MaxFileBytes: 64 << 10,
 		})
 		if err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 1
 		}
+		go rec.Run(context.Background())
 		flushed := 0
 		for step := uint64(0); ; step++ {
 			for i := 0; i < 50; i++ {

@@ -26,10 +26,11 @@ func newTestRecorder(t *testing.T, cfg RecorderConfig) *Recorder {
 	if cfg.Job == "" {
 		cfg.Job = "job"
 	}
-	r, err := NewRecorder(context.Background(), cfg)
+	r, err := NewRecorder(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
+	go r.Run(context.Background())
 	t.Cleanup(func() { r.Close() })
 	return r
 }
@@ -277,7 +278,7 @@ func TestCloseUnregistersMetrics(t *testing.T) {
 		make func(prometheus.Registerer) (io.Closer, error)
 	}{
 		{"RecorderConfig", func(reg prometheus.Registerer) (io.Closer, error) {
-			return NewRecorder(context.Background(), RecorderConfig{Root: root, Job: "job", Registerer: reg})
+			return NewRecorder(RecorderConfig{Root: root, Job: "job", Registerer: reg})
 		}},
 		{"AgerConfig", func(reg prometheus.Registerer) (io.Closer, error) {
 			return NewAger(AgerConfig{Root: root, Registerer: reg})
@@ -336,7 +337,7 @@ func TestRecorderConfigValidate(t *testing.T) {
 		{FlushInterval: -1},
 		{MaxFileBytes: -5},
 	} {
-		if _, err := NewRecorder(context.Background(), c); err == nil || !strings.Contains(err.Error(), "RecorderConfig.") {
+		if _, err := NewRecorder(c); err == nil || !strings.Contains(err.Error(), "RecorderConfig.") {
 			t.Errorf("NewRecorder(%+v) = %v, want an error naming the field", c, err)
 		}
 	}
@@ -362,17 +363,46 @@ func TestRecorderCloseIdempotentAndAfterClose(t *testing.T) {
 
 func TestRecorderStopsWithContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
-	rec, err := NewRecorder(ctx, RecorderConfig{Root: t.TempDir(), Job: "j", Switch: AllOn()})
+	rec, err := NewRecorder(RecorderConfig{Root: t.TempDir(), Job: "j", Switch: AllOn()})
 	if err != nil {
 		t.Fatal(err)
 	}
+	ran := make(chan error)
+	go func() { ran <- rec.Run(ctx) }()
 	rec.StartStep(1, 0, 0).End()
 	cancel()
-	if err := rec.Close(); err != nil {
+	if err := <-ran; err != nil {
 		t.Fatal(err)
 	}
 	if s := rec.Stats(); s.Written.Default != 2 {
 		t.Fatalf("written %+v after the context ended", s.Written)
+	}
+	if err := rec.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestRecorderWithoutRun closes and flushes a Recorder that Run never ran:
+// what was recorded is written all the same.
+func TestRecorderWithoutRun(t *testing.T) {
+	root := t.TempDir()
+	rec, err := NewRecorder(RecorderConfig{Root: root, Job: "j", Switch: AllOn()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec.StartStep(1, 0, 0).End()
+	if err := rec.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	rec.StartStep(2, 0, 0).End()
+	if err := rec.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if s := rec.Stats(); s.Written.Default != 4 {
+		t.Fatalf("written %+v", s.Written)
+	}
+	if err := rec.Run(context.Background()); err != nil {
+		t.Fatalf("Run after Close: %v", err)
 	}
 }
 
