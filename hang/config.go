@@ -24,16 +24,6 @@ const (
 	DefaultCaptureTimeout   = 60 * time.Second
 )
 
-// Clock tells the time. Tests inject a fake one so that timeouts can be
-// checked without sleeping.
-type Clock interface {
-	Now() time.Time
-}
-
-type realClock struct{}
-
-func (realClock) Now() time.Time { return time.Now() }
-
 // Config configures a Watchdog. The zero value watches rank 0 of a job of
 // one with the defaults below.
 type Config struct {
@@ -100,8 +90,9 @@ type Config struct {
 	// Check or Close.
 	OnFault func(Fault)
 
-	// Clock tells the time. nil means the system clock.
-	Clock Clock
+	// Now tells the time; tests set a fake clock so that timeouts are
+	// checked without sleeping. nil means time.Now.
+	Now func() time.Time
 	// Registerer receives the metrics (see the package documentation).
 	// nil: no metrics.
 	Registerer prometheus.Registerer
@@ -182,9 +173,6 @@ func (c Config) withDefaults() Config {
 	}
 	if c.StopSignal == 0 {
 		c.StopSignal = syscall.SIGKILL
-	}
-	if c.Clock == nil {
-		c.Clock = realClock{}
 	}
 	return c
 }

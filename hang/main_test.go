@@ -17,7 +17,8 @@ func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
 
-// fakeClock is a Clock that moves only when told.
+// fakeClock is a clock that moves only when told; its Now is a
+// Config.Now.
 type fakeClock struct {
 	mu  sync.Mutex
 	now time.Time
