@@ -258,14 +258,14 @@ func TestMergeGeneratedMatchesBruteForce(t *testing.T) {
 			if mp[key] == nil {
 				mp[key] = &Ranks{}
 			}
-			mp[key].Add(r)
+			mp[key].add(r)
 		}
 		var present Ranks
 		for _, d := range dumps {
 			if d == nil {
 				continue
 			}
-			present.Add(d.Rank)
+			present.add(d.Rank)
 			for _, th := range d.Threads {
 				key := "State@" + d.State
 				for i := len(th.Frames) - 1; i >= 0; i-- {
@@ -276,7 +276,7 @@ func TestMergeGeneratedMatchesBruteForce(t *testing.T) {
 				add(ends, key, d.Rank)
 			}
 		}
-		if !m.Ranks.Equal(present) || !m.Missing.Equal(present.Complement(m.World)) {
+		if !m.Ranks.Equal(present) || !m.Missing.Equal(present.complement(m.World)) {
 			t.Fatalf("iter %d: ranks %s missing %s", iter, m.Ranks, m.Missing)
 		}
 		nodes := 0
