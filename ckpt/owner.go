@@ -23,6 +23,8 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/errgroup"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // OwnerConfig configures an Owner. The zero value of each field is a
@@ -40,7 +42,7 @@ type OwnerConfig struct {
 	// Shards plus one.
 	NumShards int
 	// Capacity is the size of a half in bytes: the largest step of one
-	// shard, its blob table included. StepSize computes it. A segment
+	// shard, its blob table included. layout.StepSize computes it. A segment
 	// takes 2*Capacity + 4 KiB of shared memory. An existing segment with
 	// smaller halves is grown to it, keeping its steps; a larger one is
 	// kept. A save of a larger step grows the segment (Writer.Save).
@@ -53,7 +55,7 @@ type OwnerConfig struct {
 	// Committer learns of durable shards; default a LocalCommitter on Dir.
 	Committer Committer
 	// OnCommit, if set, is called after the default committer commits.
-	OnCommit func(StepManifest)
+	OnCommit func(layout.StepManifest)
 	// PollInterval is how often Run looks for new saves to seal and
 	// replicate and for persist requests; default 100ms. A save stays
 	// unsealed (its CRCs unknown) for up to about this long.
@@ -89,10 +91,10 @@ func (c OwnerConfig) Validate() error {
 	switch {
 	case len(c.Shards) == 0:
 		return errors.New("ckpt: OwnerConfig.Shards is empty")
-	case c.Capacity <= 0 || c.Capacity > maxHalfSize:
-		return fmt.Errorf("ckpt: OwnerConfig.Capacity is %d, want 1..%d", c.Capacity, int64(maxHalfSize))
-	case c.NumShards < 0 || c.NumShards > MaxShards:
-		return fmt.Errorf("ckpt: OwnerConfig.NumShards is %d, want 0..%d", c.NumShards, MaxShards)
+	case c.Capacity <= 0 || c.Capacity > layout.MaxHalfSize:
+		return fmt.Errorf("ckpt: OwnerConfig.Capacity is %d, want 1..%d", c.Capacity, int64(layout.MaxHalfSize))
+	case c.NumShards < 0 || c.NumShards > layout.MaxShards:
+		return fmt.Errorf("ckpt: OwnerConfig.NumShards is %d, want 0..%d", c.NumShards, layout.MaxShards)
 	case strings.ContainsRune(c.Name, '/'):
 		return fmt.Errorf("ckpt: OwnerConfig.Name %q holds a slash", c.Name)
 	case c.PollInterval < 0:
@@ -106,8 +108,8 @@ func (c OwnerConfig) Validate() error {
 	}
 	seen := map[int]bool{}
 	for i, s := range c.Shards {
-		if s < 0 || s >= MaxShards || (c.NumShards > 0 && s >= c.NumShards) {
-			return fmt.Errorf("ckpt: OwnerConfig.Shards[%d] is %d, want 0..%d", i, s, max(c.NumShards, MaxShards)-1)
+		if s < 0 || s >= layout.MaxShards || (c.NumShards > 0 && s >= c.NumShards) {
+			return fmt.Errorf("ckpt: OwnerConfig.Shards[%d] is %d, want 0..%d", i, s, max(c.NumShards, layout.MaxShards)-1)
 		}
 		if seen[s] {
 			return fmt.Errorf("ckpt: OwnerConfig.Shards[%d]: shard %d listed twice", i, s)
@@ -242,8 +244,8 @@ func (o *Owner) sweep() {
 		globs = append(globs, filepath.Join(o.cfg.ShmDir, "."+filepath.Base(o.SegmentPath(s))+".tmp-*"))
 		if o.cfg.Dir != "" {
 			globs = append(globs,
-				filepath.Join(o.cfg.Dir, "*", "."+ShardFile(s)+".tmp-*"),
-				filepath.Join(o.cfg.Dir, "*", "."+ShardManifestFile(s)+".tmp-*"))
+				filepath.Join(o.cfg.Dir, "*", "."+layout.ShardFile(s)+".tmp-*"),
+				filepath.Join(o.cfg.Dir, "*", "."+layout.ShardManifestFile(s)+".tmp-*"))
 		}
 	}
 	for _, g := range globs {
@@ -256,7 +258,7 @@ func (o *Owner) sweep() {
 	}
 }
 
-func (o *Owner) onCommit(m StepManifest, removed []int64) {
+func (o *Owner) onCommit(m layout.StepManifest, removed []int64) {
 	o.m.commits.Inc()
 	o.log.Info("ckpt: step committed", "step", m.Step, "shards", len(m.Shards), "dir", o.cfg.Dir, "retention_removed", removed)
 	if o.cfg.OnCommit != nil {
@@ -438,8 +440,8 @@ func (o *Owner) Run(ctx context.Context) error {
 // the half size. A node agent calls it when a writer that does not grow
 // segments itself (one outside Go) asks for room for a larger step.
 func (o *Owner) Grow(shard int, halfSize int64) (int64, error) {
-	if halfSize <= 0 || halfSize > maxHalfSize {
-		return 0, fmt.Errorf("ckpt: grow shard %d: half size %d, want 1..%d", shard, halfSize, int64(maxHalfSize))
+	if halfSize <= 0 || halfSize > layout.MaxHalfSize {
+		return 0, fmt.Errorf("ckpt: grow shard %d: half size %d, want 1..%d", shard, halfSize, int64(layout.MaxHalfSize))
 	}
 	o.ops.Lock()
 	defer o.ops.Unlock()
@@ -483,22 +485,22 @@ func (o *Owner) replicaTargets() []string {
 // says which); one committed with other content than memory's is an
 // error that keeps the committed one. It is what Run does when a writer
 // asks; call it directly to persist on a control-plane command.
-func (o *Owner) Persist(ctx context.Context, shard int) (ShardManifest, error) {
+func (o *Owner) Persist(ctx context.Context, shard int) (layout.ShardManifest, error) {
 	return o.persist(ctx, shard, -1)
 }
 
-func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardManifest, err error) {
+func (o *Owner) persist(ctx context.Context, shard int, step int64) (man layout.ShardManifest, err error) {
 	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	if o.cfg.Dir == "" {
-		return ShardManifest{}, errors.New("ckpt: persist: OwnerConfig.Dir is empty")
+		return layout.ShardManifest{}, errors.New("ckpt: persist: OwnerConfig.Dir is empty")
 	}
 	if err := o.acquire(); err != nil {
-		return ShardManifest{}, err
+		return layout.ShardManifest{}, err
 	}
 	defer o.ops.RUnlock()
 	seg, err := o.seg(shard)
 	if err != nil {
-		return ShardManifest{}, err
+		return layout.ShardManifest{}, err
 	}
 	mu, _ := o.persisting.LoadOrStore(shard, &sync.Mutex{})
 	mu.(*sync.Mutex).Lock()
@@ -508,7 +510,7 @@ func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardMa
 	defer func() {
 		if err != nil {
 			o.m.persistFailures.Inc()
-			if errors.Is(err, ErrCorrupt) {
+			if errors.Is(err, layout.ErrCorrupt) {
 				o.m.crcFailures.Inc()
 			}
 			span.RecordError(err)
@@ -532,7 +534,7 @@ func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardMa
 		case did == kept:
 			o.log.Info("ckpt: step committed already, with an intact disk copy: kept it", "shard", shard, "step", man.Step)
 		case did == rewritten:
-			o.log.Warn("ckpt: step committed already, with a damaged disk copy: wrote it again from memory", "shard", shard, "step", man.Step, "dir", StepDir(o.cfg.Dir, man.Step))
+			o.log.Warn("ckpt: step committed already, with a damaged disk copy: wrote it again from memory", "shard", shard, "step", man.Step, "dir", layout.StepDir(o.cfg.Dir, man.Step))
 		}
 		if err == nil {
 			done = true
@@ -547,7 +549,7 @@ func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardMa
 		if len(why) == 0 {
 			why = append(why, fmt.Errorf("no complete step %s", stepDesc(step)))
 		}
-		return ShardManifest{}, fmt.Errorf("ckpt: persist shard %d: %w", shard, errors.Join(why...))
+		return layout.ShardManifest{}, fmt.Errorf("ckpt: persist shard %d: %w", shard, errors.Join(why...))
 	}
 	span.SetAttributes(attribute.Int64("ckpt.step", man.Step), attribute.Int64("ckpt.bytes", man.Size))
 	o.m.persistSeconds.Observe(time.Since(start).Seconds())
@@ -625,7 +627,7 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 		for i := range 2 {
 			m, ok := seg.metaOK(i)
 			if !ok {
-				if st := seg.state(i); st != StateEmpty && st != StateWriting {
+				if st := seg.state(i); st != layout.StateEmpty && st != layout.StateWriting {
 					if err := seg.whyNot(i); err != nil {
 						passed = append(passed, fmt.Errorf("memory shard %d: %w", shard, err))
 					}
@@ -635,7 +637,7 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 			key, version := halfKey{shard, i}, halfVersion{seg.gen(i), m.Seq}
 			if v, ok := o.verified.Load(key); m.Sealed && (!ok || v != version) {
 				if err := verifyHalf(seg, i); err != nil {
-					if errors.Is(err, ErrCorrupt) {
+					if errors.Is(err, layout.ErrCorrupt) {
 						o.m.crcFailures.Inc()
 					}
 					passed = append(passed, fmt.Errorf("step %d: memory shard %d: %w", m.Step, shard, err))
@@ -687,7 +689,7 @@ type halfVersion struct{ gen, seq uint64 }
 // verifyHalf checks every CRC of half i, if it is sealed, without copying
 // it.
 func verifyHalf(seg *segment, i int) error {
-	return seg.read(i, false, func(m StepMeta, half []byte, _ func() error) error {
+	return seg.read(i, false, func(m layout.StepMeta, half []byte, _ func() error) error {
 		return checkBlobs(m, half)
 	})
 }
@@ -695,7 +697,7 @@ func verifyHalf(seg *segment, i int) error {
 // checkBlobs checks the CRC of every blob of a sealed m in half, in
 // parallel, and returns every mismatch, joined. An unsealed m has none to
 // check.
-func checkBlobs(m StepMeta, half []byte) error {
+func checkBlobs(m layout.StepMeta, half []byte) error {
 	if !m.Sealed {
 		return nil
 	}
@@ -749,7 +751,7 @@ func (o *Owner) sealHalf(ctx context.Context, seg *segment, i int, pause func())
 		return nil
 	}
 	if err != nil {
-		if errors.Is(err, ErrCorrupt) {
+		if errors.Is(err, layout.ErrCorrupt) {
 			o.m.crcFailures.Inc()
 		}
 		span.RecordError(err)
@@ -791,7 +793,7 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 	}
 	var errs []error
 	for _, p := range peers {
-		m, n, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (StepMeta, int64, error) {
+		m, n, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (layout.StepMeta, int64, error) {
 			return putReplica(conn, seg, c[0], o.cfg.IOTimeout)
 		})
 		o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
@@ -811,12 +813,12 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 }
 
 // withConn dials addr and runs f with a connection that ctx closes.
-func (o *Owner) withConn(ctx context.Context, addr string, f func(net.Conn) (StepMeta, int64, error)) (StepMeta, int64, error) {
+func (o *Owner) withConn(ctx context.Context, addr string, f func(net.Conn) (layout.StepMeta, int64, error)) (layout.StepMeta, int64, error) {
 	var d net.Dialer
 	d.Timeout = o.cfg.IOTimeout
 	conn, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
-		return StepMeta{}, 0, err
+		return layout.StepMeta{}, 0, err
 	}
 	defer conn.Close()
 	stop := context.AfterFunc(ctx, func() { conn.Close() })
@@ -886,7 +888,7 @@ func (o *Owner) handle(conn net.Conn) (err error) {
 		m, err := o.receiveReplica(br, slot, q.shard, q.metaLen)
 		if err != nil {
 			o.m.replicaFailures.Inc()
-			if errors.Is(err, ErrCorrupt) {
+			if errors.Is(err, layout.ErrCorrupt) {
 				o.m.crcFailures.Inc()
 			}
 			writeResp(c, err, nil)
@@ -960,7 +962,7 @@ func (o *Owner) replicaSeg(slot *replicaSlot, shard int) (*segment, error) {
 // that does not fit goes into a new, larger segment that replaces the old
 // one only once the step is complete, so a transfer cut short never costs
 // the previous copy.
-func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, shard, metaLen int) (StepMeta, error) {
+func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, shard, metaLen int) (layout.StepMeta, error) {
 	path := ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard)
 	next := path + ".next"
 	var fresh *segment
@@ -973,7 +975,7 @@ func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, shard, metaLen in
 			o.log.Warn("ckpt: replacing unreadable replica segment", "path", path, "err", err)
 		}
 		os.Remove(next) // a leftover of an earlier cut transfer
-		fresh, err = createSegment(next, shard, FlagReplica, max(need, o.cfg.Capacity))
+		fresh, err = createSegment(next, shard, layout.FlagReplica, max(need, o.cfg.Capacity))
 		return fresh, err
 	})
 	if fresh == nil {

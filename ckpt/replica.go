@@ -11,6 +11,8 @@ import (
 	"net"
 	"slices"
 	"time"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // The replica protocol, over one TCP connection per transfer, little-endian:
@@ -27,7 +29,7 @@ import (
 // short leaves the previous copy intact.
 const (
 	replicaMagic   = "FLRP"
-	replicaVersion = 2 // 1 sent the StepMeta of segment layout version 1
+	replicaVersion = 2 // 1 sent the layout.StepMeta of segment layout version 1
 	opPut          = 1
 	opGet          = 2
 	reqSize        = 24
@@ -62,7 +64,7 @@ func readReq(r io.Reader) (replicaReq, error) {
 	}
 	q := replicaReq{op: b[5], shard: int(binary.LittleEndian.Uint32(b[8:])),
 		metaLen: int(binary.LittleEndian.Uint32(b[12:])), step: int64(binary.LittleEndian.Uint64(b[16:]))}
-	if q.metaLen > maxMetaLen || q.shard >= MaxShards {
+	if q.metaLen > maxMetaLen || q.shard >= layout.MaxShards {
 		return replicaReq{}, formatErr(8, "request", "shard %d or meta length %d out of range", q.shard, q.metaLen)
 	}
 	return q, nil
@@ -127,10 +129,10 @@ func (c deadlineConn) Write(p []byte) (int, error) {
 // sendHalf writes the meta and blobs of the sealed half i of seg to w,
 // pinned, and verifies the CRCs of what it sent. head, if not nil, is
 // written first with the meta length.
-func sendHalf(w io.Writer, seg *segment, i int, head func(metaLen int) []byte) (StepMeta, int64, error) {
+func sendHalf(w io.Writer, seg *segment, i int, head func(metaLen int) []byte) (layout.StepMeta, int64, error) {
 	var sent int64
-	var meta StepMeta
-	err := seg.read(i, true, func(m StepMeta, half []byte, valid func() error) error {
+	var meta layout.StepMeta
+	err := seg.read(i, true, func(m layout.StepMeta, half []byte, valid func() error) error {
 		if !m.Sealed {
 			return fmt.Errorf("ckpt: step %d in %s half %d is not sealed", m.Step, seg.path, i)
 		}
@@ -166,31 +168,31 @@ func sendHalf(w io.Writer, seg *segment, i int, head func(metaLen int) []byte) (
 // a new save of the segment that open returns (given the half size the
 // step needs), checking every CRC before the save completes, which it
 // writes sealed.
-func recvHalf(r io.Reader, metaLen int, open func(need int64) (*segment, error)) (StepMeta, error) {
-	if metaLen < StepHeaderSize {
-		return StepMeta{}, formatErr(12, "meta length", "value %d is shorter than a step header", metaLen)
+func recvHalf(r io.Reader, metaLen int, open func(need int64) (*segment, error)) (layout.StepMeta, error) {
+	if metaLen < layout.StepHeaderSize {
+		return layout.StepMeta{}, formatErr(12, "meta length", "value %d is shorter than a step header", metaLen)
 	}
 	mb := make([]byte, metaLen)
 	if _, err := io.ReadFull(r, mb); err != nil {
-		return StepMeta{}, fmt.Errorf("read meta: %w", err)
+		return layout.StepMeta{}, fmt.Errorf("read meta: %w", err)
 	}
-	m, err := ParseStepMeta(mb, maxHalfSize)
+	m, err := layout.ParseStepMeta(mb, layout.MaxHalfSize)
 	if err != nil {
-		return StepMeta{}, err
+		return layout.StepMeta{}, err
 	}
 	if int(m.MetaSize()) != metaLen {
-		return StepMeta{}, formatErr(44, "table_size", "meta of %d bytes holds a table of %d and %d blobs", metaLen, m.TableSize(), len(m.Blobs))
+		return layout.StepMeta{}, formatErr(44, "table_size", "meta of %d bytes holds a table of %d and %d blobs", metaLen, m.TableSize(), len(m.Blobs))
 	}
 	if !m.Sealed {
-		return StepMeta{}, formatErr(offSeal, "seal", "the peer sent an unsealed step, whose CRCs are unknown")
+		return layout.StepMeta{}, formatErr(layout.OffSeal, "seal", "the peer sent an unsealed step, whose CRCs are unknown")
 	}
 	seg, err := open(m.End())
 	if err != nil {
-		return StepMeta{}, err
+		return layout.StepMeta{}, err
 	}
 	hw, err := seg.begin(m)
 	if err != nil {
-		return StepMeta{}, err
+		return layout.StepMeta{}, err
 	}
 	crcs := make([]uint32, len(m.Blobs))
 	for k := range m.Blobs {
@@ -198,19 +200,19 @@ func recvHalf(r io.Reader, metaLen int, open func(need int64) (*segment, error))
 		for o := 0; o < len(dst); o += fuseChunk {
 			e := min(o+fuseChunk, len(dst))
 			if _, err := io.ReadFull(r, dst[o:e]); err != nil {
-				return StepMeta{}, fmt.Errorf("blob %q at byte %d of %d: %w", m.Blobs[k].Name, o, len(dst), err)
+				return layout.StepMeta{}, fmt.Errorf("blob %q at byte %d of %d: %w", m.Blobs[k].Name, o, len(dst), err)
 			}
 			crcs[k] = crc32.Update(crcs[k], castagnoli, dst[o:e])
 		}
 		if crcs[k] != m.Blobs[k].CRC32C {
-			return StepMeta{}, crcMismatch(k, m.Blobs[k], crcs[k])
+			return layout.StepMeta{}, crcMismatch(k, m.Blobs[k], crcs[k])
 		}
 	}
 	return m, hw.commit(crcs)
 }
 
 // putReplica sends half i of seg to the replica server at addr.
-func putReplica(conn net.Conn, seg *segment, i int, timeout time.Duration) (StepMeta, int64, error) {
+func putReplica(conn net.Conn, seg *segment, i int, timeout time.Duration) (layout.StepMeta, int64, error) {
 	c := deadlineConn{conn, timeout}
 	bw := bufio.NewWriterSize(c, 1<<20)
 	m, n, err := sendHalf(bw, seg, i, func(metaLen int) []byte {
@@ -230,22 +232,22 @@ func putReplica(conn net.Conn, seg *segment, i int, timeout time.Duration) (Step
 
 // getReplica asks the server at conn for its copy of shard at step (-1:
 // newest) and writes it into the segment open returns.
-func getReplica(conn net.Conn, shard int, step int64, timeout time.Duration, open func(need int64) (*segment, error)) (StepMeta, error) {
+func getReplica(conn net.Conn, shard int, step int64, timeout time.Duration, open func(need int64) (*segment, error)) (layout.StepMeta, error) {
 	c := deadlineConn{conn, timeout}
 	if _, err := c.Write(replicaReq{op: opGet, shard: shard, step: step}.marshal()); err != nil {
-		return StepMeta{}, err
+		return layout.StepMeta{}, err
 	}
 	br := bufio.NewReaderSize(c, 1<<20)
 	n, err := readResp(br)
 	if err != nil {
-		return StepMeta{}, err
+		return layout.StepMeta{}, err
 	}
 	m, err := recvHalf(br, n, open)
 	if err != nil {
-		return StepMeta{}, err
+		return layout.StepMeta{}, err
 	}
 	if m.Step != step && step >= 0 {
-		return StepMeta{}, fmt.Errorf("peer sent step %d, asked for %d", m.Step, step)
+		return layout.StepMeta{}, fmt.Errorf("peer sent step %d, asked for %d", m.Step, step)
 	}
 	return m, nil
 }

@@ -1,4 +1,4 @@
-package ckpt
+package layout
 
 import (
 	"bytes"
@@ -6,8 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"path/filepath"
 	"strconv"
 )
+
+// StepDir is the directory of a step in the disk tier: dir/<step>.
+func StepDir(dir string, step int64) string {
+	return filepath.Join(dir, strconv.FormatInt(step, 10))
+}
 
 // Names of the files of the disk tier.
 const (
