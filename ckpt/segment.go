@@ -7,7 +7,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -313,7 +312,7 @@ func (s *segment) unsealed() bool {
 // badSave is the error of a save whose blobs are bad input from the
 // caller, not corrupt data: it does not wrap layout.ErrCorrupt.
 func badSave(meta layout.StepMeta, err error) error {
-	return fmt.Errorf("ckpt: save step %d: %s", meta.Step, strings.TrimPrefix(err.Error(), "ckpt: "))
+	return fmt.Errorf("ckpt: save step %d: %v", meta.Step, err)
 }
 
 // halfWriter is a save in progress into one half.
@@ -409,7 +408,7 @@ type halfError struct {
 }
 
 func (e *halfError) Error() string {
-	return fmt.Sprintf("ckpt: %s half %d: %s", e.path, e.half, strings.TrimPrefix(e.err.Error(), "ckpt: "))
+	return fmt.Sprintf("ckpt: %s half %d: %v", e.path, e.half, e.err)
 }
 
 func (e *halfError) Unwrap() error { return e.err }
@@ -438,7 +437,7 @@ func (s *segment) read(i int, pin bool, fn func(m layout.StepMeta, half []byte, 
 	}
 	valid := func() error {
 		if s.state(i) != layout.StateComplete || s.gen(i) != g {
-			return &halfError{s.path, i, ErrSuperseded}
+			return fmt.Errorf("%w: %s half %d", ErrSuperseded, s.path, i)
 		}
 		return nil
 	}
