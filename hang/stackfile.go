@@ -138,26 +138,34 @@ func (e *ParseError) Unwrap() error {
 
 // Validate reports what would make d unfit for a stack file.
 func (d *Dump) Validate() error {
+	if why := d.invalid(); why != "" {
+		return errors.New("hang: dump: " + why)
+	}
+	return nil
+}
+
+// invalid says what Validate finds wrong, "" for nothing.
+func (d *Dump) invalid() string {
 	switch {
 	case d.World < 1 || d.World > maxRank:
 		// Above maxRank, FileName would write a name ParseFileName rejects.
-		return fmt.Errorf("hang: dump: World %d: must be in [1, %d]", d.World, maxRank)
+		return fmt.Sprintf("World %d: must be in [1, %d]", d.World, maxRank)
 	case d.Rank < 0 || d.Rank >= d.World:
-		return fmt.Errorf("hang: dump: Rank %d: must be in [0, %d)", d.Rank, d.World)
+		return fmt.Sprintf("Rank %d: must be in [0, %d)", d.Rank, d.World)
 	case d.Pid < 0:
-		return fmt.Errorf("hang: dump: Pid %d: must not be negative", d.Pid)
+		return fmt.Sprintf("Pid %d: must not be negative", d.Pid)
 	}
 	for i, t := range d.Threads {
 		if !isToken(string(t.Kind)) {
-			return fmt.Errorf("hang: dump: Threads[%d].Kind %q: must be lower-case letters, digits or _", i, t.Kind)
+			return fmt.Sprintf("Threads[%d].Kind %q: must be lower-case letters, digits or _", i, t.Kind)
 		}
 		for j, f := range t.Frames {
 			if f.Line < 0 {
-				return fmt.Errorf("hang: dump: Threads[%d].Frames[%d].Line %d: must not be negative", i, j, f.Line)
+				return fmt.Sprintf("Threads[%d].Frames[%d].Line %d: must not be negative", i, j, f.Line)
 			}
 		}
 	}
-	return nil
+	return ""
 }
 
 // Marshal returns d in the stack-file format (see the package
@@ -350,8 +358,8 @@ func (p *dumpParser) parse() (*Dump, error) {
 			if d.Rank < 0 || d.World < 0 {
 				return nil, p.fail("rank and world lines are required")
 			}
-			if err := d.Validate(); err != nil {
-				return nil, p.fail("%s", strings.TrimPrefix(err.Error(), "hang: dump: "))
+			if why := d.invalid(); why != "" {
+				return nil, p.fail("%s", why)
 			}
 			if rest := bytes.TrimSpace(p.data); len(rest) > 0 {
 				p.line++
