@@ -16,7 +16,7 @@ import (
 // InspectSegment maps the segment at path read-only and checks both
 // halves, every CRC of a sealed step included. It does not disturb a
 // writer or an owner, and seals nothing.
-func InspectSegment(path string) (_ layout.SegmentReport, err error) {
+func InspectSegment(path string) (rep layout.SegmentReport, err error) {
 	seg, err := openSegment(path, true)
 	if err != nil {
 		return layout.SegmentReport{}, err
@@ -205,7 +205,7 @@ func Verify(dir string, paths ...string) error {
 // any over. A step not sealed yet is loaded Unverified. It reads segments
 // of layout version 1 too. The error wraps ErrNoStep and says why each
 // half was refused.
-func LoadSegment(path string) (_ *Checkpoint, err error) {
+func LoadSegment(path string) (ck *Checkpoint, err error) {
 	seg, err := openSegment(path, true)
 	if err != nil {
 		return nil, err
@@ -229,7 +229,7 @@ func LoadSegment(path string) (_ *Checkpoint, err error) {
 // which tier served and why each newer step was passed over; the error
 // wraps ErrNoStep when no tier holds an intact step. For several shards
 // of a job, load each at CommonStep.
-func LoadShard(path, dir string, shard int, step int64) (_ *Checkpoint, rep LoadReport, err error) {
+func LoadShard(path, dir string, shard int, step int64) (ck *Checkpoint, rep LoadReport, err error) {
 	rep = LoadReport{Shard: shard, Step: -1}
 	mem := tierSteps{none: errors.New("no segment given")}
 	if path != "" {
@@ -328,7 +328,7 @@ func (t tierSteps) only(step int64) tierSteps {
 // it reads: the step a job's shards load together, so that none restores
 // a step the others cannot match. The reasons each newer step was passed
 // over come back with it, or in the error, which then wraps ErrNoStep.
-func CommonStep(dir string, segments map[int]string) (_ int64, why []error, err error) {
+func CommonStep(dir string, segments map[int]string) (common int64, why []error, err error) {
 	if len(segments) == 0 {
 		return -1, nil, errors.New("ckpt: CommonStep: no shards")
 	}
