@@ -14,8 +14,9 @@ import (
 // A trainer times its collectives; the watchdog reports a hang after the
 // learned timeout and writes this process's stacks to DumpDir.
 func Example() {
+	var faults []hang.Fault // written by Run's goroutine, read once it returned
 	w, err := hang.New(hang.Config{Rank: 3, World: 8, DumpDir: os.TempDir(), LearnTimeouts: true,
-		OnFault: func(f hang.Fault) { log.Print(f) }})
+		OnFault: func(f hang.Fault) { faults = append(faults, f) }})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -30,7 +31,9 @@ func Example() {
 		t.End()
 	}
 	cancel()
-	<-done
+	fmt.Println(<-done, len(faults), "faults")
+	// Output:
+	// context canceled 0 faults
 }
 
 func ExampleWatchdog_Check() {
