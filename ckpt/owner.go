@@ -1,6 +1,7 @@
 package ckpt
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -117,24 +118,14 @@ func (c OwnerConfig) Validate() error {
 }
 
 func (c OwnerConfig) withDefaults() OwnerConfig {
-	if c.ShmDir == "" {
-		c.ShmDir = "/dev/shm"
-	}
-	if c.Name == "" {
-		c.Name = "faultline-ckpt"
-	}
+	c.ShmDir = cmp.Or(c.ShmDir, "/dev/shm")
+	c.Name = cmp.Or(c.Name, "faultline-ckpt")
 	if c.NumShards == 0 {
 		c.NumShards = slices.Max(c.Shards) + 1
 	}
-	if c.PollInterval == 0 {
-		c.PollInterval = 100 * time.Millisecond
-	}
-	if c.Replicas == 0 {
-		c.Replicas = 1
-	}
-	if c.IOTimeout == 0 {
-		c.IOTimeout = 30 * time.Second
-	}
+	c.PollInterval = cmp.Or(c.PollInterval, 100*time.Millisecond)
+	c.Replicas = cmp.Or(c.Replicas, 1)
+	c.IOTimeout = cmp.Or(c.IOTimeout, 30*time.Second)
 	return c
 }
 

@@ -1,6 +1,7 @@
 package hang
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -104,10 +105,7 @@ type Config struct {
 
 // Validate reports the first field that is out of range, by name.
 func (c Config) Validate() error {
-	world := c.World
-	if world == 0 {
-		world = 1
-	}
+	world := cmp.Or(c.World, 1)
 	switch {
 	case c.World < 0 || c.World > maxRank:
 		return fmt.Errorf("hang: Config.World %d: must be in [0, %d]", c.World, maxRank)
@@ -143,36 +141,16 @@ func (c Config) Validate() error {
 
 // withDefaults returns c with zero fields set to their defaults.
 func (c Config) withDefaults() Config {
-	if c.World == 0 {
-		c.World = 1
-	}
-	if c.Timeout == 0 {
-		c.Timeout = DefaultTimeout
-	}
-	if c.LearnFactor == 0 {
-		c.LearnFactor = DefaultLearnFactor
-	}
-	if c.LearnFloor == 0 {
-		c.LearnFloor = DefaultLearnFloor
-	}
-	if c.LearnMinSamples == 0 {
-		c.LearnMinSamples = DefaultLearnMinSamples
-	}
-	if c.LearnWindow == 0 {
-		c.LearnWindow = DefaultLearnWindow
-	}
+	c.World = cmp.Or(c.World, 1)
+	c.Timeout = cmp.Or(c.Timeout, DefaultTimeout)
+	c.LearnFactor = cmp.Or(c.LearnFactor, DefaultLearnFactor)
+	c.LearnFloor = cmp.Or(c.LearnFloor, DefaultLearnFloor)
+	c.LearnMinSamples = cmp.Or(c.LearnMinSamples, DefaultLearnMinSamples)
+	c.LearnWindow = cmp.Or(c.LearnWindow, DefaultLearnWindow)
 	c.LearnMinSamples = min(c.LearnMinSamples, c.LearnWindow)
-	if c.HeartbeatTimeout == 0 {
-		c.HeartbeatTimeout = DefaultHeartbeatTimeout
-	}
-	if c.Tick == 0 {
-		c.Tick = DefaultTick
-	}
-	if c.CaptureTimeout == 0 {
-		c.CaptureTimeout = DefaultCaptureTimeout
-	}
-	if c.StopSignal == 0 {
-		c.StopSignal = syscall.SIGKILL
-	}
+	c.HeartbeatTimeout = cmp.Or(c.HeartbeatTimeout, DefaultHeartbeatTimeout)
+	c.Tick = cmp.Or(c.Tick, DefaultTick)
+	c.CaptureTimeout = cmp.Or(c.CaptureTimeout, DefaultCaptureTimeout)
+	c.StopSignal = cmp.Or(c.StopSignal, syscall.SIGKILL)
 	return c
 }

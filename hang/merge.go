@@ -318,10 +318,7 @@ func (mg *merger) add(d *Dump, source string) {
 		mg.problem(fmt.Errorf("hang: %s: rank %d: %s", source, d.Rank, msg))
 		return
 	}
-	state := d.State
-	if state == "" {
-		state = "unknown"
-	}
+	state := cmp.Or(d.State, "unknown")
 	if state != mg.lastState {
 		mg.lastState, mg.lastStateLabel = state, "State@"+state
 	}

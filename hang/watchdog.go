@@ -1,6 +1,7 @@
 package hang
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -101,13 +102,8 @@ func New(cfg Config) (*Watchdog, error) {
 		w.clock = time.Now
 	}
 	w.base = w.clock()
-	if w.log == nil {
-		w.log = slog.New(slog.DiscardHandler)
-	}
-	tp := cfg.TracerProvider
-	if tp == nil {
-		tp = noop.NewTracerProvider()
-	}
+	w.log = cmp.Or(w.log, slog.New(slog.DiscardHandler))
+	tp := cmp.Or(cfg.TracerProvider, trace.TracerProvider(noop.NewTracerProvider()))
 	w.tracer = tp.Tracer(instrumentation)
 	met, err := newMetrics(cfg.Registerer, cfg.Rank, func() float64 {
 		w.mu.Lock()

@@ -15,6 +15,7 @@ static const char *fl_pp_strerror(void *fn, int code) { return ((const char *(*)
 import "C"
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"math"
@@ -50,9 +51,7 @@ func OpenPairProbe(cfg PairProbeConfig) (*PairProbe, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.Bytes == 0 {
-		cfg.Bytes = DefaultPairProbeBytes
-	}
+	cfg.Bytes = cmp.Or(cfg.Bytes, DefaultPairProbeBytes)
 	lib, err := openLibrary(cfg.Library, false)
 	if err != nil {
 		return nil, err

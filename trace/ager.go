@@ -145,27 +145,13 @@ func NewAger(cfg AgerConfig) (*Ager, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.Root == "" {
-		cfg.Root = DefaultRoot
-	}
-	if cfg.BudgetBytes == 0 {
-		cfg.BudgetBytes = DefaultBudgetBytes
-	}
-	if cfg.Interval == 0 {
-		cfg.Interval = DefaultAgeInterval
-	}
-	if cfg.FullScanInterval == 0 {
-		cfg.FullScanInterval = DefaultFullScanInterval
-	}
-	if cfg.DeleteFraction == 0 {
-		cfg.DeleteFraction = DefaultDeleteFraction
-	}
-	if cfg.KeepPerRank == 0 {
-		cfg.KeepPerRank = DefaultKeepPerRank
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
-	}
+	cfg.Root = cmp.Or(cfg.Root, DefaultRoot)
+	cfg.BudgetBytes = cmp.Or(cfg.BudgetBytes, DefaultBudgetBytes)
+	cfg.Interval = cmp.Or(cfg.Interval, DefaultAgeInterval)
+	cfg.FullScanInterval = cmp.Or(cfg.FullScanInterval, DefaultFullScanInterval)
+	cfg.DeleteFraction = cmp.Or(cfg.DeleteFraction, DefaultDeleteFraction)
+	cfg.KeepPerRank = cmp.Or(cfg.KeepPerRank, DefaultKeepPerRank)
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 	a := &Ager{cfg: cfg, jobs: map[string]*jobIndex{}, closing: make(chan struct{})}
 	a.metrics = promreg.New(cfg.Registerer, "trace: AgerConfig.Registerer")
 	f := promauto.With(a.metrics)

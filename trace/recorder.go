@@ -1,6 +1,7 @@
 package trace
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -124,15 +125,9 @@ func NewRecorder(cfg RecorderConfig) (*Recorder, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.FlushInterval == 0 {
-		cfg.FlushInterval = defaultFlushInterval
-	}
-	if cfg.BufferRecords == 0 {
-		cfg.BufferRecords = DefaultBufferRecords
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
-	}
+	cfg.FlushInterval = cmp.Or(cfg.FlushInterval, defaultFlushInterval)
+	cfg.BufferRecords = cmp.Or(cfg.BufferRecords, DefaultBufferRecords)
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 	w, err := newFileWriter(cfg.writerConfig())
 	if err != nil {
 		return nil, err

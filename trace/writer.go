@@ -2,6 +2,7 @@ package trace
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -54,24 +55,16 @@ func (c fileWriterConfig) Validate() error {
 }
 
 func (c *fileWriterConfig) setDefaults() {
-	if c.Root == "" {
-		c.Root = DefaultRoot
-	}
-	if c.MaxFileBytes == 0 {
-		c.MaxFileBytes = defaultMaxFileBytes
-	}
-	if c.BufferBytes == 0 {
-		c.BufferBytes = defaultBufferBytes
-	}
+	c.Root = cmp.Or(c.Root, DefaultRoot)
+	c.MaxFileBytes = cmp.Or(c.MaxFileBytes, defaultMaxFileBytes)
+	c.BufferBytes = cmp.Or(c.BufferBytes, defaultBufferBytes)
 	if c.BufferBytes < 4<<10 {
 		c.BufferBytes = 4 << 10
 	}
 	if c.Now == nil {
 		c.Now = time.Now
 	}
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 }
 
 // DomainCounts counts records per marker domain. Records of a domain other

@@ -1,6 +1,7 @@
 package slownode
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -175,9 +176,7 @@ type source struct {
 }
 
 func newSource(jobDir string, cfg Config) (*source, error) {
-	if cfg.JobID == "" {
-		cfg.JobID = filepath.Base(filepath.Clean(jobDir))
-	}
+	cfg.JobID = cmp.Or(cfg.JobID, filepath.Base(filepath.Clean(jobDir)))
 	d, err := New(cfg)
 	if err != nil {
 		return nil, err
@@ -191,13 +190,8 @@ func newSource(jobDir string, cfg Config) (*source, error) {
 	}
 	s := &source{dir: jobDir, d: d, byRank: map[int]*rankSource{}, log: cfg.Logger, prog: cfg.Progress,
 		metrics: newMetrics(), reg: promreg.New(cfg.Registerer, "slownode: Config.Registerer"), readers: d.cfg.Readers, bufs: trace.NewBufferPool(readBufferBytes)}
-	if s.log == nil {
-		s.log = slog.New(slog.DiscardHandler)
-	}
-	tp := cfg.TracerProvider
-	if tp == nil {
-		tp = noop.NewTracerProvider()
-	}
+	s.log = cmp.Or(s.log, slog.New(slog.DiscardHandler))
+	tp := cmp.Or(cfg.TracerProvider, oteltrace.TracerProvider(noop.NewTracerProvider()))
 	s.tracer = tp.Tracer("github.com/faultline-ml/faultline/trace/slownode")
 	s.reg.MustRegister(s.metrics)
 	if err := s.reg.Err(); err != nil {
