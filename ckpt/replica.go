@@ -331,7 +331,7 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 	}
 	c := seg.newest()
 	if len(c) == 0 {
-		return fmt.Errorf("ckpt: replicate shard %d: %w in memory", shard, ErrNoStep)
+		return fmt.Errorf("%w in memory to replicate shard %d", ErrNoStep, shard)
 	}
 	ctx, span := o.tracer.Start(ctx, "ckpt.Replicate", trace.WithAttributes(attribute.Int("ckpt.shard", shard)))
 	defer span.End()

@@ -329,7 +329,7 @@ func (w *Writer) Persist(step int64) (err error) {
 	}
 	c := w.seg.newest()
 	if len(c) == 0 {
-		return fmt.Errorf("ckpt: persist step %d: %w in %s", step, ErrNoStep, w.cfg.Path)
+		return fmt.Errorf("%w in %s to persist step %d", ErrNoStep, w.cfg.Path, step)
 	}
 	m, _ := w.seg.metaOK(c[0])
 	if m.Step != step {

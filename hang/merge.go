@@ -142,7 +142,7 @@ func appendFileLine(b []byte, f Frame) []byte {
 }
 
 // ErrNoStacks is returned by MergeDir for a folder without stack files.
-var ErrNoStacks = errors.New("no stack files")
+var ErrNoStacks = errors.New("hang: no stack files")
 
 // Merge folds the dumps of many ranks into one tree per kind. When two
 // dumps give the same rank stacks of the same kind, the first in rank
@@ -209,7 +209,7 @@ func MergeDir(dir string, cfg MergeConfig) (*Merged, error) {
 		}
 	}
 	if len(stackFiles)+len(pyspyFiles) == 0 {
-		return nil, fmt.Errorf("hang: merge %s: %w (want %s or py-spy JSON files named by rank)", dir, ErrNoStacks, FileName(0, 8))
+		return nil, fmt.Errorf("%w in %s (want %s or py-spy JSON files named by rank)", ErrNoStacks, dir, FileName(0, 8))
 	}
 	world := cfg.World
 	if world == 0 {

@@ -420,7 +420,7 @@ func TestMergeBadInput(t *testing.T) {
 		"00004-00008.stacktrace: world 8 disagrees with the job's 6",
 		"100000 frames; 98976 in the middle elided",
 		"9.json: rank 9 outside the job's world of 6",
-		"rank-1.json: hang: py-spy json",
+		"rank-1.json: hang: malformed stack file: py-spy json",
 	} {
 		if !slices.ContainsFunc(problems, func(p string) bool { return strings.Contains(p, want) }) {
 			t.Errorf("no problem saying %q in:\n%s", want, strings.Join(problems, "\n"))

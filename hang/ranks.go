@@ -218,7 +218,7 @@ func (r *Ranks) UnmarshalText(b []byte) error {
 }
 
 // ErrRanks is wrapped by every error ParseRanks returns.
-var ErrRanks = errors.New("invalid rank set")
+var ErrRanks = errors.New("hang: invalid rank set")
 
 // maxRank bounds a rank in text so that a hostile "0-999999999999" cannot
 // overflow or make All loop for ever.

@@ -97,11 +97,11 @@ const fileMagic = "faultline-stacktrace"
 const MaxFileBytes = 256 << 20
 
 // ErrFormat is wrapped by every error ParseDump returns.
-var ErrFormat = errors.New("malformed stack file")
+var ErrFormat = errors.New("hang: malformed stack file")
 
 // ErrTruncated is wrapped by the error for a stack file that lacks its
 // closing "end" line, or whose counts disagree with it: a dump cut short.
-var ErrTruncated = errors.New("stack file truncated")
+var ErrTruncated = errors.New("hang: stack file truncated")
 
 // ParseError says where a stack file is malformed.
 type ParseError struct {

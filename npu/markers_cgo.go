@@ -150,7 +150,7 @@ func OpenMarkers(cfg MarkerConfig) (*MarkerSource, error) {
 	s.handle = cgo.NewHandle(s)
 	if C.fl_marker_claim(C.uintptr_t(s.handle)) == 0 {
 		s.handle.Delete()
-		return nil, fmt.Errorf("npu: open markers from %s: %w", cfg.Library, ErrBusy)
+		return nil, fmt.Errorf("%w: open markers from %s", ErrBusy, cfg.Library)
 	}
 	s.reader = (*C.fl_reader)(C.calloc(1, C.sizeof_fl_reader))
 	s.reader.getnext = s.fn.getNext

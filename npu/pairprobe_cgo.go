@@ -83,7 +83,7 @@ func OpenPairProbe(cfg PairProbeConfig) (*PairProbe, error) {
 	p.devices = int(C.fl_pp_void(p.fn.count))
 	if p.devices <= 0 {
 		p.close()
-		return nil, fmt.Errorf("npu: %s: the library reports no device: %w", cfg.Library, ErrNoDevice)
+		return nil, fmt.Errorf("%w: %s: the library reports none", ErrNoDevice, cfg.Library)
 	}
 	return p, nil
 }
@@ -114,7 +114,7 @@ func (p *PairProbe) Devices() int { return p.devices }
 // checked before it starts.
 func (p *PairProbe) Probe(ctx context.Context, a, b int) (float64, error) {
 	if a < 0 || b < 0 || a >= p.devices || b >= p.devices {
-		return 0, fmt.Errorf("npu: pair probe %d->%d: devices are 0..%d: %w", a, b, p.devices-1, ErrNoDevice)
+		return 0, fmt.Errorf("%w: pair probe %d->%d: devices are 0..%d", ErrNoDevice, a, b, p.devices-1)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -28,7 +28,7 @@ type Topology struct {
 
 // ErrInvalid is wrapped by every error that reports bad input: a
 // node-topology-config, a rank table or a host mapping.
-var ErrInvalid = errors.New("invalid input")
+var ErrInvalid = errors.New("topology: invalid input")
 
 // ParseError says where and why input was rejected.
 type ParseError struct {

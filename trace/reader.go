@@ -16,8 +16,8 @@ import (
 
 // Errors a LineError may wrap besides a *RecordError.
 var (
-	ErrLineTooLong   = errors.New("line longer than MaxLineBytes")
-	ErrTruncatedLine = errors.New("incomplete last line of a finished file")
+	ErrLineTooLong   = errors.New("trace: line longer than MaxLineBytes")
+	ErrTruncatedLine = errors.New("trace: incomplete last line of a finished file")
 )
 
 // LineError says which line of which file a reader skipped, and why.
@@ -122,7 +122,7 @@ func OpenRankReader(dir string, cfg ReaderConfig) (*RankReader, error) {
 // dirError is the error of opening the rank folder dir with O_NOFOLLOW.
 func dirError(dir string, err error) error {
 	if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
-		return fmt.Errorf("trace: %s is not a folder (a symlink or a file): %w", dir, ErrPath)
+		return fmt.Errorf("%w: %s is not a folder (a symlink or a file)", ErrPath, dir)
 	}
 	return fmt.Errorf("trace: open rank folder: %w", &os.PathError{Op: "open", Path: dir, Err: err})
 }

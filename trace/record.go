@@ -133,7 +133,7 @@ func (r *Record) UnmarshalJSON(data []byte) error {
 }
 
 // ErrRecord is wrapped by every error ParseRecord returns.
-var ErrRecord = errors.New("invalid record")
+var ErrRecord = errors.New("trace: invalid record")
 
 // RecordError says what is wrong with a record line.
 type RecordError struct {

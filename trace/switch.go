@@ -28,7 +28,7 @@ func AllOn() Switch {
 }
 
 // ErrSwitch is wrapped by every error ParseSwitch returns.
-var ErrSwitch = errors.New("invalid profiling switch")
+var ErrSwitch = errors.New("trace: invalid profiling switch")
 
 // SwitchError says what is wrong with a switch document.
 type SwitchError struct {

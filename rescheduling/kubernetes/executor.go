@@ -197,7 +197,7 @@ func (e *Executor) RecreatePods(ctx context.Context, d rescheduling.Decision) er
 	if !e.cfg.AnyPod {
 		for _, p := range pods {
 			if p.Labels[PodReschedulingLabel] != PodReschedulingOn {
-				return fmt.Errorf("kubernetes: pod %s/%s: %w", p.Namespace, p.Name, ErrPodReschedulingOff)
+				return fmt.Errorf("%w: pod %s/%s", ErrPodReschedulingOff, p.Namespace, p.Name)
 			}
 		}
 	}

@@ -137,31 +137,31 @@ func (h *History) Job(s Series) []Point { return seriesOf(h.job, s) }
 func (h *History) Rank(rank int, s Series) []Point { return seriesOf(h.ranks[rank], s) }
 
 // ErrResult is wrapped by the errors of ParseResult.
-var ErrResult = errors.New("invalid slow-node result")
+var ErrResult = errors.New("slownode: invalid slow-node result")
 
 // ParseResult parses a result in its JSON form. Unknown fields are
 // ignored; the MindCluster fields must be present with the right types.
 func ParseResult(data []byte) (*Result, error) {
 	var raw map[string]json.RawMessage
 	if err := json.Unmarshal(data, &raw); err != nil {
-		return nil, fmt.Errorf("slownode: result: %v: %w", err, ErrResult)
+		return nil, fmt.Errorf("%w: %v", ErrResult, err)
 	}
 	for _, f := range []string{"isSlow", "degradationLevel", "slowCalculateRanks", "slowCommunicationDomains",
 		"slowHostNodes", "slowIORanks", "slowCommunicationRanks"} {
 		if _, ok := raw[f]; !ok {
-			return nil, fmt.Errorf("slownode: result: field %q missing: %w", f, ErrResult)
+			return nil, fmt.Errorf("%w: field %q missing", ErrResult, f)
 		}
 	}
 	var r Result
 	if err := json.Unmarshal(data, &r); err != nil {
 		var te *json.UnmarshalTypeError
 		if errors.As(err, &te) {
-			return nil, fmt.Errorf("slownode: result: field %q: %s is not a %s: %w", te.Field, te.Value, te.Type, ErrResult)
+			return nil, fmt.Errorf("%w: field %q: %s is not a %s", ErrResult, te.Field, te.Value, te.Type)
 		}
-		return nil, fmt.Errorf("slownode: result: %v: %w", err, ErrResult)
+		return nil, fmt.Errorf("%w: %v", ErrResult, err)
 	}
 	if r.IsSlow != 0 && r.IsSlow != 1 {
-		return nil, fmt.Errorf("slownode: result: field \"isSlow\": %d is neither 0 nor 1: %w", r.IsSlow, ErrResult)
+		return nil, fmt.Errorf("%w: field \"isSlow\": %d is neither 0 nor 1", ErrResult, r.IsSlow)
 	}
 	return &r, nil
 }

@@ -26,7 +26,7 @@ import (
 )
 
 // ErrNoRanks is returned by Analyze for a job folder with no rank folder.
-var ErrNoRanks = errors.New("no rank folders")
+var ErrNoRanks = errors.New("slownode: no rank folders")
 
 // chunkSteps is how far one rank is read ahead of the slowest before the
 // others get their turn, so that a finished job's files, read one after
@@ -73,7 +73,7 @@ func Analyze(ctx context.Context, jobDir string, cfg Config) (*Result, error) {
 		return nil, err
 	}
 	if len(s.ranks) == 0 {
-		return nil, fmt.Errorf("slownode: %s: %w", jobDir, ErrNoRanks)
+		return nil, fmt.Errorf("%w in %s", ErrNoRanks, jobDir)
 	}
 	s.d.Flush()
 	r := s.result()
