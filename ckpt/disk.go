@@ -487,13 +487,13 @@ func checkDiskShard(dir string, step int64, shard int) (layout.ShardManifest, er
 		return layout.ShardManifest{}, withFile(err, cname)
 	}
 	if sm.Step != step {
-		return layout.ShardManifest{}, &layout.FormatError{File: cname, Offset: -1, Field: "step", Msg: fmt.Sprintf("value %d in the directory of step %d", sm.Step, step)}
+		return layout.ShardManifest{}, &layout.ParseError{File: cname, Offset: -1, Field: "step", Msg: fmt.Sprintf("value %d in the directory of step %d", sm.Step, step)}
 	}
 	if shard < 0 {
 		return layout.ShardManifest{}, fmt.Errorf("ckpt: load step %d from %s: shard %d is negative", step, dir, shard)
 	}
 	if shard >= len(sm.Shards) {
-		return layout.ShardManifest{}, &layout.FormatError{File: cname, Offset: -1, Field: "num_shards", Msg: fmt.Sprintf("value %d has no shard %d", len(sm.Shards), shard)}
+		return layout.ShardManifest{}, &layout.ParseError{File: cname, Offset: -1, Field: "num_shards", Msg: fmt.Sprintf("value %d has no shard %d", len(sm.Shards), shard)}
 	}
 	ref := sm.Shards[shard]
 	mname := filepath.Join(stepDir, layout.ShardManifestFile(shard))
@@ -502,14 +502,14 @@ func checkDiskShard(dir string, step int64, shard int) (layout.ShardManifest, er
 		return layout.ShardManifest{}, err
 	}
 	if c := layout.CRC32C(mb); c != ref.ManifestCRC32C {
-		return layout.ShardManifest{}, &layout.FormatError{File: mname, Offset: -1, Msg: fmt.Sprintf("CRC32C %#08x, %s says %#08x", c, layout.CommitFile, ref.ManifestCRC32C)}
+		return layout.ShardManifest{}, &layout.ParseError{File: mname, Offset: -1, Msg: fmt.Sprintf("CRC32C %#08x, %s says %#08x", c, layout.CommitFile, ref.ManifestCRC32C)}
 	}
 	man, err := layout.ParseShardManifest(mb)
 	if err != nil {
 		return layout.ShardManifest{}, withFile(err, mname)
 	}
 	if man.Step != step || man.Shard != shard || man.Size != ref.Size {
-		return layout.ShardManifest{}, &layout.FormatError{File: mname, Offset: -1,
+		return layout.ShardManifest{}, &layout.ParseError{File: mname, Offset: -1,
 			Msg: fmt.Sprintf("step %d shard %d size %d, want %d, %d, %d", man.Step, man.Shard, man.Size, step, shard, ref.Size)}
 	}
 	return man, nil
@@ -533,7 +533,7 @@ func scanShardFile(name string, man layout.ShardManifest, verifyOnly bool) (*Che
 		return nil, err
 	}
 	if fi.Size() != man.Size {
-		return nil, &layout.FormatError{File: name, Offset: -1, Field: "size", Msg: fmt.Sprintf("file is %d bytes, manifest says %d (truncated?)", fi.Size(), man.Size)}
+		return nil, &layout.ParseError{File: name, Offset: -1, Field: "size", Msg: fmt.Sprintf("file is %d bytes, manifest says %d (truncated?)", fi.Size(), man.Size)}
 	}
 	ck := &Checkpoint{Step: man.Step, Blobs: make([]Blob, len(man.Blobs))}
 	for k, e := range man.Blobs {

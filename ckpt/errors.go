@@ -7,14 +7,14 @@ import (
 	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
-func formatErr(off int64, field, format string, args ...any) *layout.FormatError {
-	return &layout.FormatError{Offset: off, Field: field, Msg: fmt.Sprintf(format, args...)}
+func formatErr(off int64, field, format string, args ...any) *layout.ParseError {
+	return &layout.ParseError{Offset: off, Field: field, Msg: fmt.Sprintf(format, args...)}
 }
 
-// withFile names the file in a *layout.FormatError, and otherwise returns
+// withFile names the file in a *layout.ParseError, and otherwise returns
 // err.
 func withFile(err error, file string) error {
-	var fe *layout.FormatError
+	var fe *layout.ParseError
 	if errors.As(err, &fe) && fe.File == "" {
 		c := *fe
 		c.File = file

@@ -211,7 +211,7 @@ func mapSegment(f *os.File, path string, prot, mflags int) (*segment, error) {
 	}
 	b := make([]byte, 64)
 	if _, err := f.ReadAt(b, 0); err != nil {
-		return nil, &layout.FormatError{File: path, Offset: 0, Msg: fmt.Sprintf("file of %d bytes has no header; %s", st.Size, notSegment)}
+		return nil, &layout.ParseError{File: path, Offset: 0, Msg: fmt.Sprintf("file of %d bytes has no header; %s", st.Size, notSegment)}
 	}
 	h, err := layout.ParseSegmentHeader(b)
 	if err != nil {
@@ -219,7 +219,7 @@ func mapSegment(f *os.File, path string, prot, mflags int) (*segment, error) {
 	}
 	// A short file would fault on access: refuse it before mapping.
 	if st.Size != h.Size() {
-		return nil, &layout.FormatError{File: path, Offset: -1, Field: "size",
+		return nil, &layout.ParseError{File: path, Offset: -1, Field: "size",
 			Msg: fmt.Sprintf("file is %d bytes, header says %d (truncated?); %s", st.Size, h.Size(), notSegment)}
 	}
 	mem, err := unix.Mmap(int(f.Fd()), 0, int(h.Size()), prot, mflags)
@@ -648,6 +648,6 @@ func checkCRCs(m layout.StepMeta, crcs []uint32) error {
 }
 
 func crcMismatch(k int, e layout.BlobEntry, got uint32) error {
-	return &layout.FormatError{Offset: -1, Field: fmt.Sprintf("blobs[%d].crc32c", k),
+	return &layout.ParseError{Offset: -1, Field: fmt.Sprintf("blobs[%d].crc32c", k),
 		Msg: fmt.Sprintf("blob %q of %d bytes: table says %#08x, data has %#08x", e.Name, e.Size, e.CRC32C, got)}
 }

@@ -2,6 +2,7 @@ package hang
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/faultline-ml/faultline/internal/atomicfile"
+	"github.com/faultline-ml/faultline/internal/parseerr"
 )
 
 // Kind says which runtime a thread's frames come from. Stacks of different
@@ -103,38 +105,27 @@ var ErrFormat = errors.New("hang: malformed stack file")
 // closing "end" line, or whose counts disagree with it: a dump cut short.
 var ErrTruncated = errors.New("hang: stack file truncated")
 
-// ParseError says where a stack file is malformed.
+// ParseError says where a stack file is malformed. It has the shape of
+// every parse error of this module: what was parsed, where, the field and
+// value at fault, and what is wrong.
 type ParseError struct {
-	File string // path, when known
-	Line int    // 1-based; 0 when the error is about the whole file
-	Msg  string
-	Err  error // ErrTruncated or ErrFormat
+	Format string // what was parsed; "" for a stack file, which its name says
+	File   string // path, when known
+	Line   int    // 1-based; 0 when the error is about the whole file
+	Field  string // the offending field, if any
+	Value  string // the offending value, if any
+	Msg    string // what is wrong
+	Err    error  // ErrTruncated or ErrFormat; nil means ErrFormat
 }
 
 // Error returns "hang: <file>:<line>: <msg>", leaving out what is unknown.
 func (e *ParseError) Error() string {
-	var b strings.Builder
-	b.WriteString("hang: ")
-	if e.File != "" {
-		b.WriteString(e.File)
-		if e.Line > 0 {
-			fmt.Fprintf(&b, ":%d", e.Line)
-		}
-		b.WriteString(": ")
-	} else if e.Line > 0 {
-		fmt.Fprintf(&b, "line %d: ", e.Line)
-	}
-	b.WriteString(e.Msg)
-	return b.String()
+	return parseerr.Text{Pkg: "hang", Format: e.Format, File: e.File, Line: e.Line,
+		Field: e.Field, Value: e.Value, Msg: e.Msg}.String()
 }
 
-// Unwrap returns ErrTruncated or ErrFormat.
-func (e *ParseError) Unwrap() error {
-	if e.Err == nil {
-		return ErrFormat
-	}
-	return e.Err
-}
+// Unwrap returns Err, or ErrFormat.
+func (e *ParseError) Unwrap() error { return cmp.Or(e.Err, ErrFormat) }
 
 // Validate reports what would make d unfit for a stack file.
 func (d *Dump) Validate() error {

@@ -52,7 +52,7 @@ func ExampleParse_error() {
 	_, err := topology.Parse([]byte("asw-01 psw-1 10.0.0.1\nasw-01 psw-1 10.0.0.1\n"))
 	fmt.Println(err)
 	// Output:
-	// node-topology-config: line 2: field ip: value "10.0.0.1": listed twice (first on line 1)
+	// topology: node-topology-config: line 2: field ip: value "10.0.0.1": listed twice (first on line 1)
 }
 
 func ExampleNewRankTable() {

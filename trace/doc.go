@@ -129,7 +129,7 @@
 // a newer one exists. A partial last line waits for the next Read. Lines
 // that are not records (garbage, binary, longer than MaxLineBytes, or the
 // unfinished last line of a file a crashed writer left) are skipped and
-// counted, the last one reported as a *LineError naming the file and line.
+// counted, the last one reported as a *ParseError naming the file and line.
 // Files deleted by the ager are skipped cleanly. Readers that tail many
 // ranks can share a BufferPool, so that only those reading at a time hold a
 // buffer, and take turns with ReadSome, which stops at the end of a buffer

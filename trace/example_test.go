@@ -59,7 +59,7 @@ func ExampleParseSwitch() {
 	fmt.Println(err)
 	// Output:
 	// true false <nil>
-	// profiling switch: field "Step": value "yes": want "on" or "off"
+	// trace: profiling switch: field Step: value "yes": want "on" or "off"
 }
 
 // A SwitchWatcher applies a mounted switch file to a Recorder.

@@ -110,7 +110,7 @@ func TestRankReaderPartialLine(t *testing.T) {
 		t.Fatalf("ids %v", ids)
 	}
 	s := rr.Stats()
-	var le *LineError
+	var le *ParseError
 	if s.GarbageLines != 1 || !errors.As(s.LastGarbage, &le) || le.Line != 3 || !errors.Is(le, ErrTruncatedLine) ||
 		le.File != f {
 		t.Fatalf("stats %+v", s)
@@ -139,7 +139,7 @@ func TestRankReaderSkipsGarbage(t *testing.T) {
 	if s.GarbageLines != 5 {
 		t.Fatalf("garbage lines %d, want 5 (%v)", s.GarbageLines, s.LastGarbage)
 	}
-	var le *LineError
+	var le *ParseError
 	if !errors.As(s.LastGarbage, &le) || le.Line != 9 || !errors.Is(le, ErrLineTooLong) ||
 		!strings.Contains(le.Error(), f+":9:") {
 		t.Fatalf("last garbage %v", s.LastGarbage)

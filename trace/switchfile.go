@@ -213,7 +213,9 @@ func (w *SwitchWatcher) load() {
 		w.last = data
 		if s, err = ParseSwitch(data); err != nil {
 			result = "error"
-			err = fmt.Errorf("%s: %w", w.cfg.Path, err)
+			if pe := (*ParseError)(nil); errors.As(err, &pe) {
+				pe.File = w.cfg.Path // a fresh error of ParseSwitch's
+			}
 		}
 	}
 	if result == "error" {

@@ -101,7 +101,7 @@ func TestSwitchWatcherKubeletSwap(t *testing.T) {
 			// A bad document is reported and changes nothing.
 			kubeletUpdate(t, mount, "profilingSwitch", `{"Step":"maybe"}`, 3)
 			waitFor(t, "the bad document to be reported", func() bool { return w.Err() != nil })
-			if err := w.Err(); !errors.Is(err, ErrSwitch) || !strings.Contains(err.Error(), `"Step"`) {
+			if err := w.Err(); !errors.Is(err, ErrSwitch) || !strings.Contains(err.Error(), "field Step") {
 				t.Fatalf("Err() = %v", err)
 			}
 			if got := w.Switch(); got != commOnly {

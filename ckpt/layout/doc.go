@@ -4,7 +4,7 @@
 // the disk tier (ShardManifest, StepManifest and the trackers), and the
 // reports in which ckpt.InspectSegment and ckpt.InspectDir say what they
 // found. Each format has a Parse and a Marshal that are inverses; parse
-// errors are *FormatError, naming the file, the offset and the field, and
+// errors are *ParseError, naming the file, the offset and the field, and
 // wrap ErrCorrupt.
 //
 // # The segment

@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"time"
 	"unicode/utf8"
+
+	"github.com/faultline-ml/faultline/internal/parseerr"
 )
 
 // Constants of the shared-memory layout. See the package documentation.
@@ -77,37 +79,32 @@ func CRC32C(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
 // a bad magic, a field out of range, a checksum mismatch.
 var ErrCorrupt = errors.New("layout: corrupt checkpoint data")
 
-// FormatError says which field of which file is wrong.
-type FormatError struct {
+// ParseError says which field of which file is wrong. It has the shape
+// of every parse error of this module, with a byte offset in place of a
+// line: what was parsed, where, the field at fault, and what is wrong.
+type ParseError struct {
+	Format string // what was parsed, "" when the field says it
 	File   string // the file, "" when parsing bytes of unknown origin
 	Offset int64  // byte offset of the field, -1 for JSON documents
 	Field  string // the field, such as "half_size" or "blobs[2].crc32c"
 	Msg    string // what is wrong, with the value
 }
 
-// Error names the file, the offset and the field, and says what is wrong.
-func (e *FormatError) Error() string {
-	var b bytes.Buffer
-	b.WriteString("layout: ")
-	if e.File != "" {
-		b.WriteString(e.File)
-		b.WriteString(": ")
-	}
+// Error returns "layout: <file>: offset <n>: field <f>: <msg>", leaving
+// out what is unknown.
+func (e *ParseError) Error() string {
+	t := parseerr.Text{Pkg: "layout", Format: e.Format, File: e.File, Field: e.Field, Msg: e.Msg}
 	if e.Offset >= 0 {
-		fmt.Fprintf(&b, "offset %d: ", e.Offset)
+		t.At = "offset " + strconv.FormatInt(e.Offset, 10)
 	}
-	if e.Field != "" {
-		fmt.Fprintf(&b, "field %s: ", e.Field)
-	}
-	b.WriteString(e.Msg)
-	return b.String()
+	return t.String()
 }
 
 // Unwrap lets errors.Is(err, ErrCorrupt) hold.
-func (e *FormatError) Unwrap() error { return ErrCorrupt }
+func (e *ParseError) Unwrap() error { return ErrCorrupt }
 
-func formatErr(off int64, field, format string, args ...any) *FormatError {
-	return &FormatError{Offset: off, Field: field, Msg: fmt.Sprintf(format, args...)}
+func formatErr(off int64, field, format string, args ...any) *ParseError {
+	return &ParseError{Offset: off, Field: field, Msg: fmt.Sprintf(format, args...)}
 }
 
 // SegmentHeader is the first 64 bytes of a segment.
@@ -165,7 +162,7 @@ func (h SegmentHeader) check() error {
 }
 
 // ParseSegmentHeader decodes the first 64 bytes of b. Errors are
-// *FormatError and wrap ErrCorrupt.
+// *ParseError and wrap ErrCorrupt.
 func ParseSegmentHeader(b []byte) (SegmentHeader, error) {
 	if len(b) < 64 {
 		return SegmentHeader{}, formatErr(0, "", "header of %d bytes, want 64", len(b))
@@ -368,7 +365,7 @@ func metaCRCv1(b []byte, ts int64) uint32 {
 }
 
 // Check reports what keeps m from fitting a half of halfSize bytes in the
-// layout this package writes. Errors are *FormatError and wrap ErrCorrupt.
+// layout this package writes. Errors are *ParseError and wrap ErrCorrupt.
 func (m StepMeta) Check(halfSize int64) error { return m.check(halfSize, Version) }
 
 // check validates m against a half of halfSize bytes in a layout version.
@@ -432,7 +429,7 @@ func checkName(name string) error {
 // from b, which starts at the half and holds at least MetaSize bytes.
 // halfSize bounds the blob offsets. The live words state, pin and gen are
 // ignored; the seal word says whether the CRC array counts. meta_crc, and
-// seal_crc of a sealed step, are verified. Errors are *FormatError and
+// seal_crc of a sealed step, are verified. Errors are *ParseError and
 // wrap ErrCorrupt.
 func ParseStepMeta(b []byte, halfSize int64) (StepMeta, error) {
 	if len(b) < StepHeaderSize {

@@ -63,9 +63,9 @@ func TestParseSegmentHeaderRejects(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := ParseSegmentHeader(tc.b)
-			var fe *FormatError
+			var fe *ParseError
 			if !errors.As(err, &fe) || !errors.Is(err, ErrCorrupt) {
-				t.Fatalf("err = %v, want a *FormatError wrapping ErrCorrupt", err)
+				t.Fatalf("err = %v, want a *ParseError wrapping ErrCorrupt", err)
 			}
 			if fe.Field != tc.field {
 				t.Fatalf("field = %q, want %q (%v)", fe.Field, tc.field, err)
@@ -209,9 +209,9 @@ func TestParseStepMetaRejects(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := ParseStepMeta(tc.b, tc.half)
-			var fe *FormatError
+			var fe *ParseError
 			if !errors.As(err, &fe) || !errors.Is(err, ErrCorrupt) {
-				t.Fatalf("err = %v, want a *FormatError wrapping ErrCorrupt", err)
+				t.Fatalf("err = %v, want a *ParseError wrapping ErrCorrupt", err)
 			}
 			if fe.Field != tc.field {
 				t.Fatalf("field = %q, want %q (%v)", fe.Field, tc.field, err)
@@ -317,9 +317,9 @@ func TestShardManifestRoundTrip(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := ParseShardManifest([]byte(tc.doc))
-			var fe *FormatError
+			var fe *ParseError
 			if !errors.As(err, &fe) || fe.Field != tc.field {
-				t.Fatalf("err = %v, want a *FormatError on field %q", err, tc.field)
+				t.Fatalf("err = %v, want a *ParseError on field %q", err, tc.field)
 			}
 		})
 	}

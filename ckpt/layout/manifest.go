@@ -119,13 +119,13 @@ func (m ShardManifest) check() error {
 	return nil
 }
 
-func jsonErr(field, format string, args ...any) *FormatError {
-	return &FormatError{Offset: -1, Field: field, Msg: fmt.Sprintf(format, args...)}
+func jsonErr(field, format string, args ...any) *ParseError {
+	return &ParseError{Offset: -1, Field: field, Msg: fmt.Sprintf(format, args...)}
 }
 
 // ParseShardManifest decodes a shard manifest. Unknown fields, a version
 // other than 1, a file name other than ShardFile(shard) and blobs that do
-// not tile the file are errors (*FormatError, wrapping ErrCorrupt).
+// not tile the file are errors (*ParseError, wrapping ErrCorrupt).
 func ParseShardManifest(b []byte) (ShardManifest, error) {
 	var j shardManifestJSON
 	if err := decodeStrict(b, &j); err != nil {
