@@ -21,6 +21,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/faultline-ml/faultline/ckpt/layout"
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // node is an owner of n shards with a writer on each.
@@ -627,10 +628,8 @@ func TestCommitAcrossProcesses(t *testing.T) {
 	}
 	var agents []agent
 	for shard := range 2 {
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), childEnv+"=shard", fmt.Sprint("FAULTLINE_CKPT_SHARD=", shard),
+		cmd := testkit.Command(t, "shard", fmt.Sprint("FAULTLINE_CKPT_SHARD=", shard),
 			"FAULTLINE_CKPT_SHM="+shm, "FAULTLINE_CKPT_DIR="+dir)
-		cmd.Stderr = os.Stderr
 		in, err := cmd.StdinPipe()
 		if err != nil {
 			t.Fatal(err)

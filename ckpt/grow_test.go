@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -14,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/faultline-ml/faultline/ckpt/layout"
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // TestSaveGrowsSegment saves a step larger than the segment's halves: the
@@ -91,10 +91,8 @@ func TestGrowUnderSavingTrainer(t *testing.T) {
 	tb := newTestBlobs(64 << 10)
 	last := int64(-1)
 	for trial := range 5 {
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), childEnv+"=saver", "FAULTLINE_CKPT_SEGMENT="+path,
+		cmd := testkit.Command(t, "saver", "FAULTLINE_CKPT_SEGMENT="+path,
 			fmt.Sprint("FAULTLINE_CKPT_START=", last+1), "FAULTLINE_CKPT_REPORT=1")
-		cmd.Stderr = os.Stderr
 		out, err := cmd.StdoutPipe()
 		if err != nil {
 			t.Fatal(err)

@@ -7,11 +7,13 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 func TestMain(m *testing.M) {
 	// The process tests re-execute this binary as the program that hangs.
-	if role := os.Getenv(childEnv); role != "" {
+	if role := testkit.Role(); role != "" {
 		os.Exit(runChild(role))
 	}
 	goleak.VerifyTestMain(m)

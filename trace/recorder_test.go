@@ -2,7 +2,6 @@ package trace
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -16,6 +15,8 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 func newTestRecorder(t *testing.T, cfg RecorderConfig) *Recorder {
@@ -125,7 +126,7 @@ func TestRecorderFlushesPeriodically(t *testing.T) {
 	rec := newTestRecorder(t, RecorderConfig{Root: root, Switch: AllOn(), FlushInterval: 50 * time.Millisecond})
 	rec.StartStep(1, 0, 0).End()
 	dir := filepath.Join(root, "job", "0")
-	waitFor(t, "the periodic flush", func() bool {
+	testkit.WaitFor(t, "the periodic flush", func() bool {
 		if _, err := os.Stat(dir); err != nil {
 			return false
 		}
@@ -273,43 +274,28 @@ func TestRecorderMetrics(t *testing.T) {
 // it is closed.
 func TestCloseUnregistersMetrics(t *testing.T) {
 	root := t.TempDir()
+	closer := func(c io.Closer, err error) (func() error, error) {
+		if err != nil {
+			return nil, err
+		}
+		return c.Close, nil
+	}
 	for _, tc := range []struct {
 		name string
-		make func(prometheus.Registerer) (io.Closer, error)
+		open func(prometheus.Registerer) (func() error, error)
 	}{
-		{"RecorderConfig", func(reg prometheus.Registerer) (io.Closer, error) {
-			return NewRecorder(RecorderConfig{Root: root, Job: "job", Registerer: reg})
+		{"RecorderConfig", func(reg prometheus.Registerer) (func() error, error) {
+			return closer(NewRecorder(RecorderConfig{Root: root, Job: "job", Registerer: reg}))
 		}},
-		{"AgerConfig", func(reg prometheus.Registerer) (io.Closer, error) {
-			return NewAger(AgerConfig{Root: root, Registerer: reg})
+		{"AgerConfig", func(reg prometheus.Registerer) (func() error, error) {
+			return closer(NewAger(AgerConfig{Root: root, Registerer: reg}))
 		}},
-		{"SwitchWatcherConfig", func(reg prometheus.Registerer) (io.Closer, error) {
-			return NewSwitchWatcher(SwitchWatcherConfig{Path: filepath.Join(root, "switch"), Registerer: reg})
+		{"SwitchWatcherConfig", func(reg prometheus.Registerer) (func() error, error) {
+			return closer(NewSwitchWatcher(SwitchWatcherConfig{Path: filepath.Join(root, "switch"), Registerer: reg}))
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			reg := prometheus.NewPedanticRegistry()
-			first, err := tc.make(reg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			second, err := tc.make(reg)
-			if err == nil {
-				second.Close()
-				t.Fatal("a second one registered its metrics beside the first")
-			}
-			var are prometheus.AlreadyRegisteredError
-			if !errors.As(err, &are) || !strings.HasPrefix(err.Error(), "trace: "+tc.name+".Registerer: register faultline_trace_") {
-				t.Errorf("second: %v, want an AlreadyRegisteredError naming %s.Registerer", err, tc.name)
-			}
-			if err := first.Close(); err != nil {
-				t.Fatal(err)
-			}
-			again, err := tc.make(reg)
-			if err != nil {
-				t.Fatalf("after Close: %v", err)
-			}
-			again.Close()
+			testkit.SharedRegisterer(t, "trace: "+tc.name+".Registerer", "faultline_trace_", tc.open)
 		})
 	}
 }

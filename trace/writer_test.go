@@ -17,6 +17,8 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 func fixedNow(sec int64) func() time.Time {
@@ -312,7 +314,7 @@ func TestWriterUnwritableRoot(t *testing.T) {
 // damaged.
 func TestKilledWriterKeepsFlushedRecords(t *testing.T) {
 	root := t.TempDir()
-	cmd := child(t, "write-forever", "TRACE_ROOT="+root, "TRACE_RANK=5")
+	cmd := testkit.Command(t, "write-forever", "TRACE_ROOT="+root, "TRACE_RANK=5")
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -369,7 +371,7 @@ func TestResolveJobOncePerLauncher(t *testing.T) {
 	jobs := make([]string, n)
 	cmds := make([]*exec.Cmd, n)
 	for i := range cmds {
-		cmds[i] = child(t, "resolve-job", "TRACE_ROOT="+root)
+		cmds[i] = testkit.Command(t, "resolve-job", "TRACE_ROOT="+root)
 	}
 	var wg sync.WaitGroup
 	for i, cmd := range cmds {
@@ -384,11 +386,11 @@ func TestResolveJobOncePerLauncher(t *testing.T) {
 			t.Fatalf("jobs %v: want one default_task_id_ job", jobs)
 		}
 	}
-	if again := run(child(t, "resolve-job", "TRACE_ROOT="+root)); again != jobs[0] {
+	if again := run(testkit.Command(t, "resolve-job", "TRACE_ROOT="+root)); again != jobs[0] {
 		t.Fatalf("a later process of the same launcher got %q, want %q", again, jobs[0])
 	}
 	// A process whose parent is a shell has another launcher.
-	sh := child(t, "resolve-job", "TRACE_ROOT="+root)
+	sh := testkit.Command(t, "resolve-job", "TRACE_ROOT="+root)
 	sh.Args = []string{"sh", "-c", `"$0" -test.run='^$'; true`, sh.Path}
 	sh.Path, _ = exec.LookPath("sh")
 	if other := run(sh); other == jobs[0] || !strings.HasPrefix(other, DefaultJobPrefix) {
@@ -407,7 +409,7 @@ func TestResolveJobOncePerLauncher(t *testing.T) {
 	if len(dirs) != 2 {
 		t.Fatalf("job folders %v, want 2", dirs)
 	}
-	if got := run(child(t, "resolve-job", "TRACE_ROOT="+root, EnvTaskID+"=task-42")); got != "task-42" {
+	if got := run(testkit.Command(t, "resolve-job", "TRACE_ROOT="+root, EnvTaskID+"=task-42")); got != "task-42" {
 		t.Fatalf("with %s set: %q", EnvTaskID, got)
 	}
 }
