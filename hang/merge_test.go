@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/xml"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -17,31 +16,9 @@ import (
 	"unicode/utf8"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
-
-var update = flag.Bool("update", false, "rewrite the golden files in testdata/golden")
-
-// golden compares got with testdata/golden/name, rewriting it with -update.
-func golden(t *testing.T, name string, got []byte) {
-	t.Helper()
-	path := filepath.Join("testdata", "golden", name)
-	if *update {
-		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(path, got, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		return
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run go test -update to create it)", err)
-	}
-	if diff := cmp.Diff(string(want), string(got)); diff != "" {
-		t.Errorf("%s differs (-want +got; go test -update rewrites it):\n%s", path, diff)
-	}
-}
 
 func mergeJob8(t *testing.T) *Merged {
 	t.Helper()
@@ -124,7 +101,7 @@ func TestMergeDirJob8(t *testing.T) {
 			}
 		}
 	}
-	golden(t, "job8.verdict", []byte(m.Verdict()))
+	testkit.Golden(t, filepath.Join("testdata", "golden", "job8.verdict"), []byte(m.Verdict()))
 }
 
 func TestMergeOutputsGolden(t *testing.T) {
@@ -137,8 +114,8 @@ func TestMergeOutputsGolden(t *testing.T) {
 		if err := m.WriteSVG(&svg, k); err != nil {
 			t.Fatal(err)
 		}
-		golden(t, "job8_"+string(k)+".folded", folded.Bytes())
-		golden(t, "job8_"+string(k)+".svg", svg.Bytes())
+		testkit.Golden(t, filepath.Join("testdata", "golden", "job8_"+string(k)+".folded"), folded.Bytes())
+		testkit.Golden(t, filepath.Join("testdata", "golden", "job8_"+string(k)+".svg"), svg.Bytes())
 		checkSVG(t, svg.Bytes())
 		checkFolded(t, folded.Bytes(), m.Trees[k].Weight())
 	}
