@@ -114,7 +114,11 @@ type Recorder struct {
 	closed   bool  // guarded by wmu: w is closed
 	closeErr error // guarded by wmu
 
-	running  sync.Mutex // held by Run
+	running  sync.Mutex    // held by Run
+	active   atomic.Bool   // Run is in its loop and takes reqs
+	reqs     chan func()   // work for Run's goroutine: Flush, WriteParallelGroups
+	left     chan struct{} // closed once Run has left its loop
+	leftOnce sync.Once
 	stop     chan struct{}
 	stopOnce sync.Once
 }
@@ -141,6 +145,8 @@ func NewRecorder(cfg RecorderConfig) (*Recorder, error) {
 		pid:    uint32(os.Getpid()),
 		w:      w,
 		cfg:    cfg,
+		reqs:   make(chan func()),
+		left:   make(chan struct{}),
 		stop:   make(chan struct{}),
 	}
 	r.sink = func(e *entry) { r.w.writeEntry(e) }
@@ -362,6 +368,9 @@ func (r *Recorder) Run(ctx context.Context) error {
 	}
 	defer r.running.Unlock()
 	defer r.shutdown()
+	r.active.Store(true)
+	defer r.leftOnce.Do(func() { close(r.left) })
+	defer r.active.Store(false)
 	interval := pollMax
 	timer := time.NewTimer(interval)
 	defer timer.Stop()
@@ -372,6 +381,9 @@ func (r *Recorder) Run(ctx context.Context) error {
 			return nil
 		case <-r.stop:
 			return nil
+		case fn := <-r.reqs:
+			fn()
+			continue
 		case <-timer.C:
 		}
 		r.wmu.Lock()
@@ -422,8 +434,23 @@ func (r *Recorder) shutdown() {
 	r.closed = true
 }
 
-// do runs fn on the writer after the ring is drained.
+// do runs fn on the writer after the ring is drained: on Run's goroutine
+// while Run runs, so that the caller's thread neither encodes nor writes,
+// else on the caller's.
 func (r *Recorder) do(fn func(*fileWriter) error) error {
+	if r.active.Load() {
+		errc := make(chan error, 1)
+		select {
+		case r.reqs <- func() { errc <- r.drainAnd(fn) }:
+			return <-errc
+		case <-r.left:
+		}
+	}
+	return r.drainAnd(fn)
+}
+
+// drainAnd drains the ring and runs fn on the writer.
+func (r *Recorder) drainAnd(fn func(*fileWriter) error) error {
 	r.wmu.Lock()
 	defer r.wmu.Unlock()
 	if r.closed {
