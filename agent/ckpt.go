@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // Message kinds between the agents and node 0's manager.
@@ -132,17 +133,17 @@ func (c *checkpoints) openLocked(rank int, bytes int64) (*shard, error) {
 func roundPage(n int64) int64 { return (n + 4095) &^ 4095 }
 
 // readSegmentHeader reads the header of the segment at path.
-func readSegmentHeader(path string) (ckpt.SegmentHeader, error) {
+func readSegmentHeader(path string) (layout.SegmentHeader, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return ckpt.SegmentHeader{}, err
+		return layout.SegmentHeader{}, err
 	}
 	defer f.Close()
 	b := make([]byte, 64)
 	if _, err := io.ReadFull(f, b); err != nil {
-		return ckpt.SegmentHeader{}, err
+		return layout.SegmentHeader{}, err
 	}
-	return ckpt.ParseSegmentHeader(b)
+	return layout.ParseSegmentHeader(b)
 }
 
 // localSteps returns the steps every local rank holds intact in memory
@@ -158,7 +159,7 @@ func (c *checkpoints) localSteps() []int64 {
 		}
 		var steps []int64
 		for i, h := range rep.Halves {
-			if h.Err == nil && h.State == ckpt.StateComplete {
+			if h.Err == nil && h.State == layout.StateComplete {
 				steps = append(steps, h.Meta.Step)
 			} else if h.Err != nil {
 				c.a.log.Info("agent: a half holds no intact step", "rank", s.rank, "half", i, "err", h.Err)
@@ -183,11 +184,11 @@ func (c *checkpoints) diskStep() int64 {
 	if dir == "" {
 		return -1
 	}
-	b, err := os.ReadFile(filepath.Join(dir, ckpt.DLRoverTrackerFile))
+	b, err := os.ReadFile(filepath.Join(dir, layout.DLRoverTrackerFile))
 	if err != nil {
 		return -1
 	}
-	step, err := ckpt.ParseStepText(b)
+	step, err := layout.ParseStepText(b)
 	if err != nil {
 		return -1
 	}
@@ -310,7 +311,7 @@ func (c *checkpoints) load(ctx context.Context, s *slot, dir string) (loadAnswer
 	for i, b := range ck.Blobs {
 		names[i], sizes[i] = b.Name, int64(len(b.Data))
 	}
-	if _, _, err := c.segment(s.rank, dir, ckpt.StepSize(names, sizes)); err != nil {
+	if _, _, err := c.segment(s.rank, dir, layout.StepSize(names, sizes)); err != nil {
 		return ans, err
 	}
 	w, err := ckpt.NewWriter(ckpt.WriterConfig{Path: path})
@@ -339,7 +340,7 @@ func findHalf(path string, step int64) (int, string) {
 	var why []string
 	for h, hr := range rep.Halves {
 		switch {
-		case hr.Err == nil && hr.State == ckpt.StateComplete && hr.Meta.Step == step:
+		case hr.Err == nil && hr.State == layout.StateComplete && hr.Meta.Step == step:
 			return h, ""
 		case hr.Err != nil && hr.Meta.Step == step:
 			why = append(why, fmt.Sprintf("half %d holds step %d damaged: %v", h, step, hr.Err))

@@ -210,7 +210,7 @@ func (r *Ring) Pid() int { return int(r.words[offPid/8].Load()) }
 // SetSwitch sets the kinds the producer dots, at once.
 func (r *Ring) SetSwitch(s trace.Switch) {
 	var b uint32
-	for _, k := range trace.Kinds {
+	for k := range trace.Kinds() {
 		if s.Enabled(k) {
 			b |= 1 << k
 		}

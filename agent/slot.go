@@ -86,12 +86,13 @@ func newSlot(a *Agent, local int) (*slot, error) {
 	if s.ring, err = CreateRing(s.ringPath, ringBytes); err != nil {
 		return nil, fmt.Errorf("agent: rank %d: ring %s: %w", rank, s.ringPath, err)
 	}
-	s.rec, err = trace.NewRecorder(context.Background(), trace.RecorderConfig{Root: a.cfg.TraceRoot, Job: a.cfg.Job, Rank: rank,
+	s.rec, err = trace.NewRecorder(trace.RecorderConfig{Root: a.cfg.TraceRoot, Job: a.cfg.Job, Rank: rank,
 		FlushInterval: time.Second, Registerer: wrapRank(a.cfg.Registerer, rank), Logger: a.log})
 	if err != nil {
 		s.close()
 		return nil, fmt.Errorf("agent: rank %d: %w", rank, err)
 	}
+	go s.rec.Run(context.Background())
 	if s.wd, err = hang.New(a.hangConfig(rank, s.onHang)); err != nil {
 		s.close()
 		return nil, fmt.Errorf("agent: rank %d: %w", rank, err)

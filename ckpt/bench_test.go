@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // The benchmarks save, seal, load and persist benchSize bytes in 16
@@ -224,7 +226,7 @@ func BenchmarkSeal(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		b.StopTimer()
-		atomic.StoreUint32(seg.u32(seg.halfBase(i)+offSeal), Unsealed) // as a new save would leave it
+		atomic.StoreUint32(seg.u32(seg.halfBase(i)+layout.OffSeal), layout.Unsealed) // as a new save would leave it
 		b.StartTimer()
 		p.baseline(b, crc)
 		p.timed(func() {

@@ -16,16 +16,14 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
-// Child processes: the crash tests run this test binary again in one of
-// these roles and SIGKILL it.
-const (
-	childEnv = "FAULTLINE_CKPT_CHILD"
-	// trialsEnv sets the number of SIGKILL trials; the default suite runs
-	// a reduced count.
-	trialsEnv = "FAULTLINE_CKPT_TRIALS"
-)
+// trialsEnv sets the number of SIGKILL trials of the crash tests, which
+// run this test binary again in a role (runChild) and SIGKILL it; the
+// default suite runs a reduced count.
+const trialsEnv = "FAULTLINE_CKPT_TRIALS"
 
 func trials(def int) int {
 	if n, err := strconv.Atoi(os.Getenv(trialsEnv)); err == nil && n > 0 {
@@ -270,9 +268,7 @@ type child struct {
 // line; the words after "ready" come back.
 func startChild(t testing.TB, role string, env ...string) (*child, []string) {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), append([]string{childEnv + "=" + role}, env...)...)
-	cmd.Stderr = os.Stderr
+	cmd := testkit.Command(t, role, env...)
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

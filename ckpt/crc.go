@@ -214,3 +214,5 @@ func recoverFault(err *error, old bool) {
 		*err = fmt.Errorf("ckpt: memory fault at %#x (a shared-memory file cut short under its mapping?): %v; load what the other tiers hold (flashckpt load), then remove the segment and restart its owner, which creates it again", f.Addr(), r)
 	}
 }
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)

@@ -17,13 +17,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/faultline-ml/faultline/ckpt/layout"
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 )
-
-// StepDir is the directory of a step in the disk tier: dir/<step>.
-func StepDir(dir string, step int64) string {
-	return filepath.Join(dir, strconv.FormatInt(step, 10))
-}
 
 // parseStepName returns the step a directory name denotes: a canonical
 // non-negative decimal.
@@ -138,21 +134,21 @@ const (
 // same step with its copy damaged is written again (to the files the
 // commit names, byte for byte), and another step under the same number
 // is an error that keeps the committed one.
-func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards int) (ShardManifest, persisted, error) {
+func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards int) (layout.ShardManifest, persisted, error) {
 	shard := seg.hdr.Shard
-	var man ShardManifest
+	var man layout.ShardManifest
 	did := wrote
-	err := seg.read(i, true, func(m StepMeta, half []byte, valid func() error) error {
+	err := seg.read(i, true, func(m layout.StepMeta, half []byte, valid func() error) error {
 		if !m.Sealed {
 			return fmt.Errorf("ckpt: step %d in %s half %d is not sealed", m.Step, seg.path, i)
 		}
-		stepDir := StepDir(dir, m.Step)
+		stepDir := layout.StepDir(dir, m.Step)
 		if committed, err := checkCommitted(stepDir, m, shard, numShards); err != nil || committed {
 			if err != nil {
 				return err
 			}
 			if prev, ok := committedShard(stepDir, shard); ok {
-				if _, err := scanShardFile(filepath.Join(stepDir, ShardFile(shard)), prev, true); err == nil {
+				if _, err := scanShardFile(filepath.Join(stepDir, layout.ShardFile(shard)), prev, true); err == nil {
 					man, did = prev, kept
 					return nil
 				}
@@ -162,14 +158,14 @@ func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards
 		if err := mkdirSynced(stepDir); err != nil {
 			return err
 		}
-		name := filepath.Join(stepDir, ShardFile(shard))
+		name := filepath.Join(stepDir, layout.ShardFile(shard))
 		f, err := atomicfile.Create(name, 0o640)
 		if err != nil {
 			return wrapNoSpace(err)
 		}
 		defer f.Abort()
 		wb := newWriteback(f.File)
-		man = ShardManifest{Step: m.Step, Shard: shard, NumShards: numShards, Blobs: make([]BlobEntry, 0, len(m.Blobs))}
+		man = layout.ShardManifest{Step: m.Step, Shard: shard, NumShards: numShards, Blobs: make([]layout.BlobEntry, 0, len(m.Blobs))}
 		for k, e := range m.Blobs {
 			data := half[e.Offset : e.Offset+e.Size]
 			var c uint32
@@ -189,7 +185,7 @@ func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards
 			if c != e.CRC32C {
 				return crcMismatch(k, e, c)
 			}
-			man.Blobs = append(man.Blobs, BlobEntry{Name: e.Name, Offset: man.Size, Size: e.Size, CRC32C: c})
+			man.Blobs = append(man.Blobs, layout.BlobEntry{Name: e.Name, Offset: man.Size, Size: e.Size, CRC32C: c})
 			man.Size += e.Size
 		}
 		// What was written must be what the step held all along.
@@ -203,10 +199,10 @@ func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards
 		if err != nil {
 			return err
 		}
-		return wrapNoSpace(atomicfile.WriteFile(filepath.Join(stepDir, ShardManifestFile(shard)), b, 0o640))
+		return wrapNoSpace(atomicfile.WriteFile(filepath.Join(stepDir, layout.ShardManifestFile(shard)), b, 0o640))
 	})
 	if err != nil {
-		return ShardManifest{}, did, err
+		return layout.ShardManifest{}, did, err
 	}
 	return man, did, nil
 }
@@ -214,19 +210,19 @@ func persistHalf(ctx context.Context, seg *segment, i int, dir string, numShards
 // checkCommitted says whether m's step is committed in stepDir, and
 // returns an error when it is committed with other content for shard
 // than m's: the commit is kept, and memory's step is not written over it.
-func checkCommitted(stepDir string, m StepMeta, shard, numShards int) (bool, error) {
-	name := filepath.Join(stepDir, CommitFile)
+func checkCommitted(stepDir string, m layout.StepMeta, shard, numShards int) (bool, error) {
+	name := filepath.Join(stepDir, layout.CommitFile)
 	b, err := os.ReadFile(name)
 	if err != nil {
 		return false, nil
 	}
-	sm, err := ParseStepManifest(b)
+	sm, err := layout.ParseStepManifest(b)
 	if err != nil {
 		return false, fmt.Errorf("ckpt: step %d: %w (remove %s to persist the step anew)", m.Step, withFile(err, name), stepDir)
 	}
-	want := ShardManifest{Step: m.Step, Shard: shard, NumShards: numShards}
+	want := layout.ShardManifest{Step: m.Step, Shard: shard, NumShards: numShards}
 	for _, e := range m.Blobs {
-		want.Blobs = append(want.Blobs, BlobEntry{Name: e.Name, Offset: want.Size, Size: e.Size, CRC32C: e.CRC32C})
+		want.Blobs = append(want.Blobs, layout.BlobEntry{Name: e.Name, Offset: want.Size, Size: e.Size, CRC32C: e.CRC32C})
 		want.Size += e.Size
 	}
 	ref, err := want.Ref()
@@ -246,20 +242,20 @@ var errOtherContent = errors.New("memory holds other content under that step")
 
 // committedShard returns the manifest of shard in stepDir if the step is
 // committed and the manifest is the committed one.
-func committedShard(stepDir string, shard int) (ShardManifest, bool) {
-	b, err := os.ReadFile(filepath.Join(stepDir, CommitFile))
+func committedShard(stepDir string, shard int) (layout.ShardManifest, bool) {
+	b, err := os.ReadFile(filepath.Join(stepDir, layout.CommitFile))
 	if err != nil {
-		return ShardManifest{}, false
+		return layout.ShardManifest{}, false
 	}
-	sm, err := ParseStepManifest(b)
+	sm, err := layout.ParseStepManifest(b)
 	if err != nil || shard < 0 || shard >= len(sm.Shards) {
-		return ShardManifest{}, false
+		return layout.ShardManifest{}, false
 	}
-	mb, err := os.ReadFile(filepath.Join(stepDir, ShardManifestFile(shard)))
-	if err != nil || CRC32C(mb) != sm.Shards[shard].ManifestCRC32C {
-		return ShardManifest{}, false
+	mb, err := os.ReadFile(filepath.Join(stepDir, layout.ShardManifestFile(shard)))
+	if err != nil || layout.CRC32C(mb) != sm.Shards[shard].ManifestCRC32C {
+		return layout.ShardManifest{}, false
 	}
-	m, err := ParseShardManifest(mb)
+	m, err := layout.ParseShardManifest(mb)
 	return m, err == nil
 }
 
@@ -267,12 +263,12 @@ func committedShard(stepDir string, shard int) (ShardManifest, bool) {
 // tracker names: trackers never move back.
 var ErrStale = errors.New("ckpt: step is older than the committed one")
 
-// lockDir takes the disk tier's LockFile, waiting for the process or
+// lockDir takes the disk tier's layout.LockFile, waiting for the process or
 // goroutine that holds it; unlock releases it. A lock belongs to the open
 // file, so two callers in one process exclude each other too, and a
 // process that dies releases its lock.
 func lockDir(dir string) (unlock func(), err error) {
-	name := filepath.Join(dir, LockFile)
+	name := filepath.Join(dir, layout.LockFile)
 	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o640)
 	if err != nil {
 		return nil, wrapNoSpace(fmt.Errorf("ckpt: lock the disk tier: %w", err))
@@ -291,13 +287,13 @@ func lockDir(dir string) (unlock func(), err error) {
 }
 
 // CommitStep commits a step in dir once every shard of it is durable: it
-// writes the step's CommitFile, then the trackers (TrackerFile,
+// writes the step's layout.CommitFile, then the trackers (layout.TrackerFile,
 // DLRoverTrackerFile, MegatronTrackerFile), each atomically, holding the
-// LockFile of dir. The step directory must exist in dir; on a node that
+// layout.LockFile of dir. The step directory must exist in dir; on a node that
 // holds only some shards it holds only theirs. A control plane that
 // learns shard completion from every node calls CommitStep on each;
 // LocalCommitter calls it for one.
-func CommitStep(dir string, m StepManifest) error {
+func CommitStep(dir string, m layout.StepManifest) error {
 	unlock, err := lockDir(dir)
 	if err != nil {
 		return err
@@ -307,28 +303,28 @@ func CommitStep(dir string, m StepManifest) error {
 }
 
 // commitStep is CommitStep for a caller that holds the lock.
-func commitStep(dir string, m StepManifest) error {
+func commitStep(dir string, m layout.StepManifest) error {
 	b, err := m.Marshal()
 	if err != nil {
 		return err
 	}
-	stepDir := StepDir(dir, m.Step)
+	stepDir := layout.StepDir(dir, m.Step)
 	if fi, err := os.Stat(stepDir); err != nil || !fi.IsDir() {
 		return fmt.Errorf("ckpt: commit step %d: step directory %s is missing", m.Step, stepDir)
 	}
 	if cur, err := readTracker(dir); err == nil && cur.Step > m.Step {
-		return fmt.Errorf("%w: commit step %d: %s names step %d", ErrStale, m.Step, filepath.Join(dir, TrackerFile), cur.Step)
+		return fmt.Errorf("%w: commit step %d: %s names step %d", ErrStale, m.Step, filepath.Join(dir, layout.TrackerFile), cur.Step)
 	}
-	if err := atomicfile.WriteFile(filepath.Join(stepDir, CommitFile), b, 0o640); err != nil {
+	if err := atomicfile.WriteFile(filepath.Join(stepDir, layout.CommitFile), b, 0o640); err != nil {
 		return wrapNoSpace(err)
 	}
 	for _, t := range []struct {
 		name string
 		data []byte
 	}{
-		{TrackerFile, b},
-		{DLRoverTrackerFile, MarshalStepText(m.Step)},
-		{MegatronTrackerFile, MarshalStepText(m.Step)},
+		{layout.TrackerFile, b},
+		{layout.DLRoverTrackerFile, layout.MarshalStepText(m.Step)},
+		{layout.MegatronTrackerFile, layout.MarshalStepText(m.Step)},
 	} {
 		if err := atomicfile.WriteFile(filepath.Join(dir, t.name), t.data, 0o640); err != nil {
 			return wrapNoSpace(err)
@@ -337,13 +333,13 @@ func commitStep(dir string, m StepManifest) error {
 	return nil
 }
 
-func readTracker(dir string) (StepManifest, error) {
-	name := filepath.Join(dir, TrackerFile)
+func readTracker(dir string) (layout.StepManifest, error) {
+	name := filepath.Join(dir, layout.TrackerFile)
 	b, err := os.ReadFile(name)
 	if err != nil {
-		return StepManifest{}, err
+		return layout.StepManifest{}, err
 	}
-	m, err := ParseStepManifest(b)
+	m, err := layout.ParseStepManifest(b)
 	return m, withFile(err, name)
 }
 
@@ -371,7 +367,7 @@ func stepDirs(dir string) (steps []int64, committed map[int64]bool, err error) {
 			continue
 		}
 		steps = append(steps, n)
-		if _, err := os.Stat(filepath.Join(dir, e.Name(), CommitFile)); err == nil {
+		if _, err := os.Stat(filepath.Join(dir, e.Name(), layout.CommitFile)); err == nil {
 			committed[n] = true
 		}
 	}
@@ -382,7 +378,7 @@ func stepDirs(dir string) (steps []int64, committed map[int64]bool, err error) {
 
 // ApplyRetention removes from dir the committed steps r does not keep and
 // the uncommitted step directories older than the newest committed step
-// (persists that never completed), holding the LockFile of dir. It never
+// (persists that never completed), holding the layout.LockFile of dir. It never
 // removes the step the tracker names, nor anything that is not a step
 // directory; a step another process removed meanwhile is no error. It
 // returns the steps removed.
@@ -436,7 +432,7 @@ func applyRetention(dir string, r Retention) ([]int64, error) {
 		// A step vanishes at once, by a rename, so that a crash in the
 		// middle of removing its files cannot leave a committed step with
 		// some of them gone.
-		err := os.Rename(StepDir(dir, s), filepath.Join(dir, fmt.Sprintf("%s%d", removingPrefix, s)))
+		err := os.Rename(layout.StepDir(dir, s), filepath.Join(dir, fmt.Sprintf("%s%d", removingPrefix, s)))
 		if errors.Is(err, fs.ErrNotExist) {
 			continue // removed by a process that does not take the lock
 		}
@@ -474,46 +470,46 @@ func LoadDiskStep(dir string, step int64, shard int) (*Checkpoint, error) {
 	if err != nil {
 		return nil, err
 	}
-	return readShardFile(filepath.Join(StepDir(dir, step), ShardFile(shard)), man)
+	return readShardFile(filepath.Join(layout.StepDir(dir, step), layout.ShardFile(shard)), man)
 }
 
 // checkDiskShard verifies, for shard of a committed step: the step
 // manifest, the shard manifest's CRC against it, and the data file's size.
-func checkDiskShard(dir string, step int64, shard int) (ShardManifest, error) {
-	stepDir := StepDir(dir, step)
-	cname := filepath.Join(stepDir, CommitFile)
+func checkDiskShard(dir string, step int64, shard int) (layout.ShardManifest, error) {
+	stepDir := layout.StepDir(dir, step)
+	cname := filepath.Join(stepDir, layout.CommitFile)
 	cb, err := os.ReadFile(cname)
 	if err != nil {
-		return ShardManifest{}, fmt.Errorf("step %d is not committed: %w", step, err)
+		return layout.ShardManifest{}, fmt.Errorf("step %d is not committed: %w", step, err)
 	}
-	sm, err := ParseStepManifest(cb)
+	sm, err := layout.ParseStepManifest(cb)
 	if err != nil {
-		return ShardManifest{}, withFile(err, cname)
+		return layout.ShardManifest{}, withFile(err, cname)
 	}
 	if sm.Step != step {
-		return ShardManifest{}, &FormatError{File: cname, Offset: -1, Field: "step", Msg: fmt.Sprintf("value %d in the directory of step %d", sm.Step, step)}
+		return layout.ShardManifest{}, &layout.ParseError{File: cname, Offset: -1, Field: "step", Msg: fmt.Sprintf("value %d in the directory of step %d", sm.Step, step)}
 	}
 	if shard < 0 {
-		return ShardManifest{}, fmt.Errorf("ckpt: load step %d from %s: shard %d is negative", step, dir, shard)
+		return layout.ShardManifest{}, fmt.Errorf("ckpt: load step %d from %s: shard %d is negative", step, dir, shard)
 	}
 	if shard >= len(sm.Shards) {
-		return ShardManifest{}, &FormatError{File: cname, Offset: -1, Field: "num_shards", Msg: fmt.Sprintf("value %d has no shard %d", len(sm.Shards), shard)}
+		return layout.ShardManifest{}, &layout.ParseError{File: cname, Offset: -1, Field: "num_shards", Msg: fmt.Sprintf("value %d has no shard %d", len(sm.Shards), shard)}
 	}
 	ref := sm.Shards[shard]
-	mname := filepath.Join(stepDir, ShardManifestFile(shard))
+	mname := filepath.Join(stepDir, layout.ShardManifestFile(shard))
 	mb, err := os.ReadFile(mname)
 	if err != nil {
-		return ShardManifest{}, err
+		return layout.ShardManifest{}, err
 	}
-	if c := CRC32C(mb); c != ref.ManifestCRC32C {
-		return ShardManifest{}, &FormatError{File: mname, Offset: -1, Msg: fmt.Sprintf("CRC32C %#08x, %s says %#08x", c, CommitFile, ref.ManifestCRC32C)}
+	if c := layout.CRC32C(mb); c != ref.ManifestCRC32C {
+		return layout.ShardManifest{}, &layout.ParseError{File: mname, Offset: -1, Msg: fmt.Sprintf("CRC32C %#08x, %s says %#08x", c, layout.CommitFile, ref.ManifestCRC32C)}
 	}
-	man, err := ParseShardManifest(mb)
+	man, err := layout.ParseShardManifest(mb)
 	if err != nil {
-		return ShardManifest{}, withFile(err, mname)
+		return layout.ShardManifest{}, withFile(err, mname)
 	}
 	if man.Step != step || man.Shard != shard || man.Size != ref.Size {
-		return ShardManifest{}, &FormatError{File: mname, Offset: -1,
+		return layout.ShardManifest{}, &layout.ParseError{File: mname, Offset: -1,
 			Msg: fmt.Sprintf("step %d shard %d size %d, want %d, %d, %d", man.Step, man.Shard, man.Size, step, shard, ref.Size)}
 	}
 	return man, nil
@@ -521,12 +517,12 @@ func checkDiskShard(dir string, step int64, shard int) (ShardManifest, error) {
 
 // readShardFile reads the blobs man describes from name, verifying sizes
 // and CRCs.
-func readShardFile(name string, man ShardManifest) (*Checkpoint, error) {
+func readShardFile(name string, man layout.ShardManifest) (*Checkpoint, error) {
 	return scanShardFile(name, man, false)
 }
 
 // scanShardFile reads or, with verifyOnly, only checks the blobs of name.
-func scanShardFile(name string, man ShardManifest, verifyOnly bool) (*Checkpoint, error) {
+func scanShardFile(name string, man layout.ShardManifest, verifyOnly bool) (*Checkpoint, error) {
 	f, err := os.Open(name)
 	if err != nil {
 		return nil, err
@@ -537,7 +533,7 @@ func scanShardFile(name string, man ShardManifest, verifyOnly bool) (*Checkpoint
 		return nil, err
 	}
 	if fi.Size() != man.Size {
-		return nil, &FormatError{File: name, Offset: -1, Field: "size", Msg: fmt.Sprintf("file is %d bytes, manifest says %d (truncated?)", fi.Size(), man.Size)}
+		return nil, &layout.ParseError{File: name, Offset: -1, Field: "size", Msg: fmt.Sprintf("file is %d bytes, manifest says %d (truncated?)", fi.Size(), man.Size)}
 	}
 	ck := &Checkpoint{Step: man.Step, Blobs: make([]Blob, len(man.Blobs))}
 	for k, e := range man.Blobs {

@@ -19,6 +19,9 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // node is an owner of n shards with a writer on each.
@@ -110,28 +113,28 @@ func TestCommitOnlyWhenEveryShardIsDurable(t *testing.T) {
 	if _, err := nd.o.Persist(ctx, 0); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := os.Stat(filepath.Join(dir, TrackerFile)); !errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(filepath.Join(dir, layout.TrackerFile)); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("tracker written with one shard of two durable: %v", err)
 	}
 	if _, err := nd.o.Persist(ctx, 1); err != nil {
 		t.Fatal(err)
 	}
-	if got := readFile(t, filepath.Join(dir, DLRoverTrackerFile)); got != "10" {
-		t.Fatalf("%s = %q", DLRoverTrackerFile, got)
+	if got := readFile(t, filepath.Join(dir, layout.DLRoverTrackerFile)); got != "10" {
+		t.Fatalf("%s = %q", layout.DLRoverTrackerFile, got)
 	}
-	if got := readFile(t, filepath.Join(dir, MegatronTrackerFile)); got != "10" {
-		t.Fatalf("%s = %q", MegatronTrackerFile, got)
+	if got := readFile(t, filepath.Join(dir, layout.MegatronTrackerFile)); got != "10" {
+		t.Fatalf("%s = %q", layout.MegatronTrackerFile, got)
 	}
 	tr, err := readTracker(dir)
 	if err != nil || tr.Step != 10 || len(tr.Shards) != 2 {
 		t.Fatalf("tracker = %+v, %v", tr, err)
 	}
 	var names []string
-	ents, _ := os.ReadDir(StepDir(dir, 10))
+	ents, _ := os.ReadDir(layout.StepDir(dir, 10))
 	for _, e := range ents {
 		names = append(names, e.Name())
 	}
-	if want := []string{CommitFile, "shard-00000.bin", "shard-00000.json", "shard-00001.bin", "shard-00001.json"}; !slices.Equal(names, want) {
+	if want := []string{layout.CommitFile, "shard-00000.bin", "shard-00000.json", "shard-00001.bin", "shard-00001.json"}; !slices.Equal(names, want) {
 		t.Fatalf("step directory holds %v, want %v", names, want)
 	}
 	for s := range 2 {
@@ -150,9 +153,9 @@ func TestRunPersistsWhatWritersAsk(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	dir := t.TempDir()
-	commits := make(chan StepManifest, 4)
+	commits := make(chan layout.StepManifest, 4)
 	nd := newNode(t, OwnerConfig{Dir: dir, PollInterval: 5 * time.Millisecond,
-		OnCommit: func(m StepManifest) { commits <- m }}, 2)
+		OnCommit: func(m layout.StepManifest) { commits <- m }}, 2)
 	done := make(chan error)
 	go func() { done <- nd.o.Run(ctx) }()
 
@@ -239,7 +242,7 @@ func TestTrackerNamesMissingStep(t *testing.T) {
 	nd := newNode(t, OwnerConfig{Dir: dir}, 1)
 	nd.persistAll(t, 10)
 	nd.persistAll(t, 20)
-	if err := os.RemoveAll(StepDir(dir, 20)); err != nil {
+	if err := os.RemoveAll(layout.StepDir(dir, 20)); err != nil {
 		t.Fatal(err)
 	}
 	ck, why, err := LoadDisk(dir, 0)
@@ -251,7 +254,7 @@ func TestTrackerNamesMissingStep(t *testing.T) {
 		t.Fatalf("reasons = %v", why)
 	}
 	err = Verify(dir)
-	if err == nil || !strings.Contains(err.Error(), DLRoverTrackerFile) || !strings.Contains(err.Error(), MegatronTrackerFile) {
+	if err == nil || !strings.Contains(err.Error(), layout.DLRoverTrackerFile) || !strings.Contains(err.Error(), layout.MegatronTrackerFile) {
 		t.Fatalf("Verify = %v, want every tracker reported", err)
 	}
 }
@@ -276,7 +279,7 @@ func TestDamagedShardFiles(t *testing.T) {
 			nd := newNode(t, OwnerConfig{Dir: dir}, 1)
 			nd.persistAll(t, 10)
 			nd.persistAll(t, 20)
-			tc.damage(t, filepath.Join(StepDir(dir, 20), ShardFile(0)))
+			tc.damage(t, filepath.Join(layout.StepDir(dir, 20), layout.ShardFile(0)))
 			ck, why, err := LoadDisk(dir, 0)
 			if err != nil {
 				t.Fatal(err)
@@ -312,7 +315,7 @@ func TestDiskFull(t *testing.T) {
 	if tr, err := readTracker(dir); err != nil || tr.Step != 1 {
 		t.Fatalf("tracker = %+v, %v; want step 1", tr, err)
 	}
-	ents, _ := os.ReadDir(StepDir(dir, 2))
+	ents, _ := os.ReadDir(layout.StepDir(dir, 2))
 	if len(ents) != 0 {
 		t.Fatalf("step 2 holds %d files after a failed persist", len(ents))
 	}
@@ -327,7 +330,7 @@ func TestRetention(t *testing.T) {
 	dir := t.TempDir()
 	var removedAll []int64
 	lc := &LocalCommitter{Dir: dir, Retention: Retention{KeepLatest: 2, KeepEvery: 4},
-		OnCommit: func(_ StepManifest, removed []int64) {
+		OnCommit: func(_ layout.StepManifest, removed []int64) {
 			removedAll = append(removedAll, removed...)
 			// The directory's lock is free: a callback may prune too.
 			if _, err := ApplyRetention(dir, Retention{KeepLatest: 2, KeepEvery: 4}); err != nil {
@@ -340,8 +343,8 @@ func TestRetention(t *testing.T) {
 	}
 	// Leftovers of persists cut short: one older and one newer than the
 	// newest commit.
-	os.Mkdir(StepDir(dir, 3), 0o750)
-	os.Mkdir(StepDir(dir, 99), 0o750)
+	os.Mkdir(layout.StepDir(dir, 3), 0o750)
+	os.Mkdir(layout.StepDir(dir, 99), 0o750)
 	os.WriteFile(filepath.Join(dir, "notes.txt"), nil, 0o640)
 	for step := int64(7); step <= 10; step++ {
 		nd.persistAll(t, step)
@@ -369,11 +372,11 @@ func TestCommitNeverMovesBack(t *testing.T) {
 	nd := newNode(t, OwnerConfig{Dir: dir}, 1)
 	nd.persistAll(t, 5)
 	nd.persistAll(t, 6)
-	err := CommitStep(dir, StepManifest{Step: 5, Shards: []ShardRef{{0, 1, 1}}})
+	err := CommitStep(dir, layout.StepManifest{Step: 5, Shards: []layout.ShardRef{{Shard: 0, Size: 1, ManifestCRC32C: 1}}})
 	if !errors.Is(err, ErrStale) {
 		t.Fatalf("CommitStep of an older step = %v, want ErrStale", err)
 	}
-	if got := readFile(t, filepath.Join(dir, DLRoverTrackerFile)); got != "6" {
+	if got := readFile(t, filepath.Join(dir, layout.DLRoverTrackerFile)); got != "6" {
 		t.Fatalf("tracker moved to %q", got)
 	}
 }
@@ -421,7 +424,7 @@ func TestPersistRefusesSymlinkedStepDir(t *testing.T) {
 	dir, elsewhere := t.TempDir(), t.TempDir()
 	nd := newNode(t, OwnerConfig{Dir: dir}, 1)
 	nd.saveAll(t, 7)
-	if err := os.Symlink(elsewhere, StepDir(dir, 7)); err != nil {
+	if err := os.Symlink(elsewhere, layout.StepDir(dir, 7)); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := nd.o.Persist(context.Background(), 0); err == nil || !strings.Contains(err.Error(), "symlink") {
@@ -439,10 +442,10 @@ type controlPlane struct {
 	mu        sync.Mutex
 	numShards int
 	dirs      []string
-	refs      map[int64][]*ShardRef
+	refs      map[int64][]*layout.ShardRef
 }
 
-func (c *controlPlane) ShardDurable(ctx context.Context, m ShardManifest) error {
+func (c *controlPlane) ShardDurable(ctx context.Context, m layout.ShardManifest) error {
 	ref, err := m.Ref()
 	if err != nil {
 		return err
@@ -450,10 +453,10 @@ func (c *controlPlane) ShardDurable(ctx context.Context, m ShardManifest) error 
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.refs[m.Step] == nil {
-		c.refs[m.Step] = make([]*ShardRef, c.numShards)
+		c.refs[m.Step] = make([]*layout.ShardRef, c.numShards)
 	}
 	c.refs[m.Step][m.Shard] = &ref
-	sm := StepManifest{Step: m.Step}
+	sm := layout.StepManifest{Step: m.Step}
 	for _, r := range c.refs[m.Step] {
 		if r == nil {
 			return nil // not yet
@@ -475,7 +478,7 @@ func (c *controlPlane) ShardDurable(ctx context.Context, m ShardManifest) error 
 func TestCommitAcrossNodes(t *testing.T) {
 	ctx := context.Background()
 	dirs := []string{t.TempDir(), t.TempDir()}
-	cp := &controlPlane{numShards: 2, dirs: dirs, refs: map[int64][]*ShardRef{}}
+	cp := &controlPlane{numShards: 2, dirs: dirs, refs: map[int64][]*layout.ShardRef{}}
 	var nodes []*node
 	for s, d := range dirs {
 		nd := newNode(t, OwnerConfig{Shards: []int{s}, NumShards: 2, Dir: d, Committer: cp}, 1)
@@ -488,7 +491,7 @@ func TestCommitAcrossNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, d := range dirs {
-		if _, err := os.Stat(filepath.Join(d, TrackerFile)); !errors.Is(err, os.ErrNotExist) {
+		if _, err := os.Stat(filepath.Join(d, layout.TrackerFile)); !errors.Is(err, os.ErrNotExist) {
 			t.Fatalf("%s: tracker written with one shard of two durable: %v", d, err)
 		}
 	}
@@ -496,8 +499,8 @@ func TestCommitAcrossNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	for s, d := range dirs {
-		if got := readFile(t, filepath.Join(d, DLRoverTrackerFile)); got != "7" {
-			t.Fatalf("%s: %s = %q", d, DLRoverTrackerFile, got)
+		if got := readFile(t, filepath.Join(d, layout.DLRoverTrackerFile)); got != "7" {
+			t.Fatalf("%s: %s = %q", d, layout.DLRoverTrackerFile, got)
 		}
 		ck, why, err := LoadDisk(d, s)
 		if err != nil || len(why) != 0 {
@@ -540,7 +543,7 @@ func TestPersistWritesBack(t *testing.T) {
 	if _, err := nd.o.Persist(context.Background(), 0); err != nil {
 		t.Fatal(err)
 	}
-	name := filepath.Join(StepDir(dir, 5), ShardFile(0))
+	name := filepath.Join(layout.StepDir(dir, 5), layout.ShardFile(0))
 	var total int64
 	for _, b := range blobs {
 		total += int64(len(b.Data))
@@ -625,10 +628,8 @@ func TestCommitAcrossProcesses(t *testing.T) {
 	}
 	var agents []agent
 	for shard := range 2 {
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), childEnv+"=shard", fmt.Sprint("FAULTLINE_CKPT_SHARD=", shard),
+		cmd := testkit.Command(t, "shard", fmt.Sprint("FAULTLINE_CKPT_SHARD=", shard),
 			"FAULTLINE_CKPT_SHM="+shm, "FAULTLINE_CKPT_DIR="+dir)
-		cmd.Stderr = os.Stderr
 		in, err := cmd.StdinPipe()
 		if err != nil {
 			t.Fatal(err)
@@ -694,9 +695,9 @@ func TestResaveCommittedStep(t *testing.T) {
 	logs := &syncBuffer{}
 	nd := newNode(t, OwnerConfig{Dir: dir, Logger: slog.New(slog.NewTextHandler(logs, nil))}, 1)
 	nd.persistAll(t, 1)
-	data := filepath.Join(StepDir(dir, 1), ShardFile(0))
+	data := filepath.Join(layout.StepDir(dir, 1), layout.ShardFile(0))
 	flipBit(t, data, 100)
-	if _, err := LoadDiskStep(dir, 1, 0); !errors.Is(err, ErrCorrupt) {
+	if _, err := LoadDiskStep(dir, 1, 0); !errors.Is(err, layout.ErrCorrupt) {
 		t.Fatalf("LoadDiskStep of the damaged copy = %v", err)
 	}
 

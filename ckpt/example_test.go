@@ -6,6 +6,7 @@ import (
 	"os"
 
 	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // A node agent owns the shared memory and the disk tier; the trainer saves
@@ -59,7 +60,7 @@ func ExampleLoadDisk() {
 
 	ck, _, err := ckpt.LoadDisk(dir, 0)
 	fmt.Println(ck.Step, string(ck.Blob("model")), err)
-	b, _ := os.ReadFile(dir + "/" + ckpt.DLRoverTrackerFile)
+	b, _ := os.ReadFile(dir + "/" + layout.DLRoverTrackerFile)
 	fmt.Println(string(b))
 	// Output:
 	// 7 w7 <nil>
@@ -106,27 +107,4 @@ func ExamplePickPeers() {
 	// Output:
 	// [node-2]
 	// [node-0 node-1]
-}
-
-// The blob table of a half is a documented byte format; StepMeta encodes
-// and decodes it. A writer leaves it unsealed; the owner seals it with the
-// CRC of every blob.
-func ExampleParseStepMeta() {
-	m := ckpt.StepMeta{Seq: 1, Step: 42, Blobs: []ckpt.BlobEntry{{Name: "model", Offset: 128, Size: 1000}}}
-	b, _ := m.MarshalBinary()
-	got, err := ckpt.ParseStepMeta(b, 4096)
-	fmt.Println(len(b), got.Step, got.Blobs[0].Name, got.Blobs[0].Size, got.Sealed, err)
-
-	m.Blobs[0].CRC32C, m.Sealed = ckpt.CRC32C(make([]byte, 1000)), true
-	b, _ = m.MarshalBinary()
-	got, err = ckpt.ParseStepMeta(b, 4096)
-	fmt.Printf("%v %#08x %v\n", got.Sealed, got.Blobs[0].CRC32C, err)
-
-	b[30] ^= 1 // a flipped bit
-	_, err = ckpt.ParseStepMeta(b, 4096)
-	fmt.Println(err)
-	// Output:
-	// 100 42 model 1000 false <nil>
-	// true 0xd84dda57 <nil>
-	// ckpt: offset 60: field meta_crc32c: value 0xa2decf93, computed 0x432239da
 }

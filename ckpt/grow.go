@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // errReplaced says that a segment's path names another file than the one
@@ -56,7 +58,7 @@ func (s *segment) grow(halfSize int64, keep int) (*segment, error) {
 		return nil, errReplaced
 	}
 	h := s.hdr
-	h.HalfSize = alignUp(halfSize, PageSize)
+	h.HalfSize = alignUp(halfSize, layout.PageSize)
 	tmp, err := newSegmentFile(s.path, h)
 	if err != nil {
 		return nil, fmt.Errorf("ckpt: grow segment %s from halves of %d bytes to %d: %w", s.path, s.hdr.HalfSize, h.HalfSize, err)
@@ -76,7 +78,7 @@ func (s *segment) grow(halfSize int64, keep int) (*segment, error) {
 			return nil, fmt.Errorf("ckpt: grow segment %s: copy half %d: %w", s.path, i, err)
 		}
 	}
-	atomic.StoreUint64(g.u64(offPersistSeq), s.persistSeq())
+	atomic.StoreUint64(g.u64(layout.OffPersistSeq), s.persistSeq())
 	if err := os.Rename(tmp, s.path); err != nil {
 		g.close()
 		return nil, fmt.Errorf("ckpt: grow segment %s: %w", s.path, err)
@@ -90,7 +92,7 @@ func (s *segment) grow(halfSize int64, keep int) (*segment, error) {
 // (sealed, with its CRC array, or not) and its blobs, unchecked. A half
 // that a writer took over meanwhile gives ErrSuperseded.
 func (g *segment) copyHalf(j int, src *segment, i int) error {
-	return src.read(i, false, func(m StepMeta, half []byte, valid func() error) error {
+	return src.read(i, false, func(m layout.StepMeta, half []byte, valid func() error) error {
 		b, err := m.MarshalBinary()
 		if err != nil {
 			return err
@@ -107,7 +109,9 @@ func (g *segment) copyHalf(j int, src *segment, i int) error {
 		if err := valid(); err != nil {
 			return err
 		}
-		atomic.StoreUint32(g.u32(g.halfBase(j)+offState), StateComplete)
+		atomic.StoreUint32(g.u32(g.halfBase(j)+layout.OffState), layout.StateComplete)
 		return nil
 	})
 }
+
+func alignUp(n, a int64) int64 { return (n + a - 1) / a * a }

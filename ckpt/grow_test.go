@@ -6,12 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // TestSaveGrowsSegment saves a step larger than the segment's halves: the
@@ -89,10 +91,8 @@ func TestGrowUnderSavingTrainer(t *testing.T) {
 	tb := newTestBlobs(64 << 10)
 	last := int64(-1)
 	for trial := range 5 {
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), childEnv+"=saver", "FAULTLINE_CKPT_SEGMENT="+path,
+		cmd := testkit.Command(t, "saver", "FAULTLINE_CKPT_SEGMENT="+path,
 			fmt.Sprint("FAULTLINE_CKPT_START=", last+1), "FAULTLINE_CKPT_REPORT=1")
-		cmd.Stderr = os.Stderr
 		out, err := cmd.StdoutPipe()
 		if err != nil {
 			t.Fatal(err)
@@ -128,7 +128,7 @@ func TestGrowUnderSavingTrainer(t *testing.T) {
 		if ck.Step < reported {
 			t.Fatalf("trial %d: the trainer saved step %d, the grown segment holds step %d: a save was lost", trial, reported, ck.Step)
 		}
-		if r, err := InspectSegment(path); err != nil || r.Header.HalfSize != alignUp(cfg.Capacity, PageSize) {
+		if r, err := InspectSegment(path); err != nil || r.Header.HalfSize != alignUp(cfg.Capacity, layout.PageSize) {
 			t.Fatalf("trial %d: segment %+v, %v", trial, r.Header, err)
 		}
 		last = ck.Step
@@ -158,7 +158,7 @@ func TestGrowErrorsSayHowToRecover(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = NewOwner(OwnerConfig{ShmDir: shm, Shards: []int{2}, Capacity: 8192})
-	if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), bad) || !strings.Contains(err.Error(), "remove it") {
+	if !errors.Is(err, layout.ErrCorrupt) || !strings.Contains(err.Error(), bad) || !strings.Contains(err.Error(), "remove it") {
 		t.Fatalf("a file that is no segment: %v", err)
 	}
 	// A writer before its owner.
@@ -173,7 +173,7 @@ func TestGrowErrorsSayHowToRecover(t *testing.T) {
 func TestBadSaveGrowsNothing(t *testing.T) {
 	_, w := newPair(t, OwnerConfig{Capacity: 8192})
 	err := w.Save(context.Background(), 1, Blob{Name: "a", Data: make([]byte, 9000)}, Blob{Name: "a"})
-	if err == nil || !strings.Contains(err.Error(), "duplicate") || errors.Is(err, ErrCorrupt) || w.Capacity() != 8192 {
+	if err == nil || !strings.Contains(err.Error(), "duplicate") || errors.Is(err, layout.ErrCorrupt) || w.Capacity() != 8192 {
 		t.Fatalf("Save of a bad, large step = %v, capacity %d", err, w.Capacity())
 	}
 }
@@ -187,16 +187,16 @@ func TestOwnerGrow(t *testing.T) {
 	if err := w.Save(ctx, 1, Blob{Name: "model", Data: []byte{1}}); err != nil {
 		t.Fatal(err)
 	}
-	if got, err := o.Grow(0, 100000); err != nil || got != alignUp(100000, PageSize) {
+	if got, err := o.Grow(0, 100000); err != nil || got != alignUp(100000, layout.PageSize) {
 		t.Fatalf("Grow = %d, %v", got, err)
 	}
-	if got, err := o.Grow(0, 9000); err != nil || got != alignUp(100000, PageSize) {
+	if got, err := o.Grow(0, 9000); err != nil || got != alignUp(100000, layout.PageSize) {
 		t.Fatalf("Grow to less = %d, %v", got, err)
 	}
 	if _, err := o.Grow(5, 9000); err == nil {
 		t.Fatal("Grow of a shard that is not local succeeded")
 	}
-	if err := w.Save(ctx, 2, Blob{Name: "model", Data: make([]byte, 90000)}); err != nil || w.Capacity() != alignUp(100000, PageSize) {
+	if err := w.Save(ctx, 2, Blob{Name: "model", Data: make([]byte, 90000)}); err != nil || w.Capacity() != alignUp(100000, layout.PageSize) {
 		t.Fatalf("Save after the owner grew the segment = %v; writer capacity %d", err, w.Capacity())
 	}
 	for step := int64(2); step >= 1; step-- {

@@ -9,49 +9,30 @@ import (
 	"path/filepath"
 	"runtime/debug"
 	"slices"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
-
-// HalfReport is what InspectSegment found in one half.
-type HalfReport struct {
-	State uint32
-	Meta  StepMeta // when the table is valid; Meta.Sealed says whether the CRCs are known
-	// Err says why the half holds no intact step; nil when it does: a
-	// sealed step whose every CRC holds, or a complete step not sealed yet,
-	// which has nothing to check.
-	Err error
-	// Corrupt is set when the half claims a complete step that fails a
-	// check: a flipped bit, not an interrupted save.
-	Corrupt bool
-}
-
-// SegmentReport is what InspectSegment found in a segment.
-type SegmentReport struct {
-	Path       string
-	Header     SegmentHeader // with the live words as read
-	Halves     [2]HalfReport
-	NewestHalf int // the half Load would serve, -1 if none
-}
 
 // InspectSegment maps the segment at path read-only and checks both
 // halves, every CRC of a sealed step included. It does not disturb a
 // writer or an owner, and seals nothing.
-func InspectSegment(path string) (_ SegmentReport, err error) {
+func InspectSegment(path string) (rep layout.SegmentReport, err error) {
 	seg, err := openSegment(path, true)
 	if err != nil {
-		return SegmentReport{}, err
+		return layout.SegmentReport{}, err
 	}
 	defer seg.close()
 	defer recoverFault(&err, debug.SetPanicOnFault(true))
-	r := SegmentReport{Path: path, Header: seg.hdr, NewestHalf: -1}
+	r := layout.SegmentReport{Path: path, Header: seg.hdr, NewestHalf: -1}
 	r.Header.Active, r.Header.PersistSeq = seg.active(), seg.persistSeq()
 	for i := range 2 {
 		h := &r.Halves[i]
 		h.State = seg.state(i)
-		h.Err = seg.read(i, false, func(m StepMeta, half []byte, _ func() error) error {
+		h.Err = seg.read(i, false, func(m layout.StepMeta, half []byte, _ func() error) error {
 			h.Meta = m
 			return checkBlobs(m, half)
 		})
-		h.Corrupt = h.State != StateEmpty && h.State != StateWriting && errors.Is(h.Err, ErrCorrupt)
+		h.Corrupt = h.State != layout.StateEmpty && h.State != layout.StateWriting && errors.Is(h.Err, layout.ErrCorrupt)
 	}
 	for _, i := range seg.newest() {
 		if r.Halves[i].Err == nil {
@@ -62,50 +43,11 @@ func InspectSegment(path string) (_ SegmentReport, err error) {
 	return r, nil
 }
 
-// ShardReport is the state of one shard file of a step on disk.
-type ShardReport struct {
-	Shard  int
-	Size   int64
-	Blobs  int
-	Absent bool  // neither data nor manifest here (another node's shard)
-	Err    error // nil when every check holds
-}
-
-// StepReport is the state of one step directory.
-type StepReport struct {
-	Step      int64
-	Committed bool
-	Err       error // why the CommitFile of a committed step fails a check; nil when it holds
-	Shards    []ShardReport
-}
-
-// TrackerReport is the state of one tracker file.
-type TrackerReport struct {
-	File string
-	Step int64 // -1 when absent or unreadable
-	Err  error
-}
-
-// DirReport is what InspectDir found in a disk tier.
-type DirReport struct {
-	Dir string
-	// Absent says that Dir does not exist: nothing is on disk yet (a
-	// memory-only job, or none persisted). That is no problem.
-	Absent   bool
-	Trackers []TrackerReport
-	Steps    []StepReport // newest first
-	// Problems are the corruptions found, each wrapping ErrCorrupt:
-	// trackers naming a step that is not committed, committed shards that
-	// fail a check or whose files are gone. Uncommitted step directories
-	// (persists in progress or cut short) are none.
-	Problems []error
-}
-
 // InspectDir checks every step directory of the disk tier at dir, every
 // CRC included, and the trackers. A dir that does not exist is reported
 // Absent, with nothing on disk.
-func InspectDir(dir string) (DirReport, error) {
-	r := DirReport{Dir: dir}
+func InspectDir(dir string) (layout.DirReport, error) {
+	r := layout.DirReport{Dir: dir}
 	steps, committed, err := stepDirs(dir)
 	if errors.Is(err, fs.ErrNotExist) {
 		r.Absent = true
@@ -115,18 +57,18 @@ func InspectDir(dir string) (DirReport, error) {
 		return r, err
 	}
 	for _, s := range steps {
-		sr := StepReport{Step: s, Committed: committed[s]}
-		n := shardsIn(StepDir(dir, s))
+		sr := layout.StepReport{Step: s, Committed: committed[s]}
+		n := shardsIn(layout.StepDir(dir, s))
 		if sr.Committed {
-			b, err := os.ReadFile(filepath.Join(StepDir(dir, s), CommitFile))
+			b, err := os.ReadFile(filepath.Join(layout.StepDir(dir, s), layout.CommitFile))
 			if err == nil {
-				var sm StepManifest
-				if sm, err = ParseStepManifest(b); err == nil {
+				var sm layout.StepManifest
+				if sm, err = layout.ParseStepManifest(b); err == nil {
 					n = max(n, len(sm.Shards))
 				}
 			}
 			if err != nil {
-				sr.Err = withFile(err, filepath.Join(StepDir(dir, s), CommitFile))
+				sr.Err = withFile(err, filepath.Join(layout.StepDir(dir, s), layout.CommitFile))
 				r.Problems = append(r.Problems, corrupt(fmt.Errorf("step %d: %w", s, sr.Err)))
 			}
 		}
@@ -139,20 +81,20 @@ func InspectDir(dir string) (DirReport, error) {
 		}
 		r.Steps = append(r.Steps, sr)
 	}
-	for _, name := range []string{TrackerFile, DLRoverTrackerFile, MegatronTrackerFile} {
-		t := TrackerReport{File: name, Step: -1}
+	for _, name := range []string{layout.TrackerFile, layout.DLRoverTrackerFile, layout.MegatronTrackerFile} {
+		t := layout.TrackerReport{File: name, Step: -1}
 		b, err := os.ReadFile(filepath.Join(dir, name))
 		switch {
 		case errors.Is(err, fs.ErrNotExist):
 			r.Trackers = append(r.Trackers, t)
 			continue
 		case err != nil:
-		case name == TrackerFile:
-			var m StepManifest
-			m, err = ParseStepManifest(b)
+		case name == layout.TrackerFile:
+			var m layout.StepManifest
+			m, err = layout.ParseStepManifest(b)
 			t.Step = m.Step
 		default:
-			t.Step, err = ParseStepText(b)
+			t.Step, err = layout.ParseStepText(b)
 		}
 		if err == nil && !committed[t.Step] {
 			err = fmt.Errorf("names step %d, which is not committed", t.Step)
@@ -172,10 +114,10 @@ func InspectDir(dir string) (DirReport, error) {
 type corruptError struct{ err error }
 
 func (e corruptError) Error() string   { return e.err.Error() }
-func (e corruptError) Unwrap() []error { return []error{e.err, ErrCorrupt} }
+func (e corruptError) Unwrap() []error { return []error{e.err, layout.ErrCorrupt} }
 
 func corrupt(err error) error {
-	if errors.Is(err, ErrCorrupt) {
+	if errors.Is(err, layout.ErrCorrupt) {
 		return err
 	}
 	return corruptError{err}
@@ -195,30 +137,30 @@ func shardsIn(stepDir string) int {
 	return n
 }
 
-func inspectShard(dir string, step int64, shard int, committed bool) ShardReport {
-	rep := ShardReport{Shard: shard}
-	stepDir := StepDir(dir, step)
-	_, derr := os.Stat(filepath.Join(stepDir, ShardFile(shard)))
-	_, merr := os.Stat(filepath.Join(stepDir, ShardManifestFile(shard)))
+func inspectShard(dir string, step int64, shard int, committed bool) layout.ShardReport {
+	rep := layout.ShardReport{Shard: shard}
+	stepDir := layout.StepDir(dir, step)
+	_, derr := os.Stat(filepath.Join(stepDir, layout.ShardFile(shard)))
+	_, merr := os.Stat(filepath.Join(stepDir, layout.ShardManifestFile(shard)))
 	if errors.Is(derr, fs.ErrNotExist) && errors.Is(merr, fs.ErrNotExist) {
 		rep.Absent, rep.Err = true, errors.New("absent here")
 		return rep
 	}
-	var man ShardManifest
+	var man layout.ShardManifest
 	var err error
 	if committed {
 		man, err = checkDiskShard(dir, step, shard)
 	} else {
-		name := filepath.Join(stepDir, ShardManifestFile(shard))
+		name := filepath.Join(stepDir, layout.ShardManifestFile(shard))
 		var b []byte
 		if b, err = os.ReadFile(name); err == nil {
-			man, err = ParseShardManifest(b)
+			man, err = layout.ParseShardManifest(b)
 			err = withFile(err, name)
 		}
 	}
 	if err == nil {
 		rep.Size, rep.Blobs = man.Size, len(man.Blobs)
-		_, err = scanShardFile(filepath.Join(stepDir, ShardFile(shard)), man, true)
+		_, err = scanShardFile(filepath.Join(stepDir, layout.ShardFile(shard)), man, true)
 	}
 	rep.Err = err
 	return rep
@@ -226,7 +168,7 @@ func inspectShard(dir string, step int64, shard int, committed bool) ShardReport
 
 // Verify checks the disk tier at dir and the segments at paths and
 // returns every corruption found, joined, or nil; an error that does not
-// wrap ErrCorrupt is one that kept it from checking (a file it cannot
+// wrap layout.ErrCorrupt is one that kept it from checking (a file it cannot
 // open). Interrupted saves and persists are not corruption: the design
 // leaves them behind and never loads them; nor are steps not sealed yet,
 // or seals cut short, which only leave a step unsealed; nor is a dir that
@@ -263,7 +205,7 @@ func Verify(dir string, paths ...string) error {
 // any over. A step not sealed yet is loaded Unverified. It reads segments
 // of layout version 1 too. The error wraps ErrNoStep and says why each
 // half was refused.
-func LoadSegment(path string) (_ *Checkpoint, err error) {
+func LoadSegment(path string) (ck *Checkpoint, err error) {
 	seg, err := openSegment(path, true)
 	if err != nil {
 		return nil, err
@@ -287,7 +229,7 @@ func LoadSegment(path string) (_ *Checkpoint, err error) {
 // which tier served and why each newer step was passed over; the error
 // wraps ErrNoStep when no tier holds an intact step. For several shards
 // of a job, load each at CommonStep.
-func LoadShard(path, dir string, shard int, step int64) (_ *Checkpoint, rep LoadReport, err error) {
+func LoadShard(path, dir string, shard int, step int64) (ck *Checkpoint, rep LoadReport, err error) {
 	rep = LoadReport{Shard: shard, Step: -1}
 	mem := tierSteps{none: errors.New("no segment given")}
 	if path != "" {
@@ -329,7 +271,7 @@ func openShard(path string, shard int) (*segment, error) {
 	if err != nil {
 		return nil, err
 	}
-	if seg.hdr.Shard != shard || seg.hdr.Flags&FlagReplica != 0 {
+	if seg.hdr.Shard != shard || seg.hdr.Flags&layout.FlagReplica != 0 {
 		seg.close()
 		return nil, fmt.Errorf("segment %s holds shard %d (flags %d), not shard %d", path, seg.hdr.Shard, seg.hdr.Flags, shard)
 	}
@@ -342,7 +284,7 @@ func openShard(path string, shard int) (*segment, error) {
 func segmentSteps(seg *segment) tierSteps {
 	t := tierSteps{steps: memorySteps(seg)}
 	for i := range 2 {
-		if _, ok := seg.metaOK(i); !ok && seg.state(i) != StateEmpty {
+		if _, ok := seg.metaOK(i); !ok && seg.state(i) != layout.StateEmpty {
 			t.notes = append(t.notes, fmt.Errorf("memory: %w", seg.whyNot(i)))
 		}
 	}
@@ -386,7 +328,7 @@ func (t tierSteps) only(step int64) tierSteps {
 // it reads: the step a job's shards load together, so that none restores
 // a step the others cannot match. The reasons each newer step was passed
 // over come back with it, or in the error, which then wraps ErrNoStep.
-func CommonStep(dir string, segments map[int]string) (_ int64, why []error, err error) {
+func CommonStep(dir string, segments map[int]string) (common int64, why []error, err error) {
 	if len(segments) == 0 {
 		return -1, nil, errors.New("ckpt: CommonStep: no shards")
 	}
@@ -444,7 +386,7 @@ func CommonStep(dir string, segments map[int]string) (_ int64, why []error, err 
 		if slices.Contains(disk.steps, step) {
 			man, err := checkDiskShard(dir, step, sh)
 			if err == nil {
-				_, err = scanShardFile(filepath.Join(StepDir(dir, step), ShardFile(sh)), man, true)
+				_, err = scanShardFile(filepath.Join(layout.StepDir(dir, step), layout.ShardFile(sh)), man, true)
 			}
 			if err == nil {
 				return nil
@@ -486,10 +428,4 @@ func CommonStep(dir string, segments map[int]string) (_ int64, why []error, err 
 		why = append(why, fmt.Errorf("disk: %w", disk.none))
 	}
 	return -1, why, fmt.Errorf("%w that shards %v all hold: %w", ErrNoStep, shards, errors.Join(why...))
-}
-
-// StepSize is the half size (OwnerConfig.Capacity) that holds a step of
-// blobs with these names and sizes, rounded up to whole pages.
-func StepSize(names []string, sizes []int64) int64 {
-	return alignUp(layoutStep(0, names, sizes).End(), PageSize)
 }

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // TestSaveSIGKILL kills a trainer process that saves in a loop at random
@@ -49,7 +51,7 @@ func TestSaveSIGKILL(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, h := range rep.Halves {
-			if h.State == StateWriting {
+			if h.State == layout.StateWriting {
 				torn++
 			}
 			if h.Corrupt {
@@ -144,8 +146,8 @@ func TestSealSIGKILL(t *testing.T) {
 		}
 		seg := o.segs[0]
 		for i := range 2 {
-			if h := seg.half(i); seg.state(i) == StateComplete && seg.sealWord(i) == Unsealed &&
-				strings.Trim(string(h[offSealCRC:offSealCRC+4])+string(h[StepHeaderSize+rep.Halves[i].Meta.TableSize():rep.Halves[i].Meta.MetaSize()]), "\x00") != "" {
+			if h := seg.half(i); seg.state(i) == layout.StateComplete && seg.sealWord(i) == layout.Unsealed &&
+				strings.Trim(string(h[layout.OffSealCRC:layout.OffSealCRC+4])+string(h[layout.StepHeaderSize+rep.Halves[i].Meta.TableSize():rep.Halves[i].Meta.MetaSize()]), "\x00") != "" {
 				midSeal++ // some of the seal stored, not its seal word
 			}
 		}

@@ -13,6 +13,8 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // Tier names a place a step is loaded from.
@@ -123,7 +125,7 @@ func (o *Owner) load(ctx context.Context, shard int, step int64) (ck *Checkpoint
 		span.End()
 	}()
 	refuse := func(t Tier, err error) {
-		if errors.Is(err, ErrCorrupt) {
+		if errors.Is(err, layout.ErrCorrupt) {
 			o.m.crcFailures.Inc()
 		}
 		rep.Refused = append(rep.Refused, &TierError{t, err})
@@ -167,7 +169,7 @@ func (o *Owner) load(ctx context.Context, shard int, step int64) (ck *Checkpoint
 	notes := len(rep.Notes)
 	c, t := loadNewest(&rep, mem, fetch, disk)
 	for _, e := range rep.Notes[notes:] {
-		if errors.Is(e, ErrCorrupt) {
+		if errors.Is(e, layout.ErrCorrupt) {
 			o.m.crcFailures.Inc()
 		}
 	}
@@ -298,7 +300,7 @@ func diskSteps(dir string, shard int) tierSteps {
 		}
 	}
 	if m, err := readTracker(dir); err == nil && !committed[m.Step] {
-		t.notes = append(t.notes, fmt.Errorf("%s names step %d, which is not committed in %s", TrackerFile, m.Step, dir))
+		t.notes = append(t.notes, fmt.Errorf("%s names step %d, which is not committed in %s", layout.TrackerFile, m.Step, dir))
 	} else if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		t.notes = append(t.notes, fmt.Errorf("tracker: %w", err))
 	}
@@ -374,7 +376,7 @@ func (o *Owner) fetch(ctx context.Context, seg *segment, step int64) (*Checkpoin
 	defer span.End()
 	var errs []error
 	for _, p := range o.peers {
-		m, _, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (StepMeta, int64, error) {
+		m, _, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (layout.StepMeta, int64, error) {
 			m, err := getReplica(conn, shard, step, o.cfg.IOTimeout, func(need int64) (*segment, error) {
 				if need > seg.hdr.HalfSize {
 					return nil, fmt.Errorf("%w: replica needs %d bytes per half, %s has %d: restart the owner with OwnerConfig.Capacity %d or more to restore it",

@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // flipStep flips a bit 100 bytes into the first blob of step in seg, once
@@ -28,7 +30,7 @@ func flipStep(t *testing.T, seg *segment, step int64) {
 // flipDisk flips a bit of shard's data file of step.
 func flipDisk(t *testing.T, dir string, step int64, shard int) {
 	t.Helper()
-	flipBit(t, filepath.Join(StepDir(dir, step), ShardFile(shard)), 100)
+	flipBit(t, filepath.Join(layout.StepDir(dir, step), layout.ShardFile(shard)), 100)
 }
 
 // TestLoadNeverRollsBack damages the newest steps in one tier after
@@ -105,7 +107,7 @@ func TestLoadShard(t *testing.T) {
 	flipStep(t, nd.o.segs[0], 2)
 
 	ck, rep, err := LoadShard(path, dir, 0, -1)
-	if err != nil || rep.Tier != TierDisk || len(rep.Notes) == 0 || !errors.Is(rep.Notes[0], ErrCorrupt) {
+	if err != nil || rep.Tier != TierDisk || len(rep.Notes) == 0 || !errors.Is(rep.Notes[0], layout.ErrCorrupt) {
 		t.Fatalf("LoadShard = %s, %v; want step 2 from disk, memory's passed over as corrupt", rep, err)
 	}
 	checkShard(t, ck, 0, 2)
@@ -142,7 +144,7 @@ func TestLoadShard(t *testing.T) {
 	if r, err := InspectDir(filepath.Join(t.TempDir(), "none")); err != nil || !r.Absent {
 		t.Fatalf("InspectDir of a missing tier = %+v, %v; want Absent", r, err)
 	}
-	if err := Verify(filepath.Join(t.TempDir(), "none"), path); !errors.Is(err, ErrCorrupt) || strings.Contains(err.Error(), "none") {
+	if err := Verify(filepath.Join(t.TempDir(), "none"), path); !errors.Is(err, layout.ErrCorrupt) || strings.Contains(err.Error(), "none") {
 		t.Fatalf("Verify = %v; want the damaged step 2 alone, a missing disk tier no problem", err)
 	}
 }

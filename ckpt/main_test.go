@@ -5,12 +5,14 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 func TestMain(m *testing.M) {
 	// The crash tests re-execute this binary as the trainer or the owner
 	// that they SIGKILL.
-	if role := os.Getenv(childEnv); role != "" {
+	if role := testkit.Role(); role != "" {
 		os.Exit(runChild(role))
 	}
 	goleak.VerifyTestMain(m)

@@ -1,6 +1,7 @@
 package ckpt
 
 import (
+	"cmp"
 	"fmt"
 	"log/slog"
 
@@ -117,15 +118,9 @@ func newOwnerMetrics(reg prometheus.Registerer) (*ownerMetrics, error) {
 }
 
 func tracerOf(tp trace.TracerProvider) trace.Tracer {
-	if tp == nil {
-		tp = noop.NewTracerProvider()
-	}
-	return tp.Tracer(instrumentation)
+	return cmp.Or(tp, trace.TracerProvider(noop.NewTracerProvider())).Tracer(instrumentation)
 }
 
 func loggerOf(l *slog.Logger) *slog.Logger {
-	if l == nil {
-		return slog.New(slog.DiscardHandler)
-	}
-	return l
+	return cmp.Or(l, slog.New(slog.DiscardHandler))
 }

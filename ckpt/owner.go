@@ -1,12 +1,10 @@
 package ckpt
 
 import (
-	"bufio"
+	"cmp"
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"maps"
 	"net"
@@ -23,6 +21,8 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/errgroup"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // OwnerConfig configures an Owner. The zero value of each field is a
@@ -40,7 +40,7 @@ type OwnerConfig struct {
 	// Shards plus one.
 	NumShards int
 	// Capacity is the size of a half in bytes: the largest step of one
-	// shard, its blob table included. StepSize computes it. A segment
+	// shard, its blob table included. layout.StepSize computes it. A segment
 	// takes 2*Capacity + 4 KiB of shared memory. An existing segment with
 	// smaller halves is grown to it, keeping its steps; a larger one is
 	// kept. A save of a larger step grows the segment (Writer.Save).
@@ -53,7 +53,7 @@ type OwnerConfig struct {
 	// Committer learns of durable shards; default a LocalCommitter on Dir.
 	Committer Committer
 	// OnCommit, if set, is called after the default committer commits.
-	OnCommit func(StepManifest)
+	OnCommit func(layout.StepManifest)
 	// PollInterval is how often Run looks for new saves to seal and
 	// replicate and for persist requests; default 100ms. A save stays
 	// unsealed (its CRCs unknown) for up to about this long.
@@ -89,10 +89,10 @@ func (c OwnerConfig) Validate() error {
 	switch {
 	case len(c.Shards) == 0:
 		return errors.New("ckpt: OwnerConfig.Shards is empty")
-	case c.Capacity <= 0 || c.Capacity > maxHalfSize:
-		return fmt.Errorf("ckpt: OwnerConfig.Capacity is %d, want 1..%d", c.Capacity, int64(maxHalfSize))
-	case c.NumShards < 0 || c.NumShards > MaxShards:
-		return fmt.Errorf("ckpt: OwnerConfig.NumShards is %d, want 0..%d", c.NumShards, MaxShards)
+	case c.Capacity <= 0 || c.Capacity > layout.MaxHalfSize:
+		return fmt.Errorf("ckpt: OwnerConfig.Capacity is %d, want 1..%d", c.Capacity, int64(layout.MaxHalfSize))
+	case c.NumShards < 0 || c.NumShards > layout.MaxShards:
+		return fmt.Errorf("ckpt: OwnerConfig.NumShards is %d, want 0..%d", c.NumShards, layout.MaxShards)
 	case strings.ContainsRune(c.Name, '/'):
 		return fmt.Errorf("ckpt: OwnerConfig.Name %q holds a slash", c.Name)
 	case c.PollInterval < 0:
@@ -106,8 +106,8 @@ func (c OwnerConfig) Validate() error {
 	}
 	seen := map[int]bool{}
 	for i, s := range c.Shards {
-		if s < 0 || s >= MaxShards || (c.NumShards > 0 && s >= c.NumShards) {
-			return fmt.Errorf("ckpt: OwnerConfig.Shards[%d] is %d, want 0..%d", i, s, max(c.NumShards, MaxShards)-1)
+		if s < 0 || s >= layout.MaxShards || (c.NumShards > 0 && s >= c.NumShards) {
+			return fmt.Errorf("ckpt: OwnerConfig.Shards[%d] is %d, want 0..%d", i, s, max(c.NumShards, layout.MaxShards)-1)
 		}
 		if seen[s] {
 			return fmt.Errorf("ckpt: OwnerConfig.Shards[%d]: shard %d listed twice", i, s)
@@ -118,24 +118,14 @@ func (c OwnerConfig) Validate() error {
 }
 
 func (c OwnerConfig) withDefaults() OwnerConfig {
-	if c.ShmDir == "" {
-		c.ShmDir = "/dev/shm"
-	}
-	if c.Name == "" {
-		c.Name = "faultline-ckpt"
-	}
+	c.ShmDir = cmp.Or(c.ShmDir, "/dev/shm")
+	c.Name = cmp.Or(c.Name, "faultline-ckpt")
 	if c.NumShards == 0 {
 		c.NumShards = slices.Max(c.Shards) + 1
 	}
-	if c.PollInterval == 0 {
-		c.PollInterval = 100 * time.Millisecond
-	}
-	if c.Replicas == 0 {
-		c.Replicas = 1
-	}
-	if c.IOTimeout == 0 {
-		c.IOTimeout = 30 * time.Second
-	}
+	c.PollInterval = cmp.Or(c.PollInterval, 100*time.Millisecond)
+	c.Replicas = cmp.Or(c.Replicas, 1)
+	c.IOTimeout = cmp.Or(c.IOTimeout, 30*time.Second)
 	return c
 }
 
@@ -171,11 +161,6 @@ type Owner struct {
 	persisting sync.Map // shard -> *sync.Mutex: one persist per shard at a time
 	sealing    sync.Map // shard -> *sync.Mutex: one sealer per shard at a time
 	verified   sync.Map // halfKey -> halfVersion: the version of a half whose CRCs held
-}
-
-type replicaSlot struct {
-	mu  sync.Mutex // one transfer at a time
-	seg *segment
 }
 
 // NewOwner creates (or reopens, keeping their steps) the segments of
@@ -242,8 +227,8 @@ func (o *Owner) sweep() {
 		globs = append(globs, filepath.Join(o.cfg.ShmDir, "."+filepath.Base(o.SegmentPath(s))+".tmp-*"))
 		if o.cfg.Dir != "" {
 			globs = append(globs,
-				filepath.Join(o.cfg.Dir, "*", "."+ShardFile(s)+".tmp-*"),
-				filepath.Join(o.cfg.Dir, "*", "."+ShardManifestFile(s)+".tmp-*"))
+				filepath.Join(o.cfg.Dir, "*", "."+layout.ShardFile(s)+".tmp-*"),
+				filepath.Join(o.cfg.Dir, "*", "."+layout.ShardManifestFile(s)+".tmp-*"))
 		}
 	}
 	for _, g := range globs {
@@ -256,7 +241,7 @@ func (o *Owner) sweep() {
 	}
 }
 
-func (o *Owner) onCommit(m StepManifest, removed []int64) {
+func (o *Owner) onCommit(m layout.StepManifest, removed []int64) {
 	o.m.commits.Inc()
 	o.log.Info("ckpt: step committed", "step", m.Step, "shards", len(m.Shards), "dir", o.cfg.Dir, "retention_removed", removed)
 	if o.cfg.OnCommit != nil {
@@ -438,8 +423,8 @@ func (o *Owner) Run(ctx context.Context) error {
 // the half size. A node agent calls it when a writer that does not grow
 // segments itself (one outside Go) asks for room for a larger step.
 func (o *Owner) Grow(shard int, halfSize int64) (int64, error) {
-	if halfSize <= 0 || halfSize > maxHalfSize {
-		return 0, fmt.Errorf("ckpt: grow shard %d: half size %d, want 1..%d", shard, halfSize, int64(maxHalfSize))
+	if halfSize <= 0 || halfSize > layout.MaxHalfSize {
+		return 0, fmt.Errorf("ckpt: grow shard %d: half size %d, want 1..%d", shard, halfSize, int64(layout.MaxHalfSize))
 	}
 	o.ops.Lock()
 	defer o.ops.Unlock()
@@ -471,11 +456,6 @@ func (o *Owner) Grow(shard int, halfSize int64) (int64, error) {
 	}
 }
 
-// replicaTargets are the peers that receive this node's saves.
-func (o *Owner) replicaTargets() []string {
-	return o.peers[:min(max(o.cfg.Replicas, 0), len(o.peers))]
-}
-
 // Persist writes shard's newest intact step in memory to disk, sealing it
 // first if its owner has not yet, and tells the committer. It returns the
 // shard's manifest. A step committed already is read back from disk and
@@ -483,22 +463,22 @@ func (o *Owner) replicaTargets() []string {
 // says which); one committed with other content than memory's is an
 // error that keeps the committed one. It is what Run does when a writer
 // asks; call it directly to persist on a control-plane command.
-func (o *Owner) Persist(ctx context.Context, shard int) (ShardManifest, error) {
+func (o *Owner) Persist(ctx context.Context, shard int) (layout.ShardManifest, error) {
 	return o.persist(ctx, shard, -1)
 }
 
-func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardManifest, err error) {
+func (o *Owner) persist(ctx context.Context, shard int, step int64) (man layout.ShardManifest, err error) {
 	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	if o.cfg.Dir == "" {
-		return ShardManifest{}, errors.New("ckpt: persist: OwnerConfig.Dir is empty")
+		return layout.ShardManifest{}, errors.New("ckpt: persist: OwnerConfig.Dir is empty")
 	}
 	if err := o.acquire(); err != nil {
-		return ShardManifest{}, err
+		return layout.ShardManifest{}, err
 	}
 	defer o.ops.RUnlock()
 	seg, err := o.seg(shard)
 	if err != nil {
-		return ShardManifest{}, err
+		return layout.ShardManifest{}, err
 	}
 	mu, _ := o.persisting.LoadOrStore(shard, &sync.Mutex{})
 	mu.(*sync.Mutex).Lock()
@@ -508,7 +488,7 @@ func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardMa
 	defer func() {
 		if err != nil {
 			o.m.persistFailures.Inc()
-			if errors.Is(err, ErrCorrupt) {
+			if errors.Is(err, layout.ErrCorrupt) {
 				o.m.crcFailures.Inc()
 			}
 			span.RecordError(err)
@@ -532,7 +512,7 @@ func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardMa
 		case did == kept:
 			o.log.Info("ckpt: step committed already, with an intact disk copy: kept it", "shard", shard, "step", man.Step)
 		case did == rewritten:
-			o.log.Warn("ckpt: step committed already, with a damaged disk copy: wrote it again from memory", "shard", shard, "step", man.Step, "dir", StepDir(o.cfg.Dir, man.Step))
+			o.log.Warn("ckpt: step committed already, with a damaged disk copy: wrote it again from memory", "shard", shard, "step", man.Step, "dir", layout.StepDir(o.cfg.Dir, man.Step))
 		}
 		if err == nil {
 			done = true
@@ -547,7 +527,7 @@ func (o *Owner) persist(ctx context.Context, shard int, step int64) (man ShardMa
 		if len(why) == 0 {
 			why = append(why, fmt.Errorf("no complete step %s", stepDesc(step)))
 		}
-		return ShardManifest{}, fmt.Errorf("ckpt: persist shard %d: %w", shard, errors.Join(why...))
+		return layout.ShardManifest{}, fmt.Errorf("ckpt: persist shard %d: %w", shard, errors.Join(why...))
 	}
 	span.SetAttributes(attribute.Int64("ckpt.step", man.Step), attribute.Int64("ckpt.bytes", man.Size))
 	o.m.persistSeconds.Observe(time.Since(start).Seconds())
@@ -625,7 +605,7 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 		for i := range 2 {
 			m, ok := seg.metaOK(i)
 			if !ok {
-				if st := seg.state(i); st != StateEmpty && st != StateWriting {
+				if st := seg.state(i); st != layout.StateEmpty && st != layout.StateWriting {
 					if err := seg.whyNot(i); err != nil {
 						passed = append(passed, fmt.Errorf("memory shard %d: %w", shard, err))
 					}
@@ -635,7 +615,7 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 			key, version := halfKey{shard, i}, halfVersion{seg.gen(i), m.Seq}
 			if v, ok := o.verified.Load(key); m.Sealed && (!ok || v != version) {
 				if err := verifyHalf(seg, i); err != nil {
-					if errors.Is(err, ErrCorrupt) {
+					if errors.Is(err, layout.ErrCorrupt) {
 						o.m.crcFailures.Inc()
 					}
 					passed = append(passed, fmt.Errorf("step %d: memory shard %d: %w", m.Step, shard, err))
@@ -683,317 +663,6 @@ type halfKey struct{ shard, half int }
 // halfVersion is what a half held when it was verified: a writer changes
 // gen before it touches the half, and seq with each save.
 type halfVersion struct{ gen, seq uint64 }
-
-// verifyHalf checks every CRC of half i, if it is sealed, without copying
-// it.
-func verifyHalf(seg *segment, i int) error {
-	return seg.read(i, false, func(m StepMeta, half []byte, _ func() error) error {
-		return checkBlobs(m, half)
-	})
-}
-
-// checkBlobs checks the CRC of every blob of a sealed m in half, in
-// parallel, and returns every mismatch, joined. An unsealed m has none to
-// check.
-func checkBlobs(m StepMeta, half []byte) error {
-	if !m.Sealed {
-		return nil
-	}
-	crcs, err := copyBlobs(nil, blobData(m, half), 0, true)
-	if err != nil {
-		return err
-	}
-	return checkCRCs(m, crcs)
-}
-
-// Seal computes the CRCs of the blobs of each complete step of shard that
-// is not sealed yet, and writes them into the segment (Sealing in the
-// FORMAT section). Run does it for every new save within PollInterval;
-// Persist, PersistNewest, Replicate and Load do it first where needed. A
-// node agent that does not Run may call it after each save.
-func (o *Owner) Seal(ctx context.Context, shard int) (err error) {
-	defer recoverFault(&err, debug.SetPanicOnFault(true))
-	if err := o.acquire(); err != nil {
-		return err
-	}
-	defer o.ops.RUnlock()
-	seg, err := o.seg(shard)
-	if err != nil {
-		return err
-	}
-	return errors.Join(o.sealHalf(ctx, seg, 0, nil), o.sealHalf(ctx, seg, 1, nil))
-}
-
-// sealMu serialises the sealers of shard: Run's, and the persist, replica
-// and load that seal first.
-func (o *Owner) sealMu(shard int) *sync.Mutex {
-	mu, _ := o.sealing.LoadOrStore(shard, &sync.Mutex{})
-	return mu.(*sync.Mutex)
-}
-
-// sealHalf seals half i of seg if it holds a complete, unsealed step. A
-// writer taking the half over meanwhile is no error: its save is the next
-// to seal. pause is segment.seal's.
-func (o *Owner) sealHalf(ctx context.Context, seg *segment, i int, pause func()) (err error) {
-	if m, ok := seg.metaOK(i); !ok || m.Sealed {
-		return nil
-	}
-	mu := o.sealMu(seg.hdr.Shard)
-	mu.Lock()
-	defer mu.Unlock()
-	start := time.Now()
-	_, span := o.tracer.Start(ctx, "ckpt.Seal", trace.WithAttributes(attribute.Int("ckpt.shard", seg.hdr.Shard), attribute.Int("ckpt.half", i)))
-	defer span.End()
-	sealed, err := seg.seal(i, o.cfg.Workers, pause)
-	if errors.Is(err, ErrSuperseded) || errors.Is(err, errNotComplete) {
-		return nil
-	}
-	if err != nil {
-		if errors.Is(err, ErrCorrupt) {
-			o.m.crcFailures.Inc()
-		}
-		span.RecordError(err)
-		span.SetStatus(codes.Error, err.Error())
-		return fmt.Errorf("ckpt: seal shard %d: %w", seg.hdr.Shard, err)
-	}
-	if sealed {
-		o.m.sealSeconds.Observe(time.Since(start).Seconds())
-		o.log.Debug("ckpt: step sealed", "shard", seg.hdr.Shard, "half", i, "took", time.Since(start))
-	}
-	return nil
-}
-
-// Replicate copies shard's newest step to its peers (PickPeers), sealing
-// it first if need be. It returns the errors of the peers that did not
-// take it.
-func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
-	defer recoverFault(&err, debug.SetPanicOnFault(true))
-	if err := o.acquire(); err != nil {
-		return err
-	}
-	defer o.ops.RUnlock()
-	seg, err := o.seg(shard)
-	if err != nil {
-		return err
-	}
-	peers := o.replicaTargets()
-	if len(peers) == 0 {
-		return errors.New("ckpt: replicate: no peers")
-	}
-	c := seg.newest()
-	if len(c) == 0 {
-		return fmt.Errorf("ckpt: replicate shard %d: %w in memory", shard, ErrNoStep)
-	}
-	ctx, span := o.tracer.Start(ctx, "ckpt.Replicate", trace.WithAttributes(attribute.Int("ckpt.shard", shard)))
-	defer span.End()
-	if err := o.sealHalf(ctx, seg, c[0], nil); err != nil {
-		return err
-	}
-	var errs []error
-	for _, p := range peers {
-		m, n, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (StepMeta, int64, error) {
-			return putReplica(conn, seg, c[0], o.cfg.IOTimeout)
-		})
-		o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
-		if err != nil {
-			o.m.replicaFailures.Inc()
-			errs = append(errs, fmt.Errorf("peer %s (%s): %w", p, o.cfg.Peers[p], err))
-			continue
-		}
-		o.log.Debug("ckpt: replica sent", "shard", shard, "step", m.Step, "peer", p, "bytes", n)
-	}
-	if err := errors.Join(errs...); err != nil {
-		span.RecordError(err)
-		span.SetStatus(codes.Error, err.Error())
-		return fmt.Errorf("ckpt: replicate shard %d: %w", shard, err)
-	}
-	return nil
-}
-
-// withConn dials addr and runs f with a connection that ctx closes.
-func (o *Owner) withConn(ctx context.Context, addr string, f func(net.Conn) (StepMeta, int64, error)) (StepMeta, int64, error) {
-	var d net.Dialer
-	d.Timeout = o.cfg.IOTimeout
-	conn, err := d.DialContext(ctx, "tcp", addr)
-	if err != nil {
-		return StepMeta{}, 0, err
-	}
-	defer conn.Close()
-	stop := context.AfterFunc(ctx, func() { conn.Close() })
-	defer stop()
-	return f(conn)
-}
-
-// serve accepts peers until the listener closes.
-func (o *Owner) serve(ctx context.Context, wg *sync.WaitGroup) {
-	for {
-		conn, err := o.ln.Accept()
-		if err != nil {
-			return
-		}
-		o.mu.Lock()
-		o.conns[conn] = true
-		o.mu.Unlock()
-		// Run's end and Close close the registered connections after they
-		// mark themselves: one registered too late for them is closed here.
-		select {
-		case <-ctx.Done():
-			conn.Close()
-		case <-o.closing:
-			conn.Close()
-		default:
-		}
-		wg.Go(func() {
-			defer func() {
-				o.mu.Lock()
-				delete(o.conns, conn)
-				o.mu.Unlock()
-				conn.Close()
-			}()
-			if err := o.handle(conn); err != nil {
-				o.log.Warn("ckpt: replica transfer failed", "peer", conn.RemoteAddr().String(), "err", err)
-			}
-		})
-	}
-}
-
-func (o *Owner) closeConns() {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	for c := range o.conns {
-		c.Close()
-	}
-}
-
-// handle serves one replica request.
-func (o *Owner) handle(conn net.Conn) (err error) {
-	defer recoverFault(&err, debug.SetPanicOnFault(true))
-	if err := o.acquire(); err != nil {
-		return err
-	}
-	defer o.ops.RUnlock()
-	c := deadlineConn{conn, o.cfg.IOTimeout}
-	br := bufio.NewReaderSize(c, 1<<20)
-	q, err := readReq(br)
-	if err != nil {
-		return err
-	}
-	slot := o.replicaSlot(q.shard)
-	slot.mu.Lock()
-	defer slot.mu.Unlock()
-	switch q.op {
-	case opPut:
-		m, err := o.receiveReplica(br, slot, q.shard, q.metaLen)
-		if err != nil {
-			o.m.replicaFailures.Inc()
-			if errors.Is(err, ErrCorrupt) {
-				o.m.crcFailures.Inc()
-			}
-			writeResp(c, err, nil)
-			return fmt.Errorf("receive shard %d: %w", q.shard, err)
-		}
-		o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
-		o.log.Debug("ckpt: replica received", "shard", q.shard, "step", m.Step, "bytes", m.DataSize())
-		return writeResp(c, nil, nil)
-	default: // opGet
-		seg, err := o.replicaSeg(slot, q.shard)
-		if err != nil {
-			writeResp(c, err, nil)
-			return err
-		}
-		for _, i := range seg.newest() {
-			if m, ok := seg.metaOK(i); !ok || (q.step >= 0 && m.Step != q.step) {
-				continue
-			}
-			bw := bufio.NewWriterSize(c, 1<<20)
-			_, n, err := sendHalf(bw, seg, i, func(metaLen int) []byte {
-				h := make([]byte, respSize)
-				binary.LittleEndian.PutUint32(h[4:], uint32(metaLen))
-				return h
-			})
-			if err == nil {
-				err = bw.Flush()
-			}
-			o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
-			return err
-		}
-		err = fmt.Errorf("%w of shard %d %s", errNoReplica, q.shard, stepDesc(q.step))
-		writeResp(c, err, nil)
-		return err
-	}
-}
-
-func (o *Owner) replicaSlot(shard int) *replicaSlot {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	s := o.replicas[shard]
-	if s == nil {
-		s = &replicaSlot{}
-		o.replicas[shard] = s
-	}
-	return s
-}
-
-// replicaSeg returns the segment holding the copy of a peer's shard, or
-// an error wrapping errNoReplica.
-func (o *Owner) replicaSeg(slot *replicaSlot, shard int) (*segment, error) {
-	if slot.seg != nil {
-		return slot.seg, nil
-	}
-	seg, err := openSegment(ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard), false)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("%w of shard %d here", errNoReplica, shard)
-	}
-	if err != nil {
-		return nil, err
-	}
-	if err := seg.writable(); err != nil {
-		// A copy an earlier release received: the next one replaces it.
-		seg.close()
-		return nil, fmt.Errorf("%w of shard %d here: %w", errNoReplica, shard, err)
-	}
-	slot.seg = seg
-	return seg, nil
-}
-
-// receiveReplica receives a peer's shard into its replica segment. A step
-// that does not fit goes into a new, larger segment that replaces the old
-// one only once the step is complete, so a transfer cut short never costs
-// the previous copy.
-func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, shard, metaLen int) (StepMeta, error) {
-	path := ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard)
-	next := path + ".next"
-	var fresh *segment
-	m, err := recvHalf(r, metaLen, func(need int64) (*segment, error) {
-		seg, err := o.replicaSeg(slot, shard)
-		if err == nil && seg.hdr.HalfSize >= need {
-			return seg, nil
-		}
-		if err != nil && !errors.Is(err, errNoReplica) {
-			o.log.Warn("ckpt: replacing unreadable replica segment", "path", path, "err", err)
-		}
-		os.Remove(next) // a leftover of an earlier cut transfer
-		fresh, err = createSegment(next, shard, FlagReplica, max(need, o.cfg.Capacity))
-		return fresh, err
-	})
-	if fresh == nil {
-		return m, err
-	}
-	if err == nil {
-		err = os.Rename(next, path)
-	}
-	if err != nil {
-		fresh.close()
-		os.Remove(next)
-		return m, err
-	}
-	if slot.seg != nil {
-		slot.seg.close()
-	}
-	fresh.path = path
-	slot.seg = fresh
-	return m, nil
-}
 
 // Close stops Run and waits for it to return, waits for the operations in
 // flight, unregisters the metrics and unmaps the segments. The steps stay in shared memory for the next owner; Remove

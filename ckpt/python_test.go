@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // TestPythonWriter saves steps with testdata/pywriter.py, which knows only
@@ -23,9 +25,9 @@ func TestPythonWriter(t *testing.T) {
 	}
 	ctx := context.Background()
 	dir := t.TempDir()
-	commits := make(chan StepManifest, 4)
+	commits := make(chan layout.StepManifest, 4)
 	o, w := newPair(t, OwnerConfig{Dir: dir, PollInterval: 5 * time.Millisecond,
-		OnCommit: func(m StepManifest) { commits <- m }})
+		OnCommit: func(m layout.StepManifest) { commits <- m }})
 	pywrite := func(step int64, args ...string) int {
 		t.Helper()
 		args = append([]string{"testdata/pywriter.py", o.SegmentPath(0), fmt.Sprint(step)}, args...)
@@ -47,11 +49,11 @@ func TestPythonWriter(t *testing.T) {
 			t.Fatalf("loaded step %d with blobs %v, want step %d", ck.Step, ck.Blobs, step)
 		}
 	}
-	checkCRCs := func(blobs []BlobEntry, step int64) {
+	checkCRCs := func(blobs []layout.BlobEntry, step int64) {
 		t.Helper()
 		for i, b := range want(step) {
-			if blobs[i].Name != b.Name || blobs[i].CRC32C != CRC32C(b.Data) {
-				t.Fatalf("step %d blob %d: %+v, want %q with CRC32C %#08x", step, i, blobs[i], b.Name, CRC32C(b.Data))
+			if blobs[i].Name != b.Name || blobs[i].CRC32C != layout.CRC32C(b.Data) {
+				t.Fatalf("step %d blob %d: %+v, want %q with CRC32C %#08x", step, i, blobs[i], b.Name, layout.CRC32C(b.Data))
 			}
 		}
 	}
@@ -62,7 +64,7 @@ func TestPythonWriter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if h := rep.Halves[half]; h.Err != nil || h.State != StateComplete || h.Meta.Sealed || h.Meta.Step != 1 {
+	if h := rep.Halves[half]; h.Err != nil || h.State != layout.StateComplete || h.Meta.Sealed || h.Meta.Step != 1 {
 		t.Fatalf("half %d after the Python save: %+v", half, h)
 	}
 	ck, err := w.Load(ctx)

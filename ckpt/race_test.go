@@ -6,6 +6,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // TestReadWhileSaving reads a segment while a writer saves into it as
@@ -51,13 +53,13 @@ func TestReadWhileSaving(t *testing.T) {
 	for !stop.Load() {
 		ck, why := ro.load(1, nil)
 		for _, err := range why {
-			if errors.Is(err, ErrCorrupt) {
+			if errors.Is(err, layout.ErrCorrupt) {
 				stop.Store(true)
 				t.Fatalf("after %d loads, a half read during a save or a seal was called corrupt: %v", loads, err)
 			}
 		}
 		for i := range 2 {
-			if err := verifyHalf(ro, i); errors.Is(err, ErrCorrupt) {
+			if err := verifyHalf(ro, i); errors.Is(err, layout.ErrCorrupt) {
 				stop.Store(true)
 				t.Fatalf("after %d loads, verifying half %d during a save or a seal: %v", loads, i, err)
 			}

@@ -3,14 +3,24 @@ package ckpt
 import (
 	"bufio"
 	"cmp"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/crc32"
 	"io"
 	"net"
+	"os"
+	"runtime/debug"
 	"slices"
+	"sync"
 	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // The replica protocol, over one TCP connection per transfer, little-endian:
@@ -27,7 +37,7 @@ import (
 // short leaves the previous copy intact.
 const (
 	replicaMagic   = "FLRP"
-	replicaVersion = 2 // 1 sent the StepMeta of segment layout version 1
+	replicaVersion = 2 // 1 sent the layout.StepMeta of segment layout version 1
 	opPut          = 1
 	opGet          = 2
 	reqSize        = 24
@@ -62,7 +72,7 @@ func readReq(r io.Reader) (replicaReq, error) {
 	}
 	q := replicaReq{op: b[5], shard: int(binary.LittleEndian.Uint32(b[8:])),
 		metaLen: int(binary.LittleEndian.Uint32(b[12:])), step: int64(binary.LittleEndian.Uint64(b[16:]))}
-	if q.metaLen > maxMetaLen || q.shard >= MaxShards {
+	if q.metaLen > maxMetaLen || q.shard >= layout.MaxShards {
 		return replicaReq{}, formatErr(8, "request", "shard %d or meta length %d out of range", q.shard, q.metaLen)
 	}
 	return q, nil
@@ -127,10 +137,10 @@ func (c deadlineConn) Write(p []byte) (int, error) {
 // sendHalf writes the meta and blobs of the sealed half i of seg to w,
 // pinned, and verifies the CRCs of what it sent. head, if not nil, is
 // written first with the meta length.
-func sendHalf(w io.Writer, seg *segment, i int, head func(metaLen int) []byte) (StepMeta, int64, error) {
+func sendHalf(w io.Writer, seg *segment, i int, head func(metaLen int) []byte) (layout.StepMeta, int64, error) {
 	var sent int64
-	var meta StepMeta
-	err := seg.read(i, true, func(m StepMeta, half []byte, valid func() error) error {
+	var meta layout.StepMeta
+	err := seg.read(i, true, func(m layout.StepMeta, half []byte, valid func() error) error {
 		if !m.Sealed {
 			return fmt.Errorf("ckpt: step %d in %s half %d is not sealed", m.Step, seg.path, i)
 		}
@@ -166,31 +176,31 @@ func sendHalf(w io.Writer, seg *segment, i int, head func(metaLen int) []byte) (
 // a new save of the segment that open returns (given the half size the
 // step needs), checking every CRC before the save completes, which it
 // writes sealed.
-func recvHalf(r io.Reader, metaLen int, open func(need int64) (*segment, error)) (StepMeta, error) {
-	if metaLen < StepHeaderSize {
-		return StepMeta{}, formatErr(12, "meta length", "value %d is shorter than a step header", metaLen)
+func recvHalf(r io.Reader, metaLen int, open func(need int64) (*segment, error)) (layout.StepMeta, error) {
+	if metaLen < layout.StepHeaderSize {
+		return layout.StepMeta{}, formatErr(12, "meta length", "value %d is shorter than a step header", metaLen)
 	}
 	mb := make([]byte, metaLen)
 	if _, err := io.ReadFull(r, mb); err != nil {
-		return StepMeta{}, fmt.Errorf("read meta: %w", err)
+		return layout.StepMeta{}, fmt.Errorf("read meta: %w", err)
 	}
-	m, err := ParseStepMeta(mb, maxHalfSize)
+	m, err := layout.ParseStepMeta(mb, layout.MaxHalfSize)
 	if err != nil {
-		return StepMeta{}, err
+		return layout.StepMeta{}, err
 	}
 	if int(m.MetaSize()) != metaLen {
-		return StepMeta{}, formatErr(44, "table_size", "meta of %d bytes holds a table of %d and %d blobs", metaLen, m.TableSize(), len(m.Blobs))
+		return layout.StepMeta{}, formatErr(44, "table_size", "meta of %d bytes holds a table of %d and %d blobs", metaLen, m.TableSize(), len(m.Blobs))
 	}
 	if !m.Sealed {
-		return StepMeta{}, formatErr(offSeal, "seal", "the peer sent an unsealed step, whose CRCs are unknown")
+		return layout.StepMeta{}, formatErr(layout.OffSeal, "seal", "the peer sent an unsealed step, whose CRCs are unknown")
 	}
 	seg, err := open(m.End())
 	if err != nil {
-		return StepMeta{}, err
+		return layout.StepMeta{}, err
 	}
 	hw, err := seg.begin(m)
 	if err != nil {
-		return StepMeta{}, err
+		return layout.StepMeta{}, err
 	}
 	crcs := make([]uint32, len(m.Blobs))
 	for k := range m.Blobs {
@@ -198,19 +208,19 @@ func recvHalf(r io.Reader, metaLen int, open func(need int64) (*segment, error))
 		for o := 0; o < len(dst); o += fuseChunk {
 			e := min(o+fuseChunk, len(dst))
 			if _, err := io.ReadFull(r, dst[o:e]); err != nil {
-				return StepMeta{}, fmt.Errorf("blob %q at byte %d of %d: %w", m.Blobs[k].Name, o, len(dst), err)
+				return layout.StepMeta{}, fmt.Errorf("blob %q at byte %d of %d: %w", m.Blobs[k].Name, o, len(dst), err)
 			}
 			crcs[k] = crc32.Update(crcs[k], castagnoli, dst[o:e])
 		}
 		if crcs[k] != m.Blobs[k].CRC32C {
-			return StepMeta{}, crcMismatch(k, m.Blobs[k], crcs[k])
+			return layout.StepMeta{}, crcMismatch(k, m.Blobs[k], crcs[k])
 		}
 	}
 	return m, hw.commit(crcs)
 }
 
 // putReplica sends half i of seg to the replica server at addr.
-func putReplica(conn net.Conn, seg *segment, i int, timeout time.Duration) (StepMeta, int64, error) {
+func putReplica(conn net.Conn, seg *segment, i int, timeout time.Duration) (layout.StepMeta, int64, error) {
 	c := deadlineConn{conn, timeout}
 	bw := bufio.NewWriterSize(c, 1<<20)
 	m, n, err := sendHalf(bw, seg, i, func(metaLen int) []byte {
@@ -230,22 +240,22 @@ func putReplica(conn net.Conn, seg *segment, i int, timeout time.Duration) (Step
 
 // getReplica asks the server at conn for its copy of shard at step (-1:
 // newest) and writes it into the segment open returns.
-func getReplica(conn net.Conn, shard int, step int64, timeout time.Duration, open func(need int64) (*segment, error)) (StepMeta, error) {
+func getReplica(conn net.Conn, shard int, step int64, timeout time.Duration, open func(need int64) (*segment, error)) (layout.StepMeta, error) {
 	c := deadlineConn{conn, timeout}
 	if _, err := c.Write(replicaReq{op: opGet, shard: shard, step: step}.marshal()); err != nil {
-		return StepMeta{}, err
+		return layout.StepMeta{}, err
 	}
 	br := bufio.NewReaderSize(c, 1<<20)
 	n, err := readResp(br)
 	if err != nil {
-		return StepMeta{}, err
+		return layout.StepMeta{}, err
 	}
 	m, err := recvHalf(br, n, open)
 	if err != nil {
-		return StepMeta{}, err
+		return layout.StepMeta{}, err
 	}
 	if m.Step != step && step >= 0 {
-		return StepMeta{}, fmt.Errorf("peer sent step %d, asked for %d", m.Step, step)
+		return layout.StepMeta{}, fmt.Errorf("peer sent step %d, asked for %d", m.Step, step)
 	}
 	return m, nil
 }
@@ -290,4 +300,246 @@ func PickPeers(self string, nodes []string, domain map[string]string, k int) []s
 		cands = cands[:max(k, 0)]
 	}
 	return cands
+}
+
+type replicaSlot struct {
+	mu  sync.Mutex // one transfer at a time
+	seg *segment
+}
+
+// replicaTargets are the peers that receive this node's saves.
+func (o *Owner) replicaTargets() []string {
+	return o.peers[:min(max(o.cfg.Replicas, 0), len(o.peers))]
+}
+
+// Replicate copies shard's newest step to its peers (PickPeers), sealing
+// it first if need be. It returns the errors of the peers that did not
+// take it.
+func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
+	if err := o.acquire(); err != nil {
+		return err
+	}
+	defer o.ops.RUnlock()
+	seg, err := o.seg(shard)
+	if err != nil {
+		return err
+	}
+	peers := o.replicaTargets()
+	if len(peers) == 0 {
+		return errors.New("ckpt: replicate: no peers")
+	}
+	c := seg.newest()
+	if len(c) == 0 {
+		return fmt.Errorf("%w in memory to replicate shard %d", ErrNoStep, shard)
+	}
+	ctx, span := o.tracer.Start(ctx, "ckpt.Replicate", trace.WithAttributes(attribute.Int("ckpt.shard", shard)))
+	defer span.End()
+	if err := o.sealHalf(ctx, seg, c[0], nil); err != nil {
+		return err
+	}
+	var errs []error
+	for _, p := range peers {
+		m, n, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (layout.StepMeta, int64, error) {
+			return putReplica(conn, seg, c[0], o.cfg.IOTimeout)
+		})
+		o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
+		if err != nil {
+			o.m.replicaFailures.Inc()
+			errs = append(errs, fmt.Errorf("peer %s (%s): %w", p, o.cfg.Peers[p], err))
+			continue
+		}
+		o.log.Debug("ckpt: replica sent", "shard", shard, "step", m.Step, "peer", p, "bytes", n)
+	}
+	if err := errors.Join(errs...); err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+		return fmt.Errorf("ckpt: replicate shard %d: %w", shard, err)
+	}
+	return nil
+}
+
+// withConn dials addr and runs f with a connection that ctx closes.
+func (o *Owner) withConn(ctx context.Context, addr string, f func(net.Conn) (layout.StepMeta, int64, error)) (layout.StepMeta, int64, error) {
+	var d net.Dialer
+	d.Timeout = o.cfg.IOTimeout
+	conn, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return layout.StepMeta{}, 0, err
+	}
+	defer conn.Close()
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	defer stop()
+	return f(conn)
+}
+
+// serve accepts peers until the listener closes.
+func (o *Owner) serve(ctx context.Context, wg *sync.WaitGroup) {
+	for {
+		conn, err := o.ln.Accept()
+		if err != nil {
+			return
+		}
+		o.mu.Lock()
+		o.conns[conn] = true
+		o.mu.Unlock()
+		// Run's end and Close close the registered connections after they
+		// mark themselves: one registered too late for them is closed here.
+		select {
+		case <-ctx.Done():
+			conn.Close()
+		case <-o.closing:
+			conn.Close()
+		default:
+		}
+		wg.Go(func() {
+			defer func() {
+				o.mu.Lock()
+				delete(o.conns, conn)
+				o.mu.Unlock()
+				conn.Close()
+			}()
+			if err := o.handle(conn); err != nil {
+				o.log.Warn("ckpt: replica transfer failed", "peer", conn.RemoteAddr().String(), "err", err)
+			}
+		})
+	}
+}
+
+func (o *Owner) closeConns() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for c := range o.conns {
+		c.Close()
+	}
+}
+
+// handle serves one replica request.
+func (o *Owner) handle(conn net.Conn) (err error) {
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
+	if err := o.acquire(); err != nil {
+		return err
+	}
+	defer o.ops.RUnlock()
+	c := deadlineConn{conn, o.cfg.IOTimeout}
+	br := bufio.NewReaderSize(c, 1<<20)
+	q, err := readReq(br)
+	if err != nil {
+		return err
+	}
+	slot := o.replicaSlot(q.shard)
+	slot.mu.Lock()
+	defer slot.mu.Unlock()
+	switch q.op {
+	case opPut:
+		m, err := o.receiveReplica(br, slot, q.shard, q.metaLen)
+		if err != nil {
+			o.m.replicaFailures.Inc()
+			if errors.Is(err, layout.ErrCorrupt) {
+				o.m.crcFailures.Inc()
+			}
+			writeResp(c, err, nil)
+			return fmt.Errorf("receive shard %d: %w", q.shard, err)
+		}
+		o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
+		o.log.Debug("ckpt: replica received", "shard", q.shard, "step", m.Step, "bytes", m.DataSize())
+		return writeResp(c, nil, nil)
+	default: // opGet
+		seg, err := o.replicaSeg(slot, q.shard)
+		if err != nil {
+			writeResp(c, err, nil)
+			return err
+		}
+		for _, i := range seg.newest() {
+			if m, ok := seg.metaOK(i); !ok || (q.step >= 0 && m.Step != q.step) {
+				continue
+			}
+			bw := bufio.NewWriterSize(c, 1<<20)
+			_, n, err := sendHalf(bw, seg, i, func(metaLen int) []byte {
+				h := make([]byte, respSize)
+				binary.LittleEndian.PutUint32(h[4:], uint32(metaLen))
+				return h
+			})
+			if err == nil {
+				err = bw.Flush()
+			}
+			o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
+			return err
+		}
+		err = fmt.Errorf("%w of shard %d %s", errNoReplica, q.shard, stepDesc(q.step))
+		writeResp(c, err, nil)
+		return err
+	}
+}
+
+func (o *Owner) replicaSlot(shard int) *replicaSlot {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	s := o.replicas[shard]
+	if s == nil {
+		s = &replicaSlot{}
+		o.replicas[shard] = s
+	}
+	return s
+}
+
+// replicaSeg returns the segment holding the copy of a peer's shard, or
+// an error wrapping errNoReplica.
+func (o *Owner) replicaSeg(slot *replicaSlot, shard int) (*segment, error) {
+	if slot.seg != nil {
+		return slot.seg, nil
+	}
+	seg, err := openSegment(ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard), false)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("%w of shard %d here", errNoReplica, shard)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if err := seg.writable(); err != nil {
+		// A copy an earlier release received: the next one replaces it.
+		seg.close()
+		return nil, fmt.Errorf("%w of shard %d here: %w", errNoReplica, shard, err)
+	}
+	slot.seg = seg
+	return seg, nil
+}
+
+// receiveReplica receives a peer's shard into its replica segment. A step
+// that does not fit goes into a new, larger segment that replaces the old
+// one only once the step is complete, so a transfer cut short never costs
+// the previous copy.
+func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, shard, metaLen int) (layout.StepMeta, error) {
+	path := ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard)
+	next := path + ".next"
+	var fresh *segment
+	m, err := recvHalf(r, metaLen, func(need int64) (*segment, error) {
+		seg, err := o.replicaSeg(slot, shard)
+		if err == nil && seg.hdr.HalfSize >= need {
+			return seg, nil
+		}
+		if err != nil && !errors.Is(err, errNoReplica) {
+			o.log.Warn("ckpt: replacing unreadable replica segment", "path", path, "err", err)
+		}
+		os.Remove(next) // a leftover of an earlier cut transfer
+		fresh, err = createSegment(next, shard, layout.FlagReplica, max(need, o.cfg.Capacity))
+		return fresh, err
+	})
+	if fresh == nil {
+		return m, err
+	}
+	if err == nil {
+		err = os.Rename(next, path)
+	}
+	if err != nil {
+		fresh.close()
+		os.Remove(next)
+		return m, err
+	}
+	if slot.seg != nil {
+		slot.seg.close()
+	}
+	fresh.path = path
+	slot.seg = fresh
+	return m, nil
 }

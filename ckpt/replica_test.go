@@ -15,6 +15,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 func TestPickPeers(t *testing.T) {
@@ -380,7 +382,7 @@ func TestReplicaSenderKilledMidTransfer(t *testing.T) {
 				t.Fatal(err)
 			}
 			states := []uint32{r.Halves[0].State, r.Halves[1].State}
-			if tc.capacity > 1<<20 && !slices.Contains(states, StateWriting) {
+			if tc.capacity > 1<<20 && !slices.Contains(states, layout.StateWriting) {
 				t.Fatalf("replica halves in states %v, want one cut short", states)
 			}
 			if _, err := os.Stat(seg + ".next"); !errors.Is(err, os.ErrNotExist) {

@@ -10,11 +10,13 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // newestMeta returns the newest half of seg and its meta, failing the
 // test if it has none.
-func newestMeta(t *testing.T, seg *segment) (int, StepMeta) {
+func newestMeta(t *testing.T, seg *segment) (int, layout.StepMeta) {
 	t.Helper()
 	c := seg.newest()
 	if len(c) == 0 {
@@ -53,8 +55,8 @@ func TestSealAfterSave(t *testing.T) {
 		t.Fatal("Seal left the step unsealed")
 	}
 	for k, b := range blobs(1) {
-		if m.Blobs[k].CRC32C != CRC32C(b.Data) {
-			t.Fatalf("blob %q sealed with %#08x, its CRC32C is %#08x", b.Name, m.Blobs[k].CRC32C, CRC32C(b.Data))
+		if m.Blobs[k].CRC32C != layout.CRC32C(b.Data) {
+			t.Fatalf("blob %q sealed with %#08x, its CRC32C is %#08x", b.Name, m.Blobs[k].CRC32C, layout.CRC32C(b.Data))
 		}
 	}
 	if err := o.Seal(ctx, 0); err != nil { // nothing left to seal
@@ -91,7 +93,7 @@ func TestLoadSealsUnsealedStep(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if h := r.Halves[r.NewestHalf]; !h.Meta.Sealed || h.Err != nil || h.Meta.Blobs[1].CRC32C != CRC32C(blobs(7)[1].Data) {
+	if h := r.Halves[r.NewestHalf]; !h.Meta.Sealed || h.Err != nil || h.Meta.Blobs[1].CRC32C != layout.CRC32C(blobs(7)[1].Data) {
 		t.Fatalf("after the load the half is %+v", h)
 	}
 	ck, rep, err = o.Load(ctx, 0)
@@ -131,7 +133,7 @@ func TestSealInterrupted(t *testing.T) {
 		if err != nil || m.Sealed {
 			t.Fatalf("stopped at store %d: meta %+v, %v; want complete and unsealed", stop, m, err)
 		}
-		if stop == stores && binary.LittleEndian.Uint32(seg.half(i)[offSealCRC:]) != sealCRC(seg.half(i)[:m.MetaSize()]) {
+		if stop == stores && binary.LittleEndian.Uint32(seg.half(i)[layout.OffSealCRC:]) != layout.SealCRC(seg.half(i)[:m.MetaSize()]) {
 			t.Fatalf("stopped at store %d, before the seal word: seal_crc not yet in place", stop)
 		}
 		if err := Verify("", w.cfg.Path); err != nil {
@@ -160,11 +162,11 @@ func TestBadSealIsCorrupt(t *testing.T) {
 	ctx := context.Background()
 	for _, tc := range []struct {
 		name string
-		off  func(m StepMeta) int64
+		off  func(m layout.StepMeta) int64
 	}{
-		{"crc array", func(m StepMeta) int64 { return StepHeaderSize + m.TableSize() + 5 }},
-		{"seal_crc", func(StepMeta) int64 { return offSealCRC + 1 }},
-		{"seal word", func(StepMeta) int64 { return offSeal + 1 }},
+		{"crc array", func(m layout.StepMeta) int64 { return layout.StepHeaderSize + m.TableSize() + 5 }},
+		{"seal_crc", func(layout.StepMeta) int64 { return layout.OffSealCRC + 1 }},
+		{"seal word", func(layout.StepMeta) int64 { return layout.OffSeal + 1 }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			o, w := newPair(t, OwnerConfig{})
@@ -180,10 +182,10 @@ func TestBadSealIsCorrupt(t *testing.T) {
 			i, m := newestMeta(t, seg)
 			flipBit(t, seg.path, seg.halfBase(i)+tc.off(m))
 			ck, rep, err := o.Load(ctx, 0)
-			if err != nil || ck.Step != 1 || len(rep.Notes) == 0 || !errors.Is(rep.Notes[0], ErrCorrupt) {
+			if err != nil || ck.Step != 1 || len(rep.Notes) == 0 || !errors.Is(rep.Notes[0], layout.ErrCorrupt) {
 				t.Fatalf("Load = step %v, %s, %v; want step 1, step 2 passed over as corrupt", ck, rep, err)
 			}
-			if err := Verify("", w.cfg.Path); !errors.Is(err, ErrCorrupt) {
+			if err := Verify("", w.cfg.Path); !errors.Is(err, layout.ErrCorrupt) {
 				t.Fatalf("Verify = %v, want ErrCorrupt", err)
 			}
 			t.Logf("%s", rep)

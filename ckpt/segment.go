@@ -7,12 +7,13 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync/atomic"
 	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // Errors callers branch on.
@@ -51,7 +52,7 @@ type segment struct {
 	dev  uint64   // with ino, the file mapped, which path may no longer name
 	ino  uint64
 	mem  []byte
-	hdr  SegmentHeader // the immutable fields
+	hdr  layout.SegmentHeader // the immutable fields
 	ro   bool
 }
 
@@ -72,7 +73,7 @@ func freeBytes(dir string) (int64, error) {
 // every page with fallocate, so that a full /dev/shm is an error here
 // rather than a SIGBUS on a later write.
 func createSegment(path string, shard int, flags uint32, halfSize int64) (*segment, error) {
-	h := SegmentHeader{Version: Version, HalfSize: alignUp(max(halfSize, PageSize), PageSize), Shard: shard, Flags: flags}
+	h := layout.SegmentHeader{Version: layout.Version, HalfSize: alignUp(max(halfSize, layout.PageSize), layout.PageSize), Shard: shard, Flags: flags}
 	for {
 		s, err := openSegment(path, false)
 		if errors.Is(err, fs.ErrNotExist) {
@@ -107,7 +108,7 @@ func createSegment(path string, shard int, flags uint32, halfSize int64) (*segme
 		}
 		// Pins belong to the owner process; a new owner starts with none.
 		for i := range 2 {
-			atomic.StoreUint32(s.u32(s.halfBase(i)+offPin), 0)
+			atomic.StoreUint32(s.u32(s.halfBase(i)+layout.OffPin), 0)
 		}
 		return s, nil
 	}
@@ -115,7 +116,7 @@ func createSegment(path string, shard int, flags uint32, halfSize int64) (*segme
 
 // newSegment creates the segment at path, failing with fs.ErrExist if
 // there is one: only a complete segment appears under its name.
-func newSegment(path string, h SegmentHeader) (*segment, error) {
+func newSegment(path string, h layout.SegmentHeader) (*segment, error) {
 	tmp, err := newSegmentFile(path, h)
 	if err != nil {
 		return nil, err
@@ -132,7 +133,7 @@ func newSegment(path string, h SegmentHeader) (*segment, error) {
 
 // newSegmentFile writes a segment of header h, with every page reserved,
 // to a temporary file beside path, and returns its name.
-func newSegmentFile(path string, h SegmentHeader) (string, error) {
+func newSegmentFile(path string, h layout.SegmentHeader) (string, error) {
 	hb, err := h.MarshalBinary()
 	if err != nil {
 		return "", err
@@ -210,15 +211,15 @@ func mapSegment(f *os.File, path string, prot, mflags int) (*segment, error) {
 	}
 	b := make([]byte, 64)
 	if _, err := f.ReadAt(b, 0); err != nil {
-		return nil, &FormatError{File: path, Offset: 0, Msg: fmt.Sprintf("file of %d bytes has no header; %s", st.Size, notSegment)}
+		return nil, &layout.ParseError{File: path, Offset: 0, Msg: fmt.Sprintf("file of %d bytes has no header; %s", st.Size, notSegment)}
 	}
-	h, err := ParseSegmentHeader(b)
+	h, err := layout.ParseSegmentHeader(b)
 	if err != nil {
 		return nil, fmt.Errorf("%w; %s", withFile(err, path), notSegment)
 	}
 	// A short file would fault on access: refuse it before mapping.
 	if st.Size != h.Size() {
-		return nil, &FormatError{File: path, Offset: -1, Field: "size",
+		return nil, &layout.ParseError{File: path, Offset: -1, Field: "size",
 			Msg: fmt.Sprintf("file is %d bytes, header says %d (truncated?); %s", st.Size, h.Size(), notSegment)}
 	}
 	mem, err := unix.Mmap(int(f.Fd()), 0, int(h.Size()), prot, mflags)
@@ -232,9 +233,9 @@ func mapSegment(f *os.File, path string, prot, mflags int) (*segment, error) {
 // writable says why a writer may not write the segment: it is of an
 // earlier layout version, which this package reads but does not write.
 func (s *segment) writable() error {
-	if s.hdr.Version != Version {
+	if s.hdr.Version != layout.Version {
 		return fmt.Errorf("ckpt: segment %s has layout version %d, of an earlier release, and this one writes version %d: read its step with LoadSegment (flashckpt load), then remove the file",
-			s.path, s.hdr.Version, Version)
+			s.path, s.hdr.Version, layout.Version)
 	}
 	return nil
 }
@@ -255,41 +256,43 @@ func (s *segment) close() error {
 func (s *segment) u32(off int64) *uint32 { return (*uint32)(unsafe.Pointer(&s.mem[off])) }
 func (s *segment) u64(off int64) *uint64 { return (*uint64)(unsafe.Pointer(&s.mem[off])) }
 
-func (s *segment) halfBase(i int) int64 { return HeaderSize + int64(i)*s.hdr.HalfSize }
+func (s *segment) halfBase(i int) int64 { return layout.HeaderSize + int64(i)*s.hdr.HalfSize }
 
 func (s *segment) half(i int) []byte {
 	b := s.halfBase(i)
 	return s.mem[b : b+s.hdr.HalfSize : b+s.hdr.HalfSize]
 }
 
-func (s *segment) state(i int) uint32 { return atomic.LoadUint32(s.u32(s.halfBase(i) + offState)) }
-func (s *segment) gen(i int) uint64   { return atomic.LoadUint64(s.u64(s.halfBase(i) + offGen)) }
+func (s *segment) state(i int) uint32 {
+	return atomic.LoadUint32(s.u32(s.halfBase(i) + layout.OffState))
+}
+func (s *segment) gen(i int) uint64 { return atomic.LoadUint64(s.u64(s.halfBase(i) + layout.OffGen)) }
 func (s *segment) seq(i int) uint64 {
 	return atomic.LoadUint64(s.u64(s.halfBase(i) + 16))
 }
 
 func (s *segment) sealWord(i int) uint32 {
-	return atomic.LoadUint32(s.u32(s.halfBase(i) + offSeal))
+	return atomic.LoadUint32(s.u32(s.halfBase(i) + layout.OffSeal))
 }
 
-func (s *segment) active() uint32     { return atomic.LoadUint32(s.u32(offActive)) }
-func (s *segment) persistSeq() uint64 { return atomic.LoadUint64(s.u64(offPersistSeq)) }
+func (s *segment) active() uint32     { return atomic.LoadUint32(s.u32(layout.OffActive)) }
+func (s *segment) persistSeq() uint64 { return atomic.LoadUint64(s.u64(layout.OffPersistSeq)) }
 
 // setPersistSeq asks the owner to persist the save with this seq.
-func (s *segment) setPersistSeq(seq uint64) { atomic.StoreUint64(s.u64(offPersistSeq), seq) }
+func (s *segment) setPersistSeq(seq uint64) { atomic.StoreUint64(s.u64(layout.OffPersistSeq), seq) }
 
 // parse decodes the meta of half i. It loads the seal word (atomically)
 // before it reads the CRC array, which the sealer writes before the seal.
-func (s *segment) parse(i int) (StepMeta, error) {
+func (s *segment) parse(i int) (layout.StepMeta, error) {
 	seal := s.sealWord(i)
-	return parseStepMeta(s.half(i), s.hdr.HalfSize, s.hdr.Version, seal)
+	return layout.ParseHalfMeta(s.half(i), s.hdr.HalfSize, s.hdr.Version, seal)
 }
 
 // metaOK says whether half i is complete with a valid meta checksum: cheap,
 // it does not read the data.
-func (s *segment) metaOK(i int) (StepMeta, bool) {
-	if s.state(i) != StateComplete {
-		return StepMeta{}, false
+func (s *segment) metaOK(i int) (layout.StepMeta, bool) {
+	if s.state(i) != layout.StateComplete {
+		return layout.StepMeta{}, false
 	}
 	m, err := s.parse(i)
 	return m, err == nil
@@ -299,7 +302,7 @@ func (s *segment) metaOK(i int) (StepMeta, bool) {
 // words alone: cheap enough to poll.
 func (s *segment) unsealed() bool {
 	for i := range 2 {
-		if s.hdr.Version >= 2 && s.state(i) == StateComplete && s.sealWord(i) == Unsealed {
+		if s.hdr.Version >= 2 && s.state(i) == layout.StateComplete && s.sealWord(i) == layout.Unsealed {
 			return true
 		}
 	}
@@ -307,29 +310,29 @@ func (s *segment) unsealed() bool {
 }
 
 // badSave is the error of a save whose blobs are bad input from the
-// caller, not corrupt data: it does not wrap ErrCorrupt.
-func badSave(meta StepMeta, err error) error {
-	return fmt.Errorf("ckpt: save step %d: %s", meta.Step, strings.TrimPrefix(err.Error(), "ckpt: "))
+// caller, not corrupt data: it does not wrap layout.ErrCorrupt.
+func badSave(meta layout.StepMeta, err error) error {
+	return fmt.Errorf("ckpt: save step %d: %v", meta.Step, err)
 }
 
 // halfWriter is a save in progress into one half.
 type halfWriter struct {
 	s    *segment
 	idx  int
-	meta StepMeta
+	meta layout.StepMeta
 }
 
 // begin claims the half a save of meta goes to: the one that does not
 // hold the newest step. It never waits: a half pinned by the owner gives
 // ErrBusy. See the FORMAT section for the protocol.
-func (s *segment) begin(meta StepMeta) (*halfWriter, error) {
+func (s *segment) begin(meta layout.StepMeta) (*halfWriter, error) {
 	if s.ro {
 		return nil, fmt.Errorf("ckpt: segment %s is open read-only", s.path)
 	}
 	if err := s.writable(); err != nil {
 		return nil, err
 	}
-	if err := meta.check(s.hdr.HalfSize, Version); err != nil {
+	if err := meta.Check(s.hdr.HalfSize); err != nil {
 		if end := meta.End(); end > s.hdr.HalfSize {
 			return nil, fmt.Errorf("%w: step %d needs %d bytes per half (%d of data in %d blobs), segment %s has %d",
 				ErrTooLarge, meta.Step, end, meta.DataSize(), len(meta.Blobs), s.path, s.hdr.HalfSize)
@@ -345,23 +348,23 @@ func (s *segment) begin(meta StepMeta) (*halfWriter, error) {
 	if len(c) > 0 {
 		idx = 1 - c[0]
 	}
-	if atomic.LoadUint32(s.u32(s.halfBase(idx)+offPin)) != 0 && len(c) > 0 && atomic.LoadUint32(s.u32(s.halfBase(idx)+offState)) == StateComplete {
+	if atomic.LoadUint32(s.u32(s.halfBase(idx)+layout.OffPin)) != 0 && len(c) > 0 && atomic.LoadUint32(s.u32(s.halfBase(idx)+layout.OffState)) == layout.StateComplete {
 		idx = c[0]
 	}
 	base := s.halfBase(idx)
-	pin, state := s.u32(base+offPin), s.u32(base+offState)
+	pin, state := s.u32(base+layout.OffPin), s.u32(base+layout.OffState)
 	if atomic.LoadUint32(pin) != 0 {
 		return nil, ErrBusy
 	}
 	prev := atomic.LoadUint32(state)
-	atomic.StoreUint32(state, StateWriting)
+	atomic.StoreUint32(state, layout.StateWriting)
 	// A reader that pinned between the two loads has either seen the
 	// writing state or is seen here (both sides store, then load).
 	if atomic.LoadUint32(pin) != 0 {
 		atomic.StoreUint32(state, prev)
 		return nil, ErrBusy
 	}
-	atomic.AddUint64(s.u64(base+offGen), 1)
+	atomic.AddUint64(s.u64(base+layout.OffGen), 1)
 	meta.Seq = max(s.seq(0), s.seq(1)) + 1
 	if meta.Time.IsZero() {
 		meta.Time = time.Now()
@@ -392,8 +395,8 @@ func (w *halfWriter) commit(crcs []uint32) error {
 	}
 	h := w.s.half(w.idx)
 	copy(h[16:len(b)], b[16:])
-	atomic.StoreUint32(w.s.u32(w.s.halfBase(w.idx)+offState), StateComplete)
-	atomic.StoreUint32(w.s.u32(offActive), uint32(w.idx))
+	atomic.StoreUint32(w.s.u32(w.s.halfBase(w.idx)+layout.OffState), layout.StateComplete)
+	atomic.StoreUint32(w.s.u32(layout.OffActive), uint32(w.idx))
 	return nil
 }
 
@@ -405,7 +408,7 @@ type halfError struct {
 }
 
 func (e *halfError) Error() string {
-	return fmt.Sprintf("ckpt: %s half %d: %s", e.path, e.half, strings.TrimPrefix(e.err.Error(), "ckpt: "))
+	return fmt.Sprintf("ckpt: %s half %d: %v", e.path, e.half, e.err)
 }
 
 func (e *halfError) Unwrap() error { return e.err }
@@ -418,10 +421,10 @@ var errNotComplete = errors.New("holds no complete step")
 // what it read visible (or seals the half). With pin, it also pins the
 // half so that a conforming writer leaves it alone. fn must verify the
 // CRCs of what it reads, if m is sealed.
-func (s *segment) read(i int, pin bool, fn func(m StepMeta, half []byte, valid func() error) error) error {
+func (s *segment) read(i int, pin bool, fn func(m layout.StepMeta, half []byte, valid func() error) error) error {
 	base := s.halfBase(i)
 	if pin {
-		p := s.u32(base + offPin)
+		p := s.u32(base + layout.OffPin)
 		atomic.AddUint32(p, 1)
 		defer atomic.AddUint32(p, ^uint32(0))
 	}
@@ -429,12 +432,12 @@ func (s *segment) read(i int, pin bool, fn func(m StepMeta, half []byte, valid f
 	// increments gen, so a save that began before this load of gen shows
 	// in the state, and one that begins after it changes gen.
 	g := s.gen(i)
-	if st := s.state(i); st != StateComplete {
+	if st := s.state(i); st != layout.StateComplete {
 		return s.notComplete(i, st)
 	}
 	valid := func() error {
-		if s.state(i) != StateComplete || s.gen(i) != g {
-			return &halfError{s.path, i, ErrSuperseded}
+		if s.state(i) != layout.StateComplete || s.gen(i) != g {
+			return fmt.Errorf("%w: %s half %d", ErrSuperseded, s.path, i)
 		}
 		return nil
 	}
@@ -447,7 +450,7 @@ func (s *segment) read(i int, pin bool, fn func(m StepMeta, half []byte, valid f
 		return verr
 	}
 	var he *halfError
-	if err != nil && !errors.As(err, &he) && errors.Is(err, ErrCorrupt) {
+	if err != nil && !errors.As(err, &he) && errors.Is(err, layout.ErrCorrupt) {
 		// Name the half and the file of what failed a check.
 		return &halfError{s.path, i, err}
 	}
@@ -457,19 +460,19 @@ func (s *segment) read(i int, pin bool, fn func(m StepMeta, half []byte, valid f
 // notComplete says why a half in state st holds no step.
 func (s *segment) notComplete(i int, st uint32) error {
 	switch st {
-	case StateWriting:
+	case layout.StateWriting:
 		return &halfError{s.path, i, fmt.Errorf("%w (a save was in progress or died)", errNotComplete)}
-	case StateEmpty:
+	case layout.StateEmpty:
 		return &halfError{s.path, i, fmt.Errorf("%w (empty)", errNotComplete)}
 	}
-	return &halfError{s.path, i, formatErr(s.halfBase(i)+offState, "state", "value %d is no known state", st)}
+	return &halfError{s.path, i, formatErr(s.halfBase(i)+layout.OffState, "state", "value %d is no known state", st)}
 }
 
 // whyNot says why half i is no candidate for loading, cheaply: it checks
 // the state and the table, not the data. It returns nil for a half that
 // holds a complete step with a valid table.
 func (s *segment) whyNot(i int) error {
-	return s.read(i, false, func(StepMeta, []byte, func() error) error { return nil })
+	return s.read(i, false, func(layout.StepMeta, []byte, func() error) error { return nil })
 }
 
 // load returns the newest step of the segment whose every CRC holds (or,
@@ -519,8 +522,8 @@ func (s *segment) newest() []int {
 // CRCs computed on the way, and with seal (the owner, holding the shard's
 // seal lock) it pins the half meanwhile and seals it with them.
 func (s *segment) loadHalf(i int, workers int, reuse *Checkpoint, seal bool) (ck *Checkpoint, sealed bool, err error) {
-	pin := seal && s.hdr.Version >= 2 && s.sealWord(i) == Unsealed
-	err = s.read(i, pin, func(m StepMeta, half []byte, valid func() error) error {
+	pin := seal && s.hdr.Version >= 2 && s.sealWord(i) == layout.Unsealed
+	err = s.read(i, pin, func(m layout.StepMeta, half []byte, valid func() error) error {
 		c, crcs, err := copyOut(m, half, workers, reuse)
 		if err != nil {
 			return err
@@ -546,7 +549,7 @@ func (s *segment) loadHalf(i int, workers int, reuse *Checkpoint, seal bool) (ck
 // returns whether it sealed the half (false: it was sealed already).
 // pause, if not nil, runs between the stores of the seal.
 func (s *segment) seal(i int, workers int, pause func()) (sealed bool, err error) {
-	err = s.read(i, true, func(m StepMeta, half []byte, valid func() error) error {
+	err = s.read(i, true, func(m layout.StepMeta, half []byte, valid func() error) error {
 		if m.Sealed {
 			return nil
 		}
@@ -569,25 +572,25 @@ func (s *segment) seal(i int, workers int, pause func()) (sealed bool, err error
 // and checked, after computing crcs, that no writer took it over; the
 // pin keeps them off until it is done. A reader that loads the seal word
 // as Sealed finds every store before it in place.
-func (s *segment) writeSeal(i int, m StepMeta, crcs []uint32, pause func()) {
+func (s *segment) writeSeal(i int, m layout.StepMeta, crcs []uint32, pause func()) {
 	h := s.half(i)
 	end := m.MetaSize()
-	arr := h[StepHeaderSize+m.TableSize() : end]
+	arr := h[layout.StepHeaderSize+m.TableSize() : end]
 	for k, c := range crcs {
 		binary.LittleEndian.PutUint32(arr[4*k:], c)
 		if pause != nil {
 			pause()
 		}
 	}
-	binary.LittleEndian.PutUint32(h[offSealCRC:], sealCRC(h[:end]))
+	binary.LittleEndian.PutUint32(h[layout.OffSealCRC:], layout.SealCRC(h[:end]))
 	if pause != nil {
 		pause()
 	}
-	atomic.StoreUint32(s.u32(s.halfBase(i)+offSeal), Sealed)
+	atomic.StoreUint32(s.u32(s.halfBase(i)+layout.OffSeal), layout.Sealed)
 }
 
 // blobData returns the bytes of each blob of m in half.
-func blobData(m StepMeta, half []byte) [][]byte {
+func blobData(m layout.StepMeta, half []byte) [][]byte {
 	src := make([][]byte, len(m.Blobs))
 	for k, e := range m.Blobs {
 		src[k] = half[e.Offset : e.Offset+e.Size : e.Offset+e.Size]
@@ -599,7 +602,7 @@ func blobData(m StepMeta, half []byte) [][]byte {
 // which for a sealed m must match the table's. It copies into the buffers
 // of reuse's blobs of the same names where they are large enough, and
 // returns reuse then.
-func copyOut(m StepMeta, half []byte, workers int, reuse *Checkpoint) (*Checkpoint, []uint32, error) {
+func copyOut(m layout.StepMeta, half []byte, workers int, reuse *Checkpoint) (*Checkpoint, []uint32, error) {
 	src := blobData(m, half)
 	dst := make([][]byte, len(m.Blobs))
 	ck := &Checkpoint{}
@@ -634,7 +637,7 @@ func copyOut(m StepMeta, half []byte, workers int, reuse *Checkpoint) (*Checkpoi
 
 // checkCRCs compares the CRCs computed of m's blobs with m's, and returns
 // every mismatch, joined.
-func checkCRCs(m StepMeta, crcs []uint32) error {
+func checkCRCs(m layout.StepMeta, crcs []uint32) error {
 	var errs []error
 	for k, e := range m.Blobs {
 		if crcs[k] != e.CRC32C {
@@ -644,7 +647,7 @@ func checkCRCs(m StepMeta, crcs []uint32) error {
 	return errors.Join(errs...)
 }
 
-func crcMismatch(k int, e BlobEntry, got uint32) error {
-	return &FormatError{Offset: -1, Field: fmt.Sprintf("blobs[%d].crc32c", k),
+func crcMismatch(k int, e layout.BlobEntry, got uint32) error {
+	return &layout.ParseError{Offset: -1, Field: fmt.Sprintf("blobs[%d].crc32c", k),
 		Msg: fmt.Sprintf("blob %q of %d bytes: table says %#08x, data has %#08x", e.Name, e.Size, e.CRC32C, got)}
 }

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // newPair returns an owner of shard 0 (or cfg.Shards) in a fresh
@@ -103,7 +105,7 @@ func TestSaveAroundPinnedHalf(t *testing.T) {
 	// The owner pins the half that holds step 1, as a persist does.
 	seg := o.segs[0]
 	old, newest := seg.newest()[1], seg.newest()[0]
-	pin := seg.u32(seg.halfBase(old) + offPin)
+	pin := seg.u32(seg.halfBase(old) + layout.OffPin)
 	atomic.AddUint32(pin, 1)
 	for step := int64(3); step <= 4; step++ {
 		if err := w.Save(ctx, step, blobs(step)...); err != nil {
@@ -116,7 +118,7 @@ func TestSaveAroundPinnedHalf(t *testing.T) {
 	if m, ok := seg.metaOK(old); !ok || m.Step != 1 {
 		t.Fatalf("the pinned half holds %+v, want step 1", m)
 	}
-	other := seg.u32(seg.halfBase(newest) + offPin)
+	other := seg.u32(seg.halfBase(newest) + layout.OffPin)
 	atomic.AddUint32(other, 1)
 	if err := w.Save(ctx, 5, blobs(5)...); !errors.Is(err, ErrBusy) {
 		t.Fatalf("Save with both halves pinned = %v, want ErrBusy", err)
@@ -143,7 +145,7 @@ func TestSaveRejectsBadInput(t *testing.T) {
 		{-1, nil, "negative"},
 	} {
 		err := w.Save(context.Background(), tc.step, tc.blobs...)
-		if err == nil || errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), tc.want) {
+		if err == nil || errors.Is(err, layout.ErrCorrupt) || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("Save(%d, %v) = %v, want an input error naming %q", tc.step, tc.blobs, err, tc.want)
 		}
 	}
@@ -156,7 +158,7 @@ func TestInterruptedSaveKeepsPrevious(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A save that dies after copying half of its data.
-	hw, err := o.segs[0].begin(layoutStep(2, []string{"model"}, []int64{5000}))
+	hw, err := o.segs[0].begin(layout.PlaceBlobs(2, []string{"model"}, []int64{5000}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -193,7 +195,7 @@ func TestBitFlipFallsBackToPreviousStep(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if ck.Step != 1 || rep.Tier != TierMemory || len(rep.Notes) != 1 || !errors.Is(rep.Notes[0], ErrCorrupt) {
+	if ck.Step != 1 || rep.Tier != TierMemory || len(rep.Notes) != 1 || !errors.Is(rep.Notes[0], layout.ErrCorrupt) {
 		t.Fatalf("Load = step %d: %s; want step 1 from memory, step 2 passed over as corrupt", ck.Step, rep)
 	}
 	t.Logf("report: %s", rep)
@@ -202,7 +204,7 @@ func TestBitFlipFallsBackToPreviousStep(t *testing.T) {
 		t.Fatalf("writer Load = %v, %v; want step 1", wck, err)
 	}
 	err = Verify("", w.cfg.Path)
-	if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), `"optimizer"`) {
+	if !errors.Is(err, layout.ErrCorrupt) || !strings.Contains(err.Error(), `"optimizer"`) {
 		t.Fatalf("Verify = %v, want a CRC error naming the blob", err)
 	}
 }
@@ -280,7 +282,7 @@ func TestTruncatedSegment(t *testing.T) {
 		t.Fatal(err)
 	}
 	path := o.SegmentPath(0)
-	if err := os.Truncate(path, HeaderSize+8192); err != nil {
+	if err := os.Truncate(path, layout.HeaderSize+8192); err != nil {
 		t.Fatal(err)
 	}
 	// Mapped before the cut: a save faults, and says so instead of dying.
@@ -288,10 +290,10 @@ func TestTruncatedSegment(t *testing.T) {
 		t.Fatalf("save into a truncated segment = %v, want a memory fault error", err)
 	}
 	// Opened after the cut: refused before mapping.
-	if _, err := NewWriter(WriterConfig{Path: path}); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "truncated") {
+	if _, err := NewWriter(WriterConfig{Path: path}); !errors.Is(err, layout.ErrCorrupt) || !strings.Contains(err.Error(), "truncated") {
 		t.Fatalf("NewWriter on a truncated segment = %v", err)
 	}
-	if err := Verify("", path); !errors.Is(err, ErrCorrupt) {
+	if err := Verify("", path); !errors.Is(err, layout.ErrCorrupt) {
 		t.Fatalf("Verify = %v, want ErrCorrupt", err)
 	}
 }
@@ -436,18 +438,23 @@ func TestVersion1Segment(t *testing.T) {
 	dir := shmDir(t)
 	path := SegmentPath(dir, "faultline-ckpt", 0)
 	const halfSize = 8192
-	h, err := SegmentHeader{Version: 1, HalfSize: halfSize}.MarshalBinary()
+	h, err := layout.SegmentHeader{Version: 1, HalfSize: halfSize}.MarshalBinary()
 	if err != nil {
 		t.Fatal(err)
 	}
-	file := make([]byte, HeaderSize+2*halfSize)
+	file := make([]byte, layout.HeaderSize+2*halfSize)
 	copy(file, h)
 	data := []byte("weights of an earlier release")
-	m := StepMeta{Seq: 1, Step: 3, Sealed: true, Blobs: []BlobEntry{{Name: "model", Offset: 128, Size: int64(len(data)), CRC32C: CRC32C(data)}}}
-	half := file[HeaderSize:]
-	copy(half, marshalUnchecked(m, true))
+	// The meta of step 3 (seq 1) with one blob, "model", of data at offset
+	// 128, as a writer of layout version 1 wrote it.
+	meta, err := os.ReadFile(filepath.Join("testdata", "version1-meta.bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	half := file[layout.HeaderSize:]
+	copy(half, meta)
 	copy(half[128:], data)
-	binary.LittleEndian.PutUint32(half[offState:], StateComplete)
+	binary.LittleEndian.PutUint32(half[layout.OffState:], layout.StateComplete)
 	if err := os.WriteFile(path, file, 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -470,11 +477,11 @@ func TestVersion1Segment(t *testing.T) {
 		t.Fatalf("NewOwner on a version 1 segment = %v", err)
 	}
 	// The writer's CRC still guards the data.
-	flipBit(t, path, HeaderSize+128+4)
-	if _, err := LoadSegment(path); !errors.Is(err, ErrNoStep) || !errors.Is(err, ErrCorrupt) {
+	flipBit(t, path, layout.HeaderSize+128+4)
+	if _, err := LoadSegment(path); !errors.Is(err, ErrNoStep) || !errors.Is(err, layout.ErrCorrupt) {
 		t.Fatalf("LoadSegment of a flipped bit = %v", err)
 	}
-	if err := Verify("", path); !errors.Is(err, ErrCorrupt) {
+	if err := Verify("", path); !errors.Is(err, layout.ErrCorrupt) {
 		t.Fatalf("Verify = %v", err)
 	}
 }

@@ -16,6 +16,8 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // Blob is a named byte string of a step: a model's weights, an
@@ -130,7 +132,7 @@ func openWritable(path string) (*segment, error) {
 	if err != nil {
 		return nil, err
 	}
-	if seg.hdr.Flags&FlagReplica != 0 {
+	if seg.hdr.Flags&layout.FlagReplica != 0 {
 		seg.close()
 		return nil, fmt.Errorf("ckpt: %s holds a peer's replica, not a shard to write: give WriterConfig.Path the shard's SegmentPath", path)
 	}
@@ -227,7 +229,7 @@ func (w *Writer) SaveFrom(ctx context.Context, step int64, srcs ...Source) error
 
 func (w *Writer) save(ctx context.Context, step int64, names []string, sizes []int64, fill func(*halfWriter) error) (err error) {
 	start := time.Now()
-	meta := layoutStep(step, names, sizes)
+	meta := layout.PlaceBlobs(step, names, sizes)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.seg == nil {
@@ -277,9 +279,9 @@ var errClosed = errors.New("closed")
 // that hold meta, and holding its shared lock (growing, in the FORMAT
 // section): it follows a segment another process grew, and grows one
 // that is too small.
-func (w *Writer) lockFitting(meta StepMeta) error {
+func (w *Writer) lockFitting(meta layout.StepMeta) error {
 	// Bad input grows nothing.
-	if err := meta.check(maxHalfSize, Version); err != nil {
+	if err := meta.Check(layout.MaxHalfSize); err != nil {
 		return badSave(meta, err)
 	}
 	for {
@@ -327,7 +329,7 @@ func (w *Writer) Persist(step int64) (err error) {
 	}
 	c := w.seg.newest()
 	if len(c) == 0 {
-		return fmt.Errorf("ckpt: persist step %d: %w in %s", step, ErrNoStep, w.cfg.Path)
+		return fmt.Errorf("%w in %s to persist step %d", ErrNoStep, w.cfg.Path, step)
 	}
 	m, _ := w.seg.metaOK(c[0])
 	if m.Step != step {

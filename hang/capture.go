@@ -17,7 +17,7 @@ import (
 
 // ErrCapture is wrapped by Capture's error when no stack at all could be
 // taken.
-var ErrCapture = errors.New("no stacks captured")
+var ErrCapture = errors.New("hang: no stacks captured")
 
 // maxToolOutput bounds what one capture tool may print.
 const maxToolOutput = 64 << 20
@@ -95,7 +95,7 @@ func Capture(ctx context.Context, pid int) (*Dump, error) {
 		}
 	}
 	if len(d.Threads) == 0 {
-		return d, fmt.Errorf("hang: capture pid %d: %w: %w", pid, ErrCapture, errors.Join(errs...))
+		return d, fmt.Errorf("%w: pid %d: %w", ErrCapture, pid, errors.Join(errs...))
 	}
 	return d, nil
 }

@@ -1,6 +1,7 @@
 package hang
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -23,16 +24,6 @@ const (
 	DefaultTick             = 100 * time.Millisecond
 	DefaultCaptureTimeout   = 60 * time.Second
 )
-
-// Clock tells the time. Tests inject a fake one so that timeouts can be
-// checked without sleeping.
-type Clock interface {
-	Now() time.Time
-}
-
-type realClock struct{}
-
-func (realClock) Now() time.Time { return time.Now() }
 
 // Config configures a Watchdog. The zero value watches rank 0 of a job of
 // one with the defaults below.
@@ -100,8 +91,9 @@ type Config struct {
 	// Check or Close.
 	OnFault func(Fault)
 
-	// Clock tells the time. nil means the system clock.
-	Clock Clock
+	// Now tells the time; tests set a fake clock so that timeouts are
+	// checked without sleeping. nil means time.Now.
+	Now func() time.Time
 	// Registerer receives the metrics (see the package documentation).
 	// nil: no metrics.
 	Registerer prometheus.Registerer
@@ -113,10 +105,7 @@ type Config struct {
 
 // Validate reports the first field that is out of range, by name.
 func (c Config) Validate() error {
-	world := c.World
-	if world == 0 {
-		world = 1
-	}
+	world := cmp.Or(c.World, 1)
 	switch {
 	case c.World < 0 || c.World > maxRank:
 		return fmt.Errorf("hang: Config.World %d: must be in [0, %d]", c.World, maxRank)
@@ -152,39 +141,16 @@ func (c Config) Validate() error {
 
 // withDefaults returns c with zero fields set to their defaults.
 func (c Config) withDefaults() Config {
-	if c.World == 0 {
-		c.World = 1
-	}
-	if c.Timeout == 0 {
-		c.Timeout = DefaultTimeout
-	}
-	if c.LearnFactor == 0 {
-		c.LearnFactor = DefaultLearnFactor
-	}
-	if c.LearnFloor == 0 {
-		c.LearnFloor = DefaultLearnFloor
-	}
-	if c.LearnMinSamples == 0 {
-		c.LearnMinSamples = DefaultLearnMinSamples
-	}
-	if c.LearnWindow == 0 {
-		c.LearnWindow = DefaultLearnWindow
-	}
+	c.World = cmp.Or(c.World, 1)
+	c.Timeout = cmp.Or(c.Timeout, DefaultTimeout)
+	c.LearnFactor = cmp.Or(c.LearnFactor, DefaultLearnFactor)
+	c.LearnFloor = cmp.Or(c.LearnFloor, DefaultLearnFloor)
+	c.LearnMinSamples = cmp.Or(c.LearnMinSamples, DefaultLearnMinSamples)
+	c.LearnWindow = cmp.Or(c.LearnWindow, DefaultLearnWindow)
 	c.LearnMinSamples = min(c.LearnMinSamples, c.LearnWindow)
-	if c.HeartbeatTimeout == 0 {
-		c.HeartbeatTimeout = DefaultHeartbeatTimeout
-	}
-	if c.Tick == 0 {
-		c.Tick = DefaultTick
-	}
-	if c.CaptureTimeout == 0 {
-		c.CaptureTimeout = DefaultCaptureTimeout
-	}
-	if c.StopSignal == 0 {
-		c.StopSignal = syscall.SIGKILL
-	}
-	if c.Clock == nil {
-		c.Clock = realClock{}
-	}
+	c.HeartbeatTimeout = cmp.Or(c.HeartbeatTimeout, DefaultHeartbeatTimeout)
+	c.Tick = cmp.Or(c.Tick, DefaultTick)
+	c.CaptureTimeout = cmp.Or(c.CaptureTimeout, DefaultCaptureTimeout)
+	c.StopSignal = cmp.Or(c.StopSignal, syscall.SIGKILL)
 	return c
 }

@@ -25,7 +25,7 @@
 // within 1 s; Config.StopOn then stops the process (SIGKILL unless
 // StopSignal or Stop says otherwise) so that it is restarted at once.
 //
-// All detection is in Watchdog.Check, which reads Config.Clock: tests
+// All detection is in Watchdog.Check, which reads Config.Now: tests
 // drive it with a fake clock, without sleeping. Run calls Check every Tick
 // and does the slow work (stack capture, stop) on its own goroutine.
 //

@@ -14,8 +14,9 @@ import (
 // A trainer times its collectives; the watchdog reports a hang after the
 // learned timeout and writes this process's stacks to DumpDir.
 func Example() {
+	var faults []hang.Fault // written by Run's goroutine, read once it returned
 	w, err := hang.New(hang.Config{Rank: 3, World: 8, DumpDir: os.TempDir(), LearnTimeouts: true,
-		OnFault: func(f hang.Fault) { log.Print(f) }})
+		OnFault: func(f hang.Fault) { faults = append(faults, f) }})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -30,7 +31,9 @@ func Example() {
 		t.End()
 	}
 	cancel()
-	<-done
+	fmt.Println(<-done, len(faults), "faults")
+	// Output:
+	// context canceled 0 faults
 }
 
 func ExampleWatchdog_Check() {
@@ -88,13 +91,13 @@ func ExampleMerged_WriteFolded() {
 }
 
 func ExampleRanks() {
-	r := hang.RanksOf(0, 1, 2, 3, 9, 11, 12, 13, 14, 15)
-	fmt.Println(r, r.Len(), r.Complement(16))
-	p, _ := hang.ParseRanks("0-3/9")
-	fmt.Println(p.Has(2), p.Has(5))
+	r, err := hang.ParseRanks("11-15/9/0-3/2")
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(r, r.Len(), r.Has(2), r.Has(5))
 	// Output:
-	// 0-3/9/11-15 10 4-8/10
-	// true false
+	// 0-3/9/11-15 10 true false
 }
 
 func ExampleDump_Marshal() {

@@ -26,7 +26,7 @@ func (m *Merged) WriteFolded(w io.Writer, k Kind) error {
 	walk(root, func(path []*Node) {
 		n := path[len(path)-1]
 		labels[n] = cleanLabel(m.Label(n), true)
-		if n.Ends.IsEmpty() {
+		if n.Ends.isEmpty() {
 			return
 		}
 		line = line[:0]

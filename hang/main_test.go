@@ -7,17 +7,20 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 func TestMain(m *testing.M) {
 	// The process tests re-execute this binary as the program that hangs.
-	if role := os.Getenv(childEnv); role != "" {
+	if role := testkit.Role(); role != "" {
 		os.Exit(runChild(role))
 	}
 	goleak.VerifyTestMain(m)
 }
 
-// fakeClock is a Clock that moves only when told.
+// fakeClock is a clock that moves only when told; its Now is a
+// Config.Now.
 type fakeClock struct {
 	mu  sync.Mutex
 	now time.Time

@@ -122,9 +122,9 @@ func (m *Merged) Label(n *Node) string {
 	b = append(b, '@')
 	b = appendFileLine(b, n.Frame)
 	b = append(b, '@')
-	b = n.Stuck.AppendText(b)
+	b = n.Stuck.appendText(b)
 	b = append(b, '|')
-	b = n.Stuck.Complement(m.World).AppendText(b)
+	b = n.Stuck.complement(m.World).appendText(b)
 	return string(b)
 }
 
@@ -142,7 +142,7 @@ func appendFileLine(b []byte, f Frame) []byte {
 }
 
 // ErrNoStacks is returned by MergeDir for a folder without stack files.
-var ErrNoStacks = errors.New("no stack files")
+var ErrNoStacks = errors.New("hang: no stack files")
 
 // Merge folds the dumps of many ranks into one tree per kind. When two
 // dumps give the same rank stacks of the same kind, the first in rank
@@ -209,7 +209,7 @@ func MergeDir(dir string, cfg MergeConfig) (*Merged, error) {
 		}
 	}
 	if len(stackFiles)+len(pyspyFiles) == 0 {
-		return nil, fmt.Errorf("hang: merge %s: %w (want %s or py-spy JSON files named by rank)", dir, ErrNoStacks, FileName(0, 8))
+		return nil, fmt.Errorf("%w in %s (want %s or py-spy JSON files named by rank)", ErrNoStacks, dir, FileName(0, 8))
 	}
 	world := cfg.World
 	if world == 0 {
@@ -318,10 +318,7 @@ func (mg *merger) add(d *Dump, source string) {
 		mg.problem(fmt.Errorf("hang: %s: rank %d: %s", source, d.Rank, msg))
 		return
 	}
-	state := d.State
-	if state == "" {
-		state = "unknown"
-	}
+	state := cmp.Or(d.State, "unknown")
 	if state != mg.lastState {
 		mg.lastState, mg.lastStateLabel = state, "State@"+state
 	}
@@ -372,10 +369,10 @@ func (mg *merger) add(d *Dump, source string) {
 		if mg.have[x.kind] == nil {
 			mg.have[x.kind] = &Ranks{}
 		}
-		mg.have[x.kind].Add(d.Rank)
+		mg.have[x.kind].add(d.Rank)
 	}
 	if added {
-		mg.m.Ranks.Add(d.Rank)
+		mg.m.Ranks.add(d.Rank)
 		if d.Host != "" {
 			mg.m.hosts[d.Rank] = d.Host
 		}
@@ -388,10 +385,10 @@ func (mg *merger) insert(t *Thread, rank int, state, source string) {
 		root = &Node{}
 		mg.m.Trees[t.Kind] = root
 	}
-	root.Stuck.Add(rank)
+	root.Stuck.add(rank)
 	n := root.child(Frame{Func: state})
 	n.isState = true
-	n.Stuck.Add(rank)
+	n.Stuck.add(rank)
 
 	frames := t.Frames
 	keepInner, elided := len(frames), 0
@@ -403,14 +400,14 @@ func (mg *merger) insert(t *Thread, rank int, state, source string) {
 	for i := len(frames) - 1; i >= 0; i-- {
 		if elided > 0 && i == keepInner+elided-1 {
 			n = n.child(Frame{Func: fmt.Sprintf("[... %d frames elided ...]", elided)})
-			n.Stuck.Add(rank)
+			n.Stuck.add(rank)
 			i = keepInner
 			continue
 		}
 		n = n.child(frames[i])
-		n.Stuck.Add(rank)
+		n.Stuck.add(rank)
 	}
-	n.Ends.Add(rank)
+	n.Ends.add(rank)
 }
 
 // child returns n's child for frame f, creating it.
@@ -442,7 +439,7 @@ func (n *Node) child(f Frame) *Node {
 
 func (mg *merger) finish() *Merged {
 	m := mg.m
-	m.Missing = m.Ranks.Complement(m.World)
+	m.Missing = m.Ranks.complement(m.World)
 	for _, root := range m.Trees {
 		finishNode(root)
 	}

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/xml"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -17,31 +16,9 @@ import (
 	"unicode/utf8"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
-
-var update = flag.Bool("update", false, "rewrite the golden files in testdata/golden")
-
-// golden compares got with testdata/golden/name, rewriting it with -update.
-func golden(t *testing.T, name string, got []byte) {
-	t.Helper()
-	path := filepath.Join("testdata", "golden", name)
-	if *update {
-		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(path, got, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		return
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run go test -update to create it)", err)
-	}
-	if diff := cmp.Diff(string(want), string(got)); diff != "" {
-		t.Errorf("%s differs (-want +got; go test -update rewrites it):\n%s", path, diff)
-	}
-}
 
 func mergeJob8(t *testing.T) *Merged {
 	t.Helper()
@@ -124,7 +101,7 @@ func TestMergeDirJob8(t *testing.T) {
 			}
 		}
 	}
-	golden(t, "job8.verdict", []byte(m.Verdict()))
+	testkit.Golden(t, filepath.Join("testdata", "golden", "job8.verdict"), []byte(m.Verdict()))
 }
 
 func TestMergeOutputsGolden(t *testing.T) {
@@ -137,8 +114,8 @@ func TestMergeOutputsGolden(t *testing.T) {
 		if err := m.WriteSVG(&svg, k); err != nil {
 			t.Fatal(err)
 		}
-		golden(t, "job8_"+string(k)+".folded", folded.Bytes())
-		golden(t, "job8_"+string(k)+".svg", svg.Bytes())
+		testkit.Golden(t, filepath.Join("testdata", "golden", "job8_"+string(k)+".folded"), folded.Bytes())
+		testkit.Golden(t, filepath.Join("testdata", "golden", "job8_"+string(k)+".svg"), svg.Bytes())
 		checkSVG(t, svg.Bytes())
 		checkFolded(t, folded.Bytes(), m.Trees[k].Weight())
 	}
@@ -258,14 +235,14 @@ func TestMergeGeneratedMatchesBruteForce(t *testing.T) {
 			if mp[key] == nil {
 				mp[key] = &Ranks{}
 			}
-			mp[key].Add(r)
+			mp[key].add(r)
 		}
 		var present Ranks
 		for _, d := range dumps {
 			if d == nil {
 				continue
 			}
-			present.Add(d.Rank)
+			present.add(d.Rank)
 			for _, th := range d.Threads {
 				key := "State@" + d.State
 				for i := len(th.Frames) - 1; i >= 0; i-- {
@@ -276,7 +253,7 @@ func TestMergeGeneratedMatchesBruteForce(t *testing.T) {
 				add(ends, key, d.Rank)
 			}
 		}
-		if !m.Ranks.Equal(present) || !m.Missing.Equal(present.Complement(m.World)) {
+		if !m.Ranks.Equal(present) || !m.Missing.Equal(present.complement(m.World)) {
 			t.Fatalf("iter %d: ranks %s missing %s", iter, m.Ranks, m.Missing)
 		}
 		nodes := 0
@@ -420,7 +397,7 @@ func TestMergeBadInput(t *testing.T) {
 		"00004-00008.stacktrace: world 8 disagrees with the job's 6",
 		"100000 frames; 98976 in the middle elided",
 		"9.json: rank 9 outside the job's world of 6",
-		"rank-1.json: hang: py-spy json",
+		"rank-1.json: hang: malformed stack file: py-spy json",
 	} {
 		if !slices.ContainsFunc(problems, func(p string) bool { return strings.Contains(p, want) }) {
 			t.Errorf("no problem saying %q in:\n%s", want, strings.Join(problems, "\n"))

@@ -43,7 +43,7 @@ func (m *Merged) Profile() *profile.Profile {
 				locs[n] = loc
 				p.Location = append(p.Location, loc)
 			}
-			if n.Ends.IsEmpty() {
+			if n.Ends.isEmpty() {
 				return
 			}
 			stack := make([]*profile.Location, 0, len(path)-1)

@@ -1,7 +1,6 @@
 package hang
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
@@ -14,12 +13,11 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
-const (
-	childEnv    = "FAULTLINE_HANG_TEST_CHILD"
-	childDirEnv = "FAULTLINE_HANG_TEST_DIR"
-)
+const childDirEnv = "FAULTLINE_HANG_TEST_DIR"
 
 // runChild is the re-executed test binary: a Go trainer that times its
 // collectives with a Watchdog, then blocks on a channel inside one.
@@ -50,68 +48,12 @@ func runChild(role string) int {
 //go:noinline
 func blockedInCollective(ch chan struct{}) { <-ch }
 
-// lineReader hands a child's output lines to a channel.
-func lineReader(r io.Reader) <-chan string {
-	ch := make(chan string, 1024)
-	go func() {
-		defer close(ch)
-		sc := bufio.NewScanner(r)
-		for sc.Scan() {
-			ch <- sc.Text()
-		}
-	}()
-	return ch
-}
-
-// waitLine returns the first line holding want, failing after a generous
-// deadline.
-func waitLine(t *testing.T, lines <-chan string, want string) string {
-	t.Helper()
-	deadline := time.After(60 * time.Second)
-	for {
-		select {
-		case l, ok := <-lines:
-			if !ok {
-				t.Fatalf("child output ended before a line with %q", want)
-			}
-			if strings.Contains(l, want) {
-				return l
-			}
-		case <-deadline:
-			t.Fatalf("no line with %q within 60s", want)
-		}
-	}
-}
-
-// startChild starts cmd with its output piped, and kills and reaps it at
-// the end of the test.
-func startChild(t *testing.T, cmd *exec.Cmd) <-chan string {
-	t.Helper()
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	lines := lineReader(out)
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-		for range lines {
-		}
-	})
-	return lines
-}
-
 func TestGoProcessHangDumpsItsGoroutines(t *testing.T) {
 	dir := t.TempDir()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childEnv+"=go-hang", childDirEnv+"="+dir)
-	lines := startChild(t, cmd)
-	waitLine(t, lines, "ready")
-	waitLine(t, lines, "hang: stacks written")
+	cmd := testkit.Command(t, "go-hang", childDirEnv+"="+dir)
+	lines := testkit.Start(t, cmd)
+	testkit.WaitLine(t, lines, "ready")
+	testkit.WaitLine(t, lines, "hang: stacks written")
 
 	d, err := ReadStackFile(filepath.Join(dir, FileName(1, 4)))
 	if err != nil {
@@ -194,7 +136,7 @@ sleep_loop()
 	if err != nil {
 		t.Fatal(err)
 	}
-	lines := startChild(t, cmd)
+	lines := testkit.Start(t, cmd)
 
 	logs := make(chan string, 16)
 	faults := make(chan Fault, 16)
@@ -265,8 +207,8 @@ func TestCapturePySpy(t *testing.T) {
 	}
 	py := python(t)
 	cmd := exec.Command(py, "-u", "-c", "import time\ndef sleep_loop():\n    print('ready', flush=True)\n    while True:\n        time.sleep(0.05)\nsleep_loop()\n")
-	lines := startChild(t, cmd)
-	waitLine(t, lines, "ready")
+	lines := testkit.Start(t, cmd)
+	testkit.WaitLine(t, lines, "ready")
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	threads, err := capturePySpy(ctx, path, cmd.Process.Pid, "S (sleeping)")
@@ -286,8 +228,8 @@ func TestCaptureDeadlineLeavesTargetRunning(t *testing.T) {
 	}
 	py := python(t)
 	cmd := exec.Command(py, "-u", "-c", "import time\nprint('ready', flush=True)\nwhile True:\n    time.sleep(0.05)\n")
-	lines := startChild(t, cmd)
-	waitLine(t, lines, "ready")
+	lines := testkit.Start(t, cmd)
+	testkit.WaitLine(t, lines, "ready")
 	// A deadline that expires while gdb is attached or reading symbols.
 	for _, d := range []time.Duration{time.Millisecond, 50 * time.Millisecond, 150 * time.Millisecond} {
 		ctx, cancel := context.WithTimeout(context.Background(), d)
@@ -326,7 +268,7 @@ for _ in range(10):
 while True:
     time.sleep(0.05)
 `)
-	lines := startChild(t, cmd)
+	lines := testkit.Start(t, cmd)
 	faults := make(chan Fault, 4)
 	// A heartbeat timeout well above the 50ms between beats, so that a
 	// loaded machine's stall does not end the child before its 10 beats;

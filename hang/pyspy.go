@@ -43,15 +43,15 @@ type pyspyFrame struct {
 func ParsePySpyJSON(data []byte) (threads []Thread, pid int, err error) {
 	data = bytes.TrimSpace(data)
 	if len(data) == 0 || data[0] != '[' {
-		return nil, 0, fmt.Errorf("hang: py-spy json: %w: not a JSON list", ErrFormat)
+		return nil, 0, fmt.Errorf("%w: py-spy json: not a JSON list", ErrFormat)
 	}
 	var traces []pyspyTrace
 	if err := json.Unmarshal(data, &traces); err != nil {
 		var se *json.SyntaxError
 		if errors.As(err, &se) {
-			return nil, 0, fmt.Errorf("hang: py-spy json: %w: byte %d: %v", ErrFormat, se.Offset, err)
+			return nil, 0, fmt.Errorf("%w: py-spy json: byte %d: %v", ErrFormat, se.Offset, err)
 		}
-		return nil, 0, fmt.Errorf("hang: py-spy json: %w: %v", ErrFormat, err)
+		return nil, 0, fmt.Errorf("%w: py-spy json: %v", ErrFormat, err)
 	}
 	for i, t := range traces {
 		th := Thread{Kind: KindPython, ID: t.ThreadID, State: pyspyState(t)}
@@ -64,7 +64,7 @@ func ParsePySpyJSON(data []byte) (threads []Thread, pid int, err error) {
 		for j, f := range t.Frames {
 			if f.Line < 0 {
 				// py-spy writes 0 for an unknown line; anything below is corrupt.
-				return nil, 0, fmt.Errorf("hang: py-spy json: %w: thread %d frame %d: line %d", ErrFormat, i, j, f.Line)
+				return nil, 0, fmt.Errorf("%w: py-spy json: thread %d frame %d: line %d", ErrFormat, i, j, f.Line)
 			}
 			file := f.Filename
 			if f.ShortFilename != nil && *f.ShortFilename != "" {

@@ -21,17 +21,17 @@ type Ranks struct {
 
 type rankRun struct{ lo, hi int } // inclusive
 
-// RanksOf returns the set of the given ranks.
-func RanksOf(ranks ...int) Ranks {
+// ranksOf returns the set of the given ranks.
+func ranksOf(ranks ...int) Ranks {
 	var r Ranks
 	for _, x := range ranks {
-		r.Add(x)
+		r.add(x)
 	}
 	return r
 }
 
-// RankRange returns the set {lo, ..., hi}; it is empty when hi < lo.
-func RankRange(lo, hi int) Ranks {
+// rankRange returns the set {lo, ..., hi}; it is empty when hi < lo.
+func rankRange(lo, hi int) Ranks {
 	lo = max(lo, 0)
 	if hi < lo {
 		return Ranks{}
@@ -39,8 +39,8 @@ func RankRange(lo, hi int) Ranks {
 	return Ranks{runs: []rankRun{{lo, hi}}}
 }
 
-// Add puts rank into the set. Negative ranks are ignored.
-func (r *Ranks) Add(rank int) {
+// add puts rank into the set. Negative ranks are ignored.
+func (r *Ranks) add(rank int) {
 	if rank < 0 {
 		return
 	}
@@ -80,8 +80,8 @@ func (r *Ranks) Add(rank int) {
 	}
 }
 
-// AddSet puts every member of o into r.
-func (r *Ranks) AddSet(o Ranks) {
+// addSet puts every member of o into r.
+func (r *Ranks) addSet(o Ranks) {
 	if len(o.runs) == 0 {
 		return
 	}
@@ -130,31 +130,15 @@ func (r Ranks) Len() int {
 	return n
 }
 
-// IsEmpty reports whether the set has no member.
-func (r Ranks) IsEmpty() bool { return len(r.runs) == 0 }
-
-// Min returns the smallest member, or -1 for the empty set.
-func (r Ranks) Min() int {
-	if len(r.runs) == 0 {
-		return -1
-	}
-	return r.runs[0].lo
-}
-
-// Max returns the largest member, or -1 for the empty set.
-func (r Ranks) Max() int {
-	if len(r.runs) == 0 {
-		return -1
-	}
-	return r.runs[len(r.runs)-1].hi
-}
+// isEmpty reports whether the set has no member.
+func (r Ranks) isEmpty() bool { return len(r.runs) == 0 }
 
 // Equal reports whether r and o have the same members.
 func (r Ranks) Equal(o Ranks) bool { return slices.Equal(r.runs, o.runs) }
 
-// Compare orders sets by size, then by their members, so that sorting
+// compare orders sets by size, then by their members, so that sorting
 // groups of ranks with it puts the smallest groups first.
-func (r Ranks) Compare(o Ranks) int {
+func (r Ranks) compare(o Ranks) int {
 	if c := r.Len() - o.Len(); c != 0 {
 		return c
 	}
@@ -166,8 +150,8 @@ func (r Ranks) Compare(o Ranks) int {
 	})
 }
 
-// Complement returns the ranks in [0, world) that are not in r.
-func (r Ranks) Complement(world int) Ranks {
+// complement returns the ranks in [0, world) that are not in r.
+func (r Ranks) complement(world int) Ranks {
 	var out Ranks
 	next := 0
 	for _, x := range r.runs {
@@ -185,8 +169,8 @@ func (r Ranks) Complement(world int) Ranks {
 	return out
 }
 
-// Clone returns a copy of r that shares no memory with it.
-func (r Ranks) Clone() Ranks { return Ranks{runs: slices.Clone(r.runs)} }
+// clone returns a copy of r that shares no memory with it.
+func (r Ranks) clone() Ranks { return Ranks{runs: slices.Clone(r.runs)} }
 
 // All yields the members in increasing order.
 func (r Ranks) All() iter.Seq[int] {
@@ -203,10 +187,10 @@ func (r Ranks) All() iter.Seq[int] {
 
 // String returns the folded form: runs joined by "/", a run of two or
 // more ranks written "lo-hi", e.g. "0-3/9/11-15". The empty set is "".
-func (r Ranks) String() string { return string(r.AppendText(nil)) }
+func (r Ranks) String() string { return string(r.appendText(nil)) }
 
-// AppendText appends the folded form to b.
-func (r Ranks) AppendText(b []byte) []byte {
+// appendText appends the folded form to b.
+func (r Ranks) appendText(b []byte) []byte {
 	for i, x := range r.runs {
 		if i > 0 {
 			b = append(b, '/')
@@ -221,7 +205,7 @@ func (r Ranks) AppendText(b []byte) []byte {
 }
 
 // MarshalText returns the folded form.
-func (r Ranks) MarshalText() ([]byte, error) { return r.AppendText(nil), nil }
+func (r Ranks) MarshalText() ([]byte, error) { return r.appendText(nil), nil }
 
 // UnmarshalText parses the folded form as ParseRanks does.
 func (r *Ranks) UnmarshalText(b []byte) error {
@@ -234,7 +218,7 @@ func (r *Ranks) UnmarshalText(b []byte) error {
 }
 
 // ErrRanks is wrapped by every error ParseRanks returns.
-var ErrRanks = errors.New("invalid rank set")
+var ErrRanks = errors.New("hang: invalid rank set")
 
 // maxRank bounds a rank in text so that a hostile "0-999999999999" cannot
 // overflow or make All loop for ever.
@@ -262,7 +246,7 @@ func ParseRanks(s string) (Ranks, error) {
 				return Ranks{}, fmt.Errorf("%w %q: run %q ends before it starts", ErrRanks, s, part)
 			}
 		}
-		r.AddSet(Ranks{runs: []rankRun{{a, b}}})
+		r.addSet(Ranks{runs: []rankRun{{a, b}}})
 	}
 	return r, nil
 }

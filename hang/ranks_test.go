@@ -19,9 +19,9 @@ func TestRanksString(t *testing.T) {
 		{[]int{1, 3, 2}, "1-3"},
 		{[]int{10, 0, 5}, "0/5/10"},
 	} {
-		r := RanksOf(tc.ranks...)
+		r := ranksOf(tc.ranks...)
 		if got := r.String(); got != tc.want {
-			t.Errorf("RanksOf(%v) = %q, want %q", tc.ranks, got, tc.want)
+			t.Errorf("ranksOf(%v) = %q, want %q", tc.ranks, got, tc.want)
 		}
 		back, err := ParseRanks(tc.want)
 		if err != nil || !back.Equal(r) {
@@ -52,10 +52,10 @@ func TestRanksModel(t *testing.T) {
 		for range rng.IntN(300) {
 			x := rng.IntN(world)
 			if rng.IntN(3) == 0 {
-				other.Add(x)
+				other.add(x)
 				otherModel[x] = true
 			} else {
-				r.Add(x)
+				r.add(x)
 				model[x] = true
 			}
 		}
@@ -85,9 +85,9 @@ func TestRanksModel(t *testing.T) {
 		for x := range world {
 			comp[x] = !model[x]
 		}
-		check("complement", r.Complement(world), comp)
-		union := r.Clone()
-		union.AddSet(other)
+		check("complement", r.complement(world), comp)
+		union := r.clone()
+		union.addSet(other)
 		for x := range otherModel {
 			model[x] = true
 		}
@@ -100,11 +100,11 @@ func TestRanksModel(t *testing.T) {
 }
 
 func TestRanksCompare(t *testing.T) {
-	small, big := RanksOf(6), RankRange(0, 5)
-	if small.Compare(big) >= 0 || big.Compare(small) <= 0 || small.Compare(RanksOf(6)) != 0 {
+	small, big := ranksOf(6), rankRange(0, 5)
+	if small.compare(big) >= 0 || big.compare(small) <= 0 || small.compare(ranksOf(6)) != 0 {
 		t.Error("Compare does not order by size first")
 	}
-	if RanksOf(1).Compare(RanksOf(2)) >= 0 {
+	if ranksOf(1).compare(ranksOf(2)) >= 0 {
 		t.Error("Compare does not order equal sizes by members")
 	}
 }

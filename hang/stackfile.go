@@ -2,6 +2,7 @@ package hang
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/faultline-ml/faultline/internal/atomicfile"
+	"github.com/faultline-ml/faultline/internal/parseerr"
 )
 
 // Kind says which runtime a thread's frames come from. Stacks of different
@@ -97,67 +99,64 @@ const fileMagic = "faultline-stacktrace"
 const MaxFileBytes = 256 << 20
 
 // ErrFormat is wrapped by every error ParseDump returns.
-var ErrFormat = errors.New("malformed stack file")
+var ErrFormat = errors.New("hang: malformed stack file")
 
 // ErrTruncated is wrapped by the error for a stack file that lacks its
 // closing "end" line, or whose counts disagree with it: a dump cut short.
-var ErrTruncated = errors.New("stack file truncated")
+var ErrTruncated = errors.New("hang: stack file truncated")
 
-// ParseError says where a stack file is malformed.
+// ParseError says where a stack file is malformed. It has the shape of
+// every parse error of this module: what was parsed, where, the field and
+// value at fault, and what is wrong.
 type ParseError struct {
-	File string // path, when known
-	Line int    // 1-based; 0 when the error is about the whole file
-	Msg  string
-	Err  error // ErrTruncated or ErrFormat
+	Format string // what was parsed; "" for a stack file, which its name says
+	File   string // path, when known
+	Line   int    // 1-based; 0 when the error is about the whole file
+	Field  string // the offending field, if any
+	Value  string // the offending value, if any
+	Msg    string // what is wrong
+	Err    error  // ErrTruncated or ErrFormat; nil means ErrFormat
 }
 
 // Error returns "hang: <file>:<line>: <msg>", leaving out what is unknown.
 func (e *ParseError) Error() string {
-	var b strings.Builder
-	b.WriteString("hang: ")
-	if e.File != "" {
-		b.WriteString(e.File)
-		if e.Line > 0 {
-			fmt.Fprintf(&b, ":%d", e.Line)
-		}
-		b.WriteString(": ")
-	} else if e.Line > 0 {
-		fmt.Fprintf(&b, "line %d: ", e.Line)
-	}
-	b.WriteString(e.Msg)
-	return b.String()
+	return parseerr.Text{Pkg: "hang", Format: e.Format, File: e.File, Line: e.Line,
+		Field: e.Field, Value: e.Value, Msg: e.Msg}.String()
 }
 
-// Unwrap returns ErrTruncated or ErrFormat.
-func (e *ParseError) Unwrap() error {
-	if e.Err == nil {
-		return ErrFormat
-	}
-	return e.Err
-}
+// Unwrap returns Err, or ErrFormat.
+func (e *ParseError) Unwrap() error { return cmp.Or(e.Err, ErrFormat) }
 
 // Validate reports what would make d unfit for a stack file.
 func (d *Dump) Validate() error {
+	if why := d.invalid(); why != "" {
+		return errors.New("hang: dump: " + why)
+	}
+	return nil
+}
+
+// invalid says what Validate finds wrong, "" for nothing.
+func (d *Dump) invalid() string {
 	switch {
 	case d.World < 1 || d.World > maxRank:
 		// Above maxRank, FileName would write a name ParseFileName rejects.
-		return fmt.Errorf("hang: dump: World %d: must be in [1, %d]", d.World, maxRank)
+		return fmt.Sprintf("World %d: must be in [1, %d]", d.World, maxRank)
 	case d.Rank < 0 || d.Rank >= d.World:
-		return fmt.Errorf("hang: dump: Rank %d: must be in [0, %d)", d.Rank, d.World)
+		return fmt.Sprintf("Rank %d: must be in [0, %d)", d.Rank, d.World)
 	case d.Pid < 0:
-		return fmt.Errorf("hang: dump: Pid %d: must not be negative", d.Pid)
+		return fmt.Sprintf("Pid %d: must not be negative", d.Pid)
 	}
 	for i, t := range d.Threads {
 		if !isToken(string(t.Kind)) {
-			return fmt.Errorf("hang: dump: Threads[%d].Kind %q: must be lower-case letters, digits or _", i, t.Kind)
+			return fmt.Sprintf("Threads[%d].Kind %q: must be lower-case letters, digits or _", i, t.Kind)
 		}
 		for j, f := range t.Frames {
 			if f.Line < 0 {
-				return fmt.Errorf("hang: dump: Threads[%d].Frames[%d].Line %d: must not be negative", i, j, f.Line)
+				return fmt.Sprintf("Threads[%d].Frames[%d].Line %d: must not be negative", i, j, f.Line)
 			}
 		}
 	}
-	return nil
+	return ""
 }
 
 // Marshal returns d in the stack-file format (see the package
@@ -350,8 +349,8 @@ func (p *dumpParser) parse() (*Dump, error) {
 			if d.Rank < 0 || d.World < 0 {
 				return nil, p.fail("rank and world lines are required")
 			}
-			if err := d.Validate(); err != nil {
-				return nil, p.fail("%s", strings.TrimPrefix(err.Error(), "hang: dump: "))
+			if why := d.invalid(); why != "" {
+				return nil, p.fail("%s", why)
 			}
 			if rest := bytes.TrimSpace(p.data); len(rest) > 0 {
 				p.line++

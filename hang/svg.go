@@ -86,7 +86,7 @@ func (m *Merged) WriteSVG(w io.Writer, k Kind) error {
 		bw.WriteString(`"><title>`)
 		xml.EscapeText(bw, []byte(cleanLabel(m.Label(n), false)))
 		bw.WriteString("\nstuck here: " + strconv.Itoa(n.Stuck.Len()) + " of " + strconv.Itoa(m.World) + " ranks; width " + strconv.Itoa(n.weight))
-		if !n.Ends.IsEmpty() {
+		if !n.Ends.isEmpty() {
 			bw.WriteString("; innermost frame of ranks " + rankText(n.Ends))
 		}
 		if b.widened {
@@ -290,7 +290,7 @@ func (m *Merged) shortLabel(n *Node) string {
 		return n.Stuck.String() + " · " + n.Frame.Func
 	}
 	b := make([]byte, 0, 64)
-	b = n.Stuck.AppendText(b)
+	b = n.Stuck.appendText(b)
 	b = append(b, " · "...)
 	b = append(b, shortFunc(n.Frame.Func)...)
 	b = append(b, ' ')
@@ -325,7 +325,7 @@ func (n *Node) stuckOrEmpty() Ranks {
 }
 
 func rankText(r Ranks) string {
-	if r.IsEmpty() {
+	if r.isEmpty() {
 		return "none"
 	}
 	return r.String()

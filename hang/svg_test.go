@@ -3,12 +3,12 @@ package hang
 import (
 	"bytes"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
-	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // job64 is the stacks of a 64-rank PyTorch job where one rank (37) is
@@ -85,40 +85,6 @@ func TestShortFunc(t *testing.T) {
 	}
 }
 
-// chromium opens file in headless Chromium and returns the document as
-// its scripts left it and the console's messages (an uncaught error among
-// them), skipping the test where Chromium is not installed. With png set
-// it also saves a screenshot of the first height pixels at 1,400 wide.
-func chromium(t *testing.T, file, png string, height int) (dom string, console []string) {
-	t.Helper()
-	bin, err := exec.LookPath("chromium")
-	if err != nil {
-		t.Skip("chromium not installed (Debian package chromium): the flame graphs are checked in a real browser")
-	}
-	run := func(args ...string) (stdout, stderr []byte) {
-		args = append([]string{"--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-			"--disable-background-networking", "--disable-component-update", "--disable-sync",
-			"--user-data-dir=" + t.TempDir(), "--enable-logging=stderr", "--v=0", "--hide-scrollbars"}, args...)
-		cmd := exec.Command(bin, append(args, "file://"+file)...)
-		var out, errb bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &errb
-		if err := cmd.Run(); err != nil {
-			t.Fatalf("chromium %v: %v\n%s", args, err, errb.Bytes())
-		}
-		return out.Bytes(), errb.Bytes()
-	}
-	out, errb := run("--dump-dom")
-	for line := range strings.Lines(string(errb)) {
-		if strings.Contains(line, ":CONSOLE") {
-			console = append(console, strings.TrimSpace(line))
-		}
-	}
-	if png != "" {
-		run("--window-size=1400,"+strconv.Itoa(height), "--screenshot="+png)
-	}
-	return string(out), console
-}
-
 // TestSVGInChromium opens the flame graphs of the 64-rank job and of job8
 // in headless Chromium: the script runs without an error (its Search
 // button is there) and the frame of the rank that parted shows its label.
@@ -152,7 +118,7 @@ func TestSVGInChromium(t *testing.T) {
 		if dir := os.Getenv("FAULTLINE_SCREENSHOTS"); dir != "" && tc.shot != "" {
 			png = filepath.Join(dir, tc.shot)
 		}
-		dom, console := chromium(t, file, png, 220)
+		dom, console := testkit.Chromium(t, file, png, 220)
 		if len(console) > 0 {
 			t.Errorf("%s: console messages:\n%s", tc.name, strings.Join(console, "\n"))
 		}

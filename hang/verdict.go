@@ -47,7 +47,7 @@ func (m *Merged) Splits() []Split {
 		})
 	}
 	slices.SortStableFunc(out, func(a, b Split) int {
-		if c := a.Groups[0].Ranks.Compare(b.Groups[0].Ranks); c != 0 {
+		if c := a.Groups[0].Ranks.compare(b.Groups[0].Ranks); c != 0 {
 			return c
 		}
 		if c := cmp.Compare(len(a.Path), len(b.Path)); c != 0 {
@@ -65,13 +65,13 @@ func splitAt(k Kind, n *Node, path []*Node) (Split, bool) {
 			groups = append(groups, Group{Ranks: c.Stuck, Frame: c.Frame})
 		}
 	}
-	if !n.Ends.IsEmpty() && !n.Ends.Equal(n.Stuck) {
+	if !n.Ends.isEmpty() && !n.Ends.Equal(n.Stuck) {
 		groups = append(groups, Group{Ranks: n.Ends, Frame: n.Frame, Ends: true})
 	}
 	if len(groups) == 0 {
 		return Split{}, false
 	}
-	slices.SortStableFunc(groups, func(a, b Group) int { return a.Ranks.Compare(b.Ranks) })
+	slices.SortStableFunc(groups, func(a, b Group) int { return a.Ranks.compare(b.Ranks) })
 	s := Split{Kind: k, Ranks: n.Stuck, Groups: groups}
 	for _, p := range path {
 		s.Path = append(s.Path, p.Frame)
@@ -86,7 +86,7 @@ func (m *Merged) Verdict() string {
 	const maxSplits, maxGroups, maxProblems = 8, 6, 10
 	var b strings.Builder
 	fmt.Fprintf(&b, "world %d: stacks from %d ranks (%s)", m.World, m.Ranks.Len(), shortRanks(m.Ranks, 48))
-	if !m.Missing.IsEmpty() {
+	if !m.Missing.isEmpty() {
 		fmt.Fprintf(&b, "; %d missing (%s): no readable stack file", m.Missing.Len(), shortRanks(m.Missing, 48))
 	}
 	b.WriteString("\n")
@@ -163,7 +163,7 @@ func subtract(a, b Ranks) Ranks {
 	var out Ranks
 	for r := range a.All() {
 		if !b.Has(r) {
-			out.Add(r)
+			out.add(r)
 		}
 	}
 	return out
@@ -173,7 +173,7 @@ func subtract(a, b Ranks) Ranks {
 // run boundary, with "/..." marking the cut; the full sets are in the
 // labels of the other outputs.
 func shortRanks(r Ranks, limit int) string {
-	if r.IsEmpty() {
+	if r.isEmpty() {
 		return "none"
 	}
 	s := r.String()

@@ -1,6 +1,7 @@
 package hang
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -25,14 +26,14 @@ var ErrNoDumpDir = errors.New("hang: Config.DumpDir is empty")
 // heartbeats, and reports what hangs or fails: metrics, Config.OnFault,
 // and, in Run, a stack file and the optional stop.
 //
-// Its logic runs in Check, which reads Config.Clock; Run calls Check every
+// Its logic runs in Check, which reads Config.Now; Run calls Check every
 // Tick and at once when an op fails, and does the slow work (stack
 // capture, stop) off the caller's path. Op timers use a heap of
 // deadlines, so a check costs O(1) when nothing is due.
 type Watchdog struct {
 	cfg    Config
-	clock  Clock
-	mono   bool      // clock is the system clock
+	clock  func() time.Time
+	mono   bool      // clock is time.Now
 	base   time.Time // op times are nanoseconds since base
 	log    *slog.Logger
 	tracer trace.Tracer
@@ -90,21 +91,19 @@ func New(cfg Config) (*Watchdog, error) {
 	}
 	w := &Watchdog{
 		cfg:     cfg,
-		clock:   cfg.Clock,
-		base:    cfg.Clock.Now(),
+		clock:   cfg.Now,
+		mono:    cfg.Now == nil,
 		log:     cfg.Logger,
 		wake:    make(chan struct{}, 1),
 		closing: make(chan struct{}),
 		ops:     map[opKey]*Op{},
 	}
-	_, w.mono = cfg.Clock.(realClock)
-	if w.log == nil {
-		w.log = slog.New(slog.DiscardHandler)
+	if w.mono {
+		w.clock = time.Now
 	}
-	tp := cfg.TracerProvider
-	if tp == nil {
-		tp = noop.NewTracerProvider()
-	}
+	w.base = w.clock()
+	w.log = cmp.Or(w.log, slog.New(slog.DiscardHandler))
+	tp := cmp.Or(cfg.TracerProvider, trace.TracerProvider(noop.NewTracerProvider()))
 	w.tracer = tp.Tracer(instrumentation)
 	met, err := newMetrics(cfg.Registerer, cfg.Rank, func() float64 {
 		w.mu.Lock()
@@ -124,7 +123,7 @@ func (w *Watchdog) now() int64 {
 		// half the cost of time.Now on the hot path.
 		return int64(time.Since(w.base))
 	}
-	return int64(w.clock.Now().Sub(w.base))
+	return int64(w.clock().Sub(w.base))
 }
 
 func (w *Watchdog) at(ns int64) time.Time { return w.base.Add(time.Duration(ns)) }
@@ -299,7 +298,7 @@ func (h *Heartbeat) Stop() {
 	w.beats = slices.DeleteFunc(slices.Clone(w.beats), func(x *Heartbeat) bool { return x == h })
 }
 
-// Check evaluates op timeouts and heartbeats at Config.Clock's now, takes
+// Check evaluates op timeouts and heartbeats at Config.Now's now, takes
 // in the op errors reported since the last call, updates learned
 // timeouts and metrics, calls Config.OnFault for each fault and returns
 // them. Run calls it every Tick; an embedder with its own loop (or a

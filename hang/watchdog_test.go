@@ -22,7 +22,7 @@ import (
 func newTestWatchdog(t *testing.T, cfg Config) (*Watchdog, *fakeClock) {
 	t.Helper()
 	clock := newFakeClock()
-	cfg.Clock = clock
+	cfg.Now = clock.Now
 	w, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)

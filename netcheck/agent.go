@@ -1,6 +1,7 @@
 package netcheck
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -96,25 +97,12 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.Listen == "" {
-		cfg.Listen = DefaultAgentAddr
-	}
-	if cfg.MaxBytes == 0 {
-		cfg.MaxBytes = DefaultAgentMaxBytes
-	}
-	if cfg.IdleTimeout == 0 {
-		cfg.IdleTimeout = 30 * time.Second
-	}
-	if cfg.MaxProbeTimeout == 0 {
-		cfg.MaxProbeTimeout = 2 * time.Minute
-	}
-	if cfg.MaxConns == 0 {
-		cfg.MaxConns = 256
-	}
-	log := cfg.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
+	cfg.Listen = cmp.Or(cfg.Listen, DefaultAgentAddr)
+	cfg.MaxBytes = cmp.Or(cfg.MaxBytes, DefaultAgentMaxBytes)
+	cfg.IdleTimeout = cmp.Or(cfg.IdleTimeout, 30*time.Second)
+	cfg.MaxProbeTimeout = cmp.Or(cfg.MaxProbeTimeout, 2*time.Minute)
+	cfg.MaxConns = cmp.Or(cfg.MaxConns, 256)
+	log := cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 	r := promreg.New(cfg.Registerer, "netcheck: AgentConfig.Registerer")
 	f := promauto.With(r)
 	a := &Agent{

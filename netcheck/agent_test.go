@@ -11,6 +11,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // startAgent runs an agent on a loopback port until the test ends.
@@ -155,7 +157,7 @@ func TestAgentMaxConns(t *testing.T) {
 	// Its place freed, the agent serves again.
 	idle.Close()
 	p := &TCPProber{Bytes: 64 << 10, Repeats: 1}
-	waitFor(t, func() bool {
+	testkit.WaitFor(t, "the agent to serve again", func() bool {
 		_, err := p.Probe(ctxTimeout(t, 20*time.Second), Node{}, Node{Name: "a", Addr: a.Addr().String()})
 		return err == nil
 	})
@@ -291,15 +293,4 @@ func metric(t testing.TB, reg *prometheus.Registry, name string, labels ...strin
 		}
 	}
 	return -1
-}
-
-func waitFor(t testing.TB, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met within 20 s")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }

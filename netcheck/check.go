@@ -1,6 +1,7 @@
 package netcheck
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -14,11 +15,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promauto"
 
-	"github.com/faultline-ml/faultline/internal/promreg"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
+
+	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
 // DefaultReference is the name the checker takes as the reference.
@@ -87,23 +89,11 @@ func NewChecker(cfg Config) (*Checker, error) {
 		return nil, err
 	}
 	cfg.Policy = cfg.Policy.withDefaults()
-	if cfg.Prober == nil {
-		cfg.Prober = &TCPProber{}
-	}
-	if cfg.Reference == "" {
-		cfg.Reference = DefaultReference
-	}
-	if cfg.Parallel == 0 {
-		cfg.Parallel = 256
-	}
-	log := cfg.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	tp := cfg.TracerProvider
-	if tp == nil {
-		tp = noop.NewTracerProvider()
-	}
+	cfg.Prober = cmp.Or(cfg.Prober, Prober(&TCPProber{}))
+	cfg.Reference = cmp.Or(cfg.Reference, DefaultReference)
+	cfg.Parallel = cmp.Or(cfg.Parallel, 256)
+	log := cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
+	tp := cmp.Or(cfg.TracerProvider, trace.TracerProvider(noop.NewTracerProvider()))
 	r := promreg.New(cfg.Registerer, "netcheck: Config.Registerer")
 	f := promauto.With(r)
 	c := &Checker{

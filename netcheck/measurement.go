@@ -1,6 +1,7 @@
 package netcheck
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
@@ -84,18 +85,10 @@ type Policy struct {
 
 // withDefaults returns p with zero fields set to their defaults.
 func (p Policy) withDefaults() Policy {
-	if p.StragglerRatio == 0 {
-		p.StragglerRatio = 2
-	}
-	if p.ProbeTimeout == 0 {
-		p.ProbeTimeout = 10 * time.Second
-	}
-	if p.ConfirmPeers == 0 {
-		p.ConfirmPeers = 2
-	}
-	if p.MaxRounds == 0 {
-		p.MaxRounds = 8
-	}
+	p.StragglerRatio = cmp.Or(p.StragglerRatio, 2)
+	p.ProbeTimeout = cmp.Or(p.ProbeTimeout, 10*time.Second)
+	p.ConfirmPeers = cmp.Or(p.ConfirmPeers, 2)
+	p.MaxRounds = cmp.Or(p.MaxRounds, 8)
 	return p
 }
 

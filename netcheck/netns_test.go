@@ -17,6 +17,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // The network tests build hosts as network namespaces joined by veth pairs
@@ -183,10 +185,6 @@ func newFabric(t testing.TB, n int, withCopy bool) *fabric {
 	run(t, "ip", "addr", "add", f.subnet+"254/24", "dev", f.bridge)
 	run(t, "ip", "link", "set", f.bridge, "up")
 
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
 	for i := range n {
 		h := &host{
 			name: fmt.Sprintf("h%02d", i),
@@ -204,13 +202,11 @@ func newFabric(t testing.TB, n int, withCopy bool) *fabric {
 		run(t, "ip", "-n", h.ns, "link", "set", h.peer, "up")
 		run(t, "ip", "-n", h.ns, "link", "set", "lo", "up")
 
-		cmd := exec.Command("ip", "netns", "exec", h.ns, exe, "-test.run=^$")
-		cmd.Env = append(os.Environ(), agentEnv+"="+h.ip+":9700")
+		cmd := inNetns(t, h.ns, testkit.Command(t, "agent", agentEnv+"="+h.ip+":9700"))
 		if withCopy {
 			h.copy = h.ip + ":9701"
 			cmd.Env = append(cmd.Env, copyEnv+"="+h.copy)
 		}
-		cmd.Stderr = os.Stderr
 		// Should this test process die, the agent dies with it.
 		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		stdout, err := cmd.StdoutPipe()
@@ -259,21 +255,27 @@ func freeSubnet(t testing.TB, seed int) string {
 	return ""
 }
 
+// inNetns makes cmd run in the network namespace ns.
+func inNetns(t testing.TB, ns string, cmd *exec.Cmd) *exec.Cmd {
+	t.Helper()
+	ip, err := exec.LookPath("ip")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Args = append([]string{"ip", "netns", "exec", ns, cmd.Path}, cmd.Args[1:]...)
+	cmd.Path = ip
+	return cmd
+}
+
 // checkFrom runs checks on host i, beside its agent, one after another,
 // and returns their reports.
 func (f *fabric) checkFrom(i int, reqs ...checkRequest) []*Report {
 	f.t.Helper()
-	exe, err := os.Executable()
-	if err != nil {
-		f.t.Fatal(err)
-	}
 	js, err := json.Marshal(reqs)
 	if err != nil {
 		f.t.Fatal(err)
 	}
-	cmd := exec.Command("ip", "netns", "exec", f.hosts[i].ns, exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), checkerEnv+"="+string(js))
-	cmd.Stderr = os.Stderr
+	cmd := inNetns(f.t, f.hosts[i].ns, testkit.Command(f.t, "checker", checkerEnv+"="+string(js)))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	out, err := cmd.Output()
 	if err != nil {

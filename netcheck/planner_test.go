@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/google/go-cmp/cmp"
 )
 
 // fault is what is wrong with a simulated node.
@@ -421,5 +423,40 @@ func TestPlannerPartialProbe(t *testing.T) {
 	}
 	if r := rep.Nodes[3].Reason; !strings.Contains(r, "nothing moved") {
 		t.Fatalf("reason for n03: %s", r)
+	}
+}
+
+// TestPlannerIsDeterministic plans one check again and again: the probes,
+// in order, and the report are the same each time, so that two runs of a
+// check on one cluster can be compared probe by probe.
+func TestPlannerIsDeterministic(t *testing.T) {
+	nodes := names(40)
+	faults := map[string]fault{"n03": slow, "n17": cut, "n18": slow, "n31": cut}
+	run := func() ([][]Pair, *Report) {
+		s := newSim(rand.New(rand.NewPCG(7, 8)), nodes, faults)
+		p, err := NewPlanner(nodes, "", Policy{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var rounds [][]Pair
+		for round := p.Next(); round != nil; round = p.Next() {
+			rounds = append(rounds, round)
+			for _, pr := range round {
+				if err := p.Record(s.probe(pr)); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		return rounds, p.Report()
+	}
+	wantRounds, wantRep := run()
+	for i := range 20 {
+		rounds, rep := run()
+		if !slices.EqualFunc(rounds, wantRounds, slices.Equal) {
+			t.Fatalf("run %d planned %v, the first %v", i, rounds, wantRounds)
+		}
+		if diff := cmp.Diff(wantRep, rep); diff != "" {
+			t.Fatalf("run %d reported otherwise than the first (-first +run):\n%s", i, diff)
+		}
 	}
 }

@@ -1,6 +1,7 @@
 package netcheck
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -165,22 +166,13 @@ func NewSwitchbox(cfg SwitchboxConfig) (*Switchbox, error) {
 	if cfg.Pairs == nil {
 		cfg.Pairs, _ = ParseDevicePairs(DefaultDevicePairs)
 	}
-	if cfg.MinBandwidth == 0 {
-		cfg.MinBandwidth = 10000e6
-	}
-	if cfg.MinChannels == 0 {
-		cfg.MinChannels = 2
-	}
-	if cfg.Timeout == 0 {
-		cfg.Timeout = 10 * time.Second
-	}
+	cfg.MinBandwidth = cmp.Or(cfg.MinBandwidth, 10000e6)
+	cfg.MinChannels = cmp.Or(cfg.MinChannels, 2)
+	cfg.Timeout = cmp.Or(cfg.Timeout, 10*time.Second)
 	if cfg.MinChannels > len(cfg.Pairs) {
 		return nil, fmt.Errorf("netcheck: SwitchboxConfig.MinChannels = %d: more than the %d pairs", cfg.MinChannels, len(cfg.Pairs))
 	}
-	log := cfg.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
+	log := cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 	r := promreg.New(cfg.Registerer, "netcheck: SwitchboxConfig.Registerer")
 	f := promauto.With(r)
 	s := &Switchbox{

@@ -141,7 +141,7 @@ func openDCMI(name string) (Telemetry, error) {
 	}
 	cards, err := t.cards()
 	if err == nil && len(cards) == 0 {
-		err = fmt.Errorf("npu: %s: the driver reports no device: %w", name, ErrNoDevice)
+		err = fmt.Errorf("%w: %s: the driver reports none", ErrNoDevice, name)
 	}
 	if err != nil {
 		if de, ok := err.(*DriverError); ok {

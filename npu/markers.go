@@ -1,6 +1,7 @@
 package npu
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -88,21 +89,11 @@ func (c MarkerConfig) Validate() error {
 }
 
 func (c MarkerConfig) withDefaults() MarkerConfig {
-	if c.Library == "" {
-		c.Library = DefaultMarkerLibrary
-	}
-	if c.BufferBytes == 0 {
-		c.BufferBytes = DefaultMarkerBufferBytes
-	}
-	if c.MaxBuffers == 0 {
-		c.MaxBuffers = DefaultMarkerMaxBuffers
-	}
-	if c.FlushInterval == 0 {
-		c.FlushInterval = DefaultMarkerFlushInterval
-	}
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Library = cmp.Or(c.Library, DefaultMarkerLibrary)
+	c.BufferBytes = cmp.Or(c.BufferBytes, DefaultMarkerBufferBytes)
+	c.MaxBuffers = cmp.Or(c.MaxBuffers, DefaultMarkerMaxBuffers)
+	c.FlushInterval = cmp.Or(c.FlushInterval, DefaultMarkerFlushInterval)
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
 

@@ -3,7 +3,7 @@
 package npu
 
 // The functions mspti's buffer callbacks reach through the C trampolines in
-// markers_cgo.go. They may run on any thread, including ones Go did not
+// markers.c. They may run on any thread, including ones Go did not
 // create; h is the cgo.Handle of the MarkerSource, kept alive until no
 // callback is in flight.
 

@@ -146,7 +146,7 @@ func openNVML(name string) (Telemetry, error) {
 	}
 	var n C.uint
 	if rc := C.fl_nvml_count(t.fn.count, &n); rc != nvmlSuccess || n == 0 {
-		var err error = fmt.Errorf("npu: %s: the driver reports no device: %w", name, ErrNoDevice)
+		var err error = fmt.Errorf("%w: %s: the driver reports none", ErrNoDevice, name)
 		if rc != nvmlSuccess {
 			de := t.err("nvmlDeviceGetCount_v2", rc)
 			de.err = ErrNoDevice

@@ -15,6 +15,7 @@ static const char *fl_pp_strerror(void *fn, int code) { return ((const char *(*)
 import "C"
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"math"
@@ -50,9 +51,7 @@ func OpenPairProbe(cfg PairProbeConfig) (*PairProbe, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.Bytes == 0 {
-		cfg.Bytes = DefaultPairProbeBytes
-	}
+	cfg.Bytes = cmp.Or(cfg.Bytes, DefaultPairProbeBytes)
 	lib, err := openLibrary(cfg.Library, false)
 	if err != nil {
 		return nil, err
@@ -84,7 +83,7 @@ func OpenPairProbe(cfg PairProbeConfig) (*PairProbe, error) {
 	p.devices = int(C.fl_pp_void(p.fn.count))
 	if p.devices <= 0 {
 		p.close()
-		return nil, fmt.Errorf("npu: %s: the library reports no device: %w", cfg.Library, ErrNoDevice)
+		return nil, fmt.Errorf("%w: %s: the library reports none", ErrNoDevice, cfg.Library)
 	}
 	return p, nil
 }
@@ -115,7 +114,7 @@ func (p *PairProbe) Devices() int { return p.devices }
 // checked before it starts.
 func (p *PairProbe) Probe(ctx context.Context, a, b int) (float64, error) {
 	if a < 0 || b < 0 || a >= p.devices || b >= p.devices {
-		return 0, fmt.Errorf("npu: pair probe %d->%d: devices are 0..%d: %w", a, b, p.devices-1, ErrNoDevice)
+		return 0, fmt.Errorf("%w: pair probe %d->%d: devices are 0..%d", ErrNoDevice, a, b, p.devices-1)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()

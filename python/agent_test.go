@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // stubAgent answers a rank's requests on a unix socket from a real
@@ -166,11 +167,11 @@ func (a *stubAgent) handle(op string, step int64, persist bool, need int64) (map
 		}
 		return map[string]any{"step": rep.Step, "tier": string(rep.Tier), "path": path, "half": h}, nil
 	case "wait":
-		b, err := os.ReadFile(filepath.Join(a.dir, ckpt.DLRoverTrackerFile))
+		b, err := os.ReadFile(filepath.Join(a.dir, layout.DLRoverTrackerFile))
 		if err != nil {
 			return nil, err
 		}
-		got, err := ckpt.ParseStepText(b)
+		got, err := layout.ParseStepText(b)
 		if err != nil || got < step {
 			return nil, fmt.Errorf("step %d not committed (tracker: %d, %v)", step, got, err)
 		}

@@ -16,6 +16,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // decode decodes JSON keeping numbers as they are written.
@@ -117,7 +118,7 @@ func TestCrossLanguageCheckpoint(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("disk", dck)
-	if b, err := os.ReadFile(filepath.Join(disk, ckpt.MegatronTrackerFile)); err != nil || string(bytes.TrimSpace(b)) != "2" {
+	if b, err := os.ReadFile(filepath.Join(disk, layout.MegatronTrackerFile)); err != nil || string(bytes.TrimSpace(b)) != "2" {
 		t.Fatalf("Megatron tracker %q, %v", b, err)
 	}
 	if err := ckpt.Verify(disk, owner.SegmentPath(0)); err != nil {

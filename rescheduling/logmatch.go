@@ -2,6 +2,7 @@ package rescheduling
 
 import (
 	"bytes"
+	"cmp"
 	"fmt"
 	"io"
 	"os"
@@ -100,12 +101,8 @@ func NewLogMatcher(cfg LogConfig) (*LogMatcher, error) {
 	if cfg.Rules == nil {
 		cfg.Rules = DefaultLogRules()
 	}
-	if cfg.Lines == 0 {
-		cfg.Lines = 200
-	}
-	if cfg.MaxBytes == 0 {
-		cfg.MaxBytes = 1 << 20
-	}
+	cfg.Lines = cmp.Or(cfg.Lines, 200)
+	cfg.MaxBytes = cmp.Or(cfg.MaxBytes, 1<<20)
 	m := &LogMatcher{rules: cfg.Rules, lines: cfg.Lines, maxBytes: cfg.MaxBytes}
 	for _, r := range cfg.Rules {
 		m.res = append(m.res, regexp.MustCompile(r.Pattern)) // compiled by Validate

@@ -1,11 +1,11 @@
 package rescheduling
 
 import (
-	"errors"
-	"strings"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // TestSharedRegisterer: a second policy or watchdog on a Registerer that
@@ -37,28 +37,7 @@ func TestSharedRegisterer(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			reg := prometheus.NewRegistry()
-			closeFirst, err := tc.open(reg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			_, err = tc.open(reg)
-			var are prometheus.AlreadyRegisteredError
-			if !errors.As(err, &are) || !strings.HasPrefix(err.Error(), tc.field+": register faultline_rescheduling_") {
-				t.Fatalf("second on one Registerer: err = %v", err)
-			}
-			if err := closeFirst(); err != nil {
-				t.Fatal(err)
-			}
-			if mfs, _ := reg.Gather(); len(mfs) != 0 {
-				t.Fatalf("%d metric families left after Close", len(mfs))
-			}
-			closeAgain, err := tc.open(reg)
-			if err != nil {
-				t.Fatalf("after Close: %v", err)
-			}
-			closeAgain()
-			closeAgain() // idempotent
+			testkit.SharedRegisterer(t, tc.field, "faultline_rescheduling_", tc.open)
 		})
 	}
 }

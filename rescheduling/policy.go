@@ -1,6 +1,7 @@
 package rescheduling
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -50,18 +51,10 @@ type Backoff struct {
 }
 
 func (b Backoff) withDefaults() Backoff {
-	if b.Initial == 0 {
-		b.Initial = time.Second
-	}
-	if b.Max == 0 {
-		b.Max = 5 * time.Minute
-	}
-	if b.Multiplier == 0 {
-		b.Multiplier = 2
-	}
-	if b.Jitter == 0 {
-		b.Jitter = 0.5
-	}
+	b.Initial = cmp.Or(b.Initial, time.Second)
+	b.Max = cmp.Or(b.Max, 5*time.Minute)
+	b.Multiplier = cmp.Or(b.Multiplier, 2)
+	b.Jitter = cmp.Or(b.Jitter, 0.5)
 	if b.Jitter < 0 {
 		b.Jitter = 0
 	}
@@ -145,12 +138,8 @@ func (c Config) withDefaults() Config {
 	budget(&c.MaxRestarts, DefaultMaxRestarts)
 	budget(&c.PodRestarts, DefaultPodRestarts)
 	budget(&c.JobRestarts, DefaultJobRestarts)
-	if c.DedupeWindow == 0 {
-		c.DedupeWindow = DefaultDedupeWindow
-	}
-	if c.FailWindow == 0 {
-		c.FailWindow = DefaultFailWindow
-	}
+	c.DedupeWindow = cmp.Or(c.DedupeWindow, DefaultDedupeWindow)
+	c.FailWindow = cmp.Or(c.FailWindow, DefaultFailWindow)
 	c.Backoff = c.Backoff.withDefaults()
 	rules := DefaultRules()
 	for cl, r := range c.Rules {
@@ -160,9 +149,7 @@ func (c Config) withDefaults() Config {
 	if c.Now == nil {
 		c.Now = time.Now
 	}
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
 

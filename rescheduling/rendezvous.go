@@ -1,6 +1,7 @@
 package rescheduling
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"slices"
@@ -50,15 +51,9 @@ func (c RendezvousConfig) Validate() error {
 }
 
 func (c RendezvousConfig) withDefaults() RendezvousConfig {
-	if c.MinNodes == 0 {
-		c.MinNodes = c.MaxNodes
-	}
-	if c.NodeUnit == 0 {
-		c.NodeUnit = 1
-	}
-	if c.LastCallTimeout == 0 {
-		c.LastCallTimeout = DefaultLastCallTimeout
-	}
+	c.MinNodes = cmp.Or(c.MinNodes, c.MaxNodes)
+	c.NodeUnit = cmp.Or(c.NodeUnit, 1)
+	c.LastCallTimeout = cmp.Or(c.LastCallTimeout, DefaultLastCallTimeout)
 	return c
 }
 

@@ -1,6 +1,7 @@
 package rescheduling
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -138,28 +139,18 @@ func NewWatchdog(cfg WatchdogConfig) (*Watchdog, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.Parallel == 0 {
-		cfg.Parallel = 16
-	}
+	cfg.Parallel = cmp.Or(cfg.Parallel, 16)
 	switch {
 	case cfg.Retries == 0:
 		cfg.Retries = 3
 	case cfg.Retries < 0:
 		cfg.Retries = 0
 	}
-	if cfg.RetryBackoff.Initial == 0 {
-		cfg.RetryBackoff.Initial = 500 * time.Millisecond
-	}
-	if cfg.RetryBackoff.Max == 0 {
-		cfg.RetryBackoff.Max = max(10*time.Second, cfg.RetryBackoff.Initial)
-	}
+	cfg.RetryBackoff.Initial = cmp.Or(cfg.RetryBackoff.Initial, 500*time.Millisecond)
+	cfg.RetryBackoff.Max = cmp.Or(cfg.RetryBackoff.Max, max(10*time.Second, cfg.RetryBackoff.Initial))
 	cfg.RetryBackoff = cfg.RetryBackoff.withDefaults()
-	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
-	}
-	if cfg.TracerProvider == nil {
-		cfg.TracerProvider = noop.NewTracerProvider()
-	}
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
+	cfg.TracerProvider = cmp.Or(cfg.TracerProvider, trace.TracerProvider(noop.NewTracerProvider()))
 	m, err := newWatchdogMetrics(cfg.Registerer)
 	if err != nil {
 		return nil, err

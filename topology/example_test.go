@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log"
+	"os"
+	"path/filepath"
 
 	"github.com/faultline-ml/faultline/topology"
 )
@@ -50,7 +52,7 @@ func ExampleParse_error() {
 	_, err := topology.Parse([]byte("asw-01 psw-1 10.0.0.1\nasw-01 psw-1 10.0.0.1\n"))
 	fmt.Println(err)
 	// Output:
-	// node-topology-config: line 2: field ip: value "10.0.0.1": listed twice (first on line 1)
+	// topology: node-topology-config: line 2: field ip: value "10.0.0.1": listed twice (first on line 1)
 }
 
 func ExampleNewRankTable() {
@@ -83,19 +85,29 @@ func ExampleNewRankTable() {
 }
 
 func ExampleWatcher() {
-	w, err := topology.NewWatcher(topology.WatcherConfig{
-		Path: "/etc/topology/topology_config", // a mounted ConfigMap key
-		OnChange: func(t *topology.Topology) {
-			log.Printf("topology now has %d nodes", t.Len())
-		},
-	})
+	dir, _ := os.MkdirTemp("", "topology")
+	defer os.RemoveAll(dir)
+	path := filepath.Join(dir, "topology_config") // in production, a mounted ConfigMap key
+	os.WriteFile(path, []byte(config), 0o644)
+
+	changed := make(chan *topology.Topology, 1)
+	w, err := topology.NewWatcher(topology.WatcherConfig{Path: path, OnChange: func(t *topology.Topology) { changed <- t }})
 	if err != nil {
 		log.Fatal(err)
 	}
 	defer w.Close()
 	go w.Run(context.Background())
+	fmt.Println((<-changed).Len(), "nodes")
+
+	// A node under asw-02 joins: the file is replaced, as the kubelet
+	// updates a ConfigMap, and the watcher sees it.
+	os.WriteFile(path+".new", []byte(config+"asw-02 psw-1 10.0.0.4\n"), 0o644)
+	os.Rename(path+".new", path)
+	fmt.Println((<-changed).Len(), "nodes")
 	// Elsewhere: order the world with the topology in force.
-	if topo := w.Topology(); topo != nil {
-		_ = topo.Order([]string{"10.0.0.1", "10.0.0.2"})
-	}
+	fmt.Println(w.Topology().Order([]string{"10.0.1.1", "10.0.0.4", "10.0.0.1"}))
+	// Output:
+	// 5 nodes
+	// 6 nodes
+	// [10.0.1.1 10.0.0.4 10.0.0.1]
 }

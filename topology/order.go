@@ -104,15 +104,9 @@ type Parallel struct {
 // withDefaults fills the zero fields for a world of nodes nodes and checks
 // that the sizes fit it.
 func (p Parallel) withDefaults(nodes int) (Parallel, error) {
-	if p.DevicesPerNode == 0 {
-		p.DevicesPerNode = 8
-	}
-	if p.TP == 0 {
-		p.TP = 1
-	}
-	if p.PP == 0 {
-		p.PP = 1
-	}
+	p.DevicesPerNode = cmp.Or(p.DevicesPerNode, 8)
+	p.TP = cmp.Or(p.TP, 1)
+	p.PP = cmp.Or(p.PP, 1)
 	for _, f := range [...]struct {
 		name string
 		v    int

@@ -2,12 +2,15 @@ package topology
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
 	"net/netip"
 	"os"
 	"strings"
+
+	"github.com/faultline-ml/faultline/internal/parseerr"
 )
 
 // Node is one host of the cluster and the switches it hangs from.
@@ -28,45 +31,30 @@ type Topology struct {
 
 // ErrInvalid is wrapped by every error that reports bad input: a
 // node-topology-config, a rank table or a host mapping.
-var ErrInvalid = errors.New("invalid input")
+var ErrInvalid = errors.New("topology: invalid input")
 
-// ParseError says where and why input was rejected.
+// ParseError says where and why input was rejected. It has the shape of
+// every parse error of this module: what was parsed, where, the field and
+// value at fault, and what is wrong.
 type ParseError struct {
 	Format string // "node-topology-config", "hccl.json" or "host_ips_mapping.txt"
-	File   string // file name, "" when parsing bytes
-	Line   int    // 1-based line, 0 when unknown
-	Field  string // the offending field, "" when the line or document is malformed
+	File   string // the file; "" when parsing bytes
+	Line   int    // 1-based line; 0 when unknown
+	Field  string // the offending field; "" when the line or document is malformed
 	Value  string // the offending value, if any
-	Msg    string
+	Msg    string // what is wrong
+	Err    error  // what it wraps; nil means ErrInvalid
 }
 
-// Error returns "<format>: <file>:<line>: field <f>: value <v>: <msg>",
-// leaving out what is unknown.
+// Error returns "topology: <format>: <file>:<line>: field <f>: value
+// <v>: <msg>", leaving out what is unknown.
 func (e *ParseError) Error() string {
-	var b strings.Builder
-	b.WriteString(e.Format)
-	b.WriteString(": ")
-	if e.File != "" {
-		b.WriteString(e.File)
-		if e.Line > 0 {
-			fmt.Fprintf(&b, ":%d", e.Line)
-		}
-		b.WriteString(": ")
-	} else if e.Line > 0 {
-		fmt.Fprintf(&b, "line %d: ", e.Line)
-	}
-	if e.Field != "" {
-		fmt.Fprintf(&b, "field %s: ", e.Field)
-	}
-	if e.Value != "" {
-		fmt.Fprintf(&b, "value %q: ", e.Value)
-	}
-	b.WriteString(e.Msg)
-	return b.String()
+	return parseerr.Text{Pkg: "topology", Format: e.Format, File: e.File, Line: e.Line,
+		Field: e.Field, Value: e.Value, Msg: e.Msg}.String()
 }
 
-// Unwrap lets errors.Is(err, ErrInvalid) hold.
-func (e *ParseError) Unwrap() error { return ErrInvalid }
+// Unwrap returns Err, or ErrInvalid: errors.Is(err, ErrInvalid) holds.
+func (e *ParseError) Unwrap() error { return cmp.Or(e.Err, ErrInvalid) }
 
 const configFormat = "node-topology-config"
 

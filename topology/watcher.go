@@ -2,6 +2,7 @@ package topology
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -89,13 +90,8 @@ func NewWatcher(cfg WatcherConfig) (*Watcher, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.PollInterval == 0 {
-		cfg.PollInterval = 10 * time.Second
-	}
-	log := cfg.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
+	cfg.PollInterval = cmp.Or(cfg.PollInterval, 10*time.Second)
+	log := cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 	r := promreg.New(cfg.Registerer, "topology: WatcherConfig.Registerer")
 	f := promauto.With(r)
 	w := &Watcher{

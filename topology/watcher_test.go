@@ -2,7 +2,6 @@ package topology
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -13,6 +12,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // configMapDir lays out a directory the way the kubelet mounts a
@@ -258,25 +259,12 @@ func metric(t *testing.T, reg *prometheus.Registry, name, label string) float64 
 // already uses gets an error naming the field, not a panic; once the
 // first is closed, its metrics are gone and a new one registers.
 func TestWatcherSharedRegisterer(t *testing.T) {
-	reg := prometheus.NewRegistry()
-	cfg := WatcherConfig{Path: filepath.Join(t.TempDir(), "none"), Registerer: reg}
-	first, err := NewWatcher(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = NewWatcher(cfg)
-	var are prometheus.AlreadyRegisteredError
-	if !errors.As(err, &are) || !strings.HasPrefix(err.Error(), "topology: WatcherConfig.Registerer: register faultline_topology_") {
-		t.Fatalf("second watcher on one Registerer: err = %v", err)
-	}
-	first.Close()
-	if mfs, _ := reg.Gather(); len(mfs) != 0 {
-		t.Fatalf("%d metric families left after Close", len(mfs))
-	}
-	again, err := NewWatcher(cfg)
-	if err != nil {
-		t.Fatalf("after Close: %v", err)
-	}
-	again.Close()
-	again.Close()
+	path := filepath.Join(t.TempDir(), "none")
+	testkit.SharedRegisterer(t, "topology: WatcherConfig.Registerer", "faultline_topology_", func(reg prometheus.Registerer) (func() error, error) {
+		w, err := NewWatcher(WatcherConfig{Path: path, Registerer: reg})
+		if err != nil {
+			return nil, err
+		}
+		return w.Close, nil
+	})
 }

@@ -145,27 +145,13 @@ func NewAger(cfg AgerConfig) (*Ager, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.Root == "" {
-		cfg.Root = DefaultRoot
-	}
-	if cfg.BudgetBytes == 0 {
-		cfg.BudgetBytes = DefaultBudgetBytes
-	}
-	if cfg.Interval == 0 {
-		cfg.Interval = DefaultAgeInterval
-	}
-	if cfg.FullScanInterval == 0 {
-		cfg.FullScanInterval = DefaultFullScanInterval
-	}
-	if cfg.DeleteFraction == 0 {
-		cfg.DeleteFraction = DefaultDeleteFraction
-	}
-	if cfg.KeepPerRank == 0 {
-		cfg.KeepPerRank = DefaultKeepPerRank
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
-	}
+	cfg.Root = cmp.Or(cfg.Root, DefaultRoot)
+	cfg.BudgetBytes = cmp.Or(cfg.BudgetBytes, DefaultBudgetBytes)
+	cfg.Interval = cmp.Or(cfg.Interval, DefaultAgeInterval)
+	cfg.FullScanInterval = cmp.Or(cfg.FullScanInterval, DefaultFullScanInterval)
+	cfg.DeleteFraction = cmp.Or(cfg.DeleteFraction, DefaultDeleteFraction)
+	cfg.KeepPerRank = cmp.Or(cfg.KeepPerRank, DefaultKeepPerRank)
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 	a := &Ager{cfg: cfg, jobs: map[string]*jobIndex{}, closing: make(chan struct{})}
 	a.metrics = promreg.New(cfg.Registerer, "trace: AgerConfig.Registerer")
 	f := promauto.With(a.metrics)
@@ -252,9 +238,37 @@ type openRank struct {
 func (a *Ager) Check() (AgeReport, error) {
 	a.check.Lock()
 	defer a.check.Unlock()
+	c := &checkRun{a: a, full: a.startCheck()}
+	c.rep.Full = c.full
+	defer c.count()
+
+	rootfd, err := unix.Open(a.cfg.Root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) {
+		a.jobs = map[string]*jobIndex{}
+		a.publish(&c.rep)
+		return c.rep, nil
+	}
+	if err != nil {
+		err = fmt.Errorf("trace: ager: open %s: %w", a.cfg.Root, err)
+		c.note(err)
+		return c.rep, err
+	}
+	defer unix.Close(rootfd)
+	if !c.indexJobs(rootfd) {
+		return c.rep, c.firstErr
+	}
+	defer c.closeRanks()
+	c.indexRanks(rootfd)
+	c.age()
+	a.publish(&c.rep)
+	return c.rep, c.firstErr
+}
+
+// startCheck counts a check and says whether it is a full one.
+func (a *Ager) startCheck() (full bool) {
 	now := time.Now()
 	a.mu.Lock()
-	full := a.lastFull.IsZero() || now.Sub(a.lastFull) >= a.cfg.FullScanInterval
+	full = a.lastFull.IsZero() || now.Sub(a.lastFull) >= a.cfg.FullScanInterval
 	a.stats.Checks++
 	if full {
 		a.stats.FullScans++
@@ -266,74 +280,89 @@ func (a *Ager) Check() (AgeReport, error) {
 		kind = "full"
 	}
 	a.m.scans.WithLabelValues(kind).Inc()
-	rep := AgeReport{Full: full}
-	var firstErr error
-	note := func(err error) {
-		if firstErr == nil {
-			firstErr = err
-		}
-		a.mu.Lock()
-		a.stats.Errors++
-		a.stats.LastError = err
-		a.mu.Unlock()
-		a.m.errors.Inc()
-	}
-	var listings, stats uint64
-	defer func() {
-		a.mu.Lock()
-		a.stats.DirListings += listings
-		a.stats.FileStats += stats
-		a.mu.Unlock()
-	}()
+	return full
+}
 
-	rootfd, err := unix.Open(a.cfg.Root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if errors.Is(err, unix.ENOENT) {
-		a.jobs = map[string]*jobIndex{}
-		a.publish(&rep)
-		return rep, nil
-	}
-	if err != nil {
-		err = fmt.Errorf("trace: ager: open %s: %w", a.cfg.Root, err)
-		note(err)
-		return rep, err
-	}
-	defer unix.Close(rootfd)
+// checkRun is one Check under way.
+type checkRun struct {
+	a        *Ager
+	full     bool
+	rep      AgeReport
+	firstErr error
+	listings uint64 // folders listed
+	stats    uint64 // files stat'ed
+	ranks    []openRank
+}
 
+// note counts an error and keeps the first.
+func (c *checkRun) note(err error) {
+	if c.firstErr == nil {
+		c.firstErr = err
+	}
+	a := c.a
+	a.mu.Lock()
+	a.stats.Errors++
+	a.stats.LastError = err
+	a.mu.Unlock()
+	a.m.errors.Inc()
+}
+
+// count adds the check's listings and stats to the ager's.
+func (c *checkRun) count() {
+	c.a.mu.Lock()
+	c.a.stats.DirListings += c.listings
+	c.a.stats.FileStats += c.stats
+	c.a.mu.Unlock()
+}
+
+func (c *checkRun) closeRanks() {
+	for _, r := range c.ranks {
+		unix.Close(r.fd)
+	}
+}
+
+// indexJobs lists the root again if it changed (or the check is full),
+// adding new job folders to the index and dropping gone ones. It reports
+// whether the check can go on.
+func (c *checkRun) indexJobs(rootfd int) bool {
+	a := c.a
 	var st unix.Stat_t
 	if err := unix.Fstat(rootfd, &st); err != nil {
-		note(fmt.Errorf("trace: ager: stat %s: %w", a.cfg.Root, err))
-		return rep, firstErr
+		c.note(fmt.Errorf("trace: ager: stat %s: %w", a.cfg.Root, err))
+		return false
 	}
-	if full || a.root.changed(&st) {
-		listings++
-		ents, err := listDir(rootfd, a.cfg.Root)
-		if err != nil {
-			note(fmt.Errorf("trace: ager: %w", err))
-			return rep, firstErr
-		}
-		a.root = dirState{mtime: st.Mtim.Nano(), listedAt: time.Now().UnixNano()}
-		seen := map[string]bool{}
-		for _, e := range ents {
-			if e.IsDir() && ValidateJob(e.Name()) == nil {
-				seen[e.Name()] = true
-				if a.jobs[e.Name()] == nil {
-					a.jobs[e.Name()] = &jobIndex{ranks: map[string]*rankIndex{}, dirState: dirState{mtime: -1}}
-				}
-			}
-		}
-		for j := range a.jobs {
-			if !seen[j] {
-				delete(a.jobs, j)
+	if !c.full && !a.root.changed(&st) {
+		return true
+	}
+	c.listings++
+	ents, err := listDir(rootfd, a.cfg.Root)
+	if err != nil {
+		c.note(fmt.Errorf("trace: ager: %w", err))
+		return false
+	}
+	a.root = dirState{mtime: st.Mtim.Nano(), listedAt: time.Now().UnixNano()}
+	seen := map[string]bool{}
+	for _, e := range ents {
+		if e.IsDir() && ValidateJob(e.Name()) == nil {
+			seen[e.Name()] = true
+			if a.jobs[e.Name()] == nil {
+				a.jobs[e.Name()] = &jobIndex{ranks: map[string]*rankIndex{}, dirState: dirState{mtime: -1}}
 			}
 		}
 	}
+	for j := range a.jobs {
+		if !seen[j] {
+			delete(a.jobs, j)
+		}
+	}
+	return true
+}
 
-	var ranks []openRank
-	defer func() {
-		for _, r := range ranks {
-			unix.Close(r.fd)
-		}
-	}()
+// indexRanks opens every job's rank folders, keeping them in c.ranks, and
+// brings their file indexes up to date: a changed folder is listed again,
+// an unchanged one has only its newest file stat'ed.
+func (c *checkRun) indexRanks(rootfd int) {
+	a := c.a
 	for _, job := range slices.Sorted(maps.Keys(a.jobs)) {
 		ji := a.jobs[job]
 		jobPath := filepath.Join(a.cfg.Root, job)
@@ -341,95 +370,117 @@ func (a *Ager) Check() (AgeReport, error) {
 		if err != nil {
 			delete(a.jobs, job) // gone, or replaced by a symlink: not ours to age
 			if !errors.Is(err, unix.ENOENT) && !errors.Is(err, ErrPath) {
-				note(fmt.Errorf("trace: ager: %w", err))
+				c.note(fmt.Errorf("trace: ager: %w", err))
 			}
 			continue
 		}
-		if err := unix.Fstat(jobfd, &st); err == nil && (full || ji.changed(&st)) {
-			listings++
-			if ents, err := listDir(jobfd, jobPath); err != nil {
-				note(fmt.Errorf("trace: ager: %w", err))
-			} else {
-				ji.dirState = dirState{mtime: st.Mtim.Nano(), listedAt: time.Now().UnixNano()}
-				seen := map[string]bool{}
-				for _, e := range ents {
-					if _, ok := parseRankName(e.Name()); ok && e.IsDir() {
-						seen[e.Name()] = true
-						if ji.ranks[e.Name()] == nil {
-							ji.ranks[e.Name()] = &rankIndex{dirState: dirState{mtime: -1}}
-						}
-					}
-				}
-				for r := range ji.ranks {
-					if !seen[r] {
-						delete(ji.ranks, r)
-					}
-				}
-			}
-		}
+		c.relistJob(jobfd, jobPath, ji)
 		for _, rank := range slices.Sorted(maps.Keys(ji.ranks)) {
-			ri := ji.ranks[rank]
-			rankPath := filepath.Join(jobPath, rank)
-			fd, err := openDirAt(jobfd, jobPath, rank)
-			if err != nil {
-				delete(ji.ranks, rank)
-				if !errors.Is(err, unix.ENOENT) && !errors.Is(err, ErrPath) {
-					note(fmt.Errorf("trace: ager: %w", err))
-				}
-				continue
-			}
-			ranks = append(ranks, openRank{idx: ri, fd: fd, path: rankPath})
-			if err := unix.Fstat(fd, &st); err != nil {
-				note(fmt.Errorf("trace: ager: stat %s: %w", rankPath, err))
-				continue
-			}
-			if full || ri.changed(&st) {
-				listings++
-				n, err := ri.relist(fd, rankPath, st.Mtim.Nano())
-				stats += n
-				if err != nil {
-					note(fmt.Errorf("trace: ager: %w", err))
-				}
-			} else if len(ri.files) > 0 {
-				stats++
-				ri.restatNewest(fd)
-			}
+			c.indexRank(jobfd, jobPath, ji, rank)
 		}
 		unix.Close(jobfd)
 	}
+}
 
+// relistJob lists a job folder again if it changed (or the check is
+// full), adding new rank folders to its index and dropping gone ones.
+func (c *checkRun) relistJob(jobfd int, jobPath string, ji *jobIndex) {
+	var st unix.Stat_t
+	if err := unix.Fstat(jobfd, &st); err != nil || (!c.full && !ji.changed(&st)) {
+		return
+	}
+	c.listings++
+	ents, err := listDir(jobfd, jobPath)
+	if err != nil {
+		c.note(fmt.Errorf("trace: ager: %w", err))
+		return
+	}
+	ji.dirState = dirState{mtime: st.Mtim.Nano(), listedAt: time.Now().UnixNano()}
+	seen := map[string]bool{}
+	for _, e := range ents {
+		if _, ok := parseRankName(e.Name()); ok && e.IsDir() {
+			seen[e.Name()] = true
+			if ji.ranks[e.Name()] == nil {
+				ji.ranks[e.Name()] = &rankIndex{dirState: dirState{mtime: -1}}
+			}
+		}
+	}
+	for r := range ji.ranks {
+		if !seen[r] {
+			delete(ji.ranks, r)
+		}
+	}
+}
+
+// indexRank opens a rank folder into c.ranks and brings its index up to
+// date.
+func (c *checkRun) indexRank(jobfd int, jobPath string, ji *jobIndex, rank string) {
+	ri := ji.ranks[rank]
+	rankPath := filepath.Join(jobPath, rank)
+	fd, err := openDirAt(jobfd, jobPath, rank)
+	if err != nil {
+		delete(ji.ranks, rank)
+		if !errors.Is(err, unix.ENOENT) && !errors.Is(err, ErrPath) {
+			c.note(fmt.Errorf("trace: ager: %w", err))
+		}
+		return
+	}
+	c.ranks = append(c.ranks, openRank{idx: ri, fd: fd, path: rankPath})
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		c.note(fmt.Errorf("trace: ager: stat %s: %w", rankPath, err))
+		return
+	}
+	if c.full || ri.changed(&st) {
+		c.listings++
+		n, err := ri.relist(fd, rankPath, st.Mtim.Nano())
+		c.stats += n
+		if err != nil {
+			c.note(fmt.Errorf("trace: ager: %w", err))
+		}
+	} else if len(ri.files) > 0 {
+		c.stats++
+		ri.restatNewest(fd)
+	}
+}
+
+// age deletes files, a pass of planAging at a time, until the record
+// bytes are within the budget or no pass deletes anything, and sets the
+// report's figures.
+func (c *checkRun) age() {
+	a := c.a
 	total, files := int64(0), 0
-	for _, r := range ranks {
+	for _, r := range c.ranks {
 		for _, f := range r.idx.files {
 			total += f.size
 			files++
 		}
 	}
 	for total > a.cfg.BudgetBytes {
-		plan := planAging(ranks, a.cfg.DeleteFraction, a.cfg.KeepPerRank)
+		plan := planAging(c.ranks, a.cfg.DeleteFraction, a.cfg.KeepPerRank)
 		if len(plan) == 0 {
 			break
 		}
 		for _, d := range plan {
-			r := ranks[d.rank]
+			r := c.ranks[d.rank]
 			f := r.idx.files[d.file]
 			gone, err := deleteRecordFile(r.fd, f)
 			if err != nil {
-				note(fmt.Errorf("trace: ager: delete %s: %w", filepath.Join(r.path, f.name), err))
+				c.note(fmt.Errorf("trace: ager: delete %s: %w", filepath.Join(r.path, f.name), err))
 			}
 			if gone {
 				total -= f.size
 				files--
 				if err == nil {
-					rep.DeletedFiles++
-					rep.DeletedBytes += f.size
+					c.rep.DeletedFiles++
+					c.rep.DeletedBytes += f.size
 					a.cfg.Logger.Debug("trace: aged", "file", filepath.Join(r.path, f.name), "bytes", f.size)
 				}
 			}
 			r.idx.files[d.file].name = "" // removed below
 		}
 		progress := false
-		for _, r := range ranks {
+		for _, r := range c.ranks {
 			n := len(r.idx.files)
 			r.idx.files = slices.DeleteFunc(r.idx.files, func(f fileEntry) bool { return f.name == "" })
 			progress = progress || len(r.idx.files) < n
@@ -438,9 +489,7 @@ func (a *Ager) Check() (AgeReport, error) {
 			break
 		}
 	}
-	rep.Bytes, rep.Files = total, files
-	a.publish(&rep)
-	return rep, firstErr
+	c.rep.Bytes, c.rep.Files = total, files
 }
 
 func (a *Ager) publish(rep *AgeReport) {

@@ -15,6 +15,8 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // snapshot lists every path under dir with its size, or its link target.
@@ -226,7 +228,7 @@ func TestAgerMissingRootAndRun(t *testing.T) {
 	go func() { done <- a.Run(ctx) }()
 	os.MkdirAll(filepath.Join(root, "j", "0"), 0o750)
 	os.WriteFile(filepath.Join(root, "j", "0", "1731000000"), make([]byte, 123), 0o640)
-	waitFor(t, "the ager to see the new file", func() bool { return a.Stats().Bytes == 123 })
+	testkit.WaitFor(t, "the ager to see the new file", func() bool { return a.Stats().Bytes == 123 })
 	a.Close()
 	if err := <-done; err != nil {
 		t.Fatal(err)

@@ -26,11 +26,12 @@ func BenchmarkTimeNowPair(b *testing.B) {
 // drained outside the timed region every so often, so that the figure is
 // the recording path and not the drop path.
 func BenchmarkRangeOn(b *testing.B) {
-	rec, err := NewRecorder(context.Background(), RecorderConfig{Root: b.TempDir(), Job: "bench",
+	rec, err := NewRecorder(RecorderConfig{Root: b.TempDir(), Job: "bench",
 		Switch: AllOn(), BufferRecords: 1 << 16, MaxFileBytes: 1 << 30})
 	if err != nil {
 		b.Fatal(err)
 	}
+	go rec.Run(context.Background())
 	defer rec.Close()
 	b.ReportAllocs()
 	i := 0
@@ -51,11 +52,12 @@ func BenchmarkRangeOn(b *testing.B) {
 // BenchmarkRangeOnParallel is BenchmarkRangeOn from every P at once: the
 // producers share one ring.
 func BenchmarkRangeOnParallel(b *testing.B) {
-	rec, err := NewRecorder(context.Background(), RecorderConfig{Root: b.TempDir(), Job: "bench",
+	rec, err := NewRecorder(RecorderConfig{Root: b.TempDir(), Job: "bench",
 		Switch: AllOn(), BufferRecords: 1 << 20, MaxFileBytes: 1 << 30})
 	if err != nil {
 		b.Fatal(err)
 	}
+	go rec.Run(context.Background())
 	defer rec.Close()
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
@@ -70,10 +72,11 @@ func BenchmarkRangeOnParallel(b *testing.B) {
 
 // BenchmarkRangeOff is a start and an end with the kind off.
 func BenchmarkRangeOff(b *testing.B) {
-	rec, err := NewRecorder(context.Background(), RecorderConfig{Root: b.TempDir(), Job: "bench"})
+	rec, err := NewRecorder(RecorderConfig{Root: b.TempDir(), Job: "bench"})
 	if err != nil {
 		b.Fatal(err)
 	}
+	go rec.Run(context.Background())
 	defer rec.Close()
 	b.ReportAllocs()
 	for b.Loop() {
@@ -124,13 +127,13 @@ func benchLines() ([]byte, int) {
 // ones outside the timed region, so that neither waits for the disk's
 // writeback of gigabytes: the figures compare the work on the CPU.
 
-// BenchmarkWriterThroughput writes records through a Writer (encoding,
+// BenchmarkWriterThroughput writes records through a fileWriter (encoding,
 // buffering, a new file every 10 MiB). Compare with BenchmarkRawFileWrite.
 func BenchmarkWriterThroughput(b *testing.B) {
 	recs := benchRecords()
 	lines, _ := benchLines()
 	root := b.TempDir()
-	w, err := NewWriter(WriterConfig{Root: root, Job: "bench"})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "bench"})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -172,7 +175,7 @@ func removeAllButNewest(b *testing.B, dir string) {
 func BenchmarkRawFileWrite(b *testing.B) {
 	lines, _ := benchLines()
 	dir := b.TempDir()
-	perFile := DefaultMaxFileBytes / len(lines)
+	perFile := defaultMaxFileBytes / len(lines)
 	create := func(n int) *os.File {
 		f, err := os.Create(filepath.Join(dir, strconv.Itoa(n)))
 		if err != nil {
@@ -301,7 +304,7 @@ func BenchmarkAppendJSON(b *testing.B) {
 	}
 }
 
-// BenchmarkEncoder encodes records as a Writer does, with its memory of
+// BenchmarkEncoder encodes records as a fileWriter does, with its memory of
 // the last heads, object ids, names and leading digits. Compare with
 // BenchmarkCopyLines.
 func BenchmarkEncoder(b *testing.B) {

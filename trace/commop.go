@@ -69,10 +69,10 @@ func ParseCommOp(name string) (CommOp, error) {
 		StreamID  flexUint `json:"streamId"`
 	}
 	if err := json.Unmarshal([]byte(name), &w); err != nil {
-		return CommOp{}, &RecordError{Field: "Name", Msg: "communication op: " + err.Error()}
+		return CommOp{}, recordErr("Name", "communication op: "+err.Error())
 	}
 	if w.OpName == nil || *w.OpName == "" {
-		return CommOp{}, &RecordError{Field: "Name", Msg: "communication op: opName missing"}
+		return CommOp{}, recordErr("Name", "communication op: opName missing")
 	}
 	return CommOp{OpName: *w.OpName, GroupName: w.GroupName, Count: uint64(w.Count), DataType: w.DataType, StreamID: uint64(w.StreamID)}, nil
 }

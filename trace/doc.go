@@ -28,8 +28,10 @@
 //
 // A Recorder is built once per training process (one rank):
 //
-//	rec, err := trace.NewRecorder(ctx, trace.RecorderConfig{Rank: rank})
+//	rec, err := trace.NewRecorder(trace.RecorderConfig{Rank: rank})
 //	...
+//	go rec.Run(ctx)
+//	defer rec.Close()
 //	s := rec.StartStep(step, device, stream)
 //	f := rec.Start(trace.FP, trace.MarkerForward, device, stream)
 //	f.End()
@@ -40,8 +42,8 @@
 // With the kind off, a call costs an atomic load and a branch: Start,
 // StartStep, StartComm and Span.End inline into the caller. With it on, the call takes a monotonic
 // timestamp and claims a slot of a bounded lock-free ring (one CAS and one
-// store; no allocation, no lock). A goroutine owned by the Recorder drains
-// the ring, encodes records and writes them; names are encoded there, so a
+// store; no allocation, no lock). Run drains the ring, encodes records and
+// writes them; names are encoded there, so a
 // step number or a CommOp costs the caller nothing to format. When the
 // writer falls behind the ring fills and new records are dropped and
 // counted; training never waits. Ids are unique per recorder and, being
@@ -127,7 +129,7 @@
 // a newer one exists. A partial last line waits for the next Read. Lines
 // that are not records (garbage, binary, longer than MaxLineBytes, or the
 // unfinished last line of a file a crashed writer left) are skipped and
-// counted, the last one reported as a *LineError naming the file and line.
+// counted, the last one reported as a *ParseError naming the file and line.
 // Files deleted by the ager are skipped cleanly. Readers that tail many
 // ranks can share a BufferPool, so that only those reading at a time hold a
 // buffer, and take turns with ReadSome, which stops at the end of a buffer

@@ -14,12 +14,13 @@ func Example() {
 	root, _ := os.MkdirTemp("", "profiling")
 	defer os.RemoveAll(root)
 
-	rec, err := trace.NewRecorder(context.Background(), trace.RecorderConfig{
+	rec, err := trace.NewRecorder(trace.RecorderConfig{
 		Root: root, Job: "job-1", Rank: 0, Switch: trace.AllOn(),
 	})
 	if err != nil {
 		panic(err)
 	}
+	go rec.Run(context.Background())
 	for step := uint64(1); step <= 2; step++ {
 		s := rec.StartStep(step, 0, 0)
 		rec.Start(trace.DataLoader, trace.MarkerDataLoader, 0, 0).End()
@@ -58,7 +59,7 @@ func ExampleParseSwitch() {
 	fmt.Println(err)
 	// Output:
 	// true false <nil>
-	// profiling switch: field "Step": value "yes": want "on" or "off"
+	// trace: profiling switch: field Step: value "yes": want "on" or "off"
 }
 
 // A SwitchWatcher applies a mounted switch file to a Recorder.
@@ -68,7 +69,8 @@ func ExampleSwitchWatcher() {
 	path := filepath.Join(dir, "profilingSwitch")
 	os.WriteFile(path, []byte(`{"Step":"on","FP":"on"}`), 0o644)
 
-	rec, _ := trace.NewRecorder(context.Background(), trace.RecorderConfig{Root: dir, Job: "j"})
+	rec, _ := trace.NewRecorder(trace.RecorderConfig{Root: dir, Job: "j"})
+	go rec.Run(context.Background())
 	defer rec.Close()
 	applied := make(chan struct{}, 1)
 	w, _ := trace.NewSwitchWatcher(trace.SwitchWatcherConfig{Path: path, OnChange: func(s trace.Switch) {

@@ -1,6 +1,9 @@
 package trace
 
-import "fmt"
+import (
+	"fmt"
+	"iter"
+)
 
 // Kind is a training phase that dotting can record. Its String form is the
 // field name used in the profiling switch document.
@@ -17,8 +20,18 @@ const (
 	numKinds
 )
 
-// Kinds lists every kind.
-var Kinds = [...]Kind{Step, FP, DataLoader, SaveCheckpoint, CommunicationOperator}
+var kinds = [numKinds]Kind{Step, FP, DataLoader, SaveCheckpoint, CommunicationOperator}
+
+// Kinds yields every kind, in order.
+func Kinds() iter.Seq[Kind] {
+	return func(yield func(Kind) bool) {
+		for _, k := range kinds {
+			if !yield(k) {
+				return
+			}
+		}
+	}
+}
 
 var kindNames = [numKinds]string{"Step", "FP", "DataLoader", "SaveCheckpoint", "CommunicationOperator"}
 

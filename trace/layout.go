@@ -40,14 +40,14 @@ const (
 // ErrPath is wrapped by every error about a job id, rank or path that
 // must not be used: traversal, a symlink where a folder should be, a name
 // that is not one path element.
-var ErrPath = errors.New("unsafe trace path")
+var ErrPath = errors.New("trace: unsafe path")
 
 // ValidateJob reports whether job can name a job folder: one path element
 // of at most 255 bytes, not starting with a dot, with no slash, NUL or
 // control character. "../../etc" is refused.
 func ValidateJob(job string) error {
 	bad := func(why string) error {
-		return fmt.Errorf("trace: job id %q: %s: %w", job, why, ErrPath)
+		return fmt.Errorf("%w: job id %q: %s", ErrPath, job, why)
 	}
 	switch {
 	case job == "":
@@ -286,7 +286,7 @@ func openDirAt(dirfd int, dirPath, name string) (int, error) {
 	if err != nil {
 		p := filepath.Join(dirPath, name)
 		if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
-			return -1, fmt.Errorf("trace: %s is not a folder (a symlink or a file): %w", p, ErrPath)
+			return -1, fmt.Errorf("%w: %s is not a folder (a symlink or a file)", ErrPath, p)
 		}
 		return -1, &os.PathError{Op: "open", Path: p, Err: err}
 	}
@@ -313,7 +313,7 @@ func openRankDir(root, job string, rank int, create bool) (int, error) {
 		return -1, err
 	}
 	if rank < 0 {
-		return -1, fmt.Errorf("trace: rank %d is negative: %w", rank, ErrPath)
+		return -1, fmt.Errorf("%w: rank %d is negative", ErrPath, rank)
 	}
 	rootfd, err := openRoot(root, create)
 	if err != nil {
@@ -392,7 +392,7 @@ func openFileAt(dirfd int, dirPath, name string) (fd int, size int64, err error)
 	if err != nil {
 		p := filepath.Join(dirPath, name)
 		if errors.Is(err, unix.ELOOP) {
-			return -1, 0, fmt.Errorf("%s is a symlink: %w", p, ErrPath)
+			return -1, 0, fmt.Errorf("%w: %s is a symlink", ErrPath, p)
 		}
 		return -1, 0, &os.PathError{Op: "open", Path: p, Err: err}
 	}
@@ -424,7 +424,7 @@ func checkRegular(fd int, name func() string) (int64, error) {
 		return 0, &os.PathError{Op: "stat", Path: name(), Err: err}
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return 0, fmt.Errorf("%s is not a regular file: %w", name(), ErrPath)
+		return 0, fmt.Errorf("%w: %s is not a regular file", ErrPath, name())
 	}
 	return st.Size, nil
 }

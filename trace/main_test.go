@@ -4,19 +4,16 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"strconv"
 	"testing"
-	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
-// envChild selects a child mode when the test binary is re-executed.
-const envChild = "FAULTLINE_TRACE_TEST_CHILD"
-
 func TestMain(m *testing.M) {
-	if mode := os.Getenv(envChild); mode != "" {
+	if mode := testkit.Role(); mode != "" {
 		os.Exit(runChild(mode))
 	}
 	goleak.VerifyTestMain(m)
@@ -38,13 +35,14 @@ func runChild(mode string) int {
 		// Writes records, flushing each batch, and says how many are on disk
 		// after each flush until it is killed.
 		rank, _ := strconv.Atoi(os.Getenv("TRACE_RANK"))
-		rec, err := NewRecorder(context.Background(), RecorderConfig{
+		rec, err := NewRecorder(RecorderConfig{
 			Root: root, Job: "killed", Rank: rank, Switch: AllOn(), MaxFileBytes: 64 << 10,
 		})
 		if err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 1
 		}
+		go rec.Run(context.Background())
 		flushed := 0
 		for step := uint64(0); ; step++ {
 			for i := 0; i < 50; i++ {
@@ -63,33 +61,6 @@ func runChild(mode string) int {
 	}
 	fmt.Fprintln(os.Stderr, "unknown child mode", mode)
 	return 2
-}
-
-// child returns a command that re-executes the test binary in mode.
-func child(t *testing.T, mode string, env ...string) *exec.Cmd {
-	t.Helper()
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), append([]string{envChild + "=" + mode}, env...)...)
-	cmd.Stderr = os.Stderr
-	return cmd
-}
-
-// waitFor polls cond until it holds or the generous deadline passes; it is
-// for conditions produced by other processes or by the file system, where
-// there is no event to wait on.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // readAll reads every record of a rank folder.

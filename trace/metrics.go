@@ -6,13 +6,13 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// statsCollector exports a Writer's or a Recorder's counters. The counters
+// statsCollector exports a Recorder's counters. The counters
 // live in atomics that the hot path and the writer goroutine update; the
 // collector only reads them, so metrics cost nothing until scraped.
 type statsCollector struct {
 	c        *counters
-	overflow *[numDomains]atomic.Uint64 // recorder ring drops; nil for a Writer
-	bits     *atomic.Uint32             // recorder switch; nil for a Writer
+	overflow *[numDomains]atomic.Uint64 // ring drops
+	bits     *atomic.Uint32             // the switch
 
 	written, dropped, bytes, files, errors, switchOn *prometheus.Desc
 }
@@ -42,30 +42,24 @@ func (s *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- s.bytes
 	ch <- s.files
 	ch <- s.errors
-	if s.bits != nil {
-		ch <- s.switchOn
-	}
+	ch <- s.switchOn
 }
 
 func (s *statsCollector) Collect(ch chan<- prometheus.Metric) {
 	for d, name := range domainNames {
 		ch <- prometheus.MustNewConstMetric(s.written, prometheus.CounterValue, float64(s.c.written[d].Load()), name)
 		ch <- prometheus.MustNewConstMetric(s.dropped, prometheus.CounterValue, float64(s.c.dropped[d].Load()), name, "write_error")
-		if s.overflow != nil {
-			ch <- prometheus.MustNewConstMetric(s.dropped, prometheus.CounterValue, float64(s.overflow[d].Load()), name, "buffer_full")
-		}
+		ch <- prometheus.MustNewConstMetric(s.dropped, prometheus.CounterValue, float64(s.overflow[d].Load()), name, "buffer_full")
 	}
 	ch <- prometheus.MustNewConstMetric(s.bytes, prometheus.CounterValue, float64(s.c.bytes.Load()))
 	ch <- prometheus.MustNewConstMetric(s.files, prometheus.CounterValue, float64(s.c.files.Load()))
 	ch <- prometheus.MustNewConstMetric(s.errors, prometheus.CounterValue, float64(s.c.errors.Load()))
-	if s.bits != nil {
-		b := s.bits.Load()
-		for _, k := range Kinds {
-			v := 0.0
-			if b&kindBit(k) != 0 {
-				v = 1
-			}
-			ch <- prometheus.MustNewConstMetric(s.switchOn, prometheus.GaugeValue, v, k.String())
+	b := s.bits.Load()
+	for _, k := range kinds {
+		v := 0.0
+		if b&kindBit(k) != 0 {
+			v = 1
 		}
+		ch <- prometheus.MustNewConstMetric(s.switchOn, prometheus.GaugeValue, v, k.String())
 	}
 }

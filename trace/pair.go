@@ -306,7 +306,7 @@ type nameEntry struct {
 // source's records of the same Id, which mspti leaves unnamed. Keeping one
 // costs a store into the ring; the index that finds them by Id is built
 // only once a record asks for a name, so that records of one source only
-// (what Writer writes) never pay for it.
+// (what a Recorder writes) never pay for it.
 type nameRing struct {
 	ents    []nameEntry // a ring from head, n long; grows up to the bound
 	head, n int

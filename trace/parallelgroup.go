@@ -29,7 +29,7 @@ type ParallelGroup struct {
 type ParallelGroups map[string]ParallelGroup
 
 // ErrParallelGroups is wrapped by every error ParseParallelGroups returns.
-var ErrParallelGroups = errors.New("invalid parallel groups")
+var ErrParallelGroups = errors.New("trace: invalid parallel groups")
 
 // maxParallelGroupsBytes bounds the file a reader will load.
 const maxParallelGroupsBytes = 16 << 20
@@ -57,13 +57,13 @@ func parseGroupsJSON(data []byte) (ParallelGroups, error) {
 	var g ParallelGroups
 	dec := json.NewDecoder(bytes.NewReader(data))
 	if err := dec.Decode(&g); err != nil {
-		return nil, fmt.Errorf("trace: parallel groups: %v: %w", err, ErrParallelGroups)
+		return nil, fmt.Errorf("%w: %v", ErrParallelGroups, err)
 	}
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
-		return nil, fmt.Errorf("trace: parallel groups: data after the object: %w", ErrParallelGroups)
+		return nil, fmt.Errorf("%w: data after the object", ErrParallelGroups)
 	}
 	if g == nil {
-		return nil, fmt.Errorf("trace: parallel groups: want an object, got null: %w", ErrParallelGroups)
+		return nil, fmt.Errorf("%w: want an object, got null", ErrParallelGroups)
 	}
 	return g, nil
 }
@@ -247,7 +247,7 @@ func (g ParallelGroups) Validate() error {
 	for _, name := range names {
 		p := g[name]
 		bad := func(field, msg string, args ...any) error {
-			return fmt.Errorf("trace: parallel groups: %q: field %q: %s: %w", name, field, fmt.Sprintf(msg, args...), ErrParallelGroups)
+			return fmt.Errorf("%w: %q: field %q: %s", ErrParallelGroups, name, field, fmt.Sprintf(msg, args...))
 		}
 		if name == "" {
 			return bad("", "empty communicator name")
@@ -333,7 +333,7 @@ func readParallelGroupsAt(dirfd int, rankDir string) (ParallelGroups, error) {
 	}
 	name := filepath.Join(rankDir, ParallelGroupFile)
 	if len(b) > maxParallelGroupsBytes {
-		return nil, fmt.Errorf("trace: %s: larger than %d bytes: %w", name, maxParallelGroupsBytes, ErrParallelGroups)
+		return nil, fmt.Errorf("%w: %s: larger than %d bytes", ErrParallelGroups, name, maxParallelGroupsBytes)
 	}
 	g, err := ParseParallelGroups(b)
 	if err != nil {
@@ -349,7 +349,7 @@ func checkRealDir(dir string) error {
 		return fmt.Errorf("trace: %w", err)
 	}
 	if !fi.IsDir() {
-		return fmt.Errorf("trace: %s is not a folder (a symlink or a file): %w", dir, ErrPath)
+		return fmt.Errorf("%w: %s is not a folder (a symlink or a file)", ErrPath, dir)
 	}
 	return nil
 }

@@ -9,29 +9,17 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"sync"
 
 	"golang.org/x/sys/unix"
 )
 
-// Errors a LineError may wrap besides a *RecordError.
+// Errors a skipped line's *ParseError may wrap besides ErrRecord.
 var (
-	ErrLineTooLong   = errors.New("line longer than MaxLineBytes")
-	ErrTruncatedLine = errors.New("incomplete last line of a finished file")
+	ErrLineTooLong   = errors.New("trace: line longer than MaxLineBytes")
+	ErrTruncatedLine = errors.New("trace: incomplete last line of a finished file")
 )
-
-// LineError says which line of which file a reader skipped, and why.
-type LineError struct {
-	File string
-	Line int // 1-based
-	Err  error
-}
-
-// Error is "file:line: cause".
-func (e *LineError) Error() string { return fmt.Sprintf("%s:%d: %v", e.File, e.Line, e.Err) }
-
-// Unwrap returns the cause.
-func (e *LineError) Unwrap() error { return e.Err }
 
 // ReaderConfig configures a RankReader. The zero value is ready to use.
 type ReaderConfig struct {
@@ -66,7 +54,7 @@ func NewBufferPool(size int) *BufferPool {
 type ReaderStats struct {
 	Records      uint64 // records passed to the callback
 	GarbageLines uint64 // lines skipped: not a record, binary, over-long, or cut short
-	LastGarbage  error  // the latest skipped line, a *LineError naming file and line
+	LastGarbage  error  // the latest skipped line, a *ParseError naming file and line
 	Bytes        uint64 // bytes consumed
 	Files        int    // record files opened
 	SkippedFiles int    // record files that vanished (aged away) or could not be opened
@@ -122,7 +110,7 @@ func OpenRankReader(dir string, cfg ReaderConfig) (*RankReader, error) {
 // dirError is the error of opening the rank folder dir with O_NOFOLLOW.
 func dirError(dir string, err error) error {
 	if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
-		return fmt.Errorf("trace: %s is not a folder (a symlink or a file): %w", dir, ErrPath)
+		return fmt.Errorf("%w: %s is not a folder (a symlink or a file)", ErrPath, dir)
 	}
 	return fmt.Errorf("trace: open rank folder: %w", &os.PathError{Op: "open", Path: dir, Err: err})
 }
@@ -432,9 +420,24 @@ func (r *RankReader) record(line []byte, fn func(*Record) error) error {
 	return fn(&r.rec)
 }
 
+// garbage counts a skipped line: one that is no record (a *ParseError),
+// too long (ErrLineTooLong) or the cut last line of a finished file
+// (ErrTruncatedLine).
 func (r *RankReader) garbage(line int, err error) {
 	r.stats.GarbageLines++
-	r.stats.LastGarbage = &LineError{File: filepath.Join(r.dir, r.cur), Line: line, Err: err}
+	var pe *ParseError
+	if errors.As(err, &pe) {
+		c := *pe // the record's, named here
+		pe = &c
+	} else {
+		msg := "the last line of a finished file is incomplete"
+		if err == ErrLineTooLong {
+			msg = "longer than " + strconv.Itoa(MaxLineBytes) + " bytes"
+		}
+		pe = &ParseError{Format: "record", Msg: msg, Err: err}
+	}
+	pe.File, pe.Line = filepath.Join(r.dir, r.cur), line
+	r.stats.LastGarbage = pe
 }
 
 // Stats returns the reader's counters.

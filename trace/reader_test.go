@@ -51,7 +51,7 @@ func openReader(t *testing.T, dir string, cfg ReaderConfig) *RankReader {
 
 func TestRankReaderTailsAcrossRotation(t *testing.T) {
 	root := t.TempDir()
-	w, err := NewWriter(WriterConfig{Root: root, Job: "j", MaxFileBytes: 2000, Now: fixedNow(1731000000)})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "j", MaxFileBytes: 2000, Now: fixedNow(1731000000)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -110,7 +110,7 @@ func TestRankReaderPartialLine(t *testing.T) {
 		t.Fatalf("ids %v", ids)
 	}
 	s := rr.Stats()
-	var le *LineError
+	var le *ParseError
 	if s.GarbageLines != 1 || !errors.As(s.LastGarbage, &le) || le.Line != 3 || !errors.Is(le, ErrTruncatedLine) ||
 		le.File != f {
 		t.Fatalf("stats %+v", s)
@@ -139,7 +139,7 @@ func TestRankReaderSkipsGarbage(t *testing.T) {
 	if s.GarbageLines != 5 {
 		t.Fatalf("garbage lines %d, want 5 (%v)", s.GarbageLines, s.LastGarbage)
 	}
-	var le *LineError
+	var le *ParseError
 	if !errors.As(s.LastGarbage, &le) || le.Line != 9 || !errors.Is(le, ErrLineTooLong) ||
 		!strings.Contains(le.Error(), f+":9:") {
 		t.Fatalf("last garbage %v", s.LastGarbage)

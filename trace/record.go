@@ -133,29 +133,18 @@ func (r *Record) UnmarshalJSON(data []byte) error {
 }
 
 // ErrRecord is wrapped by every error ParseRecord returns.
-var ErrRecord = errors.New("invalid record")
+var ErrRecord = errors.New("trace: invalid record")
 
-// RecordError says what is wrong with a record line.
-type RecordError struct {
-	Field string // "" when the line is not a JSON object of the right shape
-	Msg   string
+// recordErr says what is wrong with a record's field ("" for the line as
+// a whole).
+func recordErr(field, msg string) *ParseError {
+	return &ParseError{Format: "record", Field: field, Msg: msg, Err: ErrRecord}
 }
-
-// Error names the field and says what is wrong with it.
-func (e *RecordError) Error() string {
-	if e.Field == "" {
-		return "record: " + e.Msg
-	}
-	return fmt.Sprintf("record: field %q: %s", e.Field, e.Msg)
-}
-
-// Unwrap lets errors.Is(err, ErrRecord) hold.
-func (e *RecordError) Unwrap() error { return ErrRecord }
 
 // ParseRecord parses one record line (without its newline). The canonical
 // field order takes a fast path; any other valid JSON object of the marker
 // shape is accepted too, with unknown fields ignored. Kind, Flag, Timestamp
-// and Id are required. Errors are *RecordError and wrap ErrRecord.
+// and Id are required. Errors are *ParseError and wrap ErrRecord.
 func ParseRecord(line []byte) (Record, error) {
 	var r Record
 	err := parseRecordInto(line, &r, nil)
@@ -169,7 +158,7 @@ func parseRecordInto(line []byte, r *Record, in *interner) error {
 		line = bytes.TrimSpace(line) // a record line has nothing to trim
 	}
 	if len(line) > MaxLineBytes {
-		return &RecordError{Msg: fmt.Sprintf("line of %d bytes exceeds %d", len(line), MaxLineBytes)}
+		return recordErr("", fmt.Sprintf("line of %d bytes exceeds %d", len(line), MaxLineBytes))
 	}
 	if parseCanonical(line, r, in) {
 		return nil
@@ -199,14 +188,14 @@ type wireRecord struct {
 func parseGeneric(line []byte) (Record, error) {
 	var w wireRecord
 	if len(line) == 0 || line[0] != '{' {
-		return Record{}, &RecordError{Msg: "not a JSON object"}
+		return Record{}, recordErr("", "not a JSON object")
 	}
 	if err := json.Unmarshal(line, &w); err != nil {
 		var te *json.UnmarshalTypeError
 		if errors.As(err, &te) {
-			return Record{}, &RecordError{Field: te.Field, Msg: "wrong type: " + te.Value}
+			return Record{}, recordErr(te.Field, "wrong type: "+te.Value)
 		}
-		return Record{}, &RecordError{Msg: "malformed JSON: " + err.Error()}
+		return Record{}, recordErr("", "malformed JSON: "+err.Error())
 	}
 	var r Record
 	var err error
@@ -216,7 +205,7 @@ func parseGeneric(line []byte) (Record, error) {
 		}
 		if n == nil {
 			if required {
-				err = &RecordError{Field: field, Msg: "missing"}
+				err = recordErr(field, "missing")
 			}
 			return 0
 		}
@@ -227,7 +216,7 @@ func parseGeneric(line []byte) (Record, error) {
 		if string(*n) == "-1" && bits == 32 {
 			return 1<<32 - 1
 		}
-		err = &RecordError{Field: field, Msg: fmt.Sprintf("value %s is not an unsigned %d-bit integer", *n, bits)}
+		err = recordErr(field, fmt.Sprintf("value %s is not an unsigned %d-bit integer", *n, bits))
 		return 0
 	}
 	r.Kind = uint32(num("Kind", w.Kind, 32, true))

@@ -83,9 +83,9 @@ func TestParseRecordErrors(t *testing.T) {
 	}
 	for _, tt := range tests {
 		_, err := ParseRecord([]byte(tt.in))
-		var re *RecordError
+		var re *ParseError
 		if !errors.As(err, &re) || !errors.Is(err, ErrRecord) {
-			t.Errorf("ParseRecord(%.60q) = %v, want a *RecordError", tt.in, err)
+			t.Errorf("ParseRecord(%.60q) = %v, want a *ParseError", tt.in, err)
 			continue
 		}
 		if re.Field != tt.field {
@@ -167,7 +167,7 @@ func FuzzParseRecord(f *testing.F) {
 	})
 }
 
-// TestCanonicalFastPath checks that the lines Writer and MindCluster write
+// TestCanonicalFastPath checks that the lines a Recorder and MindCluster write
 // take the fast path, names seen before included, and read as the generic
 // path reads them.
 func TestCanonicalFastPath(t *testing.T) {

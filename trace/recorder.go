@@ -1,7 +1,9 @@
 package trace
 
 import (
+	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -62,8 +64,8 @@ func (c RecorderConfig) Validate() error {
 
 // writerConfig is the config of the recorder's writer; its metrics are
 // the recorder's.
-func (c RecorderConfig) writerConfig() WriterConfig {
-	return WriterConfig{Root: c.Root, Job: c.Job, Rank: c.Rank, MaxFileBytes: c.MaxFileBytes, Logger: c.Logger}
+func (c RecorderConfig) writerConfig() fileWriterConfig {
+	return fileWriterConfig{Root: c.Root, Job: c.Job, Rank: c.Rank, MaxFileBytes: c.MaxFileBytes, Logger: c.Logger}
 }
 
 // Bits of Recorder.bits above the kinds.
@@ -85,9 +87,9 @@ var (
 // Recorder is the dotting hot path of a training process. Calls with a
 // kind switched off cost an atomic load and a branch. Calls with it on
 // take a timestamp and put an entry into a bounded lock-free ring with no
-// allocation and no lock; a goroutine owned by the Recorder encodes the
-// entries and hands them to a Writer. When that goroutine falls behind the
-// ring fills and records are dropped and counted; a caller never waits.
+// allocation and no lock; Run encodes the entries and writes them to the
+// rank's files. When Run falls behind the ring fills and records are
+// dropped and counted; a caller never waits.
 //
 // All methods are safe for concurrent use. Ids are unique per Recorder
 // and, being offset by the start time in nanoseconds, across restarts of
@@ -102,34 +104,35 @@ type Recorder struct {
 
 	dropped [numDomains]atomic.Uint64 // ring full
 
-	w        *Writer
-	cfg      RecorderConfig
-	reqs     chan func(*Writer)
+	cfg     RecorderConfig
+	swMu    sync.Mutex
+	metrics *promreg.Registrar
+
+	wmu      sync.Mutex  // held to drain the ring into w
+	w        *fileWriter // guarded by wmu
+	sink     func(*entry)
+	closed   bool  // guarded by wmu: w is closed
+	closeErr error // guarded by wmu
+
+	running  sync.Mutex    // held by Run
+	active   atomic.Bool   // Run is in its loop and takes reqs
+	reqs     chan func()   // work for Run's goroutine: Flush, WriteParallelGroups
+	left     chan struct{} // closed once Run has left its loop
+	leftOnce sync.Once
 	stop     chan struct{}
-	done     chan struct{}
-	swMu     sync.Mutex
 	stopOnce sync.Once
-	closeErr error
-	metrics  *promreg.Registrar
 }
 
-// NewRecorder starts a Recorder and the goroutine that writes its records.
-// The goroutine stops when ctx is done or Close is called; records after
-// that are dropped.
-func NewRecorder(ctx context.Context, cfg RecorderConfig) (*Recorder, error) {
+// NewRecorder returns a Recorder; Run writes its records. Until Run
+// starts they wait in the ring, and are dropped once it is full.
+func NewRecorder(cfg RecorderConfig) (*Recorder, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.FlushInterval == 0 {
-		cfg.FlushInterval = DefaultFlushInterval
-	}
-	if cfg.BufferRecords == 0 {
-		cfg.BufferRecords = DefaultBufferRecords
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
-	}
-	w, err := NewWriter(cfg.writerConfig())
+	cfg.FlushInterval = cmp.Or(cfg.FlushInterval, defaultFlushInterval)
+	cfg.BufferRecords = cmp.Or(cfg.BufferRecords, DefaultBufferRecords)
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
+	w, err := newFileWriter(cfg.writerConfig())
 	if err != nil {
 		return nil, err
 	}
@@ -142,10 +145,11 @@ func NewRecorder(ctx context.Context, cfg RecorderConfig) (*Recorder, error) {
 		pid:    uint32(os.Getpid()),
 		w:      w,
 		cfg:    cfg,
-		reqs:   make(chan func(*Writer)),
+		reqs:   make(chan func()),
+		left:   make(chan struct{}),
 		stop:   make(chan struct{}),
-		done:   make(chan struct{}),
 	}
+	r.sink = func(e *entry) { r.w.writeEntry(e) }
 	r.bits.Store(bitOpen | switchBits(cfg.Switch))
 	r.metrics = promreg.New(cfg.Registerer, "trace: RecorderConfig.Registerer")
 	r.metrics.MustRegister(newStatsCollector(w.c, &r.dropped, &r.bits))
@@ -153,7 +157,6 @@ func NewRecorder(ctx context.Context, cfg RecorderConfig) (*Recorder, error) {
 		w.Close()
 		return nil, err
 	}
-	go r.loop(ctx)
 	return r, nil
 }
 
@@ -354,21 +357,20 @@ func (r *Recorder) Record(rec *Record) bool {
 	return true
 }
 
-// loop is the writer goroutine: it drains the ring into the writer,
-// polling faster while records flow, and flushes at FlushInterval.
-func (r *Recorder) loop(ctx context.Context) {
-	defer close(r.done)
-	write := func(e *entry) { r.w.writeEntry(e) }
-	drain := func() int {
-		total := 0
-		for {
-			n := r.ring.consume(1024, write)
-			total += n
-			if n < 1024 {
-				return total
-			}
-		}
+// Run drains the ring into the rank's files, polling faster while
+// records flow, and flushes them every FlushInterval, until ctx is done or
+// Close is called. Then it stops recording, writes what is buffered,
+// fsyncs and closes the file, and returns nil; records after that are
+// dropped.
+func (r *Recorder) Run(ctx context.Context) error {
+	if !r.running.TryLock() {
+		return errors.New("trace: Recorder.Run called twice")
 	}
+	defer r.running.Unlock()
+	defer r.shutdown()
+	r.active.Store(true)
+	defer r.leftOnce.Do(func() { close(r.left) })
+	defer r.active.Store(false)
 	interval := pollMax
 	timer := time.NewTimer(interval)
 	defer timer.Stop()
@@ -376,18 +378,20 @@ func (r *Recorder) loop(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
-			r.shutdown(drain)
-			return
+			return nil
 		case <-r.stop:
-			r.shutdown(drain)
-			return
+			return nil
 		case fn := <-r.reqs:
-			drain()
-			fn(r.w)
+			fn()
 			continue
 		case <-timer.C:
 		}
-		if drain() > 0 {
+		r.wmu.Lock()
+		if r.closed {
+			r.wmu.Unlock()
+			return nil
+		}
+		if r.drain() > 0 {
 			interval = pollMin
 		} else if interval *= 2; interval > pollMax {
 			interval = pollMax
@@ -396,38 +400,73 @@ func (r *Recorder) loop(ctx context.Context) {
 			r.w.Flush()
 			lastFlush = now
 		}
+		r.wmu.Unlock()
 		timer.Reset(interval)
 	}
 }
 
-func (r *Recorder) shutdown(drain func() int) {
-	r.swMu.Lock()
-	r.bits.Store(0)
-	r.swMu.Unlock()
-	// Producers that loaded the bits before the store may still publish;
-	// take what is there, leave the rest.
-	drain()
-	r.closeErr = r.w.Close()
-}
-
-// do runs fn on the writer goroutine after the ring is drained.
-func (r *Recorder) do(fn func(*Writer) error) error {
-	errc := make(chan error, 1)
-	select {
-	case r.reqs <- func(w *Writer) { errc <- fn(w) }:
-		return <-errc
-	case <-r.done:
-		return fmt.Errorf("trace: recorder: %w", os.ErrClosed)
+// drain writes what the ring holds; r.wmu is held.
+func (r *Recorder) drain() int {
+	total := 0
+	for {
+		n := r.ring.consume(1024, r.sink)
+		total += n
+		if n < 1024 {
+			return total
+		}
 	}
 }
 
+// shutdown stops recording and closes the writer, once.
+func (r *Recorder) shutdown() {
+	r.swMu.Lock()
+	r.bits.Store(0)
+	r.swMu.Unlock()
+	r.wmu.Lock()
+	defer r.wmu.Unlock()
+	if r.closed {
+		return
+	}
+	// Producers that loaded the bits before the store may still publish;
+	// take what is there, leave the rest.
+	r.drain()
+	r.closeErr = r.w.Close()
+	r.closed = true
+}
+
+// do runs fn on the writer after the ring is drained: on Run's goroutine
+// while Run runs, so that the caller's thread neither encodes nor writes,
+// else on the caller's.
+func (r *Recorder) do(fn func(*fileWriter) error) error {
+	if r.active.Load() {
+		errc := make(chan error, 1)
+		select {
+		case r.reqs <- func() { errc <- r.drainAnd(fn) }:
+			return <-errc
+		case <-r.left:
+		}
+	}
+	return r.drainAnd(fn)
+}
+
+// drainAnd drains the ring and runs fn on the writer.
+func (r *Recorder) drainAnd(fn func(*fileWriter) error) error {
+	r.wmu.Lock()
+	defer r.wmu.Unlock()
+	if r.closed {
+		return fmt.Errorf("trace: recorder: %w", os.ErrClosed)
+	}
+	r.drain()
+	return fn(r.w)
+}
+
 // Flush writes every record recorded before the call to the file.
-func (r *Recorder) Flush() error { return r.do((*Writer).Flush) }
+func (r *Recorder) Flush() error { return r.do((*fileWriter).Flush) }
 
 // WriteParallelGroups writes g as parallel_group.json into this rank's
 // folder.
 func (r *Recorder) WriteParallelGroups(g ParallelGroups) error {
-	return r.do(func(w *Writer) error { return w.WriteParallelGroups(g) })
+	return r.do(func(w *fileWriter) error { return w.WriteParallelGroups(g) })
 }
 
 // Dir returns the rank folder once the writer has resolved it, else "".
@@ -445,14 +484,18 @@ func (r *Recorder) Stats() Stats {
 	return s
 }
 
-// Close stops recording, writes what is buffered, fsyncs and closes the
-// file, and unregisters the metrics. It is idempotent and returns the
-// final write error, if any.
+// Close stops Run and waits for it to return, stops recording, writes
+// what is buffered, fsyncs and closes the file, and unregisters the
+// metrics. It is idempotent and returns the final write error, if any.
 func (r *Recorder) Close() error {
 	r.stopOnce.Do(func() {
 		close(r.stop)
 		r.metrics.UnregisterAll()
 	})
-	<-r.done
+	r.running.Lock() // held by Run until it returns
+	r.running.Unlock()
+	r.shutdown() // for a Recorder that Run never ran
+	r.wmu.Lock()
+	defer r.wmu.Unlock()
 	return r.closeErr
 }

@@ -2,7 +2,6 @@ package trace
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -16,6 +15,8 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 func newTestRecorder(t *testing.T, cfg RecorderConfig) *Recorder {
@@ -26,10 +27,11 @@ func newTestRecorder(t *testing.T, cfg RecorderConfig) *Recorder {
 	if cfg.Job == "" {
 		cfg.Job = "job"
 	}
-	r, err := NewRecorder(context.Background(), cfg)
+	r, err := NewRecorder(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
+	go r.Run(context.Background())
 	t.Cleanup(func() { r.Close() })
 	return r
 }
@@ -124,7 +126,7 @@ func TestRecorderFlushesPeriodically(t *testing.T) {
 	rec := newTestRecorder(t, RecorderConfig{Root: root, Switch: AllOn(), FlushInterval: 50 * time.Millisecond})
 	rec.StartStep(1, 0, 0).End()
 	dir := filepath.Join(root, "job", "0")
-	waitFor(t, "the periodic flush", func() bool {
+	testkit.WaitFor(t, "the periodic flush", func() bool {
 		if _, err := os.Stat(dir); err != nil {
 			return false
 		}
@@ -212,7 +214,7 @@ func TestRecorderDropsWhenWriterStalls(t *testing.T) {
 	rec := newTestRecorder(t, RecorderConfig{Root: root, Switch: AllOn(), BufferRecords: 64, Registerer: reg})
 	release := make(chan struct{})
 	held := make(chan struct{})
-	go rec.do(func(*Writer) error { close(held); <-release; return nil })
+	go rec.do(func(*fileWriter) error { close(held); <-release; return nil })
 	<-held
 	for i := range 100 {
 		rec.StartStep(uint64(i), 0, 0).End()
@@ -272,46 +274,28 @@ func TestRecorderMetrics(t *testing.T) {
 // it is closed.
 func TestCloseUnregistersMetrics(t *testing.T) {
 	root := t.TempDir()
+	closer := func(c io.Closer, err error) (func() error, error) {
+		if err != nil {
+			return nil, err
+		}
+		return c.Close, nil
+	}
 	for _, tc := range []struct {
 		name string
-		make func(prometheus.Registerer) (io.Closer, error)
+		open func(prometheus.Registerer) (func() error, error)
 	}{
-		{"WriterConfig", func(reg prometheus.Registerer) (io.Closer, error) {
-			return NewWriter(WriterConfig{Root: root, Job: "job", Registerer: reg})
+		{"RecorderConfig", func(reg prometheus.Registerer) (func() error, error) {
+			return closer(NewRecorder(RecorderConfig{Root: root, Job: "job", Registerer: reg}))
 		}},
-		{"RecorderConfig", func(reg prometheus.Registerer) (io.Closer, error) {
-			return NewRecorder(context.Background(), RecorderConfig{Root: root, Job: "job", Registerer: reg})
+		{"AgerConfig", func(reg prometheus.Registerer) (func() error, error) {
+			return closer(NewAger(AgerConfig{Root: root, Registerer: reg}))
 		}},
-		{"AgerConfig", func(reg prometheus.Registerer) (io.Closer, error) {
-			return NewAger(AgerConfig{Root: root, Registerer: reg})
-		}},
-		{"SwitchWatcherConfig", func(reg prometheus.Registerer) (io.Closer, error) {
-			return NewSwitchWatcher(SwitchWatcherConfig{Path: filepath.Join(root, "switch"), Registerer: reg})
+		{"SwitchWatcherConfig", func(reg prometheus.Registerer) (func() error, error) {
+			return closer(NewSwitchWatcher(SwitchWatcherConfig{Path: filepath.Join(root, "switch"), Registerer: reg}))
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			reg := prometheus.NewPedanticRegistry()
-			first, err := tc.make(reg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			second, err := tc.make(reg)
-			if err == nil {
-				second.Close()
-				t.Fatal("a second one registered its metrics beside the first")
-			}
-			var are prometheus.AlreadyRegisteredError
-			if !errors.As(err, &are) || !strings.HasPrefix(err.Error(), "trace: "+tc.name+".Registerer: register faultline_trace_") {
-				t.Errorf("second: %v, want an AlreadyRegisteredError naming %s.Registerer", err, tc.name)
-			}
-			if err := first.Close(); err != nil {
-				t.Fatal(err)
-			}
-			again, err := tc.make(reg)
-			if err != nil {
-				t.Fatalf("after Close: %v", err)
-			}
-			again.Close()
+			testkit.SharedRegisterer(t, "trace: "+tc.name+".Registerer", "faultline_trace_", tc.open)
 		})
 	}
 }
@@ -339,7 +323,7 @@ func TestRecorderConfigValidate(t *testing.T) {
 		{FlushInterval: -1},
 		{MaxFileBytes: -5},
 	} {
-		if _, err := NewRecorder(context.Background(), c); err == nil || !strings.Contains(err.Error(), "RecorderConfig.") {
+		if _, err := NewRecorder(c); err == nil || !strings.Contains(err.Error(), "RecorderConfig.") {
 			t.Errorf("NewRecorder(%+v) = %v, want an error naming the field", c, err)
 		}
 	}
@@ -365,17 +349,46 @@ func TestRecorderCloseIdempotentAndAfterClose(t *testing.T) {
 
 func TestRecorderStopsWithContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
-	rec, err := NewRecorder(ctx, RecorderConfig{Root: t.TempDir(), Job: "j", Switch: AllOn()})
+	rec, err := NewRecorder(RecorderConfig{Root: t.TempDir(), Job: "j", Switch: AllOn()})
 	if err != nil {
 		t.Fatal(err)
 	}
+	ran := make(chan error)
+	go func() { ran <- rec.Run(ctx) }()
 	rec.StartStep(1, 0, 0).End()
 	cancel()
-	if err := rec.Close(); err != nil {
+	if err := <-ran; err != nil {
 		t.Fatal(err)
 	}
 	if s := rec.Stats(); s.Written.Default != 2 {
 		t.Fatalf("written %+v after the context ended", s.Written)
+	}
+	if err := rec.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestRecorderWithoutRun closes and flushes a Recorder that Run never ran:
+// what was recorded is written all the same.
+func TestRecorderWithoutRun(t *testing.T) {
+	root := t.TempDir()
+	rec, err := NewRecorder(RecorderConfig{Root: root, Job: "j", Switch: AllOn()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec.StartStep(1, 0, 0).End()
+	if err := rec.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	rec.StartStep(2, 0, 0).End()
+	if err := rec.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if s := rec.Stats(); s.Written.Default != 4 {
+		t.Fatalf("written %+v", s.Written)
+	}
+	if err := rec.Run(context.Background()); err != nil {
+		t.Fatalf("Run after Close: %v", err)
 	}
 }
 

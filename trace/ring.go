@@ -93,6 +93,3 @@ func (q *ring) consume(max int, fn func(*entry)) int {
 	}
 	return n
 }
-
-// len returns how many slots are claimed and not yet consumed. Consumer only.
-func (q *ring) len() int { return int(q.tail.Load() - q.head) }

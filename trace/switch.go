@@ -28,29 +28,13 @@ func AllOn() Switch {
 }
 
 // ErrSwitch is wrapped by every error ParseSwitch returns.
-var ErrSwitch = errors.New("invalid profiling switch")
+var ErrSwitch = errors.New("trace: invalid profiling switch")
 
-// SwitchError says what is wrong with a switch document.
-type SwitchError struct {
-	Field string // the offending field, "" when the document itself is malformed
-	Value string // the offending value, if any
-	Msg   string
+// switchErr says what is wrong with a switch document's field ("" for
+// the document as a whole) and its value.
+func switchErr(field, value, msg string) *ParseError {
+	return &ParseError{Format: "profiling switch", Field: field, Value: value, Msg: msg, Err: ErrSwitch}
 }
-
-// Error names the field and the value and says what is wrong.
-func (e *SwitchError) Error() string {
-	switch {
-	case e.Field == "":
-		return fmt.Sprintf("profiling switch: %s", e.Msg)
-	case e.Value == "":
-		return fmt.Sprintf("profiling switch: field %q: %s", e.Field, e.Msg)
-	default:
-		return fmt.Sprintf("profiling switch: field %q: value %q: %s", e.Field, e.Value, e.Msg)
-	}
-}
-
-// Unwrap lets errors.Is(err, ErrSwitch) hold.
-func (e *SwitchError) Unwrap() error { return ErrSwitch }
 
 // Enabled reports whether kind k is on.
 func (s Switch) Enabled(k Kind) bool {
@@ -104,7 +88,7 @@ func (s Switch) DomainEnabled(domain string) bool {
 // Bits returns s as a bit set with bit k set when kind k is on.
 func (s Switch) Bits() uint32 {
 	var b uint32
-	for _, k := range Kinds {
+	for _, k := range kinds {
 		if s.Enabled(k) {
 			b |= 1 << k
 		}
@@ -115,7 +99,7 @@ func (s Switch) Bits() uint32 {
 // SwitchFromBits is the inverse of Switch.Bits.
 func SwitchFromBits(b uint32) Switch {
 	var s Switch
-	for _, k := range Kinds {
+	for _, k := range kinds {
 		s = s.With(k, b&(1<<k) != 0)
 	}
 	return s
@@ -165,22 +149,22 @@ func (s *Switch) UnmarshalJSON(data []byte) error {
 // ParseSwitch parses a profilingSwitch document. Unlike MindCluster it is
 // strict: every value must be "on" or "off", every field must be one of the
 // five kinds and appear at most once, and nothing may follow the object. A
-// field that is absent is off. Errors are *SwitchError and wrap ErrSwitch.
+// field that is absent is off. Errors are *ParseError and wrap ErrSwitch.
 func ParseSwitch(data []byte) (Switch, error) {
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
 	malformed := func(err error) (Switch, error) {
-		return Switch{}, &SwitchError{Msg: "malformed JSON: " + err.Error()}
+		return Switch{}, switchErr("", "", "malformed JSON: "+err.Error())
 	}
 	tok, err := dec.Token()
 	if err != nil {
 		if errors.Is(err, io.EOF) {
-			return Switch{}, &SwitchError{Msg: "empty document"}
+			return Switch{}, switchErr("", "", "empty document")
 		}
 		return malformed(err)
 	}
 	if d, ok := tok.(json.Delim); !ok || d != '{' {
-		return Switch{}, &SwitchError{Msg: fmt.Sprintf("want a JSON object, got %v", tok)}
+		return Switch{}, switchErr("", "", fmt.Sprintf("want a JSON object, got %v", tok))
 	}
 	var s Switch
 	var seen uint32
@@ -192,10 +176,10 @@ func ParseSwitch(data []byte) (Switch, error) {
 		name, _ := tok.(string) // object keys are always strings
 		k, known := ParseKind(name)
 		if !known {
-			return Switch{}, &SwitchError{Field: name, Msg: "unknown field (want one of Step, FP, DataLoader, SaveCheckpoint, CommunicationOperator)"}
+			return Switch{}, switchErr(name, "", "unknown field (want one of Step, FP, DataLoader, SaveCheckpoint, CommunicationOperator)")
 		}
 		if seen&(1<<k) != 0 {
-			return Switch{}, &SwitchError{Field: name, Msg: "field appears twice"}
+			return Switch{}, switchErr(name, "", "field appears twice")
 		}
 		seen |= 1 << k
 		tok, err = dec.Token()
@@ -207,9 +191,9 @@ func ParseSwitch(data []byte) (Switch, error) {
 		case string:
 			val = v
 		case json.Delim:
-			return Switch{}, &SwitchError{Field: name, Value: v.String(), Msg: `want "on" or "off"`}
+			return Switch{}, switchErr(name, v.String(), `want "on" or "off"`)
 		default:
-			return Switch{}, &SwitchError{Field: name, Value: fmt.Sprint(v), Msg: `want "on" or "off"`}
+			return Switch{}, switchErr(name, fmt.Sprint(v), `want "on" or "off"`)
 		}
 		switch val {
 		case "on":
@@ -217,7 +201,7 @@ func ParseSwitch(data []byte) (Switch, error) {
 		case "off":
 			s = s.With(k, false)
 		default:
-			return Switch{}, &SwitchError{Field: name, Value: val, Msg: `want "on" or "off"`}
+			return Switch{}, switchErr(name, val, `want "on" or "off"`)
 		}
 	}
 	if _, err := dec.Token(); err != nil { // the closing brace
@@ -227,7 +211,7 @@ func ParseSwitch(data []byte) (Switch, error) {
 		if err != nil {
 			return malformed(err)
 		}
-		return Switch{}, &SwitchError{Msg: fmt.Sprintf("unexpected %v after the object", tok)}
+		return Switch{}, switchErr("", "", fmt.Sprintf("unexpected %v after the object", tok))
 	}
 	return s, nil
 }

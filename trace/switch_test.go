@@ -51,9 +51,9 @@ func TestParseSwitchErrors(t *testing.T) {
 	}
 	for _, tt := range tests {
 		_, err := ParseSwitch([]byte(tt.in))
-		var se *SwitchError
+		var se *ParseError
 		if !errors.As(err, &se) || !errors.Is(err, ErrSwitch) {
-			t.Errorf("ParseSwitch(%q) = %v, want a *SwitchError", tt.in, err)
+			t.Errorf("ParseSwitch(%q) = %v, want a *ParseError", tt.in, err)
 			continue
 		}
 		if se.Field != tt.field || se.Value != tt.value {

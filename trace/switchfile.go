@@ -2,6 +2,7 @@ package trace
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -80,15 +81,9 @@ func NewSwitchWatcher(cfg SwitchWatcherConfig) (*SwitchWatcher, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.Path == "" {
-		cfg.Path = DefaultSwitchPath
-	}
-	if cfg.PollInterval == 0 {
-		cfg.PollInterval = DefaultPollInterval
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
-	}
+	cfg.Path = cmp.Or(cfg.Path, DefaultSwitchPath)
+	cfg.PollInterval = cmp.Or(cfg.PollInterval, DefaultPollInterval)
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 	w := &SwitchWatcher{cfg: cfg, closing: make(chan struct{})}
 	w.metrics = promreg.New(cfg.Registerer, "trace: SwitchWatcherConfig.Registerer")
 	w.loads = promauto.With(w.metrics).NewCounterVec(prometheus.CounterOpts{
@@ -218,7 +213,9 @@ func (w *SwitchWatcher) load() {
 		w.last = data
 		if s, err = ParseSwitch(data); err != nil {
 			result = "error"
-			err = fmt.Errorf("%s: %w", w.cfg.Path, err)
+			if pe := (*ParseError)(nil); errors.As(err, &pe) {
+				pe.File = w.cfg.Path // a fresh error of ParseSwitch's
+			}
 		}
 	}
 	if result == "error" {

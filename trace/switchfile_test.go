@@ -13,6 +13,8 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // kubeletUpdate does what the kubelet's atomic writer does to a ConfigMap
@@ -100,8 +102,8 @@ func TestSwitchWatcherKubeletSwap(t *testing.T) {
 
 			// A bad document is reported and changes nothing.
 			kubeletUpdate(t, mount, "profilingSwitch", `{"Step":"maybe"}`, 3)
-			waitFor(t, "the bad document to be reported", func() bool { return w.Err() != nil })
-			if err := w.Err(); !errors.Is(err, ErrSwitch) || !strings.Contains(err.Error(), `"Step"`) {
+			testkit.WaitFor(t, "the bad document to be reported", func() bool { return w.Err() != nil })
+			if err := w.Err(); !errors.Is(err, ErrSwitch) || !strings.Contains(err.Error(), "field Step") {
 				t.Fatalf("Err() = %v", err)
 			}
 			if got := w.Switch(); got != commOnly {

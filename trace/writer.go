@@ -2,6 +2,7 @@ package trace
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -13,22 +14,19 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
-	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
-
-	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
-// Writer defaults.
+// fileWriter defaults.
 const (
-	DefaultMaxFileBytes  = 10 << 20
-	DefaultFlushInterval = 5 * time.Second
+	defaultMaxFileBytes  = 10 << 20
+	defaultFlushInterval = 5 * time.Second
 	defaultBufferBytes   = 256 << 10
 )
 
-// WriterConfig configures a Writer. The zero value writes rank 0 of the job
-// ResolveJob names under DefaultRoot.
-type WriterConfig struct {
+// fileWriterConfig configures a fileWriter. The zero value writes rank 0 of
+// the job ResolveJob names under DefaultRoot.
+type fileWriterConfig struct {
 	Root         string           // default DefaultRoot
 	Job          string           // default ResolveJob(Root), resolved when the first file is opened
 	Rank         int              // global rank; must not be negative
@@ -36,48 +34,37 @@ type WriterConfig struct {
 	BufferBytes  int              // bytes buffered before a write to the file; default 256 KiB
 	Now          func() time.Time // names new files; default time.Now
 	Logger       *slog.Logger     // nil: discard
-	// Registerer receives the writer's metrics; nil: none. See doc.go for
-	// the names.
-	Registerer prometheus.Registerer
 }
 
 // Validate reports the first field that cannot be used.
-func (c WriterConfig) Validate() error {
+func (c fileWriterConfig) Validate() error {
 	if c.Job != "" {
 		if err := ValidateJob(c.Job); err != nil {
-			return fmt.Errorf("trace: WriterConfig.Job: %w", err)
+			return fmt.Errorf("trace: fileWriterConfig.Job: %w", err)
 		}
 	}
 	switch {
 	case c.Rank < 0:
-		return fmt.Errorf("trace: WriterConfig.Rank: %d is negative", c.Rank)
+		return fmt.Errorf("trace: fileWriterConfig.Rank: %d is negative", c.Rank)
 	case c.MaxFileBytes < 0:
-		return fmt.Errorf("trace: WriterConfig.MaxFileBytes: %d is negative", c.MaxFileBytes)
+		return fmt.Errorf("trace: fileWriterConfig.MaxFileBytes: %d is negative", c.MaxFileBytes)
 	case c.BufferBytes < 0:
-		return fmt.Errorf("trace: WriterConfig.BufferBytes: %d is negative", c.BufferBytes)
+		return fmt.Errorf("trace: fileWriterConfig.BufferBytes: %d is negative", c.BufferBytes)
 	}
 	return nil
 }
 
-func (c *WriterConfig) setDefaults() {
-	if c.Root == "" {
-		c.Root = DefaultRoot
-	}
-	if c.MaxFileBytes == 0 {
-		c.MaxFileBytes = DefaultMaxFileBytes
-	}
-	if c.BufferBytes == 0 {
-		c.BufferBytes = defaultBufferBytes
-	}
+func (c *fileWriterConfig) setDefaults() {
+	c.Root = cmp.Or(c.Root, DefaultRoot)
+	c.MaxFileBytes = cmp.Or(c.MaxFileBytes, defaultMaxFileBytes)
+	c.BufferBytes = cmp.Or(c.BufferBytes, defaultBufferBytes)
 	if c.BufferBytes < 4<<10 {
 		c.BufferBytes = 4 << 10
 	}
 	if c.Now == nil {
 		c.Now = time.Now
 	}
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 }
 
 // DomainCounts counts records per marker domain. Records of a domain other
@@ -87,7 +74,7 @@ type DomainCounts struct {
 	Communication uint64
 }
 
-// Stats reports what a Writer or Recorder has done.
+// Stats reports what a Recorder has done.
 type Stats struct {
 	Written     DomainCounts // records that reached a file
 	Dropped     DomainCounts // records lost: recorder buffer full, or the file could not be opened or written
@@ -140,18 +127,18 @@ func (c *counters) snapshot() Stats {
 	return s
 }
 
-// Writer appends records to the rotating files of one rank:
+// fileWriter appends records to the rotating files of one rank:
 // <Root>/<Job>/<Rank>/<10-digit unix seconds>, as JSON Lines in the form
 // Record.AppendJSON writes. It creates folders with mode 0750 and files
 // with mode 0640, follows no symlink beneath Root and never appends to a
-// file it did not create. A Writer is not safe for concurrent use; the
+// file it did not create. A fileWriter is not safe for concurrent use; the
 // Recorder gives it a goroutine of its own.
 //
 // Errors (an unwritable root, a full disk) are returned, counted in Stats
-// and drop the records they concern; the Writer keeps going and reopens
+// and drop the records they concern; the fileWriter keeps going and reopens
 // with backoff, so a caller that ignores them is never blocked.
-type Writer struct {
-	cfg  WriterConfig
+type fileWriter struct {
+	cfg  fileWriterConfig
 	job  string
 	dir  string // rank folder, once resolved
 	dirf int    // rank folder fd, -1 until opened
@@ -172,52 +159,46 @@ type Writer struct {
 	lastLog    time.Time
 	lastLogMsg string
 
-	c       *counters
-	closed  bool
-	metrics *promreg.Registrar
+	c      *counters
+	closed bool
 }
 
-// NewWriter returns a Writer; it touches no file until the first record.
-func NewWriter(cfg WriterConfig) (*Writer, error) {
+// newFileWriter returns a fileWriter; it touches no file until the first record.
+func newFileWriter(cfg fileWriterConfig) (*fileWriter, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	cfg.setDefaults()
-	w := &Writer{cfg: cfg, job: cfg.Job, dirf: -1, c: &counters{}}
+	w := &fileWriter{cfg: cfg, job: cfg.Job, dirf: -1, c: &counters{}}
 	w.buf = make([]byte, 0, cfg.BufferBytes+MaxLineBytes)
 	w.backoff = backoff.NewExponentialBackOff(
 		backoff.WithInitialInterval(time.Second),
 		backoff.WithMaxInterval(30*time.Second),
 		backoff.WithMaxElapsedTime(0))
-	w.metrics = promreg.New(cfg.Registerer, "trace: WriterConfig.Registerer")
-	w.metrics.MustRegister(newStatsCollector(w.c, nil, nil))
-	if err := w.metrics.Err(); err != nil {
-		return nil, err
-	}
 	return w, nil
 }
 
 // Dir returns the rank folder, or "" before the job is resolved.
-func (w *Writer) Dir() string { return w.dir }
+func (w *fileWriter) Dir() string { return w.dir }
 
 // Stats returns the writer's counters. It is safe to call concurrently
 // with the writer's use.
-func (w *Writer) Stats() Stats { return w.c.snapshot() }
+func (w *fileWriter) Stats() Stats { return w.c.snapshot() }
 
 // Write buffers one record. It returns an error, and counts the record
 // as dropped, when no file can be opened or a buffer flush fails.
-func (w *Writer) Write(r *Record) error {
+func (w *fileWriter) Write(r *Record) error {
 	return w.put(domainIndex(r.Domain), r, nameLiteral, 0, nil)
 }
 
 // writeEntry buffers a recorder's entry, whose name may still be a step
 // number or a CommOp.
-func (w *Writer) writeEntry(e *entry) error {
+func (w *fileWriter) writeEntry(e *entry) error {
 	return w.put(int(e.dom), &e.rec, e.nameForm, e.step, &e.op)
 }
 
 // put buffers one record; see encoder.appendRecord for the name forms.
-func (w *Writer) put(dom int, r *Record, form uint8, step uint64, op *CommOp) error {
+func (w *fileWriter) put(dom int, r *Record, form uint8, step uint64, op *CommOp) error {
 	if w.closed {
 		w.c.dropped[dom].Add(1)
 		return fmt.Errorf("trace: write: %w", os.ErrClosed)
@@ -255,13 +236,13 @@ const pageSize = 4096
 // Flush writes the buffered records to the file, which then ends with a
 // complete line. On a failed write the file is cut back to its last
 // complete line and the buffered records are dropped.
-func (w *Writer) Flush() error { return w.flush(true) }
+func (w *fileWriter) Flush() error { return w.flush(true) }
 
 // flush writes the buffer, or with all unset only as much of it as ends
 // the file on a page boundary, the rest waiting for more records; the file
 // may then end inside a line until the next flush. Readers wait for the
 // rest of a line.
-func (w *Writer) flush(all bool) error {
+func (w *fileWriter) flush(all bool) error {
 	if len(w.buf) == 0 || w.f == nil {
 		return nil
 	}
@@ -316,7 +297,7 @@ func (w *Writer) flush(all bool) error {
 }
 
 // Sync flushes and fsyncs the current file and the rank folder.
-func (w *Writer) Sync() error {
+func (w *fileWriter) Sync() error {
 	if err := w.Flush(); err != nil {
 		return err
 	}
@@ -332,13 +313,11 @@ func (w *Writer) Sync() error {
 	return nil
 }
 
-// Close flushes, fsyncs and closes the file, and unregisters the metrics.
-// It is idempotent.
-func (w *Writer) Close() error {
+// Close flushes, fsyncs and closes the file. It is idempotent.
+func (w *fileWriter) Close() error {
 	if w.closed {
 		return nil
 	}
-	w.metrics.UnregisterAll()
 	err := w.Sync()
 	if cerr := w.closeFile(); err == nil {
 		err = cerr
@@ -354,7 +333,7 @@ func (w *Writer) Close() error {
 // closeFile flushes and closes the current file. It does not fsync:
 // rotated files are left to the kernel's writeback, which keeps rotation
 // from stalling the writer on the disk; Close fsyncs.
-func (w *Writer) closeFile() error {
+func (w *fileWriter) closeFile() error {
 	if w.f == nil {
 		return nil
 	}
@@ -369,12 +348,12 @@ func (w *Writer) closeFile() error {
 	return err
 }
 
-func (w *Writer) path() string { return filepath.Join(w.dir, w.name) }
+func (w *fileWriter) path() string { return filepath.Join(w.dir, w.name) }
 
 // rotate closes the current file, if any, and creates the next one.
 // After a failure it waits (exponential backoff up to 30 s) before trying
 // again and returns the last error meanwhile.
-func (w *Writer) rotate() error {
+func (w *fileWriter) rotate() error {
 	now := w.cfg.Now()
 	if w.openErr != nil && now.Before(w.retryAt) {
 		return w.openErr
@@ -394,7 +373,7 @@ func (w *Writer) rotate() error {
 }
 
 // openDir resolves the job and opens (creating) the rank folder.
-func (w *Writer) openDir() error {
+func (w *fileWriter) openDir() error {
 	if w.dirf >= 0 {
 		return nil
 	}
@@ -417,7 +396,7 @@ func (w *Writer) openDir() error {
 	return nil
 }
 
-func (w *Writer) open(now time.Time) error {
+func (w *fileWriter) open(now time.Time) error {
 	if err := w.openDir(); err != nil {
 		return err
 	}
@@ -474,7 +453,7 @@ func (w *Writer) open(now time.Time) error {
 
 // fail counts err, remembers it and logs it, at most once a minute for
 // the same message, and returns it wrapped with what was being done.
-func (w *Writer) fail(op string, err error) error {
+func (w *fileWriter) fail(op string, err error) error {
 	err = fmt.Errorf("trace: %s: %w", op, err)
 	w.c.errors.Add(1)
 	w.c.mu.Lock()
@@ -490,7 +469,7 @@ func (w *Writer) fail(op string, err error) error {
 
 // WriteParallelGroups writes g as parallel_group.json into the writer's
 // rank folder, creating the folder if needed.
-func (w *Writer) WriteParallelGroups(g ParallelGroups) error {
+func (w *fileWriter) WriteParallelGroups(g ParallelGroups) error {
 	if w.closed {
 		return fmt.Errorf("trace: write %s: %w", ParallelGroupFile, os.ErrClosed)
 	}

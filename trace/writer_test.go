@@ -17,6 +17,8 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 func fixedNow(sec int64) func() time.Time {
@@ -33,7 +35,7 @@ func TestWriterFormatLayoutAndModes(t *testing.T) {
 	old := unix.Umask(0o077) // modes must not depend on the umask
 	defer unix.Umask(old)
 	root := filepath.Join(t.TempDir(), "profiling")
-	w, err := NewWriter(WriterConfig{Root: root, Job: "job-1", Rank: 7, Now: fixedNow(1731000000)})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "job-1", Rank: 7, Now: fixedNow(1731000000)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -83,7 +85,7 @@ func TestWriterRotatesAndNeverAppends(t *testing.T) {
 	os.MkdirAll(dir, 0o750)
 	// A file from an earlier process in the same second: left alone.
 	os.WriteFile(filepath.Join(dir, "1731000000"), []byte("earlier\n"), 0o640)
-	w, err := NewWriter(WriterConfig{Root: root, Job: "j", MaxFileBytes: 1000, Now: fixedNow(1731000000)})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "j", MaxFileBytes: 1000, Now: fixedNow(1731000000)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,7 +101,7 @@ func TestWriterRotatesAndNeverAppends(t *testing.T) {
 	}
 	// A later process of the rank, its clock behind the names of the first:
 	// its file still sorts last, so a reader tailing the folder sees it.
-	w2, _ := NewWriter(WriterConfig{Root: root, Job: "j", Now: fixedNow(1731000002)})
+	w2, _ := newFileWriter(fileWriterConfig{Root: root, Job: "j", Now: fixedNow(1731000002)})
 	r := testRecord(n)
 	w2.Write(&r)
 	w2.Close()
@@ -140,7 +142,7 @@ func TestWriterIgnoresFarFutureNames(t *testing.T) {
 	dir := filepath.Join(root, "j", "0")
 	os.MkdirAll(dir, 0o750)
 	os.WriteFile(filepath.Join(dir, "9223372036854775807"), nil, 0o640)
-	w, err := NewWriter(WriterConfig{Root: root, Job: "j", Now: fixedNow(1731000000)})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "j", Now: fixedNow(1731000000)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -167,8 +169,8 @@ func TestJobValidation(t *testing.T) {
 		if err := ValidateJob(job); !errors.Is(err, ErrPath) {
 			t.Errorf("ValidateJob(%q) = %v, want ErrPath", job, err)
 		}
-		if _, err := NewWriter(WriterConfig{Job: job}); job != "" && err == nil {
-			t.Errorf("NewWriter accepted job %q", job)
+		if _, err := newFileWriter(fileWriterConfig{Job: job}); job != "" && err == nil {
+			t.Errorf("newFileWriter accepted job %q", job)
 		}
 	}
 	for _, job := range []string{"default_task_id_1731000000", "3f1e2d4c-aaaa-bbbb-cccc-0123456789ab", "job.v2"} {
@@ -182,7 +184,7 @@ func TestWriterRefusesTaskIDTraversal(t *testing.T) {
 	base := t.TempDir()
 	root := filepath.Join(base, "root")
 	t.Setenv(EnvTaskID, "../../etc")
-	w, err := NewWriter(WriterConfig{Root: root})
+	w, err := newFileWriter(fileWriterConfig{Root: root})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -212,7 +214,7 @@ func TestWriterRefusesPlantedSymlinks(t *testing.T) {
 				os.Mkdir(filepath.Join(root, "j"), 0o750)
 				os.Symlink(outside, filepath.Join(root, "j", "0"))
 			}
-			w, _ := NewWriter(WriterConfig{Root: root, Job: "j"})
+			w, _ := newFileWriter(fileWriterConfig{Root: root, Job: "j"})
 			r := testRecord(0)
 			if err := w.Write(&r); !errors.Is(err, ErrPath) {
 				t.Fatalf("Write through a planted symlink: %v", err)
@@ -242,7 +244,7 @@ func mountTmpfs(t *testing.T, size int, flags uintptr) string {
 
 func TestWriterDiskFull(t *testing.T) {
 	root := mountTmpfs(t, 64<<10, 0)
-	w, err := NewWriter(WriterConfig{Root: root, Job: "j", BufferBytes: 4 << 10})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "j", BufferBytes: 4 << 10})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -281,7 +283,7 @@ func TestWriterDiskFull(t *testing.T) {
 func TestWriterUnwritableRoot(t *testing.T) {
 	t.Run("read-only", func(t *testing.T) {
 		root := mountTmpfs(t, 64<<10, unix.MS_RDONLY)
-		w, _ := NewWriter(WriterConfig{Root: root, Job: "j"})
+		w, _ := newFileWriter(fileWriterConfig{Root: root, Job: "j"})
 		r := testRecord(0)
 		err := w.Write(&r)
 		if !errors.Is(err, syscall.EROFS) || !strings.Contains(err.Error(), root) {
@@ -298,7 +300,7 @@ func TestWriterUnwritableRoot(t *testing.T) {
 	t.Run("root is a file", func(t *testing.T) {
 		root := filepath.Join(t.TempDir(), "file")
 		os.WriteFile(root, nil, 0o640)
-		w, _ := NewWriter(WriterConfig{Root: root, Job: "j"})
+		w, _ := newFileWriter(fileWriterConfig{Root: root, Job: "j"})
 		r := testRecord(0)
 		if err := w.Write(&r); err == nil || !strings.Contains(err.Error(), root) {
 			t.Fatalf("Write with a file as root: %v", err)
@@ -312,7 +314,7 @@ func TestWriterUnwritableRoot(t *testing.T) {
 // damaged.
 func TestKilledWriterKeepsFlushedRecords(t *testing.T) {
 	root := t.TempDir()
-	cmd := child(t, "write-forever", "TRACE_ROOT="+root, "TRACE_RANK=5")
+	cmd := testkit.Command(t, "write-forever", "TRACE_ROOT="+root, "TRACE_RANK=5")
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -369,7 +371,7 @@ func TestResolveJobOncePerLauncher(t *testing.T) {
 	jobs := make([]string, n)
 	cmds := make([]*exec.Cmd, n)
 	for i := range cmds {
-		cmds[i] = child(t, "resolve-job", "TRACE_ROOT="+root)
+		cmds[i] = testkit.Command(t, "resolve-job", "TRACE_ROOT="+root)
 	}
 	var wg sync.WaitGroup
 	for i, cmd := range cmds {
@@ -384,11 +386,11 @@ func TestResolveJobOncePerLauncher(t *testing.T) {
 			t.Fatalf("jobs %v: want one default_task_id_ job", jobs)
 		}
 	}
-	if again := run(child(t, "resolve-job", "TRACE_ROOT="+root)); again != jobs[0] {
+	if again := run(testkit.Command(t, "resolve-job", "TRACE_ROOT="+root)); again != jobs[0] {
 		t.Fatalf("a later process of the same launcher got %q, want %q", again, jobs[0])
 	}
 	// A process whose parent is a shell has another launcher.
-	sh := child(t, "resolve-job", "TRACE_ROOT="+root)
+	sh := testkit.Command(t, "resolve-job", "TRACE_ROOT="+root)
 	sh.Args = []string{"sh", "-c", `"$0" -test.run='^$'; true`, sh.Path}
 	sh.Path, _ = exec.LookPath("sh")
 	if other := run(sh); other == jobs[0] || !strings.HasPrefix(other, DefaultJobPrefix) {
@@ -407,7 +409,7 @@ func TestResolveJobOncePerLauncher(t *testing.T) {
 	if len(dirs) != 2 {
 		t.Fatalf("job folders %v, want 2", dirs)
 	}
-	if got := run(child(t, "resolve-job", "TRACE_ROOT="+root, EnvTaskID+"=task-42")); got != "task-42" {
+	if got := run(testkit.Command(t, "resolve-job", "TRACE_ROOT="+root, EnvTaskID+"=task-42")); got != "task-42" {
 		t.Fatalf("with %s set: %q", EnvTaskID, got)
 	}
 }
@@ -468,7 +470,7 @@ func TestListRanksAndJobs(t *testing.T) {
 // follow whole lines, and Flush ends the file on a line.
 func TestWriterAlignedFlush(t *testing.T) {
 	root := t.TempDir()
-	w, err := NewWriter(WriterConfig{Root: root, Job: "j", BufferBytes: 4 << 10, Now: fixedNow(1731000000)})
+	w, err := newFileWriter(fileWriterConfig{Root: root, Job: "j", BufferBytes: 4 << 10, Now: fixedNow(1731000000)})
 	if err != nil {
 		t.Fatal(err)
 	}

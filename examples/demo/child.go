@@ -149,12 +149,13 @@ func runProxy(ctx context.Context, a childArgs, log *slog.Logger, say func(strin
 // lines for what its trainer does.
 func runWorker(ctx context.Context, a childArgs, log *slog.Logger, say func(string, ...any)) error {
 	reg := prometheus.NewRegistry()
-	rec, err := trace.NewRecorder(ctx, trace.RecorderConfig{
+	rec, err := trace.NewRecorder(trace.RecorderConfig{
 		Root: a.DottingRoot, Job: a.Job, Rank: a.Rank, FlushInterval: 500 * time.Millisecond, Registerer: reg, Logger: log,
 	})
 	if err != nil {
 		return err
 	}
+	go rec.Run(ctx)
 	defer rec.Close()
 	g := groupsOf(a.Rank, a.World, a.ProcsPerNode)
 	if err := rec.WriteParallelGroups(g.parallelGroups(a.Rank)); err != nil {

@@ -23,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/ckpt/layout"
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 	"github.com/faultline-ml/faultline/rescheduling"
 	"github.com/faultline-ml/faultline/rescheduling/local"
@@ -171,8 +172,8 @@ func (j *job) setPhase(s string) {
 // statusLine is the live status line.
 func (j *job) statusLine() string {
 	disk := int64(-1)
-	if b, err := os.ReadFile(j.path("ckpt", ckpt.DLRoverTrackerFile)); err == nil {
-		disk, _ = ckpt.ParseStepText(b)
+	if b, err := os.ReadFile(j.path("ckpt", layout.DLRoverTrackerFile)); err == nil {
+		disk, _ = layout.ParseStepText(b)
 	}
 	j.mu.Lock()
 	defer j.mu.Unlock()
@@ -458,7 +459,7 @@ func (j *job) setupCheckpoints() error {
 	if err := os.MkdirAll(j.shm, 0o700); err != nil {
 		return fmt.Errorf("shared memory: %w", err)
 	}
-	capacity := ckpt.StepSize([]string{"model"}, []int64{modelBytes})
+	capacity := layout.StepSize([]string{"model"}, []int64{modelBytes})
 	committer := &ckpt.LocalCommitter{Dir: j.path("ckpt"), Retention: ckpt.Retention{KeepLatest: 3}}
 	j.ckpts = &nodeCheckpoints{}
 	for n := range j.cfg.Nodes {

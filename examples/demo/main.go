@@ -55,6 +55,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -97,21 +98,11 @@ type config struct {
 }
 
 func (c *config) setDefaults() {
-	if c.StepTime == 0 {
-		c.StepTime = 60 * time.Millisecond
-	}
-	if c.HangTimeout == 0 {
-		c.HangTimeout = 2 * time.Second
-	}
-	if c.SaveEvery == 0 {
-		c.SaveEvery = 10
-	}
-	if c.PersistEvery == 0 {
-		c.PersistEvery = 5
-	}
-	if c.Out == "" {
-		c.Out = "demo-out"
-	}
+	c.StepTime = cmp.Or(c.StepTime, 60*time.Millisecond)
+	c.HangTimeout = cmp.Or(c.HangTimeout, 2*time.Second)
+	c.SaveEvery = cmp.Or(c.SaveEvery, 10)
+	c.PersistEvery = cmp.Or(c.PersistEvery, 5)
+	c.Out = cmp.Or(c.Out, "demo-out")
 }
 
 // validate reports the first field that cannot be used.

@@ -13,7 +13,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/ckpt/layout"
 	"github.com/faultline-ml/faultline/taskd"
 	"github.com/faultline-ml/faultline/trace/slownode"
 )
@@ -190,8 +190,8 @@ func (j *job) progress() {
 	}
 	j.mu.Unlock()
 	disk := "none yet"
-	if b, err := os.ReadFile(j.path("ckpt", ckpt.DLRoverTrackerFile)); err == nil {
-		if s, err := ckpt.ParseStepText(b); err == nil {
+	if b, err := os.ReadFile(j.path("ckpt", layout.DLRoverTrackerFile)); err == nil {
+		if s, err := layout.ParseStepText(b); err == nil {
 			disk = fmt.Sprintf("step %d", s)
 		}
 	}

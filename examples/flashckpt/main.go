@@ -67,6 +67,7 @@ import (
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/ckpt/layout"
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 )
 
@@ -152,7 +153,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return exitCorrupt
 	case errors.Is(err, ckpt.ErrNoStep):
 		return exitNoStep
-	case errors.Is(err, ckpt.ErrCorrupt):
+	case errors.Is(err, layout.ErrCorrupt):
 		return exitCorrupt
 	}
 	return exitFailure
@@ -202,7 +203,7 @@ func save(ctx context.Context, o options, files []string, stdout, stderr io.Writ
 	}
 	// A segment smaller than this grows, keeping its steps; a larger one is
 	// kept as it is.
-	capacity := max(ckpt.StepSize(names, sizes), o.capacity)
+	capacity := max(layout.StepSize(names, sizes), o.capacity)
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn,
 		ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
 			if a.Key == slog.TimeKey {
@@ -245,7 +246,7 @@ func save(ctx context.Context, o options, files []string, stdout, stderr io.Writ
 		return nil
 	}
 	start = time.Now()
-	_, err = os.Stat(filepath.Join(ckpt.StepDir(o.dir, o.step), ckpt.CommitFile))
+	_, err = os.Stat(filepath.Join(layout.StepDir(o.dir, o.step), layout.CommitFile))
 	committed := err == nil
 	man, err := owner.Persist(ctx, o.shard)
 	if err != nil {
@@ -255,8 +256,8 @@ func save(ctx context.Context, o options, files []string, stdout, stderr io.Writ
 		// The owner's log has said if it wrote a damaged copy again.
 		fmt.Fprintf(stdout, "step %d was committed already: its disk copy of shard %d was read back, and kept if intact or written again from memory if damaged\n", man.Step, man.Shard)
 	}
-	fmt.Fprintf(stdout, "persisted step %d shard %d to %s in %v\n", man.Step, man.Shard, ckpt.StepDir(o.dir, man.Step), time.Since(start).Round(time.Microsecond))
-	if _, err := os.Stat(filepath.Join(ckpt.StepDir(o.dir, man.Step), ckpt.CommitFile)); err == nil {
+	fmt.Fprintf(stdout, "persisted step %d shard %d to %s in %v\n", man.Step, man.Shard, layout.StepDir(o.dir, man.Step), time.Since(start).Round(time.Microsecond))
+	if _, err := os.Stat(filepath.Join(layout.StepDir(o.dir, man.Step), layout.CommitFile)); err == nil {
 		fmt.Fprintf(stdout, "committed step %d\n", man.Step)
 	} else {
 		fmt.Fprintf(stdout, "step %d waits for the other shards of %d before it commits\n", man.Step, o.numShards)
@@ -366,8 +367,8 @@ func say(w io.Writer, what string, err error) {
 // and the --shard asked for.
 func jobShards(o options) ([]int, error) {
 	if o.set["num-shards"] {
-		if o.numShards < 1 || o.numShards > ckpt.MaxShards {
-			return nil, usageError(fmt.Sprintf("--num-shards %d is out of range [1,%d]", o.numShards, ckpt.MaxShards))
+		if o.numShards < 1 || o.numShards > layout.MaxShards {
+			return nil, usageError(fmt.Sprintf("--num-shards %d is out of range [1,%d]", o.numShards, layout.MaxShards))
 		}
 		if o.shard < 0 || o.shard >= o.numShards {
 			return nil, usageError(fmt.Sprintf("--shard %d is not one of the %d shards of --num-shards", o.shard, o.numShards))
@@ -391,8 +392,8 @@ func jobShards(o options) ([]int, error) {
 			found[s] = true
 		}
 	}
-	if b, err := os.ReadFile(filepath.Join(o.dir, ckpt.TrackerFile)); err == nil {
-		if m, err := ckpt.ParseStepManifest(b); err == nil {
+	if b, err := os.ReadFile(filepath.Join(o.dir, layout.TrackerFile)); err == nil {
+		if m, err := layout.ParseStepManifest(b); err == nil {
 			for s := range m.Shards {
 				found[s] = true
 			}
@@ -431,7 +432,7 @@ func inspect(o options, stdout io.Writer) error {
 	for _, p := range segments(o) {
 		r, err := ckpt.InspectSegment(p)
 		if err != nil {
-			if errors.Is(err, ckpt.ErrCorrupt) {
+			if errors.Is(err, layout.ErrCorrupt) {
 				bad++
 				fmt.Fprintf(stdout, "memory %s: BAD: %v\n", p, err)
 			} else {
@@ -441,7 +442,7 @@ func inspect(o options, stdout io.Writer) error {
 			continue
 		}
 		kind := "shard"
-		if r.Header.Flags&ckpt.FlagReplica != 0 {
+		if r.Header.Flags&layout.FlagReplica != 0 {
 			kind = "replica of shard"
 		}
 		fmt.Fprintf(stdout, "memory %s: %s %d, layout version %d, halves of %d bytes, active %d, persist seq %d\n",
@@ -539,7 +540,7 @@ func verify(o options, stdout, stderr io.Writer) error {
 	}
 	corrupt := false
 	for _, e := range errs {
-		if errors.Is(e, ckpt.ErrCorrupt) {
+		if errors.Is(e, layout.ErrCorrupt) {
 			corrupt = true
 			say(stderr, "CORRUPT", e)
 		} else {

@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/ckpt/layout"
 	"go.uber.org/goleak"
 )
 
@@ -336,7 +337,7 @@ func TestLoadBlobNames(t *testing.T) {
 		blobs = append(blobs, ckpt.Blob{Name: n, Data: []byte{byte(i)}})
 		sizes = append(sizes, 1)
 	}
-	o, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: e.shm, Shards: []int{0}, Capacity: ckpt.StepSize(names, sizes)})
+	o, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: e.shm, Shards: []int{0}, Capacity: layout.StepSize(names, sizes)})
 	if err != nil {
 		t.Fatal(err)
 	}

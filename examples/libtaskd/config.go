@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -139,10 +140,7 @@ type securityOptions struct {
 }
 
 func (o securityOptions) resolve(config string, getenv func(string) string) (taskd.Security, error) {
-	dir := o.TLSDir
-	if dir == "" {
-		dir = getenv(envTLSDir)
-	}
+	dir := cmp.Or(o.TLSDir, getenv(envTLSDir))
 	var sec taskd.Security
 	if dir != "" {
 		sec = taskd.SecurityFromDir(dir)
@@ -157,9 +155,7 @@ func (o securityOptions) resolve(config string, getenv func(string) string) (tas
 			return sec, &configError{Config: config, Field: "token_file", Msg: o.TokenFile + " holds no token (an unfilled secret?)"}
 		}
 	}
-	if sec.Token == "" {
-		sec.Token = getenv(envToken)
-	}
+	sec.Token = cmp.Or(sec.Token, getenv(envToken))
 	if o.Insecure != nil {
 		sec.Insecure = *o.Insecure
 	} else if v := getenv(envInsecure); v != "" {
@@ -199,9 +195,7 @@ func envInt(config, field string, getenv func(string) string, names ...string) (
 }
 
 func logLevel(config, s string, getenv func(string) string) (slog.Level, error) {
-	if s == "" {
-		s = getenv(envLogLevel)
-	}
+	s = cmp.Or(s, getenv(envLogLevel))
 	if s == "" {
 		return slog.LevelWarn, nil
 	}
@@ -268,18 +262,11 @@ func resolveWorker(rank, diskLimitMB int, framework string, options []byte, gete
 		return s, &configError{Config: cfgName, Field: "upper_limit_of_disk_in_mb", Msg: fmt.Sprintf("%d is not positive", diskLimitMB)}
 	}
 	s.BudgetBytes = int64(diskLimitMB) << 20
-	if s.Framework == "" {
-		s.Framework = defaultFramework
-	}
+	s.Framework = cmp.Or(s.Framework, defaultFramework)
 	if !frameworkRE.MatchString(s.Framework) {
 		return s, &configError{Config: cfgName, Field: "framework", Msg: fmt.Sprintf("%q is not a framework name such as \"pt\" or \"ms\"", s.Framework)}
 	}
-	if s.Root == "" {
-		s.Root = getenv(envProfilingRoot)
-	}
-	if s.Root == "" {
-		s.Root = trace.DefaultRoot
-	}
+	s.Root = cmp.Or(s.Root, getenv(envProfilingRoot), trace.DefaultRoot)
 	// The job: named, else the launcher's (torchrun's run id is the same on
 	// every node), else one claimed once per launcher on this node.
 	from := "option job"
@@ -327,17 +314,13 @@ func resolveWorker(rank, diskLimitMB int, framework string, options []byte, gete
 		return s, &configError{Config: cfgName, Field: "device", Msg: fmt.Sprintf("%d is out of range", dev)}
 	}
 	s.Device = uint32(dev)
-	if s.Upstream == "" {
-		s.Upstream = getenv(envUpstream)
-	}
+	s.Upstream = cmp.Or(s.Upstream, getenv(envUpstream))
 	// With no control plane named at all (no upstream, no credential: a
 	// job under plain torchrun), the worker dots into files and connects
 	// nowhere; naming either asks for the control plane, and then both
 	// must be right.
 	if s.Upstream != "" || o.securityOptions.named(getenv) {
-		if s.Upstream == "" {
-			s.Upstream = taskd.DefaultProxyAddr
-		}
+		s.Upstream = cmp.Or(s.Upstream, taskd.DefaultProxyAddr)
 		if _, _, err := net.SplitHostPort(s.Upstream); err != nil {
 			return s, &configError{Config: cfgName, Field: "upstream", Msg: err.Error()}
 		}
@@ -356,10 +339,7 @@ func resolveWorker(rank, diskLimitMB int, framework string, options []byte, gete
 	default:
 		return s, &configError{Config: cfgName, Field: "ager", Msg: fmt.Sprintf("%q is not auto, on or off", o.Ager)}
 	}
-	s.MarkerLibrary = o.MarkerLibrary
-	if s.MarkerLibrary == "" {
-		s.MarkerLibrary = getenv(envMarkerLibrary)
-	}
+	s.MarkerLibrary = cmp.Or(o.MarkerLibrary, getenv(envMarkerLibrary))
 	if s.MarkerLibrary == markerLibraryOff {
 		s.MarkerLibrary = ""
 	} else if s.MarkerLibrary == "" {
@@ -426,9 +406,7 @@ func resolveManager(doc []byte, getenv func(string) string) (managerSettings, er
 	if c.Job, err = pick(cfgName, "job", "job_id", o.Job, o.JobID); err != nil {
 		return s, err
 	}
-	if c.Job == "" {
-		c.Job = getenv(envTaskID)
-	}
+	c.Job = cmp.Or(c.Job, getenv(envTaskID))
 	if c.Job == "" {
 		return s, &configError{Config: cfgName, Field: "job_id", Msg: "empty, and $" + envTaskID + " is not set"}
 	}
@@ -485,9 +463,7 @@ func resolveProxy(doc []byte, getenv func(string) string) (proxySettings, error)
 	if c.Job, err = pick(cfgName, "job", "job_id", o.Job, o.JobID); err != nil {
 		return s, err
 	}
-	if c.Job == "" {
-		c.Job = getenv(envTaskID)
-	}
+	c.Job = cmp.Or(c.Job, getenv(envTaskID))
 	if c.Job == "" {
 		return s, &configError{Config: cfgName, Field: "job_id", Msg: "empty, and $" + envTaskID + " is not set"}
 	}
@@ -496,10 +472,7 @@ func resolveProxy(doc []byte, getenv func(string) string) (proxySettings, error)
 	} else if c.Node, _, err = envInt(cfgName, "node", getenv, envNodeRank, envGroupRank); err != nil {
 		return s, err
 	}
-	c.Upstream = o.Upstream
-	if c.Upstream == "" {
-		c.Upstream = getenv(envManagerAddr)
-	}
+	c.Upstream = cmp.Or(o.Upstream, getenv(envManagerAddr))
 	if c.Upstream == "" {
 		if host := getenv(envMasterAddr); host != "" {
 			c.Upstream = net.JoinHostPort(host, defaultManagerPort)
@@ -509,10 +482,7 @@ func resolveProxy(doc []byte, getenv func(string) string) (proxySettings, error)
 		return s, &configError{Config: cfgName, Field: "upstream", Msg: "empty, and neither $" + envManagerAddr + " nor $" + envMasterAddr + " is set"}
 	}
 	c.Listen = o.Listen
-	c.DottingRoot = o.DottingRoot
-	if c.DottingRoot == "" {
-		c.DottingRoot = getenv(envProfilingRoot)
-	}
+	c.DottingRoot = cmp.Or(o.DottingRoot, getenv(envProfilingRoot))
 	c.StackRoot = o.StackRoot
 	if c.Security, err = o.securityOptions.resolve(cfgName, getenv); err != nil {
 		return s, err

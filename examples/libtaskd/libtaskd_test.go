@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd"
 	"github.com/faultline-ml/faultline/trace"
 )
@@ -76,7 +77,7 @@ func setSwitch(t *testing.T, m *taskd.Manager, rank int, sw trace.Switch) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, fmt.Sprintf("rank %d to apply %v", rank, sw), 30*time.Second, func() bool {
+	testkit.WaitFor(t, fmt.Sprintf("rank %d to apply %v", rank, sw), func() bool {
 		st := m.SwitchStatus()
 		if st.Version != v {
 			return false
@@ -137,7 +138,7 @@ func TestSwitchThroughManager(t *testing.T) {
 	const rank = 3
 	py := startPython(t, lib, "loop", workerEnv(t, m, root, rank, nil)...)
 	pid, _ := strconv.Atoi(strings.Fields(py.expect("started", 30*time.Second))[1])
-	waitFor(t, "the worker to register", 30*time.Second, func() bool { return registered(m, rank) })
+	testkit.WaitFor(t, "the worker to register", func() bool { return registered(m, rank) })
 
 	steps := func(n int) { // event-driven: wait for n more steps of the trainer
 		for range n {
@@ -320,7 +321,7 @@ func TestMarkersFromProfilingLibrary(t *testing.T) {
 	env := append(workerEnv(t, m, root, 0, map[string]any{"marker_library": fake}), "FAKE_MSPTI="+fake)
 	py := startPython(t, lib, "mspti", env...)
 	py.expect("started", 30*time.Second)
-	waitFor(t, "the worker to register", 30*time.Second, func() bool { return registered(m, 0) })
+	testkit.WaitFor(t, "the worker to register", func() bool { return registered(m, 0) })
 	setSwitch(t, m, 0, trace.Switch{Step: true})
 	py.send("emit 4 900 mspti-step")
 	py.expect("emitted", 30*time.Second)
@@ -388,7 +389,7 @@ func TestRecoveryCallbacks(t *testing.T) {
 	if got := py.expectAll(30*time.Second, "started", "resumed")["resumed"]; got != "resumed -1 - []" {
 		t.Errorf("start: %q, want the worker's resume with step -1", got)
 	}
-	waitFor(t, "the worker to register", 30*time.Second, func() bool { return registered(m, rank) })
+	testkit.WaitFor(t, "the worker to register", func() bool { return registered(m, rank) })
 	setSwitch(t, m, rank, trace.Switch{Step: true})
 	for range 10 {
 		py.expect("step", 30*time.Second)
@@ -471,7 +472,7 @@ func TestRecoveryCallbacks(t *testing.T) {
 	py.expect("done", 30*time.Second)
 	py.wait(30 * time.Second)
 	var rec taskd.Orchestration
-	waitFor(t, "the recovery to end", 30*time.Second, func() bool {
+	testkit.WaitFor(t, "the recovery to end", func() bool {
 		for _, h := range m.Orchestrations(0).History {
 			if h.ID == o.HandedOverTo {
 				rec = h

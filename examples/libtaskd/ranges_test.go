@@ -77,10 +77,11 @@ func FuzzParseMarker(f *testing.F) {
 func newTestRecorder(t testing.TB, sw trace.Switch) (*trace.Recorder, string) {
 	t.Helper()
 	root := t.TempDir()
-	rec, err := trace.NewRecorder(context.Background(), trace.RecorderConfig{Root: root, Job: "j", Rank: 1, Switch: sw})
+	rec, err := trace.NewRecorder(trace.RecorderConfig{Root: root, Job: "j", Rank: 1, Switch: sw})
 	if err != nil {
 		t.Fatal(err)
 	}
+	go rec.Run(context.Background())
 	t.Cleanup(func() { rec.Close() })
 	return rec, filepath.Join(root, "j", "1")
 }

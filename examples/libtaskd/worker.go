@@ -71,12 +71,13 @@ func newWorker(set workerSettings) (*worker, error) {
 	}
 	// The recorder has a context of its own: it is closed last, after the
 	// marker source has handed it its last records.
-	rec, err := trace.NewRecorder(context.Background(), trace.RecorderConfig{
+	rec, err := trace.NewRecorder(trace.RecorderConfig{
 		Root: set.Root, Job: set.Job, Rank: set.Rank, FlushInterval: set.FlushInterval, Switch: set.Switch, Logger: w.log,
 	})
 	if err != nil {
 		return nil, err
 	}
+	go rec.Run(context.Background())
 	w.rec = rec
 	w.ranges = newRangeTable(rec, set.Device)
 	w.ctx, w.cancel = context.WithCancel(context.Background())

@@ -64,7 +64,7 @@ def layout(names, sizes):
 
 
 def step_size(names, sizes):
-    """The half size that holds a step of these blobs (ckpt.StepSize)."""
+    """The half size that holds a step of these blobs (layout.StepSize)."""
     return _align(layout(names, sizes)[2], PAGE)
 
 

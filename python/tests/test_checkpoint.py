@@ -364,7 +364,7 @@ class StateTest(unittest.TestCase):
                 _state.unflatten(tree, lambda *a: None)
 
     def test_segment_layout_matches_ckpt(self):
-        # ckpt.StepSize: header, table, CRC array, 64-aligned blobs, pages.
+        # layout.StepSize: header, table, CRC array, 64-aligned blobs, pages.
         table, offs, end = _segment.layout(["meta", "t0"], [10, 100])
         self.assertEqual(table, 2 * 32)
         self.assertEqual(offs, [192, 256])

@@ -1,6 +1,7 @@
 package kubernetes
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -11,7 +12,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/faultline-ml/faultline/rescheduling"
 	"golang.org/x/sync/errgroup"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -20,6 +20,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/util/retry"
+
+	"github.com/faultline-ml/faultline/rescheduling"
 )
 
 // Labels that select a job's pods and switch pod-level rescheduling on,
@@ -139,10 +141,7 @@ func (c Config) Validate() error {
 
 // selector returns the selector of the job's pods.
 func (c Config) selector() (labels.Selector, error) {
-	key := c.JobLabel
-	if key == "" {
-		key = VolcanoJobLabel
-	}
+	key := cmp.Or(c.JobLabel, VolcanoJobLabel)
 	s := key + "=" + c.Job
 	if c.Selector != "" {
 		s += "," + c.Selector
@@ -169,27 +168,13 @@ func New(cfg Config) (*Executor, error) {
 		return nil, err
 	}
 	sel, _ := cfg.selector()
-	if cfg.Namespace == "" {
-		cfg.Namespace = "default"
-	}
-	if cfg.JobLabel == "" {
-		cfg.JobLabel = VolcanoJobLabel
-	}
-	if cfg.SuspectKey == "" {
-		cfg.SuspectKey = DefaultSuspectKey
-	}
-	if cfg.PollInterval == 0 {
-		cfg.PollInterval = time.Second
-	}
-	if cfg.RecreateTimeout == 0 {
-		cfg.RecreateTimeout = 5 * time.Minute
-	}
-	if cfg.Parallel == 0 {
-		cfg.Parallel = 16
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
-	}
+	cfg.Namespace = cmp.Or(cfg.Namespace, "default")
+	cfg.JobLabel = cmp.Or(cfg.JobLabel, VolcanoJobLabel)
+	cfg.SuspectKey = cmp.Or(cfg.SuspectKey, DefaultSuspectKey)
+	cfg.PollInterval = cmp.Or(cfg.PollInterval, time.Second)
+	cfg.RecreateTimeout = cmp.Or(cfg.RecreateTimeout, 5*time.Minute)
+	cfg.Parallel = cmp.Or(cfg.Parallel, 16)
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 	return &Executor{cfg: cfg, selector: sel, log: cfg.Logger, avoided: map[string]bool{}}, nil
 }
 
@@ -212,7 +197,7 @@ func (e *Executor) RecreatePods(ctx context.Context, d rescheduling.Decision) er
 	if !e.cfg.AnyPod {
 		for _, p := range pods {
 			if p.Labels[PodReschedulingLabel] != PodReschedulingOn {
-				return fmt.Errorf("kubernetes: pod %s/%s: %w", p.Namespace, p.Name, ErrPodReschedulingOff)
+				return fmt.Errorf("%w: pod %s/%s", ErrPodReschedulingOff, p.Namespace, p.Name)
 			}
 		}
 	}

@@ -1,6 +1,7 @@
 package local
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -143,15 +144,9 @@ func New(cfg Config) (*Supervisor, error) {
 	if cfg.Node == "" {
 		cfg.Node, _ = os.Hostname()
 	}
-	if cfg.StopTimeout == 0 {
-		cfg.StopTimeout = 10 * time.Second
-	}
-	if cfg.FaultBuffer == 0 {
-		cfg.FaultBuffer = 64
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
-	}
+	cfg.StopTimeout = cmp.Or(cfg.StopTimeout, 10*time.Second)
+	cfg.FaultBuffer = cmp.Or(cfg.FaultBuffer, 64)
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 	s := &Supervisor{
 		cfg:      cfg,
 		log:      cfg.Logger,

@@ -17,16 +17,16 @@ import (
 	"testing"
 	"time"
 
-	"github.com/faultline-ml/faultline/rescheduling"
 	"go.uber.org/goleak"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
+	"github.com/faultline-ml/faultline/rescheduling"
 )
 
-// The tests run this test binary again as the supervised process, in the
-// role that childEnv names.
-const childEnv = "FAULTLINE_LOCAL_CHILD"
-
+// The tests run this test binary again as the supervised process, in a
+// role.
 func TestMain(m *testing.M) {
-	if role := os.Getenv(childEnv); role != "" {
+	if role := testkit.Role(); role != "" {
 		os.Exit(runChild(role))
 	}
 	goleak.VerifyTestMain(m)
@@ -56,7 +56,7 @@ func runChild(role string) int {
 	case "spawn":
 		self, _ := os.Executable()
 		c := exec.Command(self)
-		c.Env = append(os.Environ(), childEnv+"=run")
+		c.Env = append(os.Environ(), testkit.RoleEnv("run"))
 		if err := c.Start(); err != nil {
 			return 3
 		}
@@ -106,7 +106,7 @@ func child(t testing.TB, name, role string) Command {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return Command{Name: name, Path: self, Args: []string{"-test.run=^$"}, Env: []string{childEnv + "=" + role}}
+	return Command{Name: name, Path: self, Args: []string{"-test.run=^$"}, Env: []string{testkit.RoleEnv(role)}}
 }
 
 // running starts s.Run and stops it when the test ends.

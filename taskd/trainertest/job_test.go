@@ -22,6 +22,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/ckpt/layout"
 	"github.com/faultline-ml/faultline/rescheduling"
 	"github.com/faultline-ml/faultline/rescheduling/local"
 	"github.com/faultline-ml/faultline/taskd"
@@ -92,7 +93,7 @@ func startJob(t testing.TB, cfg jobConfig) *job {
 	for r := range shards {
 		shards[r] = r
 	}
-	owner, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: filepath.Join(j.dir, "shm"), Shards: shards, Capacity: ckpt.StepSize([]string{"state"}, []int64{64}),
+	owner, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: filepath.Join(j.dir, "shm"), Shards: shards, Capacity: layout.StepSize([]string{"state"}, []int64{64}),
 		Dir: filepath.Join(j.dir, "ckpt"), PollInterval: 10 * time.Millisecond, Workers: 1})
 	if err != nil {
 		t.Fatal(err)
@@ -306,7 +307,7 @@ func (j *job) committed() int64 {
 	if err != nil {
 		return -1
 	}
-	step, err := ckpt.ParseStepText(b)
+	step, err := layout.ParseStepText(b)
 	if err != nil {
 		return -1
 	}

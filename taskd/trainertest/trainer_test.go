@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/ckpt/layout"
 	"github.com/faultline-ml/faultline/taskd"
 	"github.com/faultline-ml/faultline/taskd/trainertest"
 )
@@ -151,7 +152,7 @@ func TestCkptState(t *testing.T) {
 	if err := os.Mkdir(shm, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	o, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: ckpt.StepSize([]string{"state"}, []int64{64}), Dir: filepath.Join(dir, "disk"), PollInterval: 5 * time.Millisecond})
+	o, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: shm, Shards: []int{0}, Capacity: layout.StepSize([]string{"state"}, []int64{64}), Dir: filepath.Join(dir, "disk"), PollInterval: 5 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}

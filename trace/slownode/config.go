@@ -1,6 +1,7 @@
 package slownode
 
 import (
+	"cmp"
 	"fmt"
 	"log/slog"
 	"runtime"
@@ -240,12 +241,8 @@ func (c *Config) setDefaults() {
 	def(&c.MaxPendingRanges, DefaultMaxPendingRanges)
 	def(&c.MaxRanks, DefaultMaxRanks)
 	def(&c.RanksPerNode, DefaultRanksPerNode)
-	if c.TrailingGap == 0 {
-		c.TrailingGap = DefaultTrailingGap
-	}
-	if c.PollInterval == 0 {
-		c.PollInterval = DefaultPollInterval
-	}
+	c.TrailingGap = cmp.Or(c.TrailingGap, DefaultTrailingGap)
+	c.PollInterval = cmp.Or(c.PollInterval, DefaultPollInterval)
 	def(&c.Readers, min(2*runtime.GOMAXPROCS(0), maxReaders))
 	if c.Horizon < c.SilentSteps+2 {
 		c.Horizon = c.SilentSteps + 2

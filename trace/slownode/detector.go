@@ -94,7 +94,6 @@ type Detector struct {
 	stOps    []int32                  // the op index of each of st.Comm
 	slots    []int                    // addStep's: the comm slot of each of a step's ops
 	stepHook func(rank int, st *Step) // tests: each step derived from ranges
-	dbg      func(*row, *scratch)
 	scratch  scratch
 	stats    Stats
 }

@@ -47,10 +47,28 @@ type groupRef struct {
 	gi    int32
 }
 
+// evaluate runs the detection of one step, all of whose ranks have
+// reported or been given up on.
 func (d *Detector) evaluate(rw *row) {
 	s := rw.step
 	d.evaluated = s
 	d.stats.Evaluated++
+	if !d.collectPresent(rw) {
+		return
+	}
+	job := d.jobFigures(rw)
+	effect := d.cfg.MinEffect * job[mStep]
+	d.updateRanks(rw)
+	d.testPeers(rw, effect)
+	d.homogenise(rw, effect)
+	d.flagDomains(rw, effect)
+	d.attribute(rw)
+	d.job.update(s, &job, d.settle(rw), d)
+}
+
+// collectPresent lists the ranks that reported the step in
+// d.scratch.present, and reports whether there is any.
+func (d *Detector) collectPresent(rw *row) bool {
 	sc := &d.scratch
 	sc.present = sc.present[:0]
 	for i := range rw.cells {
@@ -58,14 +76,14 @@ func (d *Detector) evaluate(rw *row) {
 			sc.present = append(sc.present, int32(i))
 		}
 	}
-	if len(sc.present) == 0 {
-		return
-	}
-	cellOf := func(ri int32) *cell { return &rw.cells[ri] }
-	val := func(ri int32, m metric) float64 { return rw.cells[ri].m[m] }
+	return len(sc.present) > 0
+}
 
-	// The job's figures: medians over the ranks that have them. Those
-	// only the charts draw are taken over a sample of the ranks.
+// jobFigures returns the job's figures of the step: medians over the
+// ranks that have them. Those only the charts draw are taken over a
+// sample of the ranks.
+func (d *Detector) jobFigures(rw *row) [numMetrics]float64 {
+	sc := &d.scratch
 	var job [numMetrics]float64
 	for i := range job {
 		job[i] = math.NaN()
@@ -77,23 +95,27 @@ func (d *Detector) evaluate(rw *row) {
 		}
 		sc.vals = sc.vals[:0]
 		for k := 0; k < len(sc.present); k += stride {
-			if v := val(sc.present[k], m); !math.IsNaN(v) {
+			if v := rw.cells[sc.present[k]].m[m]; !math.IsNaN(v) {
 				sc.vals = append(sc.vals, v)
 			}
 		}
 		job[m] = median(sc.vals)
 	}
-	effect := d.cfg.MinEffect * job[mStep]
+	return job
+}
 
-	// Per-rank history and windows.
+// updateRanks adds the step to each rank's history and windows, and its
+// compute time to the blocks whose medians give the rank's best.
+func (d *Detector) updateRanks(rw *row) {
+	sc := &d.scratch
 	for _, ri := range sc.present {
-		rs, c := d.ranks[ri], cellOf(ri)
+		rs, c := d.ranks[ri], &rw.cells[ri]
 		for m := metric(0); m < numMetrics; m++ {
 			if v := c.m[m]; !math.IsNaN(v) {
 				rs.win[m].push(v)
 			}
 		}
-		rs.hist.add(s, &c.m)
+		rs.hist.add(rw.step, &c.m)
 		if math.IsNaN(c.m[mCompute]) {
 			continue
 		}
@@ -106,8 +128,13 @@ func (d *Detector) evaluate(rw *row) {
 			rs.block = rs.block[:0]
 		}
 	}
+}
 
-	// Peers: ranks of one pipeline stage do the same work.
+// testPeers groups the ranks by pipeline stage (ranks of one stage do the
+// same work), resets the per-rank scratch, and runs the peer tests of
+// each stage.
+func (d *Detector) testPeers(rw *row, effect float64) {
+	sc := &d.scratch
 	for i := range sc.stages {
 		sc.stages[i] = sc.stages[i][:0]
 	}
@@ -148,7 +175,13 @@ func (d *Detector) evaluate(rw *row) {
 		}
 	}
 
-	// Homogenisation inside each communicator, and its median wait.
+}
+
+// homogenise splits the members of each communicator by their wait, and
+// takes its median wait: those who wait least are late, the others wait
+// for them.
+func (d *Detector) homogenise(rw *row, effect float64) {
+	sc := &d.scratch
 	for gi, g := range d.groups {
 		g.value, g.flagged, g.masked = math.NaN(), false, false
 		sc.pairs = sc.pairs[:0]
@@ -160,7 +193,7 @@ func (d *Detector) evaluate(rw *row) {
 			if slot < 0 {
 				continue
 			}
-			if v := rw.commAt(cellOf(ri), slot); !math.IsNaN(v) {
+			if v := rw.commAt(&rw.cells[ri], slot); !math.IsNaN(v) {
 				sc.pairs = append(sc.pairs, rankValue{v, ri})
 			}
 		}
@@ -198,8 +231,12 @@ func (d *Detector) evaluate(rw *row) {
 		}
 	}
 
-	// Slow communicators: a communicator that waits more than the others
-	// of its kind in the same stage, with no member to blame.
+}
+
+// flagDomains flags the slow communicators: one that waits more than the
+// others of its kind in the same stage, with no member to blame.
+func (d *Detector) flagDomains(rw *row, effect float64) {
+	sc := &d.scratch
 	sc.buckets = sc.buckets[:0]
 	sc.gref = slices.Grow(sc.gref[:0], len(d.groups))[:len(d.groups)]
 	for gi, g := range d.groups {
@@ -240,15 +277,20 @@ func (d *Detector) evaluate(rw *row) {
 				g.masked = true // neither slow nor healthy this step
 				continue
 			}
-			d.flagSubject(findingKey{kindDomain, gi}, s, g.value, ref, "relative", mComm, 0, -1)
+			d.flagSubject(findingKey{kindDomain, gi}, rw.step, g.value, ref, "relative", mComm, 0, -1)
 			for _, ri := range g.members {
 				sc.flags[ri] |= fInDomain
 			}
 		}
 	}
 
-	// Attribution: homogenisation locates, the compute figure confirms,
-	// and lateness another finding explains is not slow compute.
+}
+
+// attribute flags the ranks' findings: homogenisation locates, the
+// compute figure confirms, and lateness another finding explains is not
+// slow compute.
+func (d *Detector) attribute(rw *row) {
+	sc := &d.scratch
 	for _, ri := range sc.present {
 		f := sc.flags[ri]
 		hom := f&fHomLow != 0 && f&fHomHigh == 0 && f&(fIO|fLink|fInDomain) == 0 && d.computesMore(ri, rw)
@@ -273,17 +315,23 @@ func (d *Detector) evaluate(rw *row) {
 			if f&fHomLow != 0 && f&fHomHigh == 0 {
 				waited = sc.waited[ri]
 			}
-			d.flagSubject(findingKey{kindCompute, ri}, s, v, r, method, m, waited, sc.waitGi[ri])
+			d.flagSubject(findingKey{kindCompute, ri}, rw.step, v, r, method, m, waited, sc.waitGi[ri])
 		}
 		if f&fIO != 0 {
-			d.flagSubject(findingKey{kindIO, ri}, s, val(ri, mDataLoader), ref[mDataLoader], "relative", mDataLoader, 0, -1)
+			d.flagSubject(findingKey{kindIO, ri}, rw.step, rw.cells[ri].m[mDataLoader], ref[mDataLoader], "relative", mDataLoader, 0, -1)
 		}
 		if f&fLink != 0 && !d.neighbourSlow(ri) {
-			d.flagSubject(findingKey{kindLink, ri}, s, val(ri, mSend), ref[mSend], "relative", mSend, 0, -1)
+			d.flagSubject(findingKey{kindLink, ri}, rw.step, rw.cells[ri].m[mSend], ref[mSend], "relative", mSend, 0, -1)
 		}
 	}
 
-	// Findings not flagged this step: evidence, and the count to clear.
+}
+
+// settle adds the step's evidence to the findings not flagged in it and
+// counts them towards clearing. It reports whether a finding is active or
+// building up.
+func (d *Detector) settle(rw *row) bool {
+	s := rw.step
 	anyPending := false
 	for k, f := range d.findings {
 		if f.flaggedAt == s {
@@ -312,7 +360,7 @@ func (d *Detector) evaluate(rw *row) {
 			anyPending = true
 		}
 	}
-	d.job.update(s, &job, anyPending, d)
+	return anyPending
 }
 
 // peerTests are the figures each rank is compared on with its stage's

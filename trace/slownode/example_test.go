@@ -2,12 +2,15 @@ package slownode_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/faultline-ml/faultline/trace"
 	"github.com/faultline-ml/faultline/trace/slownode"
+	"github.com/faultline-ml/faultline/trace/slownode/internal/gen"
 )
 
 // A detector fed per-step figures of eight ranks, one of which computes
@@ -51,24 +54,43 @@ func ExampleDetector() {
 	// compute rank [6]: 140 ms against 101 ms for its peers (relative+homogenisation)
 }
 
-// Analyze reads a job folder once and writes the verdict as a table.
+// Analyze reads a job folder once and gives the verdict.
 func ExampleAnalyze() {
-	r, err := slownode.Analyze(context.Background(), "/user/cluster-info/profiling/my-job", slownode.Config{RanksPerNode: 8})
+	root, _ := os.MkdirTemp("", "profiling")
+	defer os.RemoveAll(root)
+	// A job's dotting files, here generated: 16 ranks for 60 steps, rank 6
+	// computing half as slow again from step 40.
+	gen.Generate(gen.Config{Root: root, Job: "my-job", TP: 4, DP: 4, PP: 1, Steps: 60, Seed: 11,
+		Inject: []gen.Injection{{Kind: gen.SlowRank, Rank: 6, From: 40, Factor: 1.5}}})
+
+	r, err := slownode.Analyze(context.Background(), filepath.Join(root, "my-job"), slownode.Config{RanksPerNode: 8})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return
 	}
-	slownode.WriteText(os.Stdout, r)
+	fmt.Println("slow:", r.IsSlow, "compute:", r.SlowCalculateRanks, "hosts:", r.SlowHostNodes)
+	// Output:
+	// slow: 1 compute: [6] hosts: []
 }
 
 // Watch tails a running job and reports each change of verdict.
 func ExampleWatch() {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
+	root, _ := os.MkdirTemp("", "profiling")
+	defer os.RemoveAll(root)
+	gen.Generate(gen.Config{Root: root, Job: "my-job", TP: 4, DP: 4, PP: 1, Steps: 60, Seed: 11,
+		Inject: []gen.Injection{{Kind: gen.SlowRank, Rank: 6, From: 40, Factor: 1.5}}})
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	err := slownode.Watch(ctx, "/user/cluster-info/profiling/my-job", slownode.Config{}, func(r *slownode.Result) {
-		fmt.Println("slow:", r.IsSlow, "compute:", r.SlowCalculateRanks, "hosts:", r.SlowHostNodes)
+	err := slownode.Watch(ctx, filepath.Join(root, "my-job"), slownode.Config{}, func(r *slownode.Result) {
+		if r.IsSlow == 1 {
+			fmt.Println("slow:", r.IsSlow, "compute:", r.SlowCalculateRanks, "hosts:", r.SlowHostNodes)
+			cancel() // done watching
+		}
 	})
-	if err != nil {
+	if err != nil && !errors.Is(err, context.Canceled) {
 		fmt.Fprintln(os.Stderr, err)
 	}
+	// Output:
+	// slow: 1 compute: [6] hosts: []
 }

@@ -27,19 +27,18 @@ type jobState struct {
 	sigma    float64
 	ready    bool
 
-	run, low   int
-	onset      int64
-	lowOnset   int64
-	degraded   bool
-	detected   int64
-	calm       int
-	since      []float64 // step times since onset, for the new baseline
-	tmp        []float64
-	recent     window
-	phases     []PhaseChange
-	hist       history
-	lastStep   int64
-	lastMedian float64
+	run, low int
+	onset    int64
+	lowOnset int64
+	degraded bool
+	detected int64
+	calm     int
+	since    []float64 // step times since onset, for the new baseline
+	tmp      []float64
+	recent   window
+	phases   []PhaseChange
+	hist     history
+	lastStep int64
 }
 
 func newJobState(cfg *Config) jobState {

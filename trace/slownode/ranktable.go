@@ -12,7 +12,7 @@ import (
 )
 
 // ErrRankTable is wrapped by the errors of ParseRankTable.
-var ErrRankTable = errors.New("invalid rank table")
+var ErrRankTable = errors.New("slownode: invalid rank table")
 
 // maxRankTableBytes bounds a rank table ParseRankTable accepts.
 const maxRankTableBytes = 64 << 20
@@ -41,18 +41,18 @@ type rankTableDoc struct {
 // rank_id or a server without an id is an error naming the field.
 func ParseRankTable(data []byte) (RankTable, error) {
 	if len(data) > maxRankTableBytes {
-		return nil, fmt.Errorf("slownode: rank table: larger than %d bytes: %w", maxRankTableBytes, ErrRankTable)
+		return nil, fmt.Errorf("%w: larger than %d bytes", ErrRankTable, maxRankTableBytes)
 	}
 	var doc rankTableDoc
 	dec := json.NewDecoder(bytes.NewReader(data))
 	if err := dec.Decode(&doc); err != nil {
-		return nil, fmt.Errorf("slownode: rank table: %v: %w", err, ErrRankTable)
+		return nil, fmt.Errorf("%w: %v", ErrRankTable, err)
 	}
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
-		return nil, fmt.Errorf("slownode: rank table: data after the object: %w", ErrRankTable)
+		return nil, fmt.Errorf("%w: data after the object", ErrRankTable)
 	}
 	if doc.ServerList == nil {
-		return nil, fmt.Errorf("slownode: rank table: field \"server_list\" missing: %w", ErrRankTable)
+		return nil, fmt.Errorf("%w: field \"server_list\" missing", ErrRankTable)
 	}
 	t := RankTable{}
 	for i, s := range doc.ServerList {
@@ -61,16 +61,16 @@ func ParseRankTable(data []byte) (RankTable, error) {
 			host = s.HostIP
 		}
 		if host == "" {
-			return nil, fmt.Errorf("slownode: rank table: server_list[%d]: field \"server_id\" missing: %w", i, ErrRankTable)
+			return nil, fmt.Errorf("%w: server_list[%d]: field \"server_id\" missing", ErrRankTable, i)
 		}
 		for j, dev := range s.Device {
 			field := fmt.Sprintf("server_list[%d].device[%d].rank_id", i, j)
 			r, err := parseID(dev.RankID)
 			if err != nil {
-				return nil, fmt.Errorf("slownode: rank table: %s: %v: %w", field, err, ErrRankTable)
+				return nil, fmt.Errorf("%w: %s: %v", ErrRankTable, field, err)
 			}
 			if prev, ok := t[r]; ok {
-				return nil, fmt.Errorf("slownode: rank table: %s: rank %d is on %s already: %w", field, r, prev, ErrRankTable)
+				return nil, fmt.Errorf("%w: %s: rank %d is on %s already", ErrRankTable, field, r, prev)
 			}
 			t[r] = host
 		}

@@ -85,10 +85,7 @@ func (f *Finding) subject() string {
 // evidence, and a table of ranks, slowest first.
 func WriteText(w io.Writer, r *Result) error {
 	ew := &errWriter{w: w}
-	job := r.JobID
-	if job == "" {
-		job = "(unnamed)"
-	}
+	job := cmp.Or(r.JobID, "(unnamed)")
 	switch {
 	case r.LastStep < 0:
 		ew.printf("job %s: no step evaluated yet\n", job)

@@ -3,8 +3,6 @@ package slownode
 import (
 	"bytes"
 	"context"
-	"flag"
-	"os"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -14,11 +12,10 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/trace"
 	"github.com/faultline-ml/faultline/trace/slownode/internal/gen"
 )
-
-var update = flag.Bool("update", false, "rewrite the golden files in testdata")
 
 // goldenResult analyses a small fixed job: 16 ranks (TP 4 × DP 4) on two
 // hosts, a slow rank from step 30 and slow data loading on another from
@@ -41,24 +38,6 @@ func goldenResult(t *testing.T) *Result {
 	return r
 }
 
-func checkGolden(t *testing.T, name string, got []byte) {
-	t.Helper()
-	path := filepath.Join("testdata", name)
-	if *update {
-		if err := os.WriteFile(path, got, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		return
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run go test -update to create it)", err)
-	}
-	if diff := cmp.Diff(string(want), string(got)); diff != "" {
-		t.Errorf("%s differs (-want +got; go test -update rewrites it):\n%s", path, diff)
-	}
-}
-
 func TestGoldenReports(t *testing.T) {
 	r := goldenResult(t)
 	if !equalInts(r.SlowCalculateRanks, 9) || !equalInts(r.SlowIORanks, 2) {
@@ -71,8 +50,8 @@ func TestGoldenReports(t *testing.T) {
 	if err := WriteJSON(&js, r); err != nil {
 		t.Fatal(err)
 	}
-	checkGolden(t, "golden.txt", text.Bytes())
-	checkGolden(t, "golden.json", js.Bytes())
+	testkit.Golden(t, filepath.Join("testdata", "golden.txt"), text.Bytes())
+	testkit.Golden(t, filepath.Join("testdata", "golden.json"), js.Bytes())
 
 	// The JSON form round-trips, history aside.
 	back, err := ParseResult(js.Bytes())

@@ -137,31 +137,31 @@ func (h *History) Job(s Series) []Point { return seriesOf(h.job, s) }
 func (h *History) Rank(rank int, s Series) []Point { return seriesOf(h.ranks[rank], s) }
 
 // ErrResult is wrapped by the errors of ParseResult.
-var ErrResult = errors.New("invalid slow-node result")
+var ErrResult = errors.New("slownode: invalid slow-node result")
 
 // ParseResult parses a result in its JSON form. Unknown fields are
 // ignored; the MindCluster fields must be present with the right types.
 func ParseResult(data []byte) (*Result, error) {
 	var raw map[string]json.RawMessage
 	if err := json.Unmarshal(data, &raw); err != nil {
-		return nil, fmt.Errorf("slownode: result: %v: %w", err, ErrResult)
+		return nil, fmt.Errorf("%w: %v", ErrResult, err)
 	}
 	for _, f := range []string{"isSlow", "degradationLevel", "slowCalculateRanks", "slowCommunicationDomains",
 		"slowHostNodes", "slowIORanks", "slowCommunicationRanks"} {
 		if _, ok := raw[f]; !ok {
-			return nil, fmt.Errorf("slownode: result: field %q missing: %w", f, ErrResult)
+			return nil, fmt.Errorf("%w: field %q missing", ErrResult, f)
 		}
 	}
 	var r Result
 	if err := json.Unmarshal(data, &r); err != nil {
 		var te *json.UnmarshalTypeError
 		if errors.As(err, &te) {
-			return nil, fmt.Errorf("slownode: result: field %q: %s is not a %s: %w", te.Field, te.Value, te.Type, ErrResult)
+			return nil, fmt.Errorf("%w: field %q: %s is not a %s", ErrResult, te.Field, te.Value, te.Type)
 		}
-		return nil, fmt.Errorf("slownode: result: %v: %w", err, ErrResult)
+		return nil, fmt.Errorf("%w: %v", ErrResult, err)
 	}
 	if r.IsSlow != 0 && r.IsSlow != 1 {
-		return nil, fmt.Errorf("slownode: result: field \"isSlow\": %d is neither 0 nor 1: %w", r.IsSlow, ErrResult)
+		return nil, fmt.Errorf("%w: field \"isSlow\": %d is neither 0 nor 1", ErrResult, r.IsSlow)
 	}
 	return &r, nil
 }
@@ -187,7 +187,32 @@ func round3(x float64) float64 {
 // Result returns the verdict as of the latest evaluated step. It does
 // not change the detector.
 func (d *Detector) Result() *Result {
-	var tmp []float64
+	b := &resultBuilder{d: d}
+	b.start()
+	b.scoreRanks()
+	b.addFindings()
+	b.addHosts()
+	b.summarise()
+	b.addRanks()
+	b.r.History = d.history()
+	return b.r
+}
+
+// resultBuilder is a Result being built, a step of it at a time.
+type resultBuilder struct {
+	d   *Detector
+	r   *Result
+	tmp []float64
+
+	recent      [][numMetrics]float64 // per rank: the medians of its windows
+	bestOfStage map[int]float64       // the least recent compute of a live rank of the stage
+	flags       map[int][]string      // per rank: the kinds of its findings
+	computeSlow map[int]int64         // rank → onset of its slow compute
+}
+
+// start fills in the job's figures.
+func (b *resultBuilder) start() {
+	d := b.d
 	r := &Result{
 		JobID:                    d.cfg.JobID,
 		SlowCalculateRanks:       []int{},
@@ -213,40 +238,55 @@ func (d *Detector) Result() *Result {
 	if d.job.ready {
 		r.BaselineMs = round3(d.job.baseline)
 	}
-	r.StepMs = round3(median(d.job.recent.values(tmp[:0])))
+	r.StepMs = round3(median(d.job.recent.values(b.tmp[:0])))
+	b.r = r
+}
 
-	// Recent medians per rank, and the best per stage for relative scores.
-	recent := make([][numMetrics]float64, len(d.ranks))
-	bestOfStage := map[int]float64{}
+// scoreRanks takes the recent medians per rank, and the best per stage
+// for relative scores.
+func (b *resultBuilder) scoreRanks() {
+	d := b.d
+	b.recent = make([][numMetrics]float64, len(d.ranks))
+	b.bestOfStage = map[int]float64{}
 	for i, rs := range d.ranks {
 		for m := metric(0); m < numMetrics; m++ {
-			tmp = rs.win[m].values(tmp[:0])
-			recent[i][m] = median(tmp)
+			b.tmp = rs.win[m].values(b.tmp[:0])
+			b.recent[i][m] = median(b.tmp)
 		}
-		if c := recent[i][mCompute]; !rs.silent && !math.IsNaN(c) {
-			if b, ok := bestOfStage[rs.stage]; !ok || c < b {
-				bestOfStage[rs.stage] = c
+		if c := b.recent[i][mCompute]; !rs.silent && !math.IsNaN(c) {
+			if best, ok := b.bestOfStage[rs.stage]; !ok || c < best {
+				b.bestOfStage[rs.stage] = c
 			}
 		}
 	}
-	relScore := func(i int) float64 {
-		c := recent[i][mCompute]
-		b, ok := bestOfStage[d.ranks[i].stage]
-		if !ok || math.IsNaN(c) || c <= 0 {
-			return 0
-		}
-		return round3(b / c)
-	}
-	indScore := func(i int) float64 {
-		rs := d.ranks[i]
-		c := recent[i][mCompute]
-		if rs.bestEp != d.epoch+1 || math.IsNaN(c) || c <= 0 {
-			return 0
-		}
-		return round3(math.Min(1, rs.best/c))
-	}
+}
 
-	// Findings, in a fixed order.
+// relScore is rank i's relative score: the best compute of its stage over
+// its own.
+func (b *resultBuilder) relScore(i int) float64 {
+	c := b.recent[i][mCompute]
+	best, ok := b.bestOfStage[b.d.ranks[i].stage]
+	if !ok || math.IsNaN(c) || c <= 0 {
+		return 0
+	}
+	return round3(best / c)
+}
+
+// indScore is rank i's individual score: its own best compute over its
+// recent one.
+func (b *resultBuilder) indScore(i int) float64 {
+	rs := b.d.ranks[i]
+	c := b.recent[i][mCompute]
+	if rs.bestEp != b.d.epoch+1 || math.IsNaN(c) || c <= 0 {
+		return 0
+	}
+	return round3(math.Min(1, rs.best/c))
+}
+
+// addFindings adds the active findings, in a fixed order, and the lists
+// of slow ranks and communicators they make.
+func (b *resultBuilder) addFindings() {
+	d, r := b.d, b.r
 	keys := make([]findingKey, 0, len(d.findings))
 	for k, f := range d.findings {
 		if f.active && (k.kind == kindDomain || !d.ranks[k.id].silent) {
@@ -256,12 +296,12 @@ func (d *Detector) Result() *Result {
 	slices.SortFunc(keys, func(a, b findingKey) int {
 		return cmp.Or(cmp.Compare(a.kind, b.kind), cmp.Compare(d.subjectOrder(a), d.subjectOrder(b)))
 	})
-	flags := make(map[int][]string)
-	computeSlow := make(map[int]int64) // rank → onset
+	b.flags = make(map[int][]string)
+	b.computeSlow = make(map[int]int64)
 	for _, k := range keys {
 		f := d.findings[k]
 		thr := d.cfg.RelativeThreshold
-		recentV, ref, waited, conf := f.evidence(thr, tmp)
+		recentV, ref, waited, conf := f.evidence(thr, b.tmp)
 		fd := Finding{
 			Kind: k.kind.String(), Metric: metricNames[f.metric], Method: f.method,
 			OnsetStep: f.onset, DetectedStep: f.detected, Confidence: round3(conf),
@@ -284,18 +324,18 @@ func (d *Detector) Result() *Result {
 			fd.Ranks = d.groupRanks(g)
 			r.SlowCommunicationDomains = append(r.SlowCommunicationDomains, fd.Ranks)
 			for _, rk := range fd.Ranks {
-				flags[rk] = append(flags[rk], KindCommunicationDomain)
+				b.flags[rk] = append(b.flags[rk], KindCommunicationDomain)
 			}
 		} else {
 			rs := d.ranks[k.id]
 			fd.Ranks = []int{rs.rank}
 			fd.Node = rs.node
-			fd.RelativeScore, fd.IndividualScore = relScore(int(k.id)), indScore(int(k.id))
-			flags[rs.rank] = append(flags[rs.rank], fd.Kind)
+			fd.RelativeScore, fd.IndividualScore = b.relScore(int(k.id)), b.indScore(int(k.id))
+			b.flags[rs.rank] = append(b.flags[rs.rank], fd.Kind)
 			switch k.kind {
 			case kindCompute:
 				r.SlowCalculateRanks = append(r.SlowCalculateRanks, rs.rank)
-				computeSlow[rs.rank] = f.onset
+				b.computeSlow[rs.rank] = f.onset
 			case kindIO:
 				r.SlowIORanks = append(r.SlowIORanks, rs.rank)
 			case kindLink:
@@ -312,7 +352,12 @@ func (d *Detector) Result() *Result {
 		r.Findings = append(r.Findings, fd)
 	}
 
-	// Slow hosts: every live rank of the node is slow to compute.
+}
+
+// addHosts adds the slow hosts: every live rank of the node is slow to
+// compute.
+func (b *resultBuilder) addHosts() {
+	d, r := b.d, b.r
 	nodes := map[string][]int{}
 	for _, rs := range d.ranks {
 		if !rs.silent && rs.steps > 0 {
@@ -324,7 +369,7 @@ func (d *Detector) Result() *Result {
 		onset, detected := int64(math.MaxInt64), int64(-1)
 		all := true
 		for _, rk := range ranks {
-			o, ok := computeSlow[rk]
+			o, ok := b.computeSlow[rk]
 			if !ok {
 				all = false
 				break
@@ -355,7 +400,7 @@ func (d *Detector) Result() *Result {
 		}
 		hostFindings = append(hostFindings, hf)
 		for _, rk := range ranks {
-			flags[rk] = append(flags[rk], KindHost)
+			b.flags[rk] = append(b.flags[rk], KindHost)
 		}
 	}
 	slices.Sort(r.SlowHostNodes)
@@ -365,6 +410,11 @@ func (d *Detector) Result() *Result {
 	slices.Sort(r.SlowIORanks)
 	slices.Sort(r.SlowCommunicationRanks)
 
+}
+
+// summarise says whether the job is slow, since when, and how much.
+func (b *resultBuilder) summarise() {
+	d, r := b.d, b.r
 	if len(r.Findings) > 0 {
 		r.IsSlow = 1
 		r.OnsetStep = math.MaxInt64
@@ -378,16 +428,20 @@ func (d *Detector) Result() *Result {
 	}
 	r.DegradationLevel = "0.0%"
 	if r.IsSlow == 1 {
-		r.DegradationLevel = strconv.FormatFloat(d.job.level(tmp), 'f', 1, 64) + "%"
+		r.DegradationLevel = strconv.FormatFloat(d.job.level(b.tmp), 'f', 1, 64) + "%"
 	}
 
-	// Ranks.
+}
+
+// addRanks adds each rank's summary and what no rank has.
+func (b *resultBuilder) addRanks() {
+	d, r := b.d, b.r
 	var have Figures
 	var scored [2]bool // some rank has a relative, an individual score
 	for i, rs := range d.ranks {
 		have |= rs.asm.have
 		s := RankSummary{Rank: rs.rank, Node: rs.node, Status: "ok", LastStep: rs.last, Stage: rs.stage,
-			Flags: flags[rs.rank]}
+			Flags: b.flags[rs.rank]}
 		switch {
 		case rs.silent:
 			s.Status = "silent"
@@ -397,12 +451,12 @@ func (d *Detector) Result() *Result {
 		case len(s.Flags) > 0:
 			s.Status = "slow"
 		}
-		m := recent[i]
+		m := b.recent[i]
 		s.StepMs, s.ComputeMs, s.ForwardMs = round3(m[mStep]), round3(m[mCompute]), round3(m[mForward])
 		s.GapMs, s.FPBPMs, s.TrailingMs = round3(m[mGap]), round3(m[mFPBP]), round3(m[mTrailing])
 		s.DataLoaderMs, s.CheckpointMs = round3(m[mDataLoader]), round3(m[mCheckpoint])
 		s.CommMs, s.SendMs = round3(m[mComm]), round3(m[mSend])
-		s.RelativeScore, s.IndividualScore = relScore(i), indScore(i)
+		s.RelativeScore, s.IndividualScore = b.relScore(i), b.indScore(i)
 		if rs.steps > 0 {
 			s.Unavailable = (allFigures &^ rs.asm.have).Names()
 			if s.RelativeScore == 0 {
@@ -437,12 +491,15 @@ func (d *Detector) Result() *Result {
 		r.Ranks = []RankSummary{}
 	}
 
+}
+
+// history is the charts' history of the job and of each rank.
+func (d *Detector) history() *History {
 	h := &History{job: d.job.hist.snapshot(), ranks: make(map[int][]histPoint, len(d.ranks))}
 	for _, rs := range d.ranks {
 		h.ranks[rs.rank] = rs.hist.snapshot()
 	}
-	r.History = h
-	return r
+	return h
 }
 
 // Names of the scores in Missing and RankSummary.Unavailable.

@@ -235,8 +235,6 @@ func (w *window) values(dst []float64) []float64 {
 	return append(dst, w.buf[:w.next]...)
 }
 
-func (w *window) reset() { w.next, w.full = 0, false }
-
 // prev returns the value pushed before the newest one.
 func (w *window) prev() (float64, bool) {
 	n := len(w.buf)

@@ -137,12 +137,10 @@ const unresolved = -2
 // within a rank, and a step's range ends after those inside it, so the
 // ranges that ended since the previous step's end make up the next step.
 type assembler struct {
-	pending  []span
-	overflow uint64 // ranges dropped beyond maxPending
-	last     int64  // number of the last step, -1 before the first
-	started  bool
-	device   uint8 // bit per spanKind (and 1<<7 for steps): a device-clock range was seen
-	have     Figures
+	pending []span
+	last    int64 // number of the last step, -1 before the first
+	device  uint8 // bit per spanKind (and 1<<7 for steps): a device-clock range was seen
+	have    Figures
 }
 
 // stepBit marks the step kind in assembler.device.

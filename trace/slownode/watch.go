@@ -1,6 +1,7 @@
 package slownode
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -25,7 +26,7 @@ import (
 )
 
 // ErrNoRanks is returned by Analyze for a job folder with no rank folder.
-var ErrNoRanks = errors.New("no rank folders")
+var ErrNoRanks = errors.New("slownode: no rank folders")
 
 // chunkSteps is how far one rank is read ahead of the slowest before the
 // others get their turn, so that a finished job's files, read one after
@@ -72,7 +73,7 @@ func Analyze(ctx context.Context, jobDir string, cfg Config) (*Result, error) {
 		return nil, err
 	}
 	if len(s.ranks) == 0 {
-		return nil, fmt.Errorf("slownode: %s: %w", jobDir, ErrNoRanks)
+		return nil, fmt.Errorf("%w in %s", ErrNoRanks, jobDir)
 	}
 	s.d.Flush()
 	r := s.result()
@@ -175,9 +176,7 @@ type source struct {
 }
 
 func newSource(jobDir string, cfg Config) (*source, error) {
-	if cfg.JobID == "" {
-		cfg.JobID = filepath.Base(filepath.Clean(jobDir))
-	}
+	cfg.JobID = cmp.Or(cfg.JobID, filepath.Base(filepath.Clean(jobDir)))
 	d, err := New(cfg)
 	if err != nil {
 		return nil, err
@@ -191,13 +190,8 @@ func newSource(jobDir string, cfg Config) (*source, error) {
 	}
 	s := &source{dir: jobDir, d: d, byRank: map[int]*rankSource{}, log: cfg.Logger, prog: cfg.Progress,
 		metrics: newMetrics(), reg: promreg.New(cfg.Registerer, "slownode: Config.Registerer"), readers: d.cfg.Readers, bufs: trace.NewBufferPool(readBufferBytes)}
-	if s.log == nil {
-		s.log = slog.New(slog.DiscardHandler)
-	}
-	tp := cfg.TracerProvider
-	if tp == nil {
-		tp = noop.NewTracerProvider()
-	}
+	s.log = cmp.Or(s.log, slog.New(slog.DiscardHandler))
+	tp := cmp.Or(cfg.TracerProvider, oteltrace.TracerProvider(noop.NewTracerProvider()))
 	s.tracer = tp.Tracer("github.com/faultline-ml/faultline/trace/slownode")
 	s.reg.MustRegister(s.metrics)
 	if err := s.reg.Err(); err != nil {

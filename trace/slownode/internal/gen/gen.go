@@ -12,6 +12,7 @@
 package gen
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
@@ -139,18 +140,10 @@ func Generate(cfg Config) (Truth, error) {
 	def(&cfg.RanksPerNode, 8)
 	def(&cfg.Chunks, 2)
 	def(&cfg.StepsPerFile, 50)
-	if cfg.Noise == 0 {
-		cfg.Noise = 0.02
-	}
-	if cfg.Compute == 0 {
-		cfg.Compute = 10 * time.Millisecond
-	}
-	if cfg.DataLoader == 0 {
-		cfg.DataLoader = 4 * time.Millisecond
-	}
-	if cfg.SkewMax == 0 {
-		cfg.SkewMax = 30 * time.Second
-	}
+	cfg.Noise = cmp.Or(cfg.Noise, 0.02)
+	cfg.Compute = cmp.Or(cfg.Compute, 10*time.Millisecond)
+	cfg.DataLoader = cmp.Or(cfg.DataLoader, 4*time.Millisecond)
+	cfg.SkewMax = cmp.Or(cfg.SkewMax, 30*time.Second)
 	s := &sim{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 0x5eed)), names: map[string]string{}}
 	n := cfg.world()
 	jobDir := filepath.Join(cfg.Root, cfg.Job)

@@ -1,4 +1,4 @@
-package ckpt
+package layout
 
 import (
 	"bytes"
@@ -6,8 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"path/filepath"
 	"strconv"
 )
+
+// StepDir is the directory of a step in the disk tier: dir/<step>.
+func StepDir(dir string, step int64) string {
+	return filepath.Join(dir, strconv.FormatInt(step, 10))
+}
 
 // Names of the files of the disk tier.
 const (
@@ -113,13 +119,13 @@ func (m ShardManifest) check() error {
 	return nil
 }
 
-func jsonErr(field, format string, args ...any) *FormatError {
-	return &FormatError{Offset: -1, Field: field, Msg: fmt.Sprintf(format, args...)}
+func jsonErr(field, format string, args ...any) *ParseError {
+	return &ParseError{Offset: -1, Field: field, Msg: fmt.Sprintf(format, args...)}
 }
 
 // ParseShardManifest decodes a shard manifest. Unknown fields, a version
 // other than 1, a file name other than ShardFile(shard) and blobs that do
-// not tile the file are errors (*FormatError, wrapping ErrCorrupt).
+// not tile the file are errors (*ParseError, wrapping ErrCorrupt).
 func ParseShardManifest(b []byte) (ShardManifest, error) {
 	var j shardManifestJSON
 	if err := decodeStrict(b, &j); err != nil {

@@ -1,4 +1,4 @@
-package ckpt
+package layout
 
 import (
 	"bytes"
@@ -11,15 +11,16 @@ import (
 	"strconv"
 	"time"
 	"unicode/utf8"
+
+	"github.com/faultline-ml/faultline/internal/parseerr"
 )
 
-// Constants of the shared-memory layout. See the FORMAT section of the
-// package documentation.
+// Constants of the shared-memory layout. See the package documentation.
 const (
 	// Magic opens every segment.
 	Magic = "FLTCKPT\x00"
 	// Version is the layout version this package writes. It also reads
-	// version 1 (see the FORMAT section).
+	// version 1 (see the package documentation).
 	Version = 2
 	// HeaderSize is the size of the segment header; half 0 starts here.
 	HeaderSize = 4096
@@ -59,67 +60,51 @@ const (
 // Offsets of the live words that writers and readers touch with atomic
 // loads and stores. They are outside every checksum.
 const (
-	offActive     = 36 // segment header: u32
-	offPersistSeq = 40 // segment header: u64
-	offState      = 0  // half: u32
-	offPin        = 4  // half: u32
-	offGen        = 8  // half: u64
-	offSeal       = 48 // half: u32, written last by the sealer
-	offSealCRC    = 52 // half: u32, written by the sealer before the seal
+	OffActive     = 36 // segment header: u32
+	OffPersistSeq = 40 // segment header: u64
+	OffState      = 0  // half: u32
+	OffPin        = 4  // half: u32
+	OffGen        = 8  // half: u64
+	OffSeal       = 48 // half: u32, written last by the sealer
+	OffSealCRC    = 52 // half: u32, written by the sealer before the seal
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // CRC32C returns the CRC-32 of b with the Castagnoli polynomial, the
-// checksum used everywhere in this package.
+// checksum used everywhere in the format.
 func CRC32C(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
 
 // ErrCorrupt is wrapped by every error that reports bytes failing a check:
 // a bad magic, a field out of range, a checksum mismatch.
-var ErrCorrupt = errors.New("ckpt: corrupt checkpoint data")
+var ErrCorrupt = errors.New("layout: corrupt checkpoint data")
 
-// FormatError says which field of which file is wrong.
-type FormatError struct {
+// ParseError says which field of which file is wrong. It has the shape
+// of every parse error of this module, with a byte offset in place of a
+// line: what was parsed, where, the field at fault, and what is wrong.
+type ParseError struct {
+	Format string // what was parsed, "" when the field says it
 	File   string // the file, "" when parsing bytes of unknown origin
 	Offset int64  // byte offset of the field, -1 for JSON documents
 	Field  string // the field, such as "half_size" or "blobs[2].crc32c"
 	Msg    string // what is wrong, with the value
 }
 
-// Error names the file, the offset and the field, and says what is wrong.
-func (e *FormatError) Error() string {
-	var b bytes.Buffer
-	b.WriteString("ckpt: ")
-	if e.File != "" {
-		b.WriteString(e.File)
-		b.WriteString(": ")
-	}
+// Error returns "layout: <file>: offset <n>: field <f>: <msg>", leaving
+// out what is unknown.
+func (e *ParseError) Error() string {
+	t := parseerr.Text{Pkg: "layout", Format: e.Format, File: e.File, Field: e.Field, Msg: e.Msg}
 	if e.Offset >= 0 {
-		fmt.Fprintf(&b, "offset %d: ", e.Offset)
+		t.At = "offset " + strconv.FormatInt(e.Offset, 10)
 	}
-	if e.Field != "" {
-		fmt.Fprintf(&b, "field %s: ", e.Field)
-	}
-	b.WriteString(e.Msg)
-	return b.String()
+	return t.String()
 }
 
 // Unwrap lets errors.Is(err, ErrCorrupt) hold.
-func (e *FormatError) Unwrap() error { return ErrCorrupt }
+func (e *ParseError) Unwrap() error { return ErrCorrupt }
 
-func formatErr(off int64, field, format string, args ...any) *FormatError {
-	return &FormatError{Offset: off, Field: field, Msg: fmt.Sprintf(format, args...)}
-}
-
-// withFile names the file in a *FormatError, and otherwise returns err.
-func withFile(err error, file string) error {
-	var fe *FormatError
-	if errors.As(err, &fe) && fe.File == "" {
-		c := *fe
-		c.File = file
-		return &c
-	}
-	return err
+func formatErr(off int64, field, format string, args ...any) *ParseError {
+	return &ParseError{Offset: off, Field: field, Msg: fmt.Sprintf(format, args...)}
 }
 
 // SegmentHeader is the first 64 bytes of a segment.
@@ -151,32 +136,33 @@ func (h SegmentHeader) MarshalBinary() ([]byte, error) {
 	le.PutUint32(b[24:], uint32(h.Shard))
 	le.PutUint32(b[28:], h.Flags)
 	le.PutUint32(b[32:], CRC32C(b[:32]))
-	le.PutUint32(b[offActive:], h.Active)
-	le.PutUint64(b[offPersistSeq:], h.PersistSeq)
+	le.PutUint32(b[OffActive:], h.Active)
+	le.PutUint64(b[OffPersistSeq:], h.PersistSeq)
 	return b, nil
 }
 
-// maxHalfSize keeps HeaderSize+2*HalfSize inside an int64 and a mapping.
-const maxHalfSize = 1 << 46
+// MaxHalfSize bounds a half so that HeaderSize+2*HalfSize stays inside an
+// int64 and a mapping.
+const MaxHalfSize = 1 << 46
 
 func (h SegmentHeader) check() error {
 	switch {
 	case h.Version > Version:
 		return formatErr(8, "version", "value %d, want 1 or %d", h.Version, Version)
-	case h.HalfSize < PageSize || h.HalfSize > maxHalfSize || h.HalfSize%PageSize != 0:
-		return formatErr(16, "half_size", "value %d is not a multiple of %d between %d and %d", h.HalfSize, PageSize, PageSize, int64(maxHalfSize))
+	case h.HalfSize < PageSize || h.HalfSize > MaxHalfSize || h.HalfSize%PageSize != 0:
+		return formatErr(16, "half_size", "value %d is not a multiple of %d between %d and %d", h.HalfSize, PageSize, PageSize, int64(MaxHalfSize))
 	case h.Shard < 0 || h.Shard > math.MaxInt32:
 		return formatErr(24, "shard", "value %d out of range", h.Shard)
 	case h.Flags&^FlagReplica != 0:
 		return formatErr(28, "flags", "unknown bits in %#x", h.Flags)
 	case h.Active > 1:
-		return formatErr(offActive, "active", "value %d is neither 0 nor 1", h.Active)
+		return formatErr(OffActive, "active", "value %d is neither 0 nor 1", h.Active)
 	}
 	return nil
 }
 
 // ParseSegmentHeader decodes the first 64 bytes of b. Errors are
-// *FormatError and wrap ErrCorrupt.
+// *ParseError and wrap ErrCorrupt.
 func ParseSegmentHeader(b []byte) (SegmentHeader, error) {
 	if len(b) < 64 {
 		return SegmentHeader{}, formatErr(0, "", "header of %d bytes, want 64", len(b))
@@ -206,8 +192,8 @@ func ParseSegmentHeader(b []byte) (SegmentHeader, error) {
 		HalfSize:   int64(min(hs, math.MaxInt64)),
 		Shard:      int(le.Uint32(b[24:])),
 		Flags:      le.Uint32(b[28:]),
-		Active:     le.Uint32(b[offActive:]),
-		PersistSeq: le.Uint64(b[offPersistSeq:]),
+		Active:     le.Uint32(b[OffActive:]),
+		PersistSeq: le.Uint64(b[OffPersistSeq:]),
 	}
 	if err := h.check(); err != nil {
 		return SegmentHeader{}, err
@@ -299,9 +285,10 @@ func entryLen(nameLen int) int64 { return EntrySize + alignUp(int64(nameLen), 8)
 
 func alignUp(n, a int64) int64 { return (n + a - 1) / a * a }
 
-// layoutStep returns the unsealed meta of a step made of blobs with these
-// names and sizes, each placed at the next DataAlign boundary.
-func layoutStep(step int64, names []string, sizes []int64) StepMeta {
+// PlaceBlobs returns the unsealed meta of a step made of blobs with these
+// names and sizes, each placed at the next DataAlign boundary, as ckpt
+// lays out a save.
+func PlaceBlobs(step int64, names []string, sizes []int64) StepMeta {
 	m := StepMeta{Step: step, Blobs: make([]BlobEntry, len(names))}
 	for i := range names {
 		m.Blobs[i] = BlobEntry{Name: names[i], Size: sizes[i]}
@@ -343,8 +330,8 @@ func (m StepMeta) MarshalBinary() ([]byte, error) {
 		for k, e := range m.Blobs {
 			le.PutUint32(p[4*k:], e.CRC32C)
 		}
-		le.PutUint32(b[offSealCRC:], sealCRC(b))
-		le.PutUint32(b[offSeal:], Sealed)
+		le.PutUint32(b[OffSealCRC:], SealCRC(b))
+		le.PutUint32(b[OffSeal:], Sealed)
 	}
 	return b, nil
 }
@@ -359,14 +346,14 @@ func unixNano(t time.Time) int64 {
 // metaCRC is meta_crc: the CRC32C of bytes [16,48) of a half followed by
 // its table of ts bytes.
 func metaCRC(b []byte, ts int64) uint32 {
-	c := crc32.Update(0, castagnoli, b[16:offSeal])
+	c := crc32.Update(0, castagnoli, b[16:OffSeal])
 	return crc32.Update(c, castagnoli, b[StepHeaderSize:StepHeaderSize+ts])
 }
 
-// sealCRC is seal_crc: the CRC32C of bytes [16,48) of a half followed by
-// its table and CRC array, which b ends with.
-func sealCRC(b []byte) uint32 {
-	c := crc32.Update(0, castagnoli, b[16:offSeal])
+// SealCRC is seal_crc: the CRC32C of bytes [16,48) of a half followed by
+// its table and CRC array, which b, the half's meta, ends with.
+func SealCRC(b []byte) uint32 {
+	c := crc32.Update(0, castagnoli, b[16:OffSeal])
 	return crc32.Update(c, castagnoli, b[StepHeaderSize:])
 }
 
@@ -376,6 +363,10 @@ func metaCRCv1(b []byte, ts int64) uint32 {
 	c := crc32.Update(0, castagnoli, b[16:60])
 	return crc32.Update(c, castagnoli, b[StepHeaderSize:StepHeaderSize+ts])
 }
+
+// Check reports what keeps m from fitting a half of halfSize bytes in the
+// layout this package writes. Errors are *ParseError and wrap ErrCorrupt.
+func (m StepMeta) Check(halfSize int64) error { return m.check(halfSize, Version) }
 
 // check validates m against a half of halfSize bytes in a layout version.
 func (m StepMeta) check(halfSize int64, version uint32) error {
@@ -438,19 +429,19 @@ func checkName(name string) error {
 // from b, which starts at the half and holds at least MetaSize bytes.
 // halfSize bounds the blob offsets. The live words state, pin and gen are
 // ignored; the seal word says whether the CRC array counts. meta_crc, and
-// seal_crc of a sealed step, are verified. Errors are *FormatError and
+// seal_crc of a sealed step, are verified. Errors are *ParseError and
 // wrap ErrCorrupt.
 func ParseStepMeta(b []byte, halfSize int64) (StepMeta, error) {
 	if len(b) < StepHeaderSize {
 		return StepMeta{}, formatErr(0, "", "half of %d bytes, want at least %d", len(b), StepHeaderSize)
 	}
-	return parseStepMeta(b, halfSize, Version, binary.LittleEndian.Uint32(b[offSeal:]))
+	return ParseHalfMeta(b, halfSize, Version, binary.LittleEndian.Uint32(b[OffSeal:]))
 }
 
-// parseStepMeta is ParseStepMeta for a layout version, with the seal word
-// given: the reader of a live half loads it atomically, before it reads
-// the CRC array that the seal covers.
-func parseStepMeta(b []byte, halfSize int64, version, seal uint32) (StepMeta, error) {
+// ParseHalfMeta is ParseStepMeta for a segment of layout version 1 or 2,
+// with the seal word given: the reader of a live half loads it
+// atomically, before it reads the CRC array that the seal covers.
+func ParseHalfMeta(b []byte, halfSize int64, version, seal uint32) (StepMeta, error) {
 	if len(b) < StepHeaderSize {
 		return StepMeta{}, formatErr(0, "", "half of %d bytes, want at least %d", len(b), StepHeaderSize)
 	}
@@ -464,7 +455,7 @@ func parseStepMeta(b []byte, halfSize int64, version, seal uint32) (StepMeta, er
 		return StepMeta{}, formatErr(40, "nblobs", "value %d does not fit a table of %d bytes", nblobs, tableSize)
 	}
 	tableEnd := StepHeaderSize + tableSize
-	metaEnd, reserved, crc := tableEnd, offSeal, metaCRCv1(b, tableSize)
+	metaEnd, reserved, crc := tableEnd, OffSeal, metaCRCv1(b, tableSize)
 	if version >= 2 {
 		metaEnd, reserved, crc = tableEnd+4*nblobs, 56, metaCRC(b, tableSize)
 		if metaEnd > int64(len(b)) || metaEnd > halfSize {
@@ -489,12 +480,12 @@ func parseStepMeta(b []byte, halfSize int64, version, seal uint32) (StepMeta, er
 		switch seal {
 		case Unsealed:
 		case Sealed:
-			if got, want := le.Uint32(b[offSealCRC:]), sealCRC(b[:metaEnd]); got != want {
-				return StepMeta{}, formatErr(offSealCRC, "seal_crc32c", "value %#08x, computed %#08x", got, want)
+			if got, want := le.Uint32(b[OffSealCRC:]), SealCRC(b[:metaEnd]); got != want {
+				return StepMeta{}, formatErr(OffSealCRC, "seal_crc32c", "value %#08x, computed %#08x", got, want)
 			}
 			m.Sealed = true
 		default:
-			return StepMeta{}, formatErr(offSeal, "seal", "value %d is neither %d nor %d", seal, Unsealed, Sealed)
+			return StepMeta{}, formatErr(OffSeal, "seal", "value %d is neither %d nor %d", seal, Unsealed, Sealed)
 		}
 	}
 	if ns := int64(le.Uint64(b[32:])); ns != 0 {
@@ -544,4 +535,10 @@ func parseStepMeta(b []byte, halfSize int64, version, seal uint32) (StepMeta, er
 		return StepMeta{}, err
 	}
 	return m, nil
+}
+
+// StepSize is the half size (ckpt.OwnerConfig.Capacity) that holds a step
+// of blobs with these names and sizes, rounded up to whole pages.
+func StepSize(names []string, sizes []int64) int64 {
+	return alignUp(PlaceBlobs(0, names, sizes).End(), PageSize)
 }

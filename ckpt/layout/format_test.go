@@ -1,11 +1,10 @@
-package ckpt
+package layout
 
 import (
 	"bytes"
 	"encoding/binary"
 	"errors"
 	"hash/crc32"
-	"math/rand/v2"
 	"slices"
 	"strings"
 	"testing"
@@ -64,9 +63,9 @@ func TestParseSegmentHeaderRejects(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := ParseSegmentHeader(tc.b)
-			var fe *FormatError
+			var fe *ParseError
 			if !errors.As(err, &fe) || !errors.Is(err, ErrCorrupt) {
-				t.Fatalf("err = %v, want a *FormatError wrapping ErrCorrupt", err)
+				t.Fatalf("err = %v, want a *ParseError wrapping ErrCorrupt", err)
 			}
 			if fe.Field != tc.field {
 				t.Fatalf("field = %q, want %q (%v)", fe.Field, tc.field, err)
@@ -76,7 +75,7 @@ func TestParseSegmentHeaderRejects(t *testing.T) {
 }
 
 func sampleMeta() StepMeta {
-	m := layoutStep(1200, []string{"model", "optimizer.state", "ünïcode"}, []int64{1000, 0, 77})
+	m := PlaceBlobs(1200, []string{"model", "optimizer.state", "ünïcode"}, []int64{1000, 0, 77})
 	m.Seq = 9
 	m.Time = time.Unix(1731000000, 123456789)
 	m.Sealed = true
@@ -171,7 +170,7 @@ func fixMetaCRCs(b []byte) []byte {
 	}
 	le.PutUint32(b[60:], metaCRC(b, ts))
 	if end := StepHeaderSize + ts + 4*n; le.Uint32(b[48:]) == Sealed && end <= int64(len(b)) {
-		le.PutUint32(b[52:], sealCRC(b[:end]))
+		le.PutUint32(b[52:], SealCRC(b[:end]))
 	}
 	return b
 }
@@ -210,9 +209,9 @@ func TestParseStepMetaRejects(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := ParseStepMeta(tc.b, tc.half)
-			var fe *FormatError
+			var fe *ParseError
 			if !errors.As(err, &fe) || !errors.Is(err, ErrCorrupt) {
-				t.Fatalf("err = %v, want a *FormatError wrapping ErrCorrupt", err)
+				t.Fatalf("err = %v, want a *ParseError wrapping ErrCorrupt", err)
 			}
 			if fe.Field != tc.field {
 				t.Fatalf("field = %q, want %q (%v)", fe.Field, tc.field, err)
@@ -259,7 +258,7 @@ func marshalUnchecked(m StepMeta, v1 ...bool) []byte {
 	}
 	le.PutUint32(b[60:], metaCRC(b, ts))
 	if m.Sealed {
-		le.PutUint32(b[52:], sealCRC(b))
+		le.PutUint32(b[52:], SealCRC(b))
 		le.PutUint32(b[48:], Sealed)
 	}
 	return b
@@ -272,7 +271,7 @@ func TestParseStepMetaVersion1(t *testing.T) {
 	// Version 1 had no CRC array: its blobs could start right after the table.
 	m.Blobs[0].Offset = StepHeaderSize + m.TableSize()
 	b := marshalUnchecked(m, true)
-	got, err := parseStepMeta(b, 1<<20, 1, 0)
+	got, err := ParseHalfMeta(b, 1<<20, 1, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -280,7 +279,7 @@ func TestParseStepMetaVersion1(t *testing.T) {
 		t.Fatalf("version 1 (-want +got):\n%s", diff)
 	}
 	b[83] ^= 1 // a flipped bit in the first CRC, which meta_crc covers
-	if _, err := parseStepMeta(b, 1<<20, 1, 0); !errors.Is(err, ErrCorrupt) {
+	if _, err := ParseHalfMeta(b, 1<<20, 1, 0); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("a flipped CRC in a version 1 table: %v", err)
 	}
 	// Read as version 2, the same bytes are no valid meta.
@@ -318,9 +317,9 @@ func TestShardManifestRoundTrip(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := ParseShardManifest([]byte(tc.doc))
-			var fe *FormatError
+			var fe *ParseError
 			if !errors.As(err, &fe) || fe.Field != tc.field {
-				t.Fatalf("err = %v, want a *FormatError on field %q", err, tc.field)
+				t.Fatalf("err = %v, want a *ParseError on field %q", err, tc.field)
 			}
 		})
 	}
@@ -364,105 +363,6 @@ func TestStepText(t *testing.T) {
 	for _, in := range []string{"", "-1", "release", "1e3"} {
 		if _, err := ParseStepText([]byte(in)); err == nil {
 			t.Errorf("ParseStepText(%q) succeeded", in)
-		}
-	}
-}
-
-func TestCRCCombine(t *testing.T) {
-	r := rand.New(rand.NewPCG(1, 2))
-	buf := make([]byte, 1<<16)
-	for i := range buf {
-		buf[i] = byte(r.Uint32())
-	}
-	for range 200 {
-		n := r.IntN(len(buf))
-		cut := r.IntN(n + 1)
-		a, b := buf[:cut], buf[cut:n]
-		if got, want := crcCombine(CRC32C(a), CRC32C(b), int64(len(b))), CRC32C(buf[:n]); got != want {
-			t.Fatalf("combine at %d of %d = %#x, want %#x", cut, n, got, want)
-		}
-	}
-}
-
-func TestCopyBlobsSplitsBlobs(t *testing.T) {
-	r := rand.New(rand.NewPCG(3, 4))
-	sizes := []int{0, 9 << 20, 1, 5 << 20, 0, 3<<20 + 7}
-	var src, dst [][]byte
-	for _, n := range sizes {
-		b := make([]byte, n)
-		for i := range b {
-			b[i] = byte(r.Uint32())
-		}
-		src, dst = append(src, b), append(dst, make([]byte, n))
-	}
-	zero := func() {
-		for _, d := range dst {
-			for i := range d {
-				d[i] = 0
-			}
-		}
-	}
-	for _, workers := range []int{1, 2, 3, 7} {
-		zero()
-		crcs, err := copyBlobs(dst, src, workers, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for i := range src {
-			if crcs[i] != CRC32C(src[i]) || !bytes.Equal(dst[i], src[i]) {
-				t.Fatalf("workers %d blob %d: crc %#x want %#x, copy equal %v", workers, i, crcs[i], CRC32C(src[i]), bytes.Equal(dst[i], src[i]))
-			}
-		}
-		if crcs, err := copyBlobs(nil, src, workers, true); err != nil || !slices.Equal(crcs, func() []uint32 {
-			var c []uint32
-			for _, s := range src {
-				c = append(c, CRC32C(s))
-			}
-			return c
-		}()) {
-			t.Fatalf("workers %d, checksum only: %x, %v", workers, crcs, err)
-		}
-		zero()
-		if crcs, err := copyBlobs(dst, src, workers, false); err != nil || crcs != nil {
-			t.Fatalf("workers %d, copy only: %x, %v", workers, crcs, err)
-		}
-		for i := range src {
-			if !bytes.Equal(dst[i], src[i]) {
-				t.Fatalf("workers %d, copy only: blob %d differs", workers, i)
-			}
-		}
-	}
-}
-
-// TestFusedCopyCRCLengths checks the copy and the CRC of lengths around
-// the cache line and the chunks, and that a flipped bit anywhere changes
-// the CRC.
-func TestFusedCopyCRCLengths(t *testing.T) {
-	r := rand.New(rand.NewPCG(5, 6))
-	src := make([]byte, 2*copyChunk+warmChunk+1)
-	for i := range src {
-		src[i] = byte(r.Uint32())
-	}
-	for _, n := range []int{0, 1, cacheLine - 1, cacheLine, cacheLine + 1, warmChunk - 1, warmChunk, warmChunk + 1, 3*warmChunk + cacheLine + 1,
-		copyChunk - 1, copyChunk, copyChunk + 1, 2*copyChunk + warmChunk + 1} {
-		s := src[:n]
-		dst := make([]byte, n)
-		crc, _ := fusedCopyCRC(dst, s)
-		if want := CRC32C(s); crc != want || !bytes.Equal(dst, s) {
-			t.Fatalf("length %d: crc %#x want %#x, copy equal %v", n, crc, want, bytes.Equal(dst, s))
-		}
-		if crc, _ := warmCRC(s); crc != CRC32C(s) {
-			t.Fatalf("length %d: warmCRC %#x want %#x", n, crc, CRC32C(s))
-		}
-		for range 8 {
-			if n == 0 {
-				break
-			}
-			f := bytes.Clone(s)
-			f[r.IntN(n)] ^= 1 << r.IntN(8)
-			if crc, _ := fusedCopyCRC(dst, f); crc == CRC32C(s) {
-				t.Fatalf("length %d: a flipped bit kept the CRC", n)
-			}
 		}
 	}
 }
@@ -534,7 +434,7 @@ func FuzzParseStepMeta(f *testing.F) {
 			if len(in) < StepHeaderSize {
 				continue
 			}
-			m, err := parseStepMeta(in, half, version, binary.LittleEndian.Uint32(in[offSeal:]))
+			m, err := ParseHalfMeta(in, half, version, binary.LittleEndian.Uint32(in[OffSeal:]))
 			if err != nil {
 				continue
 			}
@@ -559,7 +459,7 @@ func FuzzParseStepMeta(f *testing.F) {
 			// seal_crc and the CRC array.
 			want := bytes.Clone(in[:len(out)])
 			if !m.Sealed {
-				copy(want[offSealCRC:offSealCRC+4], make([]byte, 4))
+				copy(want[OffSealCRC:OffSealCRC+4], make([]byte, 4))
 				clear(want[StepHeaderSize+m.TableSize():])
 			}
 			if !bytes.Equal(out[16:], want[16:]) {
