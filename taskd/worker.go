@@ -107,8 +107,9 @@ type Worker struct {
 	results    map[uint64]msgResult // recent message ids -> their outcome
 	resultRing []uint64
 	ringNext   int
-	registered int  // registrations so far
-	started    bool // the trainer was started, or left for a recovery to start
+	done       *idSet // keys of the commands carried out (orchMsg.Once)
+	registered int    // registrations so far
+	started    bool   // the trainer was started, or left for a recovery to start
 	// held is set while an orchestration holds the trainer: paused by
 	// it, or left unstarted for it to start; heldBy is the instance of
 	// the manager that holds it.
@@ -158,6 +159,7 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 		ops:        make(chan trainerOp, 64),
 		results:    make(map[uint64]msgResult),
 		resultRing: make([]uint64, 1024),
+		done:       newIDSet(64),
 		closed:     make(chan struct{}),
 		runDone:    make(chan struct{}),
 	}
@@ -688,10 +690,25 @@ func (w *Worker) runTrainer(ctx context.Context, stopping <-chan struct{}) {
 		if op.check == checkHold && !w.releases(op) {
 			continue
 		}
+		once := onceOf(op.payload)
+		w.mu.Lock()
+		carried := once != "" && w.done.has(once)
+		w.mu.Unlock()
+		if carried {
+			// A manager that took over sent it again: answered, not
+			// carried out twice.
+			w.log.Info("taskd: orchestration command carried out already", "call", op.kind, "once", once)
+			w.remember(op.id, msgResult{done: true})
+			w.ack(op.id, "message", "", nil)
+			continue
+		}
 		start := time.Now()
 		reply, err := callTrainer(ctx, w.cfg.Trainer, op.kind, op.payload)
 		if err == nil {
 			w.mu.Lock()
+			if once != "" {
+				w.done.add(once)
+			}
 			switch op.kind {
 			case kindPause:
 				w.held, w.heldBy = true, op.mgr
