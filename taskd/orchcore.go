@@ -288,17 +288,17 @@ func (m *machine) deadline() time.Time {
 // reaches it, and its registration now is the same process registering
 // again (its answer to the first was lost, say).
 //
-// A run taken over from another manager holds every rank but in
-// continuing: a worker held by the manager before does not know whether
-// the resume it waits for went out, and one whose registration comes
-// after the resume picked its targets gets it again (registered).
+// A run taken over from another manager holds every rank: a worker held
+// by the manager before does not know whether the resume it waits for
+// went out, and one whose registration comes after the resume picked its
+// targets gets it again (registered).
 func (m *machine) holding(rank int) bool {
 	r := m.run
 	if r == nil {
 		return false
 	}
 	if r.restored {
-		return r.o.State != StateContinuing
+		return true
 	}
 	switch r.o.State {
 	case StateResuming:
@@ -455,7 +455,7 @@ func (m *machine) registered(now time.Time, rank int) {
 		if !r.settling {
 			m.checkRepaired(now)
 		}
-	case StateResuming:
+	case StateResuming, StateContinuing:
 		if r.restored && !r.settling {
 			// Taken over, the resume may have picked its targets before
 			// this rank registered again: it goes out again, and the
@@ -617,7 +617,7 @@ func (m *machine) issue(now time.Time) {
 		s := *r.o.Stress
 		m.broadcast(now, kindStress, Target{Nodes: s.Nodes, Ranks: s.Ranks}, nil, orchMsg{Stress: &s}, T.Stress)
 	case StateContinuing:
-		m.broadcast(now, kindResume, all, nil, orchMsg{Resume: &ResumeRequest{Step: -1}}, T.Resume)
+		m.broadcast(now, kindResume, all, nil, orchMsg{Resume: &ResumeRequest{Step: -1}, Once: m.onceKey()}, T.Resume)
 	}
 }
 
@@ -640,7 +640,7 @@ func (m *machine) repairTimeout() time.Duration {
 	return m.cfg.timeouts.Restart
 }
 
-// onceKey names the retry or resume of the round in progress: a worker
+// onceKey names the retry, resume or continue of the round in progress: a worker
 // carries out a command with a key once, however many managers send it.
 func (m *machine) onceKey() string {
 	r := m.run

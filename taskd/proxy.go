@@ -421,12 +421,15 @@ func (p *Proxy) upSession(ctx context.Context, sessions *int) error {
 
 // reregister registers worker rank with the manager again. A worker whose
 // rank another instance took is dropped; its stream ends and it learns why
-// when it registers itself.
+// when it registers itself. One whose stream ended with its process is
+// not registered on its behalf: a recovery may have restarted it, and its
+// successor must not find the rank taken; one alive registers itself.
 func (p *Proxy) reregister(ctx context.Context, rank int) error {
 	p.mu.Lock()
 	w := p.workers[rank]
+	gone := w != nil && w.gone
 	p.mu.Unlock()
-	if w == nil {
+	if w == nil || gone {
 		return nil
 	}
 	rctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
@@ -470,8 +473,8 @@ func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration
 				silent = append(silent, w)
 				continue
 			}
-			if !w.registered {
-				continue
+			if !w.registered || w.gone {
+				continue // one gone speaks for itself when it registers again
 			}
 			req.Beats = append(req.Beats, &pb.Beat{Member: w.req.GetMember(), AgeMs: age.Milliseconds()})
 		}
