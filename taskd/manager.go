@@ -629,7 +629,7 @@ func (m *Manager) routeLocked(env *pb.Envelope, ranks []int) (unrouted []int) {
 			continue
 		}
 		if direct == nil {
-			direct = &pb.Envelope{Id: env.Id, Body: env.Body}
+			direct = &pb.Envelope{Id: env.Id, Body: env.Body, Fence: m.token()}
 		}
 		m.push(dl, direct)
 	}
@@ -642,7 +642,7 @@ func (m *Manager) routeLocked(env *pb.Envelope, ranks []int) (unrouted []int) {
 			}
 			continue
 		}
-		m.push(dl, &pb.Envelope{Id: env.Id, Ranks: rs, Body: env.Body})
+		m.push(dl, &pb.Envelope{Id: env.Id, Ranks: rs, Body: env.Body, Fence: m.token()})
 	}
 	return unrouted
 }
