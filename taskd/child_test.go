@@ -45,10 +45,12 @@ type childArgs struct {
 	Deadline time.Duration
 	Ack      time.Duration
 	// A manager with LeaseFile is one of the job's managers that Lead
-	// runs, named Name, of a job of Nodes×PPN ranks.
+	// runs, named Name, of a job of Nodes×PPN ranks, trying the lease
+	// every LeaseRetry (default 20 ms).
 	LeaseFile  string
 	Name       string
 	Nodes, PPN int
+	LeaseRetry time.Duration
 }
 
 func (a childArgs) security() Security {
@@ -87,7 +89,8 @@ func runChild(role string) int {
 			HeartbeatInterval: a.Interval, HeartbeatDeadline: a.Deadline, AckTimeout: a.Ack, Logger: log}
 		if a.LeaseFile != "" {
 			var l *lease.File
-			l, err = lease.NewFile(lease.FileConfig{Path: a.LeaseFile, Candidate: lease.Candidate{Job: a.Job, Config: "test", Name: a.Name}, RetryPeriod: 20 * time.Millisecond})
+			l, err = lease.NewFile(lease.FileConfig{Path: a.LeaseFile, Candidate: lease.Candidate{Job: a.Job, Config: "test", Name: a.Name},
+				RetryPeriod: orDefault(a.LeaseRetry, 20*time.Millisecond)})
 			if err == nil {
 				say("standby")
 				err = Lead(ctx, l, cfg, func(m *Manager) { say("ready %s %d", m.Addr(), m.cfg.Term.Token()) })
