@@ -1033,12 +1033,11 @@ func (m *Manager) loadState() error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("taskd: state dir: %w", err)
 	}
-	var orch persisted
-	if m.orch != nil {
-		var err error
-		if orch, err = readOrchestration(dir, m.cfg.Job, m.token()); err != nil {
-			return err
-		}
+	// Read whether orchestration is on or not: another job's state is
+	// refused either way.
+	orch, err := readOrchestration(dir, m.cfg.Job, m.token())
+	if err != nil {
+		return err
 	}
 	swFile := filepath.Join(dir, "switch.json")
 	if data, err := os.ReadFile(swFile); err == nil {

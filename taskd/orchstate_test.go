@@ -1,6 +1,7 @@
 package taskd
 
 import (
+	"bytes"
 	"errors"
 	"os"
 	"path/filepath"
@@ -345,4 +346,44 @@ func FuzzStateFile(f *testing.F) {
 			t.Fatalf("still in %s", w.m.run.o.State)
 		}
 	})
+}
+
+// TestManagerRefusesState: a manager whose StateDir holds the
+// orchestration state of another job, of another version, or of a newer
+// lease term does not start, names the file, and changes nothing there.
+func TestManagerRefusesState(t *testing.T) {
+	state := []byte(`{"epoch":"0123456789abcdef","next_run":0,"next_action":0,"seen":{"below":0}}`)
+	for _, tc := range []struct {
+		name, job string
+		token     uint64
+		edit      func([]byte) []byte
+		want      string
+	}{
+		{"another job", "other", 0, nil, "another job's"},
+		{"another version", "job-1", 0, func(b []byte) []byte { return bytes.Replace(b, []byte(`"version":1`), []byte(`"version":9`), 1) }, "version 9 is unknown"},
+		{"a newer term", "job-1", 8, nil, "newer than this manager's term (0)"},
+	} {
+		dir := t.TempDir()
+		file, err := marshalStateFile(tc.job, tc.token, state)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if tc.edit != nil {
+			file = tc.edit(file)
+		}
+		path := filepath.Join(dir, orchStateFile)
+		if err := os.WriteFile(path, file, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		for _, oc := range []*OrchestrationConfig{{}, nil} {
+			_, err = NewManager(ManagerConfig{Job: "job-1", Listen: "127.0.0.1:0", Security: insecureSec(), StateDir: dir, Orchestration: oc})
+			if !errors.Is(err, ErrStateFile) || !strings.Contains(err.Error(), path) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("%s (orchestration %v): %v, want %q", tc.name, oc != nil, err, tc.want)
+			}
+		}
+		entries, _ := os.ReadDir(dir)
+		if b, _ := os.ReadFile(path); len(entries) != 1 || !bytes.Equal(b, file) {
+			t.Errorf("%s: the state dir changed: %v, %q", tc.name, entries, b)
+		}
+	}
 }
