@@ -277,6 +277,12 @@ func (o *orchestrator) take(p persisted, faults *faultStore) {
 		}
 	}
 	if r := c.run; r != nil {
+		if !r.settling {
+			// A fault the dead manager had logged, and not taken in,
+			// started it: it waits for the members like one taken over.
+			r.restored, r.settling, r.action, r.deadline = true, true, 0, time.Time{}
+			c.out = nil
+		}
 		o.settleBy = now.Add(o.m.cfg.HeartbeatDeadline)
 		o.log.Info("taskd: taking over the orchestration in progress once the members have registered again",
 			"id", r.o.ID, "kind", r.o.Kind, "state", r.o.State, "round", r.o.Round, "by", o.settleBy)

@@ -2,6 +2,7 @@ package taskd
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
@@ -385,5 +386,47 @@ func TestManagerRefusesState(t *testing.T) {
 		if b, _ := os.ReadFile(path); len(entries) != 1 || !bytes.Equal(b, file) {
 			t.Errorf("%s: the state dir changed: %v, %q", tc.name, entries, b)
 		}
+	}
+}
+
+// TestManagerTakesUnseenFaults: a fault the manager logged and acknowledged
+// but died before its orchestration took in is taken in by the manager
+// that comes back: the recovery it starts waits for the members, then
+// pauses them.
+func TestManagerTakesUnseenFaults(t *testing.T) {
+	dir := t.TempDir()
+	// The manager before: it logged the fault, and its orchestration state
+	// says it took none in.
+	m, err := NewManager(ManagerConfig{Job: "job-1", Listen: "127.0.0.1:0", Security: insecureSec(), StateDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- m.Run(context.Background()) }()
+	if _, _, err := m.ReportFault(Fault{ID: "exit-3", Kind: FaultProcessExit, Position: Position{Node: 1, Rank: 3}}); err != nil {
+		t.Fatal(err)
+	}
+	m.Close()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if err := writeStateFile(filepath.Join(dir, orchStateFile), "job-1", 0, []byte(`{"epoch":"0123456789abcdef","next_run":0,"next_action":0,"seen":{"below":0}}`)); err != nil {
+		t.Fatal(err)
+	}
+
+	c := newCluster(t, insecureSec(), ManagerConfig{StateDir: dir, Nodes: 2, ProcsPerNode: 2, Orchestration: &OrchestrationConfig{Timeouts: Timeouts{Pause: 5 * time.Second}}})
+	st := c.m.Orchestrations(0)
+	if st.Current == nil || st.Current.State != StateStopping || len(st.Current.Faults) != 1 || st.Current.Faults[0].ID != "exit-3" {
+		t.Fatalf("after the restart: %+v", st.Current)
+	}
+	for r := range 3 {
+		c.addWorker(r/2, r)
+	}
+	// Their workers have no trainer: the pause reaches all three, and
+	// fails; so does the recovery.
+	waitFor(t, 20*time.Second, "the recovery ended", func() bool { return len(c.m.Orchestrations(0).History) == 1 })
+	o := c.m.Orchestrations(0).History[0]
+	if o.Restored != 1 || len(o.Transitions) < 3 || o.Transitions[1].To != StateStopping || !strings.HasSuffix(o.Transitions[2].Reason, "of 3 ranks paused") {
+		t.Fatalf("the recovery did not wait for the ranks: %+v", o.Transitions)
 	}
 }
