@@ -132,7 +132,7 @@ func run() error {
 	candidate := lease.Candidate{Job: *job, Name: os.Getenv("POD_NAME"),
 		Config: lease.ConfigHash(fmt.Appendf(nil, "job=%q nodes=%d procs-per-node=%d heartbeat-interval=%v heartbeat-deadline=%v orchestrate=%v pause-timeout=%v",
 			*job, *nodes, *ppn, *interval, *deadline, *orchestrate, *pause))}
-	l, err := newLease(*leaseKind, *leaseFile, *leaseName, candidate, log)
+	l, err := newLease(*leaseKind, *leaseFile, *leaseName, candidate, log, inCluster)
 	if err != nil {
 		return err
 	}
@@ -156,8 +156,19 @@ func run() error {
 	return m.Run(ctx)
 }
 
-// newLease returns the lease that --lease names, nil for none.
-func newLease(kind, file, name string, c lease.Candidate, log *slog.Logger) (lease.Lease, error) {
+// inCluster returns a client of the API server of the pod's cluster, as
+// its ServiceAccount.
+func inCluster() (kubernetes.Interface, error) {
+	rc, err := rest.InClusterConfig()
+	if err != nil {
+		return nil, fmt.Errorf("not in a pod, or its ServiceAccount is not mounted: %w", err)
+	}
+	return kubernetes.NewForConfig(rc)
+}
+
+// newLease returns the lease that --lease names, nil for none; client
+// makes the Kubernetes client of --lease kubernetes.
+func newLease(kind, file, name string, c lease.Candidate, log *slog.Logger, client func() (kubernetes.Interface, error)) (lease.Lease, error) {
 	switch kind {
 	case "":
 		if file != "" || name != "" {
@@ -177,15 +188,11 @@ func newLease(kind, file, name string, c lease.Candidate, log *slog.Logger) (lea
 		if name == "" {
 			return nil, errors.New("--lease kubernetes: name the Lease with --lease-name")
 		}
-		rc, err := rest.InClusterConfig()
-		if err != nil {
-			return nil, fmt.Errorf("--lease kubernetes: not in a pod, or its ServiceAccount is not mounted: %w", err)
-		}
-		client, err := kubernetes.NewForConfig(rc)
+		cl, err := client()
 		if err != nil {
 			return nil, fmt.Errorf("--lease kubernetes: %w", err)
 		}
-		l, err := leasek8s.New(leasek8s.Config{Client: client, Namespace: os.Getenv("POD_NAMESPACE"), Name: name, Candidate: c, Logger: log})
+		l, err := leasek8s.New(leasek8s.Config{Client: cl, Namespace: os.Getenv("POD_NAMESPACE"), Name: name, Candidate: c, Logger: log})
 		if err != nil {
 			return nil, fmt.Errorf("--lease kubernetes --lease-name %s (namespace $POD_NAMESPACE %q): %w", name, os.Getenv("POD_NAMESPACE"), err)
 		}

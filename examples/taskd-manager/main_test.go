@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"net"
@@ -12,6 +13,10 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/faultline-ml/faultline/taskd"
 	"github.com/faultline-ml/faultline/taskd/lease"
@@ -76,7 +81,7 @@ func TestLeaseFlags(t *testing.T) {
 		{"file", filepath.Join(t.TempDir(), "no", "such", "dir", "lease"), "", "--lease-file"},
 	} {
 		t.Setenv("KUBERNETES_SERVICE_HOST", "")
-		if _, err := newLease(tc.kind, tc.file, tc.name, c, slog.New(slog.DiscardHandler)); err == nil || !strings.Contains(err.Error(), tc.want) {
+		if _, err := newLease(tc.kind, tc.file, tc.name, c, slog.New(slog.DiscardHandler), inCluster); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("--lease %q --lease-file %q --lease-name %q: %v, want %q", tc.kind, tc.file, tc.name, err, tc.want)
 		}
 	}
@@ -200,5 +205,45 @@ func TestStandbyManagers(t *testing.T) {
 	data, _ = os.ReadFile(leaseFile)
 	if rec, err := lease.ParseRecord(data); err != nil || rec.Holder != "llm-manager-b" || rec.Token != 2 {
 		t.Fatalf("lease file: %+v %v", rec, err)
+	}
+}
+
+// TestKubernetesLease: with --lease kubernetes, the manager campaigns for
+// the Lease --lease-name in the namespace $POD_NAMESPACE, as $POD_NAME,
+// and serves only once it holds it.
+func TestKubernetesLease(t *testing.T) {
+	t.Setenv("POD_NAMESPACE", "training")
+	t.Setenv("POD_NAME", "llm-manager-7d9f5c-kx2lq")
+	client := fake.NewClientset()
+	c := lease.Candidate{Job: "llm", Config: lease.ConfigHash(nil), Name: os.Getenv("POD_NAME")}
+	l, err := newLease("kubernetes", "", "llm-manager", c, slog.New(slog.DiscardHandler), func() (kubernetes.Interface, error) { return client, nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan string, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- taskd.Lead(ctx, l, taskd.ManagerConfig{Job: "llm", Listen: "127.0.0.1:0", Security: taskd.Security{Insecure: true}},
+			func(m *taskd.Manager) { served <- m.Addr().String() })
+	}()
+	select {
+	case addr := <-served:
+		if !listening(addr) {
+			t.Fatal("the leader does not listen")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("no term within 30 s")
+	}
+	got, err := client.CoordinationV1().Leases("training").Get(context.Background(), "llm-manager", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h := got.Spec.HolderIdentity; h == nil || !strings.HasPrefix(*h, "llm-manager-7d9f5c-kx2lq/") {
+		t.Fatalf("holder %v", h)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
 	}
 }
