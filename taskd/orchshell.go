@@ -199,7 +199,10 @@ func (o *orchestrator) run(ctx context.Context) error {
 			state, history, err = o.core.save()
 		}
 		o.mu.Unlock()
-		if err == nil {
+		if err != nil {
+			o.met.stateErrs.Inc()
+			o.log.Error("taskd: orchestration state not encoded", "err", err)
+		} else {
 			err = o.persist(state, history)
 		}
 		if errors.Is(err, ErrStateFile) {
