@@ -766,6 +766,14 @@ func (m *Manager) liveWorkers() []int {
 	return m.resolveLocked(AllWorkers())
 }
 
+// isLive reports whether instance is the live worker of rank.
+func (m *Manager) isLive(rank int, instance string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	wm := m.reg.get(workerKey(rank))
+	return wm != nil && wm.instance == instance
+}
+
 // evict drops the live instances of ranks, whose processes recovery is
 // about to restart or replace, so that their successors may register at
 // once, and refuses those instances from now on.

@@ -159,7 +159,7 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 	m.mu.Unlock()
 	if fresh {
 		m.log.Info("taskd: member registered", "member", key.String(), "addr", nm.addr, "via", nm.via)
-		m.events.push(Event{Kind: EventRegistered, Time: now, Role: key.role, Position: nm.pos})
+		m.events.push(Event{Kind: EventRegistered, Time: now, Role: key.role, Position: nm.pos, instance: nm.instance})
 	}
 	m.wake()
 	return &pb.RegisterResponse{

@@ -466,6 +466,21 @@ func (m *machine) registered(now time.Time, rank int) {
 	}
 }
 
+// evicted takes in that repair id evicted the instances of ranks: only
+// the registrations of their successors count from now on.
+func (m *machine) evicted(id uint64, ranks []int) {
+	r := m.run
+	if r == nil || id == 0 || id != r.action || (r.o.State != StateRestarting && r.o.State != StateReplacing) {
+		return
+	}
+	for _, rank := range ranks {
+		if r.registered[rank] {
+			delete(r.registered, rank)
+			m.dirty = true
+		}
+	}
+}
+
 // request starts a link switch, switchback or stress test, unless an
 // orchestration runs.
 func (m *machine) request(now time.Time, kind OrchestrationKind, link *LinkRequest, stress *StressRequest) (uint64, error) {

@@ -130,7 +130,10 @@ func (o *orchestrator) handler() Handler {
 				c.fault(now, ev.Fault)
 			})
 		case EventRegistered:
-			if ev.Role == RoleWorker {
+			// A registration counts for a repair only while its instance
+			// lives: one evicted since, that the repair is replacing,
+			// does not.
+			if ev.Role == RoleWorker && o.m.isLive(ev.Position.Rank, ev.instance) {
 				o.feed(func(now time.Time, c *machine) {
 					o.nodeOf[ev.Position.Rank] = ev.Position.Node
 					c.registered(now, ev.Position.Rank)
@@ -691,7 +694,7 @@ func (o *orchestrator) repair(ctx context.Context, a action) ([]int, error) {
 		ranks = append(ranks, f.Position.Rank)
 	}
 	ranks = sortedUnique(ranks)
-	o.m.evict(ranks, fmt.Sprintf("replaced by orchestration #%d", a.run))
+	o.evict(a, ranks, fmt.Sprintf("replaced by orchestration #%d", a.run))
 	g, gctx := errgroup.WithContext(ctx)
 	for _, d := range scopes {
 		g.Go(func() error {
@@ -710,6 +713,14 @@ func (o *orchestrator) repair(ctx context.Context, a action) ([]int, error) {
 	return ranks, g.Wait()
 }
 
+// evict drops the live instances of ranks before repair a restarts or
+// replaces their processes, and tells the core: what they registered
+// before does not count for the repair, only their successors do.
+func (o *orchestrator) evict(a action, ranks []int, why string) {
+	o.m.evict(ranks, why)
+	o.feed(func(_ time.Time, c *machine) { c.evicted(a.id, ranks) })
+}
+
 // restartInPlace restarts each faulty process on its own node (or pod):
 // the nodes at once, the processes of one node one after the other.
 func (o *orchestrator) restartInPlace(ctx context.Context, a action, decisions map[int]rescheduling.Decision) ([]int, error) {
@@ -717,7 +728,7 @@ func (o *orchestrator) restartInPlace(ctx context.Context, a action, decisions m
 	for _, f := range a.faults {
 		ranks = append(ranks, f.Position.Rank)
 	}
-	o.m.evict(ranks, fmt.Sprintf("restarted by orchestration #%d", a.run))
+	o.evict(a, ranks, fmt.Sprintf("restarted by orchestration #%d", a.run))
 	var g errgroup.Group
 	for _, calls := range o.inPlaceCalls(a.faults, decisions) {
 		g.Go(func() error {

@@ -382,7 +382,12 @@ func checkResumed(t testing.TB, out []*lines, every int64, rec taskd.Orchestrati
 	}
 	for r, l := range out {
 		i := from[r]
+		// A rank's saves go on: the resume must come before a deadline.
+		deadline := time.Now().Add(30 * time.Second)
 		for ; ; i++ {
+			if time.Now().After(deadline) {
+				t.Fatalf("rank %d: no resume by %s within 30 s: %q", r, rec.Strategy, l.from(from[r]))
+			}
 			i = l.wait(t, i, "event ", 30*time.Second)
 			k, step, detail, _ := event(l.from(i)[0])
 			if (k == "resume" || k == "start") && detail == string(rec.Strategy) {
