@@ -353,7 +353,7 @@ func TestStreamsPerPeerBounded(t *testing.T) {
 func dialFrom(t testing.TB, local, addr string, sec Security) *grpc.ClientConn {
 	t.Helper()
 	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(local)}}
-	opts := append(sec.dialOptions(addr, discardIfNil(nil)), grpc.WithContextDialer(func(ctx context.Context, a string) (net.Conn, error) {
+	opts := append(sec.dialOptions([]string{addr}, discardIfNil(nil)), grpc.WithContextDialer(func(ctx context.Context, a string) (net.Conn, error) {
 		return d.DialContext(ctx, "tcp", a)
 	}))
 	conn, err := grpc.NewClient("passthrough:///"+addr, opts...)

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/faultline-ml/faultline/taskd/lease"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -43,6 +44,13 @@ type childArgs struct {
 	Interval time.Duration
 	Deadline time.Duration
 	Ack      time.Duration
+	// A manager with LeaseFile is one of the job's managers that Lead
+	// runs, named Name, of a job of Nodes×PPN ranks, trying the lease
+	// every LeaseRetry (default 20 ms).
+	LeaseFile  string
+	Name       string
+	Nodes, PPN int
+	LeaseRetry time.Duration
 }
 
 func (a childArgs) security() Security {
@@ -77,8 +85,20 @@ func runChild(role string) int {
 	var err error
 	switch role {
 	case "manager":
+		cfg := ManagerConfig{Job: a.Job, Listen: a.Listen, Security: a.security(), StateDir: a.StateDir, Nodes: a.Nodes, ProcsPerNode: a.PPN,
+			HeartbeatInterval: a.Interval, HeartbeatDeadline: a.Deadline, AckTimeout: a.Ack, Logger: log}
+		if a.LeaseFile != "" {
+			var l *lease.File
+			l, err = lease.NewFile(lease.FileConfig{Path: a.LeaseFile, Candidate: lease.Candidate{Job: a.Job, Config: "test", Name: a.Name},
+				RetryPeriod: orDefault(a.LeaseRetry, 20*time.Millisecond)})
+			if err == nil {
+				say("standby")
+				err = Lead(ctx, l, cfg, func(m *Manager) { say("ready %s %d", m.Addr(), m.cfg.Term.Token()) })
+			}
+			break
+		}
 		var m *Manager
-		m, err = NewManager(ManagerConfig{Job: a.Job, Listen: a.Listen, Security: a.security(), StateDir: a.StateDir, HeartbeatInterval: a.Interval, HeartbeatDeadline: a.Deadline, AckTimeout: a.Ack, Logger: log})
+		m, err = NewManager(cfg)
 		if err == nil {
 			say("ready %s", m.Addr())
 			err = m.Run(ctx)

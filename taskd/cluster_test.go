@@ -12,6 +12,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
+	"github.com/faultline-ml/faultline/taskd/lease"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -64,8 +65,9 @@ func (c *cluster) run(key any, f func(context.Context) error) {
 	go func() {
 		defer c.wg.Done()
 		// An in-process worker that recovery restarted is evicted: its
-		// successor is the test's to start.
-		if err := f(ctx); err != nil && !errors.Is(err, ErrEvicted) {
+		// successor is the test's to start. A manager whose lease term
+		// the test ended stops.
+		if err := f(ctx); err != nil && !errors.Is(err, ErrEvicted) && !errors.Is(err, lease.ErrLost) {
 			c.t.Errorf("%T.Run: %v", key, err)
 		}
 	}()

@@ -90,7 +90,7 @@ func (m *Manager) Collect(ctx context.Context, opts CollectOptions) ([]CollectRe
 	defer span.End()
 	id := m.nextID.Add(1)
 	c := &collection{id: id, waiting: make(map[int]bool), results: make(map[int]CollectResult), done: make(chan struct{})}
-	env := &pb.Envelope{Id: id, Body: &pb.Envelope_Collect{Collect: &pb.CollectRequest{Collection: id, Dotting: opts.Dotting, Stacks: opts.Stacks}}}
+	env := &pb.Envelope{Id: id, Fence: m.token(), Body: &pb.Envelope_Collect{Collect: &pb.CollectRequest{Collection: id, Dotting: opts.Dotting, Stacks: opts.Stacks}}}
 	m.mu.Lock()
 	nodes := sortedUnique(opts.Nodes)
 	if opts.Nodes == nil {

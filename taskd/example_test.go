@@ -3,10 +3,15 @@ package taskd_test
 import (
 	"context"
 	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/taskd/lease"
 	"github.com/faultline-ml/faultline/taskd/trainertest"
 	"github.com/faultline-ml/faultline/trace"
 )
@@ -116,4 +121,64 @@ func ExampleManager_SwitchLink() {
 	// Output:
 	// [pausing switching continuing switched] <nil> map[0:standby 1:standby]
 	// switchback switched <nil> 0
+}
+
+// Two managers of one job share a lease file: the first leads and serves,
+// the second stands by without listening. When the leader stops, it
+// resigns, and the standby leads with the next fencing token. A worker
+// given both addresses follows the leader.
+func ExampleLead() {
+	dir, _ := os.MkdirTemp("", "taskd-example-")
+	defer os.RemoveAll(dir)
+	sec := taskd.Security{Insecure: true}
+	addrs := []string{freeAddr(), freeAddr()}
+	leading := make(chan *taskd.Manager, 2)
+	manager := func(i int) (context.CancelFunc, <-chan error) {
+		l, err := lease.NewFile(lease.FileConfig{Path: filepath.Join(dir, "manager.lease"),
+			Candidate: lease.Candidate{Job: "job-1", Config: lease.ConfigHash([]byte("nodes=1")), Name: fmt.Sprintf("mgr-%d", i)}})
+		if err != nil {
+			panic(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() {
+			done <- taskd.Lead(ctx, l, taskd.ManagerConfig{Job: "job-1", Listen: addrs[i], Security: sec}, func(m *taskd.Manager) { leading <- m })
+		}()
+		return cancel, done
+	}
+	stopFirst, firstDone := manager(0)
+	fmt.Println("leading at", (<-leading).Addr().String() == addrs[0])
+	stopSecond, secondDone := manager(1)
+
+	w, err := taskd.NewWorker(taskd.WorkerConfig{Job: "job-1", Node: 0, Rank: 0, Upstream: strings.Join(addrs, ","), Security: sec})
+	if err != nil {
+		panic(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	go w.Run(ctx)
+	for !w.Connected() {
+		time.Sleep(time.Millisecond)
+	}
+
+	stopFirst()
+	fmt.Println("first manager:", <-firstDone)
+	fmt.Println("leading at", (<-leading).Addr().String() == addrs[1])
+	cancel()
+	w.Close()
+	stopSecond()
+	fmt.Println("second manager:", <-secondDone)
+	// Output:
+	// leading at true
+	// first manager: <nil>
+	// leading at true
+	// second manager: <nil>
+}
+
+func freeAddr() string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
 }

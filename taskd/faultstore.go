@@ -139,6 +139,13 @@ func (s *faultStore) after(seq uint64) []Fault {
 	return s.faults.after(seq)
 }
 
+// newest returns the Seq of the newest fault taken in, 0 when none.
+func (s *faultStore) newest() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.faults.next - 1
+}
+
 // page returns at most limit faults with Seq above seq, oldest first.
 func (s *faultStore) page(seq uint64, limit int) []Fault {
 	s.mu.Lock()

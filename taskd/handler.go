@@ -53,6 +53,8 @@ type Event struct {
 	Switch   trace.Switch // EventSwitch
 	// Departure is who left (EventLeft); a proxy's Position.Rank is -1.
 	Departure Departure
+	// instance is the process that registered (EventRegistered).
+	instance string
 }
 
 // Message is an application message between the manager and a member.

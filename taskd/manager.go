@@ -3,6 +3,7 @@ package taskd
 import (
 	"context"
 	"crypto/rand"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -29,6 +30,7 @@ import (
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 	"github.com/faultline-ml/faultline/internal/promreg"
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/taskd/lease"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -86,9 +88,16 @@ type ManagerConfig struct {
 	// MaxConnectionsPerPeer those from one peer address (default 256);
 	// more are closed at once, counted and logged.
 	MaxConnections, MaxConnectionsPerPeer int
-	// StateDir, when set, keeps the fault log (faults.jsonl) and the switch
-	// (switch.json) across restarts. Faults are acknowledged to reporters
-	// only after they are synced there.
+	// StateDir, when set, keeps the fault log (faults.jsonl), the switch
+	// (switch.json) and the orchestration state (orchestration.json and
+	// orchestration-history.json) across restarts, so that a manager that
+	// restarts, or a standby that takes the lease over on a shared
+	// filesystem, finishes the orchestration in progress. Faults are
+	// acknowledged to reporters only after they are synced there, and
+	// every change of an orchestration is written there before the
+	// manager acts on it. A state of another job, of an unknown version
+	// or of a newer lease term is refused (*StateFileError) and left as
+	// it is.
 	StateDir string
 	// MaxFaults bounds the fault log; the oldest go first (default 10000).
 	MaxFaults int
@@ -105,6 +114,15 @@ type ManagerConfig struct {
 	// faults taken in, and link switches and stress tests on request
 	// (see OrchestrationConfig); nil: off.
 	Orchestration *OrchestrationConfig
+	// Term, when set, is the lease term under which this manager leads the
+	// job, one of several (see package lease): the manager serves until
+	// the term ends, and Run then returns its cause (wrapping
+	// lease.ErrLost). Every command it sends carries the term's fencing
+	// token, and members refuse the commands of an older term than the
+	// newest they have seen; it confirms the term (Term.Check) before each
+	// act of an orchestration, and writes its state in StateDir only over
+	// a state of no newer term. Nil: this manager leads alone.
+	Term lease.Term
 	// Observability; nil means off.
 	Registerer     prometheus.Registerer
 	TracerProvider oteltrace.TracerProvider
@@ -276,6 +294,10 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		tp = noop.NewTracerProvider()
 	}
 	m.tracer = tp.Tracer("github.com/faultline-ml/faultline/taskd")
+	// Message ids start at random: those of a manager that took over
+	// differ from its predecessor's, whose acknowledgements and whose
+	// ids that workers remember are still about.
+	m.nextID.Store(randomUint64() >> 1)
 	m.faults = newFaultStore(cfg.MaxFaults, m.log)
 	m.events = newEventQueue(1<<16, m.met.eventsDropped.Inc)
 	if cfg.Orchestration != nil {
@@ -342,6 +364,14 @@ func (m *Manager) policy(method string, cred credential) error {
 	return nil
 }
 
+// token returns the fencing token of the manager's term, 0 without one.
+func (m *Manager) token() uint64 {
+	if m.cfg.Term == nil {
+		return 0
+	}
+	return m.cfg.Term.Token()
+}
+
 // Addr returns the address the manager listens on.
 func (m *Manager) Addr() net.Addr { return m.lis.Addr() }
 
@@ -357,6 +387,12 @@ func (m *Manager) Run(ctx context.Context) error {
 	defer close(m.runDone)
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	if t := m.cfg.Term; t != nil {
+		// A deposed manager stops at once: its listener and every
+		// connection close, and its orchestration's actions end.
+		stop := context.AfterFunc(t.Context(), cancel)
+		defer stop()
+	}
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error {
 		if err := m.srv.Serve(m.lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
@@ -399,6 +435,9 @@ func (m *Manager) Run(ctx context.Context) error {
 		m.fanSpan = nil
 	}
 	m.mu.Unlock()
+	if t := m.cfg.Term; t != nil && err == nil && t.Context().Err() != nil {
+		err = fmt.Errorf("taskd: manager of job %q: %w", m.cfg.Job, context.Cause(t.Context()))
+	}
 	return err
 }
 
@@ -590,7 +629,7 @@ func (m *Manager) routeLocked(env *pb.Envelope, ranks []int) (unrouted []int) {
 			continue
 		}
 		if direct == nil {
-			direct = &pb.Envelope{Id: env.Id, Body: env.Body}
+			direct = &pb.Envelope{Id: env.Id, Body: env.Body, Fence: m.token()}
 		}
 		m.push(dl, direct)
 	}
@@ -603,7 +642,7 @@ func (m *Manager) routeLocked(env *pb.Envelope, ranks []int) (unrouted []int) {
 			}
 			continue
 		}
-		m.push(dl, &pb.Envelope{Id: env.Id, Ranks: rs, Body: env.Body})
+		m.push(dl, &pb.Envelope{Id: env.Id, Ranks: rs, Body: env.Body, Fence: m.token()})
 	}
 	return unrouted
 }
@@ -725,6 +764,14 @@ func (m *Manager) liveWorkers() []int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.resolveLocked(AllWorkers())
+}
+
+// isLive reports whether instance is the live worker of rank.
+func (m *Manager) isLive(rank int, instance string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	wm := m.reg.get(workerKey(rank))
+	return wm != nil && wm.instance == instance
 }
 
 // evict drops the live instances of ranks, whose processes recovery is
@@ -983,7 +1030,9 @@ const (
 	maxAckReplyBytes = 64 << 10
 )
 
-// loadState reads the fault log and switch kept in StateDir.
+// loadState reads the fault log, switch and orchestration state kept in
+// StateDir. The orchestration state is read first: one that this manager
+// cannot take over stops it before it changes anything there.
 func (m *Manager) loadState() error {
 	dir := m.cfg.StateDir
 	if dir == "" {
@@ -991,6 +1040,12 @@ func (m *Manager) loadState() error {
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("taskd: state dir: %w", err)
+	}
+	// Read whether orchestration is on or not: another job's state is
+	// refused either way.
+	orch, err := readOrchestration(dir, m.cfg.Job, m.token())
+	if err != nil {
+		return err
 	}
 	swFile := filepath.Join(dir, "switch.json")
 	if data, err := os.ReadFile(swFile); err == nil {
@@ -1002,11 +1057,23 @@ func (m *Manager) loadState() error {
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("taskd: state file: %w", err)
 	}
-	return m.faults.load(dir)
+	if err := m.faults.load(dir); err != nil {
+		return err
+	}
+	if m.orch != nil {
+		m.orch.take(orch, m.faults)
+	}
+	return nil
 }
 
 // closeState closes the state file of a manager that never ran.
 func (m *Manager) closeState() { m.faults.closeFile() }
+
+func randomUint64() uint64 {
+	var b [8]byte
+	rand.Read(b[:])
+	return binary.LittleEndian.Uint64(b[:])
+}
 
 // newInstanceID returns a random identifier for one process start.
 func newInstanceID() string {

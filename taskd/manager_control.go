@@ -159,7 +159,7 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 	m.mu.Unlock()
 	if fresh {
 		m.log.Info("taskd: member registered", "member", key.String(), "addr", nm.addr, "via", nm.via)
-		m.events.push(Event{Kind: EventRegistered, Time: now, Role: key.role, Position: nm.pos})
+		m.events.push(Event{Kind: EventRegistered, Time: now, Role: key.role, Position: nm.pos, instance: nm.instance})
 	}
 	m.wake()
 	return &pb.RegisterResponse{
@@ -167,6 +167,7 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		HeartbeatDeadlineMs: m.cfg.HeartbeatDeadline.Milliseconds(),
 		ManagerInstance:     m.instance,
 		Secret:              secret,
+		Fence:               m.token(),
 		// Checked after registering: a worker held here registered before
 		// the resume picked its targets, so the resume reaches it.
 		Held: key.role == RoleWorker && m.orch != nil && m.orch.holding(nm.pos.Rank),
@@ -220,7 +221,7 @@ func (s *managerControl) Heartbeat(ctx context.Context, req *pb.HeartbeatRequest
 	}
 	caller := callerOf(ctx)
 	now := time.Now()
-	resp := &pb.HeartbeatResponse{ManagerInstance: m.instance}
+	resp := &pb.HeartbeatResponse{ManagerInstance: m.instance, Fence: m.token()}
 	m.mu.Lock()
 	for _, b := range req.GetBeats() {
 		// Clamped before it becomes a Duration, which an age of 2^63 ns

@@ -71,6 +71,7 @@ type proxyMetrics struct {
 	rateLimited prometheus.Counter
 	dropped     prometheus.Counter
 	collected   prometheus.Counter
+	fenced      prometheus.Counter
 	guard       guardMetrics
 }
 
@@ -83,6 +84,7 @@ func newProxyMetrics(r *promreg.Registrar) *proxyMetrics {
 		rateLimited: f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_proxy_rate_limited_total", Help: "Calls refused by the per-connection rate limit."}),
 		dropped:     f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_proxy_downlink_dropped_total", Help: "Downward messages dropped because a worker's send queue was full (they are re-sent)."}),
 		collected:   f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_proxy_collected_bytes_total", Help: "Bytes of dotting and stack files shipped to the manager."}),
+		fenced:      f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_proxy_fenced_total", Help: "Managers and their messages refused because their lease term is older than the newest the proxy has seen."}),
 		guard:       newGuardMetrics(f, "faultline_taskd_proxy_"),
 	}
 }
@@ -92,6 +94,7 @@ type workerMetrics struct {
 	overflow   prometheus.Counter
 	reconnects prometheus.Counter
 	refused    prometheus.Counter
+	fenced     prometheus.Counter
 	applied    *prometheus.CounterVec
 }
 
@@ -102,6 +105,7 @@ func newWorkerMetrics(r *promreg.Registrar) *workerMetrics {
 		overflow:   f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_worker_queue_overflow_total", Help: "Reports refused because the queue was full."}),
 		reconnects: f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_worker_reconnects_total", Help: "Registrations after the first."}),
 		refused:    f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_worker_registrations_refused_total", Help: "Registrations refused because another live instance holds the rank."}),
+		fenced:     f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_worker_fenced_total", Help: "Managers and their messages refused because their lease term is older than the newest the worker has seen."}),
 		applied:    f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_worker_messages_total", Help: "Downward messages handled, by kind and result (ok, error)."}, []string{"kind", "result"}),
 	}
 }

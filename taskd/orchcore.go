@@ -154,6 +154,14 @@ type coreRun struct {
 	registered  map[int]bool
 	restarted   []int // every rank restarted in this run
 	resumeStep  int64
+	// restored is set on a run that a manager took over from the state
+	// another left (it restarted, or a standby took the lease); settling
+	// while it waits for the members to register again, before it
+	// carries on; deferred are the faults it took in meanwhile, for it to
+	// react to once it carries on.
+	restored bool
+	settling bool
+	deferred []Fault
 }
 
 // addFault takes f in and reports whether its rank is newly faulty. A
@@ -235,12 +243,21 @@ type machine struct {
 	nextAction  uint64
 	restartedAt map[int]time.Time     // rank -> when its last restart began
 	links       map[[2]int]LinkTarget // (node, device) -> target, for links off their primary
-	out         []action
-	trans       []transitionEvent
+	// epoch is random per machine, kept with its state: it makes the keys
+	// of the commands a worker carries out once (see onceKey) differ from
+	// those of any other manager's orchestrations.
+	epoch string
+	seen  faultMark // the faults of the log taken in
+	out   []action
+	trans []transitionEvent
+	// dirty is set by every input that changed the state, and cleared by
+	// save: the shell writes the state down before it acts on it.
+	dirty   bool
+	histNew bool // an orchestration joined the history since the last save
 }
 
 func newMachine(cfg coreConfig) *machine {
-	return &machine{cfg: cfg, restartedAt: make(map[int]time.Time), links: make(map[[2]int]LinkTarget)}
+	return &machine{cfg: cfg, restartedAt: make(map[int]time.Time), links: make(map[[2]int]LinkTarget), epoch: newInstanceID()[:16]}
 }
 
 // ready returns what the core asks for and what changed since the last
@@ -270,10 +287,18 @@ func (m *machine) deadline() time.Time {
 // restarted had registered before the resume went out, so the resume
 // reaches it, and its registration now is the same process registering
 // again (its answer to the first was lost, say).
+//
+// A run taken over from another manager holds every rank: a worker held
+// by the manager before does not know whether the resume it waits for
+// went out, and one whose registration comes after the resume picked its
+// targets gets it again (registered).
 func (m *machine) holding(rank int) bool {
 	r := m.run
 	if r == nil {
 		return false
+	}
+	if r.restored {
+		return true
 	}
 	switch r.o.State {
 	case StateResuming:
@@ -297,16 +322,23 @@ func (m *machine) status(after uint64) OrchestrationStatus {
 			st.History = append(st.History, o.clone())
 		}
 	}
+	st.Links = m.linkStates()
+	return st
+}
+
+// linkStates returns the links off their primary, by node and device.
+func (m *machine) linkStates() []LinkState {
+	var out []LinkState
 	for k, t := range m.links {
-		st.Links = append(st.Links, LinkState{Node: k[0], Device: k[1], Target: t})
+		out = append(out, LinkState{Node: k[0], Device: k[1], Target: t})
 	}
-	slices.SortFunc(st.Links, func(a, b LinkState) int {
+	slices.SortFunc(out, func(a, b LinkState) int {
 		if a.Node != b.Node {
 			return a.Node - b.Node
 		}
 		return a.Device - b.Device
 	})
-	return st
+	return out
 }
 
 func faultTime(f Fault) time.Time {
@@ -329,25 +361,61 @@ func describeFault(f Fault) string {
 
 // fault takes in a fault from the job's fault log.
 func (m *machine) fault(now time.Time, f Fault) {
+	if m.seen.add(f.Seq) {
+		m.dirty = true
+	}
 	if !m.cfg.triggers[f.Kind] || f.Position.Rank < 0 {
 		return
 	}
 	if t, ok := m.restartedAt[f.Position.Rank]; ok && faultTime(f).Before(t) {
 		return // it happened before the rank's process was restarted
 	}
+	m.dirty = true
 	r := m.run
 	if r == nil {
 		m.startRecovery(now, []Fault{f}, 0, describeFault(f))
 		return
 	}
-	if r.o.Kind != KindRecovery {
-		m.linkFault(now, f)
+	if !m.take(f) {
 		return
 	}
-	if !r.addFault(f) {
+	if r.settling {
+		r.deferred = append(r.deferred, f.clone())
 		return
 	}
+	m.react(now, f)
+}
+
+// take takes f into the orchestration in progress, and reports whether
+// the orchestration is to react to it: a recovery to a rank newly
+// faulty, a link switch or stress test to any fault it had not seen.
+func (m *machine) take(f Fault) bool {
+	r := m.run
+	if r.o.Kind == KindRecovery {
+		return r.addFault(f)
+	}
+	if slices.ContainsFunc(r.handover, func(g Fault) bool { return g.ID == f.ID }) {
+		return false
+	}
+	r.handover = append(r.handover, f.clone())
+	return true
+}
+
+// react moves the orchestration in progress on after it took f in. A
+// link switch or stress test hands over to a recovery, at once or when
+// the links it is moving have answered.
+func (m *machine) react(now time.Time, f Fault) {
+	r := m.run
 	why := describeFault(f)
+	if r.o.Kind != KindRecovery {
+		switch r.o.State {
+		case StateSwitching, StateTesting:
+			r.pending = true
+		default:
+			m.handOver(now, why)
+		}
+		return
+	}
 	switch r.o.State {
 	case StateStopping:
 		if deadKind(f.Kind) {
@@ -371,31 +439,46 @@ func (m *machine) fault(now time.Time, f Fault) {
 	// dumping, exiting: the job ends anyway.
 }
 
-// linkFault takes in a fault during a link switch or stress test: the run
-// hands over to a recovery, at once or when the links it is moving have
-// answered.
-func (m *machine) linkFault(now time.Time, f Fault) {
-	r := m.run
-	if slices.ContainsFunc(r.handover, func(g Fault) bool { return g.ID == f.ID }) {
-		return
-	}
-	r.handover = append(r.handover, f.clone())
-	switch r.o.State {
-	case StateSwitching, StateTesting:
-		r.pending = true
-	default:
-		m.handOver(now, describeFault(f))
-	}
-}
-
 // registered takes in a worker that registered as a new instance.
 func (m *machine) registered(now time.Time, rank int) {
 	r := m.run
-	if r == nil || (r.o.State != StateRestarting && r.o.State != StateReplacing) {
+	if r == nil {
 		return
 	}
-	r.registered[rank] = true
-	m.checkRepaired(now)
+	switch r.o.State {
+	case StateRestarting, StateReplacing:
+		if r.settling && !r.repairDone {
+			return // the repair is made again: what registered before it does not count
+		}
+		r.registered[rank] = true
+		m.dirty = true
+		if !r.settling {
+			m.checkRepaired(now)
+		}
+	case StateResuming, StateContinuing:
+		if r.restored && !r.settling {
+			// Taken over, the resume may have picked its targets before
+			// this rank registered again: it goes out again, and the
+			// ranks that carried it out already answer at once.
+			m.dirty = true
+			m.issue(now)
+		}
+	}
+}
+
+// evicted takes in that repair id evicted the instances of ranks: only
+// the registrations of their successors count from now on.
+func (m *machine) evicted(id uint64, ranks []int) {
+	r := m.run
+	if r == nil || id == 0 || id != r.action || (r.o.State != StateRestarting && r.o.State != StateReplacing) {
+		return
+	}
+	for _, rank := range ranks {
+		if r.registered[rank] {
+			delete(r.registered, rank)
+			m.dirty = true
+		}
+	}
 }
 
 // request starts a link switch, switchback or stress test, unless an
@@ -404,6 +487,7 @@ func (m *machine) request(now time.Time, kind OrchestrationKind, link *LinkReque
 	if m.run != nil {
 		return 0, fmt.Errorf("%w: %s #%d is %s", ErrBusy, m.run.o.Kind, m.run.o.ID, m.run.o.State)
 	}
+	m.dirty = true
 	m.nextRun++
 	r := m.newRun(now, kind)
 	r.o.Link, r.o.Stress = link, stress
@@ -467,7 +551,6 @@ func (m *machine) broadcast(now time.Time, msg string, to Target, except []int, 
 // that state needs.
 func (m *machine) enter(now time.Time, to State, why string) {
 	r := m.run
-	T := m.cfg.timeouts
 	switch to {
 	case StateRetrying:
 		r.o.Strategy = StrategyRetry
@@ -482,6 +565,27 @@ func (m *machine) enter(now time.Time, to State, why string) {
 			r.o.Strategy = StrategyExit
 		}
 	}
+	m.record(now, to, why)
+	if to.Terminal() {
+		m.finish()
+		return
+	}
+	if to == StateRestarting || to == StateReplacing {
+		faults := r.primaries()
+		r.repairStart, r.repairDone, r.awaited, r.registered = now, false, nil, make(map[int]bool)
+		r.repairing = make(map[int]Fault, len(faults))
+		for _, f := range faults {
+			r.repairing[f.Position.Rank] = f
+		}
+	}
+	m.issue(now)
+}
+
+// record notes the transition of the orchestration in progress to state
+// to.
+func (m *machine) record(now time.Time, to State, why string) {
+	r := m.run
+	m.dirty = true
 	t := Transition{From: r.o.State, To: to, Time: now, Reason: why}
 	r.o.State = to
 	r.o.Transitions = append(r.o.Transitions, t)
@@ -490,12 +594,14 @@ func (m *machine) enter(now time.Time, to State, why string) {
 		r.o.Done, r.o.End, r.o.Outcome = true, now, why
 	}
 	m.trans = append(m.trans, transitionEvent{o: r.o.clone(), t: t})
-	if to.Terminal() {
-		m.finish()
-		return
-	}
+}
+
+// issue asks for what the state in progress needs.
+func (m *machine) issue(now time.Time) {
+	r := m.run
+	T := m.cfg.timeouts
 	all := AllWorkers()
-	switch to {
+	switch r.o.State {
 	case StateStopping, StatePausing:
 		m.broadcast(now, kindPause, all, r.dead(), orchMsg{}, T.Pause)
 	case StateNotifying:
@@ -503,28 +609,18 @@ func (m *machine) enter(now time.Time, to State, why string) {
 	case StateDeciding:
 		m.act(now, action{kind: actDecide, faults: r.primaries(), timeout: T.Decide})
 	case StateRetrying:
-		m.broadcast(now, kindRetry, all, r.dead(), orchMsg{}, T.Retry)
+		m.broadcast(now, kindRetry, all, r.dead(), orchMsg{Once: m.onceKey()}, T.Retry)
 	case StateRestarting, StateReplacing:
-		timeout := T.Restart
-		if to == StateReplacing {
-			timeout = T.Replace
-		}
-		faults := r.primaries()
-		r.repairStart, r.repairDone, r.awaited, r.registered = now, false, nil, make(map[int]bool)
-		r.repairing = make(map[int]Fault, len(faults))
-		for _, f := range faults {
-			r.repairing[f.Position.Rank] = f
-		}
-		m.act(now, action{kind: actRepair, strategy: r.o.Strategy, faults: faults, timeout: timeout})
+		m.act(now, action{kind: actRepair, strategy: r.o.Strategy, faults: slices.SortedFunc(maps.Values(r.repairing), byRank), timeout: m.repairTimeout()})
 	case StateLoading:
 		m.act(now, action{kind: actLoad, timeout: T.Load})
 	case StateResuming:
 		resume := ResumeRequest{Step: r.resumeStep, Strategy: r.o.Strategy, Restarted: slices.Clone(r.restarted)}
-		m.broadcast(now, kindResume, all, r.dead(), orchMsg{Resume: &resume}, T.Resume)
+		m.broadcast(now, kindResume, all, r.dead(), orchMsg{Resume: &resume, Once: m.onceKey()}, T.Resume)
 	case StateDumping:
 		m.act(now, action{kind: actPersist, timeout: T.Dump})
 	case StateExiting:
-		m.broadcast(now, kindStop, all, r.dead(), orchMsg{Reason: why}, T.Exit)
+		m.broadcast(now, kindStop, all, r.dead(), orchMsg{Reason: r.o.reasonFor(StateExiting)}, T.Exit)
 	case StateSwitching:
 		l := *r.o.Link
 		tgt := Target{Ranks: l.Ranks}
@@ -536,8 +632,34 @@ func (m *machine) enter(now time.Time, to State, why string) {
 		s := *r.o.Stress
 		m.broadcast(now, kindStress, Target{Nodes: s.Nodes, Ranks: s.Ranks}, nil, orchMsg{Stress: &s}, T.Stress)
 	case StateContinuing:
-		m.broadcast(now, kindResume, all, nil, orchMsg{Resume: &ResumeRequest{Step: -1}}, T.Resume)
+		m.broadcast(now, kindResume, all, nil, orchMsg{Resume: &ResumeRequest{Step: -1}, Once: m.onceKey()}, T.Resume)
 	}
+}
+
+// reasonFor returns why the orchestration entered state last.
+func (o *Orchestration) reasonFor(state State) string {
+	for i := len(o.Transitions) - 1; i >= 0; i-- {
+		if t := o.Transitions[i]; t.To == state && t.From != state {
+			return t.Reason
+		}
+	}
+	return ""
+}
+
+func byRank(a, b Fault) int { return a.Position.Rank - b.Position.Rank }
+
+func (m *machine) repairTimeout() time.Duration {
+	if m.run.o.State == StateReplacing {
+		return m.cfg.timeouts.Replace
+	}
+	return m.cfg.timeouts.Restart
+}
+
+// onceKey names the retry, resume or continue of the round in progress: a worker
+// carries out a command with a key once, however many managers send it.
+func (m *machine) onceKey() string {
+	r := m.run
+	return fmt.Sprintf("%s/%d/%d/%s", m.epoch, r.o.ID, r.o.Round, r.o.State)
 }
 
 // finish files the orchestration that reached a terminal state.
@@ -555,6 +677,7 @@ func (m *machine) finish() {
 		}
 	}
 	m.history = append(m.history, r.o)
+	m.histNew = true
 	if over := len(m.history) - m.cfg.maxHistory; over > 0 {
 		m.history = slices.Delete(m.history, 0, over)
 	}
@@ -589,6 +712,7 @@ func (m *machine) delivered(now time.Time, id uint64, results []rankResult) {
 	if r == nil || id == 0 || id != r.action {
 		return
 	}
+	m.dirty = true
 	var failed []rankResult
 	for _, res := range results {
 		if res.err != nil {
@@ -738,6 +862,7 @@ func (m *machine) decided(now time.Time, id uint64, l level, why string) {
 	if r == nil || id == 0 || id != r.action || r.o.State != StateDeciding {
 		return
 	}
+	m.dirty = true
 	r.level = l
 	m.pickRepair(now, "policy: "+why)
 }
@@ -791,6 +916,7 @@ func (m *machine) repaired(now time.Time, id uint64, ranks []int, err error) {
 	if r == nil || id == 0 || id != r.action || (r.o.State != StateRestarting && r.o.State != StateReplacing) {
 		return
 	}
+	m.dirty = true
 	if err != nil {
 		m.repairFailed(now, fmt.Sprintf("%s failed: %v", r.o.Strategy, err))
 		return
@@ -880,6 +1006,7 @@ func (m *machine) loaded(now time.Time, id uint64, step int64, err error) {
 	if r == nil || id == 0 || id != r.action || r.o.State != StateLoading {
 		return
 	}
+	m.dirty = true
 	if err != nil {
 		r.resumeStep = -1
 		m.enter(now, StateResuming, fmt.Sprintf("no checkpoint readied (%v); ranks continue from their own state", err))
@@ -895,6 +1022,7 @@ func (m *machine) persisted(now time.Time, id uint64, step int64, err error) {
 	if r == nil || id == 0 || id != r.action || r.o.State != StateDumping {
 		return
 	}
+	m.dirty = true
 	if err != nil {
 		r.failed[StrategyDump] = true
 		m.enter(now, StateExiting, fmt.Sprintf("dump failed: %v", err))
@@ -923,9 +1051,10 @@ func (m *machine) handOver(now time.Time, why string) {
 // tick moves the orchestration in progress on when its state timed out.
 func (m *machine) tick(now time.Time) {
 	r := m.run
-	if r == nil || r.deadline.IsZero() || now.Before(r.deadline) {
+	if r == nil || r.settling || r.deadline.IsZero() || now.Before(r.deadline) {
 		return
 	}
+	m.dirty = true
 	why := fmt.Sprintf("%s timed out", r.o.State)
 	switch r.o.State {
 	case StateStopping:

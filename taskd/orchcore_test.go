@@ -83,11 +83,13 @@ func checkCoreInvariants(t testing.TB, m *machine) {
 	switch {
 	case r.o.State == StateIdle || r.o.State.Terminal():
 		t.Fatalf("#%d in progress in state %s", r.o.ID, r.o.State)
+	case r.settling:
+		// Taken over, it waits for the members and for settled.
 	case r.deadline.IsZero():
 		t.Fatalf("#%d: state %s has no timeout", r.o.ID, r.o.State)
 	case len(m.history) > 0 && r.o.Start.Before(last.End):
 		t.Fatalf("#%d started at %v, before #%d ended at %v", r.o.ID, r.o.Start, last.ID, last.End)
-	case r.action == 0:
+	case r.action == 0 && !r.settling:
 		t.Fatalf("#%d: state %s waits for no action", r.o.ID, r.o.State)
 	}
 }
@@ -720,9 +722,10 @@ func settle(t testing.TB, w *coreWorld, path []string) {
 
 // TestCoreExhaustive feeds every sequence of up to depth inputs (5 with
 // TASKD_HEAVY=1), checking the invariants after each input, and then lets
-// the timeouts run: every orchestration ends in a terminal state.
+// the timeouts run: every orchestration ends in a terminal state. Then
+// it feeds every sequence one shorter and has another machine take the
+// state over, which must end it too.
 func TestCoreExhaustive(t *testing.T) {
-	ins := coreInputs()
 	depth := 4
 	if heavy() {
 		depth = 5
@@ -730,6 +733,12 @@ func TestCoreExhaustive(t *testing.T) {
 	if testing.Short() {
 		depth = 3
 	}
+	exhaust(t, depth, false)
+	exhaust(t, depth-1, true)
+}
+
+func exhaust(t *testing.T, depth int, takeOver bool) {
+	ins := coreInputs()
 	cfg := testCoreConfig()
 	seqs := 0
 	idx := make([]int, depth)
@@ -739,6 +748,10 @@ func TestCoreExhaustive(t *testing.T) {
 		for _, i := range idx {
 			path = append(path, ins[i].name)
 			ins[i].do(w)
+		}
+		if takeOver {
+			path = append(path, "takeover")
+			w.takeOver(0, 1, 2, 3)
 		}
 		settle(t, w, path)
 		seqs++
@@ -756,7 +769,7 @@ func TestCoreExhaustive(t *testing.T) {
 			break
 		}
 	}
-	t.Logf("%d sequences of %d inputs", seqs, depth)
+	t.Logf("%d sequences of %d inputs, taken over %v", seqs, depth, takeOver)
 }
 
 // TestCoreRandom feeds long random sequences of inputs.
@@ -773,7 +786,10 @@ func TestCoreRandom(t *testing.T) {
 		var path []string
 		for range 60 {
 			in := ins[rng.IntN(len(ins))]
-			if rng.IntN(2) == 0 {
+			switch n := rng.IntN(60); {
+			case n == 0:
+				in = coreInput{"takeover", func(w *coreWorld) { w.takeOver(rng.Perm(coreRanks)[:rng.IntN(coreRanks+1)]...) }}
+			case n < 30:
 				in = ins[len(ins)-2] // answer: the machine gets far
 			}
 			path = append(path, in.name)

@@ -82,6 +82,11 @@ type Orchestration struct {
 	// Round counts the passes through stopping: faults that arrive while
 	// the job is being repaired or resumed start another.
 	Round int
+	// Restored counts the managers that took it over from the state a
+	// manager before them left in StateDir (it restarted, or a standby
+	// took the lease); each took it over with a transition from its
+	// state to that state.
+	Restored int
 	// Strategy is the recovery strategy taken last.
 	Strategy Strategy
 	// Faults are the faults it handled, in the order they arrived, those

@@ -34,6 +34,10 @@ type orchMsg struct {
 	Link      *LinkRequest   `json:"link,omitempty"`
 	Stress    *StressRequest `json:"stress,omitempty"`
 	Reason    string         `json:"reason,omitempty"`
+	// Once names a command that a worker carries out once: a retry or
+	// resume that a manager which took over sends again is answered, not
+	// carried out twice.
+	Once string `json:"once,omitempty"`
 }
 
 // orchReply is a worker's answer to an orchestration message, as JSON.
@@ -98,6 +102,18 @@ func callTrainer(ctx context.Context, t Trainer, kind string, payload []byte) ([
 		return nil, err
 	}
 	return json.Marshal(reply)
+}
+
+// onceOf returns the Once key of an orchestration message's payload, ""
+// when it has none.
+func onceOf(payload []byte) string {
+	var msg struct {
+		Once string `json:"once"`
+	}
+	if json.Unmarshal(payload, &msg) != nil {
+		return ""
+	}
+	return msg.Once
 }
 
 // parseReply reads a worker's answer; an empty one is a zero answer.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -22,6 +23,7 @@ import (
 
 	"github.com/faultline-ml/faultline/internal/promreg"
 	"github.com/faultline-ml/faultline/rescheduling"
+	"github.com/faultline-ml/faultline/taskd/lease"
 )
 
 // orchestrator is the shell around the orchestration core: it feeds the
@@ -38,6 +40,9 @@ type orchestrator struct {
 	target   func(Position) RescheduleTarget
 	wake     chan struct{}
 	inflight sync.WaitGroup // goroutines performing actions
+	// stateDir keeps the core's state ("" without a StateDir); the run
+	// loop alone writes it.
+	stateDir string
 
 	mu        sync.Mutex
 	core      *machine
@@ -48,6 +53,7 @@ type orchestrator struct {
 	spans     map[uint64]oteltrace.Span     // run -> its span
 	waiters   map[uint64]chan Orchestration // run -> a request waiting for its end
 	actions   map[uint64]context.CancelFunc // actions in flight
+	settleBy  time.Time                     // an orchestration taken over carries on by then
 	bcast     struct {
 		id   uint64
 		done chan struct{}
@@ -61,6 +67,7 @@ type orchMetrics struct {
 	phase       *prometheus.HistogramVec
 	refused     prometheus.Counter
 	actionErrs  *prometheus.CounterVec
+	stateErrs   prometheus.Counter
 }
 
 func newOrchMetrics(r *promreg.Registrar) *orchMetrics {
@@ -74,6 +81,7 @@ func newOrchMetrics(r *promreg.Registrar) *orchMetrics {
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 20)}, []string{"kind", "phase"}),
 		refused:    f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_refused_total", Help: "Link switch and stress test requests refused because another orchestration ran."}),
 		actionErrs: f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_action_errors_total", Help: "Actions of orchestrations that failed, by action (decide, repair, load, persist)."}, []string{"action"}),
+		stateErrs:  f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_state_errors_total", Help: "Writes of the orchestration state to StateDir that failed."}),
 	}
 }
 
@@ -99,6 +107,7 @@ func newOrchestrator(m *Manager, cfg OrchestrationConfig) (*orchestrator, error)
 		policy:    policy,
 		target:    target,
 		wake:      make(chan struct{}, 1),
+		stateDir:  m.cfg.StateDir,
 		core:      newMachine(newCoreConfig(cfg)),
 		nodeOf:    make(map[int]int),
 		decisions: make(map[int]rescheduling.Decision),
@@ -121,7 +130,10 @@ func (o *orchestrator) handler() Handler {
 				c.fault(now, ev.Fault)
 			})
 		case EventRegistered:
-			if ev.Role == RoleWorker {
+			// A registration counts for a repair only while its instance
+			// lives: one evicted since, that the repair is replacing,
+			// does not.
+			if ev.Role == RoleWorker && o.m.isLive(ev.Position.Rank, ev.instance) {
 				o.feed(func(now time.Time, c *machine) {
 					o.nodeOf[ev.Position.Rank] = ev.Position.Node
 					c.registered(now, ev.Position.Rank)
@@ -177,10 +189,30 @@ func (o *orchestrator) run(ctx context.Context) error {
 	defer timer.Stop()
 	for {
 		o.mu.Lock()
+		o.settle(time.Now())
 		acts, trans := o.core.ready()
 		acts = slices.DeleteFunc(acts, func(a action) bool { return !o.core.awaited(a.id) })
 		deadline := o.core.deadline()
+		if r := o.core.run; r != nil && r.settling {
+			deadline = o.settleBy
+		}
+		var state, history []byte
+		var err error
+		if o.stateDir != "" {
+			state, history, err = o.core.save()
+		}
 		o.mu.Unlock()
+		if err != nil {
+			o.met.stateErrs.Inc()
+			o.log.Error("taskd: orchestration state not encoded", "err", err)
+		} else {
+			err = o.persist(state, history)
+		}
+		if errors.Is(err, ErrStateFile) {
+			// A newer term's manager wrote the state: this one was
+			// deposed and must not act on what it holds.
+			return err
+		}
 		o.observe(trans)
 		for _, a := range acts {
 			o.perform(ctx, a)
@@ -200,6 +232,99 @@ func (o *orchestrator) run(ctx context.Context) error {
 	}
 }
 
+// persist writes the state down before the manager acts on it: the
+// history first, so that a run that ended is not taken over. A write that
+// fails is logged and counted, and the manager acts all the same: a full
+// disk must not stop a recovery; a state of a newer term is returned.
+func (o *orchestrator) persist(state, history []byte) error {
+	for _, f := range []struct {
+		name string
+		data []byte
+	}{{orchHistoryFile, history}, {orchStateFile, state}} {
+		if f.data == nil {
+			continue
+		}
+		err := writeStateFile(filepath.Join(o.stateDir, f.name), o.m.cfg.Job, o.m.token(), f.data)
+		switch {
+		case errors.Is(err, ErrStateFile):
+			o.log.Error("taskd: orchestration state not written; stopping", "err", err)
+			return err
+		case err != nil:
+			o.met.stateErrs.Inc()
+			o.log.Error("taskd: orchestration state not written; a manager that takes over would not finish what this one does", "err", err)
+		}
+	}
+	return nil
+}
+
+// take has the core take over the orchestration state p read from
+// StateDir, and the faults of the log that it had not taken in; with no
+// state kept, the faults of the log are taken for handled. An
+// orchestration in progress carries on once the members have registered
+// again (settle), or a heartbeat deadline from now.
+func (o *orchestrator) take(p persisted, faults *faultStore) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	c := o.core
+	if p.state == nil {
+		c.history = p.history
+		c.seen.Below = faults.newest()
+		c.dirty, c.histNew = true, false
+		return
+	}
+	c.restore(*p.state, p.history)
+	now := time.Now()
+	for _, f := range faults.after(c.seen.Below) {
+		if !c.seen.has(f.Seq) {
+			if f.Position.Rank >= 0 {
+				o.nodeOf[f.Position.Rank] = f.Position.Node
+			}
+			c.fault(now, f)
+		}
+	}
+	if r := c.run; r != nil {
+		if !r.settling {
+			// A fault the dead manager had logged, and not taken in,
+			// started it: it waits for the members like one taken over.
+			r.restored, r.settling, r.action, r.deadline = true, true, 0, time.Time{}
+			c.out = nil
+		}
+		o.settleBy = now.Add(o.m.cfg.HeartbeatDeadline)
+		o.log.Info("taskd: taking over the orchestration in progress once the members have registered again",
+			"id", r.o.ID, "kind", r.o.Kind, "state", r.o.State, "round", r.o.Round, "by", o.settleBy)
+	}
+}
+
+// settle carries on an orchestration taken over once every rank it waits
+// for has registered again (the job's ranks but the dead ones, when the
+// job's shape is known), or at settleBy. o.mu is held.
+func (o *orchestrator) settle(now time.Time) {
+	r := o.core.run
+	if r == nil || !r.settling {
+		return
+	}
+	why := fmt.Sprintf("taken over by manager %s from the state in %s", o.m.instance, o.stateDir)
+	if now.Before(o.settleBy) {
+		world := o.m.cfg.Nodes * o.m.cfg.ProcsPerNode
+		if world == 0 {
+			return
+		}
+		live := o.m.liveWorkers()
+		dead := r.dead()
+		for rank := range world {
+			if !slices.Contains(dead, rank) {
+				if _, ok := slices.BinarySearch(live, rank); !ok {
+					return
+				}
+			}
+		}
+		why += "; every rank registered again"
+	} else {
+		why += fmt.Sprintf("; the ranks that registered again within %v", o.m.cfg.HeartbeatDeadline)
+	}
+	o.core.settled(now, why)
+}
+
 // observe logs, counts and traces transitions, and answers the requests
 // whose orchestration ended.
 func (o *orchestrator) observe(trans []transitionEvent) {
@@ -212,12 +337,12 @@ func (o *orchestrator) observe(trans []transitionEvent) {
 			attrs = append(attrs, "strategy", rec.Strategy)
 		}
 		o.mu.Lock()
-		if t.From == StateIdle {
+		if t.From == StateIdle || (o.spans[rec.ID] == nil && !t.To.Terminal()) {
 			_, span := o.tracer.Start(context.Background(), "taskd.orchestration", oteltrace.WithTimestamp(rec.Start),
 				oteltrace.WithAttributes(attribute.String("taskd.job", o.m.cfg.Job), attribute.String("taskd.orchestration.kind", kind), attribute.Int64("taskd.orchestration.id", int64(rec.ID))))
 			o.spans[rec.ID] = span
 			o.met.running.WithLabelValues(kind).Set(1)
-			if rec.Kind == KindRecovery {
+			if rec.Kind == KindRecovery && t.From == StateIdle {
 				o.met.phase.WithLabelValues(kind, "detected").Observe(rec.Detected.Seconds())
 			}
 		}
@@ -226,7 +351,7 @@ func (o *orchestrator) observe(trans []transitionEvent) {
 		if span != nil {
 			span.AddEvent(string(t.To), oteltrace.WithTimestamp(t.Time), oteltrace.WithAttributes(attribute.String("from", string(t.From)), attribute.String("reason", t.Reason)))
 		}
-		if t.From == StatePausing || (t.From == StateStopping && rec.Round == 1) {
+		if t.From != t.To && (t.From == StatePausing || (t.From == StateStopping && rec.Round == 1)) {
 			o.met.phase.WithLabelValues(kind, "stopped").Observe(rec.Stopped.Seconds())
 		}
 		switch {
@@ -318,6 +443,10 @@ func (o *orchestrator) do(ctx context.Context, a action) {
 	name := map[actionKind]string{actBroadcast: "broadcast", actDecide: "decide", actRepair: "repair", actLoad: "load", actPersist: "persist"}[a.kind]
 	ctx, span := o.tracer.Start(ctx, "taskd.orchestration."+name, oteltrace.WithAttributes(attribute.String("taskd.message", a.msg)))
 	defer span.End()
+	if !o.confirm(ctx, name) {
+		span.SetStatus(codes.Error, "the lease term is over")
+		return
+	}
 	fail := func(err error) {
 		if ctx.Err() == nil || errors.Is(ctx.Err(), context.DeadlineExceeded) {
 			o.met.actionErrs.WithLabelValues(name).Inc()
@@ -351,6 +480,32 @@ func (o *orchestrator) do(ctx context.Context, a action) {
 			fail(err)
 		}
 		o.feed(func(now time.Time, c *machine) { c.persisted(now, a.id, step, err) })
+	}
+}
+
+// confirm confirms the manager's lease term before an act of an
+// orchestration, which two managers must never both do. While the lease's
+// store cannot be asked, the act waits; it is not done once the term is
+// over (the manager then stops) or ctx ends.
+func (o *orchestrator) confirm(ctx context.Context, act string) bool {
+	t := o.m.cfg.Term
+	if t == nil {
+		return true
+	}
+	bo := newBackoff(50*time.Millisecond, time.Second)
+	for {
+		err := t.Check(ctx)
+		switch {
+		case err == nil:
+			return true
+		case errors.Is(err, lease.ErrLost) || ctx.Err() != nil:
+			o.log.Warn("taskd: orchestration act not done: the lease term is over", "action", act, "err", err)
+			return false
+		}
+		o.log.Warn("taskd: the lease term cannot be confirmed; the act waits", "action", act, "err", err)
+		if waitBackoff(ctx, bo.NextBackOff()) != nil {
+			return false
+		}
 	}
 }
 
@@ -539,7 +694,7 @@ func (o *orchestrator) repair(ctx context.Context, a action) ([]int, error) {
 		ranks = append(ranks, f.Position.Rank)
 	}
 	ranks = sortedUnique(ranks)
-	o.m.evict(ranks, fmt.Sprintf("replaced by orchestration #%d", a.run))
+	o.evict(a, ranks, fmt.Sprintf("replaced by orchestration #%d", a.run))
 	g, gctx := errgroup.WithContext(ctx)
 	for _, d := range scopes {
 		g.Go(func() error {
@@ -558,6 +713,14 @@ func (o *orchestrator) repair(ctx context.Context, a action) ([]int, error) {
 	return ranks, g.Wait()
 }
 
+// evict drops the live instances of ranks before repair a restarts or
+// replaces their processes, and tells the core: what they registered
+// before does not count for the repair, only their successors do.
+func (o *orchestrator) evict(a action, ranks []int, why string) {
+	o.m.evict(ranks, why)
+	o.feed(func(_ time.Time, c *machine) { c.evicted(a.id, ranks) })
+}
+
 // restartInPlace restarts each faulty process on its own node (or pod):
 // the nodes at once, the processes of one node one after the other.
 func (o *orchestrator) restartInPlace(ctx context.Context, a action, decisions map[int]rescheduling.Decision) ([]int, error) {
@@ -565,7 +728,7 @@ func (o *orchestrator) restartInPlace(ctx context.Context, a action, decisions m
 	for _, f := range a.faults {
 		ranks = append(ranks, f.Position.Rank)
 	}
-	o.m.evict(ranks, fmt.Sprintf("restarted by orchestration #%d", a.run))
+	o.evict(a, ranks, fmt.Sprintf("restarted by orchestration #%d", a.run))
 	var g errgroup.Group
 	for _, calls := range o.inPlaceCalls(a.faults, decisions) {
 		g.Go(func() error {

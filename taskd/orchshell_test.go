@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -42,14 +43,23 @@ func newTrainerJob(t *testing.T, nodes, ppn int, oc OrchestrationConfig) *traine
 // newTrainerJobProxied starts a trainerJob whose first proxied nodes have
 // a proxy; the workers of the others attach to the manager directly.
 func newTrainerJobProxied(t *testing.T, nodes, ppn, proxied int, oc OrchestrationConfig) *trainerJob {
+	return newTrainerJobWith(t, nodes, ppn, proxied, ManagerConfig{Orchestration: &oc})
+}
+
+// newTrainerJobWith starts a trainerJob whose manager has mcfg and its
+// orchestration, an executor and a recorder of transitions added.
+func newTrainerJobWith(t *testing.T, nodes, ppn, proxied int, mcfg ManagerConfig) *trainerJob {
 	j := &trainerJob{trainers: map[int]*callTrainerRecorder{}, restarts: map[int]int{}, trans: make(chan Transition, 1024), ppn: ppn,
 		reg: prometheus.NewRegistry(), spans: tracetest.NewSpanRecorder()}
+	oc := *mcfg.Orchestration
 	oc.Executor = j
 	oc.OnTransition = func(_ Orchestration, tr Transition) { j.trans <- tr }
+	mcfg.Orchestration, mcfg.Registerer = &oc, j.reg
 	// A generous heartbeat deadline: on a loaded machine a stall must
 	// not add lost ranks to the recoveries these tests drive.
-	j.cluster = newCluster(t, insecureSec(), ManagerConfig{Orchestration: &oc, Registerer: j.reg, HeartbeatDeadline: 10 * time.Second,
-		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(j.spans))})
+	mcfg.HeartbeatDeadline = orDefault(mcfg.HeartbeatDeadline, 10*time.Second)
+	mcfg.TracerProvider = sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(j.spans))
+	j.cluster = newCluster(t, insecureSec(), mcfg)
 	for n := range proxied {
 		j.addProxy(n)
 	}
@@ -404,5 +414,61 @@ func TestManagerRestartReleasesHeldTrainers(t *testing.T) {
 	}
 	if st := j.m.Orchestrations(0); st.Current != nil {
 		t.Fatalf("the restarted manager runs %+v", st.Current)
+	}
+}
+
+// onceBlockingCheckpoints readies step 7, but its first LoadNewest never
+// returns: a recovery waits in loading for the manager to be stopped.
+type onceBlockingCheckpoints struct{ calls *atomic.Int32 }
+
+func (c onceBlockingCheckpoints) LoadNewest(ctx context.Context) (int64, error) {
+	if c.calls.Add(1) == 1 {
+		<-ctx.Done()
+		return -1, ctx.Err()
+	}
+	return 7, nil
+}
+func (onceBlockingCheckpoints) PersistNewest(context.Context) (int64, error) {
+	return -1, errors.New("no")
+}
+
+// TestManagerRestartFinishesRecovery: with a StateDir, a manager that
+// restarts while a recovery holds the job takes the recovery over: it
+// asks for the checkpoint again, and every rank, behind a proxy or
+// attached directly, the restarted one included, resumes once, from the
+// step readied; none is released.
+func TestManagerRestartFinishesRecovery(t *testing.T) {
+	j := newTrainerJobWith(t, 2, 2, 1, ManagerConfig{Nodes: 2, ProcsPerNode: 2, StateDir: t.TempDir(),
+		Orchestration: &OrchestrationConfig{Checkpoints: onceBlockingCheckpoints{calls: new(atomic.Int32)},
+			Timeouts: Timeouts{Pause: 5 * time.Second, Notify: 5 * time.Second, Restart: 20 * time.Second, Load: 5 * time.Minute, Resume: 10 * time.Second}}})
+	if _, _, err := j.m.ReportFault(Fault{Kind: FaultProcessExit, Code: 137, Position: Position{1, 3}}); err != nil {
+		t.Fatal(err)
+	}
+	j.until(StateLoading)
+	waitFor(t, 10*time.Second, "restarted rank 3 told of the hold", func() bool { return j.workers[3].holder() != "" })
+	j.stop(j.m, j.m)
+	j.startManager()
+	if got := j.until(StateRecovered); !slices.Equal(got, []State{StateLoading, StateResuming, StateRecovered}) {
+		t.Fatalf("after the restart: %v%s", got, j.explain())
+	}
+	want := "resume 7 recover-in-place [3]"
+	for r := range 4 {
+		waitFor(t, 10*time.Second, fmt.Sprintf("rank %d resumed", r), func() bool {
+			calls := j.trainer(r).Calls()
+			return len(calls) > 0 && calls[len(calls)-1] == want
+		})
+		var resumes []string
+		for _, c := range j.trainer(r).Calls() {
+			if strings.HasPrefix(c, "resume") && c != "resume -1  []" {
+				resumes = append(resumes, c)
+			}
+		}
+		if !slices.Equal(resumes, []string{want}) {
+			t.Errorf("rank %d resumed %q, want once %q", r, resumes, want)
+		}
+	}
+	st := j.m.Orchestrations(0)
+	if st.Current != nil || len(st.History) != 1 || st.History[0].Restored != 1 || st.History[0].ResumedStep != 7 {
+		t.Fatalf("orchestrations after the restart: %+v", st)
 	}
 }

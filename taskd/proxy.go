@@ -35,7 +35,10 @@ type ProxyConfig struct {
 	Job string
 	// Node is this node's rank.
 	Node int
-	// Upstream is the manager's address; required.
+	// Upstream is the manager's address; required. With a standby
+	// manager, it is the address of a Service that reaches the leader, or
+	// the managers' addresses separated by commas: only the leader
+	// listens, and the proxy follows it.
 	Upstream string
 	// Listen is where the node's workers connect; default "127.0.0.1:9602".
 	Listen string
@@ -124,6 +127,7 @@ type Proxy struct {
 	acks    chan *pb.Ack
 	cred    *memberCred // the proxy's secret, issued by the manager
 	ids     *identities // the workers' secrets, issued by the proxy
+	fence   memberFence
 
 	mu       sync.Mutex
 	workers  map[int]*proxyWorker // by rank
@@ -352,6 +356,10 @@ func (p *Proxy) upSession(ctx context.Context, sessions *int) error {
 	if err != nil {
 		return err
 	}
+	if err := p.fence.admit(resp.GetFence()); err != nil {
+		p.met.fenced.Inc()
+		return err
+	}
 	p.cred.set(resp.GetSecret())
 	interval := time.Duration(resp.GetHeartbeatIntervalMs()) * time.Millisecond
 	deadline := time.Duration(resp.GetHeartbeatDeadlineMs()) * time.Millisecond
@@ -421,12 +429,15 @@ func (p *Proxy) upSession(ctx context.Context, sessions *int) error {
 
 // reregister registers worker rank with the manager again. A worker whose
 // rank another instance took is dropped; its stream ends and it learns why
-// when it registers itself.
+// when it registers itself. One whose stream ended with its process is
+// not registered on its behalf: a recovery may have restarted it, and its
+// successor must not find the rank taken; one alive registers itself.
 func (p *Proxy) reregister(ctx context.Context, rank int) error {
 	p.mu.Lock()
 	w := p.workers[rank]
+	gone := w != nil && w.gone
 	p.mu.Unlock()
-	if w == nil {
+	if w == nil || gone {
 		return nil
 	}
 	rctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
@@ -470,8 +481,8 @@ func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration
 				silent = append(silent, w)
 				continue
 			}
-			if !w.registered {
-				continue
+			if !w.registered || w.gone {
+				continue // one gone speaks for itself when it registers again
 			}
 			req.Beats = append(req.Beats, &pb.Beat{Member: w.req.GetMember(), AgeMs: age.Milliseconds()})
 		}
@@ -486,6 +497,10 @@ func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration
 		switch {
 		case err == nil:
 			lastOK = time.Now()
+			if err := p.fence.admit(resp.GetFence()); err != nil {
+				p.met.fenced.Inc()
+				return err
+			}
 			if resp.GetManagerInstance() != p.managerInstance() {
 				return errors.New("taskd: the manager restarted")
 			}
@@ -526,6 +541,12 @@ func (p *Proxy) managerInstance() string {
 // route hands a message from the manager to the workers it names, or
 // takes it for the proxy itself.
 func (p *Proxy) route(env *pb.Envelope) {
+	if err := p.fence.admit(env.GetFence()); err != nil {
+		// A deposed manager's command: its successor's may contradict it.
+		p.met.fenced.Inc()
+		p.log.Warn("taskd: message refused", "id", env.GetId(), "err", err)
+		return
+	}
 	if len(env.GetRanks()) == 0 {
 		if c := env.GetCollect(); c != nil {
 			select {
@@ -536,7 +557,7 @@ func (p *Proxy) route(env *pb.Envelope) {
 		}
 		return
 	}
-	out := &pb.Envelope{Id: env.GetId(), Body: env.GetBody()}
+	out := &pb.Envelope{Id: env.GetId(), Body: env.GetBody(), Fence: env.GetFence()}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, r := range env.GetRanks() {
@@ -648,7 +669,7 @@ func (s *proxyControl) Heartbeat(ctx context.Context, req *pb.HeartbeatRequest) 
 	now := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	resp := &pb.HeartbeatResponse{ManagerInstance: p.mgr}
+	resp := &pb.HeartbeatResponse{ManagerInstance: p.mgr, Fence: p.fence.newest()}
 	for _, b := range req.GetBeats() {
 		m := b.GetMember()
 		w := p.workers[int(m.GetPosition().GetRank())]

@@ -123,17 +123,23 @@ func (s Security) serverOptions(log *slog.Logger) []grpc.ServerOption {
 	return opts
 }
 
-// dialOptions returns the credentials for a client dialling addr.
-func (s Security) dialOptions(addr string, log *slog.Logger) []grpc.DialOption {
+// dialOptions returns the credentials for a client dialling one of
+// addrs. A server's certificate must name the host of one of them, or
+// ServerName.
+func (s Security) dialOptions(addrs []string, log *slog.Logger) []grpc.DialOption {
 	s.warn(log, "client")
 	var opts []grpc.DialOption
 	if s.tls() {
 		r := &certReloader{cert: s.CertFile, key: s.KeyFile, ca: s.CAFile, log: log}
-		name := s.ServerName
-		if name == "" {
-			name = addr
-			if h, _, err := net.SplitHostPort(addr); err == nil {
-				name = h
+		names := []string{s.ServerName}
+		if s.ServerName == "" {
+			names = names[:0]
+			for _, addr := range addrs {
+				name := addr
+				if h, _, err := net.SplitHostPort(addr); err == nil {
+					name = h
+				}
+				names = append(names, name)
 			}
 		}
 		cfg := &tls.Config{
@@ -162,7 +168,13 @@ func (s Security) dialOptions(addr string, log *slog.Logger) []grpc.DialOption {
 				for _, ic := range cs.PeerCertificates[1:] {
 					inter.AddCert(ic)
 				}
-				_, err = cs.PeerCertificates[0].Verify(x509.VerifyOptions{Roots: c.pool, Intermediates: inter, DNSName: name, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}})
+				// The connection may be to any of the addresses: the
+				// certificate names one of them.
+				for _, name := range names {
+					if _, err = cs.PeerCertificates[0].Verify(x509.VerifyOptions{Roots: c.pool, Intermediates: inter, DNSName: name, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}); err == nil {
+						return nil
+					}
+				}
 				return err
 			},
 		}

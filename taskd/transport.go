@@ -3,6 +3,7 @@ package taskd
 import (
 	"context"
 	"log/slog"
+	"strings"
 	"time"
 
 	"golang.org/x/time/rate"
@@ -10,6 +11,8 @@ import (
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/resolver"
+	"google.golang.org/grpc/resolver/manual"
 	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 )
@@ -96,9 +99,12 @@ func newServer(sec Security, l limits, g *guard, log *slog.Logger) *grpc.Server 
 }
 
 // dial returns a client connection to addr; gRPC connects lazily and
-// reconnects by itself.
+// reconnects by itself. addr may list addresses separated by commas (the
+// job's managers, of which only the leader listens): the connection is to
+// the first that accepts, in order, and moves on when it fails.
 func dial(addr string, sec Security, maxMsg int, log *slog.Logger, extra ...grpc.DialOption) (*grpc.ClientConn, error) {
-	opts := append(sec.dialOptions(addr, log), extra...)
+	addrs := splitAddrs(addr)
+	opts := append(sec.dialOptions(addrs, log), extra...)
 	opts = append(opts,
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsg), grpc.MaxCallSendMsgSize(maxMsg)),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
@@ -107,7 +113,32 @@ func dial(addr string, sec Security, maxMsg int, log *slog.Logger, extra ...grpc
 			MinConnectTimeout: 2 * time.Second,
 		}),
 	)
-	return grpc.NewClient("passthrough:///"+addr, opts...)
+	if len(addrs) == 1 {
+		return grpc.NewClient("passthrough:///"+addr, opts...)
+	}
+	// gRPC's pick_first policy tries the addresses in order.
+	r := manual.NewBuilderWithScheme("taskd")
+	var state resolver.State
+	for _, a := range addrs {
+		state.Addresses = append(state.Addresses, resolver.Address{Addr: a})
+	}
+	r.InitialState(state)
+	return grpc.NewClient(r.Scheme()+":///managers", append(opts, grpc.WithResolvers(r))...)
+}
+
+// splitAddrs returns the addresses of a list separated by commas, blanks
+// trimmed and empty ones left out.
+func splitAddrs(list string) []string {
+	var out []string
+	for a := range strings.SplitSeq(list, ",") {
+		if a = strings.TrimSpace(a); a != "" {
+			out = append(out, a)
+		}
+	}
+	if len(out) == 0 {
+		return []string{list}
+	}
+	return out
 }
 
 func orDefault[T comparable](v, def T) T {

@@ -30,7 +30,8 @@ type WorkerConfig struct {
 	// Node and Rank are the worker's node rank and global process rank.
 	Node, Rank int
 	// Upstream is the node's proxy, or the manager for a job without
-	// proxies; default "127.0.0.1:9602".
+	// proxies (with a standby, the managers' addresses separated by
+	// commas, as ProxyConfig.Upstream); default "127.0.0.1:9602".
 	Upstream string
 	Security Security
 	// OnSwitch applies a new profiling switch (a trace recorder, a Python
@@ -97,6 +98,7 @@ type Worker struct {
 	self    *pb.Member
 	acks    chan *pb.Ack
 	cred    *memberCred // the secret its upstream issued
+	fence   memberFence
 
 	ops chan trainerOp // trainer calls, one at a time
 
@@ -107,8 +109,9 @@ type Worker struct {
 	results    map[uint64]msgResult // recent message ids -> their outcome
 	resultRing []uint64
 	ringNext   int
-	registered int  // registrations so far
-	started    bool // the trainer was started, or left for a recovery to start
+	done       *idSet // keys of the commands carried out (orchMsg.Once)
+	registered int    // registrations so far
+	started    bool   // the trainer was started, or left for a recovery to start
 	// held is set while an orchestration holds the trainer: paused by
 	// it, or left unstarted for it to start; heldBy is the instance of
 	// the manager that holds it.
@@ -158,6 +161,7 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 		ops:        make(chan trainerOp, 64),
 		results:    make(map[uint64]msgResult),
 		resultRing: make([]uint64, 1024),
+		done:       newIDSet(64),
 		closed:     make(chan struct{}),
 		runDone:    make(chan struct{}),
 	}
@@ -403,6 +407,10 @@ func (w *Worker) session(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if err := w.fence.admit(resp.GetFence()); err != nil {
+		w.met.fenced.Inc()
+		return err
+	}
 	w.cred.set(resp.GetSecret())
 	mgr, held := resp.GetManagerInstance(), resp.GetHeld()
 	w.mu.Lock()
@@ -469,8 +477,12 @@ func (w *Worker) session(ctx context.Context) error {
 	// Behind a proxy, a manager restart does not end this session: the
 	// proxy registers its workers again on their behalf. A held trainer
 	// needs the new manager's word on the hold, which registering gives.
-	changed := func(instance string) error {
-		if instance != "" && instance != mgr && w.holder() != "" {
+	changed := func(resp *pb.HeartbeatResponse) error {
+		if err := w.fence.admit(resp.GetFence()); err != nil {
+			w.met.fenced.Inc()
+			return err
+		}
+		if instance := resp.GetManagerInstance(); instance != "" && instance != mgr && w.holder() != "" {
 			return errManagerChanged
 		}
 		return nil
@@ -484,9 +496,9 @@ func (w *Worker) session(ctx context.Context) error {
 // heartbeats sends a heartbeat every interval until ctx ends. It returns
 // errReregister when the upstream no longer knows self, and an error when
 // no heartbeat got through for longer than deadline. beats, if set, adds
-// the beats of members behind self; changed, if set, is told the manager
-// instance of each answer, and its error ends the heartbeats.
-func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, interval, deadline time.Duration, beats func() []*pb.Beat, changed func(instance string) error) error {
+// the beats of members behind self; changed, if set, is told each answer,
+// and its error ends the heartbeats.
+func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, interval, deadline time.Duration, beats func() []*pb.Beat, changed func(*pb.HeartbeatResponse) error) error {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	lastOK := time.Now()
@@ -507,7 +519,7 @@ func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *
 				}
 			}
 			if changed != nil {
-				if err := changed(resp.GetManagerInstance()); err != nil {
+				if err := changed(resp); err != nil {
 					return err
 				}
 			}
@@ -529,6 +541,13 @@ func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *
 // handle applies one envelope, received in a session with manager
 // instance mgr, and queues its acknowledgement.
 func (w *Worker) handle(env *pb.Envelope, mgr string) {
+	if err := w.fence.admit(env.GetFence()); err != nil {
+		// A deposed manager's command, which its successor may contradict:
+		// not carried out, and not answered.
+		w.met.fenced.Inc()
+		w.log.Warn("taskd: message refused", "id", env.GetId(), "err", err)
+		return
+	}
 	var errMsg, kind string
 	var reply []byte
 	switch body := env.GetBody().(type) {
@@ -688,10 +707,25 @@ func (w *Worker) runTrainer(ctx context.Context, stopping <-chan struct{}) {
 		if op.check == checkHold && !w.releases(op) {
 			continue
 		}
+		once := onceOf(op.payload)
+		w.mu.Lock()
+		carried := once != "" && w.done.has(once)
+		w.mu.Unlock()
+		if carried {
+			// A manager that took over sent it again: answered, not
+			// carried out twice.
+			w.log.Info("taskd: orchestration command carried out already", "call", op.kind, "once", once)
+			w.remember(op.id, msgResult{done: true})
+			w.ack(op.id, "message", "", nil)
+			continue
+		}
 		start := time.Now()
 		reply, err := callTrainer(ctx, w.cfg.Trainer, op.kind, op.payload)
 		if err == nil {
 			w.mu.Lock()
+			if once != "" {
+				w.done.add(once)
+			}
 			switch op.kind {
 			case kindPause:
 				w.held, w.heldBy = true, op.mgr

@@ -461,10 +461,6 @@ var faultlineRunFlags = flagSet{
 	"token-file": true, "insecure": false, "no-spares": false, "v": false,
 }
 
-// pendingManagerFlags are flags that the manifests give taskd-manager
-// before it defines them: the Lease is being wired into it.
-var pendingManagerFlags = flagSet{"lease": true, "lease-name": true}
-
 // flagsOf reads the flags that a command's main.go defines: the names
 // given to the flag package's definers (fs.String("name", ...),
 // flag.BoolVar(&v, "name", ...)); false if there is no such file.
@@ -587,12 +583,6 @@ func TestCommandLines(t *testing.T) {
 	mgrFlags, ok := flagsOf(t, "../taskd-manager/main.go")
 	if !ok {
 		t.Fatal("examples/taskd-manager/main.go is missing")
-	}
-	for name, takes := range pendingManagerFlags {
-		if _, defined := mgrFlags[name]; !defined {
-			t.Logf("taskd-manager does not define --%s yet", name)
-			mgrFlags[name] = takes
-		}
 	}
 	jobTpl, mgrTpl := &m.job.Spec.Template, &m.deployment.Spec.Template
 	run, rf, script := command(t, jobTpl, "faultline-run", runFlags)

@@ -5,7 +5,8 @@
 //
 //	taskd-manager --listen :9601 --job ID --nodes N --procs-per-node P \
 //	    [--switch-file F] [--tls-dir D] [--state-dir S] [--collect-dir C] \
-//	    [--orchestrate [--pause-timeout D]]
+//	    [--orchestrate [--pause-timeout D]] \
+//	    [--lease file --lease-file F | --lease kubernetes --lease-name L]
 //
 // --tls-dir holds ca.crt, tls.crt and tls.key (a Kubernetes TLS secret);
 // without it --insecure must be given. The members' shared token is read
@@ -28,6 +29,20 @@
 // store, so its recoveries retry a step or stop the job; an embedder that
 // can restart processes builds the manager with its own
 // taskd.OrchestrationConfig.
+//
+// A job may have several managers, one leading and the others standing by
+// (taskd.Lead): --lease file keeps the lease in --lease-file, on one
+// machine or a shared filesystem whose locks work (a filesystem without
+// them is refused at start); --lease kubernetes in the coordination.k8s.io
+// Lease --lease-name of the pod's namespace ($POD_NAMESPACE), through the
+// pod's ServiceAccount. A manager is named by $POD_NAME, else its host and
+// process id. Only the leader listens; proxies and workers given every
+// manager's address (or a Service) follow it, and a deposed leader's
+// commands are fenced. Managers of one job must be started alike (job,
+// shape, heartbeats, orchestration): one whose configuration differs from
+// the leader's is refused. Give them one --state-dir, shared, for the
+// standby to finish the recovery in progress. SIGTERM resigns the lease,
+// so that a standby leads at once.
 package main
 
 import (
@@ -45,8 +60,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/taskd/lease"
+	leasek8s "github.com/faultline-ml/faultline/taskd/lease/kubernetes"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -76,6 +95,9 @@ func run() error {
 		deadline    = flag.Duration("heartbeat-deadline", taskd.DefaultHeartbeatDeadline, "silence after which a member is lost")
 		orchestrate = flag.Bool("orchestrate", false, "recover from faults online, and serve link switches and stress tests")
 		pause       = flag.Duration("pause-timeout", 0, "how long orchestration waits for every rank to pause (default 30s)")
+		leaseKind   = flag.String("lease", "", "file or kubernetes: one of several managers, leading while it holds the lease (default: none, this manager leads alone)")
+		leaseFile   = flag.String("lease-file", "", "--lease file: the lease file, on a filesystem every manager shares")
+		leaseName   = flag.String("lease-name", "", "--lease kubernetes: the coordination.k8s.io Lease, in namespace $POD_NAMESPACE")
 	)
 	flag.Parse()
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
@@ -104,19 +126,79 @@ func run() error {
 	if *switchFile != "" {
 		cfg.SwitchSource = taskd.SwitchFile(trace.SwitchWatcherConfig{Path: *switchFile, Registerer: reg, Logger: log})
 	}
-	m, err := taskd.NewManager(cfg)
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	candidate := lease.Candidate{Job: *job, Name: os.Getenv("POD_NAME"),
+		Config: lease.ConfigHash(fmt.Appendf(nil, "job=%q nodes=%d procs-per-node=%d heartbeat-interval=%v heartbeat-deadline=%v orchestrate=%v pause-timeout=%v",
+			*job, *nodes, *ppn, *interval, *deadline, *orchestrate, *pause))}
+	l, err := newLease(*leaseKind, *leaseFile, *leaseName, candidate, log, inCluster)
 	if err != nil {
 		return err
 	}
-	defer m.Close()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if *metrics != "" {
 		srv := serveMetrics(*metrics, reg, log)
 		defer srv.Close()
 	}
+	if l != nil {
+		return taskd.Lead(ctx, l, cfg, func(m *taskd.Manager) {
+			log.Info("taskd-manager leading and serving", "addr", m.Addr().String(), "job", *job)
+		})
+	}
+	m, err := taskd.NewManager(cfg)
+	if err != nil {
+		return err
+	}
+	defer m.Close()
 	log.Info("taskd-manager serving", "addr", m.Addr().String(), "job", *job)
 	return m.Run(ctx)
+}
+
+// inCluster returns a client of the API server of the pod's cluster, as
+// its ServiceAccount.
+func inCluster() (kubernetes.Interface, error) {
+	rc, err := rest.InClusterConfig()
+	if err != nil {
+		return nil, fmt.Errorf("not in a pod, or its ServiceAccount is not mounted: %w", err)
+	}
+	return kubernetes.NewForConfig(rc)
+}
+
+// newLease returns the lease that --lease names, nil for none; client
+// makes the Kubernetes client of --lease kubernetes.
+func newLease(kind, file, name string, c lease.Candidate, log *slog.Logger, client func() (kubernetes.Interface, error)) (lease.Lease, error) {
+	switch kind {
+	case "":
+		if file != "" || name != "" {
+			return nil, errors.New("--lease-file and --lease-name need --lease")
+		}
+		return nil, nil
+	case "file":
+		if file == "" {
+			return nil, errors.New("--lease file: give the lease file with --lease-file")
+		}
+		l, err := lease.NewFile(lease.FileConfig{Path: file, Candidate: c, Logger: log})
+		if err != nil {
+			return nil, fmt.Errorf("--lease-file %s: %w", file, err)
+		}
+		return l, nil
+	case "kubernetes":
+		if name == "" {
+			return nil, errors.New("--lease kubernetes: name the Lease with --lease-name")
+		}
+		cl, err := client()
+		if err != nil {
+			return nil, fmt.Errorf("--lease kubernetes: %w", err)
+		}
+		l, err := leasek8s.New(leasek8s.Config{Client: cl, Namespace: os.Getenv("POD_NAMESPACE"), Name: name, Candidate: c, Logger: log})
+		if err != nil {
+			return nil, fmt.Errorf("--lease kubernetes --lease-name %s (namespace $POD_NAMESPACE %q): %w", name, os.Getenv("POD_NAMESPACE"), err)
+		}
+		return l, nil
+	}
+	return nil, fmt.Errorf("--lease %q: want file or kubernetes", kind)
 }
 
 // security builds the Security the flags ask for.

@@ -1,12 +1,25 @@
 package main
 
 import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/taskd/lease"
 )
 
 // TestTokenFiles: a token file that holds nothing but white space (a
@@ -42,5 +55,195 @@ func TestTokenFiles(t *testing.T) {
 	}
 	if err := (taskd.ManagerConfig{Job: "j", Security: sec}).Validate(); err == nil || !strings.Contains(err.Error(), "Security.Token") {
 		t.Fatalf("a short token: %v", err)
+	}
+}
+
+// TestMain runs the command itself when the test starts it as a process.
+func TestMain(m *testing.M) {
+	if os.Getenv("TASKD_MANAGER_MAIN") != "" {
+		os.Args = append([]string{"taskd-manager"}, strings.Fields(os.Getenv("TASKD_MANAGER_ARGS"))...)
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// TestLeaseFlags: a lease asked for wrongly is refused at start, and the
+// error names the flag.
+func TestLeaseFlags(t *testing.T) {
+	c := lease.Candidate{Job: "llm", Config: "abc"}
+	for _, tc := range []struct{ kind, file, name, want string }{
+		{"nfs", "", "", `--lease "nfs"`},
+		{"file", "", "", "--lease-file"},
+		{"", "/tmp/x", "", "need --lease"},
+		{"kubernetes", "", "", "--lease-name"},
+		{"kubernetes", "", "llm-manager", "not in a pod"},
+		{"file", filepath.Join(t.TempDir(), "no", "such", "dir", "lease"), "", "--lease-file"},
+	} {
+		t.Setenv("KUBERNETES_SERVICE_HOST", "")
+		if _, err := newLease(tc.kind, tc.file, tc.name, c, slog.New(slog.DiscardHandler), inCluster); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("--lease %q --lease-file %q --lease-name %q: %v, want %q", tc.kind, tc.file, tc.name, err, tc.want)
+		}
+	}
+}
+
+// manager is a taskd-manager process.
+type manager struct {
+	cmd    *exec.Cmd
+	stderr *syncBuffer
+	done   chan struct{}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func startManager(t *testing.T, podName, args string) *manager {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "TASKD_MANAGER_MAIN=1", "TASKD_MANAGER_ARGS="+args, "POD_NAME="+podName, "TASKD_TOKEN=")
+	m := &manager{cmd: cmd, stderr: &syncBuffer{}, done: make(chan struct{})}
+	cmd.Stderr = m.stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { cmd.Wait(); close(m.done) }()
+	t.Cleanup(func() { cmd.Process.Kill(); <-m.done })
+	return m
+}
+
+func listening(addr string) bool {
+	c, err := net.DialTimeout("tcp", addr, time.Second)
+	if err == nil {
+		c.Close()
+	}
+	return err == nil
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s within 30 s", what)
+		}
+	}
+}
+
+func freeAddr(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// TestStandbyManagers runs two taskd-manager processes that share a lease
+// file: the first leads and listens, named by POD_NAME; the second stands
+// by without listening. SIGTERM makes the leader resign, and the other
+// leads at once. A third started with another job shape is refused while
+// a manager of this one leads.
+func TestStandbyManagers(t *testing.T) {
+	dir := t.TempDir()
+	leaseFile := filepath.Join(dir, "manager.lease")
+	args := func(listen, nodes string) string {
+		return fmt.Sprintf("--insecure --job llm --nodes %s --procs-per-node 2 --listen %s --state-dir %s --lease file --lease-file %s", nodes, listen, filepath.Join(dir, "state"), leaseFile)
+	}
+	addrA, addrB := freeAddr(t), freeAddr(t)
+	a := startManager(t, "llm-manager-a", args(addrA, "2"))
+	waitFor(t, "the first manager listening", func() bool { return listening(addrA) })
+	b := startManager(t, "llm-manager-b", args(addrB, "2"))
+	waitFor(t, "the second manager standing by", func() bool { return strings.Contains(b.stderr.String(), "standing by") })
+	if listening(addrB) {
+		t.Fatal("the standby listens")
+	}
+	data, err := os.ReadFile(leaseFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec, err := lease.ParseRecord(data); err != nil || rec.Holder != "llm-manager-a" || rec.Token != 1 {
+		t.Fatalf("lease file: %+v %v", rec, err)
+	}
+
+	other := startManager(t, "llm-manager-c", args(freeAddr(t), "3"))
+	select {
+	case <-other.done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("a manager of another configuration was not refused")
+	}
+	if code := other.cmd.ProcessState.ExitCode(); code == 0 || !strings.Contains(other.stderr.String(), "led by llm-manager-a with configuration") {
+		t.Fatalf("another configuration: exit %d, %s", code, other.stderr.String())
+	}
+
+	resigned := time.Now()
+	a.cmd.Process.Signal(syscall.SIGTERM)
+	waitFor(t, "the standby leading", func() bool { return listening(addrB) })
+	if d := time.Since(resigned); d > 5*time.Second {
+		t.Errorf("the lease took %v to change hands after SIGTERM", d)
+	}
+	select {
+	case <-a.done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the manager given SIGTERM did not exit")
+	}
+	if code := a.cmd.ProcessState.ExitCode(); code != 0 {
+		t.Fatalf("the manager given SIGTERM exited %d: %s", code, a.stderr.String())
+	}
+	data, _ = os.ReadFile(leaseFile)
+	if rec, err := lease.ParseRecord(data); err != nil || rec.Holder != "llm-manager-b" || rec.Token != 2 {
+		t.Fatalf("lease file: %+v %v", rec, err)
+	}
+}
+
+// TestKubernetesLease: with --lease kubernetes, the manager campaigns for
+// the Lease --lease-name in the namespace $POD_NAMESPACE, as $POD_NAME,
+// and serves only once it holds it.
+func TestKubernetesLease(t *testing.T) {
+	t.Setenv("POD_NAMESPACE", "training")
+	t.Setenv("POD_NAME", "llm-manager-7d9f5c-kx2lq")
+	client := fake.NewClientset()
+	c := lease.Candidate{Job: "llm", Config: lease.ConfigHash(nil), Name: os.Getenv("POD_NAME")}
+	l, err := newLease("kubernetes", "", "llm-manager", c, slog.New(slog.DiscardHandler), func() (kubernetes.Interface, error) { return client, nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan string, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- taskd.Lead(ctx, l, taskd.ManagerConfig{Job: "llm", Listen: "127.0.0.1:0", Security: taskd.Security{Insecure: true}},
+			func(m *taskd.Manager) { served <- m.Addr().String() })
+	}()
+	select {
+	case addr := <-served:
+		if !listening(addr) {
+			t.Fatal("the leader does not listen")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("no term within 30 s")
+	}
+	got, err := client.CoordinationV1().Leases("training").Get(context.Background(), "llm-manager", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h := got.Spec.HolderIdentity; h == nil || !strings.HasPrefix(*h, "llm-manager-7d9f5c-kx2lq/") {
+		t.Fatalf("holder %v", h)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
 	}
 }

@@ -5,6 +5,10 @@
 //	taskd-proxy --upstream HOST:9601 --listen 127.0.0.1:9602 --job ID --node N \
 //	    [--tls-dir D] [--dotting-root R] [--stack-root S]
 //
+// With standby managers (taskd-manager --lease), --upstream is a Service
+// that reaches the leader, or every manager's address separated by
+// commas: only the leader listens, and the proxy follows it.
+//
 // The workers' shared token is read from --token-file or TASKD_TOKEN; the
 // proxies' token, which the manager may ask of a proxy
 // (ManagerConfig.ProxyToken), from --proxy-token-file or
@@ -44,7 +48,7 @@ func main() {
 func run() error {
 	node, _ := strconv.Atoi(os.Getenv("NODE_RANK"))
 	var (
-		upstream  = flag.String("upstream", "", "the manager's address, HOST:9601")
+		upstream  = flag.String("upstream", "", "the manager's address, HOST:9601; with standby managers, a Service's, or every manager's separated by commas")
 		listen    = flag.String("listen", taskd.DefaultProxyAddr, "address the node's workers connect to")
 		job       = flag.String("job", os.Getenv("MINDX_TASK_ID"), "job identifier (default $MINDX_TASK_ID)")
 		nodeRank  = flag.Int("node", node, "this node's rank (default $NODE_RANK)")

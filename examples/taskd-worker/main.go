@@ -47,7 +47,7 @@ func run() error {
 	node, _ := strconv.Atoi(os.Getenv("NODE_RANK"))
 	rank, _ := strconv.Atoi(os.Getenv("RANK"))
 	var (
-		upstream  = flag.String("upstream", taskd.DefaultProxyAddr, "the node's proxy, or the manager")
+		upstream  = flag.String("upstream", taskd.DefaultProxyAddr, "the node's proxy, or the manager (standby managers: every manager's address, separated by commas)")
 		job       = flag.String("job", os.Getenv("MINDX_TASK_ID"), "job identifier (default $MINDX_TASK_ID)")
 		nodeRank  = flag.Int("node", node, "node rank (default $NODE_RANK)")
 		procRank  = flag.Int("rank", rank, "global process rank (default $RANK)")

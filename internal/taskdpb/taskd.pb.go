@@ -365,7 +365,11 @@ type RegisterResponse struct {
 	// secret is the member's credential, issued by the server it registered
 	// with: every later call carries it in the "taskd-member" header, and a
 	// registration of the same instance again proves itself with it.
-	Secret        string `protobuf:"bytes,5,opt,name=secret,proto3" json:"secret,omitempty"`
+	Secret string `protobuf:"bytes,5,opt,name=secret,proto3" json:"secret,omitempty"`
+	// fence is the fencing token of the lease term under which the manager
+	// leads, 0 when it leads without a lease. A member refuses a manager,
+	// and the envelopes, of an older term than the newest it has seen.
+	Fence         uint64 `protobuf:"varint,6,opt,name=fence,proto3" json:"fence,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -433,6 +437,13 @@ func (x *RegisterResponse) GetSecret() string {
 		return x.Secret
 	}
 	return ""
+}
+
+func (x *RegisterResponse) GetFence() uint64 {
+	if x != nil {
+		return x.Fence
+	}
+	return 0
 }
 
 // Beat says a member was heard from age_ms before the heartbeat was sent.
@@ -554,7 +565,9 @@ type HeartbeatResponse struct {
 	ManagerInstance string                 `protobuf:"bytes,1,opt,name=manager_instance,json=managerInstance,proto3" json:"manager_instance,omitempty"`
 	// unknown lists members the manager does not hold as live: they must
 	// register again.
-	Unknown       []*Member `protobuf:"bytes,2,rep,name=unknown,proto3" json:"unknown,omitempty"`
+	Unknown []*Member `protobuf:"bytes,2,rep,name=unknown,proto3" json:"unknown,omitempty"`
+	// fence is the manager's fencing token, as in RegisterResponse.
+	Fence         uint64 `protobuf:"varint,3,opt,name=fence,proto3" json:"fence,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -601,6 +614,13 @@ func (x *HeartbeatResponse) GetUnknown() []*Member {
 		return x.Unknown
 	}
 	return nil
+}
+
+func (x *HeartbeatResponse) GetFence() uint64 {
+	if x != nil {
+		return x.Fence
+	}
+	return 0
 }
 
 // Report is an upward message: a fault or an application message.
@@ -1004,6 +1024,9 @@ type Envelope struct {
 	// ranks are the destination workers a proxy routes to; empty means the
 	// receiver itself.
 	Ranks []int32 `protobuf:"varint,2,rep,packed,name=ranks,proto3" json:"ranks,omitempty"`
+	// fence is the fencing token of the manager that sent it (see
+	// RegisterResponse.fence); a proxy passes it on to the workers.
+	Fence uint64 `protobuf:"varint,3,opt,name=fence,proto3" json:"fence,omitempty"`
 	// Types that are valid to be assigned to Body:
 	//
 	//	*Envelope_Switch
@@ -1056,6 +1079,13 @@ func (x *Envelope) GetRanks() []int32 {
 		return x.Ranks
 	}
 	return nil
+}
+
+func (x *Envelope) GetFence() uint64 {
+	if x != nil {
+		return x.Fence
+	}
+	return 0
 }
 
 func (x *Envelope) GetBody() isEnvelope_Body {
@@ -3912,23 +3942,25 @@ const file_taskd_proto_rawDesc = "" +
 	"\n" +
 	"has_switch\x18\x05 \x01(\bR\thasSwitch\x12\x1a\n" +
 	"\bhostname\x18\x06 \x01(\tR\bhostname\x12\x10\n" +
-	"\x03pid\x18\a \x01(\x03R\x03pid\"\xd1\x01\n" +
+	"\x03pid\x18\a \x01(\x03R\x03pid\"\xe7\x01\n" +
 	"\x10RegisterResponse\x122\n" +
 	"\x15heartbeat_interval_ms\x18\x01 \x01(\x03R\x13heartbeatIntervalMs\x122\n" +
 	"\x15heartbeat_deadline_ms\x18\x02 \x01(\x03R\x13heartbeatDeadlineMs\x12)\n" +
 	"\x10manager_instance\x18\x03 \x01(\tR\x0fmanagerInstance\x12\x12\n" +
 	"\x04held\x18\x04 \x01(\bR\x04held\x12\x16\n" +
-	"\x06secret\x18\x05 \x01(\tR\x06secret\"Q\n" +
+	"\x06secret\x18\x05 \x01(\tR\x06secret\x12\x14\n" +
+	"\x05fence\x18\x06 \x01(\x04R\x05fence\"Q\n" +
 	"\x04Beat\x122\n" +
 	"\x06member\x18\x01 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x06member\x12\x15\n" +
 	"\x06age_ms\x18\x02 \x01(\x03R\x05ageMs\"\x84\x01\n" +
 	"\x10HeartbeatRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12.\n" +
 	"\x04from\x18\x02 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x04from\x12.\n" +
-	"\x05beats\x18\x03 \x03(\v2\x18.faultline.taskd.v1.BeatR\x05beats\"t\n" +
+	"\x05beats\x18\x03 \x03(\v2\x18.faultline.taskd.v1.BeatR\x05beats\"\x8a\x01\n" +
 	"\x11HeartbeatResponse\x12)\n" +
 	"\x10manager_instance\x18\x01 \x01(\tR\x0fmanagerInstance\x124\n" +
-	"\aunknown\x18\x02 \x03(\v2\x1a.faultline.taskd.v1.MemberR\aunknown\"\xec\x01\n" +
+	"\aunknown\x18\x02 \x03(\v2\x1a.faultline.taskd.v1.MemberR\aunknown\x12\x14\n" +
+	"\x05fence\x18\x03 \x01(\x04R\x05fence\"\xec\x01\n" +
 	"\x06Report\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12.\n" +
 	"\x04from\x18\x02 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x04from\x12$\n" +
@@ -3958,10 +3990,11 @@ const file_taskd_proto_rawDesc = "" +
 	"\baccepted\x18\x01 \x03(\tR\baccepted\"U\n" +
 	"\rStreamRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x122\n" +
-	"\x06member\x18\x02 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x06member\"\xf1\x01\n" +
+	"\x06member\x18\x02 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x06member\"\x87\x02\n" +
 	"\bEnvelope\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x14\n" +
-	"\x05ranks\x18\x02 \x03(\x05R\x05ranks\x12:\n" +
+	"\x05ranks\x18\x02 \x03(\x05R\x05ranks\x12\x14\n" +
+	"\x05fence\x18\x03 \x01(\x04R\x05fence\x12:\n" +
 	"\x06switch\x18\n" +
 	" \x01(\v2 .faultline.taskd.v1.SwitchUpdateH\x00R\x06switch\x12;\n" +
 	"\amessage\x18\v \x01(\v2\x1f.faultline.taskd.v1.UserMessageH\x00R\amessage\x12>\n" +

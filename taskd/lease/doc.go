@@ -22,7 +22,7 @@
 // while a holder with another configuration lives (*ConfigError): two
 // managers of one job must run it alike.
 //
-// A manager's loop:
+// taskd.Lead runs a taskd manager this way. A manager's loop:
 //
 //	l, err := lease.NewFile(lease.FileConfig{
 //		Path:      "/shared/llm/manager.lease",

@@ -41,6 +41,15 @@ type childArgs struct {
 	SwitchTime time.Duration
 	SaveEvery  int64
 	HangAfter  time.Duration
+	// Manager: the job's shape, its StateDir, its timeouts, the node
+	// agents' address (its executor and checkpoints), and a file listing
+	// states, one a line: entering the first, it removes that line and
+	// kills itself with SIGKILL.
+	Nodes, PPN int
+	StateDir   string
+	Timeouts   taskd.Timeouts
+	Agent      string
+	KillFile   string
 }
 
 func childLogger() *slog.Logger {
@@ -50,7 +59,8 @@ func childLogger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 }
 
-// runChild runs one role until SIGTERM. A proxy prints "ready ADDR"; a
+// runChild runs one role until SIGTERM. A proxy or manager prints "ready
+// ADDR", a manager "transition ID KIND FROM TO" for each transition; a
 // worker prints "event KIND STEP [DETAIL]" for each event of its trainer,
 // and takes signals: SIGUSR1 hangs its step loop, SIGUSR2 makes its next
 // link switch fail, SIGHUP reports an op error.
@@ -80,6 +90,8 @@ func runChild(role string) int {
 		}
 	case "worker":
 		err = runWorker(ctx, a, say)
+	case "manager":
+		err = runManager(ctx, a, say)
 	default:
 		err = fmt.Errorf("unknown role %q", role)
 	}

@@ -293,17 +293,21 @@ func (j *job) signal(rank int, sig syscall.Signal) {
 }
 
 // marks returns where each rank's output is now.
-func (j *job) marks() []int {
-	out := make([]int, len(j.out))
-	for r, l := range j.out {
-		out[r] = l.len()
+func (j *job) marks() []int { return marks(j.out) }
+
+func marks(out []*lines) []int {
+	m := make([]int, len(out))
+	for r, l := range out {
+		m[r] = l.len()
 	}
-	return out
+	return m
 }
 
 // committed returns the step the disk tier's tracker names, -1 if none.
-func (j *job) committed() int64 {
-	b, err := os.ReadFile(filepath.Join(j.dir, "ckpt", "dlrover_latest.txt"))
+func (j *job) committed() int64 { return committed(filepath.Join(j.dir, "ckpt")) }
+
+func committed(dir string) int64 {
+	b, err := os.ReadFile(filepath.Join(dir, "dlrover_latest.txt"))
 	if err != nil {
 		return -1
 	}
@@ -345,8 +349,12 @@ func event(line string) (kind string, step int64, detail string, ok bool) {
 // lastSaveBefore returns the last step rank saved before the first of
 // its output lines from index from on that starts with stop.
 func (j *job) lastSaveBefore(rank, from int, stop string) int64 {
+	return lastSaveBefore(j.out[rank], from, stop)
+}
+
+func lastSaveBefore(out *lines, from int, stop string) int64 {
 	last := int64(-1)
-	for i, line := range j.out[rank].from(0) {
+	for i, line := range out.from(0) {
 		if i >= from && strings.HasPrefix(line, stop) {
 			break
 		}
@@ -364,15 +372,23 @@ func (j *job) lastSaveBefore(rank, from int, stop string) int64 {
 // S: no step lost beyond the newest intact checkpoint, none skipped.
 func (j *job) checkResumed(rec taskd.Orchestration, from []int, committed, lastSaved int64) {
 	j.t.Helper()
-	t := j.t
+	checkResumed(j.t, j.out, j.cfg.saveEvery, rec, from, committed, lastSaved)
+}
+
+func checkResumed(t testing.TB, out []*lines, every int64, rec taskd.Orchestration, from []int, committed, lastSaved int64) {
+	t.Helper()
 	s := rec.ResumedStep
-	every := j.cfg.saveEvery
 	if s < 0 || s < committed || s > lastSaved+every || s%every != 0 {
 		t.Fatalf("resumed from step %d: committed before the fault %d, last saved by the faulty rank %d, saves every %d", s, committed, lastSaved, every)
 	}
-	for r, l := range j.out {
+	for r, l := range out {
 		i := from[r]
+		// A rank's saves go on: the resume must come before a deadline.
+		deadline := time.Now().Add(30 * time.Second)
 		for ; ; i++ {
+			if time.Now().After(deadline) {
+				t.Fatalf("rank %d: no resume by %s within 30 s: %q", r, rec.Strategy, l.from(from[r]))
+			}
 			i = l.wait(t, i, "event ", 30*time.Second)
 			k, step, detail, _ := event(l.from(i)[0])
 			if (k == "resume" || k == "start") && detail == string(rec.Strategy) {
