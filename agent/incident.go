@@ -95,12 +95,13 @@ func (in *incidents) openLocked(now time.Time) *Incident {
 	return in.newLocked(now)
 }
 
-// faultLocked returns the incident a fault seen at now belongs to: the
-// open one while its ranks are being stopped and restarted; once they run
-// again, a fault is a new incident, and the open one ends without its
-// ranks back where they were.
-func (in *incidents) faultLocked(now time.Time) *Incident {
-	if c := in.cur; c != nil && !c.Restarted.IsZero() {
+// faultLocked returns the incident a fault of rank seen at now belongs
+// to: the open one while its ranks are being stopped and restarted; once
+// they run again, or once rank itself was restarted (its new process may
+// fail before the node's other ranks are started), a fault is a new
+// incident, and the open one ends without its ranks back where they were.
+func (in *incidents) faultLocked(rank int, now time.Time) *Incident {
+	if c := in.cur; c != nil && (!c.Restarted.IsZero() || in.started[rank]) {
 		c.Outcome = "restarted " + resumedFrom(c) + ", then failed again before " + stepWord(c.StepAtFault)
 		in.closeLocked()
 	}
@@ -123,7 +124,7 @@ func (in *incidents) newLocked(now time.Time) *Incident {
 func (in *incidents) fault(f taskd.Fault, detected time.Time) bool {
 	in.mu.Lock()
 	defer in.mu.Unlock()
-	c := in.faultLocked(detected)
+	c := in.faultLocked(f.Position.Rank, detected)
 	r := IncidentFault{Kind: string(f.Kind), Rank: f.Position.Rank, Code: f.Code, Message: f.Message, Time: f.Time}
 	c.Faults = append(c.Faults, r)
 	if in.reported {
@@ -141,8 +142,8 @@ func (in *incidents) fault(f taskd.Fault, detected time.Time) bool {
 func (in *incidents) hang(f hang.Fault, now time.Time) (*Incident, bool) {
 	in.mu.Lock()
 	defer in.mu.Unlock()
-	fresh := in.cur == nil || !in.cur.Restarted.IsZero()
-	c := in.faultLocked(now)
+	fresh := in.cur == nil || !in.cur.Restarted.IsZero() || in.started[f.Rank]
+	c := in.faultLocked(f.Rank, now)
 	r := IncidentFault{Kind: string(taskd.FaultHang), Rank: f.Rank, Message: f.String(), Time: f.Time}
 	if fresh {
 		c.Fault, c.FaultTime, c.Detected = r, f.Time.Add(-f.Elapsed).Add(f.Timeout), now

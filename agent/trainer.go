@@ -45,32 +45,47 @@ func (t trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 	case state == slotDone || state == slotStopped:
 		return fmt.Errorf("agent: rank %d is %s", s.rank, state)
 	}
-	s.kill()
-	if err := s.start(ctx, r.Step); err != nil {
-		return err
+	if why, spent := t.budgetSpent(); spent && state != slotIdle {
+		// A restart the manager asks for without asking for strategies
+		// first (a fault while the job was resuming): the budget holds.
+		s.a.stop(why)
+		return fmt.Errorf("agent: rank %d: %s", s.rank, why)
 	}
+	s.kill()
+	// Noted before the process starts: however soon it fails, its fault
+	// is a new one, not its peers' stopping.
 	if state != slotIdle {
 		s.a.incident.restarted(s.rank, r.Step, time.Now())
 	}
-	return nil
+	return s.start(ctx, r.Step)
 }
 
 // Strategies offers restarting the rank (every rank, in fact) while the
 // job's restart budget lasts, and dump and exit after.
 func (t trainer) Strategies(context.Context, taskd.FaultNotice) ([]taskd.Strategy, error) {
+	why, spent := t.budgetSpent()
+	if !spent {
+		return []taskd.Strategy{taskd.StrategyRecoverInPlace, taskd.StrategyDump, taskd.StrategyExit}, nil
+	}
+	t.s.a.stop(why)
+	return []taskd.Strategy{taskd.StrategyDump, taskd.StrategyExit}, nil
+}
+
+// budgetSpent says whether the rank has been restarted as often as
+// --max-restarts allows, and why not to restart it again.
+func (t trainer) budgetSpent() (string, bool) {
 	s := t.s
 	s.mu.Lock()
 	restarts := s.starts - 1
 	s.mu.Unlock()
 	if restarts < s.a.cfg.MaxRestarts {
-		return []taskd.Strategy{taskd.StrategyRecoverInPlace, taskd.StrategyDump, taskd.StrategyExit}, nil
+		return "", false
 	}
 	why := fmt.Sprintf("the restart budget is spent: %d restarts of %d allowed (--max-restarts)", restarts, s.a.cfg.MaxRestarts)
 	if f := s.a.incident.last(); f != "" {
 		why += "; the last fault: " + f
 	}
-	s.a.stop(why)
-	return []taskd.Strategy{taskd.StrategyDump, taskd.StrategyExit}, nil
+	return why, true
 }
 
 // RetryStep is not for a process group: it cannot run a step again
