@@ -452,15 +452,6 @@ func TestRBAC(t *testing.T) {
 // flagSet is the flags of a command: name -> whether it takes a value.
 type flagSet map[string]bool
 
-// faultlineRunFlags are faultline-run's flags, kept here until its source
-// is in this tree (examples/faultline-run/main.go; flagsOf reads it then).
-var faultlineRunFlags = flagSet{
-	"standalone": false, "nnodes": true, "nproc-per-node": true, "node-rank": true, "master-addr": true,
-	"master-port": true, "max-restarts": true, "monitor-interval": true, "no-python": false, "m": false,
-	"python": true, "collective-timeout": true, "out": true, "rdzv-id": true, "manager": true,
-	"token-file": true, "insecure": false, "no-spares": false, "v": false,
-}
-
 // flagsOf reads the flags that a command's main.go defines: the names
 // given to the flag package's definers (fs.String("name", ...),
 // flag.BoolVar(&v, "name", ...)); false if there is no such file.
@@ -577,8 +568,7 @@ func TestCommandLines(t *testing.T) {
 	m := load(t)
 	runFlags, ok := flagsOf(t, "../faultline-run/main.go")
 	if !ok {
-		runFlags = faultlineRunFlags
-		t.Log("examples/faultline-run is not in this tree: its flags are the ones kept in this test")
+		t.Fatal("examples/faultline-run/main.go is missing")
 	}
 	mgrFlags, ok := flagsOf(t, "../taskd-manager/main.go")
 	if !ok {
@@ -641,6 +631,9 @@ func TestCommandLines(t *testing.T) {
 	if cp, ok := containerPort(mgrTpl, target); !ok || strconv.Itoa(int(cp.ContainerPort)) != listen {
 		t.Errorf("faultline-run --manager %s leads to port %q of the managers, which listen on %q", rf["manager"], target, mf["listen"])
 	}
+	// A manager apart recovers the agents' ranks only with their
+	// orchestration.
+	eq("taskd-manager --agents", mf["agents"], "true")
 	_, metrics, _ := net.SplitHostPort(mf["metrics-listen"])
 	if _, ok := containerPort(mgrTpl, metrics); !ok {
 		t.Errorf("taskd-manager --metrics-listen %s is no container port", mf["metrics-listen"])

@@ -5,7 +5,7 @@
 //
 //	taskd-manager --listen :9601 --job ID --nodes N --procs-per-node P \
 //	    [--switch-file F] [--tls-dir D] [--state-dir S] [--collect-dir C] \
-//	    [--orchestrate [--pause-timeout D]] \
+//	    [--orchestrate | --agents] [--pause-timeout D] \
 //	    [--lease file --lease-file F | --lease kubernetes --lease-name L]
 //
 // --tls-dir holds ca.crt, tls.crt and tls.key (a Kubernetes TLS secret);
@@ -25,10 +25,13 @@
 //
 // --orchestrate turns on online recovery, link switches and stress tests
 // (the Admin service's SwitchLink, StressTest and GetOrchestration) for
-// workers with a trainer. This command has no executor and no checkpoint
-// store, so its recoveries retry a step or stop the job; an embedder that
-// can restart processes builds the manager with its own
-// taskd.OrchestrationConfig.
+// workers with a trainer. Alone, this command has no executor and no
+// checkpoint store, so its recoveries retry a step or stop the job; an
+// embedder that can restart processes builds the manager with its own
+// taskd.OrchestrationConfig. --agents is that configuration for a job
+// whose nodes run faultline-run with --manager pointing here: its agents
+// restart the ranks and resume them from the newest checkpoint step every
+// node holds (agent.Orchestration); it needs --nodes.
 //
 // A job may have several managers, one leading and the others standing by
 // (taskd.Lead): --lease file keeps the lease in --lease-file, on one
@@ -63,6 +66,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
+	"github.com/faultline-ml/faultline/agent"
 	"github.com/faultline-ml/faultline/taskd"
 	"github.com/faultline-ml/faultline/taskd/lease"
 	leasek8s "github.com/faultline-ml/faultline/taskd/lease/kubernetes"
@@ -94,6 +98,7 @@ func run() error {
 		interval    = flag.Duration("heartbeat-interval", taskd.DefaultHeartbeatInterval, "how often members send heartbeats")
 		deadline    = flag.Duration("heartbeat-deadline", taskd.DefaultHeartbeatDeadline, "silence after which a member is lost")
 		orchestrate = flag.Bool("orchestrate", false, "recover from faults online, and serve link switches and stress tests")
+		agents      = flag.Bool("agents", false, "the ranks run under faultline-run: orchestrate as its agents recover (implies --orchestrate)")
 		pause       = flag.Duration("pause-timeout", 0, "how long orchestration waits for every rank to pause (default 30s)")
 		leaseKind   = flag.String("lease", "", "file or kubernetes: one of several managers, leading while it holds the lease (default: none, this manager leads alone)")
 		leaseFile   = flag.String("lease-file", "", "--lease file: the lease file, on a filesystem every manager shares")
@@ -120,7 +125,20 @@ func run() error {
 		StateDir: *stateDir, CollectDir: *collectDir,
 		Registerer: reg, Logger: log,
 	}
-	if *orchestrate {
+	switch {
+	case *agents:
+		if *nodes < 1 {
+			return errors.New("--agents: give the job's number of nodes with --nodes")
+		}
+		orch, h, err := agent.Orchestration(*nodes, log)
+		if err != nil {
+			return fmt.Errorf("--agents: %w", err)
+		}
+		defer orch.Policy.Close()
+		orch.Timeouts.Pause = *pause
+		cfg.Orchestration, cfg.Handlers = orch, []taskd.Handler{h}
+		*orchestrate = true
+	case *orchestrate:
 		cfg.Orchestration = &taskd.OrchestrationConfig{Timeouts: taskd.Timeouts{Pause: *pause}}
 	}
 	if *switchFile != "" {
@@ -130,8 +148,8 @@ func run() error {
 		return err
 	}
 	candidate := lease.Candidate{Job: *job, Name: os.Getenv("POD_NAME"),
-		Config: lease.ConfigHash(fmt.Appendf(nil, "job=%q nodes=%d procs-per-node=%d heartbeat-interval=%v heartbeat-deadline=%v orchestrate=%v pause-timeout=%v",
-			*job, *nodes, *ppn, *interval, *deadline, *orchestrate, *pause))}
+		Config: lease.ConfigHash(fmt.Appendf(nil, "job=%q nodes=%d procs-per-node=%d heartbeat-interval=%v heartbeat-deadline=%v orchestrate=%v agents=%v pause-timeout=%v",
+			*job, *nodes, *ppn, *interval, *deadline, *orchestrate, *agents, *pause))}
 	l, err := newLease(*leaseKind, *leaseFile, *leaseName, candidate, log, inCluster)
 	if err != nil {
 		return err

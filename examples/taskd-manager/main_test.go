@@ -247,3 +247,17 @@ func TestKubernetesLease(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestAgentsNeedNodes: --agents without the job's number of nodes is
+// refused at start, naming the flag.
+func TestAgentsNeedNodes(t *testing.T) {
+	m := startManager(t, "llm-manager-a", "--insecure --job llm --agents --listen "+freeAddr(t))
+	select {
+	case <-m.done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("taskd-manager --agents without --nodes was not refused")
+	}
+	if code := m.cmd.ProcessState.ExitCode(); code == 0 || !strings.Contains(m.stderr.String(), "--agents: give the job's number of nodes with --nodes") {
+		t.Fatalf("exit %d: %s", code, m.stderr.String())
+	}
+}
