@@ -34,6 +34,8 @@ const (
 	envTLSDir        = "TASKD_TLS_DIR"        // ca.crt, tls.crt, tls.key
 	envToken         = "TASKD_TOKEN"          // shared token
 	envInsecure      = "TASKD_INSECURE"       // "1" or "true" allows plaintext
+	envAdminToken    = "TASKD_ADMIN_TOKEN"    // the operators' token
+	envProxyToken    = "TASKD_PROXY_TOKEN"    // the proxies' token
 	envProfilingRoot = "TASKD_PROFILING_ROOT" // dotting root
 	envMarkerLibrary = "TASKD_MARKER_LIBRARY" // mspti library path or name, "off"
 	envLogLevel      = "TASKD_LOG_LEVEL"      // debug, info, warn, error
@@ -145,17 +147,10 @@ func (o securityOptions) resolve(config string, getenv func(string) string) (tas
 	if dir != "" {
 		sec = taskd.SecurityFromDir(dir)
 	}
-	sec.Token = o.Token
-	if sec.Token == "" && o.TokenFile != "" {
-		b, err := os.ReadFile(o.TokenFile)
-		if err != nil {
-			return sec, &configError{Config: config, Field: "token_file", Msg: err.Error()}
-		}
-		if sec.Token = strings.TrimSpace(string(b)); sec.Token == "" {
-			return sec, &configError{Config: config, Field: "token_file", Msg: o.TokenFile + " holds no token (an unfilled secret?)"}
-		}
+	var err error
+	if sec.Token, err = secret(config, "token_file", o.Token, o.TokenFile, envToken, getenv); err != nil {
+		return sec, err
 	}
-	sec.Token = cmp.Or(sec.Token, getenv(envToken))
 	if o.Insecure != nil {
 		sec.Insecure = *o.Insecure
 	} else if v := getenv(envInsecure); v != "" {
@@ -171,6 +166,21 @@ func (o securityOptions) resolve(config string, getenv func(string) string) (tas
 			envTLSDir, envToken, envInsecure, err)}
 	}
 	return sec, nil
+}
+
+// secret returns a token given by value, else read from file (option
+// field), else from the environment variable env.
+func secret(config, field, value, file, env string, getenv func(string) string) (string, error) {
+	if value == "" && file != "" {
+		b, err := os.ReadFile(file)
+		if err != nil {
+			return "", &configError{Config: config, Field: field, Msg: err.Error()}
+		}
+		if value = strings.TrimSpace(string(b)); value == "" {
+			return "", &configError{Config: config, Field: field, Msg: file + " holds no token (an unfilled secret?)"}
+		}
+	}
+	return cmp.Or(value, getenv(env)), nil
 }
 
 // named reports whether any credential is given, by option or
@@ -367,6 +377,10 @@ type managerOptions struct {
 	ProcsPerNode int    `json:"procs_per_node"`
 	ProcPerNode  int    `json:"proc_per_node"`
 	securityOptions
+	AdminToken        string   `json:"admin_token"`      // default $TASKD_ADMIN_TOKEN
+	AdminTokenFile    string   `json:"admin_token_file"` // read when AdminToken is empty
+	ProxyToken        string   `json:"proxy_token"`      // default $TASKD_PROXY_TOKEN
+	ProxyTokenFile    string   `json:"proxy_token_file"` // read when ProxyToken is empty
 	StateDir          string   `json:"state_dir"`
 	CollectDir        string   `json:"collect_dir"`
 	SwitchFile        string   `json:"switch_file"`
@@ -422,6 +436,12 @@ func resolveManager(doc []byte, getenv func(string) string) (managerSettings, er
 	if c.Security, err = o.securityOptions.resolve(cfgName, getenv); err != nil {
 		return s, err
 	}
+	if c.AdminToken, err = secret(cfgName, "admin_token_file", o.AdminToken, o.AdminTokenFile, envAdminToken, getenv); err != nil {
+		return s, err
+	}
+	if c.ProxyToken, err = secret(cfgName, "proxy_token_file", o.ProxyToken, o.ProxyTokenFile, envProxyToken, getenv); err != nil {
+		return s, err
+	}
 	s.SwitchFile = o.SwitchFile
 	if s.LogLevel, err = logLevel(cfgName, o.LogLevel, getenv); err != nil {
 		return s, err
@@ -440,9 +460,11 @@ type proxyOptions struct {
 	Upstream string `json:"upstream"` // default $TASKD_MANAGER_ADDR, $MASTER_ADDR:9601
 	Listen   string `json:"listen"`   // default 127.0.0.1:9602
 	securityOptions
-	DottingRoot string `json:"dotting_root"` // default $TASKD_PROFILING_ROOT, /user/cluster-info/profiling
-	StackRoot   string `json:"stack_root"`
-	LogLevel    string `json:"log_level"`
+	UpstreamToken     string `json:"upstream_token"`      // default $TASKD_PROXY_TOKEN
+	UpstreamTokenFile string `json:"upstream_token_file"` // read when UpstreamToken is empty
+	DottingRoot       string `json:"dotting_root"`        // default $TASKD_PROFILING_ROOT, /user/cluster-info/profiling
+	StackRoot         string `json:"stack_root"`
+	LogLevel          string `json:"log_level"`
 }
 
 // proxySettings is a proxy's resolved configuration.
@@ -485,6 +507,9 @@ func resolveProxy(doc []byte, getenv func(string) string) (proxySettings, error)
 	c.DottingRoot = cmp.Or(o.DottingRoot, getenv(envProfilingRoot))
 	c.StackRoot = o.StackRoot
 	if c.Security, err = o.securityOptions.resolve(cfgName, getenv); err != nil {
+		return s, err
+	}
+	if c.UpstreamToken, err = secret(cfgName, "upstream_token_file", o.UpstreamToken, o.UpstreamTokenFile, envProxyToken, getenv); err != nil {
 		return s, err
 	}
 	if s.LogLevel, err = logLevel(cfgName, o.LogLevel, getenv); err != nil {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -238,4 +239,45 @@ func FuzzResolveConfigs(f *testing.F) {
 		_, err = resolveProxy(doc, getenv)
 		check("proxy", err)
 	})
+}
+
+// TestRoleTokens: the manager takes the operators' and the proxies'
+// tokens, and a proxy the token it presents upstream, each by option, by
+// file or from the environment; a blank file is refused, naming the key.
+func TestRoleTokens(t *testing.T) {
+	dir := t.TempDir()
+	admin, proxy, blank := filepath.Join(dir, "admin"), filepath.Join(dir, "proxy"), filepath.Join(dir, "blank")
+	for f, v := range map[string]string{admin: "admin-0123456789abcdef\n", proxy: "proxy-0123456789abcdef\n", blank: " \n"} {
+		if err := os.WriteFile(f, []byte(v), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	m, err := resolveManager(fmt.Appendf(nil, `{"job":"j","insecure":true,"admin_token_file":%q,"proxy_token":"proxy-option-0123456789"}`, admin), env(nil))
+	if err != nil || m.Config.AdminToken != "admin-0123456789abcdef" || m.Config.ProxyToken != "proxy-option-0123456789" {
+		t.Errorf("manager: admin %q proxy %q, %v", m.Config.AdminToken, m.Config.ProxyToken, err)
+	}
+	m, err = resolveManager([]byte(`{"job":"j","insecure":true}`), env(map[string]string{
+		"TASKD_ADMIN_TOKEN": "admin-env-0123456789ab", "TASKD_PROXY_TOKEN": "proxy-env-0123456789ab"}))
+	if err != nil || m.Config.AdminToken != "admin-env-0123456789ab" || m.Config.ProxyToken != "proxy-env-0123456789ab" {
+		t.Errorf("manager from the environment: admin %q proxy %q, %v", m.Config.AdminToken, m.Config.ProxyToken, err)
+	}
+	p, err := resolveProxy(fmt.Appendf(nil, `{"job":"j","insecure":true,"upstream":"m:1","upstream_token_file":%q}`, proxy), env(nil))
+	if err != nil || p.Config.UpstreamToken != "proxy-0123456789abcdef" {
+		t.Errorf("proxy: upstream token %q, %v", p.Config.UpstreamToken, err)
+	}
+	for doc, field := range map[string]string{
+		fmt.Sprintf(`{"job":"j","insecure":true,"admin_token_file":%q}`, blank):                    "admin_token_file",
+		fmt.Sprintf(`{"job":"j","insecure":true,"proxy_token_file":%q}`, filepath.Join(dir, "no")): "proxy_token_file",
+		`{"job":"j","insecure":true,"admin_token":"short"}`:                                        "",
+	} {
+		_, err := resolveManager([]byte(doc), env(nil))
+		var ce *configError
+		if !errors.As(err, &ce) || ce.Field != field {
+			t.Errorf("%s: %v, want an error naming %q", doc, err, field)
+		}
+	}
+	if _, err := resolveProxy(fmt.Appendf(nil, `{"job":"j","insecure":true,"upstream":"m:1","upstream_token_file":%q}`, blank), env(nil)); err == nil ||
+		!strings.Contains(err.Error(), "upstream_token_file") {
+		t.Errorf("a blank upstream token file: %v", err)
+	}
 }

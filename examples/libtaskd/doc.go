@@ -96,13 +96,19 @@
 // taskd_init_manager(json, &handle) and taskd_start_manager run a job's
 // taskd.Manager in the calling process; keys: job (or MindCluster's
 // job_id), listen (":9601"), nodes (node_nums), procs_per_node
-// (proc_per_node), tls_dir, token, token_file, insecure, state_dir,
-// collect_dir, switch_file, heartbeat_interval, heartbeat_deadline,
-// log_level. taskd_set_switch sets the job's profiling switch.
-// taskd_init_proxy and taskd_start_proxy run a node's proxy; keys: job,
-// node, upstream (default $TASKD_MANAGER_ADDR, else $MASTER_ADDR:9601),
-// listen ("127.0.0.1:9602"), tls_dir, token, token_file, insecure,
-// dotting_root, stack_root, log_level. taskd_addr copies the address one
+// (proc_per_node), tls_dir, token, token_file, insecure, admin_token or
+// admin_token_file (default $TASKD_ADMIN_TOKEN: the operators' token, which
+// the Admin and TrainingDataTrace services take, and nothing else),
+// proxy_token or proxy_token_file (default $TASKD_PROXY_TOKEN: without it
+// any member may register as a proxy), state_dir, collect_dir,
+// switch_file, heartbeat_interval, heartbeat_deadline, log_level.
+// taskd_set_switch sets the job's profiling switch. taskd_init_proxy and
+// taskd_start_proxy run a node's proxy; keys: job, node, upstream
+// (default $TASKD_MANAGER_ADDR, else $MASTER_ADDR:9601), listen
+// ("127.0.0.1:9602"), tls_dir, token, token_file, insecure,
+// upstream_token or upstream_token_file (default $TASKD_PROXY_TOKEN: the
+// proxies' token, presented to the manager), dotting_root, stack_root,
+// log_level. taskd_addr copies the address one
 // listens on.
 //
 // # Rules of the ABI
