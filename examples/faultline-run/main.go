@@ -27,8 +27,9 @@
 //	--collective-timeout D    a collective running longer is a hang (default: learned from the job's own)
 //	--out DIR                 where diagnoses go (default faultline-out): incidents.jsonl, slownode.json,
 //	                          incident-N/ with the stacks, flame graphs and verdict of a hang
-//	--manager ADDR            the job's taskd manager, when it runs apart (default: node 0's faultline-run,
-//	                          on --master-addr at --master-port + 1)
+//	--manager ADDR[,ADDR...]  the job's taskd manager when it runs apart (taskd-manager --agents), or its
+//	                          managers, the one leading followed (default: node 0's faultline-run, on
+//	                          --master-addr at --master-port + 1)
 //	--token-file F            the control plane's shared token (default $TASKD_TOKEN); a job of one node
 //	                          makes its own, a job of several needs one, or --insecure
 //	--no-spares               start each rank afresh instead of from a warm interpreter
@@ -117,7 +118,7 @@ func parse(args []string) (agent.Config, error) {
 		collTimeout = fs.Duration("collective-timeout", 0, "a collective running longer is a hang (0: learned)")
 		out         = fs.String("out", "faultline-out", "folder for every diagnosis")
 		runID       = fs.String("rdzv-id", os.Getenv("MINDX_TASK_ID"), "the job id (default $MINDX_TASK_ID, else a fresh one)")
-		manager     = fs.String("manager", "", "address of a taskd manager running apart")
+		manager     = fs.String("manager", "", "address of the taskd manager running apart (taskd-manager --agents), or the managers' separated by commas")
 		tokenFile   = fs.String("token-file", "", "file holding the control plane's token (default $TASKD_TOKEN)")
 		insecure    = fs.Bool("insecure", false, "allow a multi-node control plane in plaintext without a token")
 		noSpares    = fs.Bool("no-spares", false, "start each rank afresh, not from a warm interpreter")
