@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	oteltrace "go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/errgroup"
+	"golang.org/x/sys/unix"
 
 	"github.com/faultline-ml/faultline/internal/promreg"
 	"github.com/faultline-ml/faultline/rescheduling"
@@ -440,7 +441,7 @@ func (o *orchestrator) perform(ctx context.Context, a action) {
 }
 
 func (o *orchestrator) do(ctx context.Context, a action) {
-	name := map[actionKind]string{actBroadcast: "broadcast", actDecide: "decide", actRepair: "repair", actLoad: "load", actPersist: "persist"}[a.kind]
+	name := a.kind.String()
 	ctx, span := o.tracer.Start(ctx, "taskd.orchestration."+name, oteltrace.WithAttributes(attribute.String("taskd.message", a.msg)))
 	defer span.End()
 	if !o.confirm(ctx, name) {
@@ -603,23 +604,10 @@ func (o *orchestrator) rescheduleFault(f Fault) rescheduling.Fault {
 	return rf
 }
 
-// signalNamed returns the signal a fault's "signal" attribute names.
+// signalNamed returns the signal a fault's "signal" attribute names, as
+// "SIGKILL", "KILL" or "kill"; 0 when it names none.
 func signalNamed(name string) syscall.Signal {
-	switch strings.TrimPrefix(strings.ToUpper(name), "SIG") {
-	case "KILL":
-		return syscall.SIGKILL
-	case "TERM":
-		return syscall.SIGTERM
-	case "ABRT":
-		return syscall.SIGABRT
-	case "SEGV":
-		return syscall.SIGSEGV
-	case "BUS":
-		return syscall.SIGBUS
-	case "INT":
-		return syscall.SIGINT
-	}
-	return 0
+	return unix.SignalNum("SIG" + strings.TrimPrefix(strings.ToUpper(name), "SIG"))
 }
 
 // repair restarts the faulty processes in place, or replaces the

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -470,5 +471,18 @@ func TestManagerRestartFinishesRecovery(t *testing.T) {
 	st := j.m.Orchestrations(0)
 	if st.Current != nil || len(st.History) != 1 || st.History[0].Restored != 1 || st.History[0].ResumedStep != 7 {
 		t.Fatalf("orchestrations after the restart: %+v", st)
+	}
+}
+
+// TestSignalNamed: a fault's "signal" attribute names a signal with or
+// without its SIG prefix, in either case; anything else is no signal.
+func TestSignalNamed(t *testing.T) {
+	for name, want := range map[string]syscall.Signal{
+		"SIGKILL": syscall.SIGKILL, "KILL": syscall.SIGKILL, "sigterm": syscall.SIGTERM,
+		"SIGSEGV": syscall.SIGSEGV, "SIGUSR1": syscall.SIGUSR1, "": 0, "SIG": 0, "bogus": 0,
+	} {
+		if got := signalNamed(name); got != want {
+			t.Errorf("signalNamed(%q) = %v, want %v", name, got, want)
+		}
 	}
 }
