@@ -81,7 +81,7 @@ func newOrchMetrics(r *promreg.Registrar) *orchMetrics {
 			Help:    "Time from the first fault (or the request) to detected, stopped (training paused) and resumed, by kind and phase.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 20)}, []string{"kind", "phase"}),
 		refused:    f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_refused_total", Help: "Link switch and stress test requests refused because another orchestration ran."}),
-		actionErrs: f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_action_errors_total", Help: "Actions of orchestrations that failed, by action (decide, repair, load, persist)."}, []string{"action"}),
+		actionErrs: f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_action_errors_total", Help: "Actions of orchestrations that failed, by action (broadcast, decide, repair, load, persist)."}, []string{"action"}),
 		stateErrs:  f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_state_errors_total", Help: "Writes of the orchestration state to StateDir that failed."}),
 	}
 }
@@ -458,7 +458,10 @@ func (o *orchestrator) do(ctx context.Context, a action) {
 	}
 	switch a.kind {
 	case actBroadcast:
-		results := o.broadcast(ctx, a)
+		results, err := o.broadcast(ctx, a)
+		if err != nil && !errors.Is(err, ErrClosed) {
+			fail(err)
+		}
 		o.feed(func(now time.Time, c *machine) { c.delivered(now, a.id, results) })
 	case actDecide:
 		lvl, why := o.decide(ctx, a)
@@ -511,21 +514,24 @@ func (o *orchestrator) confirm(ctx context.Context, act string) bool {
 }
 
 // broadcast sends an orchestration message and returns each rank's
-// outcome.
-func (o *orchestrator) broadcast(ctx context.Context, a action) []rankResult {
+// outcome, and the error of a message that was not sent to every rank
+// (the ranks it did not reach have no outcome).
+func (o *orchestrator) broadcast(ctx context.Context, a action) ([]rankResult, error) {
 	to := a.to
 	if to.All && len(a.except) > 0 {
 		to = Target{Ranks: slices.DeleteFunc(o.m.liveWorkers(), func(r int) bool { return slices.Contains(a.except, r) })}
 		if len(to.Ranks) == 0 {
-			return nil
+			return nil, nil
 		}
 	}
 	payload, err := json.Marshal(a.payload)
 	if err != nil {
-		o.log.Error("taskd: orchestration message", "kind", a.msg, "err", err)
-		return nil
+		return nil, fmt.Errorf("taskd: orchestration message %s: %w", a.msg, err)
 	}
-	ds, _ := o.m.broadcast(ctx, to, a.msg, payload)
+	ds, sendErr := o.m.broadcast(ctx, to, a.msg, payload)
+	if sendErr != nil {
+		sendErr = fmt.Errorf("taskd: orchestration message %s: %w", a.msg, sendErr)
+	}
 	out := make([]rankResult, 0, len(ds))
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -541,7 +547,7 @@ func (o *orchestrator) broadcast(ctx context.Context, a action) []rankResult {
 		}
 		out = append(out, res)
 	}
-	return out
+	return out, sendErr
 }
 
 // decide asks the policy about each faulty rank and returns how far the

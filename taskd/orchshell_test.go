@@ -486,3 +486,19 @@ func TestSignalNamed(t *testing.T) {
 		}
 	}
 }
+
+// TestOrchestrationMessageNotSent: an orchestration message that cannot be
+// sent (here, over the size cap) is an action error, logged and counted,
+// not dropped.
+func TestOrchestrationMessageNotSent(t *testing.T) {
+	oc := OrchestrationConfig{Timeouts: shortTimeouts()}
+	j := newTrainerJobWith(t, 1, 1, 0, ManagerConfig{Orchestration: &oc, MaxMessageBytes: 64 << 10})
+	devices := make([]int, 20000)
+	for i := range devices {
+		devices[i] = 10000 + i
+	}
+	rec, err := j.m.SwitchLink(context.Background(), LinkRequest{Node: 0, Devices: devices, Target: LinkStandby})
+	if n := counterValue(j.m.orch.met.actionErrs.WithLabelValues("broadcast")); n == 0 {
+		t.Errorf("no broadcast action error counted (%+v, %v)", rec, err)
+	}
+}
