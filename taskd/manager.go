@@ -128,6 +128,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		m.handlers = sortHandlers(append(slices.Clone(cfg.Handlers), orch.handler()))
 	}
 	if err := metrics.Err(); err != nil {
+		m.release()
 		return nil, err
 	}
 	if cfg.Nodes > 0 && cfg.ProcsPerNode > 0 {
@@ -136,13 +137,13 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		}
 	}
 	if err := m.loadState(); err != nil {
-		metrics.UnregisterAll()
+		m.release()
 		return nil, err
 	}
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		m.closeState()
-		metrics.UnregisterAll()
+		m.release()
 		return nil, fmt.Errorf("taskd: manager listen on %s: %w", cfg.Listen, err)
 	}
 	g := newGuard(guardConfig{
@@ -272,10 +273,19 @@ func (m *Manager) Close() error {
 			close(m.runDone)
 		}
 		<-m.runDone
-		m.metrics.UnregisterAll()
+		m.release()
 	})
 	<-m.runDone
 	return nil
+}
+
+// release unregisters the manager's metrics and closes the orchestration
+// policy that the manager built.
+func (m *Manager) release() {
+	if m.orch != nil {
+		m.orch.closePolicy()
+	}
+	m.metrics.UnregisterAll()
 }
 
 // housekeep declares silent members lost and (re-)sends the switch to

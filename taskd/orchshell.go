@@ -32,15 +32,16 @@ import (
 // the rescheduling policy and executor and the checkpoints, and logs,
 // counts and traces every transition.
 type orchestrator struct {
-	m        *Manager
-	cfg      OrchestrationConfig
-	log      *slog.Logger
-	tracer   oteltrace.Tracer
-	met      *orchMetrics
-	policy   *rescheduling.Policy
-	target   func(Position) RescheduleTarget
-	wake     chan struct{}
-	inflight sync.WaitGroup // goroutines performing actions
+	m         *Manager
+	cfg       OrchestrationConfig
+	log       *slog.Logger
+	tracer    oteltrace.Tracer
+	met       *orchMetrics
+	policy    *rescheduling.Policy
+	ownPolicy bool // policy was built here: close it with the manager
+	target    func(Position) RescheduleTarget
+	wake      chan struct{}
+	inflight  sync.WaitGroup // goroutines performing actions
 	// stateDir keeps the core's state ("" without a StateDir); the run
 	// loop alone writes it.
 	stateDir string
@@ -87,8 +88,8 @@ func newOrchMetrics(r *promreg.Registrar) *orchMetrics {
 }
 
 func newOrchestrator(m *Manager, cfg OrchestrationConfig) (*orchestrator, error) {
-	policy := cfg.Policy
-	if policy == nil {
+	policy, own := cfg.Policy, cfg.Policy == nil
+	if own {
 		var err error
 		policy, err = rescheduling.NewPolicy(rescheduling.Config{Logger: m.log, TracerProvider: m.cfg.TracerProvider})
 		if err != nil {
@@ -106,6 +107,7 @@ func newOrchestrator(m *Manager, cfg OrchestrationConfig) (*orchestrator, error)
 		tracer:    m.tracer,
 		met:       newOrchMetrics(m.metrics),
 		policy:    policy,
+		ownPolicy: own,
 		target:    target,
 		wake:      make(chan struct{}, 1),
 		stateDir:  m.cfg.StateDir,
@@ -117,6 +119,14 @@ func newOrchestrator(m *Manager, cfg OrchestrationConfig) (*orchestrator, error)
 		waiters:   make(map[uint64]chan Orchestration),
 		actions:   make(map[uint64]context.CancelFunc),
 	}, nil
+}
+
+// closePolicy closes the policy that newOrchestrator built, not one of
+// OrchestrationConfig.Policy, which is its owner's to close.
+func (o *orchestrator) closePolicy() {
+	if o.ownPolicy {
+		o.policy.Close()
+	}
 }
 
 // handler plugs the orchestrator into the manager's events.

@@ -321,6 +321,7 @@ func TestInPlaceCalls(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer policy.Close()
 	o := &orchestrator{target: defaultTarget, policy: policy}
 	now := time.Now()
 	fault := func(kind FaultKind, rank int) Fault {

@@ -39,6 +39,7 @@ type job struct {
 	dir     string
 	owner   *ckpt.Owner
 	m       *taskd.Manager
+	policy  *rescheduling.Policy // the manager's orchestration's: closed after it
 	reg     *prometheus.Registry
 	proxies []*exec.Cmd
 	sups    []*local.Supervisor
@@ -107,6 +108,7 @@ func startJob(t testing.TB, cfg jobConfig) *job {
 	if err != nil {
 		t.Fatal(err)
 	}
+	j.policy = policy
 	sups := make(local.Nodes, cfg.nodes)
 	m, err := taskd.NewManager(taskd.ManagerConfig{
 		Job: "job-r", Listen: "127.0.0.1:0", Nodes: cfg.nodes, ProcsPerNode: cfg.ppn, Security: taskd.Security{Insecure: true},
@@ -217,6 +219,9 @@ func (j *job) stop() {
 	j.cancel()
 	if j.m != nil {
 		j.m.Close()
+	}
+	if j.policy != nil {
+		j.policy.Close()
 	}
 	j.wg.Wait()
 	if j.owner != nil {

@@ -93,6 +93,7 @@ func runManager(ctx context.Context, a childArgs, say func(string, ...any)) erro
 	if err != nil {
 		return err
 	}
+	defer policy.Close()
 	agent := agentClient{base: a.Agent}
 	m, err := taskd.NewManager(taskd.ManagerConfig{
 		Job: a.Job, Listen: a.Listen, Nodes: a.Nodes, ProcsPerNode: a.PPN, Security: taskd.Security{Insecure: true}, StateDir: a.StateDir,
