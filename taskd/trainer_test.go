@@ -11,7 +11,8 @@ import (
 	"time"
 )
 
-// callTrainerRecorder is a Trainer that records its calls.
+// callTrainerRecorder is a Trainer, with every optional interface, that
+// records its calls.
 type callTrainerRecorder struct {
 	mu    sync.Mutex
 	calls []string

@@ -103,7 +103,14 @@ func newTrainer(cfg trainerConfig, rec *trace.Recorder, wd *hang.Watchdog, fab *
 	return t
 }
 
-var _ taskd.Trainer = (*trainer)(nil)
+// The trainer is no taskd.StepRetrier (retry would need the step's state
+// kept across an aborted collective), and no StrategyLister: it supports
+// every strategy but retry.
+var (
+	_ taskd.Trainer      = (*trainer)(nil)
+	_ taskd.LinkSwitcher = (*trainer)(nil)
+	_ taskd.StressTester = (*trainer)(nil)
+)
 
 // Run trains until ctx ends or Stop.
 func (t *trainer) Run(ctx context.Context) error {
@@ -360,18 +367,7 @@ func orDash(s string) string {
 	return s
 }
 
-// Strategies implements taskd.Trainer: every strategy but retry, which
-// would need the step's state kept across an aborted collective.
-func (t *trainer) Strategies(context.Context, taskd.FaultNotice) ([]taskd.Strategy, error) {
-	return []taskd.Strategy{taskd.StrategyRecoverInPlace, taskd.StrategyRecover, taskd.StrategyDump, taskd.StrategyExit}, nil
-}
-
-// RetryStep implements taskd.Trainer.
-func (t *trainer) RetryStep(context.Context) error {
-	return fmt.Errorf("retry: %w", taskd.ErrUnsupported)
-}
-
-// SwitchLink implements taskd.Trainer: it takes SwitchTime, and fails
+// SwitchLink implements taskd.LinkSwitcher: it takes SwitchTime, and fails
 // when a failure was injected.
 func (t *trainer) SwitchLink(ctx context.Context, l taskd.LinkRequest) error {
 	select {
@@ -397,7 +393,7 @@ func (t *trainer) SwitchLink(ctx context.Context, l taskd.LinkRequest) error {
 	return nil
 }
 
-// StressTest implements taskd.Trainer: the synthetic devices pass.
+// StressTest implements taskd.StressTester: the synthetic devices pass.
 func (t *trainer) StressTest(ctx context.Context, s taskd.StressRequest) error {
 	select {
 	case <-ctx.Done():

@@ -56,7 +56,8 @@ type Config struct {
 	OnEvent func(Event)
 }
 
-// Trainer is a fake training loop. It implements taskd.Trainer.
+// Trainer is a fake training loop. It implements taskd.Trainer and every
+// optional interface of it.
 type Trainer struct {
 	cfg Config
 
@@ -79,7 +80,13 @@ func New(cfg Config) *Trainer {
 	return &Trainer{cfg: cfg, step: -1, links: make(map[int]taskd.LinkTarget), fail: make(map[string]error)}
 }
 
-var _ taskd.Trainer = (*Trainer)(nil)
+var (
+	_ taskd.Trainer        = (*Trainer)(nil)
+	_ taskd.StrategyLister = (*Trainer)(nil)
+	_ taskd.StepRetrier    = (*Trainer)(nil)
+	_ taskd.LinkSwitcher   = (*Trainer)(nil)
+	_ taskd.StressTester   = (*Trainer)(nil)
+)
 
 func (t *Trainer) emit(kind string, step int64, detail string) {
 	if t.cfg.OnEvent != nil {
