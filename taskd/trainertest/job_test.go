@@ -34,7 +34,6 @@ import (
 // ckpt.Owner for all shards); each node's proxy and each rank's worker
 // with a fake trainer are processes of their own.
 type job struct {
-	t       testing.TB
 	cfg     jobConfig
 	dir     string
 	owner   *ckpt.Owner
@@ -82,7 +81,7 @@ func testLogger(t testing.TB) *slog.Logger {
 func startJob(t testing.TB, cfg jobConfig) *job {
 	t.Helper()
 	world := cfg.nodes * cfg.ppn
-	j := &job{t: t, cfg: cfg, dir: t.TempDir(), reg: prometheus.NewRegistry(), trans: make(chan transition, 4096)}
+	j := &job{cfg: cfg, dir: t.TempDir(), reg: prometheus.NewRegistry(), trans: make(chan transition, 4096)}
 	ctx, cancel := context.WithCancel(context.Background())
 	j.cancel = cancel
 	t.Cleanup(j.stop)
@@ -129,7 +128,7 @@ func startJob(t testing.TB, cfg jobConfig) *job {
 	proxyAddrs := make([]string, cfg.nodes)
 	for n := range cfg.nodes {
 		proxyAddrs[n] = freeAddr(t)
-		j.proxies = append(j.proxies, j.startProxy(n, proxyAddrs[n]))
+		j.proxies = append(j.proxies, j.startProxy(t, n, proxyAddrs[n]))
 	}
 	for n := range cfg.nodes {
 		var cmds []local.Command
@@ -171,21 +170,21 @@ func (j *job) run(f func()) {
 	}()
 }
 
-func (j *job) startProxy(node int, addr string) *exec.Cmd {
+func (j *job) startProxy(t testing.TB, node int, addr string) *exec.Cmd {
 	args, _ := json.Marshal(childArgs{Job: "job-r", Node: node, Listen: addr, Upstream: j.m.Addr().String()})
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), childRoleEnv+"=proxy", childArgsEnv+"="+string(args))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		j.t.Fatal(err)
+		t.Fatal(err)
 	}
 	if err := cmd.Start(); err != nil {
-		j.t.Fatal(err)
+		t.Fatal(err)
 	}
 	sc := bufio.NewScanner(stdout)
 	if !sc.Scan() || !strings.HasPrefix(sc.Text(), "ready") {
-		j.t.Fatalf("proxy %d did not start", node)
+		t.Fatalf("proxy %d did not start", node)
 	}
 	go func() {
 		for sc.Scan() {
@@ -227,17 +226,6 @@ func (j *job) stop() {
 	if j.owner != nil {
 		j.owner.Close()
 	}
-}
-
-func (j *job) pid(rank int) int {
-	s := j.sups[rank/j.cfg.ppn]
-	for _, st := range s.State() {
-		if st.Name == fmt.Sprintf("rank-%d", rank) {
-			return st.PID
-		}
-	}
-	j.t.Fatalf("rank %d: no process", rank)
-	return 0
 }
 
 // kill sends sig to rank's process; unlike signal, it may be called from
@@ -290,10 +278,11 @@ func waitClosed(t testing.TB, ch <-chan struct{}, what string) {
 	}
 }
 
-func (j *job) signal(rank int, sig syscall.Signal) {
-	j.t.Helper()
-	if err := syscall.Kill(j.pid(rank), sig); err != nil {
-		j.t.Fatalf("rank %d: %v: %v", rank, sig, err)
+// signal sends sig to rank's process, failing t if it cannot.
+func (j *job) signal(t testing.TB, rank int, sig syscall.Signal) {
+	t.Helper()
+	if err := j.kill(rank, sig); err != nil {
+		t.Fatalf("rank %d: %v: %v", rank, sig, err)
 	}
 }
 
@@ -324,8 +313,8 @@ func committed(dir string) int64 {
 }
 
 // next returns the next orchestration of kind to end, skipping others.
-func (j *job) next(kind taskd.OrchestrationKind) taskd.Orchestration {
-	j.t.Helper()
+func (j *job) next(t testing.TB, kind taskd.OrchestrationKind) taskd.Orchestration {
+	t.Helper()
 	timeout := time.After(120 * time.Second)
 	for {
 		select {
@@ -334,7 +323,7 @@ func (j *job) next(kind taskd.OrchestrationKind) taskd.Orchestration {
 				return tr.o
 			}
 		case <-timeout:
-			j.t.Fatalf("no %s ended within 120 s; now %+v", kind, j.m.Orchestrations(0).Current)
+			t.Fatalf("no %s ended within 120 s; now %+v", kind, j.m.Orchestrations(0).Current)
 		}
 	}
 }
@@ -375,9 +364,9 @@ func lastSaveBefore(out *lines, from int, stop string) int64 {
 // to disk before the fault and no newer than what the faulty rank had
 // saved; and each rank went on from S, its next save the next one after
 // S: no step lost beyond the newest intact checkpoint, none skipped.
-func (j *job) checkResumed(rec taskd.Orchestration, from []int, committed, lastSaved int64) {
-	j.t.Helper()
-	checkResumed(j.t, j.out, j.cfg.saveEvery, rec, from, committed, lastSaved)
+func (j *job) checkResumed(t testing.TB, rec taskd.Orchestration, from []int, committed, lastSaved int64) {
+	t.Helper()
+	checkResumed(t, j.out, j.cfg.saveEvery, rec, from, committed, lastSaved)
 }
 
 func checkResumed(t testing.TB, out []*lines, every int64, rec taskd.Orchestration, from []int, committed, lastSaved int64) {
