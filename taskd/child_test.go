@@ -21,16 +21,14 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd/lease"
 	"github.com/faultline-ml/faultline/trace"
 )
 
-// The test binary runs as a manager, proxy or worker process when this
-// variable names the role; childArgsEnv holds its childArgs as JSON.
-const (
-	childRoleEnv = "TASKD_TEST_CHILD"
-	childArgsEnv = "TASKD_TEST_ARGS"
-)
+// The test binary runs as a manager, proxy or worker process when
+// testkit.Role names the role; childArgsEnv holds its childArgs as JSON.
+const childArgsEnv = "TASKD_TEST_ARGS"
 
 type childArgs struct {
 	Job      string
@@ -188,8 +186,7 @@ type child struct {
 func startChild(t testing.TB, role string, a childArgs) *child {
 	t.Helper()
 	b, _ := json.Marshal(a)
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childRoleEnv+"="+role, childArgsEnv+"="+string(b))
+	cmd := testkit.Command(t, role, childArgsEnv+"="+string(b))
 	cmd.Stderr = &prefixWriter{t: t, prefix: fmt.Sprintf("%s %d/%d: ", role, a.Node, a.Rank)}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
@@ -205,10 +202,9 @@ func startChild(t testing.TB, role string, a childArgs) *child {
 	c := &child{t: t, role: role, args: a, cmd: cmd, stdin: stdin, done: make(chan struct{})}
 	c.cond = sync.NewCond(&c.mu)
 	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
+		for line := range testkit.Lines(stdout) {
 			c.mu.Lock()
-			c.lines = append(c.lines, sc.Text())
+			c.lines = append(c.lines, line)
 			c.cond.Broadcast()
 			c.mu.Unlock()
 		}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd/lease"
 )
 
@@ -67,7 +68,7 @@ func BenchmarkFailover(b *testing.B) {
 		}
 		return int(res.GetTotal())
 	}
-	waitFor(b, 2*time.Minute, "every member registered", func() bool { return total(addrs[leader]) == workers+nodes })
+	testkit.WaitForWithin(b, 2*time.Minute, "every member registered", func() bool { return total(addrs[leader]) == workers+nodes })
 
 	var failover, lost time.Duration
 	b.ResetTimer()
@@ -81,7 +82,7 @@ func BenchmarkFailover(b *testing.B) {
 		killed := time.Now()
 		probe.kill()
 		var at time.Time
-		waitFor(b, time.Minute, "the killed worker declared lost", func() bool {
+		testkit.WaitFor(b, "the killed worker declared lost", func() bool {
 			for _, f := range newAdminClient(b, addrs[leader], base.Job).faults()[before:] {
 				if f.GetKind() == string(FaultLost) && int(f.GetRank()) == a.Rank {
 					at = time.Unix(0, f.GetReceivedUnixNano())

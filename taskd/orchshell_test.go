@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/rescheduling"
 )
 
@@ -67,7 +68,7 @@ func newTrainerJobWith(t *testing.T, nodes, ppn, proxied int, mcfg ManagerConfig
 	for r := range nodes * ppn {
 		j.start(r)
 	}
-	waitFor(t, 30*time.Second, "every trainer started", func() bool {
+	testkit.WaitFor(t, "every trainer started", func() bool {
 		for r := range nodes * ppn {
 			if !slices.Contains(j.trainer(r).Calls(), "resume -1  []") {
 				return false
@@ -385,7 +386,7 @@ func TestManagerRestartReleasesHeldTrainers(t *testing.T) {
 			t.Fatalf("rank %d before the restart: %q", r, calls)
 		}
 	}
-	waitFor(t, 10*time.Second, "restarted rank 3 told of the hold", func() bool { return j.workers[3].holder() != "" })
+	testkit.WaitFor(t, "restarted rank 3 told of the hold", func() bool { return j.workers[3].holder() != "" })
 	if calls := j.trainer(3).Calls(); len(calls) != 0 {
 		t.Fatalf("restarted rank 3 started while the job is held: %q", calls)
 	}
@@ -447,7 +448,7 @@ func TestManagerRestartFinishesRecovery(t *testing.T) {
 		t.Fatal(err)
 	}
 	j.until(StateLoading)
-	waitFor(t, 10*time.Second, "restarted rank 3 told of the hold", func() bool { return j.workers[3].holder() != "" })
+	testkit.WaitFor(t, "restarted rank 3 told of the hold", func() bool { return j.workers[3].holder() != "" })
 	j.stop(j.m, j.m)
 	j.startManager()
 	if got := j.until(StateRecovered); !slices.Equal(got, []State{StateLoading, StateResuming, StateRecovered}) {
@@ -455,7 +456,7 @@ func TestManagerRestartFinishesRecovery(t *testing.T) {
 	}
 	want := "resume 7 recover-in-place [3]"
 	for r := range 4 {
-		waitFor(t, 10*time.Second, fmt.Sprintf("rank %d resumed", r), func() bool {
+		testkit.WaitFor(t, fmt.Sprintf("rank %d resumed", r), func() bool {
 			calls := j.trainer(r).Calls()
 			return len(calls) > 0 && calls[len(calls)-1] == want
 		})

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 type testCA struct {
@@ -243,7 +244,7 @@ func TestOperatorCredential(t *testing.T) {
 	c.proxies[0] = p
 	c.run(p, p.Run)
 	w := c.addWorker(0, 0)
-	waitFor(t, 20*time.Second, "a worker through the proxy", w.Connected)
+	testkit.WaitFor(t, "a worker through the proxy", w.Connected)
 
 	// No operators' token: the services refuse members, naming the field.
 	c2 := newCluster(t, sec, ManagerConfig{})

@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // callTrainerRecorder is a Trainer, with every optional interface, that
@@ -64,7 +66,7 @@ func TestWorkerTrainer(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.run(w, w.Run)
-	waitFor(t, 20*time.Second, "the trainer started", func() bool { return slices.Contains(tr.Calls(), "resume -1  []") })
+	testkit.WaitFor(t, "the trainer started", func() bool { return slices.Contains(tr.Calls(), "resume -1  []") })
 	ctx := context.Background()
 	send := func(kind string, msg orchMsg) Delivery {
 		t.Helper()
@@ -97,7 +99,7 @@ func TestWorkerTrainer(t *testing.T) {
 	}
 	// A worker without a trainer refuses orchestration messages.
 	plain := c.addWorker(0, 4)
-	waitFor(t, 20*time.Second, "rank 4", func() bool { return plain.Connected() })
+	testkit.WaitFor(t, "rank 4", func() bool { return plain.Connected() })
 	ds, _ := c.m.Broadcast(ctx, RankList(4), kindPause, nil)
 	var de *DeliveryError
 	if len(ds) != 1 || !errors.As(ds[0].Err, &de) {
@@ -140,7 +142,7 @@ func TestWorkerCloseSendsWhatIsQueued(t *testing.T) {
 	}
 	tr.w = w
 	c.run(w, w.Run)
-	waitFor(t, 20*time.Second, "the trainer started", func() bool { return slices.Contains(tr.Calls(), "resume -1  []") })
+	testkit.WaitFor(t, "the trainer started", func() bool { return slices.Contains(tr.Calls(), "resume -1  []") })
 	go func() {
 		<-tr.stopped
 		w.Close()
