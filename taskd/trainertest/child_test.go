@@ -20,12 +20,9 @@ import (
 	"github.com/faultline-ml/faultline/taskd/trainertest"
 )
 
-// The test binary runs as a proxy or a worker process when this variable
-// names the role; childArgsEnv holds its childArgs as JSON.
-const (
-	childRoleEnv = "TRAINERTEST_CHILD"
-	childArgsEnv = "TRAINERTEST_ARGS"
-)
+// The test binary runs as a manager, proxy or worker process when
+// testkit.Role names the role; childArgsEnv holds its childArgs as JSON.
+const childArgsEnv = "TRAINERTEST_ARGS"
 
 type childArgs struct {
 	Job      string

@@ -1,7 +1,6 @@
 package trainertest_test
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -23,6 +22,7 @@ import (
 
 	"github.com/faultline-ml/faultline/ckpt"
 	"github.com/faultline-ml/faultline/ckpt/layout"
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/rescheduling"
 	"github.com/faultline-ml/faultline/rescheduling/local"
 	"github.com/faultline-ml/faultline/taskd"
@@ -138,7 +138,7 @@ func startJob(t testing.TB, cfg jobConfig) *job {
 			args, _ := json.Marshal(childArgs{Job: "job-r", Node: n, Rank: r, Upstream: proxyAddrs[n], Segment: owner.SegmentPath(r), CkptDir: filepath.Join(j.dir, "ckpt"),
 				StepTime: cfg.stepTime, SwitchTime: cfg.switchTime, SaveEvery: cfg.saveEvery, HangAfter: cfg.hangAfter})
 			cmds = append(cmds, local.Command{Name: fmt.Sprintf("rank-%d", r), Path: os.Args[0], Args: []string{"-test.run=^$"},
-				Env: []string{childRoleEnv + "=worker", childArgsEnv + "=" + string(args)}, Stdout: out, Stderr: stderrOf(t, fmt.Sprintf("rank %d", r))})
+				Env: []string{testkit.RoleEnv("worker"), childArgsEnv + "=" + string(args)}, Stdout: out, Stderr: stderrOf(t, fmt.Sprintf("rank %d", r))})
 		}
 		s, err := local.New(local.Config{Commands: cmds, Node: fmt.Sprintf("node-%d", n), StopTimeout: 2 * time.Second})
 		if err != nil {
@@ -172,8 +172,8 @@ func (j *job) run(f func()) {
 
 func (j *job) startProxy(t testing.TB, node int, addr string) *exec.Cmd {
 	args, _ := json.Marshal(childArgs{Job: "job-r", Node: node, Listen: addr, Upstream: j.m.Addr().String()})
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childRoleEnv+"=proxy", childArgsEnv+"="+string(args))
+	cmd := testkit.Command(t, "proxy", childArgsEnv+"="+string(args))
+	cmd.Stderr = nil
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
@@ -182,12 +182,10 @@ func (j *job) startProxy(t testing.TB, node int, addr string) *exec.Cmd {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	sc := bufio.NewScanner(stdout)
-	if !sc.Scan() || !strings.HasPrefix(sc.Text(), "ready") {
-		t.Fatalf("proxy %d did not start", node)
-	}
+	lines := testkit.Lines(stdout)
+	testkit.WaitLine(t, lines, "ready")
 	go func() {
-		for sc.Scan() {
+		for range lines {
 		}
 	}()
 	return cmd

@@ -27,6 +27,7 @@ import (
 	"github.com/faultline-ml/faultline/ckpt"
 	"github.com/faultline-ml/faultline/ckpt/layout"
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/rescheduling"
 	"github.com/faultline-ml/faultline/rescheduling/local"
 	"github.com/faultline-ml/faultline/taskd"
@@ -251,7 +252,7 @@ func startHAJob(t testing.TB, nodes, ppn int, timeouts taskd.Timeouts) *haJob {
 			args, _ := json.Marshal(childArgs{Job: "job-h", Node: n, Rank: r, Upstream: j.proxies[n].Addr().String(), Segment: owner.SegmentPath(r), CkptDir: filepath.Join(j.dir, "ckpt"),
 				StepTime: 20 * time.Millisecond, SwitchTime: 100 * time.Millisecond, SaveEvery: 5})
 			cmds = append(cmds, local.Command{Name: fmt.Sprintf("rank-%d", r), Path: os.Args[0], Args: []string{"-test.run=^$"},
-				Env: []string{childRoleEnv + "=worker", childArgsEnv + "=" + string(args)}, Stdout: out, Stderr: stderrOf(t, fmt.Sprintf("rank %d", r))})
+				Env: []string{testkit.RoleEnv("worker"), childArgsEnv + "=" + string(args)}, Stdout: out, Stderr: stderrOf(t, fmt.Sprintf("rank %d", r))})
 		}
 		s, err := local.New(local.Config{Commands: cmds, Node: fmt.Sprintf("node-%d", n), StopTimeout: 2 * time.Second})
 		if err != nil {
@@ -296,8 +297,8 @@ func (j *haJob) startManager(t testing.TB) {
 	t.Helper()
 	args, _ := json.Marshal(childArgs{Job: "job-h", Listen: j.mgrAddr, Nodes: j.nodes, PPN: j.ppn, StateDir: filepath.Join(j.dir, "state"),
 		Timeouts: j.timeouts, Agent: j.agentURL, KillFile: j.killFile})
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childRoleEnv+"=manager", childArgsEnv+"="+string(args))
+	cmd := testkit.Command(t, "manager", childArgsEnv+"="+string(args))
+	cmd.Stderr = nil
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	cmd.Stdout = j.mgrOut
 	if w := stderrOf(t, "manager"); w != nil {
