@@ -69,10 +69,7 @@ type Manager struct {
 	gone        *departures // workers lost, evicted or left
 	completedAt time.Time   // when every rank left finished; zero until then
 
-	state     atomic.Int32 // 0 new, 1 running, 2 closed
-	closed    chan struct{}
-	closeOnce sync.Once
-	runDone   chan struct{}
+	lifecycle
 }
 
 // NewManager validates cfg, loads the state in cfg.StateDir and listens on
@@ -104,9 +101,8 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		proxyHosts:  make(map[int]string),
 		ids:         newIdentities(),
 		gone:        newDepartures(cfg.Nodes * cfg.ProcsPerNode),
-		closed:      make(chan struct{}),
-		runDone:     make(chan struct{}),
 	}
+	m.init()
 	tp := cfg.TracerProvider
 	if tp == nil {
 		tp = noop.NewTracerProvider()
@@ -200,10 +196,10 @@ func (m *Manager) Job() string { return m.cfg.Job }
 // Run serves until ctx ends or Close is called. It returns nil then, or the
 // first error that stopped it. Run may be called once.
 func (m *Manager) Run(ctx context.Context) error {
-	if !m.state.CompareAndSwap(0, 1) {
-		return errors.New("taskd: Manager.Run called twice or after Close")
+	if err := m.begin("Manager"); err != nil {
+		return err
 	}
-	defer close(m.runDone)
+	defer m.end()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	if t := m.cfg.Term; t != nil {
@@ -213,21 +209,7 @@ func (m *Manager) Run(ctx context.Context) error {
 		defer stop()
 	}
 	g, ctx := errgroup.WithContext(ctx)
-	g.Go(func() error {
-		if err := m.srv.Serve(m.lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-			return fmt.Errorf("taskd: manager serve: %w", err)
-		}
-		return nil
-	})
-	g.Go(func() error {
-		select {
-		case <-ctx.Done():
-		case <-m.closed:
-		}
-		m.srv.Stop()
-		cancel()
-		return nil
-	})
+	m.serveGRPC(ctx, g, cancel, m.srv, m.lis, "manager")
 	g.Go(func() error { return m.housekeep(ctx) })
 	g.Go(func() error { m.faults.run(ctx); return nil })
 	g.Go(func() error { return m.runHandlers(ctx) })
@@ -265,17 +247,10 @@ func (m *Manager) Run(ctx context.Context) error {
 // same Registerer. Call it also after Run returned on its own. It is
 // idempotent.
 func (m *Manager) Close() error {
-	m.closeOnce.Do(func() {
-		close(m.closed)
-		if m.state.CompareAndSwap(0, 2) { // never ran
-			m.lis.Close()
-			m.closeState()
-			close(m.runDone)
-		}
-		<-m.runDone
-		m.release()
-	})
-	<-m.runDone
+	m.close(func() {
+		m.lis.Close()
+		m.closeState()
+	}, m.release)
 	return nil
 }
 

@@ -9,7 +9,6 @@ import (
 	"os"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -137,10 +136,7 @@ type Proxy struct {
 	deadline time.Duration // the manager's heartbeat deadline
 	collect  chan *pb.CollectRequest
 
-	state     atomic.Int32
-	closed    chan struct{}
-	closeOnce sync.Once
-	runDone   chan struct{}
+	lifecycle
 }
 
 type proxyWorker struct {
@@ -195,9 +191,8 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		cred:     &memberCred{},
 		deadline: DefaultHeartbeatDeadline,
 		collect:  make(chan *pb.CollectRequest, 16),
-		closed:   make(chan struct{}),
-		runDone:  make(chan struct{}),
 	}
+	p.init()
 	p.upq = &uplink{job: cfg.Job, self: p.self, queue: newReportQueue(cfg.QueueSize), maxMsg: cfg.MaxMessageBytes, ackTimeout: cfg.AckTimeout, log: log,
 		overflow: func() {}, queued: func(int) {}}
 	upSec := cfg.Security
@@ -244,29 +239,15 @@ func (p *Proxy) ReportFault(f Fault) error {
 // manager until ctx ends or Close is called; then it leaves the job and
 // returns nil.
 func (p *Proxy) Run(ctx context.Context) error {
-	if !p.state.CompareAndSwap(0, 1) {
-		return errors.New("taskd: Proxy.Run called twice or after Close")
+	if err := p.begin("Proxy"); err != nil {
+		return err
 	}
-	defer close(p.runDone)
+	defer p.end()
 	defer p.conn.Close()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	g, ctx := errgroup.WithContext(ctx)
-	g.Go(func() error {
-		if err := p.srv.Serve(p.lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-			return fmt.Errorf("taskd: proxy serve: %w", err)
-		}
-		return nil
-	})
-	g.Go(func() error {
-		select {
-		case <-ctx.Done():
-		case <-p.closed:
-		}
-		p.srv.Stop()
-		cancel()
-		return nil
-	})
+	p.serveGRPC(ctx, g, cancel, p.srv, p.lis, "proxy")
 	defer p.leave()
 	g.Go(func() error { return p.runUpstream(ctx) })
 	g.Go(func() error { return runAcks(ctx, p.up, p.cfg.Job, p.acks, p.cfg.AckTimeout, p.log) })
@@ -292,17 +273,10 @@ func (p *Proxy) Run(ctx context.Context) error {
 // proxy's metrics. Call it also after Run returned on its own. It is
 // idempotent.
 func (p *Proxy) Close() error {
-	p.closeOnce.Do(func() {
-		close(p.closed)
-		if p.state.CompareAndSwap(0, 2) {
-			p.lis.Close()
-			p.conn.Close()
-			close(p.runDone)
-		}
-		<-p.runDone
-		p.metrics.UnregisterAll()
-	})
-	<-p.runDone
+	p.close(func() {
+		p.lis.Close()
+		p.conn.Close()
+	}, p.metrics.UnregisterAll)
 	return nil
 }
 

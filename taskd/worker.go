@@ -120,10 +120,7 @@ type Worker struct {
 
 	connected atomic.Bool
 	finished  atomic.Bool
-	state     atomic.Int32
-	closed    chan struct{}
-	closeOnce sync.Once
-	runDone   chan struct{}
+	lifecycle
 }
 
 // NewWorker validates cfg and prepares a worker; Run connects it.
@@ -162,9 +159,8 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 		results:    make(map[uint64]msgResult),
 		resultRing: make([]uint64, 1024),
 		done:       newIDSet(64),
-		closed:     make(chan struct{}),
-		runDone:    make(chan struct{}),
 	}
+	w.init()
 	w.up = &uplink{
 		job: cfg.Job, self: w.self, queue: newReportQueue(cfg.QueueSize), maxMsg: cfg.MaxMessageBytes, ackTimeout: cfg.AckTimeout, log: log,
 		overflow: w.met.overflow.Inc, queued: func(n int) { w.met.queued.Set(float64(n)) },
@@ -218,10 +214,10 @@ func (w *Worker) Pending() int { return w.up.queue.len() }
 // call in progress end, sends what is queued and leaves the job (see
 // Close). Run may be called once.
 func (w *Worker) Run(ctx context.Context) error {
-	if !w.state.CompareAndSwap(0, 1) {
-		return errors.New("taskd: Worker.Run called twice or after Close")
+	if err := w.begin("Worker"); err != nil {
+		return err
 	}
-	defer close(w.runDone)
+	defer w.end()
 	defer w.conn.Close()
 	// Sessions end at once; the trainer's context outlives them by up to
 	// closeGrace, so that a call that is ending (a Stop, after which the
@@ -363,16 +359,7 @@ func (w *Worker) flush() {
 // one. Then it unregisters the worker's metrics; call it also after Run
 // returned on its own. It is idempotent.
 func (w *Worker) Close() error {
-	w.closeOnce.Do(func() {
-		close(w.closed)
-		if w.state.CompareAndSwap(0, 2) {
-			w.conn.Close()
-			close(w.runDone)
-		}
-		<-w.runDone
-		w.metrics.UnregisterAll()
-	})
-	<-w.runDone
+	w.close(func() { w.conn.Close() }, w.metrics.UnregisterAll)
 	return nil
 }
 
