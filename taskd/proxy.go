@@ -441,12 +441,9 @@ func (p *Proxy) dropWorker(rank int, instance string) {
 // heartbeats sends the node's heartbeat, carrying how long ago each worker
 // was heard from, and drops workers silent past the deadline.
 func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration, again chan<- []int) error {
-	tick := time.NewTicker(interval)
-	defer tick.Stop()
-	lastOK := time.Now()
-	for {
+	beats := func() []*pb.Beat {
 		now := time.Now()
-		req := &pb.HeartbeatRequest{Job: p.cfg.Job, From: p.self, Beats: []*pb.Beat{{Member: p.self}}}
+		var beats []*pb.Beat
 		var silent []*proxyWorker
 		p.mu.Lock()
 		for _, w := range p.workers {
@@ -458,52 +455,39 @@ func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration
 			if !w.registered || w.gone {
 				continue // one gone speaks for itself when it registers again
 			}
-			req.Beats = append(req.Beats, &pb.Beat{Member: w.req.GetMember(), AgeMs: age.Milliseconds()})
+			beats = append(beats, &pb.Beat{Member: w.req.GetMember(), AgeMs: age.Milliseconds()})
 		}
 		p.mu.Unlock()
 		for _, w := range silent {
 			p.log.Warn("taskd: worker silent past the deadline", "rank", w.req.GetMember().GetPosition().GetRank())
 			p.dropWorker(int(w.req.GetMember().GetPosition().GetRank()), w.instance)
 		}
-		cctx, cancel := context.WithTimeout(ctx, interval)
-		resp, err := p.up.Heartbeat(cctx, req)
-		cancel()
-		switch {
-		case err == nil:
-			lastOK = time.Now()
-			if err := p.fence.admit(resp.GetFence()); err != nil {
-				p.met.fenced.Inc()
-				return err
-			}
-			if resp.GetManagerInstance() != p.managerInstance() {
-				return errors.New("taskd: the manager restarted")
-			}
-			var ranks []int
-			for _, u := range resp.GetUnknown() {
-				if keyOf(u) == keyOf(p.self) {
-					return errReregister
-				}
-				ranks = append(ranks, int(u.GetPosition().GetRank()))
-			}
-			if len(ranks) > 0 {
-				select {
-				case again <- ranks:
-				default: // still busy with the last list; the next heartbeat repeats it
-				}
-			}
-		case ctx.Err() != nil:
-			return nil
-		case status.Code(err) == codes.Unauthenticated:
-			return fmt.Errorf("%w: %v", errReregister, err) // its secret is unknown: the manager restarted
-		case time.Since(lastOK) > deadline:
-			return fmt.Errorf("taskd: no heartbeat through for %v: %w", deadline, err)
-		}
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-tick.C:
-		}
+		return beats
 	}
+	answered := func(resp *pb.HeartbeatResponse) error {
+		if err := p.fence.admit(resp.GetFence()); err != nil {
+			p.met.fenced.Inc()
+			return err
+		}
+		if resp.GetManagerInstance() != p.managerInstance() {
+			return errors.New("taskd: the manager restarted")
+		}
+		var ranks []int
+		for _, u := range resp.GetUnknown() {
+			if keyOf(u) == keyOf(p.self) {
+				return errReregister
+			}
+			ranks = append(ranks, int(u.GetPosition().GetRank()))
+		}
+		if len(ranks) > 0 {
+			select {
+			case again <- ranks:
+			default: // still busy with the last list; the next heartbeat repeats it
+			}
+		}
+		return nil
+	}
+	return heartbeats(ctx, p.up, p.cfg.Job, p.self, interval, deadline, beats, answered)
 }
 
 func (p *Proxy) managerInstance() string {

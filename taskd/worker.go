@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -464,7 +465,10 @@ func (w *Worker) session(ctx context.Context) error {
 	// Behind a proxy, a manager restart does not end this session: the
 	// proxy registers its workers again on their behalf. A held trainer
 	// needs the new manager's word on the hold, which registering gives.
-	changed := func(resp *pb.HeartbeatResponse) error {
+	answered := func(resp *pb.HeartbeatResponse) error {
+		if unknowsSelf(resp, w.self) {
+			return errReregister
+		}
 		if err := w.fence.admit(resp.GetFence()); err != nil {
 			w.met.fenced.Inc()
 			return err
@@ -474,18 +478,18 @@ func (w *Worker) session(ctx context.Context) error {
 		}
 		return nil
 	}
-	g.Go(func() error { return heartbeats(gctx, w.client, w.cfg.Job, w.self, interval, deadline, nil, changed) })
+	g.Go(func() error { return heartbeats(gctx, w.client, w.cfg.Job, w.self, interval, deadline, nil, answered) })
 	g.Go(func() error { return w.up.run(gctx, w.client) })
 	g.Go(func() error { return runAcks(gctx, w.client, w.cfg.Job, w.acks, w.cfg.AckTimeout, w.log) })
 	return g.Wait()
 }
 
 // heartbeats sends a heartbeat every interval until ctx ends. It returns
-// errReregister when the upstream no longer knows self, and an error when
-// no heartbeat got through for longer than deadline. beats, if set, adds
-// the beats of members behind self; changed, if set, is told each answer,
-// and its error ends the heartbeats.
-func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, interval, deadline time.Duration, beats func() []*pb.Beat, changed func(*pb.HeartbeatResponse) error) error {
+// errReregister when the upstream refuses self's credentials, and an
+// error when no heartbeat got through for longer than deadline. beats, if
+// set, adds the beats of members behind self, before each heartbeat;
+// answered is told each answer, and its error ends the heartbeats.
+func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, interval, deadline time.Duration, beats func() []*pb.Beat, answered func(*pb.HeartbeatResponse) error) error {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	lastOK := time.Now()
@@ -500,15 +504,8 @@ func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *
 		switch {
 		case err == nil:
 			lastOK = time.Now()
-			for _, u := range resp.GetUnknown() {
-				if keyOf(u) == keyOf(self) {
-					return errReregister
-				}
-			}
-			if changed != nil {
-				if err := changed(resp); err != nil {
-					return err
-				}
+			if err := answered(resp); err != nil {
+				return err
 			}
 		case ctx.Err() != nil:
 			return nil
@@ -523,6 +520,12 @@ func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *
 		case <-tick.C:
 		}
 	}
+}
+
+// unknowsSelf reports whether a heartbeat's answer says that the
+// upstream no longer knows self.
+func unknowsSelf(resp *pb.HeartbeatResponse, self *pb.Member) bool {
+	return slices.ContainsFunc(resp.GetUnknown(), func(u *pb.Member) bool { return keyOf(u) == keyOf(self) })
 }
 
 // handle applies one envelope, received in a session with manager
