@@ -277,7 +277,7 @@ func (a *abuser) registerFlood(ctx context.Context) {
 	rank := 1
 	loop(ctx, 4, func(ctx context.Context) {
 		next.Lock()
-		rank = rank%(DefaultMaxWorkers-1) + 1
+		rank = rank%(defaultMaxWorkers-1) + 1
 		pos := Position{Node: rank / 8, Rank: rank}
 		next.Unlock()
 		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)

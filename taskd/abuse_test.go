@@ -43,7 +43,7 @@ type rawMember struct {
 func newRawMember(t testing.TB, addr, job string, sec Security, role Role, pos Position) *rawMember {
 	t.Helper()
 	cred := &memberCred{}
-	conn, err := dial(addr, sec, DefaultMaxMessageBytes, discardIfNil(nil), cred.dialOptions()...)
+	conn, err := dial(addr, sec, defaultMaxMessageBytes, discardIfNil(nil), cred.dialOptions()...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -34,7 +34,7 @@ func BenchmarkSwitchFanout(b *testing.B) {
 
 func benchFanout(b *testing.B, workers, proxies int) {
 	c := newCluster(b, insecureSec(), ManagerConfig{HeartbeatInterval: time.Second, HeartbeatDeadline: 5 * time.Second, AckTimeout: 3 * time.Second})
-	c.ack = DefaultAckTimeout
+	c.ack = defaultAckTimeout
 	perNode := workers
 	if proxies > 0 {
 		perNode = workers / proxies

@@ -65,7 +65,7 @@ func TestBroadcast(t *testing.T) {
 	if ds, _ := c.m.Broadcast(ctx, AllWorkers(), "x", nil); len(ds) != 5 {
 		t.Fatalf("all: %+v", ds)
 	}
-	if _, err := c.m.Broadcast(ctx, AllWorkers(), "x", make([]byte, DefaultMaxMessageBytes)); !errors.Is(err, ErrTooLarge) {
+	if _, err := c.m.Broadcast(ctx, AllWorkers(), "x", make([]byte, defaultMaxMessageBytes)); !errors.Is(err, ErrTooLarge) {
 		t.Fatalf("oversized: %v", err)
 	}
 }

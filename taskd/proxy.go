@@ -159,12 +159,12 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		return nil, err
 	}
 	cfg.Listen = orDefault(cfg.Listen, DefaultProxyAddr)
-	cfg.AckTimeout = orDefault(cfg.AckTimeout, DefaultAckTimeout)
-	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
-	cfg.RateLimit = orDefault(cfg.RateLimit, DefaultRateLimit)
+	cfg.AckTimeout = orDefault(cfg.AckTimeout, defaultAckTimeout)
+	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, defaultMaxMessageBytes)
+	cfg.RateLimit = orDefault(cfg.RateLimit, defaultRateLimit)
 	cfg.RateBurst = orDefault(cfg.RateBurst, int(2*cfg.RateLimit))
 	cfg.MaxConnections = orDefault(cfg.MaxConnections, defaultMaxConnections())
-	cfg.MaxConnectionsPerPeer = orDefault(cfg.MaxConnectionsPerPeer, DefaultMaxConnectionsPerPeer)
+	cfg.MaxConnectionsPerPeer = orDefault(cfg.MaxConnectionsPerPeer, defaultMaxConnectionsPerPeer)
 	cfg.ReconnectMax = orDefault(cfg.ReconnectMax, 5*time.Second)
 	cfg.DottingRoot = orDefault(cfg.DottingRoot, DefaultDottingRoot)
 	cfg.QueueSize = orDefault(cfg.QueueSize, 1024)
@@ -560,7 +560,7 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 		return nil, err
 	}
 	mem := req.GetMember()
-	if err := checkMember(mem, 0, 0, DefaultMaxWorkers); err != nil {
+	if err := checkMember(mem, 0, 0, defaultMaxWorkers); err != nil {
 		return nil, err
 	}
 	if roleFromPB(mem.GetRole()) != RoleWorker {

@@ -116,7 +116,7 @@ func tryWorker(t testing.TB, addr string, sec Security, rank int, d time.Duratio
 // its error: a refusal is an outcome, with no window to wait out.
 func register(t testing.TB, addr string, sec Security, rank int) error {
 	t.Helper()
-	conn, err := dial(addr, sec, DefaultMaxMessageBytes, discardIfNil(nil))
+	conn, err := dial(addr, sec, defaultMaxMessageBytes, discardIfNil(nil))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -212,7 +212,7 @@ func TestOperatorCredential(t *testing.T) {
 	c := newCluster(t, sec, ManagerConfig{AdminToken: admin, ProxyToken: proxy})
 	addr := c.m.Addr().String()
 	list := func(token string) error {
-		conn, err := dial(addr, Security{Insecure: true, Token: token}, DefaultMaxMessageBytes, discardIfNil(nil))
+		conn, err := dial(addr, Security{Insecure: true, Token: token}, defaultMaxMessageBytes, discardIfNil(nil))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -248,7 +248,7 @@ func TestOperatorCredential(t *testing.T) {
 
 	// No operators' token: the services refuse members, naming the field.
 	c2 := newCluster(t, sec, ManagerConfig{})
-	conn, err := dial(c2.m.Addr().String(), sec, DefaultMaxMessageBytes, discardIfNil(nil))
+	conn, err := dial(c2.m.Addr().String(), sec, defaultMaxMessageBytes, discardIfNil(nil))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -131,8 +131,8 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	}
 	cfg.Upstream = orDefault(cfg.Upstream, DefaultProxyAddr)
 	cfg.QueueSize = orDefault(cfg.QueueSize, 1024)
-	cfg.AckTimeout = orDefault(cfg.AckTimeout, DefaultAckTimeout)
-	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
+	cfg.AckTimeout = orDefault(cfg.AckTimeout, defaultAckTimeout)
+	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, defaultMaxMessageBytes)
 	cfg.ReconnectMax = orDefault(cfg.ReconnectMax, 5*time.Second)
 	log := discardIfNil(cfg.Logger).With("component", "taskd-worker", "job", cfg.Job, "rank", cfg.Rank)
 	metrics := promreg.New(cfg.Registerer, "taskd: WorkerConfig.Registerer")
