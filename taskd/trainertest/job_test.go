@@ -42,7 +42,7 @@ type job struct {
 	reg     *prometheus.Registry
 	proxies []*exec.Cmd
 	sups    []*local.Supervisor
-	out     []*lines // by rank
+	out     []*testkit.Output // by rank
 	trans   chan transition
 	cancel  context.CancelFunc
 	wg      sync.WaitGroup
@@ -150,12 +150,12 @@ func startJob(t testing.TB, cfg jobConfig) *job {
 		j.run(func() { j.reportExits(n, s) })
 	}
 	for r := range world {
-		j.out[r].wait(t, 0, "event start", 120*time.Second)
+		j.out[r].Wait(t, 0, "event start", 120*time.Second)
 	}
 	return j
 }
 
-func stderrOf(t testing.TB, label string) *lines {
+func stderrOf(t testing.TB, label string) *testkit.Output {
 	if testing.Verbose() && os.Getenv("TRAINERTEST_LOG") != "" {
 		return newLines(label + " stderr")
 	}
@@ -287,10 +287,10 @@ func (j *job) signal(t testing.TB, rank int, sig syscall.Signal) {
 // marks returns where each rank's output is now.
 func (j *job) marks() []int { return marks(j.out) }
 
-func marks(out []*lines) []int {
+func marks(out []*testkit.Output) []int {
 	m := make([]int, len(out))
 	for r, l := range out {
-		m[r] = l.len()
+		m[r] = l.Len()
 	}
 	return m
 }
@@ -344,9 +344,9 @@ func (j *job) lastSaveBefore(rank, from int, stop string) int64 {
 	return lastSaveBefore(j.out[rank], from, stop)
 }
 
-func lastSaveBefore(out *lines, from int, stop string) int64 {
+func lastSaveBefore(out *testkit.Output, from int, stop string) int64 {
 	last := int64(-1)
-	for i, line := range out.from(0) {
+	for i, line := range out.From(0) {
 		if i >= from && strings.HasPrefix(line, stop) {
 			break
 		}
@@ -367,7 +367,7 @@ func (j *job) checkResumed(t testing.TB, rec taskd.Orchestration, from []int, co
 	checkResumed(t, j.out, j.cfg.saveEvery, rec, from, committed, lastSaved)
 }
 
-func checkResumed(t testing.TB, out []*lines, every int64, rec taskd.Orchestration, from []int, committed, lastSaved int64) {
+func checkResumed(t testing.TB, out []*testkit.Output, every int64, rec taskd.Orchestration, from []int, committed, lastSaved int64) {
 	t.Helper()
 	s := rec.ResumedStep
 	if s < 0 || s < committed || s > lastSaved+every || s%every != 0 {
@@ -379,10 +379,10 @@ func checkResumed(t testing.TB, out []*lines, every int64, rec taskd.Orchestrati
 		deadline := time.Now().Add(30 * time.Second)
 		for ; ; i++ {
 			if time.Now().After(deadline) {
-				t.Fatalf("rank %d: no resume by %s within 30 s: %q", r, rec.Strategy, l.from(from[r]))
+				t.Fatalf("rank %d: no resume by %s within 30 s: %q", r, rec.Strategy, l.From(from[r]))
 			}
-			i = l.wait(t, i, "event ", 30*time.Second)
-			k, step, detail, _ := event(l.from(i)[0])
+			i = l.Wait(t, i, "event ", 30*time.Second)
+			k, step, detail, _ := event(l.From(i)[0])
 			if (k == "resume" || k == "start") && detail == string(rec.Strategy) {
 				if step != s {
 					t.Fatalf("rank %d resumed from %d, want %d", r, step, s)
@@ -391,8 +391,8 @@ func checkResumed(t testing.TB, out []*lines, every int64, rec taskd.Orchestrati
 			}
 		}
 		for i++; ; i++ {
-			i = l.wait(t, i, "event save", 30*time.Second)
-			if _, step, detail, _ := event(l.from(i)[0]); detail == "" {
+			i = l.Wait(t, i, "event save", 30*time.Second)
+			if _, step, detail, _ := event(l.From(i)[0]); detail == "" {
 				if step != s+every {
 					t.Fatalf("rank %d: first save after resuming from %d is %d, want %d", r, s, step, s+every)
 				}

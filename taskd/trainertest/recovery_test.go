@@ -81,13 +81,13 @@ func TestRecovery(t *testing.T) {
 		}
 		lastSaved := int64(-1)
 		for _, r := range hung {
-			j.out[r].wait(t, from[r], "event start", 10*time.Second)
+			j.out[r].Wait(t, from[r], "event start", 10*time.Second)
 			lastSaved = max(lastSaved, j.lastSaveBefore(r, from[r], "event start"))
 		}
 		j.checkResumed(t, rec, from, committed, lastSaved) // waits for every rank's resume
 		for r := range j.out {
-			if !slices.Contains(hung, r) && slices.ContainsFunc(j.out[r].from(from[r]), func(l string) bool { return strings.HasPrefix(l, "event start") }) {
-				t.Errorf("rank %d restarted: %q", r, j.out[r].from(from[r]))
+			if !slices.Contains(hung, r) && slices.ContainsFunc(j.out[r].From(from[r]), func(l string) bool { return strings.HasPrefix(l, "event start") }) {
+				t.Errorf("rank %d restarted: %q", r, j.out[r].From(from[r]))
 			}
 		}
 	})
@@ -107,7 +107,7 @@ func TestRecovery(t *testing.T) {
 		}
 		lastSaved := int64(-1)
 		for r := range j.out {
-			j.out[r].wait(t, from[r], "event start", 10*time.Second) // every rank of both nodes
+			j.out[r].Wait(t, from[r], "event start", 10*time.Second) // every rank of both nodes
 			lastSaved = max(lastSaved, j.lastSaveBefore(r, from[r], "event start"))
 		}
 		j.checkResumed(t, rec, from, committed, lastSaved)
@@ -122,15 +122,15 @@ func TestRecovery(t *testing.T) {
 			t.Fatalf("recovery: %+v", rec)
 		}
 		for r, l := range j.out {
-			for _, line := range l.from(from[r]) {
+			for _, line := range l.From(from[r]) {
 				if strings.HasPrefix(line, "event start") {
-					t.Fatalf("rank %d restarted: %q", r, l.from(from[r]))
+					t.Fatalf("rank %d restarted: %q", r, l.From(from[r]))
 				}
 			}
-			pause := l.wait(t, from[r], "event pause", 10*time.Second)
-			_, paused, _, _ := event(l.from(pause)[0])
-			resume := l.wait(t, pause, "event resume", 10*time.Second)
-			if _, step, _, _ := event(l.from(resume)[0]); step != paused {
+			pause := l.Wait(t, from[r], "event pause", 10*time.Second)
+			_, paused, _, _ := event(l.From(pause)[0])
+			resume := l.Wait(t, pause, "event resume", 10*time.Second)
+			if _, step, _, _ := event(l.From(resume)[0]); step != paused {
 				t.Fatalf("rank %d paused after step %d and resumed after %d", r, paused, step)
 			}
 		}
@@ -155,7 +155,7 @@ func TestRecovery(t *testing.T) {
 		j.checkResumed(t, rec, from, committed, j.lastSaveBefore(last, from[last], "event switch-link"))
 		// Every rank of node 1 was replaced.
 		for r := cfg.ppn; r < 2*cfg.ppn; r++ {
-			j.out[r].wait(t, from[r], "event start", 10*time.Second)
+			j.out[r].Wait(t, from[r], "event start", 10*time.Second)
 		}
 	})
 

@@ -144,11 +144,11 @@ type haJob struct {
 	owner     *ckpt.Owner
 	sups      []*local.Supervisor
 	proxies   []*taskd.Proxy
-	out       []*lines // by rank
+	out       []*testkit.Output // by rank
 	mgrAddr   string
 	mgr       *exec.Cmd
 	mgrExited chan struct{}
-	mgrOut    *lines // every manager's lines, one after the other
+	mgrOut    *testkit.Output // every manager's lines, one after the other
 	agent     *http.Server
 	agentURL  string
 	killFile  string
@@ -264,7 +264,7 @@ func startHAJob(t testing.TB, nodes, ppn int, timeouts taskd.Timeouts) *haJob {
 		j.run(func() { j.reportExits(n, s) })
 	}
 	for r := range world {
-		j.out[r].wait(t, 0, "event start", 120*time.Second)
+		j.out[r].Wait(t, 0, "event start", 120*time.Second)
 	}
 	return j
 }
@@ -304,7 +304,7 @@ func (j *haJob) startManager(t testing.TB) {
 	if w := stderrOf(t, "manager"); w != nil {
 		cmd.Stderr = w
 	}
-	from := j.mgrOut.len()
+	from := j.mgrOut.Len()
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -312,13 +312,13 @@ func (j *haJob) startManager(t testing.TB) {
 	exited := make(chan struct{})
 	go func() { cmd.Wait(); close(exited) }()
 	j.mgrExited = exited
-	j.mgrOut.wait(t, from, "ready", 60*time.Second)
+	j.mgrOut.Wait(t, from, "ready", 60*time.Second)
 }
 
 // killed waits for the manager to kill itself, and starts another.
 func (j *haJob) restartAfterKill(t testing.TB, from int, state taskd.State) {
 	t.Helper()
-	j.mgrOut.wait(t, from, "killed "+string(state), 60*time.Second)
+	j.mgrOut.Wait(t, from, "killed "+string(state), 60*time.Second)
 	select {
 	case <-j.mgrExited:
 	case <-time.After(30 * time.Second):
@@ -365,9 +365,9 @@ func (j *haJob) setKills(t testing.TB, states ...taskd.State) {
 func (j *haJob) done(t testing.TB, from int, kind taskd.OrchestrationKind) taskd.Orchestration {
 	t.Helper()
 	for i := from; ; i++ {
-		i = j.mgrOut.wait(t, i, "done ", 2*time.Minute)
+		i = j.mgrOut.Wait(t, i, "done ", 2*time.Minute)
 		var o taskd.Orchestration
-		if err := json.Unmarshal([]byte(strings.TrimPrefix(j.mgrOut.from(i)[0], "done ")), &o); err != nil {
+		if err := json.Unmarshal([]byte(strings.TrimPrefix(j.mgrOut.From(i)[0], "done ")), &o); err != nil {
 			t.Fatal(err)
 		}
 		if o.Kind == kind {
@@ -379,7 +379,7 @@ func (j *haJob) done(t testing.TB, from int, kind taskd.OrchestrationKind) taskd
 // resumes returns rank's resume and start events from its line from on.
 func (j *haJob) resumes(rank, from int) []string {
 	var out []string
-	for _, line := range j.out[rank].from(from) {
+	for _, line := range j.out[rank].From(from) {
 		if k, _, _, ok := event(line); ok && (k == "resume" || k == "start") {
 			out = append(out, line)
 		}
@@ -424,7 +424,7 @@ func TestManagerKilled(t *testing.T) {
 		}
 		kills := []taskd.State{taskd.StateStopping, taskd.StateNotifying, taskd.StateDeciding, taskd.StateRestarting, taskd.StateLoading, taskd.StateResuming}
 		j.setKills(t, kills...)
-		from, mfrom, before := marks(j.out), j.mgrOut.len(), committed(filepath.Join(j.dir, "ckpt"))
+		from, mfrom, before := marks(j.out), j.mgrOut.Len(), committed(filepath.Join(j.dir, "ckpt"))
 		if err := syscall.Kill(j.pid(t, last), syscall.SIGKILL); err != nil {
 			t.Fatal(err)
 		}
@@ -449,7 +449,7 @@ func TestManagerKilled(t *testing.T) {
 		j.mu.Lock()
 		j.hold = hold
 		j.mu.Unlock()
-		from, mfrom, before := marks(j.out), j.mgrOut.len(), committed(filepath.Join(j.dir, "ckpt"))
+		from, mfrom, before := marks(j.out), j.mgrOut.Len(), committed(filepath.Join(j.dir, "ckpt"))
 		if err := syscall.Kill(j.pid(t, 1), syscall.SIGKILL); err != nil {
 			t.Fatal(err)
 		}
@@ -477,7 +477,7 @@ func TestManagerKilled(t *testing.T) {
 
 	t.Run("op error: killed on entering the step retry", func(t *testing.T) {
 		j.setKills(t, taskd.StateRetrying)
-		from, mfrom := marks(j.out), j.mgrOut.len()
+		from, mfrom := marks(j.out), j.mgrOut.Len()
 		if err := syscall.Kill(j.pid(t, 0), syscall.SIGHUP); err != nil {
 			t.Fatal(err)
 		}
@@ -489,14 +489,14 @@ func TestManagerKilled(t *testing.T) {
 		}
 		j.checkOnce(t, rec, from)
 		for r, l := range j.out {
-			pause := l.wait(t, from[r], "event pause", 10*time.Second)
-			_, paused, _, _ := event(l.from(pause)[0])
-			resume := l.wait(t, pause, "event resume", 10*time.Second)
-			if _, step, _, _ := event(l.from(resume)[0]); step != paused {
+			pause := l.Wait(t, from[r], "event pause", 10*time.Second)
+			_, paused, _, _ := event(l.From(pause)[0])
+			resume := l.Wait(t, pause, "event resume", 10*time.Second)
+			if _, step, _, _ := event(l.From(resume)[0]); step != paused {
 				t.Errorf("rank %d paused after step %d and resumed after %d", r, paused, step)
 			}
 			var retries int
-			for _, line := range l.from(from[r]) {
+			for _, line := range l.From(from[r]) {
 				if strings.HasPrefix(line, "event retry") {
 					retries++
 				}
@@ -510,7 +510,7 @@ func TestManagerKilled(t *testing.T) {
 	t.Run("link switch: killed on entering each state", func(t *testing.T) {
 		kills := []taskd.State{taskd.StatePausing, taskd.StateSwitching, taskd.StateContinuing}
 		j.setKills(t, kills...)
-		from, mfrom := marks(j.out), j.mgrOut.len()
+		from, mfrom := marks(j.out), j.mgrOut.Len()
 		conn, err := grpc.NewClient("passthrough:///"+j.mgrAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
 			t.Fatal(err)
@@ -528,10 +528,10 @@ func TestManagerKilled(t *testing.T) {
 		}
 		j.checkOnce(t, rec, from)
 		for r := 2; r < 4; r++ {
-			if !slices.ContainsFunc(j.out[r].from(from[r]), func(l string) bool {
+			if !slices.ContainsFunc(j.out[r].From(from[r]), func(l string) bool {
 				return strings.HasPrefix(l, "event switch-link") && strings.HasSuffix(l, " standby")
 			}) {
-				t.Errorf("rank %d of node 1 did not switch: %q", r, j.out[r].from(from[r]))
+				t.Errorf("rank %d of node 1 did not switch: %q", r, j.out[r].From(from[r]))
 			}
 		}
 	})
