@@ -14,9 +14,15 @@ import (
 // cannot lose a member and carry on, so a rank is paused by freezing its
 // process (SIGSTOP, after its stacks are taken) and resumed, after a
 // fault anywhere, by a new process that loads the step the job agreed on.
+// It is no taskd.StepRetrier (a process group cannot run a step again
+// after a member failed), LinkSwitcher (a PyTorch rank's communicators
+// pick their links when they are built) or StressTester.
 type trainer struct{ s *slot }
 
-var _ taskd.Trainer = trainer{}
+var (
+	_ taskd.Trainer        = trainer{}
+	_ taskd.StrategyLister = trainer{}
+)
 
 // Pause takes the rank's stacks and ends its process: a process group
 // cannot carry on without a member, so every rank is restarted when the
@@ -86,23 +92,6 @@ func (t trainer) budgetSpent() (string, bool) {
 		why += "; the last fault: " + f
 	}
 	return why, true
-}
-
-// RetryStep is not for a process group: it cannot run a step again
-// without its lost member.
-func (trainer) RetryStep(context.Context) error {
-	return fmt.Errorf("%w: a torch.distributed process group cannot run a step again after a member failed", taskd.ErrUnsupported)
-}
-
-// SwitchLink is not for a PyTorch rank: its communicators pick their
-// links when they are built.
-func (trainer) SwitchLink(context.Context, taskd.LinkRequest) error {
-	return fmt.Errorf("%w: link switch of a PyTorch rank", taskd.ErrUnsupported)
-}
-
-// StressTest is not for a PyTorch rank.
-func (trainer) StressTest(context.Context, taskd.StressRequest) error {
-	return fmt.Errorf("%w: stress test of a PyTorch rank", taskd.ErrUnsupported)
 }
 
 // Stop ends the rank for good, and with it the node's others: they

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/net/http2/hpack"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // BenchmarkAbuse measures what each abuse of the control plane does to a
@@ -54,7 +55,7 @@ func BenchmarkAbuse(b *testing.B) {
 			mgr.expect(0, "ready", 60*time.Second)
 			sec := Security{Insecure: true, Token: token}
 			legit := newRawMember(b, addr, "bench", sec, RoleWorker, Position{Node: 0, Rank: 0})
-			waitFor(b, 60*time.Second, "the legitimate worker registered", func() bool { return legit.register() == nil })
+			testkit.WaitFor(b, "the legitimate worker registered", func() bool { return legit.register() == nil })
 			a := &abuser{b: b, addr: addr, job: "bench", token: token}
 			ctx, cancel := context.WithCancel(context.Background())
 			var wg sync.WaitGroup
@@ -276,7 +277,7 @@ func (a *abuser) registerFlood(ctx context.Context) {
 	rank := 1
 	loop(ctx, 4, func(ctx context.Context) {
 		next.Lock()
-		rank = rank%(DefaultMaxWorkers-1) + 1
+		rank = rank%(defaultMaxWorkers-1) + 1
 		pos := Position{Node: rank / 8, Rank: rank}
 		next.Unlock()
 		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)

@@ -25,6 +25,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -42,7 +43,7 @@ type rawMember struct {
 func newRawMember(t testing.TB, addr, job string, sec Security, role Role, pos Position) *rawMember {
 	t.Helper()
 	cred := &memberCred{}
-	conn, err := dial(addr, sec, DefaultMaxMessageBytes, discardIfNil(nil), cred.dialOptions()...)
+	conn, err := dial(addr, sec, defaultMaxMessageBytes, discardIfNil(nil), cred.dialOptions()...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -84,7 +85,7 @@ func TestHeartbeatAgeClamped(t *testing.T) {
 			}
 		}
 	}
-	waitFor(t, 20*time.Second, "the silent member lost", func() bool { return len(c.m.Members()) == 0 })
+	testkit.WaitFor(t, "the silent member lost", func() bool { return len(c.m.Members()) == 0 })
 }
 
 // TestHeartbeatsDoNotWaitForFaults: the fault log has a lock of its own
@@ -339,12 +340,12 @@ func TestStreamsPerPeerBounded(t *testing.T) {
 		}
 	}
 	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: 99})
-	waitFor(t, 20*time.Second, "the calls in flight refused", func() bool {
+	testkit.WaitFor(t, "the calls in flight refused", func() bool {
 		return status.Code(r.register()) == codes.ResourceExhausted
 	})
 	streams[0].CloseSend()
 	streams[0].CloseAndRecv()
-	waitFor(t, 20*time.Second, "a call taken once one ended", func() bool { return r.register() == nil })
+	testkit.WaitFor(t, "a call taken once one ended", func() bool { return r.register() == nil })
 }
 
 // dialFrom returns a gRPC connection to addr made from the loopback
@@ -397,13 +398,13 @@ func TestConnectionsBounded(t *testing.T) {
 	for range 4 {
 		silent(t, "127.0.0.2", addr)
 	}
-	waitFor(t, 20*time.Second, "4 connections open", func() bool { return gathered(t, reg)["faultline_taskd_connections"] == 4 })
+	testkit.WaitFor(t, "4 connections open", func() bool { return gathered(t, reg)["faultline_taskd_connections"] == 4 })
 	closedByServer(t, silent(t, "127.0.0.2", addr), "a fifth connection from one address")
 	if got := gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="peer_limit"}`]; got != 1 {
 		t.Fatalf("refused for the peer limit: %v", got)
 	}
 	w := c.addWorker(0, 0)
-	waitFor(t, 20*time.Second, "a worker from another address", w.Connected)
+	testkit.WaitFor(t, "a worker from another address", w.Connected)
 	closedByServer(t, silent(t, "127.0.0.3", addr), "a connection that never speaks")
 }
 
@@ -512,7 +513,7 @@ func TestMemberIdentity(t *testing.T) {
 		}
 	}
 	// Beats for the victim keep it alive no longer than its deadline.
-	waitFor(t, 20*time.Second, "the victim lost, while another member beats for it", func() bool {
+	testkit.WaitFor(t, "the victim lost, while another member beats for it", func() bool {
 		thief.client.Heartbeat(thief.ctx(), &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: thief.self}, {Member: listed}}})
 		for _, f := range c.m.Faults(0) {
 			if f.Kind == FaultLost && f.Position.Rank == 1 {
@@ -530,9 +531,9 @@ func TestProxyIdentity(t *testing.T) {
 	c := newCluster(t, insecureSec(), ManagerConfig{Nodes: 2, ProcsPerNode: 2})
 	addr := c.m.Addr().String()
 	p := c.addProxy(0)
-	waitFor(t, 20*time.Second, "the proxy", func() bool { return len(c.m.Members()) == 1 })
+	testkit.WaitFor(t, "the proxy", func() bool { return len(c.m.Members()) == 1 })
 	w := newRawMember(t, p.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
-	waitFor(t, 20*time.Second, "a worker behind the proxy", func() bool { return w.register() == nil })
+	testkit.WaitFor(t, "a worker behind the proxy", func() bool { return w.register() == nil })
 	send := func(r *rawMember, id string, from *pb.Member, node, rank int32) error {
 		_, err := r.client.Send(r.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: id, From: from, Body: &pb.Report_Fault{Fault: &pb.FaultReport{Kind: string(FaultHang), Node: node, Rank: rank}}}}})
 		return err
@@ -671,7 +672,7 @@ func TestMembershipBounded(t *testing.T) {
 	}
 	// A rank that leaves is forgotten by the switch status.
 	w := c.addWorker(80, 700)
-	waitFor(t, 20*time.Second, "rank 700", w.Connected)
+	testkit.WaitFor(t, "rank 700", w.Connected)
 	has := func() bool {
 		return slices.ContainsFunc(c.m.SwitchStatus().Workers, func(ws WorkerSwitch) bool { return ws.Position.Rank == 700 })
 	}
@@ -679,7 +680,7 @@ func TestMembershipBounded(t *testing.T) {
 		t.Fatal("rank 700 not in the switch status")
 	}
 	c.stop(w, w)
-	waitFor(t, 20*time.Second, "rank 700 forgotten", func() bool { return !has() })
+	testkit.WaitFor(t, "rank 700 forgotten", func() bool { return !has() })
 }
 
 // TestOtherBounds: what a worker says in an acknowledgement is kept cut to

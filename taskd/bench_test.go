@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -33,7 +34,7 @@ func BenchmarkSwitchFanout(b *testing.B) {
 
 func benchFanout(b *testing.B, workers, proxies int) {
 	c := newCluster(b, insecureSec(), ManagerConfig{HeartbeatInterval: time.Second, HeartbeatDeadline: 5 * time.Second, AckTimeout: 3 * time.Second})
-	c.ack = DefaultAckTimeout
+	c.ack = defaultAckTimeout
 	perNode := workers
 	if proxies > 0 {
 		perNode = workers / proxies
@@ -52,8 +53,8 @@ func benchFanout(b *testing.B, workers, proxies int) {
 	for r := range workers {
 		c.addWorker(r/perNode, r)
 	}
-	waitFor(b, 120*time.Second, "every worker registered", func() bool { return c.liveWorkers() == workers })
-	waitFor(b, 120*time.Second, "every worker streaming", func() bool {
+	testkit.WaitForWithin(b, 120*time.Second, "every worker registered", func() bool { return c.liveWorkers() == workers })
+	testkit.WaitForWithin(b, 120*time.Second, "every worker streaming", func() bool {
 		for _, w := range c.workers {
 			if !w.Connected() {
 				return false
@@ -139,7 +140,7 @@ func BenchmarkHeartbeatCPU(b *testing.B) {
 				w.Close()
 			}
 		}()
-		waitFor(b, 120*time.Second, "1000 workers", func() bool { return len(api.members()) == 1000 })
+		testkit.WaitForWithin(b, 120*time.Second, "1000 workers", func() bool { return len(api.members()) == 1000 })
 		measureCPU(b, mgr)
 	})
 	b.Run("baseline-echo", func(b *testing.B) {

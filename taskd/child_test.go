@@ -21,16 +21,14 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd/lease"
 	"github.com/faultline-ml/faultline/trace"
 )
 
-// The test binary runs as a manager, proxy or worker process when this
-// variable names the role; childArgsEnv holds its childArgs as JSON.
-const (
-	childRoleEnv = "TASKD_TEST_CHILD"
-	childArgsEnv = "TASKD_TEST_ARGS"
-)
+// The test binary runs as a manager, proxy or worker process when
+// testkit.Role names the role; childArgsEnv holds its childArgs as JSON.
+const childArgsEnv = "TASKD_TEST_ARGS"
 
 type childArgs struct {
 	Job      string
@@ -178,23 +176,17 @@ type child struct {
 	args  childArgs
 	cmd   *exec.Cmd
 	stdin io.WriteCloser
-
-	mu    sync.Mutex
-	lines []string
-	cond  *sync.Cond
+	out   *testkit.Output
 	done  chan struct{}
 }
 
 func startChild(t testing.TB, role string, a childArgs) *child {
 	t.Helper()
 	b, _ := json.Marshal(a)
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childRoleEnv+"="+role, childArgsEnv+"="+string(b))
+	cmd := testkit.Command(t, role, childArgsEnv+"="+string(b))
 	cmd.Stderr = &prefixWriter{t: t, prefix: fmt.Sprintf("%s %d/%d: ", role, a.Node, a.Rank)}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
+	out := testkit.NewOutput(fmt.Sprintf("%s %d/%d", role, a.Node, a.Rank), false)
+	cmd.Stdout = out
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -202,21 +194,11 @@ func startChild(t testing.TB, role string, a childArgs) *child {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	c := &child{t: t, role: role, args: a, cmd: cmd, stdin: stdin, done: make(chan struct{})}
-	c.cond = sync.NewCond(&c.mu)
+	c := &child{t: t, role: role, args: a, cmd: cmd, stdin: stdin, out: out, done: make(chan struct{})}
 	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			c.mu.Lock()
-			c.lines = append(c.lines, sc.Text())
-			c.cond.Broadcast()
-			c.mu.Unlock()
-		}
 		cmd.Wait()
+		out.Close()
 		close(c.done)
-		c.mu.Lock()
-		c.cond.Broadcast()
-		c.mu.Unlock()
 	}()
 	t.Cleanup(c.kill)
 	return c
@@ -226,38 +208,11 @@ func startChild(t testing.TB, role string, a childArgs) *child {
 // returning the line and its index.
 func (c *child) expect(from int, prefix string, d time.Duration) (string, int) {
 	c.t.Helper()
-	timer := time.AfterFunc(d, func() {
-		c.mu.Lock()
-		c.cond.Broadcast()
-		c.mu.Unlock()
-	})
-	defer timer.Stop()
-	end := time.Now().Add(d)
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	for i := from; ; {
-		for ; i < len(c.lines); i++ {
-			if strings.HasPrefix(c.lines[i], prefix) {
-				return c.lines[i], i
-			}
-		}
-		select {
-		case <-c.done:
-			c.t.Fatalf("%s %d/%d exited before printing %q", c.role, c.args.Node, c.args.Rank, prefix)
-		default:
-		}
-		if time.Now().After(end) {
-			c.t.Fatalf("%s %d/%d: no %q within %v (output %q)", c.role, c.args.Node, c.args.Rank, prefix, d, c.lines)
-		}
-		c.cond.Wait()
-	}
+	i := c.out.Wait(c.t, from, prefix, d)
+	return c.out.From(i)[0], i
 }
 
-func (c *child) nlines() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return len(c.lines)
-}
+func (c *child) nlines() int { return c.out.Len() }
 
 func (c *child) signal(sig syscall.Signal) {
 	if err := c.cmd.Process.Signal(sig); err != nil {

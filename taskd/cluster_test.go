@@ -12,6 +12,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd/lease"
 	"github.com/faultline-ml/faultline/trace"
 )
@@ -160,12 +161,12 @@ func TestSmoke(t *testing.T) {
 		c.addWorker(r/4, r)
 	}
 	c.addWorker(2, 8) // attached directly
-	waitFor(t, 20e9, "9 workers", func() bool { return c.liveWorkers() == 9 })
+	testkit.WaitFor(t, "9 workers", func() bool { return c.liveWorkers() == 9 })
 	sw := trace.Switch{Step: true, CommunicationOperator: true}
 	if _, err := c.m.SetSwitch(sw); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 20e9, "switch applied", func() bool {
+	testkit.WaitFor(t, "switch applied", func() bool {
 		for r := range 9 {
 			if got, ok := c.appliedSwitch(r); !ok || got != sw {
 				return false
@@ -173,7 +174,7 @@ func TestSmoke(t *testing.T) {
 		}
 		return true
 	})
-	waitFor(t, 20e9, "status opened", func() bool {
+	testkit.WaitFor(t, "status opened", func() bool {
 		for _, w := range c.m.SwitchStatus().Workers {
 			if w.Domains["default"] != DomainOpened {
 				return false
@@ -184,7 +185,7 @@ func TestSmoke(t *testing.T) {
 	if err := c.workers[3].ReportFault(Fault{Kind: FaultHang, Message: "allreduce stuck"}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 20e9, "fault", func() bool { return len(c.m.Faults(0)) == 1 })
+	testkit.WaitFor(t, "fault", func() bool { return len(c.m.Faults(0)) == 1 })
 	ds, err := c.m.Broadcast(context.Background(), AllWorkers(), "hello", []byte("x"))
 	if err != nil {
 		t.Fatal(err)
@@ -198,7 +199,7 @@ func TestSmoke(t *testing.T) {
 		t.Fatalf("faults: %+v", f)
 	}
 	// The fan-out's span ended once every worker acknowledged it.
-	waitFor(t, 20e9, "the fan-out span", func() bool {
+	testkit.WaitFor(t, "the fan-out span", func() bool {
 		for _, s := range spans.Ended() {
 			if s.Name() == "taskd.switch.fanout" {
 				return true
@@ -213,7 +214,7 @@ func TestSmoke(t *testing.T) {
 		`faultline_taskd_switch_fanout_seconds_count`: 1,
 	}
 	var got map[string]float64
-	waitFor(t, 20e9, "the metrics", func() bool {
+	testkit.WaitFor(t, "the metrics", func() bool {
 		got = gathered(t, reg)
 		for k, v := range want {
 			if got[k] != v {

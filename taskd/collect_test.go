@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 func writeFile(t testing.TB, name string, data []byte) {
@@ -52,7 +53,7 @@ func TestCollect(t *testing.T) {
 	}
 	c.proxies[0] = p
 	c.run(p, p.Run)
-	waitFor(t, 20*time.Second, "the proxy", func() bool { return len(c.m.Members()) == 1 })
+	testkit.WaitFor(t, "the proxy", func() bool { return len(c.m.Members()) == 1 })
 
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -125,7 +126,7 @@ func TestCollectSizeCap(t *testing.T) {
 	}
 	c.proxies[0] = p
 	c.run(p, p.Run)
-	waitFor(t, 20*time.Second, "the proxy", func() bool { return len(c.m.Members()) == 1 })
+	testkit.WaitFor(t, "the proxy", func() bool { return len(c.m.Members()) == 1 })
 	res, err := c.m.Collect(context.Background(), CollectOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -247,7 +248,7 @@ func TestUploadOneWriterPerPath(t *testing.T) {
 	if err := first.Send(chunk(0, "first ", false)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 20*time.Second, "the first upload under way", func() bool {
+	testkit.WaitFor(t, "the first upload under way", func() bool {
 		c.m.mu.Lock()
 		defer c.m.mu.Unlock()
 		return c.m.uploading["node-0/dotting/0/1700000000"]
@@ -298,7 +299,7 @@ func TestUploadEnds(t *testing.T) {
 	if err := late.Send(chunk("dotting/0/b", 0, false)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 20*time.Second, "the upload under way", func() bool {
+	testkit.WaitFor(t, "the upload under way", func() bool {
 		c.m.mu.Lock()
 		defer c.m.mu.Unlock()
 		return c.m.uploading["node-0/dotting/0/b"]

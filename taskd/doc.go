@@ -124,11 +124,19 @@
 //
 //	Pause(ctx) (step, error)              stop at the next step boundary
 //	Resume(ctx, ResumeRequest) error      start, or continue (loading Step unless -1)
-//	Strategies(ctx, FaultNotice) ([]Strategy, error)
-//	RetryStep(ctx) error                  redo the interrupted step from memory
-//	SwitchLink(ctx, LinkRequest) error    move device links to standby or primary
-//	StressTest(ctx, StressRequest) error  run a test on its devices
 //	Stop(ctx, reason) error               end training for good
+//
+// and, where it can do more, the optional interfaces, which the worker
+// discovers by type assertion as io.Copy discovers an io.WriterTo:
+//
+//	StrategyLister  Strategies(ctx, FaultNotice) ([]Strategy, error)
+//	StepRetrier     RetryStep(ctx) error                  redo the interrupted step from memory
+//	LinkSwitcher    SwitchLink(ctx, LinkRequest) error    move device links to standby or primary
+//	StressTester    StressTest(ctx, StressRequest) error  run a test on its devices
+//
+// Without StrategyLister a trainer supports retry when it is a StepRetrier,
+// and recover-in-place, recover, dump and exit; without one of the others,
+// that call fails with ErrUnsupported.
 //
 // The worker makes these calls one at a time, off its receive loop, with a
 // context that ends at the manager's deadline, and acknowledges the

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // TestRunEndsWhenEvicted: a worker attached to the manager whose instance
@@ -20,7 +22,7 @@ func TestRunEndsWhenEvicted(t *testing.T) {
 	defer w.Close()
 	done := make(chan error, 1)
 	go func() { done <- w.Run(context.Background()) }()
-	waitFor(t, 20*time.Second, "registration", w.Connected)
+	testkit.WaitFor(t, "registration", w.Connected)
 	c.m.evict([]int{3}, "restarted by the test")
 	select {
 	case err := <-done:
@@ -31,5 +33,5 @@ func TestRunEndsWhenEvicted(t *testing.T) {
 		t.Fatal("Run did not return after the eviction")
 	}
 	w2 := c.addWorker(0, 3)
-	waitFor(t, 20*time.Second, "the successor registered", w2.Connected)
+	testkit.WaitFor(t, "the successor registered", w2.Connected)
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd/lease"
 )
 
@@ -24,7 +25,7 @@ func BenchmarkFailover(b *testing.B) {
 	const nodes, perNode = 8, 125
 	workers := nodes * perNode
 	dir := b.TempDir()
-	base := childArgs{Job: "job-f", Interval: 500 * time.Millisecond, Deadline: 2 * time.Second, Ack: DefaultAckTimeout,
+	base := childArgs{Job: "job-f", Interval: 500 * time.Millisecond, Deadline: 2 * time.Second, Ack: defaultAckTimeout,
 		StateDir: filepath.Join(dir, "state"), LeaseFile: filepath.Join(dir, "manager.lease"), LeaseRetry: lease.DefaultRetryPeriod}
 	addrs := []string{freeAddr(b), freeAddr(b)}
 	upstream := strings.Join(addrs, ",")
@@ -41,7 +42,7 @@ func BenchmarkFailover(b *testing.B) {
 	leader := 0
 
 	// The fleet, with the defaults of proxies and workers.
-	c := &cluster{t: b, sec: insecureSec(), job: base.Job, ack: DefaultAckTimeout, proxies: map[int]*Proxy{}, workers: map[int]*Worker{}, cancels: map[any]context.CancelFunc{}}
+	c := &cluster{t: b, sec: insecureSec(), job: base.Job, ack: defaultAckTimeout, proxies: map[int]*Proxy{}, workers: map[int]*Worker{}, cancels: map[any]context.CancelFunc{}}
 	b.Cleanup(c.close)
 	for n := range nodes {
 		p, err := NewProxy(ProxyConfig{Job: c.job, Node: n, Upstream: upstream, Listen: "127.0.0.1:0", Security: c.sec})
@@ -67,7 +68,7 @@ func BenchmarkFailover(b *testing.B) {
 		}
 		return int(res.GetTotal())
 	}
-	waitFor(b, 2*time.Minute, "every member registered", func() bool { return total(addrs[leader]) == workers+nodes })
+	testkit.WaitForWithin(b, 2*time.Minute, "every member registered", func() bool { return total(addrs[leader]) == workers+nodes })
 
 	var failover, lost time.Duration
 	b.ResetTimer()
@@ -81,7 +82,7 @@ func BenchmarkFailover(b *testing.B) {
 		killed := time.Now()
 		probe.kill()
 		var at time.Time
-		waitFor(b, time.Minute, "the killed worker declared lost", func() bool {
+		testkit.WaitFor(b, "the killed worker declared lost", func() bool {
 			for _, f := range newAdminClient(b, addrs[leader], base.Job).faults()[before:] {
 				if f.GetKind() == string(FaultLost) && int(f.GetRank()) == a.Rank {
 					at = time.Unix(0, f.GetReceivedUnixNano())

@@ -43,9 +43,9 @@ const (
 	authFailureBurst = 10
 	authFailureEvery = time.Second
 	authLockout      = 10 * time.Second
-	// DefaultMaxConnectionsPerPeer bounds the connections from one peer
+	// defaultMaxConnectionsPerPeer bounds the connections from one peer
 	// address.
-	DefaultMaxConnectionsPerPeer = 256
+	defaultMaxConnectionsPerPeer = 256
 )
 
 // credential is what a call proved by its authorization header.

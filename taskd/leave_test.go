@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // TestCleanExitIsNotAFault: a worker process that closes and exits 0 is
@@ -39,14 +40,14 @@ func TestCleanExitIsNotAFault(t *testing.T) {
 	for _, w := range workers {
 		w.expect(0, "connected", 60*time.Second)
 	}
-	waitFor(t, 30*time.Second, "both workers live", func() bool { return len(api.members()) == 2 })
+	testkit.WaitFor(t, "both workers live", func() bool { return len(api.members()) == 2 })
 
 	workers[0].send("close")
 	<-workers[0].done
 	if code := workers[0].cmd.ProcessState.ExitCode(); code != 0 {
 		t.Fatalf("worker 0 exited %d", code)
 	}
-	waitFor(t, 30*time.Second, "worker 0's leave recorded", func() bool {
+	testkit.WaitFor(t, "worker 0's leave recorded", func() bool {
 		res, err := api.admin.GetJob(api.ctx(), &pb.GetJobReq{JobNsName: base.Job})
 		if err != nil || len(res.GetDeparted()) != 1 {
 			return false
@@ -55,7 +56,7 @@ func TestCleanExitIsNotAFault(t *testing.T) {
 		return d.GetPosition().GetRank() == 0 && d.GetLeft() && !d.GetFinished() && !res.GetComplete() && res.GetLiveWorkers() == 1
 	})
 	workers[1].kill()
-	waitFor(t, 30*time.Second, "worker 1 lost", func() bool {
+	testkit.WaitFor(t, "worker 1 lost", func() bool {
 		for _, f := range api.faults() {
 			if f.GetKind() == string(FaultLost) && f.GetRank() == 1 {
 				return true
@@ -112,7 +113,7 @@ func TestJobComplete(t *testing.T) {
 	}
 	p := c.addProxy(0)
 	ws := []*Worker{c.addWorker(0, 0), c.addWorker(0, 1), c.addWorker(1, 2), c.addWorker(1, 3)}
-	waitFor(t, 20*time.Second, "4 workers", func() bool {
+	testkit.WaitFor(t, "4 workers", func() bool {
 		return c.liveWorkers() == 4 && ws[0].Connected() && ws[1].Connected() && ws[2].Connected() && ws[3].Connected()
 	})
 	leave := func(w *Worker, finished bool, want int) {
@@ -121,7 +122,7 @@ func TestJobComplete(t *testing.T) {
 			w.Finish()
 		}
 		c.stop(w, w)
-		waitFor(t, 20*time.Second, fmt.Sprintf("%d events", want), func() bool { return len(events()) == want })
+		testkit.WaitFor(t, fmt.Sprintf("%d events", want), func() bool { return len(events()) == want })
 	}
 	for i, w := range ws[:3] {
 		leave(w, true, i+1)
@@ -131,13 +132,13 @@ func TestJobComplete(t *testing.T) {
 		t.Fatalf("after a leave that did not finish: %+v", st)
 	}
 	again := c.addWorker(1, 3)
-	waitFor(t, 20*time.Second, "rank 3 back", func() bool { return c.liveWorkers() == 1 && again.Connected() })
+	testkit.WaitFor(t, "rank 3 back", func() bool { return c.liveWorkers() == 1 && again.Connected() })
 	if st := c.m.JobStatus(); len(st.Departed) != 3 || !slices.Equal(st.Live, []int{3}) {
 		t.Fatalf("rank 3 back: %+v", st)
 	}
 	leave(again, true, 6)
 	c.stop(p, p)
-	waitFor(t, 20*time.Second, "the proxy's leave", func() bool { return len(events()) == 7 })
+	testkit.WaitFor(t, "the proxy's leave", func() bool { return len(events()) == 7 })
 	want := []string{"left worker true", "left worker true", "left worker true", "left worker false", "left worker true", "job-complete", "left proxy false"}
 	if d := cmp.Diff(want, events()); d != "" {
 		t.Fatalf("events (-want +got):\n%s", d)

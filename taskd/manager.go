@@ -18,7 +18,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/attribute"
 	oteltrace "go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
@@ -30,189 +29,8 @@ import (
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 	"github.com/faultline-ml/faultline/internal/promreg"
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
-	"github.com/faultline-ml/faultline/taskd/lease"
 	"github.com/faultline-ml/faultline/trace"
 )
-
-// SwitchSource feeds the manager profiling switches from outside the
-// control plane, such as a mounted ConfigMap file. Watch calls set with the
-// source's switch at once and after each change until ctx ends; a document
-// that does not parse is the source's to report, and the switch in force
-// stays.
-type SwitchSource interface {
-	Watch(ctx context.Context, set func(trace.Switch)) error
-}
-
-// ManagerConfig configures a Manager. The zero value of each field but Job
-// means its documented default.
-type ManagerConfig struct {
-	// Job is the job's identifier (MINDX_TASK_ID); required. Members of
-	// another job are refused.
-	Job string
-	// Listen is the address to serve on; default ":9601".
-	Listen string
-	// Nodes and ProcsPerNode give the job's shape, so that ranks that never
-	// registered show as waiting in the switch status, and positions
-	// outside it are refused. Zero: unknown, and nodes and ranks must be
-	// below MaxWorkers (default 16384).
-	Nodes, ProcsPerNode int
-	MaxWorkers          int
-	// Security: mutual TLS, token, or plaintext when asked; required.
-	Security Security
-	// AdminToken is the operators' credential: the Admin and
-	// TrainingDataTrace services take a call only with it, and it serves
-	// nothing else. Empty: with Security.Token set, those services refuse
-	// every call; without any token they take whoever the transport
-	// admits (logged at start).
-	AdminToken string
-	// ProxyToken, when set, is the proxies' credential: only a call with
-	// it registers as a proxy, so that a worker's token cannot. Proxies
-	// present it as ProxyConfig.UpstreamToken.
-	ProxyToken string
-	// HeartbeatInterval is how often members send heartbeats (default 1 s);
-	// a member not heard from within HeartbeatDeadline (default 5 s) is
-	// declared lost and a FaultLost is raised.
-	HeartbeatInterval, HeartbeatDeadline time.Duration
-	// AckTimeout is how long a downward message waits for its
-	// acknowledgement before it is sent again (default 3 s, backing off to
-	// 30 s). DeliveryTimeout bounds Broadcast (default 30 s).
-	AckTimeout, DeliveryTimeout time.Duration
-	// MaxMessageBytes caps every message received or sent (default 4 MiB).
-	MaxMessageBytes int
-	// RateLimit is calls per second allowed on each connection (default
-	// 2000, burst RateBurst default twice that); negative means unlimited.
-	RateLimit float64
-	RateBurst int
-	// MaxConnections bounds the connections open at once (default half
-	// the process's open-file limit, at most 16384), and
-	// MaxConnectionsPerPeer those from one peer address (default 256);
-	// more are closed at once, counted and logged.
-	MaxConnections, MaxConnectionsPerPeer int
-	// StateDir, when set, keeps the fault log (faults.jsonl), the switch
-	// (switch.json) and the orchestration state (orchestration.json and
-	// orchestration-history.json) across restarts, so that a manager that
-	// restarts, or a standby that takes the lease over on a shared
-	// filesystem, finishes the orchestration in progress. Faults are
-	// acknowledged to reporters only after they are synced there, and
-	// every change of an orchestration is written there before the
-	// manager acts on it. A state of another job, of an unknown version
-	// or of a newer lease term is refused (*StateFileError) and left as
-	// it is.
-	StateDir string
-	// MaxFaults bounds the fault log; the oldest go first (default 10000).
-	MaxFaults int
-	// CollectDir receives collected dotting and stack files as
-	// <CollectDir>/<job>/node-<n>/...; empty refuses collection.
-	// MaxCollectBytes caps the bytes one Collect takes in (default 1 GiB).
-	CollectDir      string
-	MaxCollectBytes int64
-	// SwitchSource, when set, is watched for switch changes.
-	SwitchSource SwitchSource
-	// Handlers run on every event (see Handler).
-	Handlers []Handler
-	// Orchestration, when set, turns on process-level recovery from the
-	// faults taken in, and link switches and stress tests on request
-	// (see OrchestrationConfig); nil: off.
-	Orchestration *OrchestrationConfig
-	// Term, when set, is the lease term under which this manager leads the
-	// job, one of several (see package lease): the manager serves until
-	// the term ends, and Run then returns its cause (wrapping
-	// lease.ErrLost). Every command it sends carries the term's fencing
-	// token, and members refuse the commands of an older term than the
-	// newest they have seen; it confirms the term (Term.Check) before each
-	// act of an orchestration, and writes its state in StateDir only over
-	// a state of no newer term. Nil: this manager leads alone.
-	Term lease.Term
-	// Observability; nil means off.
-	Registerer     prometheus.Registerer
-	TracerProvider oteltrace.TracerProvider
-	Logger         *slog.Logger
-}
-
-func (c *ManagerConfig) setDefaults() {
-	c.Listen = orDefault(c.Listen, DefaultManagerAddr)
-	c.HeartbeatInterval = orDefault(c.HeartbeatInterval, DefaultHeartbeatInterval)
-	c.HeartbeatDeadline = orDefault(c.HeartbeatDeadline, DefaultHeartbeatDeadline)
-	c.AckTimeout = orDefault(c.AckTimeout, DefaultAckTimeout)
-	c.DeliveryTimeout = orDefault(c.DeliveryTimeout, 30*time.Second)
-	c.MaxMessageBytes = orDefault(c.MaxMessageBytes, DefaultMaxMessageBytes)
-	c.RateLimit = orDefault(c.RateLimit, DefaultRateLimit)
-	c.RateBurst = orDefault(c.RateBurst, int(2*c.RateLimit))
-	c.MaxConnections = orDefault(c.MaxConnections, defaultMaxConnections())
-	c.MaxConnectionsPerPeer = orDefault(c.MaxConnectionsPerPeer, DefaultMaxConnectionsPerPeer)
-	c.MaxFaults = orDefault(c.MaxFaults, 10000)
-	c.MaxWorkers = orDefault(c.MaxWorkers, DefaultMaxWorkers)
-	c.MaxCollectBytes = orDefault(c.MaxCollectBytes, 1<<30)
-}
-
-// negative reports whether any of ds is negative.
-func negative(ds ...time.Duration) bool {
-	return slices.ContainsFunc(ds, func(d time.Duration) bool { return d < 0 })
-}
-
-// negativeDuration returns the error that names the first negative one of
-// the fields of config given as name, value pairs.
-func negativeDuration(config string, fields ...any) error {
-	for i := 0; i+1 < len(fields); i += 2 {
-		if d, _ := fields[i+1].(time.Duration); d < 0 {
-			return fmt.Errorf("taskd: %s.%s: %v is negative", config, fields[i], d)
-		}
-	}
-	return nil
-}
-
-// Validate reports the first field that is wrong.
-func (c ManagerConfig) Validate() error {
-	switch {
-	case c.Job == "":
-		return errors.New("taskd: ManagerConfig.Job: empty")
-	case strings.ContainsAny(c.Job, "/\\\x00") || c.Job == "." || c.Job == "..":
-		return fmt.Errorf("taskd: ManagerConfig.Job: %q is not a single path element", c.Job)
-	case c.Nodes < 0:
-		return fmt.Errorf("taskd: ManagerConfig.Nodes: %d is negative", c.Nodes)
-	case c.ProcsPerNode < 0:
-		return fmt.Errorf("taskd: ManagerConfig.ProcsPerNode: %d is negative", c.ProcsPerNode)
-	case c.MaxWorkers < 0:
-		return fmt.Errorf("taskd: ManagerConfig.MaxWorkers: %d is negative", c.MaxWorkers)
-	case negative(c.HeartbeatInterval, c.HeartbeatDeadline, c.AckTimeout, c.DeliveryTimeout):
-		return negativeDuration("ManagerConfig", "HeartbeatInterval", c.HeartbeatInterval, "HeartbeatDeadline", c.HeartbeatDeadline,
-			"AckTimeout", c.AckTimeout, "DeliveryTimeout", c.DeliveryTimeout)
-	case c.HeartbeatDeadline != 0 && c.HeartbeatDeadline <= c.HeartbeatInterval:
-		return fmt.Errorf("taskd: ManagerConfig.HeartbeatDeadline: %v is not above HeartbeatInterval %v", c.HeartbeatDeadline, orDefault(c.HeartbeatInterval, DefaultHeartbeatInterval))
-	case c.MaxMessageBytes < 0 || (c.MaxMessageBytes > 0 && c.MaxMessageBytes < 64<<10):
-		return fmt.Errorf("taskd: ManagerConfig.MaxMessageBytes: %d is below 64 KiB", c.MaxMessageBytes)
-	case c.MaxConnections < 0:
-		return fmt.Errorf("taskd: ManagerConfig.MaxConnections: %d is negative", c.MaxConnections)
-	case c.MaxConnectionsPerPeer < 0:
-		return fmt.Errorf("taskd: ManagerConfig.MaxConnectionsPerPeer: %d is negative", c.MaxConnectionsPerPeer)
-	case c.MaxFaults < 0:
-		return fmt.Errorf("taskd: ManagerConfig.MaxFaults: %d is negative", c.MaxFaults)
-	case c.MaxCollectBytes < 0:
-		return fmt.Errorf("taskd: ManagerConfig.MaxCollectBytes: %d is negative", c.MaxCollectBytes)
-	}
-	for i, h := range c.Handlers {
-		if h.Name == "" || h.Handle == nil {
-			return fmt.Errorf("taskd: ManagerConfig.Handlers[%d]: needs a Name and a Handle func", i)
-		}
-	}
-	tokens := []struct{ field, token string }{{"ManagerConfig.Security.Token", c.Security.Token}, {"ManagerConfig.AdminToken", c.AdminToken}, {"ManagerConfig.ProxyToken", c.ProxyToken}}
-	for i, t := range tokens {
-		if err := checkToken(t.field, t.token); err != nil {
-			return err
-		}
-		for _, u := range tokens[:i] {
-			if t.token != "" && t.token == u.token {
-				return fmt.Errorf("taskd: %s: the same as %s; each credential needs a token of its own", t.field, u.field)
-			}
-		}
-	}
-	if c.Orchestration != nil {
-		if err := c.Orchestration.validate(); err != nil {
-			return err
-		}
-	}
-	return c.Security.Validate()
-}
 
 // Manager is the job's root: it takes registrations and heartbeats,
 // declares silent members lost, keeps the fault log, fans the profiling
@@ -251,10 +69,7 @@ type Manager struct {
 	gone        *departures // workers lost, evicted or left
 	completedAt time.Time   // when every rank left finished; zero until then
 
-	state     atomic.Int32 // 0 new, 1 running, 2 closed
-	closed    chan struct{}
-	closeOnce sync.Once
-	runDone   chan struct{}
+	lifecycle
 }
 
 // NewManager validates cfg, loads the state in cfg.StateDir and listens on
@@ -286,9 +101,8 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		proxyHosts:  make(map[int]string),
 		ids:         newIdentities(),
 		gone:        newDepartures(cfg.Nodes * cfg.ProcsPerNode),
-		closed:      make(chan struct{}),
-		runDone:     make(chan struct{}),
 	}
+	m.init()
 	tp := cfg.TracerProvider
 	if tp == nil {
 		tp = noop.NewTracerProvider()
@@ -310,6 +124,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		m.handlers = sortHandlers(append(slices.Clone(cfg.Handlers), orch.handler()))
 	}
 	if err := metrics.Err(); err != nil {
+		m.release()
 		return nil, err
 	}
 	if cfg.Nodes > 0 && cfg.ProcsPerNode > 0 {
@@ -318,13 +133,13 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		}
 	}
 	if err := m.loadState(); err != nil {
-		metrics.UnregisterAll()
+		m.release()
 		return nil, err
 	}
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		m.closeState()
-		metrics.UnregisterAll()
+		m.release()
 		return nil, fmt.Errorf("taskd: manager listen on %s: %w", cfg.Listen, err)
 	}
 	g := newGuard(guardConfig{
@@ -381,10 +196,10 @@ func (m *Manager) Job() string { return m.cfg.Job }
 // Run serves until ctx ends or Close is called. It returns nil then, or the
 // first error that stopped it. Run may be called once.
 func (m *Manager) Run(ctx context.Context) error {
-	if !m.state.CompareAndSwap(0, 1) {
-		return errors.New("taskd: Manager.Run called twice or after Close")
+	if err := m.begin("Manager"); err != nil {
+		return err
 	}
-	defer close(m.runDone)
+	defer m.end()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	if t := m.cfg.Term; t != nil {
@@ -394,21 +209,7 @@ func (m *Manager) Run(ctx context.Context) error {
 		defer stop()
 	}
 	g, ctx := errgroup.WithContext(ctx)
-	g.Go(func() error {
-		if err := m.srv.Serve(m.lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-			return fmt.Errorf("taskd: manager serve: %w", err)
-		}
-		return nil
-	})
-	g.Go(func() error {
-		select {
-		case <-ctx.Done():
-		case <-m.closed:
-		}
-		m.srv.Stop()
-		cancel()
-		return nil
-	})
+	m.serveGRPC(ctx, g, cancel, m.srv, m.lis, "manager")
 	g.Go(func() error { return m.housekeep(ctx) })
 	g.Go(func() error { m.faults.run(ctx); return nil })
 	g.Go(func() error { return m.runHandlers(ctx) })
@@ -446,18 +247,20 @@ func (m *Manager) Run(ctx context.Context) error {
 // same Registerer. Call it also after Run returned on its own. It is
 // idempotent.
 func (m *Manager) Close() error {
-	m.closeOnce.Do(func() {
-		close(m.closed)
-		if m.state.CompareAndSwap(0, 2) { // never ran
-			m.lis.Close()
-			m.closeState()
-			close(m.runDone)
-		}
-		<-m.runDone
-		m.metrics.UnregisterAll()
-	})
-	<-m.runDone
+	m.close(func() {
+		m.lis.Close()
+		m.closeState()
+	}, m.release)
 	return nil
+}
+
+// release unregisters the manager's metrics and closes the orchestration
+// policy that the manager built.
+func (m *Manager) release() {
+	if m.orch != nil {
+		m.orch.closePolicy()
+	}
+	m.metrics.UnregisterAll()
 }
 
 // housekeep declares silent members lost and (re-)sends the switch to
@@ -726,40 +529,6 @@ func (m *Manager) subscribeSwitch() (<-chan trace.Switch, func()) {
 	}
 }
 
-// ReportFault takes f into the job's fault log as the manager's own report,
-// for a detector embedded beside the manager (a launcher that saw a
-// process exit, a hang detector). An empty ID is filled in, a zero Time
-// means now, and an empty ReporterRole means the manager. It returns the
-// fault as logged, and false when a fault with its ID was logged already.
-func (m *Manager) ReportFault(f Fault) (Fault, bool, error) {
-	if err := checkKind(f.Kind); err != nil {
-		return Fault{}, false, fmt.Errorf("taskd: Fault.Kind: %w", err)
-	}
-	now := time.Now()
-	if f.ID == "" {
-		f.ID = fmt.Sprintf("manager/%s/%d", m.instance, m.nextID.Add(1))
-	}
-	if f.Time.IsZero() {
-		f.Time = now
-	}
-	if f.ReporterRole == 0 {
-		f.ReporterRole, f.Reporter = RoleManager, Position{Node: -1, Rank: -1}
-	}
-	stored, fresh := m.faults.add(f, now)
-	if err := m.faults.wait(context.Background(), stored.Seq); err != nil {
-		return stored, fresh, err
-	}
-	if !fresh {
-		m.met.faultDups.Inc()
-		return stored, false, nil
-	}
-	m.met.faults.WithLabelValues(kindLabel(stored.Kind)).Inc()
-	m.log.Warn("taskd: fault", "seq", stored.Seq, "kind", stored.Kind, "position", stored.Position.String(), "code", stored.Code, "message", stored.Message)
-	m.events.push(Event{Kind: EventFault, Time: now, Role: stored.ReporterRole, Position: stored.Reporter, Fault: stored})
-	return stored, true, nil
-}
-
-// liveWorkers returns the ranks of the live workers, sorted.
 func (m *Manager) liveWorkers() []int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -799,9 +568,6 @@ func (m *Manager) evict(ranks []int, why string) {
 	m.updateMemberGaugesLocked()
 }
 
-// Faults returns the job's faults with Seq above after, oldest first.
-func (m *Manager) Faults(after uint64) []Fault { return m.faults.after(after) }
-
 // MemberInfo describes a live member.
 type MemberInfo struct {
 	Role     Role
@@ -826,209 +592,6 @@ func (m *Manager) Members() []MemberInfo {
 	}
 	return out
 }
-
-// Delivery is the outcome of a message for one rank.
-type Delivery struct {
-	Rank int
-	// Err is nil when the worker acknowledged the message as applied,
-	// *DeliveryError when it refused it, ErrNotConnected when no route to it
-	// existed, or ErrAckTimeout.
-	Err error
-	// reply is the worker's answer to an orchestration message.
-	reply []byte
-}
-
-// Errors of Broadcast.
-var (
-	ErrNotConnected = errors.New("taskd: worker not connected")
-	ErrAckTimeout   = errors.New("taskd: no acknowledgement before the deadline")
-	ErrTooLarge     = errors.New("taskd: message exceeds the size cap")
-	ErrClosed       = errors.New("taskd: closed")
-)
-
-// DeliveryError is a worker's refusal of a message.
-type DeliveryError struct {
-	Rank int
-	Msg  string
-}
-
-func (e *DeliveryError) Error() string { return fmt.Sprintf("taskd: rank %d: %s", e.Rank, e.Msg) }
-
-type delivery struct {
-	waiting map[int]time.Time // rank -> last sent, zero when never routed
-	results map[int]error
-	replies map[int][]byte
-	done    chan struct{}
-}
-
-// Broadcast sends an application message to the targeted workers and waits
-// until each acknowledged it, re-sending with backoff to those that did
-// not, for at most DeliveryTimeout or until ctx ends. It returns one
-// Delivery per targeted rank, in rank order.
-func (m *Manager) Broadcast(ctx context.Context, to Target, kind string, payload []byte) ([]Delivery, error) {
-	ctx, cancel := context.WithTimeout(ctx, m.cfg.DeliveryTimeout)
-	defer cancel()
-	return m.broadcast(ctx, to, kind, payload)
-}
-
-// broadcast is Broadcast bounded by ctx alone.
-func (m *Manager) broadcast(ctx context.Context, to Target, kind string, payload []byte) ([]Delivery, error) {
-	if len(kind)+len(payload) > m.cfg.MaxMessageBytes-1024 {
-		return nil, fmt.Errorf("%w: %d bytes, cap %d", ErrTooLarge, len(kind)+len(payload), m.cfg.MaxMessageBytes-1024)
-	}
-	id := m.nextID.Add(1)
-	env := &pb.Envelope{Id: id, Body: &pb.Envelope_Message{Message: &pb.UserMessage{Kind: kind, Payload: payload}}}
-	d := &delivery{waiting: make(map[int]time.Time), results: make(map[int]error), replies: make(map[int][]byte), done: make(chan struct{})}
-	m.mu.Lock()
-	ranks := m.resolveLocked(to)
-	for _, r := range ranks {
-		d.waiting[r] = time.Time{}
-	}
-	if len(ranks) == 0 {
-		close(d.done)
-	}
-	m.deliveries[id] = d
-	m.mu.Unlock()
-	defer func() {
-		m.mu.Lock()
-		delete(m.deliveries, id)
-		m.mu.Unlock()
-	}()
-	bo := newBackoff(m.cfg.AckTimeout, 30*time.Second)
-	wait := time.Duration(0)
-	for {
-		timer := time.NewTimer(wait)
-		select {
-		case <-d.done:
-			timer.Stop()
-			return m.results(d, ranks), nil
-		case <-ctx.Done():
-			timer.Stop()
-			m.mu.Lock()
-			for r, at := range d.waiting {
-				if at.IsZero() {
-					d.results[r] = ErrNotConnected
-				} else {
-					d.results[r] = ErrAckTimeout
-				}
-				m.met.acks.WithLabelValues("timeout").Inc()
-			}
-			m.mu.Unlock()
-			select {
-			case <-m.closed:
-				return m.results(d, ranks), ErrClosed
-			default:
-			}
-			return m.results(d, ranks), nil
-		case <-m.closed:
-			timer.Stop()
-			return nil, ErrClosed
-		case <-timer.C:
-		}
-		now := time.Now()
-		m.mu.Lock()
-		pending := make([]int, 0, len(d.waiting))
-		for r := range d.waiting {
-			pending = append(pending, r)
-		}
-		unrouted := m.routeLocked(env, pending)
-		skip := make(map[int]bool, len(unrouted))
-		for _, r := range unrouted {
-			skip[r] = true
-		}
-		for _, r := range pending {
-			if !skip[r] {
-				d.waiting[r] = now
-			}
-		}
-		m.met.messages.WithLabelValues("down", "message").Add(float64(len(pending) - len(unrouted)))
-		m.mu.Unlock()
-		wait = bo.NextBackOff()
-		if len(unrouted) > 0 {
-			wait = min(wait, m.cfg.HeartbeatInterval)
-		}
-	}
-}
-
-func (m *Manager) results(d *delivery, ranks []int) []Delivery {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	out := make([]Delivery, 0, len(ranks))
-	for _, r := range ranks {
-		out = append(out, Delivery{Rank: r, Err: d.results[r], reply: d.replies[r]})
-	}
-	return out
-}
-
-// resolveLocked returns the ranks a target names: for All and Nodes the
-// live workers, for Ranks the ranks as given.
-func (m *Manager) resolveLocked(to Target) []int {
-	var out []int
-	nodes := make(map[int]bool, len(to.Nodes))
-	for _, n := range to.Nodes {
-		nodes[n] = true
-	}
-	if to.All || len(nodes) > 0 {
-		for _, mm := range m.reg.list() {
-			if mm.key.role == RoleWorker && (to.All || nodes[mm.pos.Node]) {
-				out = append(out, mm.key.id)
-			}
-		}
-	}
-	out = append(out, to.Ranks...)
-	return sortedUnique(out)
-}
-
-// ackLocked applies one acknowledgement from a worker or proxy.
-func (m *Manager) ackLocked(a *pb.Ack, now time.Time) {
-	rank := int(a.GetFrom().GetPosition().GetRank())
-	result := "ok"
-	// What a worker says is kept for as long as its rank is, so it is
-	// cut to a bound.
-	errMsg := cut(a.GetError(), maxAckErrorBytes)
-	if errMsg != "" {
-		result = "error"
-	}
-	if sent, ok := m.sw.ack(a.GetId(), rank, errMsg); ok {
-		m.met.acks.WithLabelValues(result).Inc()
-		m.met.ackLatency.Observe(now.Sub(sent).Seconds())
-		if errMsg != "" {
-			m.log.Warn("taskd: worker could not apply the switch", "rank", rank, "err", errMsg)
-		}
-		return
-	}
-	d := m.deliveries[a.GetId()]
-	if d == nil {
-		return
-	}
-	sent, ok := d.waiting[rank]
-	if !ok {
-		return
-	}
-	m.met.acks.WithLabelValues(result).Inc()
-	if !sent.IsZero() {
-		m.met.ackLatency.Observe(now.Sub(sent).Seconds())
-	}
-	delete(d.waiting, rank)
-	if errMsg != "" {
-		d.results[rank] = &DeliveryError{Rank: rank, Msg: errMsg}
-	}
-	switch reply := a.GetReply(); {
-	case len(reply) > maxAckReplyBytes:
-		d.results[rank] = &DeliveryError{Rank: rank, Msg: fmt.Sprintf("reply of %d bytes, at most %d", len(reply), maxAckReplyBytes)}
-	case len(reply) > 0:
-		d.replies[rank] = reply
-	}
-	if len(d.waiting) == 0 {
-		close(d.done)
-	}
-}
-
-// Bounds of what an acknowledgement may make the manager keep.
-const (
-	maxAckErrorBytes = 1 << 10
-	maxAckReplyBytes = 64 << 10
-)
 
 // loadState reads the fault log, switch and orchestration state kept in
 // StateDir. The orchestration state is read first: one that this manager

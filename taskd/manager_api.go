@@ -128,7 +128,7 @@ func (s *managerAdmin) GetSwitchStatus(_ context.Context, req *pb.DataStatusReq)
 	budget := s.m.cfg.MaxMessageBytes / 2
 	for _, w := range st.Workers {
 		ws := &pb.WorkerSwitchStatus{Position: &pb.Position{Node: int32(w.Position.Node), Rank: int32(w.Position.Rank)}, Error: w.Error}
-		for _, d := range Domains {
+		for d := range Domains() {
 			ws.Domains = append(ws.Domains, &pb.DomainStatus{Domain: d, Status: string(w.Domains[d])})
 		}
 		if budget -= proto.Size(ws) + 8; budget < 0 {

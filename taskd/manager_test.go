@@ -20,6 +20,7 @@ import (
 
 	"github.com/faultline-ml/faultline/internal/promreg"
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -36,7 +37,7 @@ func TestBroadcast(t *testing.T) {
 		c.addWorker(0, r)
 	}
 	c.addWorker(1, 4) // direct
-	waitFor(t, 20*time.Second, "5 workers", func() bool { return c.liveWorkers() == 5 })
+	testkit.WaitFor(t, "5 workers", func() bool { return c.liveWorkers() == 5 })
 	ctx := context.Background()
 	ds, err := c.m.Broadcast(ctx, NodeWorkers(0), "pause", nil)
 	if err != nil {
@@ -64,7 +65,7 @@ func TestBroadcast(t *testing.T) {
 	if ds, _ := c.m.Broadcast(ctx, AllWorkers(), "x", nil); len(ds) != 5 {
 		t.Fatalf("all: %+v", ds)
 	}
-	if _, err := c.m.Broadcast(ctx, AllWorkers(), "x", make([]byte, DefaultMaxMessageBytes)); !errors.Is(err, ErrTooLarge) {
+	if _, err := c.m.Broadcast(ctx, AllWorkers(), "x", make([]byte, defaultMaxMessageBytes)); !errors.Is(err, ErrTooLarge) {
 		t.Fatalf("oversized: %v", err)
 	}
 }
@@ -111,7 +112,7 @@ func TestLostAndRejoin(t *testing.T) {
 	}
 	// A restarted process takes the rank again, and leaves when it stops.
 	w := c.addWorker(0, 0)
-	waitFor(t, 20*time.Second, "re-registration", w.Connected)
+	testkit.WaitFor(t, "re-registration", w.Connected)
 	c.stop(w, w)
 	if ev := next(); ev.Kind != EventLeft || ev.Departure.Position != (Position{0, 0}) || !ev.Departure.Left {
 		t.Fatalf("after Close: %+v", ev)
@@ -124,12 +125,12 @@ func TestLostAndRejoin(t *testing.T) {
 func TestDirectImpersonation(t *testing.T) {
 	c := newCluster(t, insecureSec(), ManagerConfig{})
 	w := c.addWorker(0, 0)
-	waitFor(t, 20*time.Second, "registration", w.Connected)
+	testkit.WaitFor(t, "registration", w.Connected)
 	refused(t, c.m.Addr().String(), insecureSec(), 0, codes.AlreadyExists, "a second instance of rank 0")
 	if n := counterValue(c.m.met.refused); n < 1 {
 		t.Fatalf("refused = %v", n)
 	}
-	waitFor(t, 20*time.Second, "the holder still registered", func() bool {
+	testkit.WaitFor(t, "the holder still registered", func() bool {
 		for _, mi := range c.m.Members() {
 			if mi.Position.Rank == 0 {
 				return mi.Instance == w.self.GetInstance()
@@ -200,11 +201,11 @@ func TestHandlers(t *testing.T) {
 		{Name: "broken", Priority: 5, Handle: rec("broken")},
 	}})
 	w := c.addWorker(0, 0)
-	waitFor(t, 20*time.Second, "registration", w.Connected)
+	testkit.WaitFor(t, "registration", w.Connected)
 	if err := w.Send("hello", []byte("hi")); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 20*time.Second, "two events through every handler", func() bool {
+	testkit.WaitFor(t, "two events through every handler", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(calls) >= 6
@@ -300,7 +301,7 @@ func TestQueueKeepsReportsUntilConnected(t *testing.T) {
 		t.Fatalf("fault without kind: %v", err)
 	}
 	c.run(w, w.Run)
-	waitFor(t, 20*time.Second, "queued faults delivered", func() bool { return len(c.m.Faults(0)) == 2 && w.Pending() == 0 })
+	testkit.WaitFor(t, "queued faults delivered", func() bool { return len(c.m.Faults(0)) == 2 && w.Pending() == 0 })
 }
 
 func TestConfigValidate(t *testing.T) {
@@ -345,12 +346,12 @@ func TestSwitchFile(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	c := newCluster(t, insecureSec(), ManagerConfig{SwitchSource: SwitchFile(trace.SwitchWatcherConfig{Path: path, PollInterval: 50 * time.Millisecond, Registerer: reg})})
 	w := c.addWorker(0, 0)
-	waitFor(t, 20*time.Second, "the file's switch applied", func() bool { sw, _ := w.Switch(); return sw == trace.Switch{Step: true} })
+	testkit.WaitFor(t, "the file's switch applied", func() bool { sw, _ := w.Switch(); return sw == trace.Switch{Step: true} })
 	writeFile(t, path, []byte(`{"Step":"on","CommunicationOperator":"on"}`))
-	waitFor(t, 20*time.Second, "the change applied", func() bool { sw, _ := w.Switch(); return sw.CommunicationOperator })
+	testkit.WaitFor(t, "the change applied", func() bool { sw, _ := w.Switch(); return sw.CommunicationOperator })
 	v := c.m.SwitchStatus().Version
 	writeFile(t, path, []byte(`{"Step":"bogus"}`))
-	waitFor(t, 20*time.Second, "the bad document read and rejected", func() bool {
+	testkit.WaitFor(t, "the bad document read and rejected", func() bool {
 		return gathered(t, reg)[`faultline_trace_switch_loads_total{result="error"}`] >= 1
 	})
 	if st := c.m.SwitchStatus(); st.Version != v || !st.Switch.CommunicationOperator {

@@ -49,6 +49,23 @@ const (
 	actPersist                         // persist the newest intact checkpoint
 )
 
+// String names the action in spans, logs and metrics.
+func (k actionKind) String() string {
+	switch k {
+	case actBroadcast:
+		return "broadcast"
+	case actDecide:
+		return "decide"
+	case actRepair:
+		return "repair"
+	case actLoad:
+		return "load"
+	case actPersist:
+		return "persist"
+	}
+	return ""
+}
+
 // action is what the core asks of its shell. The shell reports the
 // outcome with the action's id; an outcome whose id is not the one the
 // core waits for is stale and dropped.

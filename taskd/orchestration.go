@@ -277,7 +277,8 @@ type OrchestrationConfig struct {
 	Strategies []Strategy
 	// Policy decides between restarting processes in place and replacing
 	// them, and keeps the budgets; default a rescheduling.Policy with its
-	// defaults.
+	// defaults, which the manager closes in Close. A policy given here is
+	// the caller's to close, after the manager.
 	Policy *rescheduling.Policy
 	// Executor restarts and replaces processes (rescheduling/local on one
 	// machine, rescheduling/kubernetes); nil makes recover-in-place and

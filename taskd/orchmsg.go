@@ -71,12 +71,16 @@ func callTrainer(ctx context.Context, t Trainer, kind string, payload []byte) ([
 		if msg.Notice != nil {
 			n = *msg.Notice
 		}
-		reply.Strategies, err = t.Strategies(ctx, n)
+		reply.Strategies, err = strategiesOf(ctx, t, n)
 		if reply.Strategies == nil {
 			reply.Strategies = []Strategy{}
 		}
 	case kindRetry:
-		err = t.RetryStep(ctx)
+		r, ok := t.(StepRetrier)
+		if !ok {
+			return nil, fmt.Errorf("taskd: %s: the trainer is no StepRetrier: %w", kind, ErrUnsupported)
+		}
+		err = r.RetryStep(ctx)
 	case kindResume:
 		r := ResumeRequest{Step: -1}
 		if msg.Resume != nil {
@@ -87,12 +91,20 @@ func callTrainer(ctx context.Context, t Trainer, kind string, payload []byte) ([
 		if msg.Link == nil {
 			return nil, fmt.Errorf("taskd: %s: no link", kind)
 		}
-		err = t.SwitchLink(ctx, *msg.Link)
+		l, ok := t.(LinkSwitcher)
+		if !ok {
+			return nil, fmt.Errorf("taskd: %s: the trainer is no LinkSwitcher: %w", kind, ErrUnsupported)
+		}
+		err = l.SwitchLink(ctx, *msg.Link)
 	case kindStress:
 		if msg.Stress == nil {
 			return nil, fmt.Errorf("taskd: %s: no test", kind)
 		}
-		err = t.StressTest(ctx, *msg.Stress)
+		st, ok := t.(StressTester)
+		if !ok {
+			return nil, fmt.Errorf("taskd: %s: the trainer is no StressTester: %w", kind, ErrUnsupported)
+		}
+		err = st.StressTest(ctx, *msg.Stress)
 	case kindStop:
 		err = t.Stop(ctx, msg.Reason)
 	default:

@@ -3,6 +3,7 @@ package taskd
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -55,6 +56,54 @@ func TestOrchMessageRoundTrip(t *testing.T) {
 	}
 	if _, err := callTrainer(ctx, &callTrainerRecorder{}, orchPrefix+"dance", nil); err == nil {
 		t.Error("an unknown kind")
+	}
+}
+
+// minimalTrainer implements Trainer and none of the optional interfaces.
+type minimalTrainer struct{}
+
+func (minimalTrainer) Pause(context.Context) (int64, error)        { return 7, nil }
+func (minimalTrainer) Resume(context.Context, ResumeRequest) error { return nil }
+func (minimalTrainer) Stop(context.Context, string) error          { return nil }
+
+// retryingTrainer adds StepRetrier to minimalTrainer.
+type retryingTrainer struct{ minimalTrainer }
+
+func (retryingTrainer) RetryStep(context.Context) error { return nil }
+
+// A trainer without an optional interface supports every strategy that
+// its methods can carry out, and refuses the calls it lacks with
+// ErrUnsupported.
+func TestOptionalTrainerInterfaces(t *testing.T) {
+	ctx := context.Background()
+	notice := mustJSON(t, orchMsg{Notice: &FaultNotice{}})
+	for _, tc := range []struct {
+		tr   Trainer
+		want []Strategy
+	}{
+		{minimalTrainer{}, []Strategy{StrategyRecoverInPlace, StrategyRecover, StrategyDump, StrategyExit}},
+		{retryingTrainer{}, AllStrategies()},
+	} {
+		reply, err := callTrainer(ctx, tc.tr, kindNotice, notice)
+		if err != nil {
+			t.Fatalf("%T: notice: %v", tc.tr, err)
+		}
+		rep, err := parseReply(reply)
+		if err != nil || !cmp.Equal(rep.Strategies, tc.want) {
+			t.Errorf("%T: strategies %v (%v), want %v", tc.tr, rep.Strategies, err, tc.want)
+		}
+	}
+	for kind, payload := range map[string]orchMsg{
+		kindRetry:  {},
+		kindSwitch: {Link: &LinkRequest{Node: 0, Devices: []int{0}, Target: LinkStandby}},
+		kindStress: {Stress: &StressRequest{Nodes: []int{0}, Test: "hbm"}},
+	} {
+		if _, err := callTrainer(ctx, minimalTrainer{}, kind, mustJSON(t, payload)); !errors.Is(err, ErrUnsupported) {
+			t.Errorf("%s on a trainer without it: %v, want ErrUnsupported", kind, err)
+		}
+	}
+	if _, err := callTrainer(ctx, retryingTrainer{}, kindRetry, nil); err != nil {
+		t.Errorf("retry on a StepRetrier: %v", err)
 	}
 }
 

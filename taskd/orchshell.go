@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	oteltrace "go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/errgroup"
+	"golang.org/x/sys/unix"
 
 	"github.com/faultline-ml/faultline/internal/promreg"
 	"github.com/faultline-ml/faultline/rescheduling"
@@ -31,15 +32,16 @@ import (
 // the rescheduling policy and executor and the checkpoints, and logs,
 // counts and traces every transition.
 type orchestrator struct {
-	m        *Manager
-	cfg      OrchestrationConfig
-	log      *slog.Logger
-	tracer   oteltrace.Tracer
-	met      *orchMetrics
-	policy   *rescheduling.Policy
-	target   func(Position) RescheduleTarget
-	wake     chan struct{}
-	inflight sync.WaitGroup // goroutines performing actions
+	m         *Manager
+	cfg       OrchestrationConfig
+	log       *slog.Logger
+	tracer    oteltrace.Tracer
+	met       *orchMetrics
+	policy    *rescheduling.Policy
+	ownPolicy bool // policy was built here: close it with the manager
+	target    func(Position) RescheduleTarget
+	wake      chan struct{}
+	inflight  sync.WaitGroup // goroutines performing actions
 	// stateDir keeps the core's state ("" without a StateDir); the run
 	// loop alone writes it.
 	stateDir string
@@ -80,14 +82,14 @@ func newOrchMetrics(r *promreg.Registrar) *orchMetrics {
 			Help:    "Time from the first fault (or the request) to detected, stopped (training paused) and resumed, by kind and phase.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 20)}, []string{"kind", "phase"}),
 		refused:    f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_refused_total", Help: "Link switch and stress test requests refused because another orchestration ran."}),
-		actionErrs: f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_action_errors_total", Help: "Actions of orchestrations that failed, by action (decide, repair, load, persist)."}, []string{"action"}),
+		actionErrs: f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_action_errors_total", Help: "Actions of orchestrations that failed, by action (broadcast, decide, repair, load, persist)."}, []string{"action"}),
 		stateErrs:  f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_orchestration_state_errors_total", Help: "Writes of the orchestration state to StateDir that failed."}),
 	}
 }
 
 func newOrchestrator(m *Manager, cfg OrchestrationConfig) (*orchestrator, error) {
-	policy := cfg.Policy
-	if policy == nil {
+	policy, own := cfg.Policy, cfg.Policy == nil
+	if own {
 		var err error
 		policy, err = rescheduling.NewPolicy(rescheduling.Config{Logger: m.log, TracerProvider: m.cfg.TracerProvider})
 		if err != nil {
@@ -105,6 +107,7 @@ func newOrchestrator(m *Manager, cfg OrchestrationConfig) (*orchestrator, error)
 		tracer:    m.tracer,
 		met:       newOrchMetrics(m.metrics),
 		policy:    policy,
+		ownPolicy: own,
 		target:    target,
 		wake:      make(chan struct{}, 1),
 		stateDir:  m.cfg.StateDir,
@@ -116,6 +119,14 @@ func newOrchestrator(m *Manager, cfg OrchestrationConfig) (*orchestrator, error)
 		waiters:   make(map[uint64]chan Orchestration),
 		actions:   make(map[uint64]context.CancelFunc),
 	}, nil
+}
+
+// closePolicy closes the policy that newOrchestrator built, not one of
+// OrchestrationConfig.Policy, which is its owner's to close.
+func (o *orchestrator) closePolicy() {
+	if o.ownPolicy {
+		o.policy.Close()
+	}
 }
 
 // handler plugs the orchestrator into the manager's events.
@@ -440,7 +451,7 @@ func (o *orchestrator) perform(ctx context.Context, a action) {
 }
 
 func (o *orchestrator) do(ctx context.Context, a action) {
-	name := map[actionKind]string{actBroadcast: "broadcast", actDecide: "decide", actRepair: "repair", actLoad: "load", actPersist: "persist"}[a.kind]
+	name := a.kind.String()
 	ctx, span := o.tracer.Start(ctx, "taskd.orchestration."+name, oteltrace.WithAttributes(attribute.String("taskd.message", a.msg)))
 	defer span.End()
 	if !o.confirm(ctx, name) {
@@ -457,7 +468,10 @@ func (o *orchestrator) do(ctx context.Context, a action) {
 	}
 	switch a.kind {
 	case actBroadcast:
-		results := o.broadcast(ctx, a)
+		results, err := o.broadcast(ctx, a)
+		if err != nil && !errors.Is(err, ErrClosed) {
+			fail(err)
+		}
 		o.feed(func(now time.Time, c *machine) { c.delivered(now, a.id, results) })
 	case actDecide:
 		lvl, why := o.decide(ctx, a)
@@ -510,21 +524,24 @@ func (o *orchestrator) confirm(ctx context.Context, act string) bool {
 }
 
 // broadcast sends an orchestration message and returns each rank's
-// outcome.
-func (o *orchestrator) broadcast(ctx context.Context, a action) []rankResult {
+// outcome, and the error of a message that was not sent to every rank
+// (the ranks it did not reach have no outcome).
+func (o *orchestrator) broadcast(ctx context.Context, a action) ([]rankResult, error) {
 	to := a.to
 	if to.All && len(a.except) > 0 {
 		to = Target{Ranks: slices.DeleteFunc(o.m.liveWorkers(), func(r int) bool { return slices.Contains(a.except, r) })}
 		if len(to.Ranks) == 0 {
-			return nil
+			return nil, nil
 		}
 	}
 	payload, err := json.Marshal(a.payload)
 	if err != nil {
-		o.log.Error("taskd: orchestration message", "kind", a.msg, "err", err)
-		return nil
+		return nil, fmt.Errorf("taskd: orchestration message %s: %w", a.msg, err)
 	}
-	ds, _ := o.m.broadcast(ctx, to, a.msg, payload)
+	ds, sendErr := o.m.broadcast(ctx, to, a.msg, payload)
+	if sendErr != nil {
+		sendErr = fmt.Errorf("taskd: orchestration message %s: %w", a.msg, sendErr)
+	}
 	out := make([]rankResult, 0, len(ds))
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -540,7 +557,7 @@ func (o *orchestrator) broadcast(ctx context.Context, a action) []rankResult {
 		}
 		out = append(out, res)
 	}
-	return out
+	return out, sendErr
 }
 
 // decide asks the policy about each faulty rank and returns how far the
@@ -603,23 +620,10 @@ func (o *orchestrator) rescheduleFault(f Fault) rescheduling.Fault {
 	return rf
 }
 
-// signalNamed returns the signal a fault's "signal" attribute names.
+// signalNamed returns the signal a fault's "signal" attribute names, as
+// "SIGKILL", "KILL" or "kill"; 0 when it names none.
 func signalNamed(name string) syscall.Signal {
-	switch strings.TrimPrefix(strings.ToUpper(name), "SIG") {
-	case "KILL":
-		return syscall.SIGKILL
-	case "TERM":
-		return syscall.SIGTERM
-	case "ABRT":
-		return syscall.SIGABRT
-	case "SEGV":
-		return syscall.SIGSEGV
-	case "BUS":
-		return syscall.SIGBUS
-	case "INT":
-		return syscall.SIGINT
-	}
-	return 0
+	return unix.SignalNum("SIG" + strings.TrimPrefix(strings.ToUpper(name), "SIG"))
 }
 
 // repair restarts the faulty processes in place, or replaces the

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -19,6 +20,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/rescheduling"
 )
 
@@ -66,7 +68,7 @@ func newTrainerJobWith(t *testing.T, nodes, ppn, proxied int, mcfg ManagerConfig
 	for r := range nodes * ppn {
 		j.start(r)
 	}
-	waitFor(t, 30*time.Second, "every trainer started", func() bool {
+	testkit.WaitFor(t, "every trainer started", func() bool {
 		for r := range nodes * ppn {
 			if !slices.Contains(j.trainer(r).Calls(), "resume -1  []") {
 				return false
@@ -320,6 +322,7 @@ func TestInPlaceCalls(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer policy.Close()
 	o := &orchestrator{target: defaultTarget, policy: policy}
 	now := time.Now()
 	fault := func(kind FaultKind, rank int) Fault {
@@ -383,7 +386,7 @@ func TestManagerRestartReleasesHeldTrainers(t *testing.T) {
 			t.Fatalf("rank %d before the restart: %q", r, calls)
 		}
 	}
-	waitFor(t, 10*time.Second, "restarted rank 3 told of the hold", func() bool { return j.workers[3].holder() != "" })
+	testkit.WaitFor(t, "restarted rank 3 told of the hold", func() bool { return j.workers[3].holder() != "" })
 	if calls := j.trainer(3).Calls(); len(calls) != 0 {
 		t.Fatalf("restarted rank 3 started while the job is held: %q", calls)
 	}
@@ -445,7 +448,7 @@ func TestManagerRestartFinishesRecovery(t *testing.T) {
 		t.Fatal(err)
 	}
 	j.until(StateLoading)
-	waitFor(t, 10*time.Second, "restarted rank 3 told of the hold", func() bool { return j.workers[3].holder() != "" })
+	testkit.WaitFor(t, "restarted rank 3 told of the hold", func() bool { return j.workers[3].holder() != "" })
 	j.stop(j.m, j.m)
 	j.startManager()
 	if got := j.until(StateRecovered); !slices.Equal(got, []State{StateLoading, StateResuming, StateRecovered}) {
@@ -453,7 +456,7 @@ func TestManagerRestartFinishesRecovery(t *testing.T) {
 	}
 	want := "resume 7 recover-in-place [3]"
 	for r := range 4 {
-		waitFor(t, 10*time.Second, fmt.Sprintf("rank %d resumed", r), func() bool {
+		testkit.WaitFor(t, fmt.Sprintf("rank %d resumed", r), func() bool {
 			calls := j.trainer(r).Calls()
 			return len(calls) > 0 && calls[len(calls)-1] == want
 		})
@@ -470,5 +473,34 @@ func TestManagerRestartFinishesRecovery(t *testing.T) {
 	st := j.m.Orchestrations(0)
 	if st.Current != nil || len(st.History) != 1 || st.History[0].Restored != 1 || st.History[0].ResumedStep != 7 {
 		t.Fatalf("orchestrations after the restart: %+v", st)
+	}
+}
+
+// TestSignalNamed: a fault's "signal" attribute names a signal with or
+// without its SIG prefix, in either case; anything else is no signal.
+func TestSignalNamed(t *testing.T) {
+	for name, want := range map[string]syscall.Signal{
+		"SIGKILL": syscall.SIGKILL, "KILL": syscall.SIGKILL, "sigterm": syscall.SIGTERM,
+		"SIGSEGV": syscall.SIGSEGV, "SIGUSR1": syscall.SIGUSR1, "": 0, "SIG": 0, "bogus": 0,
+	} {
+		if got := signalNamed(name); got != want {
+			t.Errorf("signalNamed(%q) = %v, want %v", name, got, want)
+		}
+	}
+}
+
+// TestOrchestrationMessageNotSent: an orchestration message that cannot be
+// sent (here, over the size cap) is an action error, logged and counted,
+// not dropped.
+func TestOrchestrationMessageNotSent(t *testing.T) {
+	oc := OrchestrationConfig{Timeouts: shortTimeouts()}
+	j := newTrainerJobWith(t, 1, 1, 0, ManagerConfig{Orchestration: &oc, MaxMessageBytes: 64 << 10})
+	devices := make([]int, 20000)
+	for i := range devices {
+		devices[i] = 10000 + i
+	}
+	rec, err := j.m.SwitchLink(context.Background(), LinkRequest{Node: 0, Devices: devices, Target: LinkStandby})
+	if n := counterValue(j.m.orch.met.actionErrs.WithLabelValues("broadcast")); n == 0 {
+		t.Errorf("no broadcast action error counted (%+v, %v)", rec, err)
 	}
 }

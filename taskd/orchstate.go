@@ -30,7 +30,7 @@ import (
 //
 //	{"version":1,"job":"llm","token":3,"state":{...},"crc32c":"1c291ca3"}
 //
-// version is StateVersion; job is the manager's job; token is the fencing
+// version is stateVersion; job is the manager's job; token is the fencing
 // token of the lease term that wrote it (0 without a lease); state is the
 // content, and crc32c the CRC-32C (Castagnoli) of its bytes as they stand
 // in the file, as 8 hexadecimal digits.
@@ -39,9 +39,9 @@ const (
 	orchHistoryFile = "orchestration-history.json"
 )
 
-// StateVersion is the version of the orchestration state files that this
+// stateVersion is the version of the orchestration state files that this
 // package writes and reads.
-const StateVersion = 1
+const stateVersion = 1
 
 // maxStateBytes bounds a state file: the history of MaxHistory
 // orchestrations of a large job fits.
@@ -90,7 +90,7 @@ type stateEnvelope struct {
 // marshalStateFile encodes state, a JSON document, as a state file of job
 // written under token.
 func marshalStateFile(job string, token uint64, state []byte) ([]byte, error) {
-	b, err := json.Marshal(stateEnvelope{Version: StateVersion, Job: job, Token: token, State: state,
+	b, err := json.Marshal(stateEnvelope{Version: stateVersion, Job: job, Token: token, State: state,
 		CRC: fmt.Sprintf("%08x", crc32.Checksum(state, castagnoli))})
 	if err != nil {
 		return nil, err
@@ -118,8 +118,8 @@ func parseStateFile(file, job string, data []byte) (token uint64, state []byte, 
 	if v.Version == nil {
 		return 0, nil, bad("version", "", "is missing")
 	}
-	if n, err := strconv.Atoi(string(*v.Version)); err != nil || n != StateVersion {
-		return 0, nil, bad("version", string(*v.Version), fmt.Sprintf("is unknown: this manager reads version %d; the file was written by another release", StateVersion))
+	if n, err := strconv.Atoi(string(*v.Version)); err != nil || n != stateVersion {
+		return 0, nil, bad("version", string(*v.Version), fmt.Sprintf("is unknown: this manager reads version %d; the file was written by another release", stateVersion))
 	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.DisallowUnknownFields()

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/google/go-cmp/cmp"
 )
 
@@ -424,7 +425,7 @@ func TestManagerTakesUnseenFaults(t *testing.T) {
 	}
 	// Their workers have no trainer: the pause reaches all three, and
 	// fails; so does the recovery.
-	waitFor(t, 20*time.Second, "the recovery ended", func() bool { return len(c.m.Orchestrations(0).History) == 1 })
+	testkit.WaitFor(t, "the recovery ended", func() bool { return len(c.m.Orchestrations(0).History) == 1 })
 	o := c.m.Orchestrations(0).History[0]
 	if o.Restored != 1 || len(o.Transitions) < 3 || o.Transitions[1].To != StateStopping || !strings.HasSuffix(o.Transitions[2].Reason, "of 3 ranks paused") {
 		t.Fatalf("the recovery did not wait for the ranks: %+v", o.Transitions)

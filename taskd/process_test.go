@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // heavy reports whether the heavier variants run (TASKD_HEAVY=1).
@@ -127,7 +128,7 @@ func TestProcesses(t *testing.T) {
 	for _, w := range workers {
 		w.expect(0, "connected", 90*time.Second)
 	}
-	waitFor(t, 30*time.Second, "every member live at the manager", func() bool { return len(api.members()) == world+nodes })
+	testkit.WaitFor(t, "every member live at the manager", func() bool { return len(api.members()) == world+nodes })
 
 	t.Run("switch reaches all but a stopped worker, which gets it when it returns", func(t *testing.T) {
 		const stoppedRank = 5
@@ -154,13 +155,13 @@ func TestProcesses(t *testing.T) {
 				return true
 			}
 		}
-		waitFor(t, 30*time.Second, "every worker but the stopped one opened", allBut(string(DomainOpened)))
+		testkit.WaitFor(t, "every worker but the stopped one opened", allBut(string(DomainOpened)))
 		if st := api.switchStatus()[stoppedRank]; st["default"] != string(DomainWaiting) {
 			t.Fatalf("stopped worker: %v, want waiting", st)
 		}
 		stopped.signal(syscall.SIGCONT)
 		stopped.expect(from, "switch ", 30*time.Second)
-		waitFor(t, 30*time.Second, "the returned worker opened", func() bool {
+		testkit.WaitFor(t, "the returned worker opened", func() bool {
 			return api.switchStatus()[stoppedRank]["default"] == string(DomainOpened)
 		})
 		got, err := api.trace.GetTrainingDataTraceSwitch(api.ctx(), &pb.DataStatusReq{JobNsName: base.Job})
@@ -188,7 +189,7 @@ func TestProcesses(t *testing.T) {
 			}
 			return out
 		}
-		waitFor(t, 30*time.Second, "the node's proxy and workers declared lost", func() bool { return len(lostRanks()) == ppn+1 })
+		testkit.WaitFor(t, "the node's proxy and workers declared lost", func() bool { return len(lostRanks()) == ppn+1 })
 		for rank, f := range lostRanks() {
 			// Lost once silent for the deadline, noticed by a check every
 			// interval/4; the rest is slack for a loaded machine.
@@ -204,8 +205,8 @@ func TestProcesses(t *testing.T) {
 		for r := node * ppn; r < (node+1)*ppn; r++ {
 			workers[r].expect(from[r], "connected", 60*time.Second)
 		}
-		waitFor(t, 30*time.Second, "every member live again", func() bool { return len(api.members()) == world+nodes })
-		waitFor(t, 30*time.Second, "the switch still opened everywhere", func() bool {
+		testkit.WaitFor(t, "every member live again", func() bool { return len(api.members()) == world+nodes })
+		testkit.WaitFor(t, "the switch still opened everywhere", func() bool {
 			st := api.switchStatus()
 			for r := range world {
 				if st[r]["default"] != string(DomainOpened) {
@@ -225,7 +226,7 @@ func TestProcesses(t *testing.T) {
 		}
 		done := make(chan struct{})
 		go func() { defer close(done); w.Run(context.Background()) }()
-		waitFor(t, 30*time.Second, "a refusal", func() bool { return counterValue(w.met.refused) >= 2 })
+		testkit.WaitFor(t, "a refusal", func() bool { return counterValue(w.met.refused) >= 2 })
 		connected := w.Connected()
 		w.Close()
 		<-done
@@ -248,7 +249,7 @@ func TestProcesses(t *testing.T) {
 			}
 			return out
 		}
-		waitFor(t, 30*time.Second, "faults logged", func() bool { return len(filterPrefix(ids(), "before-")) == world })
+		testkit.WaitFor(t, "faults logged", func() bool { return len(filterPrefix(ids(), "before-")) == world })
 		mgr.kill()
 		for r, w := range workers {
 			from := w.nlines()
@@ -256,7 +257,7 @@ func TestProcesses(t *testing.T) {
 			w.expect(from, "queued during-", 10*time.Second)
 		}
 		mgr = startManager()
-		waitFor(t, 60*time.Second, "faults reported while the manager was down", func() bool { return len(filterPrefix(ids(), "during-")) == world })
+		testkit.WaitFor(t, "faults reported while the manager was down", func() bool { return len(filterPrefix(ids(), "during-")) == world })
 		all := ids()
 		if n := len(filterPrefix(all, "before-")); n != world {
 			t.Errorf("%d faults from before the restart, want %d", n, world)
@@ -265,7 +266,7 @@ func TestProcesses(t *testing.T) {
 		if len(slices.Compact(all)) != len(ids()) {
 			t.Errorf("duplicate fault ids in %v", all)
 		}
-		waitFor(t, 30*time.Second, "every member registered with the new manager", func() bool { return len(api.members()) == world+nodes })
+		testkit.WaitFor(t, "every member registered with the new manager", func() bool { return len(api.members()) == world+nodes })
 	})
 }
 

@@ -9,7 +9,6 @@ import (
 	"os"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -137,10 +136,7 @@ type Proxy struct {
 	deadline time.Duration // the manager's heartbeat deadline
 	collect  chan *pb.CollectRequest
 
-	state     atomic.Int32
-	closed    chan struct{}
-	closeOnce sync.Once
-	runDone   chan struct{}
+	lifecycle
 }
 
 type proxyWorker struct {
@@ -163,12 +159,12 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		return nil, err
 	}
 	cfg.Listen = orDefault(cfg.Listen, DefaultProxyAddr)
-	cfg.AckTimeout = orDefault(cfg.AckTimeout, DefaultAckTimeout)
-	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
-	cfg.RateLimit = orDefault(cfg.RateLimit, DefaultRateLimit)
+	cfg.AckTimeout = orDefault(cfg.AckTimeout, defaultAckTimeout)
+	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, defaultMaxMessageBytes)
+	cfg.RateLimit = orDefault(cfg.RateLimit, defaultRateLimit)
 	cfg.RateBurst = orDefault(cfg.RateBurst, int(2*cfg.RateLimit))
 	cfg.MaxConnections = orDefault(cfg.MaxConnections, defaultMaxConnections())
-	cfg.MaxConnectionsPerPeer = orDefault(cfg.MaxConnectionsPerPeer, DefaultMaxConnectionsPerPeer)
+	cfg.MaxConnectionsPerPeer = orDefault(cfg.MaxConnectionsPerPeer, defaultMaxConnectionsPerPeer)
 	cfg.ReconnectMax = orDefault(cfg.ReconnectMax, 5*time.Second)
 	cfg.DottingRoot = orDefault(cfg.DottingRoot, DefaultDottingRoot)
 	cfg.QueueSize = orDefault(cfg.QueueSize, 1024)
@@ -195,9 +191,8 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		cred:     &memberCred{},
 		deadline: DefaultHeartbeatDeadline,
 		collect:  make(chan *pb.CollectRequest, 16),
-		closed:   make(chan struct{}),
-		runDone:  make(chan struct{}),
 	}
+	p.init()
 	p.upq = &uplink{job: cfg.Job, self: p.self, queue: newReportQueue(cfg.QueueSize), maxMsg: cfg.MaxMessageBytes, ackTimeout: cfg.AckTimeout, log: log,
 		overflow: func() {}, queued: func(int) {}}
 	upSec := cfg.Security
@@ -244,29 +239,15 @@ func (p *Proxy) ReportFault(f Fault) error {
 // manager until ctx ends or Close is called; then it leaves the job and
 // returns nil.
 func (p *Proxy) Run(ctx context.Context) error {
-	if !p.state.CompareAndSwap(0, 1) {
-		return errors.New("taskd: Proxy.Run called twice or after Close")
+	if err := p.begin("Proxy"); err != nil {
+		return err
 	}
-	defer close(p.runDone)
+	defer p.end()
 	defer p.conn.Close()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	g, ctx := errgroup.WithContext(ctx)
-	g.Go(func() error {
-		if err := p.srv.Serve(p.lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-			return fmt.Errorf("taskd: proxy serve: %w", err)
-		}
-		return nil
-	})
-	g.Go(func() error {
-		select {
-		case <-ctx.Done():
-		case <-p.closed:
-		}
-		p.srv.Stop()
-		cancel()
-		return nil
-	})
+	p.serveGRPC(ctx, g, cancel, p.srv, p.lis, "proxy")
 	defer p.leave()
 	g.Go(func() error { return p.runUpstream(ctx) })
 	g.Go(func() error { return runAcks(ctx, p.up, p.cfg.Job, p.acks, p.cfg.AckTimeout, p.log) })
@@ -292,17 +273,10 @@ func (p *Proxy) Run(ctx context.Context) error {
 // proxy's metrics. Call it also after Run returned on its own. It is
 // idempotent.
 func (p *Proxy) Close() error {
-	p.closeOnce.Do(func() {
-		close(p.closed)
-		if p.state.CompareAndSwap(0, 2) {
-			p.lis.Close()
-			p.conn.Close()
-			close(p.runDone)
-		}
-		<-p.runDone
-		p.metrics.UnregisterAll()
-	})
-	<-p.runDone
+	p.close(func() {
+		p.lis.Close()
+		p.conn.Close()
+	}, p.metrics.UnregisterAll)
 	return nil
 }
 
@@ -467,12 +441,9 @@ func (p *Proxy) dropWorker(rank int, instance string) {
 // heartbeats sends the node's heartbeat, carrying how long ago each worker
 // was heard from, and drops workers silent past the deadline.
 func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration, again chan<- []int) error {
-	tick := time.NewTicker(interval)
-	defer tick.Stop()
-	lastOK := time.Now()
-	for {
+	beats := func() []*pb.Beat {
 		now := time.Now()
-		req := &pb.HeartbeatRequest{Job: p.cfg.Job, From: p.self, Beats: []*pb.Beat{{Member: p.self}}}
+		var beats []*pb.Beat
 		var silent []*proxyWorker
 		p.mu.Lock()
 		for _, w := range p.workers {
@@ -484,52 +455,39 @@ func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration
 			if !w.registered || w.gone {
 				continue // one gone speaks for itself when it registers again
 			}
-			req.Beats = append(req.Beats, &pb.Beat{Member: w.req.GetMember(), AgeMs: age.Milliseconds()})
+			beats = append(beats, &pb.Beat{Member: w.req.GetMember(), AgeMs: age.Milliseconds()})
 		}
 		p.mu.Unlock()
 		for _, w := range silent {
 			p.log.Warn("taskd: worker silent past the deadline", "rank", w.req.GetMember().GetPosition().GetRank())
 			p.dropWorker(int(w.req.GetMember().GetPosition().GetRank()), w.instance)
 		}
-		cctx, cancel := context.WithTimeout(ctx, interval)
-		resp, err := p.up.Heartbeat(cctx, req)
-		cancel()
-		switch {
-		case err == nil:
-			lastOK = time.Now()
-			if err := p.fence.admit(resp.GetFence()); err != nil {
-				p.met.fenced.Inc()
-				return err
-			}
-			if resp.GetManagerInstance() != p.managerInstance() {
-				return errors.New("taskd: the manager restarted")
-			}
-			var ranks []int
-			for _, u := range resp.GetUnknown() {
-				if keyOf(u) == keyOf(p.self) {
-					return errReregister
-				}
-				ranks = append(ranks, int(u.GetPosition().GetRank()))
-			}
-			if len(ranks) > 0 {
-				select {
-				case again <- ranks:
-				default: // still busy with the last list; the next heartbeat repeats it
-				}
-			}
-		case ctx.Err() != nil:
-			return nil
-		case status.Code(err) == codes.Unauthenticated:
-			return fmt.Errorf("%w: %v", errReregister, err) // its secret is unknown: the manager restarted
-		case time.Since(lastOK) > deadline:
-			return fmt.Errorf("taskd: no heartbeat through for %v: %w", deadline, err)
-		}
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-tick.C:
-		}
+		return beats
 	}
+	answered := func(resp *pb.HeartbeatResponse) error {
+		if err := p.fence.admit(resp.GetFence()); err != nil {
+			p.met.fenced.Inc()
+			return err
+		}
+		if resp.GetManagerInstance() != p.managerInstance() {
+			return errors.New("taskd: the manager restarted")
+		}
+		var ranks []int
+		for _, u := range resp.GetUnknown() {
+			if keyOf(u) == keyOf(p.self) {
+				return errReregister
+			}
+			ranks = append(ranks, int(u.GetPosition().GetRank()))
+		}
+		if len(ranks) > 0 {
+			select {
+			case again <- ranks:
+			default: // still busy with the last list; the next heartbeat repeats it
+			}
+		}
+		return nil
+	}
+	return heartbeats(ctx, p.up, p.cfg.Job, p.self, interval, deadline, beats, answered)
 }
 
 func (p *Proxy) managerInstance() string {
@@ -602,7 +560,7 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 		return nil, err
 	}
 	mem := req.GetMember()
-	if err := checkMember(mem, 0, 0, DefaultMaxWorkers); err != nil {
+	if err := checkMember(mem, 0, 0, defaultMaxWorkers); err != nil {
 		return nil, err
 	}
 	if roleFromPB(mem.GetRole()) != RoleWorker {

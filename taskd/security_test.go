@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 type testCA struct {
@@ -115,7 +116,7 @@ func tryWorker(t testing.TB, addr string, sec Security, rank int, d time.Duratio
 // its error: a refusal is an outcome, with no window to wait out.
 func register(t testing.TB, addr string, sec Security, rank int) error {
 	t.Helper()
-	conn, err := dial(addr, sec, DefaultMaxMessageBytes, discardIfNil(nil))
+	conn, err := dial(addr, sec, defaultMaxMessageBytes, discardIfNil(nil))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -211,7 +212,7 @@ func TestOperatorCredential(t *testing.T) {
 	c := newCluster(t, sec, ManagerConfig{AdminToken: admin, ProxyToken: proxy})
 	addr := c.m.Addr().String()
 	list := func(token string) error {
-		conn, err := dial(addr, Security{Insecure: true, Token: token}, DefaultMaxMessageBytes, discardIfNil(nil))
+		conn, err := dial(addr, Security{Insecure: true, Token: token}, defaultMaxMessageBytes, discardIfNil(nil))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -243,11 +244,11 @@ func TestOperatorCredential(t *testing.T) {
 	c.proxies[0] = p
 	c.run(p, p.Run)
 	w := c.addWorker(0, 0)
-	waitFor(t, 20*time.Second, "a worker through the proxy", w.Connected)
+	testkit.WaitFor(t, "a worker through the proxy", w.Connected)
 
 	// No operators' token: the services refuse members, naming the field.
 	c2 := newCluster(t, sec, ManagerConfig{})
-	conn, err := dial(c2.m.Addr().String(), sec, DefaultMaxMessageBytes, discardIfNil(nil))
+	conn, err := dial(c2.m.Addr().String(), sec, defaultMaxMessageBytes, discardIfNil(nil))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd/lease"
 )
 
@@ -79,11 +80,11 @@ func TestStandby(t *testing.T) {
 		}
 		return ids
 	}
-	waitFor(t, 30*time.Second, "every member registered with the leader", func() bool { return members(addrs[0]) == len(workers)+1 })
+	testkit.WaitFor(t, "every member registered with the leader", func() bool { return members(addrs[0]) == len(workers)+1 })
 	for r, w := range workers {
 		w.send(fmt.Sprintf("fault before-%d op_error", r))
 	}
-	waitFor(t, 30*time.Second, "the faults logged", func() bool { return len(filterPrefix(faultIDs(addrs[0]), "before-")) == len(workers) })
+	testkit.WaitFor(t, "the faults logged", func() bool { return len(filterPrefix(faultIDs(addrs[0]), "before-")) == len(workers) })
 
 	from := second.nlines()
 	first.kill()
@@ -94,9 +95,9 @@ func TestStandby(t *testing.T) {
 	if _, token := leads(second, from); token != 2 {
 		t.Fatalf("second term's token %d", token)
 	}
-	waitFor(t, 30*time.Second, "every member registered with the standby", func() bool { return members(addrs[1]) == len(workers)+1 })
+	testkit.WaitFor(t, "every member registered with the standby", func() bool { return members(addrs[1]) == len(workers)+1 })
 	t.Logf("leader killed -> standby leading and every member registered: %v", time.Since(killed))
-	waitFor(t, 30*time.Second, "the faults of before and while away", func() bool {
+	testkit.WaitFor(t, "the faults of before and while away", func() bool {
 		ids := faultIDs(addrs[1])
 		return len(filterPrefix(ids, "before-")) == len(workers) && len(filterPrefix(ids, "away-")) == len(workers)
 	})
@@ -119,7 +120,7 @@ func TestStandby(t *testing.T) {
 	if code := second.cmd.ProcessState.ExitCode(); code != 0 {
 		t.Errorf("the manager stopped with SIGTERM exited %d", code)
 	}
-	waitFor(t, 30*time.Second, "every member registered with the new leader", func() bool { return members(addrs[0]) == len(workers)+1 })
+	testkit.WaitFor(t, "every member registered with the new leader", func() bool { return members(addrs[0]) == len(workers)+1 })
 	ids := faultIDs(addrs[0])
 	slices.Sort(ids)
 	if len(slices.Compact(ids)) != len(faultIDs(addrs[0])) {
@@ -158,7 +159,7 @@ func TestFencing(t *testing.T) {
 	p := c.addProxy(0)
 	w := c.addWorker(0, 0)
 	direct := c.addWorker(1, 1)
-	waitFor(t, 20*time.Second, "the members registered", func() bool { return w.Connected() && direct.Connected() })
+	testkit.WaitFor(t, "the members registered", func() bool { return w.Connected() && direct.Connected() })
 	if p.fence.newest() != 5 || w.fence.newest() != 5 || direct.fence.newest() != 5 {
 		t.Fatalf("tokens seen: proxy %d, worker %d, direct worker %d", p.fence.newest(), w.fence.newest(), direct.fence.newest())
 	}
@@ -197,7 +198,7 @@ func TestFencing(t *testing.T) {
 	// The leader's term ends: it stops at once.
 	addr := c.m.Addr().String()
 	newer.Resign()
-	waitFor(t, 10*time.Second, "the manager whose term ended stopped listening", func() bool {
+	testkit.WaitFor(t, "the manager whose term ended stopped listening", func() bool {
 		conn, err := net.DialTimeout("tcp", addr, time.Second)
 		if err == nil {
 			conn.Close()

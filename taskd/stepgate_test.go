@@ -11,20 +11,28 @@ import (
 
 // gatedLoop runs a step loop on g that counts its steps; each step takes
 // the step channel's next value. It notifies as a step starts, so that a
-// test can wait for that.
+// test can wait for that; steps is guarded by g.mu.
 func gatedLoop(ctx context.Context, g *StepGate, steps *int, step <-chan struct{}) {
-	g.Lock()
-	defer g.Unlock()
-	for g.NextStepLocked(ctx) {
-		g.NotifyLocked()
-		g.Unlock()
+	for g.Next(ctx) {
+		g.mu.Lock()
+		g.notifyLocked()
+		g.mu.Unlock()
 		select {
 		case <-step:
 		case <-ctx.Done():
 		}
-		g.Lock()
+		g.mu.Lock()
 		*steps++
-		g.NotifyLocked()
+		g.notifyLocked()
+		g.mu.Unlock()
+	}
+}
+
+// waitGate waits until cond, called with g.mu held, holds.
+func waitGate(ctx context.Context, g *StepGate, cond func() bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for !cond() && g.waitLocked(ctx) == nil {
 	}
 }
 
@@ -43,54 +51,45 @@ func testStepGate(t *testing.T) {
 	var wg sync.WaitGroup
 	wg.Go(func() { gatedLoop(ctx, &g, &steps, step) })
 
-	g.Lock()
-	if g.StartedLocked() || g.RunningLocked() {
+	if g.Started() || g.Running() {
 		t.Fatal("a new gate is started or running")
 	}
-	g.ResumeLocked()
-	g.Unlock()
+	g.Resume()
 	step <- struct{}{} // the first step ends; the loop starts a second
-	g.Lock()
-	for steps != 1 || !g.busy {
-		g.WaitLocked(ctx)
-	}
-	g.Unlock()
+	waitGate(ctx, &g, func() bool { return steps == 1 && g.busy })
 
 	paused := make(chan error)
-	go func() {
-		g.Lock()
-		defer g.Unlock()
-		paused <- g.PauseLocked(ctx)
-	}()
+	go func() { paused <- g.Pause(ctx) }()
 	synctest.Wait()
 	select {
 	case err := <-paused:
-		t.Fatalf("PauseLocked returned %v while a step was in flight", err)
+		t.Fatalf("Pause returned %v while a step was in flight", err)
 	default:
 	}
 	step <- struct{}{} // the second step ends
 	if err := <-paused; err != nil {
 		t.Fatal(err)
 	}
-	g.Lock()
-	if steps != 2 || g.RunningLocked() {
-		t.Fatalf("after the pause: %d steps, running %v; want 2, false", steps, g.RunningLocked())
+	if g.Running() {
+		t.Fatal("running after the pause")
+	}
+	g.mu.Lock()
+	if steps != 2 {
+		t.Fatalf("after the pause: %d steps, want 2", steps)
 	}
 	short, cancelShort := context.WithTimeout(ctx, 20*time.Millisecond)
 	defer cancelShort()
-	if err := g.WaitLocked(short); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("a paused loop changed something: WaitLocked = %v", err)
+	if err := g.waitLocked(short); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a paused loop changed something: waitLocked = %v", err)
 	}
+	g.mu.Unlock()
 
-	g.ResumeLocked()
-	for !g.busy { // the third step is in flight
-		g.WaitLocked(ctx)
+	g.Resume()
+	waitGate(ctx, &g, func() bool { return g.busy }) // the third step is in flight
+	g.Stop()
+	if err := g.Pause(ctx); err != nil || !g.Stopped() || !g.Started() {
+		t.Fatalf("Pause after Stop = %v, stopped %v", err, g.Stopped())
 	}
-	g.StopLocked()
-	if err := g.PauseLocked(ctx); err != nil || !g.StoppedLocked() || !g.StartedLocked() {
-		t.Fatalf("PauseLocked after StopLocked = %v, stopped %v", err, g.StoppedLocked())
-	}
-	g.Unlock()
 	step <- struct{}{} // the step in flight at the stop ends, and the loop with it
 	wg.Wait()
 	if steps != 3 {
@@ -108,17 +107,13 @@ func testStepGateContext(t *testing.T) {
 	steps := 0
 	var wg sync.WaitGroup
 	wg.Go(func() { gatedLoop(ctx, &g, &steps, make(chan struct{})) })
-	g.Lock()
-	g.ResumeLocked()
-	for !g.busy {
-		g.WaitLocked(ctx)
-	}
+	g.Resume()
+	waitGate(ctx, &g, func() bool { return g.busy })
 	pctx, pcancel := context.WithTimeout(ctx, 20*time.Millisecond)
 	defer pcancel()
-	if err := g.PauseLocked(pctx); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("PauseLocked with a step that never ends = %v", err)
+	if err := g.Pause(pctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Pause with a step that never ends = %v", err)
 	}
-	g.Unlock()
 	cancel()
 	wg.Wait()
 }

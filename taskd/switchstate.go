@@ -1,6 +1,7 @@
 package taskd
 
 import (
+	"iter"
 	"sort"
 	"time"
 
@@ -21,8 +22,19 @@ const (
 	DomainFailed  DomainState = "failed"  // the worker could not apply the current switch
 )
 
-// Domains are the marker domains a switch status reports, in order.
-var Domains = [...]string{trace.DomainDefault, trace.DomainCommunication}
+var markerDomains = [...]string{trace.DomainDefault, trace.DomainCommunication}
+
+// Domains yields the marker domains a switch status reports, in order:
+// the keys of WorkerSwitch.Domains.
+func Domains() iter.Seq[string] {
+	return func(yield func(string) bool) {
+		for _, d := range markerDomains {
+			if !yield(d) {
+				return
+			}
+		}
+	}
+}
 
 // WorkerSwitch is one worker's state of the current switch.
 type WorkerSwitch struct {
@@ -242,8 +254,8 @@ func (t *switchTracker) status() SwitchStatus {
 	sort.Ints(ranks)
 	for _, r := range ranks {
 		w := t.workers[r]
-		ws := WorkerSwitch{Position: Position{Node: w.node, Rank: r}, Domains: make(map[string]DomainState, len(Domains))}
-		for _, d := range Domains {
+		ws := WorkerSwitch{Position: Position{Node: w.node, Rank: r}, Domains: make(map[string]DomainState, len(markerDomains))}
+		for _, d := range markerDomains {
 			switch {
 			case t.version == 0 || w.acked != t.version:
 				ws.Domains[d] = DomainWaiting

@@ -8,18 +8,28 @@ import (
 )
 
 // Trainer is the training loop's side of orchestration: what a training
-// process implements so that the manager can stop and resume it, repair it
-// in place, and move its links. The Worker calls it (WorkerConfig.Trainer)
-// when the manager asks, one call at a time, each with a context that ends
-// at the manager's deadline for it; a call returns when the work is done.
+// process implements so that the manager can stop and resume it. The
+// Worker calls it (WorkerConfig.Trainer) when the manager asks, one call
+// at a time, each with a context that ends at the manager's deadline for
+// it; a call returns when the work is done.
 //
 // A trainer begins paused. The worker calls Resume with Step -1 once it has
 // registered, so that training starts; when the process replaces one that
 // failed while a recovery holds the job, the recovery's Resume starts it
 // instead, together with the other ranks and from the step they agree on.
 //
+// What else a trainer can do, it says by implementing the optional
+// interfaces, which the worker discovers by type assertion:
+// StrategyLister (which recovery strategies it supports now), StepRetrier
+// (strategy retry), LinkSwitcher (link switch) and StressTester (online
+// stress test). Without StrategyLister a trainer supports every strategy
+// that its methods can carry out: retry when it is a StepRetrier, and
+// recover-in-place, recover, dump and exit. Without the others, the call
+// fails with ErrUnsupported: recovery then takes the next strategy, and a
+// link switch or a stress test fails on that rank.
+//
 // A method that the trainer cannot carry out returns an error wrapping
-// ErrUnsupported; recovery then takes the next strategy.
+// ErrUnsupported.
 type Trainer interface {
 	// Pause stops the step loop at the next step boundary and returns once
 	// it has stopped, with the last step completed (-1 before the first).
@@ -29,26 +39,57 @@ type Trainer interface {
 	// it is not -1. Resuming a running trainer with Step -1 changes
 	// nothing.
 	Resume(ctx context.Context, r ResumeRequest) error
-	// Strategies says which recovery strategies the trainer supports now,
-	// given the job's faults. The trainer is paused.
-	Strategies(ctx context.Context, n FaultNotice) ([]Strategy, error)
-	// RetryStep repairs what a transient fault broke (say, a communicator)
-	// and runs the interrupted step again from the state kept in memory;
-	// the trainer stays paused after it (strategy retry).
-	RetryStep(ctx context.Context) error
-	// SwitchLink moves the trainer's traffic on l.Devices to l.Target (the
-	// standby link, or back to the primary). The trainer is paused.
-	SwitchLink(ctx context.Context, l LinkRequest) error
-	// StressTest runs the online stress test s.Test on the trainer's
-	// devices and returns an error when they fail it. The trainer is
-	// paused.
-	StressTest(ctx context.Context, s StressRequest) error
 	// Stop ends training for good (strategy exit); the process may exit.
 	Stop(ctx context.Context, reason string) error
 }
 
+// StrategyLister is a Trainer that says which recovery strategies it
+// supports.
+type StrategyLister interface {
+	// Strategies says which recovery strategies the trainer supports now,
+	// given the job's faults. The trainer is paused.
+	Strategies(ctx context.Context, n FaultNotice) ([]Strategy, error)
+}
+
+// StepRetrier is a Trainer that can run a step again (strategy retry).
+type StepRetrier interface {
+	// RetryStep repairs what a transient fault broke (say, a communicator)
+	// and runs the interrupted step again from the state kept in memory;
+	// the trainer stays paused after it.
+	RetryStep(ctx context.Context) error
+}
+
+// LinkSwitcher is a Trainer that can move its traffic to another link.
+type LinkSwitcher interface {
+	// SwitchLink moves the trainer's traffic on l.Devices to l.Target (the
+	// standby link, or back to the primary). The trainer is paused.
+	SwitchLink(ctx context.Context, l LinkRequest) error
+}
+
+// StressTester is a Trainer that can run online stress tests.
+type StressTester interface {
+	// StressTest runs the online stress test s.Test on the trainer's
+	// devices and returns an error when they fail it. The trainer is
+	// paused.
+	StressTest(ctx context.Context, s StressRequest) error
+}
+
+// strategiesOf returns what t supports: its StrategyLister's answer, or,
+// without one, every strategy that its methods can carry out.
+func strategiesOf(ctx context.Context, t Trainer, n FaultNotice) ([]Strategy, error) {
+	if l, ok := t.(StrategyLister); ok {
+		return l.Strategies(ctx, n)
+	}
+	var s []Strategy
+	if _, ok := t.(StepRetrier); ok {
+		s = append(s, StrategyRetry)
+	}
+	return append(s, StrategyRecoverInPlace, StrategyRecover, StrategyDump, StrategyExit), nil
+}
+
 // ErrUnsupported is wrapped by a Trainer's error for a call it cannot carry
-// out.
+// out, and by the worker's for a call of an optional interface that the
+// trainer does not implement.
 var ErrUnsupported = errors.New("taskd: not supported by this trainer")
 
 // Strategy is a way to recover from a fault. Recovery tries them in the

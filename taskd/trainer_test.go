@@ -9,9 +9,12 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
-// callTrainerRecorder is a Trainer that records its calls.
+// callTrainerRecorder is a Trainer, with every optional interface, that
+// records its calls.
 type callTrainerRecorder struct {
 	mu    sync.Mutex
 	calls []string
@@ -63,7 +66,7 @@ func TestWorkerTrainer(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.run(w, w.Run)
-	waitFor(t, 20*time.Second, "the trainer started", func() bool { return slices.Contains(tr.Calls(), "resume -1  []") })
+	testkit.WaitFor(t, "the trainer started", func() bool { return slices.Contains(tr.Calls(), "resume -1  []") })
 	ctx := context.Background()
 	send := func(kind string, msg orchMsg) Delivery {
 		t.Helper()
@@ -96,7 +99,7 @@ func TestWorkerTrainer(t *testing.T) {
 	}
 	// A worker without a trainer refuses orchestration messages.
 	plain := c.addWorker(0, 4)
-	waitFor(t, 20*time.Second, "rank 4", func() bool { return plain.Connected() })
+	testkit.WaitFor(t, "rank 4", func() bool { return plain.Connected() })
 	ds, _ := c.m.Broadcast(ctx, RankList(4), kindPause, nil)
 	var de *DeliveryError
 	if len(ds) != 1 || !errors.As(ds[0].Err, &de) {
@@ -139,7 +142,7 @@ func TestWorkerCloseSendsWhatIsQueued(t *testing.T) {
 	}
 	tr.w = w
 	c.run(w, w.Run)
-	waitFor(t, 20*time.Second, "the trainer started", func() bool { return slices.Contains(tr.Calls(), "resume -1  []") })
+	testkit.WaitFor(t, "the trainer started", func() bool { return slices.Contains(tr.Calls(), "resume -1  []") })
 	go func() {
 		<-tr.stopped
 		w.Close()

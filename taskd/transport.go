@@ -17,18 +17,22 @@ import (
 	"google.golang.org/grpc/status"
 )
 
-// Defaults shared by the three roles.
+// Defaults shared by the three roles, for the flags of their commands.
 const (
 	DefaultHeartbeatInterval = time.Second
 	DefaultHeartbeatDeadline = 5 * time.Second
-	DefaultAckTimeout        = 3 * time.Second
-	DefaultMaxMessageBytes   = 4 << 20
-	DefaultRateLimit         = 2000 // calls per second per connection
 	DefaultManagerAddr       = ":9601"
 	DefaultProxyAddr         = "127.0.0.1:9602"
-	// DefaultMaxWorkers bounds ranks and nodes when a job's shape is not
+)
+
+// Defaults that the configs' documentation states.
+const (
+	defaultAckTimeout      = 3 * time.Second
+	defaultMaxMessageBytes = 4 << 20
+	defaultRateLimit       = 2000 // calls per second per connection
+	// defaultMaxWorkers bounds ranks and nodes when a job's shape is not
 	// known.
-	DefaultMaxWorkers = 16384
+	defaultMaxWorkers = 16384
 )
 
 // limits are a server's per-connection rate limit and message size cap.

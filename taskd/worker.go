@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -120,10 +121,7 @@ type Worker struct {
 
 	connected atomic.Bool
 	finished  atomic.Bool
-	state     atomic.Int32
-	closed    chan struct{}
-	closeOnce sync.Once
-	runDone   chan struct{}
+	lifecycle
 }
 
 // NewWorker validates cfg and prepares a worker; Run connects it.
@@ -133,8 +131,8 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	}
 	cfg.Upstream = orDefault(cfg.Upstream, DefaultProxyAddr)
 	cfg.QueueSize = orDefault(cfg.QueueSize, 1024)
-	cfg.AckTimeout = orDefault(cfg.AckTimeout, DefaultAckTimeout)
-	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
+	cfg.AckTimeout = orDefault(cfg.AckTimeout, defaultAckTimeout)
+	cfg.MaxMessageBytes = orDefault(cfg.MaxMessageBytes, defaultMaxMessageBytes)
 	cfg.ReconnectMax = orDefault(cfg.ReconnectMax, 5*time.Second)
 	log := discardIfNil(cfg.Logger).With("component", "taskd-worker", "job", cfg.Job, "rank", cfg.Rank)
 	metrics := promreg.New(cfg.Registerer, "taskd: WorkerConfig.Registerer")
@@ -162,9 +160,8 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 		results:    make(map[uint64]msgResult),
 		resultRing: make([]uint64, 1024),
 		done:       newIDSet(64),
-		closed:     make(chan struct{}),
-		runDone:    make(chan struct{}),
 	}
+	w.init()
 	w.up = &uplink{
 		job: cfg.Job, self: w.self, queue: newReportQueue(cfg.QueueSize), maxMsg: cfg.MaxMessageBytes, ackTimeout: cfg.AckTimeout, log: log,
 		overflow: w.met.overflow.Inc, queued: func(n int) { w.met.queued.Set(float64(n)) },
@@ -218,10 +215,10 @@ func (w *Worker) Pending() int { return w.up.queue.len() }
 // call in progress end, sends what is queued and leaves the job (see
 // Close). Run may be called once.
 func (w *Worker) Run(ctx context.Context) error {
-	if !w.state.CompareAndSwap(0, 1) {
-		return errors.New("taskd: Worker.Run called twice or after Close")
+	if err := w.begin("Worker"); err != nil {
+		return err
 	}
-	defer close(w.runDone)
+	defer w.end()
 	defer w.conn.Close()
 	// Sessions end at once; the trainer's context outlives them by up to
 	// closeGrace, so that a call that is ending (a Stop, after which the
@@ -363,16 +360,7 @@ func (w *Worker) flush() {
 // one. Then it unregisters the worker's metrics; call it also after Run
 // returned on its own. It is idempotent.
 func (w *Worker) Close() error {
-	w.closeOnce.Do(func() {
-		close(w.closed)
-		if w.state.CompareAndSwap(0, 2) {
-			w.conn.Close()
-			close(w.runDone)
-		}
-		<-w.runDone
-		w.metrics.UnregisterAll()
-	})
-	<-w.runDone
+	w.close(func() { w.conn.Close() }, w.metrics.UnregisterAll)
 	return nil
 }
 
@@ -477,7 +465,10 @@ func (w *Worker) session(ctx context.Context) error {
 	// Behind a proxy, a manager restart does not end this session: the
 	// proxy registers its workers again on their behalf. A held trainer
 	// needs the new manager's word on the hold, which registering gives.
-	changed := func(resp *pb.HeartbeatResponse) error {
+	answered := func(resp *pb.HeartbeatResponse) error {
+		if unknowsSelf(resp, w.self) {
+			return errReregister
+		}
 		if err := w.fence.admit(resp.GetFence()); err != nil {
 			w.met.fenced.Inc()
 			return err
@@ -487,18 +478,18 @@ func (w *Worker) session(ctx context.Context) error {
 		}
 		return nil
 	}
-	g.Go(func() error { return heartbeats(gctx, w.client, w.cfg.Job, w.self, interval, deadline, nil, changed) })
+	g.Go(func() error { return heartbeats(gctx, w.client, w.cfg.Job, w.self, interval, deadline, nil, answered) })
 	g.Go(func() error { return w.up.run(gctx, w.client) })
 	g.Go(func() error { return runAcks(gctx, w.client, w.cfg.Job, w.acks, w.cfg.AckTimeout, w.log) })
 	return g.Wait()
 }
 
 // heartbeats sends a heartbeat every interval until ctx ends. It returns
-// errReregister when the upstream no longer knows self, and an error when
-// no heartbeat got through for longer than deadline. beats, if set, adds
-// the beats of members behind self; changed, if set, is told each answer,
-// and its error ends the heartbeats.
-func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, interval, deadline time.Duration, beats func() []*pb.Beat, changed func(*pb.HeartbeatResponse) error) error {
+// errReregister when the upstream refuses self's credentials, and an
+// error when no heartbeat got through for longer than deadline. beats, if
+// set, adds the beats of members behind self, before each heartbeat;
+// answered is told each answer, and its error ends the heartbeats.
+func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, interval, deadline time.Duration, beats func() []*pb.Beat, answered func(*pb.HeartbeatResponse) error) error {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	lastOK := time.Now()
@@ -513,15 +504,8 @@ func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *
 		switch {
 		case err == nil:
 			lastOK = time.Now()
-			for _, u := range resp.GetUnknown() {
-				if keyOf(u) == keyOf(self) {
-					return errReregister
-				}
-			}
-			if changed != nil {
-				if err := changed(resp); err != nil {
-					return err
-				}
+			if err := answered(resp); err != nil {
+				return err
 			}
 		case ctx.Err() != nil:
 			return nil
@@ -536,6 +520,12 @@ func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *
 		case <-tick.C:
 		}
 	}
+}
+
+// unknowsSelf reports whether a heartbeat's answer says that the
+// upstream no longer knows self.
+func unknowsSelf(resp *pb.HeartbeatResponse, self *pb.Member) bool {
+	return slices.ContainsFunc(resp.GetUnknown(), func(u *pb.Member) bool { return keyOf(u) == keyOf(self) })
 }
 
 // handle applies one envelope, received in a session with manager

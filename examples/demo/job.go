@@ -51,6 +51,7 @@ type job struct {
 	reg         *prometheus.Registry
 	fab         *fabric
 	m           *taskd.Manager
+	policy      *rescheduling.Policy // the manager's orchestration's: closed after it
 	owners      []*ckpt.Owner
 	ckpts       *nodeCheckpoints
 	sups        []*local.Supervisor
@@ -498,6 +499,7 @@ func (j *job) setupManager(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	j.policy = policy
 	j.sups = make([]*local.Supervisor, j.cfg.Nodes)
 	j.diag = newHangDiagnosis(j)
 	switchFile := j.path("datatrace-config", "profilingSwitch")
@@ -734,6 +736,9 @@ func (j *job) teardown() {
 	j.stopProxies()
 	if j.m != nil {
 		j.m.Close()
+	}
+	if j.policy != nil {
+		j.policy.Close()
 	}
 	if j.cancel != nil {
 		j.cancel()

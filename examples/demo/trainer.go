@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt"
@@ -83,9 +84,11 @@ type trainer struct {
 		timer *hang.Op
 	}
 
-	gate  taskd.StepGate // guards the fields below; NotifyLocked on every change
-	step  int64          // last completed step
-	abort chan struct{}  // the step in flight's; nil between steps
+	gate taskd.StepGate
+
+	mu    sync.Mutex    // guards the fields below
+	step  int64         // last completed step
+	abort chan struct{} // the step in flight's; nil between steps
 	// Faults injected by the operator.
 	slowCompute, slowIO float64
 	hangNext            bool
@@ -103,36 +106,45 @@ func newTrainer(cfg trainerConfig, rec *trace.Recorder, wd *hang.Watchdog, fab *
 	return t
 }
 
-var _ taskd.Trainer = (*trainer)(nil)
+// The trainer is no taskd.StepRetrier (retry would need the step's state
+// kept across an aborted collective), and no StrategyLister: it supports
+// every strategy but retry.
+var (
+	_ taskd.Trainer      = (*trainer)(nil)
+	_ taskd.LinkSwitcher = (*trainer)(nil)
+	_ taskd.StressTester = (*trainer)(nil)
+)
 
 // Run trains until ctx ends or Stop.
 func (t *trainer) Run(ctx context.Context) error {
-	t.gate.Lock()
-	defer t.gate.Unlock()
-	for t.gate.NextStepLocked(ctx) {
+	for t.gate.Next(ctx) {
+		t.mu.Lock()
 		k := t.step + 1
 		abort := make(chan struct{})
 		t.abort = abort
 		slow, slowIO := t.slowCompute, t.slowIO
 		hangNow := t.hangNext
 		t.hangNext = false
-		t.gate.Unlock()
+		t.mu.Unlock()
 		// The end of ctx aborts the step in flight, as a pause does.
 		stopAbort := context.AfterFunc(ctx, func() { t.abortStep(abort) })
 		err := t.trainStep(ctx, k, abort, slow, slowIO, hangNow)
 		stopAbort()
-		t.gate.Lock()
+		t.mu.Lock()
 		t.abort = nil
+		done := err == nil && ctx.Err() == nil
+		if done {
+			t.step = k
+		}
+		t.mu.Unlock()
 		switch {
 		case ctx.Err() != nil:
 			return nil
 		case errors.Is(err, errFabricGone):
 			return err
-		case err == nil:
-			t.step = k
+		case done:
 			t.say("step %d", k)
 		}
-		t.gate.NotifyLocked()
 	}
 	return nil
 }
@@ -140,8 +152,8 @@ func (t *trainer) Run(ctx context.Context) error {
 // abortStep aborts the step whose abort channel is abort, if it still
 // runs.
 func (t *trainer) abortStep(abort chan struct{}) {
-	t.gate.Lock()
-	defer t.gate.Unlock()
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	if t.abort == abort && abort != nil {
 		close(abort)
 		t.abort = nil
@@ -301,55 +313,60 @@ func (t *trainer) load(ctx context.Context, step int64) (int64, string, error) {
 	return s, "disk", err
 }
 
-// pauseLocked stops the loop at the next step boundary. A collective
-// still waiting after PauseGrace is aborted: its peer is dead or stuck,
-// and waiting longer would hold the whole job.
-func (t *trainer) pauseLocked(ctx context.Context) error {
-	abort := t.abort
-	grace := time.AfterFunc(t.cfg.PauseGrace, func() { t.abortStep(abort) })
+// pause stops the loop at the next step boundary. A collective still
+// waiting after PauseGrace is aborted: its peer is dead or stuck, and
+// waiting longer would hold the whole job. (No step starts once the pause
+// has begun: the one in flight then is the one the pause waits for.)
+func (t *trainer) pause(ctx context.Context) error {
+	grace := time.AfterFunc(t.cfg.PauseGrace, func() {
+		t.mu.Lock()
+		abort := t.abort
+		t.mu.Unlock()
+		t.abortStep(abort)
+	})
 	defer grace.Stop()
-	if err := t.gate.PauseLocked(ctx); err != nil {
-		return fmt.Errorf("step %d did not stop: %w", t.step+1, err)
+	if err := t.gate.Pause(ctx); err != nil {
+		return fmt.Errorf("step %d did not stop: %w", t.Step()+1, err)
 	}
 	return nil
 }
 
 // Pause implements taskd.Trainer.
 func (t *trainer) Pause(ctx context.Context) (int64, error) {
-	t.gate.Lock()
-	defer t.gate.Unlock()
-	if err := t.pauseLocked(ctx); err != nil {
-		return t.step, err
+	if err := t.pause(ctx); err != nil {
+		return t.Step(), err
 	}
-	t.say("event pause %d", t.step)
-	return t.step, nil
+	step := t.Step()
+	t.say("event pause %d", step)
+	return step, nil
 }
 
 // Resume implements taskd.Trainer.
 func (t *trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
-	t.gate.Lock()
-	defer t.gate.Unlock()
-	if t.gate.StoppedLocked() {
+	if t.gate.Stopped() {
 		return errors.New("stopped")
 	}
-	first := !t.gate.StartedLocked()
+	first := !t.gate.Started()
 	from := "where it paused"
 	if r.Step >= 0 || first {
-		if err := t.pauseLocked(ctx); err != nil {
+		if err := t.pause(ctx); err != nil {
 			return err
 		}
 		step, tier, err := t.load(ctx, r.Step)
 		if err != nil {
 			return err
 		}
+		t.mu.Lock()
 		t.step, from = step, tier
+		t.mu.Unlock()
 	}
-	t.gate.ResumeLocked()
 	kind := "resume"
 	if first {
 		kind = "start"
 	}
-	t.say("event %s %d %s %s", kind, t.step, from, orDash(string(r.Strategy)))
+	// Said before the loop runs on, so that the event precedes its steps.
+	t.say("event %s %d %s %s", kind, t.Step(), from, orDash(string(r.Strategy)))
+	t.gate.Resume()
 	return nil
 }
 
@@ -360,18 +377,7 @@ func orDash(s string) string {
 	return s
 }
 
-// Strategies implements taskd.Trainer: every strategy but retry, which
-// would need the step's state kept across an aborted collective.
-func (t *trainer) Strategies(context.Context, taskd.FaultNotice) ([]taskd.Strategy, error) {
-	return []taskd.Strategy{taskd.StrategyRecoverInPlace, taskd.StrategyRecover, taskd.StrategyDump, taskd.StrategyExit}, nil
-}
-
-// RetryStep implements taskd.Trainer.
-func (t *trainer) RetryStep(context.Context) error {
-	return fmt.Errorf("retry: %w", taskd.ErrUnsupported)
-}
-
-// SwitchLink implements taskd.Trainer: it takes SwitchTime, and fails
+// SwitchLink implements taskd.LinkSwitcher: it takes SwitchTime, and fails
 // when a failure was injected.
 func (t *trainer) SwitchLink(ctx context.Context, l taskd.LinkRequest) error {
 	select {
@@ -379,8 +385,8 @@ func (t *trainer) SwitchLink(ctx context.Context, l taskd.LinkRequest) error {
 		return ctx.Err()
 	case <-time.After(t.cfg.SwitchTime):
 	}
-	t.gate.Lock()
-	defer t.gate.Unlock()
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	if why := t.failSwitch; why != "" {
 		t.failSwitch = ""
 		t.say("event switch-link %d failed: %s", t.step, why)
@@ -397,7 +403,7 @@ func (t *trainer) SwitchLink(ctx context.Context, l taskd.LinkRequest) error {
 	return nil
 }
 
-// StressTest implements taskd.Trainer: the synthetic devices pass.
+// StressTest implements taskd.StressTester: the synthetic devices pass.
 func (t *trainer) StressTest(ctx context.Context, s taskd.StressRequest) error {
 	select {
 	case <-ctx.Done():
@@ -410,17 +416,15 @@ func (t *trainer) StressTest(ctx context.Context, s taskd.StressRequest) error {
 
 // Stop implements taskd.Trainer.
 func (t *trainer) Stop(_ context.Context, reason string) error {
-	t.gate.Lock()
-	defer t.gate.Unlock()
-	t.gate.StopLocked()
-	t.say("event stop %d %s", t.step, reason)
+	t.gate.Stop()
+	t.say("event stop %d %s", t.Step(), reason)
 	return nil
 }
 
 // Step returns the last completed step.
 func (t *trainer) Step() int64 {
-	t.gate.Lock()
-	defer t.gate.Unlock()
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	return t.step
 }
 
@@ -438,8 +442,8 @@ func (t *trainer) inject(payload []byte) error {
 	if err := json.Unmarshal(payload, &in); err != nil {
 		return fmt.Errorf("injection: %w", err)
 	}
-	t.gate.Lock()
-	defer t.gate.Unlock()
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	switch in.Fault {
 	case faultSlowCompute:
 		t.slowCompute = in.Factor

@@ -38,7 +38,15 @@ func (s *stopTrack) wait(within time.Duration) {
 	}
 }
 
-var _ taskd.Trainer = trainer{}
+// trainer implements every optional interface of taskd.Trainer: whether it
+// can carry a call out depends on the callbacks registered at the time.
+var (
+	_ taskd.Trainer        = trainer{}
+	_ taskd.StrategyLister = trainer{}
+	_ taskd.StepRetrier    = trainer{}
+	_ taskd.LinkSwitcher   = trainer{}
+	_ taskd.StressTester   = trainer{}
+)
 
 // argument returns req as a JSON object with "timeout_ms" added, the
 // milliseconds left before ctx's deadline, so that a callback that waits

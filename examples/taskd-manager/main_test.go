@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd"
 	"github.com/faultline-ml/faultline/taskd/lease"
 )
@@ -60,7 +61,7 @@ func TestTokenFiles(t *testing.T) {
 
 // TestMain runs the command itself when the test starts it as a process.
 func TestMain(m *testing.M) {
-	if os.Getenv("TASKD_MANAGER_MAIN") != "" {
+	if testkit.Role() == "taskd-manager" {
 		os.Args = append([]string{"taskd-manager"}, strings.Fields(os.Getenv("TASKD_MANAGER_ARGS"))...)
 		main()
 		os.Exit(0)
@@ -113,8 +114,7 @@ func (s *syncBuffer) String() string {
 
 func startManager(t *testing.T, podName, args string) *manager {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "TASKD_MANAGER_MAIN=1", "TASKD_MANAGER_ARGS="+args, "POD_NAME="+podName, "TASKD_TOKEN=")
+	cmd := testkit.Command(t, "taskd-manager", "TASKD_MANAGER_ARGS="+args, "POD_NAME="+podName, "TASKD_TOKEN=")
 	m := &manager{cmd: cmd, stderr: &syncBuffer{}, done: make(chan struct{})}
 	cmd.Stderr = m.stderr
 	if err := cmd.Start(); err != nil {
@@ -131,15 +131,6 @@ func listening(addr string) bool {
 		c.Close()
 	}
 	return err == nil
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("no %s within 30 s", what)
-		}
-	}
 }
 
 func freeAddr(t *testing.T) string {
@@ -164,9 +155,9 @@ func TestStandbyManagers(t *testing.T) {
 	}
 	addrA, addrB := freeAddr(t), freeAddr(t)
 	a := startManager(t, "llm-manager-a", args(addrA, "2"))
-	waitFor(t, "the first manager listening", func() bool { return listening(addrA) })
+	testkit.WaitFor(t, "the first manager listening", func() bool { return listening(addrA) })
 	b := startManager(t, "llm-manager-b", args(addrB, "2"))
-	waitFor(t, "the second manager standing by", func() bool { return strings.Contains(b.stderr.String(), "standing by") })
+	testkit.WaitFor(t, "the second manager standing by", func() bool { return strings.Contains(b.stderr.String(), "standing by") })
 	if listening(addrB) {
 		t.Fatal("the standby listens")
 	}
@@ -190,7 +181,7 @@ func TestStandbyManagers(t *testing.T) {
 
 	resigned := time.Now()
 	a.cmd.Process.Signal(syscall.SIGTERM)
-	waitFor(t, "the standby leading", func() bool { return listening(addrB) })
+	testkit.WaitFor(t, "the standby leading", func() bool { return listening(addrB) })
 	if d := time.Since(resigned); d > 5*time.Second {
 		t.Errorf("the lease took %v to change hands after SIGTERM", d)
 	}

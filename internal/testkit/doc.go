@@ -1,6 +1,7 @@
 // Package testkit is what the tests of several packages share: running
 // the test binary again as a child process in a role, reading its output
-// line by line, waiting for what other processes bring about, opening a
+// line by line (Output keeps it, across restarts, for waiting from a
+// point on), waiting for what other processes bring about, opening a
 // page in headless Chromium, comparing output with golden files (-update
 // rewrites them), and checking the Registerer contract of a metered type.
 // It is imported by tests only.

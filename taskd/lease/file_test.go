@@ -226,7 +226,7 @@ func TestFileRefusesAnotherJobsOrVersion(t *testing.T) {
 		msg  string
 	}{
 		{"another job", otherData, ErrForeign, `belongs to job "other-job"`},
-		{"unknown version", bytes.Replace(mine, []byte(`"version":1`), []byte(`"version":9`), 1), ErrInvalid, "version 9 is unknown"},
+		{"unknown version", bytes.Replace(mine, []byte(`"version":1`), []byte(`"version":9`), 1), ErrInvalid, `field version: value "9": is unknown`},
 		{"damaged", mine[:len(mine)/2], ErrInvalid, "not a JSON object"},
 	} {
 		cfg := fileConfig(t.TempDir(), "a", testConfig)

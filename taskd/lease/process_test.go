@@ -1,7 +1,6 @@
 package lease
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -17,10 +16,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"golang.org/x/sys/unix"
 )
 
-// A child candidate: this test binary run again with childEnv set. It
+// A child candidate: this test binary run again in the role of its mode
+// (testkit.Role: "hold" or "cycle"). It
 // campaigns for the lease at childPath as childName, prints "held TOKEN"
 // on each term it takes and, with a journal, writes "NAME TOKEN start",
 // "alive" (after each Check that passed) and "end" lines there, each with
@@ -28,7 +29,6 @@ import (
 // mode it keeps its first term; in "cycle" mode it checks its term a few
 // times, resigns and campaigns again.
 const (
-	childEnv     = "FAULTLINE_LEASE_CHILD" // the mode
 	childPath    = "FAULTLINE_LEASE_PATH"
 	childName    = "FAULTLINE_LEASE_NAME"
 	childJournal = "FAULTLINE_LEASE_JOURNAL"
@@ -69,7 +69,7 @@ func child() error {
 		}
 		note(term.Token(), "start")
 		fmt.Printf("held %d\n", term.Token())
-		if os.Getenv(childEnv) == "hold" {
+		if testkit.Role() == "hold" {
 			<-term.Context().Done()
 			return context.Cause(term.Context())
 		}
@@ -109,10 +109,7 @@ type held struct {
 // terms. The test's cleanup kills it.
 func startCandidate(t testing.TB, path, name, mode, journal string, retry time.Duration, terms chan<- held) *candidate {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childEnv+"="+mode, childPath+"="+path, childName+"="+name,
-		childJournal+"="+journal, childRetry+"="+retry.String())
-	cmd.Stderr = os.Stderr
+	cmd := testkit.Command(t, mode, childPath+"="+path, childName+"="+name, childJournal+"="+journal, childRetry+"="+retry.String())
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -123,9 +120,8 @@ func startCandidate(t testing.TB, path, name, mode, journal string, retry time.D
 	c := &candidate{name: name, cmd: cmd, done: make(chan struct{})}
 	go func() {
 		defer close(c.done)
-		s := bufio.NewScanner(out)
-		for s.Scan() {
-			if tok, ok := strings.CutPrefix(s.Text(), "held "); ok {
+		for line := range testkit.Lines(out) {
+			if tok, ok := strings.CutPrefix(line, "held "); ok {
 				n, _ := strconv.ParseUint(tok, 10, 64)
 				terms <- held{c, n}
 			}

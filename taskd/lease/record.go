@@ -6,8 +6,9 @@ import (
 	"fmt"
 	"hash/crc32"
 	"strconv"
-	"strings"
 	"time"
+
+	"github.com/faultline-ml/faultline/internal/parseerr"
 )
 
 // RecordVersion is the version of the lease file format that this
@@ -64,29 +65,20 @@ func (j recordJSON) checksum() string {
 	return fmt.Sprintf("%08x", crc32.Checksum(b, castagnoli))
 }
 
-// ParseError says what is wrong with a lease file. It wraps ErrInvalid.
+// ParseError says what is wrong with a lease file. It has the shape of
+// every parse error of this module (the file, the field and value at
+// fault, and what is wrong) and wraps ErrInvalid.
 type ParseError struct {
 	File  string // the lease file; "" when parsed from memory
 	Field string // the JSON member at fault; "" for the whole document
 	Value string // the value at fault, when there is one
-	Msg   string
+	Msg   string // what is wrong
 }
 
+// Error returns "lease: lease file: <file>: field <f>: value <v>: <msg>",
+// leaving out what is unknown.
 func (e *ParseError) Error() string {
-	var b strings.Builder
-	b.WriteString("lease file")
-	if e.File != "" {
-		b.WriteString(" " + e.File)
-	}
-	b.WriteString(": ")
-	if e.Field != "" {
-		b.WriteString(e.Field + " ")
-		if e.Value != "" {
-			b.WriteString(e.Value + " ")
-		}
-	}
-	b.WriteString(e.Msg)
-	return b.String()
+	return parseerr.Text{Pkg: "lease", Format: "lease file", File: e.File, Field: e.Field, Value: e.Value, Msg: e.Msg}.String()
 }
 
 // Unwrap lets errors.Is(err, ErrInvalid) hold.
@@ -139,7 +131,7 @@ func ParseRecord(data []byte) (Record, error) {
 		return Record{}, err
 	}
 	if want := j.checksum(); j.CRC != want {
-		return Record{}, &ParseError{Field: "crc32c", Value: strconv.Quote(j.CRC),
+		return Record{}, &ParseError{Field: "crc32c", Value: j.CRC,
 			Msg: fmt.Sprintf("does not match the content (%s): the file was damaged or edited", want)}
 	}
 	return Record{Job: j.Job, Config: j.Config, Token: j.Token, Holder: j.Holder, Term: j.Term, Acquired: j.Acquired}, nil
@@ -151,19 +143,19 @@ func (j recordJSON) check() error {
 		return &ParseError{Field: field, Value: value, Msg: msg}
 	}
 	if msg := jobProblem(j.Job); msg != "" {
-		return bad("job", strconv.Quote(j.Job), msg)
+		return bad("job", j.Job, msg)
 	}
 	if !isToken(j.Config, configExtra, configMax) {
-		return bad("config", strconv.Quote(j.Config), configWant)
+		return bad("config", j.Config, configWant)
 	}
 	if !isToken(j.Holder, nameExtra, nameMax) {
-		return bad("holder", strconv.Quote(j.Holder), nameWant)
+		return bad("holder", j.Holder, nameWant)
 	}
 	switch {
 	case j.Token == 0:
 		return bad("token", "0", "must be at least 1")
 	case !isHex(j.Term, 16):
-		return bad("term", strconv.Quote(j.Term), "want 16 hexadecimal digits")
+		return bad("term", j.Term, "want 16 hexadecimal digits")
 	case j.Acquired.IsZero():
 		return bad("acquired", "", "is missing")
 	case j.Acquired.Location() != time.UTC:

@@ -21,13 +21,12 @@ func BenchmarkRecoveryInPlace(b *testing.B) {
 	j := startJob(b, jobConfig{nodes: 4, ppn: 16, stepTime: 20 * time.Millisecond, saveEvery: 5, timeouts: recoveryTimeouts()})
 	world := 64
 	b.Run("recovery/workers=64", func(b *testing.B) {
-		j.t = b
 		var detected, stopped, resumed []time.Duration
 		b.ResetTimer()
 		for i := range b.N {
 			rank := (7 + 13*i) % world
-			j.signal(rank, syscall.SIGKILL)
-			rec := j.next(taskd.KindRecovery)
+			j.signal(b, rank, syscall.SIGKILL)
+			rec := j.next(b, taskd.KindRecovery)
 			if rec.State != taskd.StateRecovered || rec.Strategy != taskd.StrategyRecoverInPlace {
 				b.Fatalf("recovery %+v", rec)
 			}
@@ -39,7 +38,6 @@ func BenchmarkRecoveryInPlace(b *testing.B) {
 		report(b, "resumed", resumed)
 	})
 	b.Run("baseline-broadcast/workers=64", func(b *testing.B) {
-		j.t = b
 		var rtt []time.Duration
 		b.ResetTimer()
 		for range b.N {

@@ -5,27 +5,23 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"os"
 	"os/signal"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd"
 	"github.com/faultline-ml/faultline/taskd/trainertest"
 )
 
-// The test binary runs as a proxy or a worker process when this variable
-// names the role; childArgsEnv holds its childArgs as JSON.
-const (
-	childRoleEnv = "TRAINERTEST_CHILD"
-	childArgsEnv = "TRAINERTEST_ARGS"
-)
+// The test binary runs as a manager, proxy or worker process when
+// testkit.Role names the role; childArgsEnv holds its childArgs as JSON.
+const childArgsEnv = "TRAINERTEST_ARGS"
 
 type childArgs struct {
 	Job      string
@@ -181,77 +177,8 @@ func detectHang(ctx context.Context, tr *trainertest.Trainer, w *taskd.Worker, a
 	}
 }
 
-// lines collects a process's output lines, across its restarts.
-type lines struct {
-	mu    sync.Mutex
-	cond  *sync.Cond
-	all   []string
-	part  []byte
-	label string
+// newLines returns the output of a process, across its restarts, echoed
+// to standard error with -v and TRAINERTEST_LOG set.
+func newLines(label string) *testkit.Output {
+	return testkit.NewOutput(label, testing.Verbose() && os.Getenv("TRAINERTEST_LOG") != "")
 }
-
-func newLines(label string) *lines {
-	l := &lines{label: label}
-	l.cond = sync.NewCond(&l.mu)
-	return l
-}
-
-func (l *lines) Write(b []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.part = append(l.part, b...)
-	for {
-		i := strings.IndexByte(string(l.part), '\n')
-		if i < 0 {
-			break
-		}
-		line := string(l.part[:i])
-		l.part = l.part[i+1:]
-		l.all = append(l.all, line)
-		if testing.Verbose() && os.Getenv("TRAINERTEST_LOG") != "" {
-			fmt.Fprintf(os.Stderr, "%s: %s\n", l.label, line)
-		}
-	}
-	l.cond.Broadcast()
-	return len(b), nil
-}
-
-func (l *lines) len() int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return len(l.all)
-}
-
-func (l *lines) from(i int) []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]string(nil), l.all[min(i, len(l.all)):]...)
-}
-
-// wait waits for a line at or after index from that starts with prefix,
-// and returns its index.
-func (l *lines) wait(t testing.TB, from int, prefix string, d time.Duration) int {
-	t.Helper()
-	timer := time.AfterFunc(d, func() {
-		l.mu.Lock()
-		l.cond.Broadcast()
-		l.mu.Unlock()
-	})
-	defer timer.Stop()
-	end := time.Now().Add(d)
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for i := from; ; {
-		for ; i < len(l.all); i++ {
-			if strings.HasPrefix(l.all[i], prefix) {
-				return i
-			}
-		}
-		if time.Now().After(end) {
-			t.Fatalf("%s: no %q within %v; output from %d: %q", l.label, prefix, d, from, l.all[min(from, len(l.all)):])
-		}
-		l.cond.Wait()
-	}
-}
-
-var _ io.Writer = (*lines)(nil)

@@ -1,7 +1,6 @@
 package trainertest_test
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -23,6 +22,7 @@ import (
 
 	"github.com/faultline-ml/faultline/ckpt"
 	"github.com/faultline-ml/faultline/ckpt/layout"
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/rescheduling"
 	"github.com/faultline-ml/faultline/rescheduling/local"
 	"github.com/faultline-ml/faultline/taskd"
@@ -34,15 +34,15 @@ import (
 // ckpt.Owner for all shards); each node's proxy and each rank's worker
 // with a fake trainer are processes of their own.
 type job struct {
-	t       testing.TB
 	cfg     jobConfig
 	dir     string
 	owner   *ckpt.Owner
 	m       *taskd.Manager
+	policy  *rescheduling.Policy // the manager's orchestration's: closed after it
 	reg     *prometheus.Registry
 	proxies []*exec.Cmd
 	sups    []*local.Supervisor
-	out     []*lines // by rank
+	out     []*testkit.Output // by rank
 	trans   chan transition
 	cancel  context.CancelFunc
 	wg      sync.WaitGroup
@@ -81,7 +81,7 @@ func testLogger(t testing.TB) *slog.Logger {
 func startJob(t testing.TB, cfg jobConfig) *job {
 	t.Helper()
 	world := cfg.nodes * cfg.ppn
-	j := &job{t: t, cfg: cfg, dir: t.TempDir(), reg: prometheus.NewRegistry(), trans: make(chan transition, 4096)}
+	j := &job{cfg: cfg, dir: t.TempDir(), reg: prometheus.NewRegistry(), trans: make(chan transition, 4096)}
 	ctx, cancel := context.WithCancel(context.Background())
 	j.cancel = cancel
 	t.Cleanup(j.stop)
@@ -107,6 +107,7 @@ func startJob(t testing.TB, cfg jobConfig) *job {
 	if err != nil {
 		t.Fatal(err)
 	}
+	j.policy = policy
 	sups := make(local.Nodes, cfg.nodes)
 	m, err := taskd.NewManager(taskd.ManagerConfig{
 		Job: "job-r", Listen: "127.0.0.1:0", Nodes: cfg.nodes, ProcsPerNode: cfg.ppn, Security: taskd.Security{Insecure: true},
@@ -127,7 +128,7 @@ func startJob(t testing.TB, cfg jobConfig) *job {
 	proxyAddrs := make([]string, cfg.nodes)
 	for n := range cfg.nodes {
 		proxyAddrs[n] = freeAddr(t)
-		j.proxies = append(j.proxies, j.startProxy(n, proxyAddrs[n]))
+		j.proxies = append(j.proxies, j.startProxy(t, n, proxyAddrs[n]))
 	}
 	for n := range cfg.nodes {
 		var cmds []local.Command
@@ -137,7 +138,7 @@ func startJob(t testing.TB, cfg jobConfig) *job {
 			args, _ := json.Marshal(childArgs{Job: "job-r", Node: n, Rank: r, Upstream: proxyAddrs[n], Segment: owner.SegmentPath(r), CkptDir: filepath.Join(j.dir, "ckpt"),
 				StepTime: cfg.stepTime, SwitchTime: cfg.switchTime, SaveEvery: cfg.saveEvery, HangAfter: cfg.hangAfter})
 			cmds = append(cmds, local.Command{Name: fmt.Sprintf("rank-%d", r), Path: os.Args[0], Args: []string{"-test.run=^$"},
-				Env: []string{childRoleEnv + "=worker", childArgsEnv + "=" + string(args)}, Stdout: out, Stderr: stderrOf(t, fmt.Sprintf("rank %d", r))})
+				Env: []string{testkit.RoleEnv("worker"), childArgsEnv + "=" + string(args)}, Stdout: out, Stderr: stderrOf(t, fmt.Sprintf("rank %d", r))})
 		}
 		s, err := local.New(local.Config{Commands: cmds, Node: fmt.Sprintf("node-%d", n), StopTimeout: 2 * time.Second})
 		if err != nil {
@@ -149,12 +150,12 @@ func startJob(t testing.TB, cfg jobConfig) *job {
 		j.run(func() { j.reportExits(n, s) })
 	}
 	for r := range world {
-		j.out[r].wait(t, 0, "event start", 120*time.Second)
+		j.out[r].Wait(t, 0, "event start", 120*time.Second)
 	}
 	return j
 }
 
-func stderrOf(t testing.TB, label string) *lines {
+func stderrOf(t testing.TB, label string) *testkit.Output {
 	if testing.Verbose() && os.Getenv("TRAINERTEST_LOG") != "" {
 		return newLines(label + " stderr")
 	}
@@ -169,24 +170,22 @@ func (j *job) run(f func()) {
 	}()
 }
 
-func (j *job) startProxy(node int, addr string) *exec.Cmd {
+func (j *job) startProxy(t testing.TB, node int, addr string) *exec.Cmd {
 	args, _ := json.Marshal(childArgs{Job: "job-r", Node: node, Listen: addr, Upstream: j.m.Addr().String()})
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childRoleEnv+"=proxy", childArgsEnv+"="+string(args))
+	cmd := testkit.Command(t, "proxy", childArgsEnv+"="+string(args))
+	cmd.Stderr = nil
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		j.t.Fatal(err)
+		t.Fatal(err)
 	}
 	if err := cmd.Start(); err != nil {
-		j.t.Fatal(err)
+		t.Fatal(err)
 	}
-	sc := bufio.NewScanner(stdout)
-	if !sc.Scan() || !strings.HasPrefix(sc.Text(), "ready") {
-		j.t.Fatalf("proxy %d did not start", node)
-	}
+	lines := testkit.Lines(stdout)
+	testkit.WaitLine(t, lines, "ready")
 	go func() {
-		for sc.Scan() {
+		for range lines {
 		}
 	}()
 	return cmd
@@ -218,21 +217,13 @@ func (j *job) stop() {
 	if j.m != nil {
 		j.m.Close()
 	}
+	if j.policy != nil {
+		j.policy.Close()
+	}
 	j.wg.Wait()
 	if j.owner != nil {
 		j.owner.Close()
 	}
-}
-
-func (j *job) pid(rank int) int {
-	s := j.sups[rank/j.cfg.ppn]
-	for _, st := range s.State() {
-		if st.Name == fmt.Sprintf("rank-%d", rank) {
-			return st.PID
-		}
-	}
-	j.t.Fatalf("rank %d: no process", rank)
-	return 0
 }
 
 // kill sends sig to rank's process; unlike signal, it may be called from
@@ -285,20 +276,21 @@ func waitClosed(t testing.TB, ch <-chan struct{}, what string) {
 	}
 }
 
-func (j *job) signal(rank int, sig syscall.Signal) {
-	j.t.Helper()
-	if err := syscall.Kill(j.pid(rank), sig); err != nil {
-		j.t.Fatalf("rank %d: %v: %v", rank, sig, err)
+// signal sends sig to rank's process, failing t if it cannot.
+func (j *job) signal(t testing.TB, rank int, sig syscall.Signal) {
+	t.Helper()
+	if err := j.kill(rank, sig); err != nil {
+		t.Fatalf("rank %d: %v: %v", rank, sig, err)
 	}
 }
 
 // marks returns where each rank's output is now.
 func (j *job) marks() []int { return marks(j.out) }
 
-func marks(out []*lines) []int {
+func marks(out []*testkit.Output) []int {
 	m := make([]int, len(out))
 	for r, l := range out {
-		m[r] = l.len()
+		m[r] = l.Len()
 	}
 	return m
 }
@@ -319,8 +311,8 @@ func committed(dir string) int64 {
 }
 
 // next returns the next orchestration of kind to end, skipping others.
-func (j *job) next(kind taskd.OrchestrationKind) taskd.Orchestration {
-	j.t.Helper()
+func (j *job) next(t testing.TB, kind taskd.OrchestrationKind) taskd.Orchestration {
+	t.Helper()
 	timeout := time.After(120 * time.Second)
 	for {
 		select {
@@ -329,7 +321,7 @@ func (j *job) next(kind taskd.OrchestrationKind) taskd.Orchestration {
 				return tr.o
 			}
 		case <-timeout:
-			j.t.Fatalf("no %s ended within 120 s; now %+v", kind, j.m.Orchestrations(0).Current)
+			t.Fatalf("no %s ended within 120 s; now %+v", kind, j.m.Orchestrations(0).Current)
 		}
 	}
 }
@@ -352,9 +344,9 @@ func (j *job) lastSaveBefore(rank, from int, stop string) int64 {
 	return lastSaveBefore(j.out[rank], from, stop)
 }
 
-func lastSaveBefore(out *lines, from int, stop string) int64 {
+func lastSaveBefore(out *testkit.Output, from int, stop string) int64 {
 	last := int64(-1)
-	for i, line := range out.from(0) {
+	for i, line := range out.From(0) {
 		if i >= from && strings.HasPrefix(line, stop) {
 			break
 		}
@@ -370,12 +362,12 @@ func lastSaveBefore(out *lines, from int, stop string) int64 {
 // to disk before the fault and no newer than what the faulty rank had
 // saved; and each rank went on from S, its next save the next one after
 // S: no step lost beyond the newest intact checkpoint, none skipped.
-func (j *job) checkResumed(rec taskd.Orchestration, from []int, committed, lastSaved int64) {
-	j.t.Helper()
-	checkResumed(j.t, j.out, j.cfg.saveEvery, rec, from, committed, lastSaved)
+func (j *job) checkResumed(t testing.TB, rec taskd.Orchestration, from []int, committed, lastSaved int64) {
+	t.Helper()
+	checkResumed(t, j.out, j.cfg.saveEvery, rec, from, committed, lastSaved)
 }
 
-func checkResumed(t testing.TB, out []*lines, every int64, rec taskd.Orchestration, from []int, committed, lastSaved int64) {
+func checkResumed(t testing.TB, out []*testkit.Output, every int64, rec taskd.Orchestration, from []int, committed, lastSaved int64) {
 	t.Helper()
 	s := rec.ResumedStep
 	if s < 0 || s < committed || s > lastSaved+every || s%every != 0 {
@@ -387,10 +379,10 @@ func checkResumed(t testing.TB, out []*lines, every int64, rec taskd.Orchestrati
 		deadline := time.Now().Add(30 * time.Second)
 		for ; ; i++ {
 			if time.Now().After(deadline) {
-				t.Fatalf("rank %d: no resume by %s within 30 s: %q", r, rec.Strategy, l.from(from[r]))
+				t.Fatalf("rank %d: no resume by %s within 30 s: %q", r, rec.Strategy, l.From(from[r]))
 			}
-			i = l.wait(t, i, "event ", 30*time.Second)
-			k, step, detail, _ := event(l.from(i)[0])
+			i = l.Wait(t, i, "event ", 30*time.Second)
+			k, step, detail, _ := event(l.From(i)[0])
 			if (k == "resume" || k == "start") && detail == string(rec.Strategy) {
 				if step != s {
 					t.Fatalf("rank %d resumed from %d, want %d", r, step, s)
@@ -399,8 +391,8 @@ func checkResumed(t testing.TB, out []*lines, every int64, rec taskd.Orchestrati
 			}
 		}
 		for i++; ; i++ {
-			i = l.wait(t, i, "event save", 30*time.Second)
-			if _, step, detail, _ := event(l.from(i)[0]); detail == "" {
+			i = l.Wait(t, i, "event save", 30*time.Second)
+			if _, step, detail, _ := event(l.From(i)[0]); detail == "" {
 				if step != s+every {
 					t.Fatalf("rank %d: first save after resuming from %d is %d, want %d", r, s, step, s+every)
 				}

@@ -4,11 +4,12 @@ import (
 	"os"
 	"testing"
 
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"go.uber.org/goleak"
 )
 
 func TestMain(m *testing.M) {
-	if role := os.Getenv(childRoleEnv); role != "" {
+	if role := testkit.Role(); role != "" {
 		os.Exit(runChild(role))
 	}
 	goleak.VerifyTestMain(m)

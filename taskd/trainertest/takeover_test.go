@@ -27,6 +27,7 @@ import (
 	"github.com/faultline-ml/faultline/ckpt"
 	"github.com/faultline-ml/faultline/ckpt/layout"
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/rescheduling"
 	"github.com/faultline-ml/faultline/rescheduling/local"
 	"github.com/faultline-ml/faultline/taskd"
@@ -93,6 +94,7 @@ func runManager(ctx context.Context, a childArgs, say func(string, ...any)) erro
 	if err != nil {
 		return err
 	}
+	defer policy.Close()
 	agent := agentClient{base: a.Agent}
 	m, err := taskd.NewManager(taskd.ManagerConfig{
 		Job: a.Job, Listen: a.Listen, Nodes: a.Nodes, ProcsPerNode: a.PPN, Security: taskd.Security{Insecure: true}, StateDir: a.StateDir,
@@ -136,18 +138,17 @@ func killAt(file string, state taskd.State) bool {
 
 // haJob is the job: its manager process, and the agents in this process.
 type haJob struct {
-	t         testing.TB
 	nodes     int
 	ppn       int
 	dir       string
 	owner     *ckpt.Owner
 	sups      []*local.Supervisor
 	proxies   []*taskd.Proxy
-	out       []*lines // by rank
+	out       []*testkit.Output // by rank
 	mgrAddr   string
 	mgr       *exec.Cmd
 	mgrExited chan struct{}
-	mgrOut    *lines // every manager's lines, one after the other
+	mgrOut    *testkit.Output // every manager's lines, one after the other
 	agent     *http.Server
 	agentURL  string
 	killFile  string
@@ -163,7 +164,7 @@ type haJob struct {
 func startHAJob(t testing.TB, nodes, ppn int, timeouts taskd.Timeouts) *haJob {
 	t.Helper()
 	world := nodes * ppn
-	j := &haJob{t: t, nodes: nodes, ppn: ppn, dir: t.TempDir(), mgrAddr: freeAddr(t), mgrOut: newLines("manager"), timeouts: timeouts, held: make(chan struct{}, 16)}
+	j := &haJob{nodes: nodes, ppn: ppn, dir: t.TempDir(), mgrAddr: freeAddr(t), mgrOut: newLines("manager"), timeouts: timeouts, held: make(chan struct{}, 16)}
 	j.killFile = filepath.Join(j.dir, "kill-at")
 	ctx, cancel := context.WithCancel(context.Background())
 	j.cancel = cancel
@@ -233,7 +234,7 @@ func startHAJob(t testing.TB, nodes, ppn int, timeouts taskd.Timeouts) *haJob {
 	j.agent = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	j.run(func() { j.agent.Serve(lis) })
 
-	j.startManager()
+	j.startManager(t)
 	for n := range nodes {
 		p, err := taskd.NewProxy(taskd.ProxyConfig{Job: "job-h", Node: n, Upstream: j.mgrAddr, Listen: "127.0.0.1:0", Security: taskd.Security{Insecure: true},
 			AckTimeout: time.Second, ReconnectMax: 200 * time.Millisecond, Logger: testLogger(t)})
@@ -251,7 +252,7 @@ func startHAJob(t testing.TB, nodes, ppn int, timeouts taskd.Timeouts) *haJob {
 			args, _ := json.Marshal(childArgs{Job: "job-h", Node: n, Rank: r, Upstream: j.proxies[n].Addr().String(), Segment: owner.SegmentPath(r), CkptDir: filepath.Join(j.dir, "ckpt"),
 				StepTime: 20 * time.Millisecond, SwitchTime: 100 * time.Millisecond, SaveEvery: 5})
 			cmds = append(cmds, local.Command{Name: fmt.Sprintf("rank-%d", r), Path: os.Args[0], Args: []string{"-test.run=^$"},
-				Env: []string{childRoleEnv + "=worker", childArgsEnv + "=" + string(args)}, Stdout: out, Stderr: stderrOf(t, fmt.Sprintf("rank %d", r))})
+				Env: []string{testkit.RoleEnv("worker"), childArgsEnv + "=" + string(args)}, Stdout: out, Stderr: stderrOf(t, fmt.Sprintf("rank %d", r))})
 		}
 		s, err := local.New(local.Config{Commands: cmds, Node: fmt.Sprintf("node-%d", n), StopTimeout: 2 * time.Second})
 		if err != nil {
@@ -263,7 +264,7 @@ func startHAJob(t testing.TB, nodes, ppn int, timeouts taskd.Timeouts) *haJob {
 		j.run(func() { j.reportExits(n, s) })
 	}
 	for r := range world {
-		j.out[r].wait(t, 0, "event start", 120*time.Second)
+		j.out[r].Wait(t, 0, "event start", 120*time.Second)
 	}
 	return j
 }
@@ -292,38 +293,38 @@ func (j *haJob) reportExits(node int, s *local.Supervisor) {
 
 // startManager starts a manager process on the job's address, with the
 // job's StateDir, and waits until it serves.
-func (j *haJob) startManager() {
-	j.t.Helper()
+func (j *haJob) startManager(t testing.TB) {
+	t.Helper()
 	args, _ := json.Marshal(childArgs{Job: "job-h", Listen: j.mgrAddr, Nodes: j.nodes, PPN: j.ppn, StateDir: filepath.Join(j.dir, "state"),
 		Timeouts: j.timeouts, Agent: j.agentURL, KillFile: j.killFile})
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childRoleEnv+"=manager", childArgsEnv+"="+string(args))
+	cmd := testkit.Command(t, "manager", childArgsEnv+"="+string(args))
+	cmd.Stderr = nil
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	cmd.Stdout = j.mgrOut
-	if w := stderrOf(j.t, "manager"); w != nil {
+	if w := stderrOf(t, "manager"); w != nil {
 		cmd.Stderr = w
 	}
-	from := j.mgrOut.len()
+	from := j.mgrOut.Len()
 	if err := cmd.Start(); err != nil {
-		j.t.Fatal(err)
+		t.Fatal(err)
 	}
 	j.mgr = cmd
 	exited := make(chan struct{})
 	go func() { cmd.Wait(); close(exited) }()
 	j.mgrExited = exited
-	j.mgrOut.wait(j.t, from, "ready", 60*time.Second)
+	j.mgrOut.Wait(t, from, "ready", 60*time.Second)
 }
 
 // killed waits for the manager to kill itself, and starts another.
-func (j *haJob) restartAfterKill(from int, state taskd.State) {
-	j.t.Helper()
-	j.mgrOut.wait(j.t, from, "killed "+string(state), 60*time.Second)
+func (j *haJob) restartAfterKill(t testing.TB, from int, state taskd.State) {
+	t.Helper()
+	j.mgrOut.Wait(t, from, "killed "+string(state), 60*time.Second)
 	select {
 	case <-j.mgrExited:
 	case <-time.After(30 * time.Second):
-		j.t.Fatalf("the manager did not die")
+		t.Fatalf("the manager did not die")
 	}
-	j.startManager()
+	j.startManager(t)
 }
 
 func (j *haJob) stop() {
@@ -349,25 +350,25 @@ func (j *haJob) stop() {
 
 // setKills has the managers kill themselves on entering states, in
 // order.
-func (j *haJob) setKills(states ...taskd.State) {
+func (j *haJob) setKills(t testing.TB, states ...taskd.State) {
 	var b strings.Builder
 	for _, s := range states {
 		b.WriteString(string(s) + "\n")
 	}
 	if err := os.WriteFile(j.killFile, []byte(b.String()), 0o644); err != nil {
-		j.t.Fatal(err)
+		t.Fatal(err)
 	}
 }
 
 // done waits for the next orchestration of kind to end, after the
 // manager's line from, and returns its record.
-func (j *haJob) done(from int, kind taskd.OrchestrationKind) taskd.Orchestration {
-	j.t.Helper()
+func (j *haJob) done(t testing.TB, from int, kind taskd.OrchestrationKind) taskd.Orchestration {
+	t.Helper()
 	for i := from; ; i++ {
-		i = j.mgrOut.wait(j.t, i, "done ", 2*time.Minute)
+		i = j.mgrOut.Wait(t, i, "done ", 2*time.Minute)
 		var o taskd.Orchestration
-		if err := json.Unmarshal([]byte(strings.TrimPrefix(j.mgrOut.from(i)[0], "done ")), &o); err != nil {
-			j.t.Fatal(err)
+		if err := json.Unmarshal([]byte(strings.TrimPrefix(j.mgrOut.From(i)[0], "done ")), &o); err != nil {
+			t.Fatal(err)
 		}
 		if o.Kind == kind {
 			return o
@@ -378,7 +379,7 @@ func (j *haJob) done(from int, kind taskd.OrchestrationKind) taskd.Orchestration
 // resumes returns rank's resume and start events from its line from on.
 func (j *haJob) resumes(rank, from int) []string {
 	var out []string
-	for _, line := range j.out[rank].from(from) {
+	for _, line := range j.out[rank].From(from) {
 		if k, _, _, ok := event(line); ok && (k == "resume" || k == "start") {
 			out = append(out, line)
 		}
@@ -390,12 +391,12 @@ func (j *haJob) resumes(rank, from int) []string {
 // resume of rec: none was left held, none was resumed by itself (a
 // worker releases its trainer only when no manager will resume it) or
 // twice.
-func (j *haJob) checkOnce(rec taskd.Orchestration, from []int) {
-	j.t.Helper()
+func (j *haJob) checkOnce(t testing.TB, rec taskd.Orchestration, from []int) {
+	t.Helper()
 	for r := range j.out {
 		got := j.resumes(r, from[r])
 		if len(got) != 1 || !strings.HasSuffix(got[0], " "+string(rec.Strategy)) && rec.Strategy != "" {
-			j.t.Errorf("rank %d: resumed %q, want once by %s #%d (strategy %q)", r, got, rec.Kind, rec.ID, rec.Strategy)
+			t.Errorf("rank %d: resumed %q, want once by %s #%d (strategy %q)", r, got, rec.Kind, rec.ID, rec.Strategy)
 		}
 	}
 }
@@ -416,22 +417,21 @@ func TestManagerKilled(t *testing.T) {
 	last := 3 // a rank of node 1
 
 	t.Run("SIGKILL of a rank: killed on entering each state of the recovery", func(t *testing.T) {
-		j.t = t
 		for deadline := time.Now().Add(time.Minute); committed(filepath.Join(j.dir, "ckpt")) < 0; time.Sleep(20 * time.Millisecond) {
 			if time.Now().After(deadline) {
 				t.Fatal("no checkpoint committed within a minute")
 			}
 		}
 		kills := []taskd.State{taskd.StateStopping, taskd.StateNotifying, taskd.StateDeciding, taskd.StateRestarting, taskd.StateLoading, taskd.StateResuming}
-		j.setKills(kills...)
-		from, mfrom, before := marks(j.out), j.mgrOut.len(), committed(filepath.Join(j.dir, "ckpt"))
-		if err := syscall.Kill(j.pid(last), syscall.SIGKILL); err != nil {
+		j.setKills(t, kills...)
+		from, mfrom, before := marks(j.out), j.mgrOut.Len(), committed(filepath.Join(j.dir, "ckpt"))
+		if err := syscall.Kill(j.pid(t, last), syscall.SIGKILL); err != nil {
 			t.Fatal(err)
 		}
 		for _, s := range kills {
-			j.restartAfterKill(mfrom, s)
+			j.restartAfterKill(t, mfrom, s)
 		}
-		rec := j.done(mfrom, taskd.KindRecovery)
+		rec := j.done(t, mfrom, taskd.KindRecovery)
 		var want []taskd.State
 		for _, s := range kills {
 			want = append(want, s, s)
@@ -441,17 +441,16 @@ func TestManagerKilled(t *testing.T) {
 			t.Fatalf("recovery: %+v", rec)
 		}
 		checkResumed(t, j.out, every, rec, from, before, lastSaveBefore(j.out[last], from[last], "event start"))
-		j.checkOnce(rec, from)
+		j.checkOnce(t, rec, from)
 	})
 
 	t.Run("killed while the executor restarts the rank: the repair is made again", func(t *testing.T) {
-		j.t = t
 		hold := make(chan struct{})
 		j.mu.Lock()
 		j.hold = hold
 		j.mu.Unlock()
-		from, mfrom, before := marks(j.out), j.mgrOut.len(), committed(filepath.Join(j.dir, "ckpt"))
-		if err := syscall.Kill(j.pid(1), syscall.SIGKILL); err != nil {
+		from, mfrom, before := marks(j.out), j.mgrOut.Len(), committed(filepath.Join(j.dir, "ckpt"))
+		if err := syscall.Kill(j.pid(t, 1), syscall.SIGKILL); err != nil {
 			t.Fatal(err)
 		}
 		select {
@@ -465,40 +464,39 @@ func TestManagerKilled(t *testing.T) {
 		j.hold = nil
 		j.mu.Unlock()
 		close(hold) // the restart the dead manager asked for goes on
-		j.startManager()
-		rec := j.done(mfrom, taskd.KindRecovery)
+		j.startManager(t)
+		rec := j.done(t, mfrom, taskd.KindRecovery)
 		wantStates(t, rec, taskd.StateStopping, taskd.StateNotifying, taskd.StateDeciding, taskd.StateRestarting, taskd.StateRestarting,
 			taskd.StateLoading, taskd.StateResuming, taskd.StateRecovered)
 		if rec.Restored != 1 || !slices.Equal(rec.FaultyRanks, []int{1}) {
 			t.Fatalf("recovery: %+v", rec)
 		}
 		checkResumed(t, j.out, every, rec, from, before, lastSaveBefore(j.out[1], from[1], "event start"))
-		j.checkOnce(rec, from)
+		j.checkOnce(t, rec, from)
 	})
 
 	t.Run("op error: killed on entering the step retry", func(t *testing.T) {
-		j.t = t
-		j.setKills(taskd.StateRetrying)
-		from, mfrom := marks(j.out), j.mgrOut.len()
-		if err := syscall.Kill(j.pid(0), syscall.SIGHUP); err != nil {
+		j.setKills(t, taskd.StateRetrying)
+		from, mfrom := marks(j.out), j.mgrOut.Len()
+		if err := syscall.Kill(j.pid(t, 0), syscall.SIGHUP); err != nil {
 			t.Fatal(err)
 		}
-		j.restartAfterKill(mfrom, taskd.StateRetrying)
-		rec := j.done(mfrom, taskd.KindRecovery)
+		j.restartAfterKill(t, mfrom, taskd.StateRetrying)
+		rec := j.done(t, mfrom, taskd.KindRecovery)
 		wantStates(t, rec, taskd.StateStopping, taskd.StateNotifying, taskd.StateRetrying, taskd.StateRetrying, taskd.StateResuming, taskd.StateRecovered)
 		if rec.Restored != 1 || rec.Strategy != taskd.StrategyRetry || rec.ResumedStep != -1 {
 			t.Fatalf("recovery: %+v", rec)
 		}
-		j.checkOnce(rec, from)
+		j.checkOnce(t, rec, from)
 		for r, l := range j.out {
-			pause := l.wait(t, from[r], "event pause", 10*time.Second)
-			_, paused, _, _ := event(l.from(pause)[0])
-			resume := l.wait(t, pause, "event resume", 10*time.Second)
-			if _, step, _, _ := event(l.from(resume)[0]); step != paused {
+			pause := l.Wait(t, from[r], "event pause", 10*time.Second)
+			_, paused, _, _ := event(l.From(pause)[0])
+			resume := l.Wait(t, pause, "event resume", 10*time.Second)
+			if _, step, _, _ := event(l.From(resume)[0]); step != paused {
 				t.Errorf("rank %d paused after step %d and resumed after %d", r, paused, step)
 			}
 			var retries int
-			for _, line := range l.from(from[r]) {
+			for _, line := range l.From(from[r]) {
 				if strings.HasPrefix(line, "event retry") {
 					retries++
 				}
@@ -510,10 +508,9 @@ func TestManagerKilled(t *testing.T) {
 	})
 
 	t.Run("link switch: killed on entering each state", func(t *testing.T) {
-		j.t = t
 		kills := []taskd.State{taskd.StatePausing, taskd.StateSwitching, taskd.StateContinuing}
-		j.setKills(kills...)
-		from, mfrom := marks(j.out), j.mgrOut.len()
+		j.setKills(t, kills...)
+		from, mfrom := marks(j.out), j.mgrOut.Len()
 		conn, err := grpc.NewClient("passthrough:///"+j.mgrAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
 			t.Fatal(err)
@@ -522,32 +519,32 @@ func TestManagerKilled(t *testing.T) {
 		go pb.NewAdminClient(conn).SwitchLink(context.Background(), &pb.SwitchLinkReq{JobNsName: "job-h", // its manager dies: no answer
 			Link: &pb.LinkRequest{Node: 1, Devices: []int32{0, 1}, Target: string(taskd.LinkStandby)}})
 		for _, s := range kills {
-			j.restartAfterKill(mfrom, s)
+			j.restartAfterKill(t, mfrom, s)
 		}
-		rec := j.done(mfrom, taskd.KindLinkSwitch)
+		rec := j.done(t, mfrom, taskd.KindLinkSwitch)
 		wantStates(t, rec, taskd.StatePausing, taskd.StatePausing, taskd.StateSwitching, taskd.StateSwitching, taskd.StateContinuing, taskd.StateContinuing, taskd.StateSwitched)
 		if rec.Restored != len(kills) {
 			t.Fatalf("link switch: %+v", rec)
 		}
-		j.checkOnce(rec, from)
+		j.checkOnce(t, rec, from)
 		for r := 2; r < 4; r++ {
-			if !slices.ContainsFunc(j.out[r].from(from[r]), func(l string) bool {
+			if !slices.ContainsFunc(j.out[r].From(from[r]), func(l string) bool {
 				return strings.HasPrefix(l, "event switch-link") && strings.HasSuffix(l, " standby")
 			}) {
-				t.Errorf("rank %d of node 1 did not switch: %q", r, j.out[r].from(from[r]))
+				t.Errorf("rank %d of node 1 did not switch: %q", r, j.out[r].From(from[r]))
 			}
 		}
 	})
 }
 
 // pid returns the process of rank.
-func (j *haJob) pid(rank int) int {
+func (j *haJob) pid(t testing.TB, rank int) int {
 	name := fmt.Sprintf("rank-%d", rank)
 	for _, st := range j.sups[rank/j.ppn].State() {
 		if st.Name == name {
 			return st.PID
 		}
 	}
-	j.t.Fatalf("rank %d: no process", rank)
+	t.Fatalf("rank %d: no process", rank)
 	return 0
 }

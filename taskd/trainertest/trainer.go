@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/faultline-ml/faultline/taskd"
@@ -56,13 +57,16 @@ type Config struct {
 	OnEvent func(Event)
 }
 
-// Trainer is a fake training loop. It implements taskd.Trainer.
+// Trainer is a fake training loop. It implements taskd.Trainer and every
+// optional interface of it.
 type Trainer struct {
 	cfg Config
 
-	gate    taskd.StepGate // guards the fields below; NotifyLocked on every change
-	hung    bool
-	step    int64 // last completed step, -1 before the first
+	gate taskd.StepGate
+
+	mu      sync.Mutex    // guards the fields below
+	hung    chan struct{} // closed by Unhang; nil unless hung
+	step    int64         // last completed step, -1 before the first
 	links   map[int]taskd.LinkTarget
 	fail    map[string]error
 	retries int
@@ -79,7 +83,13 @@ func New(cfg Config) *Trainer {
 	return &Trainer{cfg: cfg, step: -1, links: make(map[int]taskd.LinkTarget), fail: make(map[string]error)}
 }
 
-var _ taskd.Trainer = (*Trainer)(nil)
+var (
+	_ taskd.Trainer        = (*Trainer)(nil)
+	_ taskd.StrategyLister = (*Trainer)(nil)
+	_ taskd.StepRetrier    = (*Trainer)(nil)
+	_ taskd.LinkSwitcher   = (*Trainer)(nil)
+	_ taskd.StressTester   = (*Trainer)(nil)
+)
 
 func (t *Trainer) emit(kind string, step int64, detail string) {
 	if t.cfg.OnEvent != nil {
@@ -90,27 +100,20 @@ func (t *Trainer) emit(kind string, step int64, detail string) {
 // Run runs the step loop until ctx ends or Stop is called; it returns nil
 // then.
 func (t *Trainer) Run(ctx context.Context) error {
-	t.gate.Lock()
-	defer t.gate.Unlock()
-	for t.gate.NextStepLocked(ctx) {
-		step := t.step + 1
-		t.gate.Unlock()
-		err := t.runStep(ctx)
-		t.gate.Lock()
-		if err != nil {
+	for t.gate.Next(ctx) {
+		step := t.Step() + 1
+		if err := t.runStep(ctx); err != nil {
 			return nil
 		}
+		t.mu.Lock()
 		t.step = step
-		save := t.cfg.SaveEvery > 0 && t.cfg.Save != nil && step%t.cfg.SaveEvery == 0
-		t.gate.NotifyLocked()
-		if save {
-			t.gate.Unlock()
+		t.mu.Unlock()
+		if t.cfg.SaveEvery > 0 && t.cfg.Save != nil && step%t.cfg.SaveEvery == 0 {
 			if err := t.cfg.Save(ctx, step); err != nil {
 				t.emit("save", step, "failed: "+err.Error())
 			} else {
 				t.emit("save", step, "")
 			}
-			t.gate.Lock()
 		}
 	}
 	return nil
@@ -125,81 +128,86 @@ func (t *Trainer) runStep(ctx context.Context) error {
 		return ctx.Err()
 	case <-timer.C:
 	}
-	t.gate.Lock()
-	defer t.gate.Unlock()
-	for t.hung {
-		if err := t.gate.WaitLocked(ctx); err != nil {
-			return err
-		}
+	t.mu.Lock()
+	hung := t.hung
+	t.mu.Unlock()
+	if hung == nil {
+		return nil
 	}
-	return nil
+	select {
+	case <-hung:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // Step returns the last completed step, -1 before the first.
 func (t *Trainer) Step() int64 {
-	t.gate.Lock()
-	defer t.gate.Unlock()
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	return t.step
 }
 
 // Running reports whether the loop runs steps now.
-func (t *Trainer) Running() bool {
-	t.gate.Lock()
-	defer t.gate.Unlock()
-	return t.gate.RunningLocked()
-}
+func (t *Trainer) Running() bool { return t.gate.Running() }
 
 // Links returns the links that a switch moved, by device.
 func (t *Trainer) Links() map[int]taskd.LinkTarget {
-	t.gate.Lock()
-	defer t.gate.Unlock()
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	return maps.Clone(t.links)
 }
 
 // Retries returns how many times RetryStep ran.
 func (t *Trainer) Retries() int {
-	t.gate.Lock()
-	defer t.gate.Unlock()
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	return t.retries
 }
 
 // Hang makes the step in progress, or the next, never finish (a stuck
 // kernel or collective) until Unhang: a pause then times out.
 func (t *Trainer) Hang() {
-	t.gate.Lock()
-	defer t.gate.Unlock()
-	t.hung = true
-	t.gate.NotifyLocked()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.hung == nil {
+		t.hung = make(chan struct{})
+	}
 	t.emit("hang", t.step, "")
 }
 
 // Unhang lets a hung step finish.
 func (t *Trainer) Unhang() {
-	t.gate.Lock()
-	defer t.gate.Unlock()
-	t.hung = false
-	t.gate.NotifyLocked()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.hung != nil {
+		close(t.hung)
+		t.hung = nil
+	}
 }
 
 // FailNext makes the next call of the named taskd.Trainer method
 // ("Pause", "Resume", "Strategies", "RetryStep", "SwitchLink",
 // "StressTest", "Stop") return err instead of doing its work.
 func (t *Trainer) FailNext(method string, err error) {
-	t.gate.Lock()
-	defer t.gate.Unlock()
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	t.fail[method] = err
 }
 
 func (t *Trainer) injected(method string) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	err := t.fail[method]
 	delete(t.fail, method)
 	return err
 }
 
-// pauseLocked stops the loop at the next step boundary and waits for it.
-func (t *Trainer) pauseLocked(ctx context.Context) error {
-	if err := t.gate.PauseLocked(ctx); err != nil {
-		return fmt.Errorf("trainertest: step %d did not finish: %w", t.step+1, err)
+// pause stops the loop at the next step boundary and waits for it.
+func (t *Trainer) pause(ctx context.Context) error {
+	if err := t.gate.Pause(ctx); err != nil {
+		return fmt.Errorf("trainertest: step %d did not finish: %w", t.Step()+1, err)
 	}
 	return nil
 }
@@ -207,32 +215,29 @@ func (t *Trainer) pauseLocked(ctx context.Context) error {
 // Pause stops the loop at the next step boundary and returns the last
 // completed step.
 func (t *Trainer) Pause(ctx context.Context) (int64, error) {
-	t.gate.Lock()
-	defer t.gate.Unlock()
 	if err := t.injected("Pause"); err != nil {
-		return t.step, err
+		return t.Step(), err
 	}
-	if err := t.pauseLocked(ctx); err != nil {
-		return t.step, err
+	if err := t.pause(ctx); err != nil {
+		return t.Step(), err
 	}
-	t.emit("pause", t.step, "")
-	return t.step, nil
+	step := t.Step()
+	t.emit("pause", step, "")
+	return step, nil
 }
 
 // Resume loads r.Step, or at the first start the newest checkpoint the
 // trainer holds, and runs the loop on from it.
 func (t *Trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
-	t.gate.Lock()
-	defer t.gate.Unlock()
 	if err := t.injected("Resume"); err != nil {
 		return err
 	}
-	if t.gate.StoppedLocked() {
+	if t.gate.Stopped() {
 		return errors.New("trainertest: stopped")
 	}
-	first := !t.gate.StartedLocked()
+	first := !t.gate.Started()
 	if r.Step >= 0 || (first && t.cfg.Load != nil) {
-		if err := t.pauseLocked(ctx); err != nil {
+		if err := t.pause(ctx); err != nil {
 			return err
 		}
 		if t.cfg.Load == nil {
@@ -242,21 +247,21 @@ func (t *Trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 		if err != nil {
 			return fmt.Errorf("trainertest: load step %d: %w", r.Step, err)
 		}
+		t.mu.Lock()
 		t.step = step
+		t.mu.Unlock()
 	}
-	t.gate.ResumeLocked()
+	t.gate.Resume()
 	if first {
-		t.emit("start", t.step, string(r.Strategy))
+		t.emit("start", t.Step(), string(r.Strategy))
 	} else {
-		t.emit("resume", t.step, string(r.Strategy))
+		t.emit("resume", t.Step(), string(r.Strategy))
 	}
 	return nil
 }
 
 // Strategies returns Config.Strategies.
 func (t *Trainer) Strategies(context.Context, taskd.FaultNotice) ([]taskd.Strategy, error) {
-	t.gate.Lock()
-	defer t.gate.Unlock()
 	if err := t.injected("Strategies"); err != nil {
 		return nil, err
 	}
@@ -266,14 +271,13 @@ func (t *Trainer) Strategies(context.Context, taskd.FaultNotice) ([]taskd.Strate
 // RetryStep takes a step's time, as running the interrupted step again
 // would, and leaves the counter: the step was not completed.
 func (t *Trainer) RetryStep(ctx context.Context) error {
-	t.gate.Lock()
 	if err := t.injected("RetryStep"); err != nil {
-		t.gate.Unlock()
 		return err
 	}
+	t.mu.Lock()
 	t.retries++
 	step := t.step
-	t.gate.Unlock()
+	t.mu.Unlock()
 	select {
 	case <-ctx.Done():
 		return ctx.Err()
@@ -293,12 +297,12 @@ func (t *Trainer) SwitchLink(ctx context.Context, l taskd.LinkRequest) error {
 		case <-time.After(t.cfg.SwitchTime):
 		}
 	}
-	t.gate.Lock()
-	defer t.gate.Unlock()
 	if err := t.injected("SwitchLink"); err != nil {
-		t.emit("switch-link", t.step, "failed: "+err.Error())
+		t.emit("switch-link", t.Step(), "failed: "+err.Error())
 		return err
 	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	for _, d := range l.Devices {
 		if l.Target == taskd.LinkPrimary {
 			delete(t.links, d)
@@ -317,24 +321,21 @@ func (t *Trainer) StressTest(ctx context.Context, s taskd.StressRequest) error {
 		return ctx.Err()
 	case <-time.After(t.cfg.StepTime):
 	}
-	t.gate.Lock()
-	defer t.gate.Unlock()
+	step := t.Step()
 	if err := t.injected("StressTest"); err != nil {
-		t.emit("stress-test", t.step, s.Test+" failed: "+err.Error())
+		t.emit("stress-test", step, s.Test+" failed: "+err.Error())
 		return err
 	}
-	t.emit("stress-test", t.step, s.Test+" passed")
+	t.emit("stress-test", step, s.Test+" passed")
 	return nil
 }
 
 // Stop ends the loop for good: Run returns.
 func (t *Trainer) Stop(_ context.Context, reason string) error {
-	t.gate.Lock()
-	defer t.gate.Unlock()
 	if err := t.injected("Stop"); err != nil {
 		return err
 	}
-	t.gate.StopLocked()
-	t.emit("stop", t.step, reason)
+	t.gate.Stop()
+	t.emit("stop", t.Step(), reason)
 	return nil
 }
