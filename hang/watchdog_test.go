@@ -443,15 +443,16 @@ func TestRunReportsOpErrorAtOnce(t *testing.T) {
 	// Stop happens once.
 	w.Op("recv", "pp").Start(0).Fail(errors.New("again"))
 	<-faults
-	// Close returns once Run has: nothing of it runs on after.
+	// Close ends Run. (Run's result reaches runErr through the goroutine
+	// after Run returns, which may be after Close returned: wait for it.)
 	w.Close()
 	select {
 	case err := <-runErr:
 		if err != nil {
 			t.Errorf("Run after Close: %v", err)
 		}
-	default:
-		t.Fatal("Close returned before Run did")
+	case <-time.After(60 * time.Second):
+		t.Fatal("Run did not return after Close")
 	}
 	select {
 	case f := <-stops:
