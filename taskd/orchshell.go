@@ -541,6 +541,16 @@ func (o *orchestrator) broadcast(ctx context.Context, a action) ([]rankResult, e
 	ds, sendErr := o.m.broadcast(ctx, to, a.msg, payload)
 	if sendErr != nil {
 		sendErr = fmt.Errorf("taskd: orchestration message %s: %w", a.msg, sendErr)
+		// A rank the message did not reach has failed it: an act no rank
+		// was told of has not succeeded.
+		o.m.mu.Lock()
+		ranks := o.m.resolveLocked(to)
+		o.m.mu.Unlock()
+		for _, r := range ranks {
+			if !slices.ContainsFunc(ds, func(d Delivery) bool { return d.Rank == r }) {
+				ds = append(ds, Delivery{Rank: r, Err: sendErr})
+			}
+		}
 	}
 	out := make([]rankResult, 0, len(ds))
 	o.mu.Lock()

@@ -503,4 +503,8 @@ func TestOrchestrationMessageNotSent(t *testing.T) {
 	if n := counterValue(j.m.orch.met.actionErrs.WithLabelValues("broadcast")); n == 0 {
 		t.Errorf("no broadcast action error counted (%+v, %v)", rec, err)
 	}
+	// No rank was told to switch: the switch has not succeeded.
+	if rec.State == StateSwitched {
+		t.Errorf("a switch no rank was told of ended %s: %+v", rec.State, rec)
+	}
 }
