@@ -33,7 +33,10 @@ func BenchmarkSwitchFanout(b *testing.B) {
 }
 
 func benchFanout(b *testing.B, workers, proxies int) {
-	c := newCluster(b, insecureSec(), ManagerConfig{HeartbeatInterval: time.Second, HeartbeatDeadline: 5 * time.Second, AckTimeout: 3 * time.Second})
+	// Every worker dials from loopback, one peer to the manager: without
+	// proxies, all of them are more than a peer's default share.
+	c := newCluster(b, insecureSec(), ManagerConfig{HeartbeatInterval: time.Second, HeartbeatDeadline: 5 * time.Second, AckTimeout: 3 * time.Second,
+		MaxConnectionsPerPeer: workers + proxies + 1})
 	c.ack = defaultAckTimeout
 	perNode := workers
 	if proxies > 0 {
