@@ -16,8 +16,16 @@ import time
 import faultline_taskd as taskd
 
 
+_say = threading.Lock()
+
+
 def say(*words):
-    print(*words, flush=True)
+    # One write per line, under a lock: print writes the words and the
+    # newline apart, and the callbacks' threads print too.
+    line = " ".join(str(w) for w in words) + "\n"
+    with _say:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def fail(msg):
