@@ -12,6 +12,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -71,6 +72,9 @@ func (c FileConfig) Validate() error {
 // candidate may lock a new one), the term ends at once. That happens only
 // when something defeats the lock: an operator, or a shared filesystem
 // whose locks do not reach every machine. Term.Check reads it on demand.
+//
+// A term that ends keeps the lock until Term.Resign, so that no standby
+// takes over while the holder still stops the work it did under the term.
 //
 // Deleting the lease file restarts its tokens from 1, below the tokens
 // that fences have seen: keep it while the job runs.
@@ -383,8 +387,10 @@ func randomHex(n int) string {
 	return hex.EncodeToString(b)
 }
 
-// fileTerm is a term of a File lease. Its goroutine holds the lock file
-// open, and unlocks it when the term ends.
+// fileTerm is a term of a File lease. It holds the lock file open and
+// locked until Resign, even once the term has ended, so that no standby
+// takes over while the work done under it is still stopping; a process
+// that dies drops the lock with its open files.
 type fileTerm struct {
 	l        *File
 	rec      Record
@@ -392,7 +398,8 @@ type fileTerm struct {
 	lockInfo os.FileInfo
 	ctx      context.Context
 	end      context.CancelCauseFunc
-	done     chan struct{}
+	done     chan struct{} // closed once the term's goroutine has returned
+	release  sync.Once
 }
 
 // start starts the term of rec, whose lock is held on f.
@@ -407,7 +414,6 @@ func (l *File) start(parent context.Context, f *os.File, info os.FileInfo, rec R
 	wake, stopWatch := l.watch()
 	go func() {
 		defer close(t.done)
-		defer t.release()
 		defer stopAfter()
 		defer stopWatch()
 		tick := time.NewTicker(l.cfg.RetryPeriod)
@@ -463,14 +469,14 @@ func (t *fileTerm) verify() error {
 	return nil
 }
 
+// Resign ends the term, waits for its goroutine, and only then unlocks
+// and closes the lock file.
 func (t *fileTerm) Resign() error {
 	t.end(fmt.Errorf("%w: lease %s: term %d resigned", ErrLost, t.l.cfg.Path, t.rec.Token))
 	<-t.done
+	t.release.Do(func() {
+		t.l.flock(int(t.lock.Fd()), unix.LOCK_UN)
+		t.lock.Close()
+	})
 	return nil
-}
-
-// release unlocks and closes the lock file.
-func (t *fileTerm) release() {
-	t.l.flock(int(t.lock.Fd()), unix.LOCK_UN)
-	t.lock.Close()
 }

@@ -118,7 +118,7 @@ func TestFileCampaignContext(t *testing.T) {
 	}
 
 	// A term ends with its campaign's context, with a cause wrapping
-	// ErrLost, and lets the lease go.
+	// ErrLost, and lets the lease go once resigned.
 	dir = t.TempDir()
 	c := newTestFile(t, fileConfig(dir, "c", testConfig))
 	ctx, cancel = context.WithCancelCause(t.Context())
@@ -136,6 +136,48 @@ func TestFileCampaignContext(t *testing.T) {
 	d := newTestFile(t, fileConfig(dir, "d", testConfig))
 	if td := campaign(t, d); td.Token() != 2 {
 		t.Errorf("token = %d, want 2", td.Token())
+	}
+}
+
+// TestFileTermKeepsLockUntilResign: a term that ends, by its campaign's
+// context (taskd-manager's SIGTERM) or by a check of the lease file, keeps
+// the lock until its holder resigns: the holder may still be stopping the
+// work done under the term, which a standby must not start meanwhile.
+func TestFileTermKeepsLockUntilResign(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		end  func(cancel context.CancelFunc, path string) error
+	}{
+		{"campaign's context ended", func(cancel context.CancelFunc, _ string) error { cancel(); return nil }},
+		{"lease file removed", func(_ context.CancelFunc, path string) error { return os.Remove(path) }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			a := newTestFile(t, fileConfig(dir, "a", testConfig))
+			b := newTestFile(t, fileConfig(dir, "b", testConfig))
+			ctx, cancel := context.WithCancel(t.Context())
+			defer cancel()
+			ta, err := a.Campaign(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ta.Resign()
+			if err := tt.end(cancel, a.cfg.Path); err != nil {
+				t.Fatal(err)
+			}
+			<-ta.Context().Done()
+			<-ta.(*fileTerm).done // nothing of the term is left to run but Resign
+			tb, _, err := b.try(t.Context())
+			if tb != nil {
+				tb.Resign()
+				t.Fatalf("b took the lease (token %d) before a resigned term %d", tb.Token(), ta.Token())
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			ta.Resign()
+			campaign(t, b)
+		})
 	}
 }
 

@@ -264,6 +264,47 @@ func TestResignHandsOver(t *testing.T) {
 	})
 }
 
+// TestEndedTermKeepsLeaseUntilResign: a term whose campaign's context
+// ends (taskd-manager's SIGTERM) stops renewing but does not release the
+// Lease: the standby does not take it while the holder still stops the
+// work done under the term, and takes it at its next try once the holder
+// resigns.
+func TestEndedTermKeepsLeaseUntilResign(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		c := newCluster()
+		ctx, cancel := context.WithCancel(t.Context())
+		ta, err := newLease(t, c, "a", configX).Campaign(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ta.Resign()
+		standby := campaignAsync(t.Context(), newLease(t, c, "b", configX))
+		time.Sleep(retryDur)
+		cancel()
+		<-ta.Context().Done()
+		time.Sleep(renewDur) // a stops its work, within LeaseDuration
+		synctest.Wait()
+		select {
+		case r := <-standby:
+			if r.term != nil {
+				r.term.Resign()
+			}
+			t.Fatalf("b's campaign returned before a resigned: %v", r.err)
+		default:
+		}
+		resigned := time.Now()
+		ta.Resign()
+		r := <-standby
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		defer r.term.Resign()
+		if d := r.at.Sub(resigned); d > retryDur+time.Duration(1.2*float64(retryDur)) {
+			t.Errorf("b took the Lease %v after a resigned, more than a jittered RetryPeriod", d)
+		}
+	})
+}
+
 // TestCheckSeesDeposal: Check reads the Lease: a holder whose Lease names
 // another holder learns of it at once.
 func TestCheckSeesDeposal(t *testing.T) {
