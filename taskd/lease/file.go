@@ -68,10 +68,12 @@ func (c FileConfig) Validate() error {
 //
 // A holder reads the lease file again whenever inotify tells of a change
 // to it or to the lock file, and every RetryPeriod: if the file names a
-// newer term, or the lock file was removed or replaced (so that another
-// candidate may lock a new one), the term ends at once. That happens only
-// when something defeats the lock: an operator, or a shared filesystem
-// whose locks do not reach every machine. Term.Check reads it on demand.
+// newer term, is gone or invalid, or the lock file was removed or
+// replaced (so that another candidate may lock a new one), the term ends
+// at once. That happens only when something defeats the lock: an
+// operator, or a shared filesystem whose locks do not reach every
+// machine. A file that cannot be read just now (EIO, ESTALE, EMFILE)
+// ends nothing. Term.Check reads them on demand.
 //
 // A term that ends keeps the lock until Term.Resign, so that no standby
 // takes over while the holder still stops the work it did under the term.
@@ -418,6 +420,7 @@ func (l *File) start(parent context.Context, f *os.File, info os.FileInfo, rec R
 		defer stopWatch()
 		tick := time.NewTicker(l.cfg.RetryPeriod)
 		defer tick.Stop()
+		failing := false // whether the last check could not read the files, logged once
 		for {
 			select {
 			case <-ctx.Done():
@@ -426,7 +429,14 @@ func (l *File) start(parent context.Context, f *os.File, info os.FileInfo, rec R
 			case <-wake:
 			case <-tick.C:
 			}
-			t.verify()
+			switch err := t.verify(); {
+			case err == nil && failing:
+				l.log.Info("lease: lease file read again; the term goes on", "token", rec.Token)
+				failing = false
+			case err != nil && !failing && !errors.Is(err, ErrLost):
+				l.log.Warn("lease: cannot read the lease file; the term goes on", "token", rec.Token, "err", err)
+				failing = true
+			}
 		}
 	}()
 	return t
@@ -444,7 +454,10 @@ func (t *fileTerm) Check(ctx context.Context) error {
 }
 
 // verify ends the term, and returns why, unless the lease file still
-// names it and the lock file is still the one locked.
+// names it and the lock file is still the one locked: a lease file gone,
+// invalid or naming another term, or a lock file gone or replaced. If
+// either cannot be read just now (EMFILE, EIO, ESTALE), the term goes on
+// and verify returns an error that does not wrap ErrLost.
 func (t *fileTerm) verify() error {
 	if t.ctx.Err() != nil {
 		return context.Cause(t.ctx)
@@ -452,14 +465,20 @@ func (t *fileTerm) verify() error {
 	path := t.l.cfg.Path
 	rec, err := t.l.read()
 	switch {
-	case err != nil:
+	case errors.Is(err, fs.ErrNotExist) || errors.Is(err, ErrInvalid):
 		err = fmt.Errorf("%w: lease file %s cannot confirm term %d: %w", ErrLost, path, t.rec.Token, err)
+	case err != nil:
+		return fmt.Errorf("lease: lease file %s cannot confirm term %d just now; the term goes on: %w", path, t.rec.Token, err)
 	case rec.Token != t.rec.Token || rec.Term != t.rec.Term:
 		err = fmt.Errorf("%w: lease file %s names %s's term %d (%s), taken %s; this term was %d: deposed",
 			ErrLost, path, rec.Holder, rec.Token, rec.Term, rec.Acquired.Format(time.RFC3339Nano), t.rec.Token)
 	default:
-		if now, serr := os.Stat(t.l.lockPath); serr != nil || !os.SameFile(t.lockInfo, now) {
+		now, serr := os.Stat(t.l.lockPath)
+		switch {
+		case errors.Is(serr, fs.ErrNotExist) || serr == nil && !os.SameFile(t.lockInfo, now):
 			err = fmt.Errorf("%w: lock file %s was removed or replaced during term %d: another candidate may lock it", ErrLost, t.l.lockPath, t.rec.Token)
+		case serr != nil:
+			return fmt.Errorf("lease: lock file %s cannot confirm term %d just now; the term goes on: %w", t.l.lockPath, t.rec.Token, serr)
 		}
 	}
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,6 +12,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 const testConfig = "3f2a9c1e0b7d4a65"
@@ -178,6 +181,79 @@ func TestFileTermKeepsLockUntilResign(t *testing.T) {
 			ta.Resign()
 			campaign(t, b)
 		})
+	}
+}
+
+// loopLink puts in place of path, atomically, a symbolic link to itself,
+// which any open of path fails with ELOOP: a file that cannot be read
+// just now, as on EIO or a shared filesystem's ESTALE. The returned
+// function puts back what path held, atomically.
+func loopLink(t *testing.T, path string) (restore func()) {
+	t.Helper()
+	saved, err := os.ReadFile(path)
+	existed := err == nil
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatal(err)
+	}
+	tmp := path + ".loop"
+	if err := os.Symlink(filepath.Base(path), tmp); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+	return func() {
+		t.Helper()
+		if !existed {
+			if err := os.Remove(path); err != nil {
+				t.Fatal(err)
+			}
+			return
+		}
+		if err := os.WriteFile(tmp, saved, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// logOutput returns a Logger whose records, without their time, are the
+// lines of the returned Output.
+func logOutput() (*slog.Logger, *testkit.Output) {
+	out := testkit.NewOutput("lease", false)
+	noTime := func(_ []string, a slog.Attr) slog.Attr {
+		if a.Key == slog.TimeKey {
+			return slog.Attr{}
+		}
+		return a
+	}
+	return slog.New(slog.NewTextHandler(out, &slog.HandlerOptions{ReplaceAttr: noTime})), out
+}
+
+// TestFileTermGoesOnThroughReadErrors: a lease file that cannot be read
+// just now ends no term: Check says so with an error that does not wrap
+// ErrLost, the background check logs it and lets the term go on, and
+// once the file can be read again Check confirms the term.
+func TestFileTermGoesOnThroughReadErrors(t *testing.T) {
+	cfg := fileConfig(t.TempDir(), "a", testConfig)
+	log, out := logOutput()
+	cfg.Logger = log
+	ta := campaign(t, newTestFile(t, cfg))
+	context.AfterFunc(ta.Context(), func() { out.Close() }) // a term that ends fails the Wait at once
+	restore := loopLink(t, cfg.Path)
+	err := ta.Check(t.Context())
+	if err == nil || errors.Is(err, ErrLost) || !strings.Contains(err.Error(), cfg.Path) {
+		t.Errorf("Check of an unreadable lease file = %v, want an error naming it that does not wrap ErrLost", err)
+	}
+	out.Wait(t, 0, `level=WARN msg="lease: cannot read the lease file; the term goes on"`, testkit.Deadline)
+	if ta.Context().Err() != nil {
+		t.Fatalf("the term ended: %v", context.Cause(ta.Context()))
+	}
+	restore()
+	if err := ta.Check(t.Context()); err != nil {
+		t.Errorf("Check once the lease file is back = %v", err)
 	}
 }
 
