@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/fsnotify/fsnotify"
 	"golang.org/x/sys/unix"
 
@@ -224,21 +225,32 @@ func (l *File) foreign(rec Record) error {
 // job (ErrForeign) or an unreadable one (ErrInvalid), and a holder of
 // another configuration (*ConfigError) once it has seen the same term
 // twice: a holder writes the lease file just after it takes the lock, so a
-// first sight may be of the term before.
+// first sight may be of the term before. Any other error (the lock or
+// lease file cannot be opened, read or written just now: EMFILE, EIO, a
+// shared filesystem's server away) is logged and tried again, with
+// backoff, until ctx ends.
 func (l *File) Campaign(ctx context.Context) (Term, error) {
 	wake, stop := l.watch()
 	defer stop()
-	tick := time.NewTicker(l.cfg.RetryPeriod)
-	defer tick.Stop()
+	retry := time.NewTimer(l.cfg.RetryPeriod)
+	defer retry.Stop()
+	bo := backoff.NewExponentialBackOff(backoff.WithInitialInterval(l.cfg.RetryPeriod),
+		backoff.WithMaxInterval(max(l.cfg.RetryPeriod, maxRetryBackoff)), backoff.WithMaxElapsedTime(0))
 	var other *Record // a holder of another configuration, seen once
 	for {
 		if err := ctx.Err(); err != nil {
 			return nil, fmt.Errorf("lease %s: campaign: %w", l.cfg.Path, context.Cause(ctx))
 		}
+		wait := l.cfg.RetryPeriod
 		t, holder, err := l.try(ctx)
 		switch {
-		case err != nil:
+		case err != nil && final(err):
 			return nil, err
+		case err != nil && ctx.Err() != nil:
+			continue
+		case err != nil:
+			wait = bo.NextBackOff()
+			l.log.Warn("lease: cannot campaign just now; trying again", "err", err, "retry_in", wait)
 		case t != nil:
 			return t, nil
 		case holder == nil:
@@ -253,12 +265,25 @@ func (l *File) Campaign(ctx context.Context) (Term, error) {
 		default:
 			other = holder
 		}
+		if err == nil {
+			bo.Reset()
+		}
+		retry.Reset(wait)
 		select {
 		case <-ctx.Done():
 		case <-wake:
-		case <-tick.C:
+		case <-retry.C:
 		}
 	}
+}
+
+// maxRetryBackoff caps the wait between a File's tries after errors.
+const maxRetryBackoff = 5 * time.Second
+
+// final reports whether err, from a try for the lease, refuses the
+// candidate for good rather than for now.
+func final(err error) bool {
+	return errors.Is(err, ErrInvalid) || errors.Is(err, ErrForeign) || errors.Is(err, ErrConfig) || errors.Is(err, ErrNoLocks)
 }
 
 // try takes the lease if its lock is free and returns the new term. If

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -230,6 +231,55 @@ func logOutput() (*slog.Logger, *testkit.Output) {
 		return a
 	}
 	return slog.New(slog.NewTextHandler(out, &slog.HandlerOptions{ReplaceAttr: noTime})), out
+}
+
+// TestFileCampaignWaitsOutReadErrors: a lock file or lease file that
+// cannot be read just now refuses no candidate: its campaign logs the
+// error, tries again, and takes the lease once the file can be read.
+func TestFileCampaignWaitsOutReadErrors(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		file   string // beside the lease file
+		holder bool   // whether a holds the lease meanwhile
+	}{
+		{"lock file", "manager.lease.lock", false},
+		{"lease file", "manager.lease", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			a := newTestFile(t, fileConfig(dir, "a", testConfig))
+			var ta Term
+			if tt.holder {
+				ta = campaign(t, a)
+			}
+			bcfg := fileConfig(dir, "b", testConfig)
+			log, out := logOutput()
+			bcfg.Logger = log
+			b := newTestFile(t, bcfg)
+			restore := loopLink(t, filepath.Join(dir, tt.file))
+			type result struct {
+				term Term
+				err  error
+			}
+			waiting := make(chan result, 1)
+			go func() {
+				term, err := b.Campaign(t.Context())
+				waiting <- result{term, err}
+				fmt.Fprintf(out, "campaign over: %v\n", err)
+				out.Close() // a campaign that ends fails the Wait at once
+			}()
+			out.Wait(t, 0, `level=WARN msg="lease: cannot campaign just now; trying again"`, testkit.Deadline)
+			restore()
+			if ta != nil {
+				ta.Resign()
+			}
+			r := <-waiting
+			if r.err != nil {
+				t.Fatalf("Campaign: %v", r.err)
+			}
+			r.term.Resign()
+		})
+	}
 }
 
 // TestFileTermGoesOnThroughReadErrors: a lease file that cannot be read

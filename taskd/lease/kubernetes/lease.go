@@ -12,7 +12,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/go-logr/logr"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
@@ -162,7 +164,9 @@ func jobLabel(job string) string {
 }
 
 // Campaign blocks until this candidate holds the Lease, creating it if
-// need be, and returns its term; see lease.Lease.
+// need be, and returns its term; see lease.Lease. While the API server
+// cannot be reached or fails (a restart, a 503, a timeout), it tries
+// again until ctx ends.
 func (l *Lease) Campaign(ctx context.Context) (lease.Term, error) {
 	if err := l.precheck(ctx); err != nil {
 		return nil, err
@@ -213,15 +217,35 @@ func (l *Lease) Campaign(ctx context.Context) (lease.Term, error) {
 }
 
 // precheck refuses a Lease that belongs to another job, before the
-// election could take one that nobody holds.
+// election could take one that nobody holds. It tries again, with
+// backoff, until ctx ends while the Lease cannot be read (the API server
+// away or slow), as the election itself does.
 func (l *Lease) precheck(ctx context.Context) error {
-	got, err := l.cfg.Client.CoordinationV1().Leases(l.cfg.Namespace).Get(ctx, l.cfg.Name, metav1.GetOptions{})
-	switch {
-	case apierrors.IsNotFound(err):
-		return nil
-	case err != nil:
-		return fmt.Errorf("lease/kubernetes: get Lease %s: %w", l.desc, err)
+	bo := backoff.NewExponentialBackOff(backoff.WithInitialInterval(l.cfg.RetryPeriod),
+		backoff.WithMaxInterval(l.cfg.LeaseDuration), backoff.WithMaxElapsedTime(0))
+	for {
+		got, err := l.cfg.Client.CoordinationV1().Leases(l.cfg.Namespace).Get(ctx, l.cfg.Name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			return nil
+		case err == nil:
+			return l.judgeLease(got)
+		case ctx.Err() != nil:
+			return fmt.Errorf("lease/kubernetes: Lease %s: campaign: %w", l.desc, context.Cause(ctx))
+		}
+		wait := bo.NextBackOff()
+		l.log.Warn("lease: cannot get the Lease; trying again", "err", err, "retry_in", wait)
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("lease/kubernetes: Lease %s: campaign: %w", l.desc, context.Cause(ctx))
+		case <-time.After(wait):
+		}
 	}
+}
+
+// judgeLease refuses got if it is labelled for another job or held by
+// something that is not a manager of this job.
+func (l *Lease) judgeLease(got *coordinationv1.Lease) error {
 	if v, ok := got.Labels[JobLabel]; ok && v != jobLabel(l.cfg.Candidate.Job) {
 		return fmt.Errorf("%w: Lease %s is labelled %s=%s, not job %q's: refused, nothing changed; give each job its own Lease",
 			lease.ErrForeign, l.desc, JobLabel, v, l.cfg.Candidate.Job)

@@ -305,6 +305,51 @@ func TestEndedTermKeepsLeaseUntilResign(t *testing.T) {
 	})
 }
 
+// TestCampaignWaitsOutAPIErrors: a campaign that cannot read the Lease
+// (the API server restarting, a 503, a timeout), as a standby starts or a
+// leader whose term an outage ended campaigns again, keeps trying until
+// it holds the Lease, as client-go's election does.
+func TestCampaignWaitsOutAPIErrors(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		c := newCluster()
+		var mu sync.Mutex
+		failures := 3 // the GETs that fail next; -1: every one
+		c.cs.PrependReactor("get", "leases", func(k8stesting.Action) (bool, runtime.Object, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			if failures == 0 {
+				return false, nil, nil
+			}
+			if failures > 0 {
+				failures--
+			}
+			if failures%2 == 0 {
+				return true, nil, apierrors.NewServiceUnavailable("the API server is restarting")
+			}
+			return true, nil, apierrors.NewTimeoutError("request timed out", 1)
+		})
+		ta, err := newLease(t, c, "a", configX).Campaign(t.Context())
+		if err != nil {
+			t.Fatalf("Campaign gave up on an error of the API server: %v", err)
+		}
+		defer ta.Resign()
+		if ta.Token() != 1 {
+			t.Errorf("token = %d, want 1", ta.Token())
+		}
+		ctx, cancel := context.WithCancelCause(t.Context())
+		mu.Lock()
+		failures = -1
+		mu.Unlock()
+		standby := campaignAsync(ctx, newLease(t, c, "b", configX))
+		time.Sleep(leaseDur)
+		stop := errors.New("shutting down")
+		cancel(stop)
+		if r := <-standby; !errors.Is(r.err, stop) {
+			t.Errorf("Campaign through an outage, its context ended = %v, want %v", r.err, stop)
+		}
+	})
+}
+
 // TestCheckSeesDeposal: Check reads the Lease: a holder whose Lease names
 // another holder learns of it at once.
 func TestCheckSeesDeposal(t *testing.T) {
