@@ -35,7 +35,7 @@
 //			return err // ctx ended, or the lease refused this manager
 //		}
 //		err = lead(term.Context(), term) // until the term is lost
-//		term.Resign()
+//		term.Resign()                    // once lead's work has stopped
 //		...
 //	}
 package lease

@@ -12,8 +12,10 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/fsnotify/fsnotify"
 	"golang.org/x/sys/unix"
 
@@ -67,10 +69,15 @@ func (c FileConfig) Validate() error {
 //
 // A holder reads the lease file again whenever inotify tells of a change
 // to it or to the lock file, and every RetryPeriod: if the file names a
-// newer term, or the lock file was removed or replaced (so that another
-// candidate may lock a new one), the term ends at once. That happens only
-// when something defeats the lock: an operator, or a shared filesystem
-// whose locks do not reach every machine. Term.Check reads it on demand.
+// newer term, is gone or invalid, or the lock file was removed or
+// replaced (so that another candidate may lock a new one), the term ends
+// at once. That happens only when something defeats the lock: an
+// operator, or a shared filesystem whose locks do not reach every
+// machine. A file that cannot be read just now (EIO, ESTALE, EMFILE)
+// ends nothing. Term.Check reads them on demand.
+//
+// A term that ends keeps the lock until Term.Resign, so that no standby
+// takes over while the holder still stops the work it did under the term.
 //
 // Deleting the lease file restarts its tokens from 1, below the tokens
 // that fences have seen: keep it while the job runs.
@@ -218,21 +225,32 @@ func (l *File) foreign(rec Record) error {
 // job (ErrForeign) or an unreadable one (ErrInvalid), and a holder of
 // another configuration (*ConfigError) once it has seen the same term
 // twice: a holder writes the lease file just after it takes the lock, so a
-// first sight may be of the term before.
+// first sight may be of the term before. Any other error (the lock or
+// lease file cannot be opened, read or written just now: EMFILE, EIO, a
+// shared filesystem's server away) is logged and tried again, with
+// backoff, until ctx ends.
 func (l *File) Campaign(ctx context.Context) (Term, error) {
 	wake, stop := l.watch()
 	defer stop()
-	tick := time.NewTicker(l.cfg.RetryPeriod)
-	defer tick.Stop()
+	retry := time.NewTimer(l.cfg.RetryPeriod)
+	defer retry.Stop()
+	bo := backoff.NewExponentialBackOff(backoff.WithInitialInterval(l.cfg.RetryPeriod),
+		backoff.WithMaxInterval(max(l.cfg.RetryPeriod, maxRetryBackoff)), backoff.WithMaxElapsedTime(0))
 	var other *Record // a holder of another configuration, seen once
 	for {
 		if err := ctx.Err(); err != nil {
 			return nil, fmt.Errorf("lease %s: campaign: %w", l.cfg.Path, context.Cause(ctx))
 		}
+		wait := l.cfg.RetryPeriod
 		t, holder, err := l.try(ctx)
 		switch {
-		case err != nil:
+		case err != nil && final(err):
 			return nil, err
+		case err != nil && ctx.Err() != nil:
+			continue
+		case err != nil:
+			wait = bo.NextBackOff()
+			l.log.Warn("lease: cannot campaign just now; trying again", "err", err, "retry_in", wait)
 		case t != nil:
 			return t, nil
 		case holder == nil:
@@ -247,12 +265,25 @@ func (l *File) Campaign(ctx context.Context) (Term, error) {
 		default:
 			other = holder
 		}
+		if err == nil {
+			bo.Reset()
+		}
+		retry.Reset(wait)
 		select {
 		case <-ctx.Done():
 		case <-wake:
-		case <-tick.C:
+		case <-retry.C:
 		}
 	}
+}
+
+// maxRetryBackoff caps the wait between a File's tries after errors.
+const maxRetryBackoff = 5 * time.Second
+
+// final reports whether err, from a try for the lease, refuses the
+// candidate for good rather than for now.
+func final(err error) bool {
+	return errors.Is(err, ErrInvalid) || errors.Is(err, ErrForeign) || errors.Is(err, ErrConfig) || errors.Is(err, ErrNoLocks)
 }
 
 // try takes the lease if its lock is free and returns the new term. If
@@ -383,8 +414,10 @@ func randomHex(n int) string {
 	return hex.EncodeToString(b)
 }
 
-// fileTerm is a term of a File lease. Its goroutine holds the lock file
-// open, and unlocks it when the term ends.
+// fileTerm is a term of a File lease. It holds the lock file open and
+// locked until Resign, even once the term has ended, so that no standby
+// takes over while the work done under it is still stopping; a process
+// that dies drops the lock with its open files.
 type fileTerm struct {
 	l        *File
 	rec      Record
@@ -392,7 +425,8 @@ type fileTerm struct {
 	lockInfo os.FileInfo
 	ctx      context.Context
 	end      context.CancelCauseFunc
-	done     chan struct{}
+	done     chan struct{} // closed once the term's goroutine has returned
+	release  sync.Once
 }
 
 // start starts the term of rec, whose lock is held on f.
@@ -407,11 +441,11 @@ func (l *File) start(parent context.Context, f *os.File, info os.FileInfo, rec R
 	wake, stopWatch := l.watch()
 	go func() {
 		defer close(t.done)
-		defer t.release()
 		defer stopAfter()
 		defer stopWatch()
 		tick := time.NewTicker(l.cfg.RetryPeriod)
 		defer tick.Stop()
+		failing := false // whether the last check could not read the files, logged once
 		for {
 			select {
 			case <-ctx.Done():
@@ -420,7 +454,14 @@ func (l *File) start(parent context.Context, f *os.File, info os.FileInfo, rec R
 			case <-wake:
 			case <-tick.C:
 			}
-			t.verify()
+			switch err := t.verify(); {
+			case err == nil && failing:
+				l.log.Info("lease: lease file read again; the term goes on", "token", rec.Token)
+				failing = false
+			case err != nil && !failing && !errors.Is(err, ErrLost):
+				l.log.Warn("lease: cannot read the lease file; the term goes on", "token", rec.Token, "err", err)
+				failing = true
+			}
 		}
 	}()
 	return t
@@ -438,7 +479,10 @@ func (t *fileTerm) Check(ctx context.Context) error {
 }
 
 // verify ends the term, and returns why, unless the lease file still
-// names it and the lock file is still the one locked.
+// names it and the lock file is still the one locked: a lease file gone,
+// invalid or naming another term, or a lock file gone or replaced. If
+// either cannot be read just now (EMFILE, EIO, ESTALE), the term goes on
+// and verify returns an error that does not wrap ErrLost.
 func (t *fileTerm) verify() error {
 	if t.ctx.Err() != nil {
 		return context.Cause(t.ctx)
@@ -446,14 +490,20 @@ func (t *fileTerm) verify() error {
 	path := t.l.cfg.Path
 	rec, err := t.l.read()
 	switch {
-	case err != nil:
+	case errors.Is(err, fs.ErrNotExist) || errors.Is(err, ErrInvalid):
 		err = fmt.Errorf("%w: lease file %s cannot confirm term %d: %w", ErrLost, path, t.rec.Token, err)
+	case err != nil:
+		return fmt.Errorf("lease: lease file %s cannot confirm term %d just now; the term goes on: %w", path, t.rec.Token, err)
 	case rec.Token != t.rec.Token || rec.Term != t.rec.Term:
 		err = fmt.Errorf("%w: lease file %s names %s's term %d (%s), taken %s; this term was %d: deposed",
 			ErrLost, path, rec.Holder, rec.Token, rec.Term, rec.Acquired.Format(time.RFC3339Nano), t.rec.Token)
 	default:
-		if now, serr := os.Stat(t.l.lockPath); serr != nil || !os.SameFile(t.lockInfo, now) {
+		now, serr := os.Stat(t.l.lockPath)
+		switch {
+		case errors.Is(serr, fs.ErrNotExist) || serr == nil && !os.SameFile(t.lockInfo, now):
 			err = fmt.Errorf("%w: lock file %s was removed or replaced during term %d: another candidate may lock it", ErrLost, t.l.lockPath, t.rec.Token)
+		case serr != nil:
+			return fmt.Errorf("lease: lock file %s cannot confirm term %d just now; the term goes on: %w", t.l.lockPath, t.rec.Token, serr)
 		}
 	}
 	if err != nil {
@@ -463,14 +513,14 @@ func (t *fileTerm) verify() error {
 	return nil
 }
 
+// Resign ends the term, waits for its goroutine, and only then unlocks
+// and closes the lock file.
 func (t *fileTerm) Resign() error {
 	t.end(fmt.Errorf("%w: lease %s: term %d resigned", ErrLost, t.l.cfg.Path, t.rec.Token))
 	<-t.done
+	t.release.Do(func() {
+		t.l.flock(int(t.lock.Fd()), unix.LOCK_UN)
+		t.lock.Close()
+	})
 	return nil
-}
-
-// release unlocks and closes the lock file.
-func (t *fileTerm) release() {
-	t.l.flock(int(t.lock.Fd()), unix.LOCK_UN)
-	t.lock.Close()
 }

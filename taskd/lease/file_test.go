@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,6 +13,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 const testConfig = "3f2a9c1e0b7d4a65"
@@ -118,7 +122,7 @@ func TestFileCampaignContext(t *testing.T) {
 	}
 
 	// A term ends with its campaign's context, with a cause wrapping
-	// ErrLost, and lets the lease go.
+	// ErrLost, and lets the lease go once resigned.
 	dir = t.TempDir()
 	c := newTestFile(t, fileConfig(dir, "c", testConfig))
 	ctx, cancel = context.WithCancelCause(t.Context())
@@ -136,6 +140,170 @@ func TestFileCampaignContext(t *testing.T) {
 	d := newTestFile(t, fileConfig(dir, "d", testConfig))
 	if td := campaign(t, d); td.Token() != 2 {
 		t.Errorf("token = %d, want 2", td.Token())
+	}
+}
+
+// TestFileTermKeepsLockUntilResign: a term that ends, by its campaign's
+// context (taskd-manager's SIGTERM) or by a check of the lease file, keeps
+// the lock until its holder resigns: the holder may still be stopping the
+// work done under the term, which a standby must not start meanwhile.
+func TestFileTermKeepsLockUntilResign(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		end  func(cancel context.CancelFunc, path string) error
+	}{
+		{"campaign's context ended", func(cancel context.CancelFunc, _ string) error { cancel(); return nil }},
+		{"lease file removed", func(_ context.CancelFunc, path string) error { return os.Remove(path) }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			a := newTestFile(t, fileConfig(dir, "a", testConfig))
+			b := newTestFile(t, fileConfig(dir, "b", testConfig))
+			ctx, cancel := context.WithCancel(t.Context())
+			defer cancel()
+			ta, err := a.Campaign(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ta.Resign()
+			if err := tt.end(cancel, a.cfg.Path); err != nil {
+				t.Fatal(err)
+			}
+			<-ta.Context().Done()
+			<-ta.(*fileTerm).done // nothing of the term is left to run but Resign
+			tb, _, err := b.try(t.Context())
+			if tb != nil {
+				tb.Resign()
+				t.Fatalf("b took the lease (token %d) before a resigned term %d", tb.Token(), ta.Token())
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			ta.Resign()
+			campaign(t, b)
+		})
+	}
+}
+
+// loopLink puts in place of path, atomically, a symbolic link to itself,
+// which any open of path fails with ELOOP: a file that cannot be read
+// just now, as on EIO or a shared filesystem's ESTALE. The returned
+// function puts back what path held, atomically.
+func loopLink(t *testing.T, path string) (restore func()) {
+	t.Helper()
+	saved, err := os.ReadFile(path)
+	existed := err == nil
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatal(err)
+	}
+	tmp := path + ".loop"
+	if err := os.Symlink(filepath.Base(path), tmp); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+	return func() {
+		t.Helper()
+		if !existed {
+			if err := os.Remove(path); err != nil {
+				t.Fatal(err)
+			}
+			return
+		}
+		if err := os.WriteFile(tmp, saved, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// logOutput returns a Logger whose records, without their time, are the
+// lines of the returned Output.
+func logOutput() (*slog.Logger, *testkit.Output) {
+	out := testkit.NewOutput("lease", false)
+	noTime := func(_ []string, a slog.Attr) slog.Attr {
+		if a.Key == slog.TimeKey {
+			return slog.Attr{}
+		}
+		return a
+	}
+	return slog.New(slog.NewTextHandler(out, &slog.HandlerOptions{ReplaceAttr: noTime})), out
+}
+
+// TestFileCampaignWaitsOutReadErrors: a lock file or lease file that
+// cannot be read just now refuses no candidate: its campaign logs the
+// error, tries again, and takes the lease once the file can be read.
+func TestFileCampaignWaitsOutReadErrors(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		file   string // beside the lease file
+		holder bool   // whether a holds the lease meanwhile
+	}{
+		{"lock file", "manager.lease.lock", false},
+		{"lease file", "manager.lease", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			a := newTestFile(t, fileConfig(dir, "a", testConfig))
+			var ta Term
+			if tt.holder {
+				ta = campaign(t, a)
+			}
+			bcfg := fileConfig(dir, "b", testConfig)
+			log, out := logOutput()
+			bcfg.Logger = log
+			b := newTestFile(t, bcfg)
+			restore := loopLink(t, filepath.Join(dir, tt.file))
+			type result struct {
+				term Term
+				err  error
+			}
+			waiting := make(chan result, 1)
+			go func() {
+				term, err := b.Campaign(t.Context())
+				waiting <- result{term, err}
+				fmt.Fprintf(out, "campaign over: %v\n", err)
+				out.Close() // a campaign that ends fails the Wait at once
+			}()
+			out.Wait(t, 0, `level=WARN msg="lease: cannot campaign just now; trying again"`, testkit.Deadline)
+			restore()
+			if ta != nil {
+				ta.Resign()
+			}
+			r := <-waiting
+			if r.err != nil {
+				t.Fatalf("Campaign: %v", r.err)
+			}
+			r.term.Resign()
+		})
+	}
+}
+
+// TestFileTermGoesOnThroughReadErrors: a lease file that cannot be read
+// just now ends no term: Check says so with an error that does not wrap
+// ErrLost, the background check logs it and lets the term go on, and
+// once the file can be read again Check confirms the term.
+func TestFileTermGoesOnThroughReadErrors(t *testing.T) {
+	cfg := fileConfig(t.TempDir(), "a", testConfig)
+	log, out := logOutput()
+	cfg.Logger = log
+	ta := campaign(t, newTestFile(t, cfg))
+	context.AfterFunc(ta.Context(), func() { out.Close() }) // a term that ends fails the Wait at once
+	restore := loopLink(t, cfg.Path)
+	err := ta.Check(t.Context())
+	if err == nil || errors.Is(err, ErrLost) || !strings.Contains(err.Error(), cfg.Path) {
+		t.Errorf("Check of an unreadable lease file = %v, want an error naming it that does not wrap ErrLost", err)
+	}
+	out.Wait(t, 0, `level=WARN msg="lease: cannot read the lease file; the term goes on"`, testkit.Deadline)
+	if ta.Context().Err() != nil {
+		t.Fatalf("the term ended: %v", context.Cause(ta.Context()))
+	}
+	restore()
+	if err := ta.Check(t.Context()); err != nil {
+		t.Errorf("Check once the lease file is back = %v", err)
 	}
 }
 

@@ -24,7 +24,10 @@ type Lease interface {
 }
 
 // Term is one holder's hold on a lease, from its acquisition until it is
-// lost or resigned.
+// lost or resigned. A term that has ended without Resign still keeps the
+// lease from the other candidates (a File's lock stays locked; a
+// Kubernetes Lease is no longer renewed and runs out), so that none takes
+// over while the work done under the term is still stopping.
 type Term interface {
 	// Token is the term's fencing token: greater than the token of every
 	// earlier term of the lease, whoever held it.
@@ -39,10 +42,10 @@ type Term interface {
 	// the store could not be asked: the term goes on, and the act waits.
 	// Call it before an act that two managers must never both do.
 	Check(ctx context.Context) error
-	// Resign ends the term and releases the lease, so that a standby takes
-	// it without waiting, and returns once the term's goroutines have
-	// stopped. Call it once done with a term, lost or not; later calls do
-	// nothing.
+	// Resign ends the term, waits for the term's goroutines to stop, and
+	// then releases the lease, so that a standby takes it without waiting.
+	// Call it once the work done under the term has stopped, lost or not;
+	// later calls do nothing.
 	Resign() error
 }
 

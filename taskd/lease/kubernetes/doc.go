@@ -10,7 +10,9 @@
 // successful renewal, whether or not the election has given up yet, so
 // that it is over before any other candidate may take the Lease
 // (LeaseDuration after it last saw a renewal); Term.Check reads the Lease
-// from the API server before an act.
+// from the API server before an act. A term that ends stops renewing, and
+// only Term.Resign, called once the holder's work has stopped, releases
+// the Lease at once.
 //
 // The managers' ServiceAccount needs get, create and update on leases in
 // the Lease's namespace, and nothing else:

@@ -12,7 +12,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/go-logr/logr"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
@@ -162,7 +164,9 @@ func jobLabel(job string) string {
 }
 
 // Campaign blocks until this candidate holds the Lease, creating it if
-// need be, and returns its term; see lease.Lease.
+// need be, and returns its term; see lease.Lease. While the API server
+// cannot be reached or fails (a restart, a 503, a timeout), it tries
+// again until ctx ends.
 func (l *Lease) Campaign(ctx context.Context) (lease.Term, error) {
 	if err := l.precheck(ctx); err != nil {
 		return nil, err
@@ -181,7 +185,10 @@ func (l *Lease) Campaign(ctx context.Context) (lease.Term, error) {
 	}
 	started := make(chan context.Context, 1)
 	le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
-		Lock: k, Name: l.desc, ReleaseOnCancel: true,
+		// Resign releases the Lease, once the holder has stopped: a term
+		// that ends otherwise (its context, RenewDeadline) stops renewing
+		// and leaves the Lease to run out.
+		Lock: k, Name: l.desc,
 		LeaseDuration: l.cfg.LeaseDuration, RenewDeadline: l.cfg.RenewDeadline, RetryPeriod: l.cfg.RetryPeriod,
 		Callbacks: leaderelection.LeaderCallbacks{
 			OnStartedLeading: func(lead context.Context) { started <- lead },
@@ -210,15 +217,35 @@ func (l *Lease) Campaign(ctx context.Context) (lease.Term, error) {
 }
 
 // precheck refuses a Lease that belongs to another job, before the
-// election could take one that nobody holds.
+// election could take one that nobody holds. It tries again, with
+// backoff, until ctx ends while the Lease cannot be read (the API server
+// away or slow), as the election itself does.
 func (l *Lease) precheck(ctx context.Context) error {
-	got, err := l.cfg.Client.CoordinationV1().Leases(l.cfg.Namespace).Get(ctx, l.cfg.Name, metav1.GetOptions{})
-	switch {
-	case apierrors.IsNotFound(err):
-		return nil
-	case err != nil:
-		return fmt.Errorf("lease/kubernetes: get Lease %s: %w", l.desc, err)
+	bo := backoff.NewExponentialBackOff(backoff.WithInitialInterval(l.cfg.RetryPeriod),
+		backoff.WithMaxInterval(l.cfg.LeaseDuration), backoff.WithMaxElapsedTime(0))
+	for {
+		got, err := l.cfg.Client.CoordinationV1().Leases(l.cfg.Namespace).Get(ctx, l.cfg.Name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			return nil
+		case err == nil:
+			return l.judgeLease(got)
+		case ctx.Err() != nil:
+			return fmt.Errorf("lease/kubernetes: Lease %s: campaign: %w", l.desc, context.Cause(ctx))
+		}
+		wait := bo.NextBackOff()
+		l.log.Warn("lease: cannot get the Lease; trying again", "err", err, "retry_in", wait)
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("lease/kubernetes: Lease %s: campaign: %w", l.desc, context.Cause(ctx))
+		case <-time.After(wait):
+		}
 	}
+}
+
+// judgeLease refuses got if it is labelled for another job or held by
+// something that is not a manager of this job.
+func (l *Lease) judgeLease(got *coordinationv1.Lease) error {
 	if v, ok := got.Labels[JobLabel]; ok && v != jobLabel(l.cfg.Candidate.Job) {
 		return fmt.Errorf("%w: Lease %s is labelled %s=%s, not job %q's: refused, nothing changed; give each job its own Lease",
 			lease.ErrForeign, l.desc, JobLabel, v, l.cfg.Candidate.Job)
@@ -337,14 +364,15 @@ func (k *lock) state() (token uint64, renewedAt time.Time) {
 }
 
 // term is a term of a Lease. Its goroutine ends it when a renewal is
-// late, then stops the election, which releases the Lease if it can.
+// late, then stops the election; Resign then releases the Lease.
 type term struct {
-	l     *Lease
-	k     *lock
-	token uint64
-	ctx   context.Context
-	end   context.CancelCauseFunc
-	done  chan struct{}
+	l       *Lease
+	k       *lock
+	token   uint64
+	ctx     context.Context
+	end     context.CancelCauseFunc
+	done    chan struct{} // closed once the election has stopped
+	release sync.Once
 }
 
 // start starts the term that the election, running under run, began with
@@ -443,12 +471,41 @@ func (t *term) Check(ctx context.Context) error {
 	return nil
 }
 
-// Resign ends the term and has the election release the Lease, which
-// takes at most RenewDeadline.
+// Resign ends the term, waits for the election to stop renewing, and
+// then releases the Lease if it still names this term's holder, which
+// takes at most RenewDeadline. A term that ended without Resign stopped
+// renewing but keeps the Lease: the other candidates wait LeaseDuration
+// after its last renewal, as they do for a holder that died.
 func (t *term) Resign() error {
 	t.end(fmt.Errorf("%w: Lease %s: term %d resigned", lease.ErrLost, t.l.desc, t.token))
 	<-t.done
+	t.release.Do(t.k.release)
 	return nil
+}
+
+// release hands the Lease over, as client-go's election does on its
+// ReleaseOnCancel: no holder, held for 1 s, the same transitions; unless
+// the Lease no longer names this holder. Call it once the election has
+// stopped.
+func (k *lock) release() {
+	ctx, cancel := context.WithTimeout(context.Background(), k.l.cfg.RenewDeadline)
+	defer cancel()
+	rec, _, err := k.LeaseLock.Get(ctx)
+	switch {
+	case err != nil:
+		k.l.log.Warn("lease: cannot release the Lease; the others take it once it runs out", "err", err)
+		return
+	case rec.HolderIdentity != k.id.String():
+		return
+	}
+	now := metav1.NewTime(time.Now())
+	err = k.LeaseLock.Update(ctx, rl.LeaderElectionRecord{LeaderTransitions: rec.LeaderTransitions,
+		LeaseDurationSeconds: 1, RenewTime: now, AcquireTime: now})
+	if err != nil {
+		k.l.log.Warn("lease: cannot release the Lease; the others take it once it runs out", "err", err)
+		return
+	}
+	k.l.log.Info("lease: Lease released", "identity", k.id.String())
 }
 
 func randomHex(n int) string {

@@ -264,6 +264,92 @@ func TestResignHandsOver(t *testing.T) {
 	})
 }
 
+// TestEndedTermKeepsLeaseUntilResign: a term whose campaign's context
+// ends (taskd-manager's SIGTERM) stops renewing but does not release the
+// Lease: the standby does not take it while the holder still stops the
+// work done under the term, and takes it at its next try once the holder
+// resigns.
+func TestEndedTermKeepsLeaseUntilResign(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		c := newCluster()
+		ctx, cancel := context.WithCancel(t.Context())
+		ta, err := newLease(t, c, "a", configX).Campaign(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ta.Resign()
+		standby := campaignAsync(t.Context(), newLease(t, c, "b", configX))
+		time.Sleep(retryDur)
+		cancel()
+		<-ta.Context().Done()
+		time.Sleep(renewDur) // a stops its work, within LeaseDuration
+		synctest.Wait()
+		select {
+		case r := <-standby:
+			if r.term != nil {
+				r.term.Resign()
+			}
+			t.Fatalf("b's campaign returned before a resigned: %v", r.err)
+		default:
+		}
+		resigned := time.Now()
+		ta.Resign()
+		r := <-standby
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		defer r.term.Resign()
+		if d := r.at.Sub(resigned); d > retryDur+time.Duration(1.2*float64(retryDur)) {
+			t.Errorf("b took the Lease %v after a resigned, more than a jittered RetryPeriod", d)
+		}
+	})
+}
+
+// TestCampaignWaitsOutAPIErrors: a campaign that cannot read the Lease
+// (the API server restarting, a 503, a timeout), as a standby starts or a
+// leader whose term an outage ended campaigns again, keeps trying until
+// it holds the Lease, as client-go's election does.
+func TestCampaignWaitsOutAPIErrors(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		c := newCluster()
+		var mu sync.Mutex
+		failures := 3 // the GETs that fail next; -1: every one
+		c.cs.PrependReactor("get", "leases", func(k8stesting.Action) (bool, runtime.Object, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			if failures == 0 {
+				return false, nil, nil
+			}
+			if failures > 0 {
+				failures--
+			}
+			if failures%2 == 0 {
+				return true, nil, apierrors.NewServiceUnavailable("the API server is restarting")
+			}
+			return true, nil, apierrors.NewTimeoutError("request timed out", 1)
+		})
+		ta, err := newLease(t, c, "a", configX).Campaign(t.Context())
+		if err != nil {
+			t.Fatalf("Campaign gave up on an error of the API server: %v", err)
+		}
+		defer ta.Resign()
+		if ta.Token() != 1 {
+			t.Errorf("token = %d, want 1", ta.Token())
+		}
+		ctx, cancel := context.WithCancelCause(t.Context())
+		mu.Lock()
+		failures = -1
+		mu.Unlock()
+		standby := campaignAsync(ctx, newLease(t, c, "b", configX))
+		time.Sleep(leaseDur)
+		stop := errors.New("shutting down")
+		cancel(stop)
+		if r := <-standby; !errors.Is(r.err, stop) {
+			t.Errorf("Campaign through an outage, its context ended = %v, want %v", r.err, stop)
+		}
+	})
+}
+
 // TestCheckSeesDeposal: Check reads the Lease: a holder whose Lease names
 // another holder learns of it at once.
 func TestCheckSeesDeposal(t *testing.T) {
