@@ -678,7 +678,16 @@ func (s *proxyControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreaming
 	stop := w.dl.attach()
 	w.gone = false
 	p.mu.Unlock()
-	err := serveDownlink(stream.Context(), stop, w.dl, stream.Send)
+	err := serveDownlink(stream.Context(), stop, w.dl, func(env *pb.Envelope) error {
+		// Checked again as it leaves the queue: a newer term may have
+		// been admitted since it was queued.
+		if err := p.fence.admit(env.GetFence()); err != nil {
+			p.met.fenced.Inc()
+			p.log.Warn("taskd: queued message refused", "id", env.GetId(), "rank", rank, "err", err)
+			return nil
+		}
+		return stream.Send(env)
+	})
 	if stream.Context().Err() != nil {
 		p.mu.Lock()
 		if p.workers[rank] == w && w.dl.stop == stop {

@@ -546,7 +546,7 @@ func (w *Worker) handle(env *pb.Envelope, mgr string) {
 		errMsg = w.applySwitch(body.Switch.GetVersion(), body.Switch.GetDocument())
 	case *pb.Envelope_Message:
 		kind = "message"
-		res := w.applyMessage(env.GetId(), body.Message, mgr)
+		res := w.applyMessage(env.GetId(), env.GetFence(), body.Message, mgr)
 		if !res.done {
 			return // acknowledged when the trainer call ends
 		}
@@ -613,7 +613,11 @@ type trainerOp struct {
 	kind    string
 	payload []byte
 	// mgr is the manager instance of the session that asked.
-	mgr   string
+	mgr string
+	// fence is the fencing token the message came with: checked again
+	// just before the call, since a newer term may have been admitted
+	// while the call waited behind others.
+	fence uint64
 	check opCheck
 	held  bool // checkHold: the manager said an orchestration holds the job
 }
@@ -630,7 +634,7 @@ const (
 // applyMessage hands a message to OnMessage, or an orchestration message
 // to the trainer, once; a re-sent copy gets the first result again, or
 // nothing while the trainer call runs.
-func (w *Worker) applyMessage(id uint64, msg *pb.UserMessage, mgr string) msgResult {
+func (w *Worker) applyMessage(id, fence uint64, msg *pb.UserMessage, mgr string) msgResult {
 	w.mu.Lock()
 	if res, seen := w.results[id]; seen {
 		w.mu.Unlock()
@@ -645,7 +649,7 @@ func (w *Worker) applyMessage(id uint64, msg *pb.UserMessage, mgr string) msgRes
 		}
 		w.remember(id, msgResult{})
 		select {
-		case w.ops <- trainerOp{id: id, kind: msg.GetKind(), payload: msg.GetPayload(), mgr: mgr}:
+		case w.ops <- trainerOp{id: id, kind: msg.GetKind(), payload: msg.GetPayload(), mgr: mgr, fence: fence}:
 			return msgResult{}
 		default:
 			res := msgResult{err: "taskd: trainer busy: too many calls queued", done: true}
@@ -695,6 +699,14 @@ func (w *Worker) runTrainer(ctx context.Context, stopping <-chan struct{}) {
 		default:
 		}
 		if op.check == checkHold && !w.releases(op) {
+			continue
+		}
+		if err := w.fence.admit(op.fence); err != nil {
+			// Admitted when it came, but a newer term was admitted while
+			// it waited: its manager is deposed. Not carried out, and not
+			// answered, as if refused on arrival.
+			w.met.fenced.Inc()
+			w.log.Warn("taskd: queued orchestration command refused", "id", op.id, "call", op.kind, "err", err)
 			continue
 		}
 		once := onceOf(op.payload)
