@@ -154,7 +154,13 @@
 // every change of it (the state, the faults that started it, the ranks
 // held and restarted, the checkpoint step chosen) is written to
 // orchestration.json, atomically and with a checksum, before the manager
-// acts on it, and each one that ends to orchestration-history.json. A
+// acts on it, and each one that ends to orchestration-history.json. While
+// a write fails (a full or broken disk), the manager holds the acts that
+// follow from the change and tries the write again with backoff, logging
+// and counting each failure (faultline_taskd_orchestration_state_errors_total);
+// the orchestration's timeouts run on meanwhile, so that an act held past
+// its own counts as one that did not complete, as when a rank does not
+// answer. A
 // manager that restarts, or a standby that takes the lease over (see
 // below), takes it over: it holds every rank, waits until the job's ranks
 // have registered again (at most a heartbeat deadline), records a

@@ -198,10 +198,16 @@ func (o *orchestrator) run(ctx context.Context) error {
 	}()
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
+	// What the core asked for while its state was not written down: held
+	// until a write succeeds, retried with backoff until ctx ends.
+	var held []action
+	var heldTrans []transitionEvent
+	retry := newBackoff(100*time.Millisecond, 10*time.Second)
 	for {
 		o.mu.Lock()
 		o.settle(time.Now())
 		acts, trans := o.core.ready()
+		acts, trans = append(held, acts...), append(heldTrans, trans...)
 		acts = slices.DeleteFunc(acts, func(a action) bool { return !o.core.awaited(a.id) })
 		deadline := o.core.deadline()
 		if r := o.core.run; r != nil && r.settling {
@@ -214,8 +220,7 @@ func (o *orchestrator) run(ctx context.Context) error {
 		}
 		o.mu.Unlock()
 		if err != nil {
-			o.met.stateErrs.Inc()
-			o.log.Error("taskd: orchestration state not encoded", "err", err)
+			err = fmt.Errorf("taskd: orchestration state not encoded: %w", err)
 		} else {
 			err = o.persist(state, history)
 		}
@@ -224,13 +229,31 @@ func (o *orchestrator) run(ctx context.Context) error {
 			// deposed and must not act on what it holds.
 			return err
 		}
-		o.observe(trans)
-		for _, a := range acts {
-			o.perform(ctx, a)
-		}
 		wait := time.Hour
 		if !deadline.IsZero() {
 			wait = max(time.Until(deadline), 0)
+		}
+		if err != nil {
+			// Nothing takes effect before it is written down, or a
+			// manager that took over would not know of it: the actions
+			// wait, and the core's deadlines run on, so that an action
+			// held past its own deadline counts as one that did not
+			// complete.
+			o.mu.Lock()
+			o.core.unsaved(history != nil)
+			o.mu.Unlock()
+			held, heldTrans = acts, trans
+			next := retry.NextBackOff()
+			o.met.stateErrs.Inc()
+			o.log.Error("taskd: orchestration state not written; its actions wait for it", "err", err, "actions", len(acts), "retry_in", next)
+			wait = min(wait, next)
+		} else {
+			held, heldTrans = nil, nil
+			retry.Reset()
+			o.observe(trans)
+			for _, a := range acts {
+				o.perform(ctx, a)
+			}
 		}
 		timer.Reset(wait)
 		select {
@@ -244,9 +267,9 @@ func (o *orchestrator) run(ctx context.Context) error {
 }
 
 // persist writes the state down before the manager acts on it: the
-// history first, so that a run that ended is not taken over. A write that
-// fails is logged and counted, and the manager acts all the same: a full
-// disk must not stop a recovery; a state of a newer term is returned.
+// history first, so that a run that ended is not taken over. It returns
+// the first write that failed; one refused because a newer term's
+// manager wrote the state wraps ErrStateFile.
 func (o *orchestrator) persist(state, history []byte) error {
 	for _, f := range []struct {
 		name string
@@ -256,13 +279,11 @@ func (o *orchestrator) persist(state, history []byte) error {
 			continue
 		}
 		err := writeStateFile(filepath.Join(o.stateDir, f.name), o.m.cfg.Job, o.m.token(), f.data)
-		switch {
-		case errors.Is(err, ErrStateFile):
+		if errors.Is(err, ErrStateFile) {
 			o.log.Error("taskd: orchestration state not written; stopping", "err", err)
+		}
+		if err != nil {
 			return err
-		case err != nil:
-			o.met.stateErrs.Inc()
-			o.log.Error("taskd: orchestration state not written; a manager that takes over would not finish what this one does", "err", err)
 		}
 	}
 	return nil

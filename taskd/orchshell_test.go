@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -506,5 +508,42 @@ func TestOrchestrationMessageNotSent(t *testing.T) {
 	// No rank was told to switch: the switch has not succeeded.
 	if rec.State == StateSwitched {
 		t.Errorf("a switch no rank was told of ended %s: %+v", rec.State, rec)
+	}
+}
+
+// TestStateWriteFailureHoldsActions: while the orchestration state cannot
+// be written down, nothing it leads to takes effect: a fault's recovery
+// pauses no rank. The write is retried, and once it succeeds the
+// recovery goes on from where it was held.
+func TestStateWriteFailureHoldsActions(t *testing.T) {
+	dir := t.TempDir()
+	j := newTrainerJobWith(t, 1, 2, 0, ManagerConfig{Nodes: 1, ProcsPerNode: 2, StateDir: dir,
+		Orchestration: &OrchestrationConfig{Timeouts: shortTimeouts()}})
+	path := filepath.Join(dir, orchStateFile)
+	testkit.WaitFor(t, "the state written", func() bool { _, err := os.Stat(path); return err == nil })
+	// A directory where the state file goes: every write of it fails.
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Join(path, "x"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := j.m.ReportFault(Fault{Kind: FaultProcessExit, Code: 137, Position: Position{0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, "the write retried", func() bool { return counterValue(j.m.orch.met.stateErrs) >= 3 })
+	for r := range 2 {
+		if calls := j.trainer(r).Calls(); slices.Contains(calls, "pause") {
+			t.Fatalf("rank %d paused while the state was not written: %q", r, calls)
+		}
+	}
+	if err := os.RemoveAll(path); err != nil {
+		t.Fatal(err)
+	}
+	if got := j.until(StateRecovered, StateFailed); got[len(got)-1] != StateRecovered {
+		t.Fatalf("once the state could be written: %v%s", got, j.explain())
+	}
+	if _, _, err := readStateFile(path, j.job); err != nil {
+		t.Fatal(err)
 	}
 }

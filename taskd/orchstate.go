@@ -289,6 +289,13 @@ func (m *machine) save() (state, history []byte, err error) {
 	return state, history, nil
 }
 
+// unsaved says that what save returned last was not written down: the
+// next save returns the state again, and the history too if hist.
+func (m *machine) unsaved(hist bool) {
+	m.dirty = true
+	m.histNew = m.histNew || hist
+}
+
 // setList returns the keys of a set whose values say whether a key is in
 // it, sorted.
 func setList[K interface{ ~int | ~string }](set map[K]bool) []K {
