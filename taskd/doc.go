@@ -154,7 +154,9 @@
 // every change of it (the state, the faults that started it, the ranks
 // held and restarted, the checkpoint step chosen) is written to
 // orchestration.json, atomically and with a checksum, before the manager
-// acts on it, and each one that ends to orchestration-history.json. While
+// acts on it, and each one that ends to orchestration-history.json; a
+// writer holds a lock (orchestration.lock) from its check of the lease
+// term that wrote the file to its rename. While
 // a write fails (a full or broken disk), the manager holds the acts that
 // follow from the change and tries the write again with backoff, logging
 // and counting each failure (faultline_taskd_orchestration_state_errors_total);

@@ -16,6 +16,8 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 )
 
@@ -162,6 +164,11 @@ func readStateFile(path, job string) (uint64, []byte, error) {
 // overwrite its successor's state. A file that cannot be read is refused
 // too: it is left for an operator to look at.
 func writeStateFile(path, job string, token uint64, state []byte) error {
+	unlock, err := lockStateDir(filepath.Dir(path))
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	prev, _, err := readStateFile(path, job)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
@@ -176,6 +183,32 @@ func writeStateFile(path, job string, token uint64, state []byte) error {
 		return err
 	}
 	return atomicfile.WriteFile(path, data, 0o644)
+}
+
+// stateLockFile, in StateDir, is locked by each writer of the state files
+// from its check of the token there to its rename: a deposed manager that
+// read the state before the leader wrote it must not rename over it.
+const stateLockFile = "orchestration.lock"
+
+// lockStateDir takes the lock of the state files in dir, waiting for a
+// writer that holds it, and returns what releases it.
+func lockStateDir(dir string) (unlock func(), err error) {
+	name := filepath.Join(dir, stateLockFile)
+	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|syscallNoFollow, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("taskd: lock the state files: %w", err)
+	}
+	for {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("taskd: lock the state files: flock %s: %w", name, err)
+	}
+	return func() { f.Close() }, nil // closing it releases the lock
 }
 
 // faultMark says which faults of the log, by Seq, the core took in: all

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -429,5 +430,44 @@ func TestManagerTakesUnseenFaults(t *testing.T) {
 	o := c.m.Orchestrations(0).History[0]
 	if o.Restored != 1 || len(o.Transitions) < 3 || o.Transitions[1].To != StateStopping || !strings.HasSuffix(o.Transitions[2].Reason, "of 3 ranks paused") {
 		t.Fatalf("the recovery did not wait for the ranks: %+v", o.Transitions)
+	}
+}
+
+// TestStateFileWritersRace: a deposed manager that keeps writing its state
+// while the leader writes never replaces the leader's: its check of the
+// token there and its rename are one step against the leader's write.
+func TestStateFileWritersRace(t *testing.T) {
+	path := filepath.Join(t.TempDir(), orchStateFile)
+	leaderDone := make(chan struct{})
+	var deposedErr error
+	var g sync.WaitGroup
+	g.Go(func() {
+		// It tries again after each refusal: a stronger adversary than a
+		// manager, which stops at the first.
+		for {
+			if err := writeStateFile(path, "llm", 4, []byte(`{"term":4}`)); err != nil {
+				deposedErr = err
+			}
+			select {
+			case <-leaderDone:
+				return
+			default:
+			}
+		}
+	})
+	for range 50 {
+		if err := writeStateFile(path, "llm", 5, []byte(`{"term":5}`)); err != nil {
+			t.Fatal(err)
+		}
+		if tok, _, err := readStateFile(path, "llm"); err != nil || tok != 5 {
+			close(leaderDone)
+			g.Wait()
+			t.Fatalf("after the leader's write the file holds term %d's state (%v)", tok, err)
+		}
+	}
+	close(leaderDone)
+	g.Wait()
+	if !errors.Is(deposedErr, ErrStateFile) {
+		t.Fatalf("the deposed writer: %v, want ErrStateFile", deposedErr)
 	}
 }
