@@ -168,8 +168,10 @@
 // have registered again (at most a heartbeat deadline), records a
 // transition from the state to itself (Orchestration.Restored counts
 // them), and asks again for what the state needs: the pause, the notice,
-// the policy's decision, the repair (unless the executor had returned:
-// then it waits for the ranks restarted), the checkpoint, the resume. The
+// the policy's decision, the repair (unless the executor had returned, or
+// a rank the repair evicted, which it writes down before it calls the
+// executor, is back as another instance: then it waits for the ranks
+// restarted), the checkpoint, the resume. The
 // faults of the log that the dead manager had not taken in are taken in
 // then. A worker carries a retry, resume or continue out once, however
 // many managers send it (they carry a key of the round), so that a rank

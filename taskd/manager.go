@@ -543,17 +543,34 @@ func (m *Manager) isLive(rank int, instance string) bool {
 	return wm != nil && wm.instance == instance
 }
 
-// evict drops the live instances of ranks, whose processes recovery is
-// about to restart or replace, so that their successors may register at
-// once, and refuses those instances from now on.
-func (m *Manager) evict(ranks []int, why string) {
+// liveInstances returns the instance of each live worker, by rank.
+func (m *Manager) liveInstances() map[int]string {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	out := make(map[int]string)
+	for _, mm := range m.reg.list() {
+		if mm.key.role == RoleWorker {
+			out[mm.key.id] = mm.instance
+		}
+	}
+	return out
+}
+
+// evict drops the live instances of ranks, whose processes recovery is
+// about to restart or replace, so that their successors may register at
+// once, and refuses those instances from now on. It returns the instance
+// it evicted of each rank, "" for a rank it found none of.
+func (m *Manager) evict(ranks []int, why string) map[int]string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	evicted := make(map[int]string, len(ranks))
 	for _, r := range ranks {
 		wm := m.reg.get(workerKey(r))
+		evicted[r] = ""
 		if wm == nil {
 			continue
 		}
+		evicted[r] = wm.instance
 		m.evicted.add(wm.instance)
 		m.reg.remove(wm.key, wm.instance)
 		m.ids.revoke(wm.key, wm.instance)
@@ -566,6 +583,7 @@ func (m *Manager) evict(ranks []int, why string) {
 		m.log.Info("taskd: member evicted", "member", wm.key.String(), "instance", wm.instance, "why", why)
 	}
 	m.updateMemberGaugesLocked()
+	return evicted
 }
 
 // MemberInfo describes a live member.

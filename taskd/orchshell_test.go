@@ -38,6 +38,8 @@ type trainerJob struct {
 	restarts map[int]int
 	trans    chan Transition
 	ppn      int
+	// beforeRepair, if set, is called as an executor call begins.
+	beforeRepair func()
 }
 
 func newTrainerJob(t *testing.T, nodes, ppn int, oc OrchestrationConfig) *trainerJob {
@@ -120,6 +122,9 @@ func rankOf(process string) (int, error) {
 func (j *trainerJob) RestartProcesses(_ context.Context, d rescheduling.Decision) error {
 	j.exec.Lock()
 	defer j.exec.Unlock()
+	if j.beforeRepair != nil {
+		j.beforeRepair()
+	}
 	r, err := rankOf(d.Process)
 	if err != nil {
 		return err
@@ -545,5 +550,38 @@ func TestStateWriteFailureHoldsActions(t *testing.T) {
 	}
 	if _, _, err := readStateFile(path, j.job); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestEvictionWrittenBeforeRepair: the instances a repair evicts are
+// written down before the executor is called, so that a manager taking
+// over from one killed during the call can tell the ranks it restarted.
+func TestEvictionWrittenBeforeRepair(t *testing.T) {
+	dir := t.TempDir()
+	j := newTrainerJobWith(t, 1, 2, 0, ManagerConfig{Nodes: 1, ProcsPerNode: 2, StateDir: dir,
+		Orchestration: &OrchestrationConfig{Timeouts: shortTimeouts()}})
+	old := j.workers[1].self.GetInstance()
+	written := make(chan map[int]string, 1)
+	j.beforeRepair = func() {
+		_, raw, err := readStateFile(filepath.Join(dir, orchStateFile), j.job)
+		if err != nil {
+			t.Error(err)
+		}
+		st, err := parseCoreState(orchStateFile, raw)
+		if err != nil || st.Run == nil {
+			t.Errorf("state %+v: %v", st, err)
+			written <- nil
+			return
+		}
+		written <- st.Run.Evicted
+	}
+	if _, _, err := j.m.ReportFault(Fault{Kind: FaultProcessExit, Code: 137, Position: Position{0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if got := j.until(StateRecovered, StateFailed); got[len(got)-1] != StateRecovered {
+		t.Fatalf("%v%s", got, j.explain())
+	}
+	if ev := <-written; ev[1] != old {
+		t.Fatalf("evicted as the executor was called: %v, want rank 1's instance %s", ev, old)
 	}
 }
