@@ -2,12 +2,17 @@ package taskd
 
 import (
 	"context"
+	"fmt"
+	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 	"github.com/faultline-ml/faultline/internal/testkit"
+	"github.com/faultline-ml/faultline/taskd/lease"
 )
 
 // gatedTrainer records its calls; Pause blocks until release is closed.
@@ -105,4 +110,72 @@ func TestProxyFenceAtSend(t *testing.T) {
 	if counterValue(p.met.fenced) != 1 {
 		t.Errorf("fenced %v, want 1", counterValue(p.met.fenced))
 	}
+}
+
+// storeTerm is a lease term whose Check asks a store that knows the
+// newest token: a term older than that ends when checked.
+type storeTerm struct {
+	*fakeTerm
+	newest *atomic.Uint64
+}
+
+func (t storeTerm) Check(ctx context.Context) error {
+	if n := t.newest.Load(); n > t.token {
+		t.end(fmt.Errorf("%w: token %d is the lease's now", lease.ErrLost, n))
+	}
+	return context.Cause(t.ctx)
+}
+
+// TestMemberTellsManagerDeposed: a member tells the manager the newest
+// term it has seen, registering or in its heartbeats, through a proxy or
+// not; a manager of an older term refuses it, finds its term ended when
+// it checks the lease, and stops.
+func TestMemberTellsManagerDeposed(t *testing.T) {
+	stopped := func(t *testing.T, c *cluster) {
+		t.Helper()
+		addr := c.m.Addr().String()
+		testkit.WaitFor(t, "the deposed manager stopped listening", func() bool {
+			conn, err := net.DialTimeout("tcp", addr, time.Second)
+			if err == nil {
+				conn.Close()
+			}
+			return err != nil
+		})
+		if counterValue(c.m.met.deposed) == 0 {
+			t.Error("no member counted as having seen a newer term")
+		}
+	}
+	newCluster4 := func(t *testing.T) (*cluster, *atomic.Uint64) {
+		newest := new(atomic.Uint64)
+		newest.Store(5) // another manager took the lease; this one has not checked
+		return newCluster(t, insecureSec(), ManagerConfig{Term: storeTerm{newFakeTerm(4), newest}}), newest
+	}
+
+	t.Run("registering through a proxy", func(t *testing.T) {
+		c, _ := newCluster4(t)
+		p := c.addProxy(0)
+		testkit.WaitFor(t, "the proxy registered", func() bool { return len(c.m.Members()) == 1 })
+		w, err := NewWorker(WorkerConfig{Job: c.job, Node: 0, Rank: 0, Upstream: p.Addr().String(), Security: c.sec, AckTimeout: c.ack, ReconnectMax: 500e6})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := w.fence.admit(5); err != nil { // it served under term 5 before
+			t.Fatal(err)
+		}
+		c.run(w, w.Run)
+		stopped(t, c)
+		if w.Connected() {
+			t.Error("the worker registered with the deposed manager")
+		}
+	})
+
+	t.Run("in a heartbeat", func(t *testing.T) {
+		c, _ := newCluster4(t)
+		w := c.addWorker(0, 0)
+		testkit.WaitFor(t, "the worker registered", w.Connected)
+		if err := w.fence.admit(5); err != nil { // a newer manager reached it
+			t.Fatal(err)
+		}
+		stopped(t, c)
+	})
 }

@@ -387,7 +387,7 @@ func (w *Worker) session(ctx context.Context) error {
 	w.mu.Unlock()
 	host, _ := os.Hostname()
 	rctx, cancel := context.WithTimeout(ctx, w.cfg.AckTimeout)
-	resp, err := w.client.Register(rctx, &pb.RegisterRequest{Job: w.cfg.Job, Member: w.self, SwitchBits: bits, HasSwitch: has, Hostname: host, Pid: int64(os.Getpid())}, grpc.WaitForReady(true))
+	resp, err := w.client.Register(rctx, &pb.RegisterRequest{Job: w.cfg.Job, Member: w.self, SwitchBits: bits, HasSwitch: has, Hostname: host, Pid: int64(os.Getpid()), Fence: w.fence.newest()}, grpc.WaitForReady(true))
 	cancel()
 	if status.Code(err) == codes.FailedPrecondition {
 		return fmt.Errorf("%w: %v", ErrEvicted, err)
@@ -478,23 +478,26 @@ func (w *Worker) session(ctx context.Context) error {
 		}
 		return nil
 	}
-	g.Go(func() error { return heartbeats(gctx, w.client, w.cfg.Job, w.self, interval, deadline, nil, answered) })
+	g.Go(func() error {
+		return heartbeats(gctx, w.client, w.cfg.Job, w.self, &w.fence, interval, deadline, nil, answered)
+	})
 	g.Go(func() error { return w.up.run(gctx, w.client) })
 	g.Go(func() error { return runAcks(gctx, w.client, w.cfg.Job, w.acks, w.cfg.AckTimeout, w.log) })
 	return g.Wait()
 }
 
-// heartbeats sends a heartbeat every interval until ctx ends. It returns
-// errReregister when the upstream refuses self's credentials, and an
-// error when no heartbeat got through for longer than deadline. beats, if
-// set, adds the beats of members behind self, before each heartbeat;
-// answered is told each answer, and its error ends the heartbeats.
-func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, interval, deadline time.Duration, beats func() []*pb.Beat, answered func(*pb.HeartbeatResponse) error) error {
+// heartbeats sends a heartbeat every interval until ctx ends, with the
+// newest token that fence admitted. It returns errReregister when the
+// upstream refuses self's credentials, and an error when no heartbeat got
+// through for longer than deadline. beats, if set, adds the beats of
+// members behind self, before each heartbeat; answered is told each
+// answer, and its error ends the heartbeats.
+func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, fence *memberFence, interval, deadline time.Duration, beats func() []*pb.Beat, answered func(*pb.HeartbeatResponse) error) error {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	lastOK := time.Now()
 	for {
-		req := &pb.HeartbeatRequest{Job: job, From: self, Beats: []*pb.Beat{{Member: self}}}
+		req := &pb.HeartbeatRequest{Job: job, From: self, Beats: []*pb.Beat{{Member: self}}, Fence: fence.newest()}
 		if beats != nil {
 			req.Beats = append(req.Beats, beats()...)
 		}
