@@ -154,20 +154,29 @@
 // every change of it (the state, the faults that started it, the ranks
 // held and restarted, the checkpoint step chosen) is written to
 // orchestration.json, atomically and with a checksum, before the manager
-// acts on it, and each one that ends to orchestration-history.json. A
-// manager that restarts, or a standby that takes the lease over (see
-// below), takes it over: it holds every rank, waits until the job's ranks
-// have registered again (at most a heartbeat deadline), records a
-// transition from the state to itself (Orchestration.Restored counts
-// them), and asks again for what the state needs: the pause, the notice,
-// the policy's decision, the repair (unless the executor had returned:
-// then it waits for the ranks restarted), the checkpoint, the resume. The
-// faults of the log that the dead manager had not taken in are taken in
-// then. A worker carries a retry, resume or continue out once, however
-// many managers send it (they carry a key of the round), so that a rank
-// resumed before the takeover is not resumed again. A state of another
-// job, of an unknown version, damaged, or written by a newer lease term is
-// refused at start (*StateFileError) and left as it is.
+// acts on it, and each one that ends to orchestration-history.json; a
+// writer holds a lock (orchestration.lock) from its check of the lease
+// term that wrote the file to its rename. While a write fails (a full or
+// broken disk), the manager holds the acts that follow from the change and
+// tries the write again with backoff, logging and counting each failure
+// (faultline_taskd_orchestration_state_errors_total); the orchestration's
+// timeouts run on meanwhile, so that an act held past its own counts as
+// one that did not complete, as when a rank does not answer. A manager
+// that restarts, or a standby that takes the lease over (see below), takes
+// it over: it holds every rank, waits until the job's ranks have
+// registered again (at most a heartbeat deadline), records a transition
+// from the state to itself (Orchestration.Restored counts them), and asks
+// again for what the state needs: the pause, the notice, the policy's
+// decision, the repair (unless the executor had returned, or a rank the
+// repair evicted, which it writes down before it calls the executor, is
+// back as another instance: then it waits for the ranks restarted), the
+// checkpoint, the resume. The faults of the log that the dead manager had
+// not taken in are taken in then. A worker carries a retry, resume or
+// continue out once, however many managers send it (they carry a key of
+// the round), so that a rank resumed before the takeover is not resumed
+// again. A state of another job, of an unknown version, damaged, or
+// written by a newer lease term is refused at start (*StateFileError) and
+// left as it is.
 //
 // A manager without a StateDir that restarts has no orchestration in
 // progress. A worker whose trainer an orchestration of the previous
@@ -180,25 +189,30 @@
 // # Standby managers
 //
 // A job may run several managers, one leading, through a lease (package
-// lease: File for one machine or a shared filesystem, lease/kubernetes
-// for a coordination.k8s.io Lease). Lead campaigns for it and, while
-// this manager holds it, serves under the term (ManagerConfig.Term);
-// a standby does not listen. Proxies and workers are given a Service that
-// reaches the leader, or every manager's address separated by commas, and
-// follow whichever listens: they register again, on their own or through
-// their proxy, and send the reports they queued while no manager led.
-// Every command carries the term's fencing token, in every envelope and
-// answer: a member refuses a manager, and the messages, of an older term
-// than the newest it has seen, so that a deposed leader that has not yet
-// learnt of it can do no harm. The leader stops serving the moment its
-// term ends, confirms its term (Term.Check) before each act of an
-// orchestration, and writes its state in StateDir only over a state of no
-// newer term. With the managers sharing a StateDir, the standby finishes
-// the orchestration in progress. BenchmarkFailover measures the pause: on
-// loopback, with 1,000 workers behind 8 proxies, the standby leads with
-// every member registered about 0.5 s after the leader is killed with
-// SIGKILL, a quarter of the 2 s the leader takes to declare a killed
-// member lost.
+// lease: File for one machine or a shared filesystem, lease/kubernetes for
+// a coordination.k8s.io Lease). Lead campaigns for it and, while this
+// manager holds it, serves under the term (ManagerConfig.Term); a standby
+// does not listen. Proxies and workers are given a Service that reaches
+// the leader, or every manager's address separated by commas, and follow
+// whichever listens: they register again, on their own or through their
+// proxy, and send the reports they queued while no manager led. Every
+// command carries the term's fencing token, in every envelope and answer:
+// a member refuses a manager, and the messages, of an older term than the
+// newest it has seen, so that a deposed leader that has not yet learnt of
+// it can do no harm; a command is checked again just before it is carried
+// out, or leaves a proxy's queue, against a term admitted while it waited.
+// Members tell the manager the newest token they have seen when they
+// register and in each heartbeat: a manager of an older term refuses them
+// and checks its term with the lease, which ends it (a member that
+// restarted knows only what it has seen since, and a member's word alone
+// ends nothing). The leader stops serving the moment its term ends,
+// confirms its term (Term.Check) before each act of an orchestration, and
+// writes its state in StateDir only over a state of no newer term. With
+// the managers sharing a StateDir, the standby finishes the orchestration
+// in progress. BenchmarkFailover measures the pause: on loopback, with
+// 1,000 workers behind 8 proxies, the standby leads with every member
+// registered about 0.5 s after the leader is killed with SIGKILL, a
+// quarter of the 2 s the leader takes to declare a killed member lost.
 //
 // Security is mutual TLS with certificates read from files and read again
 // when they change (SecurityFromDir takes a Kubernetes TLS secret), a

@@ -29,6 +29,7 @@ import (
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 	"github.com/faultline-ml/faultline/internal/promreg"
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
+	"github.com/faultline-ml/faultline/taskd/lease"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -49,6 +50,7 @@ type Manager struct {
 	nextID   atomic.Uint64
 	events   *eventQueue
 	kick     chan struct{} // wakes the housekeeping loop
+	recheck  chan struct{} // a member has seen a newer term: check the lease
 	faults   *faultStore   // has a lock of its own
 	ids      *identities   // secrets of the members attached directly; a lock of its own
 
@@ -88,6 +90,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		handlers:    sortHandlers(cfg.Handlers),
 		instance:    newInstanceID(),
 		kick:        make(chan struct{}, 1),
+		recheck:     make(chan struct{}, 1),
 		reg:         newRegistry(cfg.HeartbeatDeadline),
 		downlinks:   make(map[memberKey]*downlink),
 		sw:          newSwitchTracker(cfg.AckTimeout, 30*time.Second),
@@ -187,6 +190,44 @@ func (m *Manager) token() uint64 {
 	return m.cfg.Term.Token()
 }
 
+// newerSeen refuses a member that has seen a newer lease term than the
+// manager's (token, its newest): the manager was deposed, not knowing it
+// yet. The term is checked with the lease's store, which ends it if so,
+// and the manager with it; the member goes to another manager meanwhile.
+func (m *Manager) newerSeen(token uint64) error {
+	own := m.token()
+	if m.cfg.Term == nil || token <= own {
+		return nil
+	}
+	m.met.deposed.Inc()
+	select {
+	case m.recheck <- struct{}{}:
+	default:
+	}
+	return status.Errorf(codes.Unavailable, "taskd: this manager's lease term (token %d) is older than one the member has seen (token %d): it was deposed", own, token)
+}
+
+// recheckTerm checks term with the lease's store each time a member has
+// seen a newer one, until ctx ends.
+func (m *Manager) recheckTerm(ctx context.Context, term lease.Term) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-m.recheck:
+		}
+		err := term.Check(ctx)
+		switch {
+		case errors.Is(err, lease.ErrLost):
+			m.log.Warn("taskd: a member has seen a newer lease term; this manager's has ended", "token", term.Token(), "err", err)
+		case err != nil:
+			m.log.Warn("taskd: a member has seen a newer lease term, and the lease could not be asked", "token", term.Token(), "err", err)
+		default:
+			m.log.Warn("taskd: a member has seen a newer lease term, but the lease says this manager's is the newest", "token", term.Token())
+		}
+	}
+}
+
 // Addr returns the address the manager listens on.
 func (m *Manager) Addr() net.Addr { return m.lis.Addr() }
 
@@ -211,6 +252,9 @@ func (m *Manager) Run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
 	m.serveGRPC(ctx, g, cancel, m.srv, m.lis, "manager")
 	g.Go(func() error { return m.housekeep(ctx) })
+	if t := m.cfg.Term; t != nil {
+		g.Go(func() error { m.recheckTerm(ctx, t); return nil })
+	}
 	g.Go(func() error { m.faults.run(ctx); return nil })
 	g.Go(func() error { return m.runHandlers(ctx) })
 	if m.orch != nil {
@@ -543,17 +587,34 @@ func (m *Manager) isLive(rank int, instance string) bool {
 	return wm != nil && wm.instance == instance
 }
 
-// evict drops the live instances of ranks, whose processes recovery is
-// about to restart or replace, so that their successors may register at
-// once, and refuses those instances from now on.
-func (m *Manager) evict(ranks []int, why string) {
+// liveInstances returns the instance of each live worker, by rank.
+func (m *Manager) liveInstances() map[int]string {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	out := make(map[int]string)
+	for _, mm := range m.reg.list() {
+		if mm.key.role == RoleWorker {
+			out[mm.key.id] = mm.instance
+		}
+	}
+	return out
+}
+
+// evict drops the live instances of ranks, whose processes recovery is
+// about to restart or replace, so that their successors may register at
+// once, and refuses those instances from now on. It returns the instance
+// it evicted of each rank, "" for a rank it found none of.
+func (m *Manager) evict(ranks []int, why string) map[int]string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	evicted := make(map[int]string, len(ranks))
 	for _, r := range ranks {
 		wm := m.reg.get(workerKey(r))
+		evicted[r] = ""
 		if wm == nil {
 			continue
 		}
+		evicted[r] = wm.instance
 		m.evicted.add(wm.instance)
 		m.reg.remove(wm.key, wm.instance)
 		m.ids.revoke(wm.key, wm.instance)
@@ -566,6 +627,7 @@ func (m *Manager) evict(ranks []int, why string) {
 		m.log.Info("taskd: member evicted", "member", wm.key.String(), "instance", wm.instance, "why", why)
 	}
 	m.updateMemberGaugesLocked()
+	return evicted
 }
 
 // MemberInfo describes a live member.

@@ -100,7 +100,9 @@ type ManagerConfig struct {
 	// the term ends, and Run then returns its cause (wrapping
 	// lease.ErrLost). Every command it sends carries the term's fencing
 	// token, and members refuse the commands of an older term than the
-	// newest they have seen; it confirms the term (Term.Check) before each
+	// newest they have seen; a member that has seen a newer term than
+	// this one is refused and has the manager check its term with the
+	// lease. It confirms the term (Term.Check) before each
 	// act of an orchestration, and writes its state in StateDir only over
 	// a state of no newer term. Nil: this manager leads alone.
 	Term lease.Term

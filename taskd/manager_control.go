@@ -64,6 +64,9 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 	if err := s.checkJob(req.GetJob()); err != nil {
 		return nil, err
 	}
+	if err := m.newerSeen(req.GetFence()); err != nil {
+		return nil, err
+	}
 	mem := req.GetMember()
 	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode, m.cfg.MaxWorkers); err != nil {
 		return nil, err
@@ -217,6 +220,9 @@ func (m *Manager) knownOnNodeLocked(rank, node int) bool {
 func (s *managerControl) Heartbeat(ctx context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
 	m := s.m
 	if err := s.checkJob(req.GetJob()); err != nil {
+		return nil, err
+	}
+	if err := m.newerSeen(req.GetFence()); err != nil {
 		return nil, err
 	}
 	caller := callerOf(ctx)

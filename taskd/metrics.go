@@ -25,6 +25,7 @@ type managerMetrics struct {
 	collected     prometheus.Counter
 	handlerErrs   *prometheus.CounterVec
 	eventsDropped prometheus.Counter
+	deposed       prometheus.Counter
 	guard         guardMetrics
 }
 
@@ -50,6 +51,7 @@ func newManagerMetrics(r *promreg.Registrar) *managerMetrics {
 		collected:     f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_collected_bytes_total", Help: "Bytes of dotting and stack files received from proxies."}),
 		handlerErrs:   f.NewCounterVec(prometheus.CounterOpts{Name: "faultline_taskd_handler_errors_total", Help: "Errors returned by plugin handlers, by handler."}, []string{"handler"}),
 		eventsDropped: f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_events_dropped_total", Help: "Events not handed to the handlers because too many, or too many bytes of messages, were waiting."}),
+		deposed:       f.NewCounter(prometheus.CounterOpts{Name: "faultline_taskd_newer_term_seen_total", Help: "Registrations and heartbeats refused because the member had seen a newer lease term than the manager's."}),
 		guard:         newGuardMetrics(f, "faultline_taskd_"),
 	}
 }

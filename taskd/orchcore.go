@@ -169,6 +169,11 @@ type coreRun struct {
 	repairDone  bool
 	awaited     []int
 	registered  map[int]bool
+	// evictedInst is the instance of each rank that the repair in
+	// progress evicted ("" for a rank it found none of) before it called
+	// the executor: a manager that takes over tells by it whether the
+	// executor restarted the rank.
+	evictedInst map[int]string
 	restarted   []int // every rank restarted in this run
 	resumeStep  int64
 	// restored is set on a run that a manager took over from the state
@@ -483,19 +488,22 @@ func (m *machine) registered(now time.Time, rank int) {
 	}
 }
 
-// evicted takes in that repair id evicted the instances of ranks: only
-// the registrations of their successors count from now on.
-func (m *machine) evicted(id uint64, ranks []int) {
+// evicted takes in that repair id evicted instances, the live instance
+// of each rank it is to restart ("" for none): only the registrations of
+// their successors count from now on.
+func (m *machine) evicted(id uint64, instances map[int]string) {
 	r := m.run
 	if r == nil || id == 0 || id != r.action || (r.o.State != StateRestarting && r.o.State != StateReplacing) {
 		return
 	}
-	for _, rank := range ranks {
-		if r.registered[rank] {
-			delete(r.registered, rank)
-			m.dirty = true
-		}
+	if r.evictedInst == nil {
+		r.evictedInst = make(map[int]string, len(instances))
 	}
+	for rank, inst := range instances {
+		delete(r.registered, rank)
+		r.evictedInst[rank] = inst
+	}
+	m.dirty = true
 }
 
 // request starts a link switch, switchback or stress test, unless an
@@ -589,7 +597,7 @@ func (m *machine) enter(now time.Time, to State, why string) {
 	}
 	if to == StateRestarting || to == StateReplacing {
 		faults := r.primaries()
-		r.repairStart, r.repairDone, r.awaited, r.registered = now, false, nil, make(map[int]bool)
+		r.repairStart, r.repairDone, r.awaited, r.registered, r.evictedInst = now, false, nil, make(map[int]bool), nil
 		r.repairing = make(map[int]Fault, len(faults))
 		for _, f := range faults {
 			r.repairing[f.Position.Rank] = f

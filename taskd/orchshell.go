@@ -56,7 +56,12 @@ type orchestrator struct {
 	waiters   map[uint64]chan Orchestration // run -> a request waiting for its end
 	actions   map[uint64]context.CancelFunc // actions in flight
 	settleBy  time.Time                     // an orchestration taken over carries on by then
-	bcast     struct {
+	// fed counts the inputs fed to the core; written is the count that
+	// the last state written down covers, and writes is closed when it
+	// grows (see waitWritten).
+	fed, written uint64
+	writes       chan struct{}
+	bcast        struct {
 		id   uint64
 		done chan struct{}
 	} // the broadcast in flight
@@ -118,6 +123,7 @@ func newOrchestrator(m *Manager, cfg OrchestrationConfig) (*orchestrator, error)
 		spans:     make(map[uint64]oteltrace.Span),
 		waiters:   make(map[uint64]chan Orchestration),
 		actions:   make(map[uint64]context.CancelFunc),
+		writes:    make(chan struct{}),
 	}, nil
 }
 
@@ -156,13 +162,38 @@ func (o *orchestrator) handler() Handler {
 }
 
 // feed gives the core an input and wakes the loop to act on what follows.
-func (o *orchestrator) feed(f func(time.Time, *machine)) {
+// It returns the input's number, for waitWritten.
+func (o *orchestrator) feed(f func(time.Time, *machine)) uint64 {
 	o.mu.Lock()
 	f(time.Now(), o.core)
+	o.fed++
+	seq := o.fed
 	o.mu.Unlock()
 	select {
 	case o.wake <- struct{}{}:
 	default:
+	}
+	return seq
+}
+
+// waitWritten waits until the state written down in StateDir covers input
+// seq, or ctx ends.
+func (o *orchestrator) waitWritten(ctx context.Context, seq uint64) error {
+	if o.stateDir == "" {
+		return nil
+	}
+	for {
+		o.mu.Lock()
+		done, writes := o.written >= seq, o.writes
+		o.mu.Unlock()
+		if done {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("taskd: orchestration state not written: %w", context.Cause(ctx))
+		case <-writes:
+		}
 	}
 }
 
@@ -198,10 +229,16 @@ func (o *orchestrator) run(ctx context.Context) error {
 	}()
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
+	// What the core asked for while its state was not written down: held
+	// until a write succeeds, retried with backoff until ctx ends.
+	var held []action
+	var heldTrans []transitionEvent
+	retry := newBackoff(100*time.Millisecond, 10*time.Second)
 	for {
 		o.mu.Lock()
 		o.settle(time.Now())
 		acts, trans := o.core.ready()
+		acts, trans = append(held, acts...), append(heldTrans, trans...)
 		acts = slices.DeleteFunc(acts, func(a action) bool { return !o.core.awaited(a.id) })
 		deadline := o.core.deadline()
 		if r := o.core.run; r != nil && r.settling {
@@ -212,10 +249,10 @@ func (o *orchestrator) run(ctx context.Context) error {
 		if o.stateDir != "" {
 			state, history, err = o.core.save()
 		}
+		fed := o.fed
 		o.mu.Unlock()
 		if err != nil {
-			o.met.stateErrs.Inc()
-			o.log.Error("taskd: orchestration state not encoded", "err", err)
+			err = fmt.Errorf("taskd: orchestration state not encoded: %w", err)
 		} else {
 			err = o.persist(state, history)
 		}
@@ -224,13 +261,36 @@ func (o *orchestrator) run(ctx context.Context) error {
 			// deposed and must not act on what it holds.
 			return err
 		}
-		o.observe(trans)
-		for _, a := range acts {
-			o.perform(ctx, a)
-		}
 		wait := time.Hour
 		if !deadline.IsZero() {
 			wait = max(time.Until(deadline), 0)
+		}
+		if err != nil {
+			// Nothing takes effect before it is written down, or a
+			// manager that took over would not know of it: the actions
+			// wait, and the core's deadlines run on, so that an action
+			// held past its own deadline counts as one that did not
+			// complete.
+			o.mu.Lock()
+			o.core.unsaved(history != nil)
+			o.mu.Unlock()
+			held, heldTrans = acts, trans
+			next := retry.NextBackOff()
+			o.met.stateErrs.Inc()
+			o.log.Error("taskd: orchestration state not written; its actions wait for it", "err", err, "actions", len(acts), "retry_in", next)
+			wait = min(wait, next)
+		} else {
+			o.mu.Lock()
+			o.written = fed
+			close(o.writes)
+			o.writes = make(chan struct{})
+			o.mu.Unlock()
+			held, heldTrans = nil, nil
+			retry.Reset()
+			o.observe(trans)
+			for _, a := range acts {
+				o.perform(ctx, a)
+			}
 		}
 		timer.Reset(wait)
 		select {
@@ -244,9 +304,9 @@ func (o *orchestrator) run(ctx context.Context) error {
 }
 
 // persist writes the state down before the manager acts on it: the
-// history first, so that a run that ended is not taken over. A write that
-// fails is logged and counted, and the manager acts all the same: a full
-// disk must not stop a recovery; a state of a newer term is returned.
+// history first, so that a run that ended is not taken over. It returns
+// the first write that failed; one refused because a newer term's
+// manager wrote the state wraps ErrStateFile.
 func (o *orchestrator) persist(state, history []byte) error {
 	for _, f := range []struct {
 		name string
@@ -256,13 +316,11 @@ func (o *orchestrator) persist(state, history []byte) error {
 			continue
 		}
 		err := writeStateFile(filepath.Join(o.stateDir, f.name), o.m.cfg.Job, o.m.token(), f.data)
-		switch {
-		case errors.Is(err, ErrStateFile):
+		if errors.Is(err, ErrStateFile) {
 			o.log.Error("taskd: orchestration state not written; stopping", "err", err)
+		}
+		if err != nil {
 			return err
-		case err != nil:
-			o.met.stateErrs.Inc()
-			o.log.Error("taskd: orchestration state not written; a manager that takes over would not finish what this one does", "err", err)
 		}
 	}
 	return nil
@@ -333,7 +391,7 @@ func (o *orchestrator) settle(now time.Time) {
 	} else {
 		why += fmt.Sprintf("; the ranks that registered again within %v", o.m.cfg.HeartbeatDeadline)
 	}
-	o.core.settled(now, why)
+	o.core.settled(now, why, o.m.liveInstances())
 }
 
 // observe logs, counts and traces transitions, and answers the requests
@@ -708,7 +766,9 @@ func (o *orchestrator) repair(ctx context.Context, a action) ([]int, error) {
 		ranks = append(ranks, f.Position.Rank)
 	}
 	ranks = sortedUnique(ranks)
-	o.evict(a, ranks, fmt.Sprintf("replaced by orchestration #%d", a.run))
+	if err := o.evict(ctx, a, ranks, fmt.Sprintf("replaced by orchestration #%d", a.run)); err != nil {
+		return nil, err
+	}
 	g, gctx := errgroup.WithContext(ctx)
 	for _, d := range scopes {
 		g.Go(func() error {
@@ -729,10 +789,13 @@ func (o *orchestrator) repair(ctx context.Context, a action) ([]int, error) {
 
 // evict drops the live instances of ranks before repair a restarts or
 // replaces their processes, and tells the core: what they registered
-// before does not count for the repair, only their successors do.
-func (o *orchestrator) evict(a action, ranks []int, why string) {
-	o.m.evict(ranks, why)
-	o.feed(func(_ time.Time, c *machine) { c.evicted(a.id, ranks) })
+// before does not count for the repair, only their successors do. It
+// returns once that is written down: a manager that takes over must
+// know whether the executor may have been called, or it would restart
+// the ranks again.
+func (o *orchestrator) evict(ctx context.Context, a action, ranks []int, why string) error {
+	instances := o.m.evict(ranks, why)
+	return o.waitWritten(ctx, o.feed(func(_ time.Time, c *machine) { c.evicted(a.id, instances) }))
 }
 
 // restartInPlace restarts each faulty process on its own node (or pod):
@@ -742,7 +805,9 @@ func (o *orchestrator) restartInPlace(ctx context.Context, a action, decisions m
 	for _, f := range a.faults {
 		ranks = append(ranks, f.Position.Rank)
 	}
-	o.evict(a, ranks, fmt.Sprintf("restarted by orchestration #%d", a.run))
+	if err := o.evict(ctx, a, ranks, fmt.Sprintf("restarted by orchestration #%d", a.run)); err != nil {
+		return nil, err
+	}
 	var g errgroup.Group
 	for _, calls := range o.inPlaceCalls(a.faults, decisions) {
 		g.Go(func() error {

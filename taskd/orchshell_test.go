@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -36,6 +38,8 @@ type trainerJob struct {
 	restarts map[int]int
 	trans    chan Transition
 	ppn      int
+	// beforeRepair, if set, is called as an executor call begins.
+	beforeRepair func()
 }
 
 func newTrainerJob(t *testing.T, nodes, ppn int, oc OrchestrationConfig) *trainerJob {
@@ -118,6 +122,9 @@ func rankOf(process string) (int, error) {
 func (j *trainerJob) RestartProcesses(_ context.Context, d rescheduling.Decision) error {
 	j.exec.Lock()
 	defer j.exec.Unlock()
+	if j.beforeRepair != nil {
+		j.beforeRepair()
+	}
 	r, err := rankOf(d.Process)
 	if err != nil {
 		return err
@@ -506,5 +513,75 @@ func TestOrchestrationMessageNotSent(t *testing.T) {
 	// No rank was told to switch: the switch has not succeeded.
 	if rec.State == StateSwitched {
 		t.Errorf("a switch no rank was told of ended %s: %+v", rec.State, rec)
+	}
+}
+
+// TestStateWriteFailureHoldsActions: while the orchestration state cannot
+// be written down, nothing it leads to takes effect: a fault's recovery
+// pauses no rank. The write is retried, and once it succeeds the
+// recovery goes on from where it was held.
+func TestStateWriteFailureHoldsActions(t *testing.T) {
+	dir := t.TempDir()
+	j := newTrainerJobWith(t, 1, 2, 0, ManagerConfig{Nodes: 1, ProcsPerNode: 2, StateDir: dir,
+		Orchestration: &OrchestrationConfig{Timeouts: shortTimeouts()}})
+	path := filepath.Join(dir, orchStateFile)
+	testkit.WaitFor(t, "the state written", func() bool { _, err := os.Stat(path); return err == nil })
+	// A directory where the state file goes: every write of it fails.
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Join(path, "x"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := j.m.ReportFault(Fault{Kind: FaultProcessExit, Code: 137, Position: Position{0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, "the write retried", func() bool { return counterValue(j.m.orch.met.stateErrs) >= 3 })
+	for r := range 2 {
+		if calls := j.trainer(r).Calls(); slices.Contains(calls, "pause") {
+			t.Fatalf("rank %d paused while the state was not written: %q", r, calls)
+		}
+	}
+	if err := os.RemoveAll(path); err != nil {
+		t.Fatal(err)
+	}
+	if got := j.until(StateRecovered, StateFailed); got[len(got)-1] != StateRecovered {
+		t.Fatalf("once the state could be written: %v%s", got, j.explain())
+	}
+	if _, _, err := readStateFile(path, j.job); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestEvictionWrittenBeforeRepair: the instances a repair evicts are
+// written down before the executor is called, so that a manager taking
+// over from one killed during the call can tell the ranks it restarted.
+func TestEvictionWrittenBeforeRepair(t *testing.T) {
+	dir := t.TempDir()
+	j := newTrainerJobWith(t, 1, 2, 0, ManagerConfig{Nodes: 1, ProcsPerNode: 2, StateDir: dir,
+		Orchestration: &OrchestrationConfig{Timeouts: shortTimeouts()}})
+	old := j.workers[1].self.GetInstance()
+	written := make(chan map[int]string, 1)
+	j.beforeRepair = func() {
+		_, raw, err := readStateFile(filepath.Join(dir, orchStateFile), j.job)
+		if err != nil {
+			t.Error(err)
+		}
+		st, err := parseCoreState(orchStateFile, raw)
+		if err != nil || st.Run == nil {
+			t.Errorf("state %+v: %v", st, err)
+			written <- nil
+			return
+		}
+		written <- st.Run.Evicted
+	}
+	if _, _, err := j.m.ReportFault(Fault{Kind: FaultProcessExit, Code: 137, Position: Position{0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if got := j.until(StateRecovered, StateFailed); got[len(got)-1] != StateRecovered {
+		t.Fatalf("%v%s", got, j.explain())
+	}
+	if ev := <-written; ev[1] != old {
+		t.Fatalf("evicted as the executor was called: %v, want rank 1's instance %s", ev, old)
 	}
 }

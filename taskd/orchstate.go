@@ -16,6 +16,8 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 )
 
@@ -162,6 +164,11 @@ func readStateFile(path, job string) (uint64, []byte, error) {
 // overwrite its successor's state. A file that cannot be read is refused
 // too: it is left for an operator to look at.
 func writeStateFile(path, job string, token uint64, state []byte) error {
+	unlock, err := lockStateDir(filepath.Dir(path))
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	prev, _, err := readStateFile(path, job)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
@@ -176,6 +183,32 @@ func writeStateFile(path, job string, token uint64, state []byte) error {
 		return err
 	}
 	return atomicfile.WriteFile(path, data, 0o644)
+}
+
+// stateLockFile, in StateDir, is locked by each writer of the state files
+// from its check of the token there to its rename: a deposed manager that
+// read the state before the leader wrote it must not rename over it.
+const stateLockFile = "orchestration.lock"
+
+// lockStateDir takes the lock of the state files in dir, waiting for a
+// writer that holds it, and returns what releases it.
+func lockStateDir(dir string) (unlock func(), err error) {
+	name := filepath.Join(dir, stateLockFile)
+	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|syscallNoFollow, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("taskd: lock the state files: %w", err)
+	}
+	for {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("taskd: lock the state files: flock %s: %w", name, err)
+	}
+	return func() { f.Close() }, nil // closing it releases the lock
 }
 
 // faultMark says which faults of the log, by Seq, the core took in: all
@@ -243,16 +276,17 @@ type runState struct {
 	Handover      []Fault         `json:"handover,omitempty"`
 	Failed        []Strategy      `json:"failed,omitempty"`
 	// Supported is null when no rank answered the notice.
-	Supported   []Strategy    `json:"supported"`
-	Level       level         `json:"level,omitempty"`
-	RepairStart time.Time     `json:"repair_start"`
-	Repairing   map[int]Fault `json:"repairing,omitempty"`
-	RepairDone  bool          `json:"repair_done,omitempty"`
-	Awaited     []int         `json:"awaited,omitempty"`
-	Registered  []int         `json:"registered,omitempty"`
-	Restarted   []int         `json:"restarted,omitempty"`
-	ResumeStep  int64         `json:"resume_step"`
-	Deferred    []Fault       `json:"deferred,omitempty"`
+	Supported   []Strategy     `json:"supported"`
+	Level       level          `json:"level,omitempty"`
+	RepairStart time.Time      `json:"repair_start"`
+	Repairing   map[int]Fault  `json:"repairing,omitempty"`
+	RepairDone  bool           `json:"repair_done,omitempty"`
+	Awaited     []int          `json:"awaited,omitempty"`
+	Registered  []int          `json:"registered,omitempty"`
+	Evicted     map[int]string `json:"evicted,omitempty"`
+	Restarted   []int          `json:"restarted,omitempty"`
+	ResumeStep  int64          `json:"resume_step"`
+	Deferred    []Fault        `json:"deferred,omitempty"`
 }
 
 // save returns the state to write down, and the history when an
@@ -272,7 +306,7 @@ func (m *machine) save() (state, history []byte, err error) {
 				Orchestration: r.o, Origin: r.origin, Faults: r.faults, IDs: slices.Sorted(maps.Keys(r.ids)), Pending: r.pending,
 				Handover: r.handover, Failed: setList(r.failed), Level: r.level, RepairStart: r.repairStart,
 				Repairing: r.repairing, RepairDone: r.repairDone, Awaited: r.awaited, Registered: setList(r.registered),
-				Restarted: r.restarted, ResumeStep: r.resumeStep, Deferred: r.deferred,
+				Restarted: r.restarted, ResumeStep: r.resumeStep, Deferred: r.deferred, Evicted: r.evictedInst,
 			}
 			if r.supported != nil {
 				st.Run.Supported = setList(r.supported)
@@ -287,6 +321,13 @@ func (m *machine) save() (state, history []byte, err error) {
 	}
 	m.dirty, m.histNew = false, false
 	return state, history, nil
+}
+
+// unsaved says that what save returned last was not written down: the
+// next save returns the state again, and the history too if hist.
+func (m *machine) unsaved(hist bool) {
+	m.dirty = true
+	m.histNew = m.histNew || hist
 }
 
 // setList returns the keys of a set whose values say whether a key is in
@@ -449,7 +490,7 @@ func (m *machine) restore(st coreState, history []Orchestration) {
 			o: s.Orchestration, origin: s.Origin, faults: s.Faults, ids: listSet(s.IDs), pending: s.Pending,
 			handover: s.Handover, failed: listSet(s.Failed), level: s.Level, repairStart: s.RepairStart,
 			repairing: s.Repairing, repairDone: s.RepairDone, awaited: s.Awaited, registered: listSet(s.Registered),
-			restarted: s.Restarted, resumeStep: s.ResumeStep, deferred: s.Deferred, restored: true, settling: true,
+			restarted: s.Restarted, resumeStep: s.ResumeStep, deferred: s.Deferred, evictedInst: s.Evicted, restored: true, settling: true,
 		}
 		if s.Supported != nil {
 			r.supported = listSet(s.Supported)
@@ -465,11 +506,15 @@ func (m *machine) restore(st coreState, history []Orchestration) {
 	m.dirty, m.histNew = false, false
 }
 
-// settled carries on the orchestration taken over: once the members have
-// registered again, it asks again for what its state needs (a repair
-// that the executor finished is not made again: the state waits for the
-// ranks it restarted), and reacts to the faults that came meanwhile.
-func (m *machine) settled(now time.Time, why string) {
+// settled carries on the orchestration taken over, once the members have
+// registered again with the instances live (rank -> instance): it asks
+// again for what its state needs, and reacts to the faults that came
+// meanwhile. A repair that the executor finished is not made again: the
+// state waits for the ranks it restarted. Nor is one whose executor call
+// was cut short but evidently made: a rank it evicted that is live as
+// another instance was restarted by it, and the repair is taken for done,
+// waiting for the other ranks it evicted as for those of any repair.
+func (m *machine) settled(now time.Time, why string, live map[int]string) {
 	r := m.run
 	if r == nil || !r.settling {
 		return
@@ -477,12 +522,29 @@ func (m *machine) settled(now time.Time, why string) {
 	r.settling = false
 	r.o.Restored++
 	m.record(now, r.o.State, why)
-	if (r.o.State == StateRestarting || r.o.State == StateReplacing) && r.repairDone {
+	repairing := r.o.State == StateRestarting || r.o.State == StateReplacing
+	var restarted []int
+	if repairing && !r.repairDone {
+		for rank, inst := range r.evictedInst {
+			if l := live[rank]; l != "" && l != inst {
+				restarted = append(restarted, rank)
+			}
+		}
+	}
+	switch {
+	case repairing && (r.repairDone || len(restarted) > 0):
 		timeout := m.repairTimeout()
 		m.nextAction++
 		r.action, r.deadline = m.nextAction, now.Add(timeout+grace(timeout))
-		m.checkRepaired(now)
-	} else {
+		if r.repairDone {
+			m.checkRepaired(now)
+			break
+		}
+		for _, rank := range restarted {
+			r.registered[rank] = true
+		}
+		m.repaired(now, r.action, slices.Collect(maps.Keys(r.evictedInst)), nil)
+	default:
 		m.issue(now)
 	}
 	deferred := r.deferred

@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -17,9 +19,20 @@ import (
 
 // takeOver writes w's machine down and has a new machine take it over, as
 // a manager that restarts does: the members register again (those of
-// ranks in back), and the new machine carries on. It returns the state
-// file's bytes.
+// ranks in back, each as a process that was not evicted), and the new
+// machine carries on. It returns the state file's bytes.
 func (w *coreWorld) takeOver(back ...int) []byte {
+	w.t.Helper()
+	live := make(map[int]string, len(back))
+	for _, r := range back {
+		live[r] = "unevicted"
+	}
+	return w.takeOverLive(live)
+}
+
+// takeOverLive is takeOver with the members live after it, by rank, as
+// those instances.
+func (w *coreWorld) takeOverLive(live map[int]string) []byte {
 	w.t.Helper()
 	w.m.dirty, w.m.histNew = true, true
 	state, hist, err := w.m.save()
@@ -53,10 +66,10 @@ func (w *coreWorld) takeOver(back ...int) []byte {
 		}
 	}
 	w.step()
-	for _, r := range back {
+	for _, r := range slices.Sorted(maps.Keys(live)) {
 		m.registered(w.now, r)
 	}
-	m.settled(w.now, "taken over")
+	m.settled(w.now, "taken over", live)
 	w.drain()
 	return file
 }
@@ -142,6 +155,43 @@ func TestCoreTakeOver(t *testing.T) {
 		}
 	})
 
+	t.Run("restarting with the executor's call cut short after it restarted the rank: no second repair", func(t *testing.T) {
+		w := newCoreWorld(t, testCoreConfig())
+		w.fault(3, FaultProcessExit)
+		w.deliver(orchReply{})
+		w.deliver(all())
+		w.m.decided(w.now, w.last().id, levelInPlace, "x")
+		w.drain()
+		w.m.evicted(w.last().id, map[int]string{3: "before"})
+		w.drain()
+		n := len(w.actions)
+		// Rank 3's new process registers with the new manager.
+		w.takeOverLive(map[int]string{0: "a", 1: "b", 2: "c", 3: "after"})
+		if a := w.actions[n:]; len(a) != 1 || a[0].kind != actLoad {
+			t.Fatalf("after the takeover: %+v", a)
+		}
+		if r := w.m.run.restarted; !slices.Equal(r, []int{3}) {
+			t.Fatalf("restarted %v, want [3]", r)
+		}
+	})
+
+	t.Run("restarting with the executor's call cut short before it restarted the rank: the repair again", func(t *testing.T) {
+		w := newCoreWorld(t, testCoreConfig())
+		w.fault(3, FaultProcessExit)
+		w.deliver(orchReply{})
+		w.deliver(all())
+		w.m.decided(w.now, w.last().id, levelInPlace, "x")
+		w.drain()
+		w.m.evicted(w.last().id, map[int]string{3: "before"})
+		w.drain()
+		// Rank 3's old process, which the executor did not reach,
+		// registers with the new manager.
+		w.takeOverLive(map[int]string{0: "a", 1: "b", 2: "c", 3: "before"})
+		if a := w.last(); a.kind != actRepair || len(a.faults) != 1 || a.faults[0].Position.Rank != 3 {
+			t.Fatalf("after the takeover: %+v", a)
+		}
+	})
+
 	t.Run("a fault while the members register again", func(t *testing.T) {
 		w := newCoreWorld(t, testCoreConfig())
 		w.fault(3, FaultProcessExit)
@@ -169,7 +219,7 @@ func TestCoreTakeOver(t *testing.T) {
 		if len(w.actions) != 0 && w.last().id > st.NextAction {
 			t.Fatalf("acted while settling: %+v", w.last())
 		}
-		m.settled(w.now, "taken over")
+		m.settled(w.now, "taken over", nil)
 		w.drain()
 		if r := m.run; r.o.State != StateStopping || r.o.Round != 2 {
 			t.Fatalf("after the takeover: %s round %d", r.o.State, r.o.Round)
@@ -337,7 +387,7 @@ func FuzzStateFile(f *testing.F) {
 		w.m.restore(st, nil)
 		w.m.registered(w.now, 0)
 		w.m.fault(w.now, Fault{ID: "x", Kind: FaultHang, Position: Position{Node: 0, Rank: 1}, Time: w.now})
-		w.m.settled(w.now, "taken over")
+		w.m.settled(w.now, "taken over", map[int]string{0: "a", 2: "b"})
 		w.drain()
 		for n := 0; w.m.run != nil && n < 100; n++ {
 			w.now = w.m.deadline().Add(time.Millisecond)
@@ -429,5 +479,44 @@ func TestManagerTakesUnseenFaults(t *testing.T) {
 	o := c.m.Orchestrations(0).History[0]
 	if o.Restored != 1 || len(o.Transitions) < 3 || o.Transitions[1].To != StateStopping || !strings.HasSuffix(o.Transitions[2].Reason, "of 3 ranks paused") {
 		t.Fatalf("the recovery did not wait for the ranks: %+v", o.Transitions)
+	}
+}
+
+// TestStateFileWritersRace: a deposed manager that keeps writing its state
+// while the leader writes never replaces the leader's: its check of the
+// token there and its rename are one step against the leader's write.
+func TestStateFileWritersRace(t *testing.T) {
+	path := filepath.Join(t.TempDir(), orchStateFile)
+	leaderDone := make(chan struct{})
+	var deposedErr error
+	var g sync.WaitGroup
+	g.Go(func() {
+		// It tries again after each refusal: a stronger adversary than a
+		// manager, which stops at the first.
+		for {
+			if err := writeStateFile(path, "llm", 4, []byte(`{"term":4}`)); err != nil {
+				deposedErr = err
+			}
+			select {
+			case <-leaderDone:
+				return
+			default:
+			}
+		}
+	})
+	for range 50 {
+		if err := writeStateFile(path, "llm", 5, []byte(`{"term":5}`)); err != nil {
+			t.Fatal(err)
+		}
+		if tok, _, err := readStateFile(path, "llm"); err != nil || tok != 5 {
+			close(leaderDone)
+			g.Wait()
+			t.Fatalf("after the leader's write the file holds term %d's state (%v)", tok, err)
+		}
+	}
+	close(leaderDone)
+	g.Wait()
+	if !errors.Is(deposedErr, ErrStateFile) {
+		t.Fatalf("the deposed writer: %v, want ErrStateFile", deposedErr)
 	}
 }

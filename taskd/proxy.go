@@ -325,7 +325,7 @@ func (p *Proxy) runUpstream(ctx context.Context) error {
 func (p *Proxy) upSession(ctx context.Context, sessions *int) error {
 	host, _ := os.Hostname()
 	rctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
-	resp, err := p.up.Register(rctx, &pb.RegisterRequest{Job: p.cfg.Job, Member: p.self, Hostname: host, Pid: int64(os.Getpid())}, grpc.WaitForReady(true))
+	resp, err := p.up.Register(rctx, &pb.RegisterRequest{Job: p.cfg.Job, Member: p.self, Hostname: host, Pid: int64(os.Getpid()), Fence: p.fence.newest()}, grpc.WaitForReady(true))
 	cancel()
 	if err != nil {
 		return err
@@ -410,12 +410,17 @@ func (p *Proxy) reregister(ctx context.Context, rank int) error {
 	p.mu.Lock()
 	w := p.workers[rank]
 	gone := w != nil && w.gone
+	var req *pb.RegisterRequest
+	if w != nil {
+		req = proto.Clone(w.req).(*pb.RegisterRequest)
+	}
 	p.mu.Unlock()
 	if w == nil || gone {
 		return nil
 	}
+	req.Fence = max(req.GetFence(), p.fence.newest())
 	rctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
-	_, err := p.up.Register(rctx, w.req)
+	_, err := p.up.Register(rctx, req)
 	cancel()
 	switch status.Code(err) {
 	case codes.OK:
@@ -487,7 +492,7 @@ func (p *Proxy) heartbeats(ctx context.Context, interval, deadline time.Duration
 		}
 		return nil
 	}
-	return heartbeats(ctx, p.up, p.cfg.Job, p.self, interval, deadline, beats, answered)
+	return heartbeats(ctx, p.up, p.cfg.Job, p.self, &p.fence, interval, deadline, beats, answered)
 }
 
 func (p *Proxy) managerInstance() string {
@@ -575,6 +580,7 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 	}
 	fwd := proto.Clone(req).(*pb.RegisterRequest)
 	fwd.Via = p.self
+	fwd.Fence = max(fwd.GetFence(), p.fence.newest())
 	// The worker's entry and queue exist before the manager hears of it, so
 	// that what the manager sends it at once is not lost.
 	p.mu.Lock()
@@ -615,6 +621,9 @@ func (s *proxyControl) Register(ctx context.Context, req *pb.RegisterRequest) (*
 	// The worker's secret is the proxy's to issue and check; the manager
 	// knows the worker through the proxy.
 	resp.Secret = p.ids.issue(identity{key: workerKey(rank), instance: inst, node: p.cfg.Node})
+	// The newest term the proxy has seen, which may be newer than the
+	// manager's: the worker then refuses that manager's commands too.
+	resp.Fence = max(resp.GetFence(), p.fence.newest())
 	return resp, nil
 }
 
@@ -678,7 +687,16 @@ func (s *proxyControl) Stream(req *pb.StreamRequest, stream grpc.ServerStreaming
 	stop := w.dl.attach()
 	w.gone = false
 	p.mu.Unlock()
-	err := serveDownlink(stream.Context(), stop, w.dl, stream.Send)
+	err := serveDownlink(stream.Context(), stop, w.dl, func(env *pb.Envelope) error {
+		// Checked again as it leaves the queue: a newer term may have
+		// been admitted since it was queued.
+		if err := p.fence.admit(env.GetFence()); err != nil {
+			p.met.fenced.Inc()
+			p.log.Warn("taskd: queued message refused", "id", env.GetId(), "rank", rank, "err", err)
+			return nil
+		}
+		return stream.Send(env)
+	})
 	if stream.Context().Err() != nil {
 		p.mu.Lock()
 		if p.workers[rank] == w && w.dl.stop == stop {

@@ -387,7 +387,7 @@ func (w *Worker) session(ctx context.Context) error {
 	w.mu.Unlock()
 	host, _ := os.Hostname()
 	rctx, cancel := context.WithTimeout(ctx, w.cfg.AckTimeout)
-	resp, err := w.client.Register(rctx, &pb.RegisterRequest{Job: w.cfg.Job, Member: w.self, SwitchBits: bits, HasSwitch: has, Hostname: host, Pid: int64(os.Getpid())}, grpc.WaitForReady(true))
+	resp, err := w.client.Register(rctx, &pb.RegisterRequest{Job: w.cfg.Job, Member: w.self, SwitchBits: bits, HasSwitch: has, Hostname: host, Pid: int64(os.Getpid()), Fence: w.fence.newest()}, grpc.WaitForReady(true))
 	cancel()
 	if status.Code(err) == codes.FailedPrecondition {
 		return fmt.Errorf("%w: %v", ErrEvicted, err)
@@ -478,23 +478,26 @@ func (w *Worker) session(ctx context.Context) error {
 		}
 		return nil
 	}
-	g.Go(func() error { return heartbeats(gctx, w.client, w.cfg.Job, w.self, interval, deadline, nil, answered) })
+	g.Go(func() error {
+		return heartbeats(gctx, w.client, w.cfg.Job, w.self, &w.fence, interval, deadline, nil, answered)
+	})
 	g.Go(func() error { return w.up.run(gctx, w.client) })
 	g.Go(func() error { return runAcks(gctx, w.client, w.cfg.Job, w.acks, w.cfg.AckTimeout, w.log) })
 	return g.Wait()
 }
 
-// heartbeats sends a heartbeat every interval until ctx ends. It returns
-// errReregister when the upstream refuses self's credentials, and an
-// error when no heartbeat got through for longer than deadline. beats, if
-// set, adds the beats of members behind self, before each heartbeat;
-// answered is told each answer, and its error ends the heartbeats.
-func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, interval, deadline time.Duration, beats func() []*pb.Beat, answered func(*pb.HeartbeatResponse) error) error {
+// heartbeats sends a heartbeat every interval until ctx ends, with the
+// newest token that fence admitted. It returns errReregister when the
+// upstream refuses self's credentials, and an error when no heartbeat got
+// through for longer than deadline. beats, if set, adds the beats of
+// members behind self, before each heartbeat; answered is told each
+// answer, and its error ends the heartbeats.
+func heartbeats(ctx context.Context, client pb.ControlClient, job string, self *pb.Member, fence *memberFence, interval, deadline time.Duration, beats func() []*pb.Beat, answered func(*pb.HeartbeatResponse) error) error {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	lastOK := time.Now()
 	for {
-		req := &pb.HeartbeatRequest{Job: job, From: self, Beats: []*pb.Beat{{Member: self}}}
+		req := &pb.HeartbeatRequest{Job: job, From: self, Beats: []*pb.Beat{{Member: self}}, Fence: fence.newest()}
 		if beats != nil {
 			req.Beats = append(req.Beats, beats()...)
 		}
@@ -546,7 +549,7 @@ func (w *Worker) handle(env *pb.Envelope, mgr string) {
 		errMsg = w.applySwitch(body.Switch.GetVersion(), body.Switch.GetDocument())
 	case *pb.Envelope_Message:
 		kind = "message"
-		res := w.applyMessage(env.GetId(), body.Message, mgr)
+		res := w.applyMessage(env.GetId(), env.GetFence(), body.Message, mgr)
 		if !res.done {
 			return // acknowledged when the trainer call ends
 		}
@@ -613,7 +616,11 @@ type trainerOp struct {
 	kind    string
 	payload []byte
 	// mgr is the manager instance of the session that asked.
-	mgr   string
+	mgr string
+	// fence is the fencing token the message came with: checked again
+	// just before the call, since a newer term may have been admitted
+	// while the call waited behind others.
+	fence uint64
 	check opCheck
 	held  bool // checkHold: the manager said an orchestration holds the job
 }
@@ -630,7 +637,7 @@ const (
 // applyMessage hands a message to OnMessage, or an orchestration message
 // to the trainer, once; a re-sent copy gets the first result again, or
 // nothing while the trainer call runs.
-func (w *Worker) applyMessage(id uint64, msg *pb.UserMessage, mgr string) msgResult {
+func (w *Worker) applyMessage(id, fence uint64, msg *pb.UserMessage, mgr string) msgResult {
 	w.mu.Lock()
 	if res, seen := w.results[id]; seen {
 		w.mu.Unlock()
@@ -645,7 +652,7 @@ func (w *Worker) applyMessage(id uint64, msg *pb.UserMessage, mgr string) msgRes
 		}
 		w.remember(id, msgResult{})
 		select {
-		case w.ops <- trainerOp{id: id, kind: msg.GetKind(), payload: msg.GetPayload(), mgr: mgr}:
+		case w.ops <- trainerOp{id: id, kind: msg.GetKind(), payload: msg.GetPayload(), mgr: mgr, fence: fence}:
 			return msgResult{}
 		default:
 			res := msgResult{err: "taskd: trainer busy: too many calls queued", done: true}
@@ -695,6 +702,14 @@ func (w *Worker) runTrainer(ctx context.Context, stopping <-chan struct{}) {
 		default:
 		}
 		if op.check == checkHold && !w.releases(op) {
+			continue
+		}
+		if err := w.fence.admit(op.fence); err != nil {
+			// Admitted when it came, but a newer term was admitted while
+			// it waited: its manager is deposed. Not carried out, and not
+			// answered, as if refused on arrival.
+			w.met.fenced.Inc()
+			w.log.Warn("taskd: queued orchestration command refused", "id", op.id, "call", op.kind, "err", err)
 			continue
 		}
 		once := onceOf(op.payload)

@@ -50,6 +50,7 @@ type manifests struct {
 	services   map[string]*corev1.Service
 	configMaps map[string]*corev1.ConfigMap
 	secrets    map[string]*corev1.Secret
+	claims     map[string]*corev1.PersistentVolumeClaim
 	accounts   map[string]*corev1.ServiceAccount
 	roles      map[string]*rbacv1.Role
 	bindings   map[string]*rbacv1.RoleBinding
@@ -64,7 +65,7 @@ func load(t testing.TB) *manifests {
 		t.Fatal(err)
 	}
 	m := &manifests{services: map[string]*corev1.Service{}, configMaps: map[string]*corev1.ConfigMap{},
-		secrets: map[string]*corev1.Secret{}, accounts: map[string]*corev1.ServiceAccount{},
+		secrets: map[string]*corev1.Secret{}, claims: map[string]*corev1.PersistentVolumeClaim{}, accounts: map[string]*corev1.ServiceAccount{},
 		roles: map[string]*rbacv1.Role{}, bindings: map[string]*rbacv1.RoleBinding{}}
 	dec := serializer.NewCodecFactory(scheme.Scheme, serializer.EnableStrict).UniversalDeserializer()
 	seen := map[string]string{} // kind/name -> file
@@ -118,6 +119,8 @@ func load(t testing.TB) *manifests {
 				m.configMaps[o.Name] = o
 			case *corev1.Secret:
 				m.secrets[o.Name] = o
+			case *corev1.PersistentVolumeClaim:
+				m.claims[o.Name] = o
 			case *corev1.ServiceAccount:
 				m.accounts[o.Name] = o
 			case *rbacv1.Role:
@@ -665,6 +668,12 @@ func TestCommandLines(t *testing.T) {
 	eq("taskd-manager --lease", mf["lease"], "kubernetes")
 	if names := leaseNames(m); !slices.Contains(names, mf["lease-name"]) {
 		t.Errorf("taskd-manager --lease-name %q is not among the Leases the Role grants, %v", mf["lease-name"], names)
+	}
+	// The managers' state, on a volume every replica mounts at once.
+	if v, _, ok := mountedFile(mgrTpl, mgr, path.Join(mf["state-dir"], "x")); !ok || v.PersistentVolumeClaim == nil ||
+		m.claims[v.PersistentVolumeClaim.ClaimName] == nil ||
+		!slices.Contains(m.claims[v.PersistentVolumeClaim.ClaimName].Spec.AccessModes, corev1.ReadWriteMany) {
+		t.Errorf("taskd-manager --state-dir %q is not the mount of a ReadWriteMany PersistentVolumeClaim", mf["state-dir"])
 	}
 	// Where faultline-run writes is a mounted volume: the root is read-only.
 	for _, dir := range []string{rf["out"], run.WorkingDir} {

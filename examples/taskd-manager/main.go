@@ -31,7 +31,9 @@
 // taskd.OrchestrationConfig. --agents is that configuration for a job
 // whose nodes run faultline-run with --manager pointing here: its agents
 // restart the ranks and resume them from the newest checkpoint step every
-// node holds (agent.Orchestration); it needs --nodes.
+// node holds (agent.Orchestration); it needs --nodes. --pause-timeout
+// (default 30s) bounds how long an orchestration waits for every rank to
+// pause; it needs --orchestrate or --agents.
 //
 // A job may have several managers, one leading and the others standing by
 // (taskd.Lead): --lease file keeps the lease in --lease-file, on one
@@ -43,12 +45,14 @@
 // manager's address (or a Service) follow it, and a deposed leader's
 // commands are fenced. Managers of one job must be started alike (job,
 // shape, heartbeats, orchestration): one whose configuration differs from
-// the leader's is refused. Give them one --state-dir, shared, for the
-// standby to finish the recovery in progress. SIGTERM resigns the lease,
+// the leader's is refused. With --orchestrate or --agents, --lease needs
+// one --state-dir shared by every manager: the standby that takes over
+// finishes the recovery in progress from it. SIGTERM resigns the lease,
 // so that a standby leads at once.
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -99,12 +103,18 @@ func run() error {
 		deadline    = flag.Duration("heartbeat-deadline", taskd.DefaultHeartbeatDeadline, "silence after which a member is lost")
 		orchestrate = flag.Bool("orchestrate", false, "recover from faults online, and serve link switches and stress tests")
 		agents      = flag.Bool("agents", false, "the ranks run under faultline-run: orchestrate as its agents recover (implies --orchestrate)")
-		pause       = flag.Duration("pause-timeout", 0, "how long orchestration waits for every rank to pause (default 30s)")
+		pause       = flag.Duration("pause-timeout", defaultPauseTimeout, "how long orchestration waits for every rank to pause (0: the default)")
 		leaseKind   = flag.String("lease", "", "file or kubernetes: one of several managers, leading while it holds the lease (default: none, this manager leads alone)")
 		leaseFile   = flag.String("lease-file", "", "--lease file: the lease file, on a filesystem every manager shares")
 		leaseName   = flag.String("lease-name", "", "--lease kubernetes: the coordination.k8s.io Lease, in namespace $POD_NAMESPACE")
 	)
 	flag.Parse()
+	pauseGiven := false
+	flag.Visit(func(f *flag.Flag) { pauseGiven = pauseGiven || f.Name == "pause-timeout" })
+	if err := checkFlags(*orchestrate || *agents, pauseGiven, *leaseKind, *stateDir); err != nil {
+		return err
+	}
+	*pause = cmp.Or(*pause, defaultPauseTimeout)
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	sec, err := security(*tlsDir, *tokenFile, *plaintext)
 	if err != nil {
@@ -148,8 +158,7 @@ func run() error {
 		return err
 	}
 	candidate := lease.Candidate{Job: *job, Name: os.Getenv("POD_NAME"),
-		Config: lease.ConfigHash(fmt.Appendf(nil, "job=%q nodes=%d procs-per-node=%d heartbeat-interval=%v heartbeat-deadline=%v orchestrate=%v agents=%v pause-timeout=%v",
-			*job, *nodes, *ppn, *interval, *deadline, *orchestrate, *agents, *pause))}
+		Config: leaseConfig(*job, *nodes, *ppn, *interval, *deadline, *orchestrate, *agents, *pause)}
 	l, err := newLease(*leaseKind, *leaseFile, *leaseName, candidate, log, inCluster)
 	if err != nil {
 		return err
@@ -172,6 +181,33 @@ func run() error {
 	defer m.Close()
 	log.Info("taskd-manager serving", "addr", m.Addr().String(), "job", *job)
 	return m.Run(ctx)
+}
+
+// defaultPauseTimeout is taskd.Timeouts.Pause's default: --pause-timeout
+// 0 means it, and the managers' configuration hash takes it for it.
+const defaultPauseTimeout = 30 * time.Second
+
+// checkFlags refuses flags that do not go together: orchestrates with
+// --orchestrate or --agents, pauseGiven when --pause-timeout was set.
+func checkFlags(orchestrates, pauseGiven bool, leaseKind, stateDir string) error {
+	switch {
+	case pauseGiven && !orchestrates:
+		return errors.New("--pause-timeout needs --orchestrate or --agents: without them nothing pauses")
+	case leaseKind != "" && orchestrates && stateDir == "":
+		// The orchestration state is the standby's only way to know of
+		// a recovery in progress: without it, one that takes over
+		// releases ranks held mid-recovery instead of finishing it.
+		return fmt.Errorf("--lease %s with --orchestrate or --agents needs --state-dir, shared by every manager: a standby that takes over finishes the recovery in progress from it", leaseKind)
+	}
+	return nil
+}
+
+// leaseConfig is the configuration hash of the lease's candidate: what
+// the managers of one job must agree on. A pause timeout of 0 is the
+// default's.
+func leaseConfig(job string, nodes, ppn int, interval, deadline time.Duration, orchestrate, agents bool, pause time.Duration) string {
+	return lease.ConfigHash(fmt.Appendf(nil, "job=%q nodes=%d procs-per-node=%d heartbeat-interval=%v heartbeat-deadline=%v orchestrate=%v agents=%v pause-timeout=%v",
+		job, nodes, ppn, interval, deadline, orchestrate || agents, agents, cmp.Or(pause, defaultPauseTimeout)))
 }
 
 // inCluster returns a client of the API server of the pod's cluster, as

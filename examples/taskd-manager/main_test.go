@@ -252,3 +252,50 @@ func TestAgentsNeedNodes(t *testing.T) {
 		t.Fatalf("exit %d: %s", code, m.stderr.String())
 	}
 }
+
+// TestFlagsThatNeedOthers: flags that mean nothing, or harm, without
+// others are refused at start, and the error names them.
+func TestFlagsThatNeedOthers(t *testing.T) {
+	for _, tc := range []struct {
+		orchestrates, pauseGiven bool
+		lease, stateDir, want    string
+	}{
+		{orchestrates: true, lease: "file", want: "--lease file with --orchestrate or --agents needs --state-dir"},
+		{orchestrates: true, lease: "kubernetes", want: "--lease kubernetes with --orchestrate or --agents needs --state-dir"},
+		{pauseGiven: true, want: "--pause-timeout needs --orchestrate or --agents"},
+		{pauseGiven: true, lease: "file", stateDir: "/s", want: "--pause-timeout needs --orchestrate or --agents"},
+		{orchestrates: true, pauseGiven: true, lease: "file", stateDir: "/s"},
+		{orchestrates: true},
+		{lease: "file"},
+	} {
+		err := checkFlags(tc.orchestrates, tc.pauseGiven, tc.lease, tc.stateDir)
+		if (tc.want == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tc.want)) {
+			t.Errorf("%+v: %v, want %q", tc, err, tc.want)
+		}
+	}
+	// The whole command.
+	m := startManager(t, "llm-manager-a", "--insecure --job llm --nodes 2 --agents --lease file --lease-file "+filepath.Join(t.TempDir(), "lease")+" --listen "+freeAddr(t))
+	select {
+	case <-m.done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("taskd-manager --agents --lease without --state-dir was not refused")
+	}
+	if code := m.cmd.ProcessState.ExitCode(); code == 0 || !strings.Contains(m.stderr.String(), "needs --state-dir") {
+		t.Fatalf("exit %d: %s", code, m.stderr.String())
+	}
+}
+
+// TestLeaseConfigPauseDefault: managers given --pause-timeout 0 and 30s
+// wait as long, and so agree on the configuration; a manager given
+// another timeout does not.
+func TestLeaseConfigPauseDefault(t *testing.T) {
+	hash := func(pause time.Duration) string {
+		return leaseConfig("llm", 2, 2, time.Second, 5*time.Second, true, false, pause)
+	}
+	if hash(0) != hash(30*time.Second) {
+		t.Error("--pause-timeout 0 and 30s give different configurations")
+	}
+	if hash(0) == hash(20*time.Second) {
+		t.Error("--pause-timeout 0 and 20s give the same configuration")
+	}
+}

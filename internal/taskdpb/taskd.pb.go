@@ -266,10 +266,14 @@ type RegisterRequest struct {
 	Via *Member `protobuf:"bytes,3,opt,name=via,proto3" json:"via,omitempty"`
 	// The profiling switch the member applies now, as a trace.Switch bit set,
 	// so that a restarted manager re-sends only where it differs.
-	SwitchBits    uint32 `protobuf:"varint,4,opt,name=switch_bits,json=switchBits,proto3" json:"switch_bits,omitempty"`
-	HasSwitch     bool   `protobuf:"varint,5,opt,name=has_switch,json=hasSwitch,proto3" json:"has_switch,omitempty"`
-	Hostname      string `protobuf:"bytes,6,opt,name=hostname,proto3" json:"hostname,omitempty"`
-	Pid           int64  `protobuf:"varint,7,opt,name=pid,proto3" json:"pid,omitempty"`
+	SwitchBits uint32 `protobuf:"varint,4,opt,name=switch_bits,json=switchBits,proto3" json:"switch_bits,omitempty"`
+	HasSwitch  bool   `protobuf:"varint,5,opt,name=has_switch,json=hasSwitch,proto3" json:"has_switch,omitempty"`
+	Hostname   string `protobuf:"bytes,6,opt,name=hostname,proto3" json:"hostname,omitempty"`
+	Pid        int64  `protobuf:"varint,7,opt,name=pid,proto3" json:"pid,omitempty"`
+	// fence is the newest fencing token the member has seen (see
+	// RegisterResponse.fence), from a proxy the newest of its own and the
+	// worker's: a manager of an older term was deposed and stops.
+	Fence         uint64 `protobuf:"varint,8,opt,name=fence,proto3" json:"fence,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -349,6 +353,13 @@ func (x *RegisterRequest) GetHostname() string {
 func (x *RegisterRequest) GetPid() int64 {
 	if x != nil {
 		return x.Pid
+	}
+	return 0
+}
+
+func (x *RegisterRequest) GetFence() uint64 {
+	if x != nil {
+		return x.Fence
 	}
 	return 0
 }
@@ -504,7 +515,10 @@ type HeartbeatRequest struct {
 	Job   string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
 	From  *Member                `protobuf:"bytes,2,opt,name=from,proto3" json:"from,omitempty"`
 	// beats carries the sender and, from a proxy, each of its workers.
-	Beats         []*Beat `protobuf:"bytes,3,rep,name=beats,proto3" json:"beats,omitempty"`
+	Beats []*Beat `protobuf:"bytes,3,rep,name=beats,proto3" json:"beats,omitempty"`
+	// fence is the newest fencing token the sender has seen, as in
+	// RegisterRequest.
+	Fence         uint64 `protobuf:"varint,4,opt,name=fence,proto3" json:"fence,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -558,6 +572,13 @@ func (x *HeartbeatRequest) GetBeats() []*Beat {
 		return x.Beats
 	}
 	return nil
+}
+
+func (x *HeartbeatRequest) GetFence() uint64 {
+	if x != nil {
+		return x.Fence
+	}
+	return 0
 }
 
 type HeartbeatResponse struct {
@@ -3932,7 +3953,7 @@ const file_taskd_proto_rawDesc = "" +
 	"\x06Member\x12,\n" +
 	"\x04role\x18\x01 \x01(\x0e2\x18.faultline.taskd.v1.RoleR\x04role\x128\n" +
 	"\bposition\x18\x02 \x01(\v2\x1c.faultline.taskd.v1.PositionR\bposition\x12\x1a\n" +
-	"\binstance\x18\x03 \x01(\tR\binstance\"\xf3\x01\n" +
+	"\binstance\x18\x03 \x01(\tR\binstance\"\x89\x02\n" +
 	"\x0fRegisterRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x122\n" +
 	"\x06member\x18\x02 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x06member\x12,\n" +
@@ -3942,7 +3963,8 @@ const file_taskd_proto_rawDesc = "" +
 	"\n" +
 	"has_switch\x18\x05 \x01(\bR\thasSwitch\x12\x1a\n" +
 	"\bhostname\x18\x06 \x01(\tR\bhostname\x12\x10\n" +
-	"\x03pid\x18\a \x01(\x03R\x03pid\"\xe7\x01\n" +
+	"\x03pid\x18\a \x01(\x03R\x03pid\x12\x14\n" +
+	"\x05fence\x18\b \x01(\x04R\x05fence\"\xe7\x01\n" +
 	"\x10RegisterResponse\x122\n" +
 	"\x15heartbeat_interval_ms\x18\x01 \x01(\x03R\x13heartbeatIntervalMs\x122\n" +
 	"\x15heartbeat_deadline_ms\x18\x02 \x01(\x03R\x13heartbeatDeadlineMs\x12)\n" +
@@ -3952,11 +3974,12 @@ const file_taskd_proto_rawDesc = "" +
 	"\x05fence\x18\x06 \x01(\x04R\x05fence\"Q\n" +
 	"\x04Beat\x122\n" +
 	"\x06member\x18\x01 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x06member\x12\x15\n" +
-	"\x06age_ms\x18\x02 \x01(\x03R\x05ageMs\"\x84\x01\n" +
+	"\x06age_ms\x18\x02 \x01(\x03R\x05ageMs\"\x9a\x01\n" +
 	"\x10HeartbeatRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12.\n" +
 	"\x04from\x18\x02 \x01(\v2\x1a.faultline.taskd.v1.MemberR\x04from\x12.\n" +
-	"\x05beats\x18\x03 \x03(\v2\x18.faultline.taskd.v1.BeatR\x05beats\"\x8a\x01\n" +
+	"\x05beats\x18\x03 \x03(\v2\x18.faultline.taskd.v1.BeatR\x05beats\x12\x14\n" +
+	"\x05fence\x18\x04 \x01(\x04R\x05fence\"\x8a\x01\n" +
 	"\x11HeartbeatResponse\x12)\n" +
 	"\x10manager_instance\x18\x01 \x01(\tR\x0fmanagerInstance\x124\n" +
 	"\aunknown\x18\x02 \x03(\v2\x1a.faultline.taskd.v1.MemberR\aunknown\x12\x14\n" +
