@@ -8,6 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
 	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd/lease"
@@ -60,13 +63,36 @@ func BenchmarkFailover(b *testing.B) {
 		c.workers[r] = w
 		c.run(w, w.Run)
 	}
-	total := func(addr string) int {
-		a := newAdminClient(b, addr, base.Job)
-		res, err := a.admin.ListMembers(a.ctx(), &pb.ListMembersReq{JobNsName: base.Job})
+	// A connection per poll, closed after it: kept open, they would run
+	// into the manager's cap of connections per peer, and one reused
+	// across a manager's death would wait out gRPC's reconnect backoff.
+	admin := func(addr string, call func(pb.AdminClient, context.Context)) {
+		conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
-			return -1
+			b.Fatal(err)
 		}
-		return int(res.GetTotal())
+		defer conn.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		call(pb.NewAdminClient(conn), ctx)
+	}
+	total := func(addr string) int {
+		n := -1
+		admin(addr, func(a pb.AdminClient, ctx context.Context) {
+			if res, err := a.ListMembers(ctx, &pb.ListMembersReq{JobNsName: base.Job}); err == nil {
+				n = int(res.GetTotal())
+			}
+		})
+		return n
+	}
+	faults := func(addr string) []*pb.Fault {
+		var fs []*pb.Fault
+		admin(addr, func(a pb.AdminClient, ctx context.Context) {
+			if res, err := a.ListFaults(ctx, &pb.ListFaultsReq{JobNsName: base.Job}); err == nil {
+				fs = res.GetFaults()
+			}
+		})
+		return fs
 	}
 	testkit.WaitForWithin(b, 2*time.Minute, "every member registered", func() bool { return total(addrs[leader]) == workers+nodes })
 
@@ -78,12 +104,16 @@ func BenchmarkFailover(b *testing.B) {
 		a.Node, a.Rank, a.Upstream = nodes, workers+i, upstream
 		probe := startChild(b, "worker", a)
 		probe.expect(0, "connected", 60*time.Second)
-		before := len(newAdminClient(b, addrs[leader], base.Job).faults())
+		before := len(faults(addrs[leader]))
 		killed := time.Now()
 		probe.kill()
 		var at time.Time
 		testkit.WaitFor(b, "the killed worker declared lost", func() bool {
-			for _, f := range newAdminClient(b, addrs[leader], base.Job).faults()[before:] {
+			fs := faults(addrs[leader])
+			if len(fs) < before {
+				return false // the call failed: ask again
+			}
+			for _, f := range fs[before:] {
 				if f.GetKind() == string(FaultLost) && int(f.GetRank()) == a.Rank {
 					at = time.Unix(0, f.GetReceivedUnixNano())
 					return true
