@@ -268,22 +268,11 @@ var ErrStale = errors.New("ckpt: step is older than the committed one")
 // file, so two callers in one process exclude each other too, and a
 // process that dies releases its lock.
 func lockDir(dir string) (unlock func(), err error) {
-	name := filepath.Join(dir, layout.LockFile)
-	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o640)
+	unlock, err = atomicfile.Lock(filepath.Join(dir, layout.LockFile), 0o640)
 	if err != nil {
 		return nil, wrapNoSpace(fmt.Errorf("ckpt: lock the disk tier: %w", err))
 	}
-	for {
-		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
-		if !errors.Is(err, unix.EINTR) {
-			break
-		}
-	}
-	if err != nil {
-		f.Close()
-		return nil, fmt.Errorf("ckpt: lock the disk tier: flock %s: %w", name, err)
-	}
-	return func() { f.Close() }, nil
+	return unlock, nil
 }
 
 // CommitStep commits a step in dir once every shard of it is durable: it

@@ -16,8 +16,6 @@ import (
 	"strings"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/faultline-ml/faultline/internal/atomicfile"
 )
 
@@ -193,22 +191,11 @@ const stateLockFile = "orchestration.lock"
 // lockStateDir takes the lock of the state files in dir, waiting for a
 // writer that holds it, and returns what releases it.
 func lockStateDir(dir string) (unlock func(), err error) {
-	name := filepath.Join(dir, stateLockFile)
-	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|syscallNoFollow, 0o644)
+	unlock, err = atomicfile.Lock(filepath.Join(dir, stateLockFile), 0o644)
 	if err != nil {
 		return nil, fmt.Errorf("taskd: lock the state files: %w", err)
 	}
-	for {
-		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
-		if !errors.Is(err, unix.EINTR) {
-			break
-		}
-	}
-	if err != nil {
-		f.Close()
-		return nil, fmt.Errorf("taskd: lock the state files: flock %s: %w", name, err)
-	}
-	return func() { f.Close() }, nil // closing it releases the lock
+	return unlock, nil
 }
 
 // faultMark says which faults of the log, by Seq, the core took in: all

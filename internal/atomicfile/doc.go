@@ -8,5 +8,6 @@
 //	}
 //
 // For large content, Create returns a *File to stream into; Commit makes it
-// visible under its final name and Abort throws it away.
+// visible under its final name and Abort throws it away. Lock serialises
+// writers across processes (a flock on a lock file beside the files).
 package atomicfile
