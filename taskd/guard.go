@@ -181,8 +181,9 @@ func (l *guardListener) Accept() (net.Conn, error) {
 		addr := c.RemoteAddr().String()
 		ip := peerHost(addr)
 		if reason := l.g.admit(ip, addr, c); reason != "" {
-			c.Close()
+			// Counted before the close: whoever sees the close sees it counted.
 			l.g.met.conns.WithLabelValues(reason).Inc()
+			c.Close()
 			l.g.logRefusal("connections refused", reason, ip, "")
 			continue
 		}
@@ -272,8 +273,8 @@ func (g *guard) failed(ip, addr string) {
 	}
 	g.mu.Unlock()
 	if c != nil {
-		c.Close()
 		g.met.conns.WithLabelValues("locked_out").Inc()
+		c.Close()
 		g.logRefusal("connection closed: too many authentication failures", "locked_out", ip, "")
 	}
 }
