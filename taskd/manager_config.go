@@ -76,9 +76,9 @@ type ManagerConfig struct {
 	// filesystem, finishes the orchestration in progress. Faults are
 	// acknowledged to reporters only after they are synced there, and
 	// every change of an orchestration is written there before the
-	// manager acts on it. A state of another job, of an unknown version
-	// or of a newer lease term is refused (*StateFileError) and left as
-	// it is.
+	// manager acts on it. manager.json names the job the folder is
+	// for. A state of another job, of an unknown version or of a newer
+	// lease term is refused (*StateFileError) and left as it is.
 	StateDir string
 	// MaxFaults bounds the fault log; the oldest go first (default 10000).
 	MaxFaults int

@@ -183,6 +183,11 @@ func writeStateFile(path, job string, token uint64, state []byte) error {
 	return atomicfile.WriteFile(path, data, 0o644)
 }
 
+// jobMarkFile, in StateDir, is a state file with an empty state: it names
+// the job (and the format's version) the folder belongs to, so that a
+// manager of another job is refused before it reads the fault log.
+const jobMarkFile = "manager.json"
+
 // stateLockFile, in StateDir, is locked by each writer of the state files
 // from its check of the token there to its rename: a deposed manager that
 // read the state before the leader wrote it must not rename over it.

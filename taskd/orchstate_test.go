@@ -440,6 +440,43 @@ func TestManagerRefusesState(t *testing.T) {
 	}
 }
 
+// TestStateDirOfAnotherJob: a StateDir that a manager without
+// orchestration kept (a fault log, no orchestration state) is refused to
+// a manager of another job, with the file named and the log untouched.
+func TestStateDirOfAnotherJob(t *testing.T) {
+	dir := t.TempDir()
+	m, err := NewManager(ManagerConfig{Job: "job-1", Listen: "127.0.0.1:0", Security: insecureSec(), StateDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- m.Run(context.Background()) }()
+	if _, _, err := m.ReportFault(Fault{ID: "exit-3", Kind: FaultProcessExit, Position: Position{Node: 1, Rank: 3}}); err != nil {
+		t.Fatal(err)
+	}
+	m.Close()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	log, err := os.ReadFile(filepath.Join(dir, "faults.jsonl"))
+	if err != nil || len(log) == 0 {
+		t.Fatalf("fault log: %q, %v", log, err)
+	}
+	_, err = NewManager(ManagerConfig{Job: "job-2", Listen: "127.0.0.1:0", Security: insecureSec(), StateDir: dir})
+	if !errors.Is(err, ErrStateFile) || !strings.Contains(err.Error(), filepath.Join(dir, jobMarkFile)) || !strings.Contains(err.Error(), "another job's") {
+		t.Fatalf("a manager of another job: %v", err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(dir, "faults.jsonl")); !bytes.Equal(b, log) {
+		t.Errorf("the fault log changed: %q, was %q", b, log)
+	}
+	// The job's own manager starts on it again.
+	m, err = NewManager(ManagerConfig{Job: "job-1", Listen: "127.0.0.1:0", Security: insecureSec(), StateDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Close()
+}
+
 // TestManagerTakesUnseenFaults: a fault the manager logged and acknowledged
 // but died before its orchestration took in is taken in by the manager
 // that comes back: the recovery it starts waits for the members, then
