@@ -667,23 +667,16 @@ func (m *Manager) loadState() error {
 		return fmt.Errorf("taskd: state dir: %w", err)
 	}
 	// Read whether orchestration is on or not: another job's state is
-	// refused either way. The job's mark says whose the folder is even
-	// where no orchestration state was ever written (the fault log and
-	// the switch carry no job of their own).
-	markFile := filepath.Join(dir, jobMarkFile)
-	_, _, err := readStateFile(markFile, m.cfg.Job)
-	marked := err == nil
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return err
-	}
+	// refused either way. The job's mark then says whose the folder is
+	// even where no orchestration state was ever written (the fault log
+	// and the switch carry no job of their own); writeStateFile refuses
+	// another job's mark without writing.
 	orch, err := readOrchestration(dir, m.cfg.Job, m.token())
 	if err != nil {
 		return err
 	}
-	if !marked {
-		if err := writeStateFile(markFile, m.cfg.Job, m.token(), []byte("{}")); err != nil {
-			return fmt.Errorf("taskd: state dir: %w", err)
-		}
+	if err := writeStateFile(filepath.Join(dir, jobMarkFile), m.cfg.Job, m.token(), []byte("{}")); err != nil {
+		return err
 	}
 	swFile := filepath.Join(dir, "switch.json")
 	if data, err := os.ReadFile(swFile); err == nil {

@@ -601,11 +601,15 @@ func (o *orchestrator) broadcast(ctx context.Context, a action) ([]rankResult, e
 		sendErr = fmt.Errorf("taskd: orchestration message %s: %w", a.msg, sendErr)
 		// A rank the message did not reach has failed it: an act no rank
 		// was told of has not succeeded.
+		reached := make(map[int]bool, len(ds))
+		for _, d := range ds {
+			reached[d.Rank] = true
+		}
 		o.m.mu.Lock()
 		ranks := o.m.resolveLocked(to)
 		o.m.mu.Unlock()
 		for _, r := range ranks {
-			if !slices.ContainsFunc(ds, func(d Delivery) bool { return d.Rank == r }) {
+			if !reached[r] {
 				ds = append(ds, Delivery{Rank: r, Err: sendErr})
 			}
 		}

@@ -440,11 +440,10 @@ func TestManagerRefusesState(t *testing.T) {
 	}
 }
 
-// TestStateDirOfAnotherJob: a StateDir that a manager without
-// orchestration kept (a fault log, no orchestration state) is refused to
-// a manager of another job, with the file named and the log untouched.
-func TestStateDirOfAnotherJob(t *testing.T) {
-	dir := t.TempDir()
+// logOneFault runs a manager of job-1 without orchestration on dir until
+// it has logged the fault "exit-3" of rank 3, and closes it.
+func logOneFault(t *testing.T, dir string) {
+	t.Helper()
 	m, err := NewManager(ManagerConfig{Job: "job-1", Listen: "127.0.0.1:0", Security: insecureSec(), StateDir: dir})
 	if err != nil {
 		t.Fatal(err)
@@ -458,6 +457,14 @@ func TestStateDirOfAnotherJob(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestStateDirOfAnotherJob: a StateDir that a manager without
+// orchestration kept (a fault log, no orchestration state) is refused to
+// a manager of another job, with the file named and the log untouched.
+func TestStateDirOfAnotherJob(t *testing.T) {
+	dir := t.TempDir()
+	logOneFault(t, dir)
 	log, err := os.ReadFile(filepath.Join(dir, "faults.jsonl"))
 	if err != nil || len(log) == 0 {
 		t.Fatalf("fault log: %q, %v", log, err)
@@ -470,7 +477,7 @@ func TestStateDirOfAnotherJob(t *testing.T) {
 		t.Errorf("the fault log changed: %q, was %q", b, log)
 	}
 	// The job's own manager starts on it again.
-	m, err = NewManager(ManagerConfig{Job: "job-1", Listen: "127.0.0.1:0", Security: insecureSec(), StateDir: dir})
+	m, err := NewManager(ManagerConfig{Job: "job-1", Listen: "127.0.0.1:0", Security: insecureSec(), StateDir: dir})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -485,19 +492,7 @@ func TestManagerTakesUnseenFaults(t *testing.T) {
 	dir := t.TempDir()
 	// The manager before: it logged the fault, and its orchestration state
 	// says it took none in.
-	m, err := NewManager(ManagerConfig{Job: "job-1", Listen: "127.0.0.1:0", Security: insecureSec(), StateDir: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- m.Run(context.Background()) }()
-	if _, _, err := m.ReportFault(Fault{ID: "exit-3", Kind: FaultProcessExit, Position: Position{Node: 1, Rank: 3}}); err != nil {
-		t.Fatal(err)
-	}
-	m.Close()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	logOneFault(t, dir)
 	if err := writeStateFile(filepath.Join(dir, orchStateFile), "job-1", 0, []byte(`{"epoch":"0123456789abcdef","next_run":0,"next_action":0,"seen":{"below":0}}`)); err != nil {
 		t.Fatal(err)
 	}

@@ -1,51 +1,33 @@
 package main
 
 import (
-	"bytes"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // manager is one taskd-manager process.
 type manager struct {
 	cmd    *exec.Cmd
-	stderr lockedBuffer
+	stderr *testkit.Output
 	done   chan struct{}
-}
-
-// lockedBuffer is a process's output, read while the process writes it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // startManager starts taskd-manager, built from examples/taskd-manager,
 // as the candidate name.
 func startManager(t *testing.T, bin, name string, args ...string) *manager {
 	t.Helper()
-	m := &manager{done: make(chan struct{})}
+	m := &manager{stderr: testkit.NewOutput(name, false), done: make(chan struct{})}
 	m.cmd = exec.Command(bin, args...)
 	m.cmd.Env = append(os.Environ(), "POD_NAME="+name)
-	m.cmd.Stderr = &m.stderr
+	m.cmd.Stderr = m.stderr
 	if err := m.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -93,14 +75,14 @@ func TestManagersApart(t *testing.T) {
 			"--nodes", "2", "--procs-per-node", "2", "--listen", addr, "--state-dir", filepath.Join(dir, "state"),
 			"--lease", "file", "--lease-file", filepath.Join(dir, "manager.lease")))
 		// The first leads: the second is started once it listens.
-		for deadline := time.Now().Add(30 * time.Second); i == 0; time.Sleep(20 * time.Millisecond) {
-			if c, err := net.Dial("tcp", addr); err == nil {
-				c.Close()
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("manager 0 does not listen on %s:\n%s", addr, mgrs[0].stderr.String())
-			}
+		if i == 0 {
+			testkit.WaitFor(t, "manager 0 listening on "+addr, func() bool {
+				c, err := net.Dial("tcp", addr)
+				if err == nil {
+					c.Close()
+				}
+				return err == nil
+			})
 		}
 	}
 	w := filepath.Join(dir, "weights")

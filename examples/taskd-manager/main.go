@@ -147,7 +147,6 @@ func run() error {
 		defer orch.Policy.Close()
 		orch.Timeouts.Pause = *pause
 		cfg.Orchestration, cfg.Handlers = orch, []taskd.Handler{h}
-		*orchestrate = true
 	case *orchestrate:
 		cfg.Orchestration = &taskd.OrchestrationConfig{Timeouts: taskd.Timeouts{Pause: *pause}}
 	}

@@ -9,7 +9,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -91,31 +90,14 @@ func TestLeaseFlags(t *testing.T) {
 // manager is a taskd-manager process.
 type manager struct {
 	cmd    *exec.Cmd
-	stderr *syncBuffer
+	stderr *testkit.Output
 	done   chan struct{}
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 func startManager(t *testing.T, podName, args string) *manager {
 	t.Helper()
 	cmd := testkit.Command(t, "taskd-manager", "TASKD_MANAGER_ARGS="+args, "POD_NAME="+podName, "TASKD_TOKEN=")
-	m := &manager{cmd: cmd, stderr: &syncBuffer{}, done: make(chan struct{})}
+	m := &manager{cmd: cmd, stderr: testkit.NewOutput(podName, false), done: make(chan struct{})}
 	cmd.Stderr = m.stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -71,6 +71,20 @@ func (o *Output) Len() int {
 	return len(o.all)
 }
 
+// String returns everything written so far, the partial last line
+// included, for a test that looks for a message anywhere in it.
+func (o *Output) String() string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	var b strings.Builder
+	for _, l := range o.all {
+		b.WriteString(l)
+		b.WriteByte('\n')
+	}
+	b.Write(o.part)
+	return b.String()
+}
+
 // From returns the lines from index i on.
 func (o *Output) From(i int) []string {
 	o.mu.Lock()

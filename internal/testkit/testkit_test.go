@@ -3,6 +3,7 @@ package testkit_test
 import (
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 
 	"go.uber.org/goleak"
@@ -50,5 +51,8 @@ func TestOutput(t *testing.T) {
 	}
 	if out.Len() != from+1 {
 		t.Fatalf("the partial last line counted: %q", out.From(0))
+	}
+	if s := out.String(); !strings.HasSuffix(s, "ready two\nlast") {
+		t.Fatalf("String = %q, want the lines and the partial last one", s)
 	}
 }
