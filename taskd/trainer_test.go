@@ -151,8 +151,10 @@ func TestWorkerCloseSendsWhatIsQueued(t *testing.T) {
 	if err != nil || len(ds) != 1 || ds[0].Err != nil {
 		t.Fatalf("stop: %+v %v", ds, err)
 	}
-	fs := c.m.Faults(0)
-	if len(fs) != 1 || fs[0].Message != "exiting: done" {
+	// The fault travels beside the acknowledgement, which may be taken in
+	// first: wait for the manager to log it.
+	testkit.WaitFor(t, "the stopping worker's fault in the manager's log", func() bool { return len(c.m.Faults(0)) > 0 })
+	if fs := c.m.Faults(0); len(fs) != 1 || fs[0].Message != "exiting: done" {
 		t.Fatalf("faults: %+v", fs)
 	}
 }
