@@ -182,6 +182,121 @@ func TestRunPersistsWhatWritersAsk(t *testing.T) {
 	}
 }
 
+// TestRunPersistsTheStepAsked: a writer that asks for step 4 and saves 5,
+// 6 and 7 before its owner looks keeps step 4 in memory (saves go over the
+// newest instead), and the owner persists and commits step 4, not the
+// newest; a newer request before the owner takes up the older one
+// supersedes it. Before the fix, the owner persisted whatever was newest
+// when it looked, and 4 was overwritten by the second save after it.
+func TestRunPersistsTheStepAsked(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	dir := t.TempDir()
+	commits := make(chan int64, 8)
+	nd := newNode(t, OwnerConfig{Dir: dir, PollInterval: 5 * time.Millisecond,
+		OnCommit: func(m layout.StepManifest) { commits <- m.Step }}, 2)
+	persist := func(step int64) {
+		t.Helper()
+		for _, w := range nd.ws {
+			if err := w.Persist(step); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	nd.saveAll(t, 4)
+	persist(4)
+	for step := int64(5); step <= 7; step++ {
+		nd.saveAll(t, step)
+	}
+	for s, w := range nd.ws {
+		if got := memorySteps(w.seg); !slices.Equal(got, []int64{7, 4}) {
+			t.Fatalf("shard %d holds %v in memory, want [7 4]: the step asked for was written over", s, got)
+		}
+	}
+	done := make(chan error)
+	go func() { done <- nd.o.Run(ctx) }()
+	next := func() int64 {
+		t.Helper()
+		select {
+		case st := <-commits:
+			return st
+		case <-time.After(30 * time.Second):
+			t.Fatal("no commit within 30s")
+			return -1
+		}
+	}
+	if got := next(); got != 4 {
+		t.Fatalf("committed step %d, want 4, the step asked for", got)
+	}
+	testkit.WaitFor(t, "the owner to clear the request", func() bool {
+		return nd.o.segs[0].persistSeq() == 0 && nd.o.segs[1].persistSeq() == 0
+	})
+	for _, s := range []int64{10, 11} {
+		nd.saveAll(t, s)
+		persist(s)
+	}
+	if got := next(); got != 11 && got != 10 {
+		t.Fatalf("committed step %d, want 10 or 11", got)
+	} else if got == 10 {
+		if got := next(); got != 11 {
+			t.Fatalf("committed step %d after 10, want 11", got)
+		}
+	}
+	nd.o.Close()
+	if err := <-done; err != nil {
+		t.Fatalf("Run after Close = %v, want nil", err)
+	}
+}
+
+// TestFlush: the persists writers asked for are done when Flush returns,
+// whether Run took them up or not.
+func TestFlush(t *testing.T) {
+	for _, running := range []bool{false, true} {
+		t.Run(fmt.Sprintf("run=%v", running), func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			dir := t.TempDir()
+			nd := newNode(t, OwnerConfig{Dir: dir, PollInterval: 5 * time.Millisecond}, 2)
+			nd.saveAll(t, 3)
+			for _, w := range nd.ws {
+				if err := w.Persist(3); err != nil {
+					t.Fatal(err)
+				}
+			}
+			nd.saveAll(t, 4)
+			done := make(chan error, 1)
+			if running {
+				go func() { done <- nd.o.Run(ctx) }()
+			}
+			if err := nd.o.Flush(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if got := readFile(t, filepath.Join(dir, layout.DLRoverTrackerFile)); got != "3" {
+				t.Fatalf("%s = %q after Flush, want 3", layout.DLRoverTrackerFile, got)
+			}
+			if err := nd.o.Flush(ctx); err != nil {
+				t.Fatalf("a second Flush: %v", err)
+			}
+			nd.o.Close()
+			if running {
+				<-done
+			}
+		})
+	}
+	t.Run("deadline", func(t *testing.T) {
+		nd := newNode(t, OwnerConfig{Dir: t.TempDir()}, 1)
+		nd.saveAll(t, 3)
+		if err := nd.ws[0].Persist(3); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		if err := nd.o.Flush(ctx); !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "[0]") {
+			t.Fatalf("Flush with its context done = %v", err)
+		}
+	})
+}
+
 func TestLoadPreference(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()

@@ -368,11 +368,7 @@ func (o *Owner) Run(ctx context.Context) error {
 			if req := seg.persistSeq(); req != 0 && req != lastPersist[shard] && o.cfg.Dir != "" {
 				if _, running := busy.Load(fmt.Sprint("p", shard)); !running {
 					lastPersist[shard] = req
-					start(fmt.Sprint("p", shard), func() {
-						if _, err := o.Persist(ctx, shard); err != nil {
-							o.log.Error("ckpt: persist failed", "shard", shard, "err", err)
-						}
-					})
+					start(fmt.Sprint("p", shard), func() { o.persistRequest(ctx, shard, req) })
 				}
 			}
 			if len(o.replicaTargets()) > 0 {
@@ -467,7 +463,83 @@ func (o *Owner) Persist(ctx context.Context, shard int) (layout.ShardManifest, e
 	return o.persist(ctx, shard, -1)
 }
 
-func (o *Owner) persist(ctx context.Context, shard int, step int64) (man layout.ShardManifest, err error) {
+// persistRequest persists the save with seq req that a writer asked for
+// (persist_seq), and clears the request once done with it: persisted, or
+// failed, or gone (a newer request superseded it, so that the writer was
+// free to write over it). The step persisted is the one asked for, never
+// a newer one: a job commits the steps its ranks asked for.
+func (o *Owner) persistRequest(ctx context.Context, shard int, req uint64) {
+	_, err := o.persistHalf(ctx, shard, func(m layout.StepMeta) bool { return m.Seq == req }, fmt.Sprintf("of save %d (the one asked for)", req))
+	if ctx.Err() != nil {
+		return // the next owner finds the request and persists it
+	}
+	if err != nil {
+		o.log.Error("ckpt: persist failed", "shard", shard, "seq", req, "err", err)
+	}
+	if err := o.acquire(); err == nil {
+		o.segs[shard].donePersist(req)
+		o.ops.RUnlock()
+	}
+}
+
+// Flush returns once the owner is done with every persist its writers
+// asked for (persist_seq): those Run took up, and those it has not yet
+// (Flush persists them itself when Run is not running). A node agent
+// calls it before it lets its trainers' job end, so that the last step
+// asked for reaches the disk. It returns ctx's error if ctx ends first,
+// naming the shards still waiting.
+func (o *Owner) Flush(ctx context.Context) error {
+	if o.cfg.Dir == "" {
+		return nil
+	}
+	pending := func() (shards []int, reqs []uint64, err error) {
+		if err := o.acquire(); err != nil {
+			return nil, nil, err
+		}
+		defer o.ops.RUnlock()
+		defer recoverFault(&err, debug.SetPanicOnFault(true))
+		for _, s := range o.cfg.Shards {
+			if req := o.segs[s].persistSeq(); req != 0 {
+				shards, reqs = append(shards, s), append(reqs, req)
+			}
+		}
+		return shards, reqs, nil
+	}
+	t := time.NewTicker(o.cfg.PollInterval)
+	defer t.Stop()
+	for {
+		shards, reqs, err := pending()
+		if err != nil || len(shards) == 0 {
+			return err
+		}
+		if o.running.TryLock() {
+			// No Run to take them up: persist them here, shards in parallel.
+			var wg sync.WaitGroup
+			for i, s := range shards {
+				wg.Go(func() { o.persistRequest(ctx, s, reqs[i]) })
+			}
+			wg.Wait()
+			o.running.Unlock()
+			if err := ctx.Err(); err != nil {
+				return fmt.Errorf("ckpt: flush: shards %v still wait for their persist: %w", shards, err)
+			}
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("ckpt: flush: shards %v still wait for their persist: %w", shards, ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+func (o *Owner) persist(ctx context.Context, shard int, step int64) (layout.ShardManifest, error) {
+	return o.persistHalf(ctx, shard, func(m layout.StepMeta) bool { return step < 0 || m.Step == step }, stepDesc(step))
+}
+
+// persistHalf persists the newest intact half of shard whose meta want
+// accepts; what names such a step in errors.
+func (o *Owner) persistHalf(ctx context.Context, shard int, want func(layout.StepMeta) bool, what string) (man layout.ShardManifest, err error) {
 	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	if o.cfg.Dir == "" {
 		return layout.ShardManifest{}, errors.New("ckpt: persist: OwnerConfig.Dir is empty")
@@ -500,7 +572,7 @@ func (o *Owner) persist(ctx context.Context, shard int, step int64) (man layout.
 	var why []error
 	done := false
 	for _, i := range seg.newest() {
-		if m, ok := seg.metaOK(i); !ok || (step >= 0 && m.Step != step) {
+		if m, ok := seg.metaOK(i); !ok || !want(m) {
 			continue
 		}
 		var did persisted
@@ -525,7 +597,7 @@ func (o *Owner) persist(ctx context.Context, shard int, step int64) (man layout.
 	}
 	if !done {
 		if len(why) == 0 {
-			why = append(why, fmt.Errorf("no complete step %s", stepDesc(step)))
+			why = append(why, fmt.Errorf("no complete step %s", what))
 		}
 		return layout.ShardManifest{}, fmt.Errorf("ckpt: persist shard %d: %w", shard, errors.Join(why...))
 	}

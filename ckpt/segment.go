@@ -19,9 +19,10 @@ import (
 // Errors callers branch on.
 var (
 	// ErrBusy is returned by a save whose target half is pinned by the
-	// owner (a persist or a replica copy is reading it). The save is
-	// skipped; the previous step stays in memory.
-	ErrBusy = errors.New("ckpt: both halves are being read by the owner; save skipped")
+	// owner (a persist or a replica copy is reading it) while the other
+	// is too, or holds a step whose persist was asked for and is not done.
+	// The save is skipped; the previous step stays in memory.
+	ErrBusy = errors.New("ckpt: both halves are being read by the owner or wait for a persist; save skipped")
 	// ErrTooLarge is returned by a save that does not fit in a half and
 	// cannot grow the segment, and by a replica too large for the local
 	// segment.
@@ -281,6 +282,24 @@ func (s *segment) persistSeq() uint64 { return atomic.LoadUint64(s.u64(layout.Of
 // setPersistSeq asks the owner to persist the save with this seq.
 func (s *segment) setPersistSeq(seq uint64) { atomic.StoreUint64(s.u64(layout.OffPersistSeq), seq) }
 
+// held says whether a writer must leave half i alone: the owner reads it
+// (its pin), or it holds the save whose persist was asked for and is not
+// done yet (persist_seq names its seq; the owner clears it when done).
+func (s *segment) held(i int) bool {
+	if atomic.LoadUint32(s.u32(s.halfBase(i)+layout.OffPin)) != 0 {
+		return true
+	}
+	req := s.persistSeq()
+	return req != 0 && s.state(i) == layout.StateComplete && s.seq(i) == req
+}
+
+// donePersist clears the persist request req once the owner is done with
+// it (persisted, or its step gone), unless a writer asked for another
+// meanwhile.
+func (s *segment) donePersist(req uint64) {
+	atomic.CompareAndSwapUint64(s.u64(layout.OffPersistSeq), req, 0)
+}
+
 // parse decodes the meta of half i. It loads the seal word (atomically)
 // before it reads the CRC array, which the sealer writes before the seal.
 func (s *segment) parse(i int) (layout.StepMeta, error) {
@@ -341,19 +360,20 @@ func (s *segment) begin(meta layout.StepMeta) (*halfWriter, error) {
 	}
 	// Write over the half that does not hold the newest intact step, so
 	// that a crash mid-save leaves that step as it was. While the owner
-	// reads that half (a persist), write over the newest step instead:
-	// the older step being read is the one a crash leaves.
+	// reads that half (a persist), or owes it a persist asked for, write
+	// over the newest step instead: the older step kept is the one a
+	// crash leaves.
 	idx := 1 - int(s.active()&1)
 	c := s.newest()
 	if len(c) > 0 {
 		idx = 1 - c[0]
 	}
-	if atomic.LoadUint32(s.u32(s.halfBase(idx)+layout.OffPin)) != 0 && len(c) > 0 && atomic.LoadUint32(s.u32(s.halfBase(idx)+layout.OffState)) == layout.StateComplete {
+	if s.held(idx) && len(c) > 0 && atomic.LoadUint32(s.u32(s.halfBase(idx)+layout.OffState)) == layout.StateComplete {
 		idx = c[0]
 	}
 	base := s.halfBase(idx)
 	pin, state := s.u32(base+layout.OffPin), s.u32(base+layout.OffState)
-	if atomic.LoadUint32(pin) != 0 {
+	if s.held(idx) {
 		return nil, ErrBusy
 	}
 	prev := atomic.LoadUint32(state)

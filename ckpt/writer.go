@@ -255,7 +255,7 @@ func (w *Writer) save(ctx context.Context, step int64, names []string, sizes []i
 	hw, err := w.seg.begin(meta)
 	if errors.Is(err, ErrBusy) {
 		w.m.saveSkipped.Inc()
-		w.log.Warn("ckpt: save skipped, owner is reading the target half", "step", step, "segment", w.cfg.Path)
+		w.log.Warn("ckpt: save skipped: the owner reads one half and the other waits for it", "step", step, "segment", w.cfg.Path)
 	}
 	if err != nil {
 		return err
@@ -315,8 +315,10 @@ func (w *Writer) lockFitting(meta layout.StepMeta) error {
 }
 
 // Persist asks the owner to write step to disk. The step must be the
-// newest one saved. The owner picks the request up asynchronously; the
-// trainer does not wait.
+// newest one saved. The owner picks the request up asynchronously and
+// persists that step, not a newer one; the trainer does not wait, and its
+// saves leave the step's half alone until the owner is done with it (a
+// newer request releases it: the newer step is persisted instead).
 func (w *Writer) Persist(step int64) (err error) {
 	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	w.mu.Lock()

@@ -31,7 +31,8 @@
 //	 28    4 flags        bit 0: a replica of a peer's shard; other bits 0
 //	 32    4 header_crc   CRC32C of bytes [0,32)
 //	 36    4 active       0 or 1: the half of the newest completed save (live)
-//	 40    8 persist_seq  seq of the save the writer asks to persist, 0 none (live)
+//	 40    8 persist_seq  seq of the save the writer asks to persist, 0 none;
+//	                      the owner sets it back to 0 once done with it (live)
 //	 48   16 reserved     0
 //
 // A half starts with a 64-byte step header, then its blob table, then the
@@ -76,17 +77,27 @@
 //  1. Pick the target half: not the one holding the newest complete step
 //     (highest seq among complete halves whose meta_crc holds; with none,
 //     1 - active).
-//  2. If its pin is non-zero (the owner is reading it, say to persist it)
-//     and it holds a complete step, take the other half instead: the
-//     newest step is overwritten while the pinned one stays as the step a
-//     crash leaves. If the half taken is pinned too, skip this save.
+//  2. The half is held if its pin is non-zero (the owner is reading it,
+//     say to persist it), or if it holds a complete step whose seq is
+//     persist_seq (a persist asked for and not done yet). If it is held
+//     and holds a complete step, take the other half instead: the newest
+//     step is overwritten while the held one stays as the step a crash
+//     leaves, and as the step the owner persists. If the half taken is
+//     held too, skip this save.
 //  3. Set its state to 1; read pin again, and if it is now non-zero, set
 //     the state back and skip; otherwise increment gen.
 //  4. Write the blobs, then the table, then bytes [16,64) of the header
 //     with seq, step, time, nblobs, table_size, seal 0, seal_crc 0 and
 //     meta_crc. The CRC array is left as it is (this package zeroes it).
 //  5. Set state to 2, then active to the half. To have the step persisted,
-//     set persist_seq to its seq.
+//     set persist_seq to its seq. A newer request replaces an older one
+//     the owner has not taken up: the older save is then no longer held,
+//     and the newer step is persisted instead.
+//
+// The owner persists the save whose seq persist_seq names, that one and
+// no other step, and then sets persist_seq from that seq back to 0 with a
+// compare-and-swap (a writer may have asked for a newer one meanwhile),
+// whether the persist succeeded or failed: the half is a writer's again.
 //
 // The owner seals each complete step with seal 0 soon after it appears
 // (Run polls for them), and before it persists, sends or loads one:

@@ -269,14 +269,15 @@ class Segment:
                            f"does not fit in half_size {self.half_size}")
         t = self.target()
         b = self.base(t)
-        if self.u32[b // 4 + 1] and self.u32[b // 4] == COMPLETE \
+        if self._held(t) and self.u32[b // 4] == COMPLETE \
                 and self._meta_ok(1 - t)[0]:
-            # The agent reads that half (a persist): write over the newest
-            # step instead; the pinned one is the step a crash leaves.
+            # The agent reads that half (a persist), or owes it a persist
+            # asked for: write over the newest step instead; the held one
+            # is the step a crash leaves.
             t = 1 - t
             b = self.base(t)
         w_state, w_pin, q_gen = b // 4, b // 4 + 1, b // 8 + 1
-        if self.u32[w_pin]:
+        if self._held(t):
             return None
         seq = max(self._seq(0), self._seq(1)) + 1
         prev = self.u32[w_state]
@@ -288,6 +289,15 @@ class Segment:
         self._known.pop(t, None)
         return Pending(self, t, b, seq, step, names, sizes, offsets,
                        table_size)
+
+    def _held(self, i):
+        """Reports whether a save must leave half i alone: the agent pins
+        it (it reads it), or it holds the save whose persist was asked for
+        (persist_seq, which the agent clears once done)."""
+        if self.u32[self.base(i) // 4 + 1]:
+            return True
+        req = self.u64[40 // 8]
+        return req != 0 and self._state(i) == COMPLETE and self._seq(i) == req
 
     def read(self, i):
         """Reads the table of the complete step in half i."""
