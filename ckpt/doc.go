@@ -39,7 +39,7 @@
 //	w, err := ckpt.NewWriter(ckpt.WriterConfig{Path: path})
 //	...
 //	err = w.Save(ctx, step, ckpt.Blob{Name: "model", Data: weights}, ckpt.Blob{Name: "optim", Data: state})
-//	err = w.Persist(step) // every so many steps
+//	err = w.Persist(ctx, step) // every so many steps
 //
 // # Disk tier
 //

@@ -331,7 +331,7 @@ func TestSegmentTruncatedUnderMappings(t *testing.T) {
 		fault("Owner.PersistNewest", err)
 		_, err = w.Load(ctx)
 		fault("Writer.Load", err)
-		fault("Writer.Persist", w.Persist(1))
+		fault("Writer.Persist", w.Persist(context.Background(), 1))
 		fault("Writer.Save", w.Save(ctx, 2, blobs(2)...))
 
 		ctx, cancel := context.WithCancel(ctx)

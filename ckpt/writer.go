@@ -315,11 +315,13 @@ func (w *Writer) lockFitting(meta layout.StepMeta) error {
 }
 
 // Persist asks the owner to write step to disk. The step must be the
-// newest one saved. The owner picks the request up asynchronously and
-// persists that step, not a newer one; the trainer does not wait, and its
-// saves leave the step's half alone until the owner is done with it (a
-// newer request releases it: the newer step is persisted instead).
-func (w *Writer) Persist(step int64) (err error) {
+// newest one saved. A writer has one request outstanding: Persist first
+// waits, until ctx ends, for the owner to be done with the previous one,
+// so that every step asked for is persisted (a disk slower than the
+// requests slows the trainer down rather than lose them). The owner
+// persists that step, not a newer one; the trainer does not wait for it,
+// and its saves leave the step's half alone until the owner is done.
+func (w *Writer) Persist(ctx context.Context, step int64) (err error) {
 	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -336,6 +338,14 @@ func (w *Writer) Persist(step int64) (err error) {
 	m, _ := w.seg.metaOK(c[0])
 	if m.Step != step {
 		return fmt.Errorf("ckpt: persist step %d: the newest step in %s is %d", step, w.cfg.Path, m.Step)
+	}
+	for wait := time.Millisecond; w.seg.persistSeq() != 0; wait = min(2*wait, 50*time.Millisecond) {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("ckpt: persist step %d: the owner of %s is not done with the persist asked for before it (save %d): %w",
+				step, w.cfg.Path, w.seg.persistSeq(), ctx.Err())
+		case <-time.After(wait):
+		}
 	}
 	w.seg.setPersistSeq(m.Seq)
 	return nil

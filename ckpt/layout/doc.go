@@ -90,9 +90,10 @@
 //     with seq, step, time, nblobs, table_size, seal 0, seal_crc 0 and
 //     meta_crc. The CRC array is left as it is (this package zeroes it).
 //  5. Set state to 2, then active to the half. To have the step persisted,
-//     set persist_seq to its seq. A newer request replaces an older one
-//     the owner has not taken up: the older save is then no longer held,
-//     and the newer step is persisted instead.
+//     wait until persist_seq is 0 (the owner is done with the previous
+//     request), then set it to the step's seq: a writer has one request
+//     outstanding, and every step it asks for is persisted. (A writer
+//     that saves asynchronously waits before step 1 instead.)
 //
 // The owner persists the save whose seq persist_seq names, that one and
 // no other step, and then sets persist_seq from that seq back to 0 with a

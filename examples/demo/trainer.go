@@ -273,7 +273,7 @@ func (t *trainer) save(ctx context.Context, k int64) {
 		return
 	}
 	if k%(t.cfg.SaveEvery*t.cfg.PersistEvery) == 0 {
-		if err := t.ck.Persist(k); err != nil {
+		if err := t.ck.Persist(ctx, k); err != nil {
 			t.say("event save %d memory; persist failed: %v", k, err)
 			return
 		}

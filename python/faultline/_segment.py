@@ -42,6 +42,10 @@ class TooSmall(SegmentError):
     """A step that does not fit in the segment's halves."""
 
 
+class PersistTimeout(RuntimeError):
+    """The agent did not finish the persist asked for before in time."""
+
+
 def _align(n, a):
     return (n + a - 1) // a * a
 
@@ -89,6 +93,7 @@ class Segment:
     def __init__(self, path, view=None):
         self.path = path
         self._view = view
+        self.persist_wait = 600.0  # seconds a save to persist waits
         self.fd = -1
         self.tensor = None
         self._map()
@@ -227,14 +232,15 @@ class Segment:
     def save(self, step, names, sizes, write, persist=False):
         """Saves a step of blobs: write(i, offset) writes blob i (names[i],
         sizes[i] bytes) at that file offset. Returns (seq, half), or None
-        when the target half is pinned by the agent (the save is skipped
-        and the previous step stays). Raises TooSmall when the step does
-        not fit.
+        when the halves it could write are held (pinned by the agent, or
+        holding a step to persist): the save is skipped and the previous
+        step stays. Raises TooSmall when the step does not fit, and
+        PersistTimeout (see begin).
 
         It holds the shared lock of lock() throughout, so that a grow of
         the segment waits for it and no save lands in a replaced file.
         """
-        p = self.begin(step, names, sizes)
+        p = self.begin(step, names, sizes, persist)
         if p is None:
             return None
         try:
@@ -245,13 +251,20 @@ class Segment:
             raise
         return p.finish(persist)
 
-    def begin(self, step, names, sizes):
+    def begin(self, step, names, sizes, persist=False):
         """Claims the half a save of step writes, and returns the save in
         progress (Pending), whose blobs the caller writes at
         pending.base + pending.offsets[i] before it calls finish or abort;
-        None when the save is skipped (both halves pinned). The shared lock
+        None when the save is skipped (both halves held). The shared lock
         of lock() is held until then. Raises TooSmall when the step does
-        not fit."""
+        not fit.
+
+        With persist (the step is to be persisted), it first waits for the
+        agent to be done with the persist asked for before, so that every
+        step asked for is persisted; PersistTimeout when that takes longer
+        than persist_wait seconds."""
+        if persist:
+            self.wait_persisted()
         self.lock()
         try:
             p = self._begin(step, names, sizes)
@@ -289,6 +302,19 @@ class Segment:
         self._known.pop(t, None)
         return Pending(self, t, b, seq, step, names, sizes, offsets,
                        table_size)
+
+    def wait_persisted(self):
+        """Waits until the agent is done with the persist asked for last
+        (persist_seq is 0), at most persist_wait seconds."""
+        wait, deadline = 0.001, time.monotonic() + self.persist_wait
+        while self.u64[40 // 8]:
+            if time.monotonic() > deadline:
+                raise PersistTimeout(
+                    f"segment {self.path}: the agent is not done, after "
+                    f"{self.persist_wait:g} s, with the persist of save "
+                    f"{self.u64[40 // 8]} asked for before this one")
+            time.sleep(wait)
+            wait = min(2 * wait, 0.05)
 
     def _held(self, i):
         """Reports whether a save must leave half i alone: the agent pins

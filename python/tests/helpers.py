@@ -116,6 +116,21 @@ def newest_half(path):
         s.close()
 
 
+def held_steps(path):
+    """(half, step) of each complete step whose meta_crc holds, newest
+    first."""
+    s = _segment.Segment(path)
+    try:
+        held = []
+        for i in (0, 1):
+            ok, seq = s._meta_ok(i)
+            if ok:
+                held.append((seq, i, s.read(i).step))
+        return [(i, step) for _, i, step in sorted(held, reverse=True)]
+    finally:
+        s.close()
+
+
 class FakeAgent:
     """A node agent on a unix socket that answers the rank's requests from
     segments it makes in a temporary folder. requests lists every request
@@ -131,6 +146,7 @@ class FakeAgent:
         self.hello = {"job": "job-1", "world": 1, "resume_step": -1,
                       "restart_count": 0, "collective_timeout_s": 0}
         self.committed = -1
+        self.persists = True  # clears persist_seq as an owner done with it
         self._n = 0
         agent = self
 
@@ -175,18 +191,32 @@ class FakeAgent:
             return self.handlers[op](req, conn)
         if op == "hello":
             return dict(ok=True, **self.hello)
-        if op in ("groups", "saved"):
+        if op == "saved" and req.get("persist") and self.persists:
+            # What the owner does once it persisted the step asked for.
+            for path, _ in self.segments.values():
+                s = _segment.Segment(path)
+                s.u64[40 // 8] = 0
+                s.close()
+            return {"ok": True}
+        if op in ("groups", "saved", "abandoned"):
             return {"ok": True}
         if op == "segment":
             return self._segment(req["dir"], req["bytes"])
+        if op == "held":
+            got = self.segments.get(req["dir"])
+            held = held_steps(got[0]) if got else []
+            return {"ok": True, "steps": [st for _, st in held],
+                    "disk": self.committed}
         if op == "load":
             got = self.segments.get(req["dir"])
-            best = newest_half(got[0]) if got else None
-            if best is None:
+            held = held_steps(got[0]) if got else []
+            if "step" in req:
+                held = [h for h in held if h[1] == req["step"]]
+            if not held:
                 return {"ok": True, "step": -1, "tier": "none",
                         "reasons": ["no step in memory"]}
-            return {"ok": True, "step": best[2], "tier": "memory",
-                    "path": got[0], "half": best[0], "reasons": []}
+            return {"ok": True, "step": held[0][1], "tier": "memory",
+                    "path": got[0], "half": held[0][0], "reasons": []}
         if op == "wait":
             if self.committed >= req["step"]:
                 return {"ok": True, "step": self.committed}

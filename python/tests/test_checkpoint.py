@@ -145,36 +145,6 @@ class CheckpointTest(unittest.TestCase):
         self.assertEqual(self.agent.ops().count("saved"), 4)
         self.assertEqual(self.agent.ops().count("segment"), 1)
 
-    def test_async_save_is_kept_at_the_next_call(self):
-        model, opt = model_and_optimizer()
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                 "step": 7}
-        want = bits(state)
-        self.assertTrue(self.ckpt.save_checkpoint(7, state, blocking=False))
-        self.assertNotIn("saved", self.agent.ops())  # not yet the newest
-        self.assertTrue(self.ckpt.wait())
-        self.assertIsNone(self.ckpt.wait())
-        self.assertEqual(self.agent.ops().count("saved"), 1)
-        self.assertEqual(bits(self.ckpt.load_checkpoint()), want)
-
-    def test_async_save_of_a_changed_state_is_abandoned(self):
-        model, opt = model_and_optimizer()
-        self.assertTrue(self.ckpt.save_checkpoint(1, {"model": model.state_dict(), "step": 1}))
-        self.assertTrue(self.ckpt.save_checkpoint(
-            2, {"model": model.state_dict(), "step": 2}, blocking=False))
-        # An optimizer step before the save ended: it must not be kept, torn
-        # or not.
-        opt.zero_grad()
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        self.assertFalse(self.ckpt.wait())
-        got = self.ckpt.load_checkpoint()
-        self.assertEqual(got["step"], 1)
-        # The next save goes on as usual.
-        self.assertTrue(self.ckpt.save_checkpoint(
-            3, {"model": model.state_dict(), "step": 3}, blocking=False))
-        self.assertEqual(self.ckpt.load_checkpoint()["step"], 3)
-
     def test_load_into_a_state_in_place(self):
         model, opt = model_and_optimizer()
         saved = {"model": model.state_dict(), "step": 4}
@@ -299,6 +269,7 @@ class CheckpointTest(unittest.TestCase):
         self.assertTrue(self.ckpt.save_checkpoint(2, {"w": torch.zeros(3)}))
 
     def test_disk_asks_the_agent_to_persist(self):
+        self.agent.persists = False
         self.assertTrue(self.ckpt.wait_latest_checkpoint(1))
         self.assertTrue(self.ckpt.save_checkpoint(
             5, {"w": torch.ones(3)}, storage_type=ft.StorageType.DISK))

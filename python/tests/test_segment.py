@@ -47,11 +47,18 @@ class HeldHalves(unittest.TestCase):
         save(self.seg, 8)
         self.assertEqual(self.steps(), [7, 8])
 
-    def test_a_newer_request_supersedes_one_not_taken_up(self):
+    def test_a_request_waits_for_the_one_before(self):
         save(self.seg, 4, persist=True)
+        self.seg.persist_wait = 0.05
+        # The owner has not persisted 4: 5 is not saved over it, nor asked.
+        with self.assertRaises(_segment.PersistTimeout):
+            save(self.seg, 5, persist=True)
+        self.assertEqual(self.steps(), [4])
+        self.seg.u64[40 // 8] = 0  # the owner is done with 4
         save(self.seg, 5, persist=True)
-        save(self.seg, 6)
-        self.assertEqual(self.steps(), [5, 6])
+        self.assertEqual(self.steps(), [4, 5])
+        self.assertEqual(self.seg.u64[40 // 8], self.seg._seq(
+            newest_half(self.path)[0]))
 
     def test_a_save_is_skipped_when_both_halves_are_held(self):
         save(self.seg, 4, persist=True)

@@ -61,7 +61,7 @@ func (c *CkptState) Save(ctx context.Context, step int64) error {
 	persist := c.PersistEvery > 0 && c.saves%c.PersistEvery == 0
 	c.mu.Unlock()
 	if persist {
-		return c.Writer.Persist(step)
+		return c.Writer.Persist(ctx, step)
 	}
 	return nil
 }
