@@ -80,7 +80,10 @@ func New(cfg Config) (*Agent, error) {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
 	a.sock = filepath.Join(a.dir, "agent.sock")
-	a.ckpts = newCheckpoints(a)
+	if a.ckpts, err = newCheckpoints(a); err != nil {
+		os.RemoveAll(a.dir)
+		return nil, err
+	}
 	a.incident = newIncidents(a)
 	for l := range cfg.ProcsPerNode {
 		s, err := newSlot(a, l)
@@ -156,9 +159,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err := g.Wait(); err != nil && result == nil && !errors.Is(err, context.Canceled) {
 		result = err
 	}
-	if ctx.Err() == nil || result != nil {
-		a.ckpts.release(result == nil)
-	}
+	// Every ending gives the segments back, or keeps them on purpose (their
+	// newest step not on disk) and says so.
+	a.ckpts.release(context.Background(), result == nil)
 	return result
 }
 

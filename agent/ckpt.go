@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-
 	"errors"
 	"fmt"
 	"io"
@@ -13,8 +12,12 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
+
 	"github.com/faultline-ml/faultline/ckpt"
 	"github.com/faultline-ml/faultline/ckpt/layout"
+	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
 // Message kinds between the agents and node 0's manager.
@@ -25,28 +28,49 @@ const (
 )
 
 // checkpoints is the memory tier of the node's ranks: one ckpt.Owner per
-// local rank (its shard), made when the rank first asks for its segment,
-// and the job's choice of the step to resume from.
+// local rank (its shard), made when the rank first asks for its segment
+// or when a segment of the job is found in ShmDir, and the job's choice
+// of the step to resume from.
 type checkpoints struct {
-	a *Agent
+	a         *Agent
+	reg       *promreg.Registrar
+	abandoned *prometheus.CounterVec
 
 	mu     sync.Mutex
 	ctx    context.Context // the owners run on it
 	dir    string          // the job's checkpoint folder; "" until a rank names one
 	shards map[int]*shard  // by rank
 	starts map[int]int64   // the step of each start with none agreed, by start count
+	loaded map[int]loader  // by rank: its process that loaded once
 	wg     sync.WaitGroup
 }
 
-// shard is the segment of one rank and its owner.
+// loader is a rank's process: its pid and its start (a pid may come again).
+type loader struct{ pid, start int }
+
+// shard is the segment of one rank and its owner. Its own lock, not the
+// node's, is held while the owner is made or grows the segment, so that
+// ranks' segments are made at once, not one after another.
 type shard struct {
+	mu     sync.Mutex
 	owner  *ckpt.Owner
+	dir    string // the owner's disk tier
 	half   int64
 	cancel context.CancelFunc
+	done   chan struct{} // closed when the owner's Run returned
 }
 
-func newCheckpoints(a *Agent) *checkpoints {
-	return &checkpoints{a: a, ctx: context.Background(), shards: map[int]*shard{}, starts: map[int]int64{}}
+func newCheckpoints(a *Agent) (*checkpoints, error) {
+	c := &checkpoints{a: a, ctx: context.Background(), shards: map[int]*shard{}, starts: map[int]int64{}, loaded: map[int]loader{}}
+	c.reg = promreg.New(a.cfg.Registerer, "agent: Config.Registerer")
+	c.abandoned = promauto.With(c.reg).NewCounterVec(prometheus.CounterOpts{
+		Name: "faultline_agent_async_saves_abandoned_total",
+		Help: "Saves with blocking=False that a rank abandoned because a tensor of the state changed before its copy was done, or the copy failed.",
+	}, []string{"rank"})
+	if err := c.reg.Err(); err != nil {
+		return nil, err
+	}
+	return c, nil
 }
 
 // run sets the context the owners run on.
@@ -56,8 +80,16 @@ func (c *checkpoints) run(ctx context.Context) {
 	c.mu.Unlock()
 }
 
-// setDir fixes the job's checkpoint folder: the first rank to name one
-// names it for all.
+// segmentName is the ckpt.OwnerConfig.Name of the job's segments.
+func (c *checkpoints) segmentName() string { return "faultline-" + c.a.cfg.Job }
+
+// segmentPath is the path of rank's segment.
+func (c *checkpoints) segmentPath(rank int) string {
+	return ckpt.SegmentPath(c.a.cfg.ShmDir, c.segmentName(), rank)
+}
+
+// setDirLocked fixes the job's checkpoint folder: the first rank to name
+// one names it for all.
 func (c *checkpoints) setDirLocked(dir string) error {
 	if dir == "" {
 		return nil
@@ -76,57 +108,108 @@ func (c *checkpoints) setDirLocked(dir string) error {
 	return nil
 }
 
+// shardOf returns rank's shard, locked, after noting dir as the job's
+// checkpoint folder; the caller unlocks it.
+func (c *checkpoints) shardOf(rank int, dir string) (*shard, string, error) {
+	c.mu.Lock()
+	if err := c.setDirLocked(dir); err != nil {
+		c.mu.Unlock()
+		return nil, "", err
+	}
+	sh := c.shards[rank]
+	if sh == nil {
+		sh = &shard{}
+		c.shards[rank] = sh
+	}
+	dir = c.dir
+	c.mu.Unlock()
+	sh.mu.Lock()
+	return sh, dir, nil
+}
+
 // segment returns rank's segment for dir, with halves of at least bytes
 // bytes, making its owner on first use.
 func (c *checkpoints) segment(rank int, dir string, bytes int64) (string, int64, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if err := c.setDirLocked(dir); err != nil {
-		return "", 0, err
-	}
-	if sh := c.shards[rank]; sh != nil {
-		if sh.half < bytes {
-			half, err := sh.owner.Grow(rank, roundPage(bytes))
-			if err != nil {
-				return "", 0, fmt.Errorf("rank %d's segment cannot grow to halves of %d bytes: %w", rank, roundPage(bytes), err)
-			}
-			c.a.log.Info("agent: checkpoint segment grown", "rank", rank, "half_size", half)
-			sh.half = half
-		}
-		return sh.owner.SegmentPath(rank), sh.half, nil
-	}
-	sh, err := c.openLocked(rank, bytes)
+	sh, dir, err := c.shardOf(rank, dir)
 	if err != nil {
 		return "", 0, err
+	}
+	defer sh.mu.Unlock()
+	if err := c.openLocked(sh, rank, dir, bytes); err != nil {
+		return "", 0, err
+	}
+	if sh.half < bytes {
+		half, err := sh.owner.Grow(rank, roundPage(bytes))
+		if err != nil {
+			return "", 0, fmt.Errorf("rank %d's segment cannot grow to halves of %d bytes: %w", rank, roundPage(bytes), err)
+		}
+		c.a.log.Info("agent: checkpoint segment grown", "rank", rank, "half_size", half)
+		sh.half = half
 	}
 	return sh.owner.SegmentPath(rank), sh.half, nil
 }
 
-// openLocked makes rank's owner with halves of at least bytes, keeping an
-// existing segment (an earlier agent's) and what it holds.
-func (c *checkpoints) openLocked(rank int, bytes int64) (*shard, error) {
+// openLocked gives sh an owner whose disk tier is dir, with halves of at
+// least bytes, keeping an existing segment (an earlier agent's, or the
+// owner's before the job named its folder) and what it holds.
+func (c *checkpoints) openLocked(sh *shard, rank int, dir string, bytes int64) error {
+	if sh.owner != nil && sh.dir == dir {
+		return nil
+	}
+	c.stopLocked(sh)
 	a := c.a
-	name := "faultline-" + a.cfg.Job
-	path := ckpt.SegmentPath(a.cfg.ShmDir, name, rank)
 	half := roundPage(max(bytes, 1))
-	if h, err := readSegmentHeader(path); err == nil {
+	if h, err := readSegmentHeader(c.segmentPath(rank)); err == nil {
 		half = max(half, h.HalfSize)
 	}
-	o, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: a.cfg.ShmDir, Name: name, Shards: []int{rank}, NumShards: a.world,
-		Capacity: half, Dir: c.dir, PollInterval: 20 * time.Millisecond, Workers: 1,
+	o, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: a.cfg.ShmDir, Name: c.segmentName(), Shards: []int{rank}, NumShards: a.world,
+		Capacity: half, Dir: dir, PollInterval: 20 * time.Millisecond, Workers: 1,
 		Registerer: wrapRank(a.cfg.Registerer, rank), Logger: a.log.With("rank", rank)})
 	if err != nil {
-		return nil, fmt.Errorf("rank %d's checkpoint segment: %w", rank, err)
+		return fmt.Errorf("rank %d's checkpoint segment: %w", rank, err)
 	}
+	c.mu.Lock()
 	ctx, cancel := context.WithCancel(c.ctx)
-	sh := &shard{owner: o, half: half, cancel: cancel}
-	c.shards[rank] = sh
+	c.mu.Unlock()
+	sh.owner, sh.dir, sh.half, sh.cancel, sh.done = o, dir, half, cancel, make(chan struct{})
+	done := sh.done
 	c.wg.Go(func() {
+		defer close(done)
 		if err := o.Run(ctx); err != nil && ctx.Err() == nil {
 			a.log.Error("agent: checkpoint owner stopped", "rank", rank, "err", err)
 		}
 	})
-	return sh, nil
+	return nil
+}
+
+// stopLocked stops sh's owner and closes it; its segment stays.
+func (c *checkpoints) stopLocked(sh *shard) {
+	if sh.owner == nil {
+		return
+	}
+	sh.cancel()
+	<-sh.done
+	sh.owner.Close()
+	sh.owner = nil
+}
+
+// owner returns rank's owner, making one when the job's segment for rank
+// exists (an earlier agent's or process's); nil when rank has none.
+func (c *checkpoints) owner(rank int) (*ckpt.Owner, error) {
+	sh, dir, err := c.shardOf(rank, "")
+	if err != nil {
+		return nil, err
+	}
+	defer sh.mu.Unlock()
+	if sh.owner == nil {
+		if _, err := os.Stat(c.segmentPath(rank)); err != nil {
+			return nil, nil
+		}
+	}
+	if err := c.openLocked(sh, rank, dir, 0); err != nil {
+		return nil, err
+	}
+	return sh.owner, nil
 }
 
 // roundPage rounds n up to ckpt's page size.
@@ -146,24 +229,42 @@ func readSegmentHeader(path string) (layout.SegmentHeader, error) {
 	return layout.ParseSegmentHeader(b)
 }
 
-// localSteps returns the steps every local rank holds intact in memory
-// (every CRC of a sealed step checked), newest first; nil when some rank
-// holds none.
+// held returns what each local rank holds intact in memory, by local
+// rank, every rank's segment checked at once (each half's CRCs once per
+// save: the owners remember what verified).
+func (c *checkpoints) held() [][]ckpt.HeldStep {
+	out := make([][]ckpt.HeldStep, len(c.a.slots))
+	var wg sync.WaitGroup
+	for i, s := range c.a.slots {
+		wg.Go(func() {
+			o, err := c.owner(s.rank)
+			if o == nil || err != nil {
+				c.a.log.Info("agent: no checkpoint in memory", "rank", s.rank, "err", err)
+				return
+			}
+			h, why, err := o.Held(s.rank)
+			if err != nil {
+				c.a.log.Info("agent: no checkpoint in memory", "rank", s.rank, "err", err)
+				return
+			}
+			for _, e := range why {
+				c.a.log.Info("agent: a half holds no intact step", "rank", s.rank, "err", e)
+			}
+			out[i] = h
+		})
+	}
+	wg.Wait()
+	return out
+}
+
+// localSteps returns the steps every local rank holds intact in memory,
+// newest first; nil when some rank holds none.
 func (c *checkpoints) localSteps() []int64 {
 	var common []int64
-	for i, s := range c.a.slots {
-		rep, err := ckpt.InspectSegment(ckpt.SegmentPath(c.a.cfg.ShmDir, "faultline-"+c.a.cfg.Job, s.rank))
-		if err != nil {
-			c.a.log.Info("agent: no checkpoint in memory", "rank", s.rank, "err", err)
-			return nil
-		}
+	for i, h := range c.held() {
 		var steps []int64
-		for i, h := range rep.Halves {
-			if h.Err == nil && h.State == layout.StateComplete {
-				steps = append(steps, h.Meta.Step)
-			} else if h.Err != nil {
-				c.a.log.Info("agent: a half holds no intact step", "rank", s.rank, "half", i, "err", h.Err)
-			}
+		for _, hs := range h {
+			steps = append(steps, hs.Step)
 		}
 		if i == 0 {
 			common = steps
@@ -174,6 +275,17 @@ func (c *checkpoints) localSteps() []int64 {
 	slices.Sort(common)
 	slices.Reverse(common)
 	return slices.Compact(common)
+}
+
+// stateBytes is the shared memory the node's segments take.
+func (c *checkpoints) stateBytes() int64 {
+	var n int64
+	for _, s := range c.a.slots {
+		if h, err := readSegmentHeader(c.segmentPath(s.rank)); err == nil {
+			n += h.Size()
+		}
+	}
+	return n
 }
 
 // diskStep returns the newest step committed on disk, -1 when none.
@@ -195,17 +307,30 @@ func (c *checkpoints) diskStep() int64 {
 	return step
 }
 
+// owners returns the owners made so far.
+func (c *checkpoints) owners() []*ckpt.Owner {
+	c.mu.Lock()
+	shards := make([]*shard, 0, len(c.shards))
+	for _, sh := range c.shards {
+		shards = append(shards, sh)
+	}
+	c.mu.Unlock()
+	var out []*ckpt.Owner
+	for _, sh := range shards {
+		sh.mu.Lock()
+		if sh.owner != nil {
+			out = append(out, sh.owner)
+		}
+		sh.mu.Unlock()
+	}
+	return out
+}
+
 // persistLocal persists the newest step of each local shard and waits
 // for it to be committed.
 func (c *checkpoints) persistLocal(ctx context.Context) error {
-	c.mu.Lock()
-	var owners []*ckpt.Owner
-	for _, sh := range c.shards {
-		owners = append(owners, sh.owner)
-	}
-	c.mu.Unlock()
 	var errs []error
-	for _, o := range owners {
+	for _, o := range c.owners() {
 		if _, err := o.PersistNewest(ctx); err != nil {
 			errs = append(errs, err)
 		}
@@ -213,48 +338,105 @@ func (c *checkpoints) persistLocal(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
-// release gives the node's shared memory back as the job ends: always
-// when it finished, and when it was stopped once the newest step in
+// flush waits until every persist the ranks asked for (a save with
+// StorageType.DISK) is done, as the job ends, and says on the agent's
+// output what it waits for and what is committed after.
+func (c *checkpoints) flush(ctx context.Context) {
+	owners := c.owners()
+	if len(owners) == 0 {
+		return
+	}
+	start := time.Now()
+	done := make(chan error, 1)
+	go func() {
+		var wg sync.WaitGroup
+		errs := make([]error, len(owners))
+		for i, o := range owners {
+			wg.Go(func() { errs[i] = o.Flush(ctx) })
+		}
+		wg.Wait()
+		done <- errors.Join(errs...)
+	}()
+	var err error
+	select {
+	case err = <-done:
+	case <-time.After(time.Second):
+		fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: waiting for the checkpoints the ranks asked to persist (StorageType.DISK) to reach %s\n", c.dir)
+		err = <-done
+	}
+	switch {
+	case err != nil:
+		fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: not every checkpoint asked for reached the disk: %v; newest committed step: %d\n", err, c.diskStep())
+	case time.Since(start) > time.Second:
+		fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: checkpoints persisted in %v; newest committed step: %d\n", time.Since(start).Round(time.Millisecond), c.diskStep())
+	}
+}
+
+// persistTimeout bounds the wait, as a job ends, for the persists its
+// ranks asked for.
+const persistTimeout = 10 * time.Minute
+
+// release gives the node's shared memory back as the job ends, once the
+// persists the ranks asked for are done (within ctx and persistTimeout):
+// always when it finished, and when it was stopped once the newest step in
 // memory is on disk too. Otherwise the segments stay for an agent started
-// again with the same job id, which resumes from them.
-func (c *checkpoints) release(finished bool) {
+// again with the same job id, which resumes from them, and the last line
+// says so.
+func (c *checkpoints) release(ctx context.Context, finished bool) {
+	ctx, cancel := context.WithTimeout(ctx, persistTimeout)
+	c.flush(ctx)
+	cancel()
 	if !finished {
 		steps := c.localSteps()
 		if len(steps) > 0 && c.diskStep() < steps[0] {
+			glob := filepath.Join(c.a.cfg.ShmDir, c.segmentName()+"-*")
 			c.a.log.Info("agent: checkpoint segments kept: their newest step is not on disk", "step", steps[0])
+			fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: kept the checkpoint segments %s: they hold step %d, which is not on disk; run the job again with --rdzv-id %s to resume from it, or remove them (rm %s)\n",
+				glob, steps[0], c.a.cfg.Job, glob)
+			c.close()
 			return
 		}
 	}
 	c.mu.Lock()
-	for _, sh := range c.shards {
-		sh.cancel()
-	}
+	shards := c.shards
+	c.shards = map[int]*shard{}
 	c.mu.Unlock()
-	c.wg.Wait()
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	for r, sh := range c.shards {
-		if err := sh.owner.Remove(); err != nil {
+	for r, sh := range shards {
+		sh.mu.Lock()
+		c.stopLocked(sh)
+		sh.mu.Unlock()
+		if err := os.Remove(c.segmentPath(r)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			c.a.log.Warn("agent: checkpoint segment not removed", "rank", r, "err", err)
 		}
-		delete(c.shards, r)
+	}
+	// A rank that never asked for a segment in this agent may have one
+	// from an earlier one.
+	for _, s := range c.a.slots {
+		if err := os.Remove(c.segmentPath(s.rank)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			c.a.log.Warn("agent: checkpoint segment not removed", "rank", s.rank, "err", err)
+		}
 	}
 }
 
 // close stops the owners; the segments stay for the next agent.
 func (c *checkpoints) close() {
 	c.mu.Lock()
-	for _, sh := range c.shards {
-		sh.cancel()
-	}
+	shards := c.shards
+	c.shards = map[int]*shard{}
 	c.mu.Unlock()
+	for _, sh := range shards {
+		sh.mu.Lock()
+		c.stopLocked(sh)
+		sh.mu.Unlock()
+	}
 	c.wg.Wait()
-	c.mu.Lock()
-	for r, sh := range c.shards {
-		sh.owner.Close()
-		delete(c.shards, r)
-	}
-	c.mu.Unlock()
+	c.reg.UnregisterAll()
+}
+
+// abandon records a save with blocking=False that rank s abandoned.
+func (c *checkpoints) abandon(s *slot, step int64, why string) {
+	c.abandoned.WithLabelValues(fmt.Sprint(s.rank)).Inc()
+	c.a.log.Warn("agent: a rank abandoned a save", "rank", s.rank, "step", step, "why", why)
 }
 
 // loadAnswer tells a rank which step to load and where it lies.
@@ -266,35 +448,50 @@ type loadAnswer struct {
 	Reasons []string `json:"reasons,omitempty"`
 }
 
-// load finds the step rank s is to load: the step the job agreed on when
-// it was started, or, at a start with none agreed, the newest step every
-// rank holds (on one node, in memory; else on disk). Memory serves it when
-// a half holds it intact (every CRC verified); else disk, copied into the
-// segment first, so that the rank always reads its segment.
-func (c *checkpoints) load(ctx context.Context, s *slot, dir string) (loadAnswer, error) {
+// load finds the step rank s is to load: at the first load of its
+// process, the step the job agreed on when it was started or, at a start
+// with none agreed, the newest step every rank holds (on one node, in
+// memory; else on disk); at a later load, at, when the rank names the step
+// its peers agreed on, else the newest step every local rank holds (a
+// rollback without a restart). Memory serves it when a half holds it
+// intact; else disk, copied into the segment first, so that the rank
+// always reads its segment.
+func (c *checkpoints) load(ctx context.Context, s *slot, pid int, dir string, at *int64) (loadAnswer, error) {
+	s.mu.Lock()
+	resume, gen := s.resume, s.starts
+	s.mu.Unlock()
 	c.mu.Lock()
 	err := c.setDirLocked(dir)
+	me := loader{pid, gen}
+	again := c.loaded[s.rank] == me && pid != 0
+	c.loaded[s.rank] = me
 	c.mu.Unlock()
 	if err != nil {
 		return loadAnswer{}, err
 	}
-	s.mu.Lock()
-	want, gen := s.resume, s.starts
-	s.mu.Unlock()
 	ans := loadAnswer{Step: -1, Tier: "none", Half: -1}
-	if want < 0 {
+	want := resume
+	switch {
+	case at != nil:
+		want = *at
+	case again:
+		want = c.diskStep()
+		if steps := c.localSteps(); len(steps) > 0 {
+			want = max(want, steps[0])
+		}
+	case want < 0:
 		want = c.startStep(gen)
 	}
 	if want < 0 {
 		ans.Reasons = append(ans.Reasons, "no step in memory that every rank holds, and none committed on disk")
 		return ans, nil
 	}
-	path := ckpt.SegmentPath(c.a.cfg.ShmDir, "faultline-"+c.a.cfg.Job, s.rank)
-	if h, why := findHalf(path, want); h >= 0 {
+	path := c.segmentPath(s.rank)
+	h, why := c.findHalf(s.rank, want)
+	if h >= 0 {
 		return loadAnswer{Step: want, Tier: string(ckpt.TierMemory), Path: path, Half: h}, nil
-	} else {
-		ans.Reasons = append(ans.Reasons, "memory: "+why)
 	}
+	ans.Reasons = append(ans.Reasons, "memory: "+why)
 	c.mu.Lock()
 	dir = c.dir
 	c.mu.Unlock()
@@ -323,37 +520,55 @@ func (c *checkpoints) load(ctx context.Context, s *slot, dir string) (loadAnswer
 	if err != nil {
 		return ans, fmt.Errorf("copy disk step %d into %s: %w", want, path, err)
 	}
-	h, why := findHalf(path, want)
+	h, why = c.findHalf(s.rank, want)
 	if h < 0 {
 		return ans, fmt.Errorf("disk step %d copied into %s, then not found there: %s", want, path, why)
 	}
 	return loadAnswer{Step: want, Tier: string(ckpt.TierDisk), Path: path, Half: h, Reasons: ans.Reasons}, nil
 }
 
-// findHalf returns the half of the segment at path that holds step intact
-// (every CRC checked), or -1 and why none does.
-func findHalf(path string, step int64) (int, string) {
-	rep, err := ckpt.InspectSegment(path)
+// heldSteps returns the steps rank holds intact in memory, newest first,
+// and the newest step committed on disk: what the rank's peers agree on
+// for a load after the first.
+func (c *checkpoints) heldSteps(rank int) ([]int64, int64) {
+	var steps []int64
+	if o, err := c.owner(rank); o != nil && err == nil {
+		h, _, _ := o.Held(rank)
+		for _, hs := range h {
+			steps = append(steps, hs.Step)
+		}
+	}
+	return steps, c.diskStep()
+}
+
+// findHalf returns the half of rank's segment that holds step intact, or
+// -1 and why none does.
+func (c *checkpoints) findHalf(rank int, step int64) (int, string) {
+	o, err := c.owner(rank)
 	if err != nil {
 		return -1, err.Error()
 	}
-	var why []string
-	for h, hr := range rep.Halves {
-		switch {
-		case hr.Err == nil && hr.State == layout.StateComplete && hr.Meta.Step == step:
-			return h, ""
-		case hr.Err != nil && hr.Meta.Step == step:
-			why = append(why, fmt.Sprintf("half %d holds step %d damaged: %v", h, step, hr.Err))
-		case hr.Err != nil:
-			why = append(why, fmt.Sprintf("half %d: %v", h, hr.Err))
-		default:
-			why = append(why, fmt.Sprintf("half %d holds step %d", h, hr.Meta.Step))
-		}
+	if o == nil {
+		return -1, fmt.Sprintf("rank %d has no segment", rank)
 	}
-	if len(why) == 0 {
+	held, why, err := o.Held(rank)
+	if err != nil {
+		return -1, err.Error()
+	}
+	var in []string
+	for _, h := range held {
+		if h.Step == step {
+			return h.Half, ""
+		}
+		in = append(in, fmt.Sprintf("half %d holds step %d", h.Half, h.Step))
+	}
+	for _, e := range why {
+		in = append(in, e.Error())
+	}
+	if len(in) == 0 {
 		return -1, fmt.Sprintf("step %d is in neither half", step)
 	}
-	return -1, fmt.Sprintf("step %d is not held intact (%s)", step, strings.Join(why, "; "))
+	return -1, fmt.Sprintf("step %d is not held intact (%s)", step, strings.Join(in, "; "))
 }
 
 // startStep is the step every rank loads at a start with none agreed,

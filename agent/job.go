@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -45,22 +46,39 @@ func newJobCheckpoints(nodes int, local *Agent, log *slog.Logger) *jobCheckpoint
 	return &jobCheckpoints{nodes: nodes, local: local, log: log, held: map[int]heldReport{}, changed: make(chan struct{})}
 }
 
-// reportTimeout bounds how long LoadNewest waits for every node's report;
-// a node that never reports leaves the job to resume from disk.
-const reportTimeout = 5 * time.Second
+// reportTimeout bounds how long LoadNewest waits for every node's report
+// when it cannot tell the size of the state (a manager apart from the
+// agents); a node that never reports leaves the job to resume from disk.
+const reportTimeout = time.Minute
+
+// reportDeadline is how long LoadNewest waits for every node's report
+// when the nodes hold bytes of segments each (as the manager's node
+// does): each node checks the CRCs of what it holds, at a few hundred
+// MB/s at worst, before it reports.
+func reportDeadline(bytes int64) time.Duration {
+	return 10*time.Second + time.Duration(bytes/(256<<20))*time.Second
+}
 
 // LoadNewest returns the step the job resumes from, -1 when there is none.
+// A step older than memory's newest (disk's, when a node did not say what
+// it holds or holds less) is said why, on the agent's output.
 func (j *jobCheckpoints) LoadNewest(ctx context.Context) (int64, error) {
 	round := -1
 	var steps []int64
 	disk := int64(-1)
+	deadline := reportTimeout
 	if j.local != nil {
 		round = j.local.slots[0].restarts()
 		steps, disk = j.local.ckpts.localSteps(), j.local.ckpts.diskStep()
+		deadline = reportDeadline(j.local.ckpts.stateBytes())
 	}
-	reports, err := j.reports(ctx, round)
+	reports, missing, err := j.reports(ctx, round, deadline)
 	if err != nil {
 		return -1, err
+	}
+	var why []string
+	if len(steps) == 0 && j.local != nil {
+		why = append(why, fmt.Sprintf("node %d holds no step in memory that all its ranks hold intact", j.local.cfg.NodeRank))
 	}
 	for i, r := range reports {
 		if i == 0 && j.local == nil {
@@ -68,31 +86,46 @@ func (j *jobCheckpoints) LoadNewest(ctx context.Context) (int64, error) {
 		} else {
 			steps = slices.DeleteFunc(steps, func(st int64) bool { return !slices.Contains(r.Steps, st) })
 		}
+		if len(r.Steps) == 0 {
+			why = append(why, fmt.Sprintf("node %d holds no step in memory that all its ranks hold intact", r.Node))
+		}
 		disk = max(disk, r.Disk)
 	}
-	if reports == nil && j.wantsReports() {
+	if len(missing) > 0 {
 		steps = nil // a node that never said: disk, which is the job's
+		why = append(why, fmt.Sprintf("nodes %v did not say what they hold within %v", missing, deadline))
 	}
 	j.log.Info("agent: the job's step to resume from", "memory", steps, "disk", disk)
 	// Never an older step than one committed on disk: memory may have lost
 	// newer steps that disk holds.
-	if len(steps) == 0 || disk > steps[0] {
-		return disk, nil
+	if len(steps) > 0 && disk <= steps[0] {
+		return steps[0], nil
 	}
-	return steps[0], nil
+	if len(why) > 0 {
+		line := fmt.Sprintf("the job resumes from disk step %d, not memory: %s", disk, strings.Join(why, "; "))
+		if disk < 0 {
+			line = "the job restarts from the beginning, with no step in memory or on disk: " + strings.Join(why, "; ")
+		}
+		j.log.Warn("agent: " + line)
+		if j.local != nil {
+			fmt.Fprintf(j.local.cfg.Stderr, "faultline-run: %s\n", line)
+		}
+	}
+	return disk, nil
 }
 
 // wantsReports reports whether other nodes report to this store.
 func (j *jobCheckpoints) wantsReports() bool { return j.local == nil || j.nodes > 1 }
 
-// reports waits for a report of round from every node the store does not
-// read itself, and returns them; nil when one did not come in time. A
-// store apart takes the newest round reported as the round.
-func (j *jobCheckpoints) reports(ctx context.Context, round int) ([]heldReport, error) {
+// reports waits up to deadline for a report of round from every node the
+// store does not read itself, and returns them, and the nodes that did not
+// report in time. A store apart takes the newest round reported as the
+// round.
+func (j *jobCheckpoints) reports(ctx context.Context, round int, deadline time.Duration) ([]heldReport, []int, error) {
 	if !j.wantsReports() {
-		return []heldReport{}, nil
+		return nil, nil, nil
 	}
-	t := time.NewTimer(reportTimeout)
+	t := time.NewTimer(deadline)
 	defer t.Stop()
 	for {
 		j.mu.Lock()
@@ -113,17 +146,25 @@ func (j *jobCheckpoints) reports(ctx context.Context, round int) ([]heldReport, 
 			}
 		}
 		complete := want >= 0 && len(got) == j.nodes-btoi(j.local != nil)
+		var missing []int
+		for n := range j.nodes {
+			if j.local != nil && n == j.local.cfg.NodeRank {
+				continue
+			}
+			if r, ok := j.held[n]; !ok || r.Restart != want {
+				missing = append(missing, n)
+			}
+		}
 		j.mu.Unlock()
 		if complete {
-			return got, nil
+			return got, nil, nil
 		}
 		select {
 		case <-ch:
 		case <-t.C:
-			j.log.Warn("agent: not every node said what it holds; resuming from disk")
-			return nil, nil
+			return got, missing, nil
 		case <-ctx.Done():
-			return nil, ctx.Err()
+			return nil, nil, ctx.Err()
 		}
 	}
 }

@@ -39,7 +39,7 @@ type request struct {
 	LocalRank *int            `json:"local_rank"`
 	Dir       string          `json:"dir"`
 	Bytes     int64           `json:"bytes"`
-	Step      int64           `json:"step"`
+	Step      *int64          `json:"step"`
 	Persist   bool            `json:"persist"`
 	TimeoutS  float64         `json:"timeout_s"`
 	What      string          `json:"what"`
@@ -193,21 +193,40 @@ func (srv *server) do(ctx context.Context, pid int, req *request) (map[string]an
 			return nil, fmt.Errorf("agent: segment: %w", err)
 		}
 		return map[string]any{"path": path, "half_size": half}, nil
-	case "saved":
-		a.incident.saved(s.rank, req.Step)
+	case "saved", "abandoned", "wait":
+		if req.Step == nil {
+			return nil, fmt.Errorf("agent: %s: give the step", req.Op)
+		}
+		step := *req.Step
+		switch req.Op {
+		case "saved":
+			a.incident.saved(s.rank, step)
+		case "abandoned":
+			a.ckpts.abandon(s, step, req.What)
+		case "wait":
+			timeout := time.Duration(req.TimeoutS * float64(time.Second))
+			if timeout <= 0 {
+				timeout = 10 * time.Minute
+			}
+			got, err := a.ckpts.wait(ctx, step, timeout)
+			if err != nil {
+				return nil, fmt.Errorf("agent: wait: %w", err)
+			}
+			return map[string]any{"step": got}, nil
+		}
 		return map[string]any{}, nil
-	case "wait":
-		timeout := time.Duration(req.TimeoutS * float64(time.Second))
-		if timeout <= 0 {
-			timeout = 10 * time.Minute
-		}
-		step, err := a.ckpts.wait(ctx, req.Step, timeout)
+	case "held":
+		c := a.ckpts
+		c.mu.Lock()
+		err := c.setDirLocked(req.Dir)
+		c.mu.Unlock()
 		if err != nil {
-			return nil, fmt.Errorf("agent: wait: %w", err)
+			return nil, fmt.Errorf("agent: held: %w", err)
 		}
-		return map[string]any{"step": step}, nil
+		steps, disk := c.heldSteps(s.rank)
+		return map[string]any{"steps": steps, "disk": disk}, nil
 	case "load":
-		ans, err := a.ckpts.load(ctx, s, req.Dir)
+		ans, err := a.ckpts.load(ctx, s, pid, req.Dir, req.Step)
 		if err != nil {
 			return nil, fmt.Errorf("agent: load: %w", err)
 		}
@@ -220,7 +239,7 @@ func (srv *server) do(ctx context.Context, pid int, req *request) (map[string]an
 		}
 		return map[string]any{"result": res}, nil
 	}
-	return nil, fmt.Errorf("agent: unknown op %q (hello, groups, segment, saved, wait, load, admin, spare)", req.Op)
+	return nil, fmt.Errorf("agent: unknown op %q (hello, groups, segment, saved, abandoned, wait, held, load, admin, spare)", req.Op)
 }
 
 // admin answers what the manager's Admin API serves, from node 0's

@@ -661,42 +661,81 @@ func memorySteps(seg *segment) []int64 {
 	return steps
 }
 
+// HeldStep is a step a shard holds intact in memory, and the half of its
+// segment that holds it.
+type HeldStep struct {
+	Step int64
+	Half int
+}
+
+// Held returns the steps shard holds intact in memory, newest save first,
+// and why each other half holds none (nil for an empty half or one being
+// written). A sealed step is intact when every CRC holds, and its halves
+// are checked once per save: a half that verified is not read again until
+// a writer writes it. An unsealed step counts as complete, with nothing
+// to check it against. It is what a node agent asks of each local shard,
+// all shards in parallel, when the job chooses a step to resume from.
+func (o *Owner) Held(shard int) (held []HeldStep, why []error, err error) {
+	if err := o.acquire(); err != nil {
+		return nil, nil, err
+	}
+	defer o.ops.RUnlock()
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
+	if _, err := o.seg(shard); err != nil {
+		return nil, nil, err
+	}
+	held, why = o.intactHalves(shard)
+	return held, why, nil
+}
+
+// intactHalves is Held for a caller that holds ops.
+func (o *Owner) intactHalves(shard int) (held []HeldStep, why []error) {
+	seg := o.segs[shard]
+	for _, i := range []int{0, 1} {
+		m, ok := seg.metaOK(i)
+		if !ok {
+			if st := seg.state(i); st != layout.StateEmpty && st != layout.StateWriting {
+				if err := seg.whyNot(i); err != nil {
+					why = append(why, fmt.Errorf("memory shard %d: %w", shard, err))
+				}
+			}
+			continue
+		}
+		key, version := halfKey{shard, i}, halfVersion{seg.gen(i), m.Seq}
+		if v, ok := o.verified.Load(key); m.Sealed && (!ok || v != version) {
+			if err := verifyHalf(seg, i); err != nil {
+				if errors.Is(err, layout.ErrCorrupt) {
+					o.m.crcFailures.Inc()
+				}
+				why = append(why, fmt.Errorf("step %d: memory shard %d: %w", m.Step, shard, err))
+				continue
+			}
+			o.verified.Store(key, version)
+		}
+		held = append(held, HeldStep{Step: m.Step, Half: i})
+	}
+	if len(held) == 2 && seg.seq(held[1].Half) > seg.seq(held[0].Half) {
+		held[0], held[1] = held[1], held[0]
+	}
+	return held, why
+}
+
 // intactSteps returns the steps every local shard holds intact in memory,
 // newest first, or an error that says why there is none, and why each
 // newer step was passed over (a half that fails its checks, a step some
-// shards lack). A sealed step is intact when every CRC holds; an unsealed
-// one, when it is complete (there is nothing to check it against). A
-// half's verification is remembered until it is written again, so that
-// loading each of n shards does not read every shard n times.
+// shards lack). See Held for what intact means; loading each of n shards
+// does not read every shard n times.
 func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 	var common, some []int64
 	var held []string
 	for k, shard := range o.cfg.Shards {
-		seg := o.segs[shard]
+		h, why := o.intactHalves(shard)
+		passed = append(passed, why...)
 		var steps []int64
-		for i := range 2 {
-			m, ok := seg.metaOK(i)
-			if !ok {
-				if st := seg.state(i); st != layout.StateEmpty && st != layout.StateWriting {
-					if err := seg.whyNot(i); err != nil {
-						passed = append(passed, fmt.Errorf("memory shard %d: %w", shard, err))
-					}
-				}
-				continue
-			}
-			key, version := halfKey{shard, i}, halfVersion{seg.gen(i), m.Seq}
-			if v, ok := o.verified.Load(key); m.Sealed && (!ok || v != version) {
-				if err := verifyHalf(seg, i); err != nil {
-					if errors.Is(err, layout.ErrCorrupt) {
-						o.m.crcFailures.Inc()
-					}
-					passed = append(passed, fmt.Errorf("step %d: memory shard %d: %w", m.Step, shard, err))
-					continue
-				}
-				o.verified.Store(key, version)
-			}
-			steps = append(steps, m.Step)
+		for _, hs := range h {
+			steps = append(steps, hs.Step)
 		}
+		slices.Sort(steps)
 		held = append(held, fmt.Sprintf("shard %d holds %v", shard, steps))
 		some = append(some, steps...)
 		if k == 0 {
