@@ -24,6 +24,7 @@ nothing else changes.
 
 import faulthandler
 import os
+import sys
 import warnings
 
 from faultline import _agent, _ring
@@ -156,6 +157,9 @@ def _reset():
         _stack_file.close()
     _hello = _resume = _stack_file = _stack_signal = None
     _warned = False
+    ft = sys.modules.get("faultline.torch")
+    if ft is not None:
+        ft._loaded = False  # the next load is the rank's first
     _attach_ring()
 
 

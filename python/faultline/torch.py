@@ -449,6 +449,10 @@ class StorageType(enum.Enum):
     DISK = "disk"
 
 
+# Whether this process has loaded a checkpoint: its first load is the
+# step the job resumes from; later ones agree on the newest.
+_loaded = False
+
 # Pinned staging per device-to-host copy, bytes (two such buffers).
 _STAGE = 32 << 20
 
@@ -529,16 +533,29 @@ class Checkpointer:
         (the previous step stays).
 
         With blocking=False the call returns as soon as the save began: its
-        tensors are copied in a thread of their own, while training goes
-        on, and the save becomes the newest step at the next call of this
-        Checkpointer (or wait(), or when the process exits), provided no
-        tensor of the state changed meanwhile: each tensor's version
-        counter is read when the save begins and again then, so a tensor
-        updated in place before its copy was done (an optimizer's step, a
-        BatchNorm's running statistics) abandons the save instead of
-        keeping a torn one. Save after optimizer.step() and it is done long
-        before the next one in any but the tiniest model. True then means
-        the save began.
+        tensors are copied in a thread of their own while training goes on.
+        Once the copy is done, the save becomes the newest step at the
+        first moment the main thread runs Python code again (a pending
+        call: no tensor operation of that thread is in flight then),
+        provided no tensor of the state changed since the save began: each
+        tensor's version counter is read when the save begins and again
+        then, so a save whose tensors an optimizer's step, a BatchNorm's
+        running statistics or any in-place operation touched before its
+        copy was done is abandoned, never kept torn. An abandoned save is
+        said in a RuntimeWarning naming the step (at the next call of this
+        Checkpointer) and counted in the agent's
+        faultline_agent_async_saves_abandoned_total. Save right after
+        optimizer.step() and the copy overlaps the next forward and
+        backward. True then means the save began.
+
+        What the check cannot see: a write through .data, or into the
+        storage by another tensor that shares it without sharing its
+        version counter (numpy views, from_blob, a C extension), does not
+        move _version. Wait for the copy (wait()) before such writes, or
+        save with blocking=True. A training loop that saves from a thread
+        other than the main thread gets its save kept or abandoned at the
+        next call of the Checkpointer instead, since nothing tells when
+        that thread runs no operation.
 
         A TypeError naming the key path is raised, before anything is
         written, for what a checkpoint cannot hold. A state larger than the
@@ -580,7 +597,7 @@ class Checkpointer:
         with faultline.span("save_checkpoint"), torch.no_grad():
             save = seg.save if blocking else seg.begin
             args = (step, names, sizes, write, persist) if blocking else \
-                (step, names, sizes)
+                (step, names, sizes, persist)
             try:
                 done = save(*args)
             except _segment.TooSmall:
@@ -588,6 +605,10 @@ class Checkpointer:
                 seg = self._segment(need, grow=True)
                 save = seg.save if blocking else seg.begin
                 done = save(*args)
+            except _segment.PersistTimeout as e:
+                warnings.warn(f"faultline: the save of step {step} was "
+                              f"skipped: {e}", RuntimeWarning, stacklevel=2)
+                return False
             if done is None:
                 return False
             if not blocking:
@@ -599,15 +620,22 @@ class Checkpointer:
     def wait(self):
         """Ends the save in flight of save_checkpoint(..., blocking=False):
         waits for its copy, then keeps it as the newest step when no tensor
-        of its state changed since it began, and abandons it otherwise.
-        Returns True when it was kept, False when abandoned, None when no
-        save was in flight."""
+        of its state changed since it began, and abandons it otherwise
+        (unless it was kept or abandoned already, as soon as its copy was
+        done). Returns True when it was kept, False when abandoned, None
+        when no save was in flight."""
         a, self._pending = self._pending, None
         if a is None:
             return None
         kept = a.end()
         if kept:
             self._saved(a.pending.step, a.persist)
+        else:
+            warnings.warn(f"faultline: the save of step {a.pending.step} "
+                          f"(blocking=False) was abandoned: {a.why}",
+                          RuntimeWarning, stacklevel=2)
+            self._client.call({"op": "abandoned", "step": a.pending.step,
+                               "what": a.why})
         return kept
 
     def _saved(self, step, persist):
@@ -616,9 +644,16 @@ class Checkpointer:
             self._persisted = step
 
     def load_checkpoint(self, into=None):
-        """Returns the newest state_dict the agent agrees on for this rank
-        (the job's resume step, else this rank's newest intact one), with
-        tensors on the CPU, bitwise the saved ones; {} when there is none.
+        """Returns the state_dict of the newest step the job agrees on,
+        with tensors on the CPU, bitwise the saved ones; {} when there is
+        none. The first call of a process (right after a start or a
+        restart) loads the step the agent chose for the whole job to resume
+        from. A later call (a rollback without a restart, after a loss
+        spike) loads the newest step that every rank holds intact, in
+        memory or committed on disk: every rank must call it then, since
+        the ranks agree on the step with a collective (all_gather_object on
+        the default process group); a job of several ranks without
+        torch.distributed initialised gets a RuntimeError.
 
         into, a state of the same shape ({"model": model.state_dict(),
         ...}), has each saved tensor copied into the tensor at its key path
@@ -626,9 +661,16 @@ class Checkpointer:
         (a model's parameters and buffers take the step in place, with one
         copy); the state returned holds those tensors, and new ones where
         into has none to take it."""
+        global _loaded
         self.wait()
-        resp = self._client.call({"op": "load", "dir": self.checkpoint_dir},
-                                 timeout=600)
+        req = {"op": "load", "dir": self.checkpoint_dir}
+        if _loaded:
+            step = self._agree()
+            if step < 0:
+                return {}
+            req["step"] = step
+        resp = self._client.call(req, timeout=600)
+        _loaded = True
         if resp.get("tier") in (None, "", "none") or resp.get("step", -1) < 0:
             return {}
         seg = self._map(resp.get("path"))
@@ -646,6 +688,28 @@ class Checkpointer:
             raise RuntimeError(f"faultline: the step in half {half} of "
                                f"{seg.path} was overwritten while it loaded")
         return state
+
+    def _agree(self):
+        """The newest step every rank of the job holds intact (in memory,
+        or committed on disk), -1 when there is none."""
+        resp = self._client.call({"op": "held", "dir": self.checkpoint_dir},
+                                 timeout=600)
+        mine = set(resp.get("steps") or [])
+        if resp.get("disk", -1) >= 0:
+            mine.add(resp["disk"])
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+            if world > 1:
+                every = [None] * world
+                dist.all_gather_object(every, sorted(mine))
+                mine = set.intersection(*(set(e) for e in every))
+        elif world > 1:
+            raise RuntimeError(
+                "faultline: load_checkpoint called again in this process: "
+                "the job's ranks agree on the step to load with a "
+                "collective, and torch.distributed is not initialised")
+        return max(mine, default=-1)
 
     def wait_latest_checkpoint(self, timeout=600):
         """Waits until the newest save with StorageType.DISK is committed on
@@ -671,9 +735,12 @@ class Checkpointer:
             seg.remap()  # grown under its name
         if seg is not None and seg.half_size >= need and not grow:
             return seg
+        # The agent reserves every page of the segment before it answers:
+        # give it time in proportion (100 MB/s at worst).
         resp = self._client.call({"op": "segment",
                                   "dir": self.checkpoint_dir,
-                                  "bytes": need + need // 16})
+                                  "bytes": need + need // 16},
+                                 timeout=60 + need / 100e6)
         seg = self._map(resp.get("path"))
         if seg.half_size < need:
             raise _agent.AgentError(
@@ -777,12 +844,19 @@ def _at(tree, path):
 
 class _AsyncSave:
     """A save whose tensors a thread of its own copies into the segment
-    (Checkpointer.save_checkpoint with blocking=False)."""
+    (Checkpointer.save_checkpoint with blocking=False). It is kept or
+    abandoned once: by the main thread as soon as it runs Python code after
+    the copy (a pending call), else by end()."""
 
     def __init__(self, pending, write, tensors, persist):
         self.pending, self.tensors, self.persist = pending, tensors, persist
         self.versions = [t._version for t in tensors]
         self.error = None
+        self.why = ""
+        self.kept = None  # True kept, False abandoned, None not yet
+        self._lock = threading.Lock()
+        self._settle_in_main = (threading.current_thread()
+                                is threading.main_thread())
         self.thread = threading.Thread(target=self._copy, args=(write,),
                                        name="faultline-save", daemon=True)
         self.thread.start()
@@ -795,25 +869,87 @@ class _AsyncSave:
                     write(i, p.base + off)
         except BaseException as e:  # reported when the save ends
             self.error = e
+        if self._settle_in_main:
+            _in_main_thread(self._settle_pending)
 
-    def end(self):
-        """Waits for the copy; finishes the save when no tensor changed
-        since it began (the caller's thread runs no kernel now, so a change
-        made during the copy shows in the version counters), else abandons
-        it. Returns whether it was kept."""
-        self.thread.join()
+    def _settle_pending(self):
+        # A pending call may land inside end() on the same thread: then
+        # end() settles it.
+        if self._lock.acquire(blocking=False):
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
+
+    def _settle(self):
+        """Keeps the save when no tensor changed since it began, else
+        abandons it; the caller runs no tensor operation meanwhile."""
+        if self.kept is not None:
+            return
         changed = [i for i, (t, v) in enumerate(zip(self.tensors,
                                                     self.versions))
                    if t._version != v]
         if self.error is not None or changed:
             self.pending.abort()
+            self.kept = False
             if self.error is not None:
-                warnings.warn(f"faultline: the save of step "
-                              f"{self.pending.step} failed and was "
-                              f"abandoned: {self.error}", RuntimeWarning)
+                self.why = f"its copy failed: {self.error}"
+            else:
+                self.why = (f"{len(changed)} of its {len(self.tensors)} "
+                            "tensors changed before its copy was done (an "
+                            "optimizer step or another in-place update "
+                            "while it copied): a save copied then would be "
+                            "torn")
+        else:
+            self.pending.finish(self.persist)
+            self.kept = True
+        self.tensors = None
+
+    def end(self):
+        """Waits for the copy and settles the save, if the main thread has
+        not yet. Returns whether it was kept."""
+        self.thread.join()
+        with self._lock:
+            self._settle()
+        return self.kept
+
+
+# Pending calls: a function run by the main thread at its next bytecode.
+_PENDING = None
+_pending_refs = {}  # id -> callback: alive until called
+
+
+def _in_main_thread(fn):
+    """Has the main thread call fn as soon as it runs Python code (between
+    two bytecodes, when no operation it started is in flight). Returns
+    False when that cannot be arranged (no CPython pending calls, or their
+    queue full): the caller settles later."""
+    global _PENDING
+    try:
+        import ctypes
+        if _PENDING is None:
+            _PENDING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+            ctypes.pythonapi.Py_AddPendingCall.argtypes = [_PENDING,
+                                                           ctypes.c_void_p]
+            ctypes.pythonapi.Py_AddPendingCall.restype = ctypes.c_int
+
+        def call(_):
+            _pending_refs.pop(key, None)
+            try:
+                fn()
+            except BaseException:  # noqa: BLE001 (never raised into the loop)
+                pass
+            return 0
+
+        cb = _PENDING(call)
+        key = id(cb)
+        _pending_refs[key] = cb
+        if ctypes.pythonapi.Py_AddPendingCall(cb, None) != 0:
+            _pending_refs.pop(key, None)
             return False
-        self.pending.finish(self.persist)
         return True
+    except Exception:  # noqa: BLE001 (no pending calls: settled later)
+        return False
 
 
 def _wait_at_exit(ref):
