@@ -86,9 +86,15 @@ type line struct {
 // start starts faultline-run with flags, then train.py with args.
 func start(t *testing.T, out string, flags []string, args ...string) *job {
 	t.Helper()
-	train, _ := filepath.Abs("train.py")
+	return startScript(t, out, flags, "train.py", args...)
+}
+
+// startScript starts faultline-run with flags, then script with args.
+func startScript(t *testing.T, out string, flags []string, script string, args ...string) *job {
+	t.Helper()
+	script, _ = filepath.Abs(script)
 	argv := append([]string{"--python", torchPython, "--out", out}, flags...)
-	argv = append(argv, train)
+	argv = append(argv, script)
 	argv = append(argv, args...)
 	j := &job{t: t, out: out, done: make(chan struct{})}
 	j.cmd = exec.Command(binary(t), argv...)
