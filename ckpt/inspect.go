@@ -315,7 +315,10 @@ func (t tierSteps) only(step int64) tierSteps {
 		t.steps = []int64{step}
 		return t
 	}
-	if t.none == nil {
+	switch {
+	case t.lacks != nil:
+		t.none = t.lacks(step)
+	case t.none == nil:
 		t.none = fmt.Errorf("holds steps %v, not %d", t.steps, step)
 	}
 	t.steps = nil

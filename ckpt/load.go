@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io/fs"
 	"net"
+	"os"
+	"path/filepath"
 	"runtime/debug"
 	"slices"
 	"strings"
@@ -190,6 +192,8 @@ type tierSteps struct {
 	none  error
 	notes []error // what a load should know, such as a tracker naming a missing step
 	load  func(step int64) (*Checkpoint, error)
+	// lacks, if set, says why the tier does not hold a step.
+	lacks func(step int64) error
 }
 
 // loadNewest serves the newest step that a tier holds intact. It tries
@@ -307,7 +311,38 @@ func diskSteps(dir string, shard int) tierSteps {
 	if len(t.steps) == 0 {
 		t.none = fmt.Errorf("no committed step in %s", dir)
 	}
+	t.lacks = func(step int64) error { return uncommitted(dir, step, t.steps) }
 	return t
+}
+
+// uncommitted says why the disk tier at dir, which holds the committed
+// steps held, does not hold step: never persisted there, or persisted by
+// some of its shards and not by the others.
+func uncommitted(dir string, step int64, held []int64) error {
+	stepDir := layout.StepDir(dir, step)
+	if _, err := os.Stat(stepDir); err != nil {
+		return fmt.Errorf("step %d was never persisted in %s (it holds committed steps %v)", step, dir, held)
+	}
+	var done, missing []int
+	numShards := 0
+	for s := range max(shardsIn(stepDir), 1) {
+		b, err := os.ReadFile(filepath.Join(stepDir, layout.ShardManifestFile(s)))
+		if err != nil {
+			continue
+		}
+		if m, err := layout.ParseShardManifest(b); err == nil {
+			numShards = max(numShards, m.NumShards)
+		}
+	}
+	for s := range max(numShards, shardsIn(stepDir)) {
+		if _, err := os.Stat(filepath.Join(stepDir, layout.ShardManifestFile(s))); err == nil {
+			done = append(done, s)
+		} else {
+			missing = append(missing, s)
+		}
+	}
+	return fmt.Errorf("step %d is not committed in %s: shards %v of %d persisted it and shards %v did not (a save or a persist cut short, or still under way); it holds committed steps %v",
+		step, dir, done, max(numShards, len(done)), missing, held)
 }
 
 // loadGiven loads a given step: from memory, a replica or disk.

@@ -163,6 +163,32 @@ func TestShardsLoadOneStep(t *testing.T) {
 	}
 }
 
+// TestUncommittedStepSaysWhy: a step that one shard persisted and
+// another never did is refused on disk with which shards hold it, not
+// only with the steps the disk tier holds.
+func TestUncommittedStepSaysWhy(t *testing.T) {
+	e := newEnv(t)
+	for _, sh := range []string{"0", "1"} {
+		f := e.file("m.bin", []byte("step 1 shard "+sh))
+		if code, out := e.run("save", "--step", "1", "--shard", sh, "--num-shards", "2", f); code != 0 {
+			t.Fatalf("save: exit %d\n%s", code, out)
+		}
+	}
+	f := e.file("m.bin", []byte("step 2 shard 0"))
+	if code, out := e.run("save", "--step", "2", "--shard", "0", "--num-shards", "2", f); code != 0 {
+		t.Fatalf("save: exit %d\n%s", code, out)
+	}
+	e.shm = t.TempDir() // disk only
+	code, _, stderr := e.run2("load", "--shard", "0", "--step", "2", "--out", filepath.Join(e.tmp, "o"))
+	if code != exitNoStep || !strings.Contains(stderr, "step 2 is not committed") || !strings.Contains(stderr, "shards [0] of 2 persisted it and shards [1] did not") {
+		t.Fatalf("load --shard 0 --step 2: exit %d, want %d\nstderr:\n%s", code, exitNoStep, stderr)
+	}
+	code, _, stderr = e.run2("load", "--shard", "0", "--step", "5", "--out", filepath.Join(e.tmp, "o"))
+	if code != exitNoStep || !strings.Contains(stderr, "step 5 was never persisted") {
+		t.Fatalf("load --shard 0 --step 5: exit %d, want %d\nstderr:\n%s", code, exitNoStep, stderr)
+	}
+}
+
 // TestExitCodes runs each outcome once: a memory-only checkpoint with no
 // disk tier yet verifies and inspects clean; corruption, no intact step,
 // usage and any other failure exit with their own codes; and reasons and
