@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -35,6 +36,9 @@ type jobCheckpoints struct {
 	nodes int
 	local *Agent
 	log   *slog.Logger
+	// deadline bounds the wait for the nodes' reports; 0 derives it from
+	// the state's size (reportDeadline), or reportTimeout apart.
+	deadline time.Duration
 
 	mu      sync.Mutex
 	mgr     *taskd.Manager // learned from the handler's calls
@@ -66,11 +70,11 @@ func (j *jobCheckpoints) LoadNewest(ctx context.Context) (int64, error) {
 	round := -1
 	var steps []int64
 	disk := int64(-1)
-	deadline := reportTimeout
+	deadline := cmp.Or(j.deadline, reportTimeout)
 	if j.local != nil {
 		round = j.local.slots[0].restarts()
 		steps, disk = j.local.ckpts.localSteps(), j.local.ckpts.diskStep()
-		deadline = reportDeadline(j.local.ckpts.stateBytes())
+		deadline = cmp.Or(j.deadline, reportDeadline(j.local.ckpts.stateBytes()))
 	}
 	reports, missing, err := j.reports(ctx, round, deadline)
 	if err != nil {
