@@ -90,6 +90,14 @@ type Detector struct {
 	findings map[findingKey]*finding
 	epoch    int // bumps at each phase change, resetting rank bests
 
+	// changes counts what may change the lists of a verdict: a finding
+	// made or cleared, a rank falling silent or back, its first step, a
+	// phase change. afterStep, when set, is called after each evaluated
+	// step: Watch passes on a changed verdict as of the step that changed
+	// it.
+	changes   uint64
+	afterStep func()
+
 	st       Step
 	stOps    []int32                  // the op index of each of st.Comm
 	slots    []int                    // addStep's: the comm slot of each of a step's ops
@@ -289,6 +297,7 @@ func (d *Detector) rankIdx(rank int) int32 {
 		if d.maxStep >= 0 && d.maxStep-d.firstStep+1 > int64(d.cfg.SilentSteps) {
 			rs.silent = true // joins late: silent until it reports a step
 			d.live--
+			d.changes++
 		}
 	}
 	d.lastIdx = i
@@ -610,9 +619,13 @@ func (d *Detector) addStep(ri int32, st *Step, ops []int32) {
 	rs.asm.have |= have
 	rs.last = st.Number
 	rs.steps++
+	if rs.steps == 1 {
+		d.changes++ // its host's ranks now include it
+	}
 	if rs.silent {
 		rs.silent = false
 		d.live++
+		d.changes++
 	}
 	if st.Number > d.maxStep {
 		d.maxStep = st.Number
@@ -670,6 +683,7 @@ func (d *Detector) updateSilence() {
 		silent := d.maxStep-last > int64(d.cfg.SilentSteps)
 		if silent != rs.silent {
 			rs.silent = silent
+			d.changes++
 			if silent {
 				d.live--
 			} else {
@@ -697,6 +711,9 @@ func (d *Detector) advance(flush bool) {
 		delete(d.rows, s)
 		d.evaluate(rw)
 		d.free = append(d.free, rw)
+		if d.afterStep != nil {
+			d.afterStep()
+		}
 	}
 }
 
