@@ -69,21 +69,23 @@ type job struct {
 	orchs     map[uint64]taskd.Orchestration
 	verdict   *slownode.Result
 	verdictAt time.Time
+	verdicts  []seenVerdict // the latest verdicts, oldest first
 	phase     string
 	exits     []exitSeen
 }
 
 // rankView is what the launcher knows of a rank, from its output.
 type rankView struct {
-	rank, node int
-	state      string // starting, training, paused, hung, down, stopped
-	step       int64
-	metrics    string
-	lastSave   int64
-	lastLoad   loadSeen
-	injectedAt time.Time
-	hungAt     time.Time
-	events     []rankEvent
+	rank, node   int
+	state        string // starting, training, paused, hung, down, stopped
+	step         int64
+	metrics      string
+	lastSave     int64
+	lastLoad     loadSeen
+	injectedAt   time.Time
+	injectedFrom int64 // the first step the latest injection slows
+	hungAt       time.Time
+	events       []rankEvent
 }
 
 type loadSeen struct {
@@ -295,7 +297,7 @@ func (j *job) rankLine(rank int, line string) {
 				v.lastSave = step
 			}
 		case "inject":
-			v.injectedAt = now
+			v.injectedAt, v.injectedFrom = now, step
 		case "stop":
 			v.state = "stopped"
 		}
@@ -701,12 +703,22 @@ func (j *job) watchSlowNodes(ctx context.Context) {
 	err := slownode.Watch(ctx, j.path("profiling", jobID), cfg, func(r *slownode.Result) {
 		j.mu.Lock()
 		j.verdict, j.verdictAt = r, time.Now()
+		if len(j.verdicts) >= 64 {
+			j.verdicts = slices.Delete(j.verdicts, 0, 32)
+		}
+		j.verdicts = append(j.verdicts, seenVerdict{r, j.verdictAt})
 		j.notifyLocked()
 		j.mu.Unlock()
 	})
 	if err != nil {
 		j.log.Error("demo: slow-node watch", "err", err)
 	}
+}
+
+// seenVerdict is a verdict of the slow-node watch and when it came.
+type seenVerdict struct {
+	r  *slownode.Result
+	at time.Time
 }
 
 // stopProxies ends the proxy processes: SIGTERM to their groups, SIGKILL

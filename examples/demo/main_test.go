@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/faultline-ml/faultline/trace/slownode"
 )
 
 func TestMain(m *testing.M) {
@@ -53,6 +55,14 @@ func TestDemo(t *testing.T) {
 		// The detections that name ranks must name the one at fault.
 		if len(f.Culprit) > 0 && !slices.Contains(f.Culprit, f.Rank) {
 			t.Errorf("%s: injected on rank %d, detection named %v", f.Name, f.Rank, f.Culprit)
+		}
+		// A slow rank is named in the verdict of a step soon after the
+		// first it slowed: steps, not seconds, which a loaded machine
+		// stretches.
+		if slow := f.Name == faultSlowCompute || f.Name == faultSlowIO; slow &&
+			(f.OnsetStep <= 0 || f.DetectionSteps < 0 || f.DetectionSteps > slownode.DefaultConsecutive+3) {
+			t.Errorf("%s: onset step %d, named in the verdict of step %d, %d steps later; want at most %d",
+				f.Name, f.OnsetStep, f.DetectionStep, f.DetectionSteps, slownode.DefaultConsecutive+3)
 		}
 		if f.Recovery == nil || f.Recovery.State != "recovered" {
 			t.Errorf("%s: recovery %+v, want one that ended recovered", f.Name, f.Recovery)

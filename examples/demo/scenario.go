@@ -27,13 +27,21 @@ type faultResult struct {
 	Node         int       `json:"node"`
 	Injected     time.Time `json:"injected"`
 	InjectedStep int64     `json:"injected_step"`
+	// OnsetStep is the first step the fault slowed, as its rank says
+	// (slow faults only).
+	OnsetStep int64 `json:"onset_step,omitempty"`
 
-	Detected         bool     `json:"detected"`
-	DetectedBy       string   `json:"detected_by"`
-	DetectionSeconds float64  `json:"detection_seconds"` // from the fault to its detection
-	Explanation      string   `json:"explanation"`
-	Culprit          []int    `json:"culprit,omitempty"` // the ranks the detection named
-	Files            []string `json:"files,omitempty"`   // relative to the output folder
+	Detected         bool    `json:"detected"`
+	DetectedBy       string  `json:"detected_by"`
+	DetectionSeconds float64 `json:"detection_seconds"` // from the fault to its detection
+	// DetectionStep is the step of the first verdict that named the
+	// rank, and DetectionSteps how many steps after the onset that was
+	// (slow faults only).
+	DetectionStep  int64    `json:"detection_step,omitempty"`
+	DetectionSteps int64    `json:"detection_steps,omitempty"`
+	Explanation    string   `json:"explanation"`
+	Culprit        []int    `json:"culprit,omitempty"` // the ranks the detection named
+	Files          []string `json:"files,omitempty"`   // relative to the output folder
 
 	Recovered       bool            `json:"recovered"`
 	Recovery        *recoveryResult `json:"recovery,omitempty"`
@@ -225,18 +233,32 @@ func (j *job) stepOf(rank int) int64 {
 // verdict clearing.
 func (j *job) slowFault(ctx context.Context, res *faultResult, factor float64, does string, list func(*slownode.Result) []int, kind string) error {
 	rank := res.Rank
+	sent := time.Now()
 	if err := j.inject(ctx, rank, injection{Fault: res.Name, Factor: factor}); err != nil {
 		return err
 	}
 	res.Injected, res.InjectedStep = time.Now(), j.stepOf(rank)
-	j.con.printf("  inject    rank %d %s %gx slower from step %d; its peers now wait for it in every collective", rank, does, factor, res.InjectedStep+1)
+	// The rank says which step is the first it slows.
+	err := j.waitFor(ctx, 10*time.Second, func() bool {
+		v := j.ranks[rank]
+		res.OnsetStep = v.injectedFrom
+		return !v.injectedAt.Before(sent)
+	})
+	if err != nil {
+		return fmt.Errorf("rank %d did not say it took the injection: %w", rank, err)
+	}
+	j.con.printf("  inject    rank %d %s %gx slower from step %d; its peers now wait for it in every collective", rank, does, factor, res.OnsetStep)
 
+	// The first verdict that names the rank: the watch may pass on
+	// another before this wakes.
 	var v *slownode.Result
 	var at time.Time
-	err := j.waitFor(ctx, 90*time.Second, func() bool {
-		if j.verdict != nil && slices.Contains(list(j.verdict), rank) {
-			v, at = j.verdict, j.verdictAt
-			return true
+	err = j.waitFor(ctx, 90*time.Second, func() bool {
+		for _, sv := range j.verdicts {
+			if !sv.at.Before(sent) && slices.Contains(list(sv.r), rank) {
+				v, at = sv.r, sv.at
+				return true
+			}
 		}
 		return false
 	})
@@ -246,13 +268,14 @@ func (j *job) slowFault(ctx context.Context, res *faultResult, factor float64, d
 	}
 	res.Detected, res.DetectedBy = true, "trace/slownode.Watch over the live dotting files"
 	res.DetectionSeconds = at.Sub(res.Injected).Seconds()
+	res.DetectionStep, res.DetectionSteps = v.LastStep, v.LastStep-res.OnsetStep
 	res.Culprit = list(v)
 	field := "slowCalculateRanks"
 	if kind == slownode.KindIO {
 		field = "slowIORanks"
 	}
-	j.con.printf("  detect    %.1fs later, %d steps after the onset: slownode's verdict isSlow=%d, %s %v, degradation %s",
-		res.DetectionSeconds, v.LastStep-res.InjectedStep, v.IsSlow, field, list(v), v.DegradationLevel)
+	j.con.printf("  detect    %.1fs later, in the verdict of step %d, %d steps after the onset: slownode's verdict isSlow=%d, %s %v, degradation %s",
+		res.DetectionSeconds, v.LastStep, res.DetectionSteps, v.IsSlow, field, list(v), v.DegradationLevel)
 	for _, f := range v.Findings {
 		if f.Kind != kind || !slices.Contains(f.Ranks, rank) {
 			continue

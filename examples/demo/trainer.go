@@ -458,6 +458,11 @@ func (t *trainer) inject(payload []byte) error {
 	default:
 		return fmt.Errorf("injection: unknown fault %q", in.Fault)
 	}
-	t.say("event inject %d %s", t.step, in.Fault)
+	// The first step it slows: the next to start, after the one in flight.
+	from := t.step + 1
+	if t.abort != nil {
+		from++
+	}
+	t.say("event inject %d %s", from, in.Fault)
 	return nil
 }

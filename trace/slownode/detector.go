@@ -51,15 +51,15 @@ type Stats struct {
 	DroppedRanges  uint64 `json:"droppedRanges"`  // ranges beyond MaxPendingRanges in one step
 	LateSteps      uint64 `json:"lateSteps"`      // rank steps that arrived after their step was evaluated
 	RepeatedSteps  uint64 `json:"repeatedSteps"`  // rank steps not after the rank's previous one
-	IncompleteRows uint64 `json:"incompleteRows"` // steps evaluated before every live rank had reported them
+	IncompleteRows uint64 `json:"incompleteRows"` // steps evaluated before every live rank was done with them
 }
 
 // Detector is the streaming core: it takes ranges (or whole steps) per
-// rank, evaluates each step once every live rank has reported it, and
-// keeps its findings up to date. It does no I/O, starts no goroutine,
-// reads no clock, and its memory is bounded per rank and per communicator
-// whatever the length of the job. A Detector is not safe for concurrent
-// use.
+// rank, evaluates each step once every live rank has reported it (or a
+// later one, having skipped it), and keeps its findings up to date. It
+// does no I/O, starts no goroutine, reads no clock, and its memory is
+// bounded per rank and per communicator whatever the length of the job.
+// A Detector is not safe for concurrent use.
 type Detector struct {
 	cfg Config
 
@@ -89,6 +89,14 @@ type Detector struct {
 	jitter   []stageJitter // per pipeline stage
 	findings map[findingKey]*finding
 	epoch    int // bumps at each phase change, resetting rank bests
+
+	// changes counts what may change the lists of a verdict: a finding
+	// made or cleared, a rank falling silent or back, its first step, a
+	// phase change. afterStep, when set, is called after each evaluated
+	// step: Watch passes on a changed verdict as of the step that changed
+	// it.
+	changes   uint64
+	afterStep func()
 
 	st       Step
 	stOps    []int32                  // the op index of each of st.Comm
@@ -158,7 +166,11 @@ type group struct {
 }
 
 type row struct {
-	step  int64
+	step int64
+	// n counts the ranks done with the step: those that reported it, and
+	// those that reported a later one without it (a rank whose dotting
+	// was switched on mid-step, or off for a while), which never will:
+	// steps of one rank come in order.
 	n     int
 	cells []cell
 	more  []float64 // the comm slots of cells beyond their first cellComm
@@ -285,6 +297,7 @@ func (d *Detector) rankIdx(rank int) int32 {
 		if d.maxStep >= 0 && d.maxStep-d.firstStep+1 > int64(d.cfg.SilentSteps) {
 			rs.silent = true // joins late: silent until it reports a step
 			d.live--
+			d.changes++
 		}
 	}
 	d.lastIdx = i
@@ -532,6 +545,7 @@ func (d *Detector) addStep(ri int32, st *Step, ops []int32) {
 	if d.firstStep < 0 {
 		d.firstStep = st.Number
 	}
+	d.skip(rs.last, st.Number)
 	rw := d.rows[st.Number]
 	if rw == nil {
 		rw = d.newRow(st.Number)
@@ -605,9 +619,13 @@ func (d *Detector) addStep(ri int32, st *Step, ops []int32) {
 	rs.asm.have |= have
 	rs.last = st.Number
 	rs.steps++
+	if rs.steps == 1 {
+		d.changes++ // its host's ranks now include it
+	}
 	if rs.silent {
 		rs.silent = false
 		d.live++
+		d.changes++
 	}
 	if st.Number > d.maxStep {
 		d.maxStep = st.Number
@@ -629,10 +647,30 @@ func (d *Detector) newRow(step int64) *row {
 	for i := range rw.cells {
 		rw.cells[i].ok = false
 	}
+	if step < d.maxStep {
+		// Ranks already past the step never report it.
+		for _, rs := range d.ranks {
+			if rs.last > step {
+				rw.n++
+			}
+		}
+	}
 	d.rows[step] = rw
 	i, _ := slices.BinarySearch(d.open, step)
 	d.open = slices.Insert(d.open, i, step)
 	return rw
+}
+
+// skip counts a rank that reported step to after step from as done with
+// the open steps it skipped in between.
+func (d *Detector) skip(from, to int64) {
+	if to-from <= 1 || len(d.open) == 0 {
+		return
+	}
+	i, _ := slices.BinarySearch(d.open, from+1)
+	for ; i < len(d.open) && d.open[i] < to; i++ {
+		d.rows[d.open[i]].n++
+	}
 }
 
 // updateSilence marks ranks whose last step is SilentSteps behind.
@@ -645,6 +683,7 @@ func (d *Detector) updateSilence() {
 		silent := d.maxStep-last > int64(d.cfg.SilentSteps)
 		if silent != rs.silent {
 			rs.silent = silent
+			d.changes++
 			if silent {
 				d.live--
 			} else {
@@ -654,8 +693,9 @@ func (d *Detector) updateSilence() {
 	}
 }
 
-// advance evaluates the oldest steps that every live rank has reported,
-// or all of them when flush is set, or as many as exceed the horizon.
+// advance evaluates the oldest steps that every live rank is done with
+// (see row.n), or all of them when flush is set, or as many as exceed the
+// horizon.
 func (d *Detector) advance(flush bool) {
 	for len(d.open) > 0 && (!d.hold || flush) {
 		s := d.open[0]
@@ -671,6 +711,9 @@ func (d *Detector) advance(flush bool) {
 		delete(d.rows, s)
 		d.evaluate(rw)
 		d.free = append(d.free, rw)
+		if d.afterStep != nil {
+			d.afterStep()
+		}
 	}
 }
 

@@ -37,8 +37,10 @@
 // Steps are compared across ranks by their number, never by timestamp:
 // host clocks are not comparable, and nothing here subtracts one rank's
 // timestamp from another's. A step is evaluated once every live rank has
-// reported it; ranks that stop writing become silent after
-// Config.SilentSteps steps and are listed as such, never as fast.
+// reported it or a later one (a rank's steps come in order, so one that
+// skipped a step, its dotting off, never reports it); ranks that stop
+// writing become silent after Config.SilentSteps steps and are listed as
+// such, never as fast.
 //
 // Within each pipeline stage (ranks that do the same work), the healthy
 // ranks are found by splitting the stage's figures in clusters (1-D

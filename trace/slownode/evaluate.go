@@ -353,6 +353,7 @@ func (d *Detector) settle(rw *row) bool {
 		f.calm++
 		if f.calm >= d.cfg.Consecutive {
 			delete(d.findings, k)
+			d.changes++
 		}
 	}
 	for _, f := range d.findings {
@@ -704,5 +705,6 @@ func (d *Detector) flagSubject(k findingKey, s int64, v, ref float64, method str
 	}
 	if !f.active && f.run >= d.cfg.Consecutive {
 		f.active, f.detected = true, s
+		d.changes++
 	}
 }

@@ -137,6 +137,7 @@ func (j *jobState) rebase(s, onset int64, d *Detector) {
 	j.degraded, j.run, j.low, j.calm, j.onset = false, 0, 0, 0, -1
 	j.since = j.since[:0]
 	d.epoch++ // ranks' own bests belong to the old phase
+	d.changes++
 }
 
 // level returns the degradation of the recent step time over the

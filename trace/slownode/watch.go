@@ -84,9 +84,12 @@ func Analyze(ctx context.Context, jobDir string, cfg Config) (*Result, error) {
 // Watch tails the rank folders of jobDir every cfg.PollInterval until ctx
 // is done, and calls onChange with the verdict whenever it changes: slow
 // or not, the slow ranks, hosts, communicators or silent ranks. The first
-// verdict is passed once the first steps have been evaluated. Rank
-// folders that appear later join. Watch returns nil when ctx is done, or
-// the error that stopped it.
+// verdict is passed once the first steps have been evaluated. A changed
+// verdict is the one of the step that changed it (its LastStep), passed
+// as soon as that step is evaluated, not once the files have been read
+// to their end: a catch-up read passes on every change it comes across.
+// Rank folders that appear later join. Watch returns nil when ctx is
+// done, or the error that stopped it.
 func Watch(ctx context.Context, jobDir string, cfg Config, onChange func(*Result)) error {
 	s, err := newSource(jobDir, cfg)
 	if err != nil {
@@ -96,6 +99,21 @@ func Watch(ctx context.Context, jobDir string, cfg Config, onChange func(*Result
 	tick := time.NewTicker(s.d.cfg.PollInterval)
 	defer tick.Stop()
 	last := ""
+	report := func() {
+		r := s.result()
+		if k := verdictKey(r); k != last {
+			last = k
+			s.metrics.changes.Add(1)
+			onChange(r)
+		}
+	}
+	var seen uint64
+	s.d.afterStep = func() {
+		if s.d.changes != seen {
+			seen = s.d.changes
+			report()
+		}
+	}
 	for {
 		pctx, span := s.tracer.Start(ctx, "slownode.pass")
 		err := s.pass(pctx)
@@ -107,12 +125,7 @@ func Watch(ctx context.Context, jobDir string, cfg Config, onChange func(*Result
 			return err
 		}
 		if s.d.evaluated >= 0 {
-			r := s.result()
-			if k := verdictKey(r); k != last {
-				last = k
-				s.metrics.changes.Add(1)
-				onChange(r)
-			}
+			report()
 		}
 		select {
 		case <-ctx.Done():
@@ -150,6 +163,7 @@ type rankSource struct {
 	ready    chan struct{}     // a worker finished a fill
 	inFlight bool              // sent to the workers, ready not yet received
 	counted  trace.ReaderStats // the reader's counters already added to the pass's
+	unpaired uint64            // the pairer's unmatched ends, as of counted
 
 	// What load found, for open.
 	openErr error
@@ -567,11 +581,13 @@ func (s *source) feed(rs *rankSource, target int64) (bool, error) {
 }
 
 // count adds what the rank's reader read since the last count to the
-// pass's counters and metrics.
+// pass's counters and metrics. The pass counts a rank while no worker
+// reads it: a result taken during the pass reads the counts, not the
+// reader.
 func (s *source) count(rs *rankSource) {
 	after := rs.rd.Stats()
 	bytes, records := after.Bytes-rs.counted.Bytes, after.Records-rs.counted.Records
-	rs.counted = after
+	rs.counted, rs.unpaired = after, rs.pair.Stats().UnmatchedEnds
 	s.bytes += bytes
 	s.records += records
 	s.metrics.records.Add(records)
@@ -599,10 +615,8 @@ func (s *source) result() *Result {
 	r := s.d.Result()
 	r.Input.Bytes, r.Input.Records = s.bytes, s.records
 	for _, rs := range s.ranks {
-		if rs.rd != nil {
-			r.Input.GarbageLines += rs.rd.Stats().GarbageLines
-		}
-		r.Input.UnmatchedEnds += rs.pair.Stats().UnmatchedEnds
+		r.Input.GarbageLines += rs.counted.GarbageLines
+		r.Input.UnmatchedEnds += rs.unpaired
 		if rs.err != nil {
 			r.Input.Warnings = append(r.Input.Warnings, rs.err.Error())
 		}

@@ -4,13 +4,17 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
@@ -411,5 +415,193 @@ func TestAnalyzeReadAhead(t *testing.T) {
 		if diff := cmp.Diff(results[0], r, cmpHistory); diff != "" {
 			t.Errorf("result with %d readers differs (-1 reader +more):\n%s", []int{2, 5}[i], diff)
 		}
+	}
+}
+
+// liveRank replays one rank's generated records into a live folder the
+// way a trace.Recorder writes them: in bursts, every few steps.
+type liveRank struct {
+	src, dst string
+	starts   []int // offset in src of each step's first record, and len(src) last
+	written  int   // bytes of src already in dst
+	every    int   // flush every so many steps
+	phase    int
+}
+
+// newLiveRank reads rank's single record file in src and starts its live
+// copy in dst at step first: the steps before it, its dotting was off.
+func newLiveRank(t *testing.T, srcDir, dstDir string, first, every, phase int) *liveRank {
+	t.Helper()
+	ents, err := os.ReadDir(srcDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lr := &liveRank{every: every, phase: phase}
+	if err := os.MkdirAll(dstDir, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		b, err := os.ReadFile(filepath.Join(srcDir, e.Name()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !trace.IsRecordFileName(e.Name()) {
+			os.WriteFile(filepath.Join(dstDir, e.Name()), b, 0o640)
+			continue
+		}
+		if lr.src != "" {
+			t.Fatalf("%s: more than one record file", srcDir)
+		}
+		lr.src, lr.dst = string(b), filepath.Join(dstDir, e.Name())
+	}
+	for off := 0; off < len(lr.src); {
+		line, _, _ := strings.Cut(lr.src[off:], "\n")
+		if strings.Contains(line, `"Name":"`+trace.StepMarkerPrefix) {
+			lr.starts = append(lr.starts, off)
+		}
+		off += len(line) + 1
+	}
+	lr.starts = append(lr.starts, len(lr.src))
+	lr.written = lr.starts[first]
+	return lr
+}
+
+// stepDone writes what the rank buffered once step k is done, when its
+// flush is due or last is set.
+func (lr *liveRank) stepDone(t *testing.T, k int, last bool) {
+	if (k+lr.phase)%lr.every != 0 && !last {
+		return
+	}
+	end := lr.starts[min(k+1, len(lr.starts)-1)]
+	if end <= lr.written {
+		return
+	}
+	f, err := os.OpenFile(lr.dst, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o640)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteString(lr.src[lr.written:end]); err != nil {
+		t.Fatal(err)
+	}
+	lr.written = end
+}
+
+// TestWatchDetectsWithinConsecutiveSteps follows generated jobs as they
+// train, on synctest's clock: a rank slow to compute or to load data from
+// a random step, files that grow in bursts every few steps, ranks whose
+// dotting starts a step or two after the others', and polls a few steps
+// apart. The first verdict that names the rank is the one of the step
+// that convicted it: every one at most Consecutive+3 steps after the
+// onset, nine in ten at most Consecutive (Consecutive-1 is the
+// earliest); and it reaches the callback no later than the slowest
+// rank's flush and the next poll after that step.
+func TestWatchDetectsWithinConsecutiveSteps(t *testing.T) {
+	const (
+		jobs     = 40
+		stepTime = 100 * time.Millisecond
+	)
+	rng := rand.New(rand.NewPCG(18, 3))
+	var lats []int
+	for i := range jobs {
+		layouts := []struct{ tp, dp, pp int }{{2, 2, 1}, {4, 2, 1}, {2, 4, 1}, {2, 2, 2}, {4, 4, 1}}
+		l := layouts[rng.IntN(len(layouts))]
+		world := l.tp * l.dp * l.pp
+		onset := DefaultNormalSteps + 5 + rng.IntN(40)
+		in := gen.Injection{Kind: gen.SlowRank, Rank: rng.IntN(world), From: onset, Factor: 1.5 + 1.5*rng.Float64()}
+		slow := "computes"
+		if rng.IntN(2) == 0 {
+			in.Kind, in.Factor, slow = gen.SlowIO, 3+7*rng.Float64(), "loads data"
+		}
+		steps := onset + 3*DefaultConsecutive + 10
+		src, live := t.TempDir(), filepath.Join(t.TempDir(), "job")
+		if _, err := gen.Generate(gen.Config{Root: src, Job: "job", TP: l.tp, DP: l.dp, PP: l.pp, Steps: steps,
+			Seed: uint64(i), StepsPerFile: steps + 1, Inject: []gen.Injection{in}}); err != nil {
+			t.Fatal(err)
+		}
+		poll := 1 + rng.IntN(5)
+		ranks := make([]*liveRank, world)
+		slowest := 0
+		for r := range ranks {
+			first := 0
+			if rng.IntN(4) == 0 {
+				first = 1 + rng.IntN(2)
+			}
+			every := 1 + rng.IntN(6)
+			slowest = max(slowest, every)
+			ranks[r] = newLiveRank(t, filepath.Join(src, "job", strconv.Itoa(r)), filepath.Join(live, strconv.Itoa(r)), first, every, rng.IntN(every))
+		}
+		names := func(r *Result) bool {
+			if in.Kind == gen.SlowIO {
+				return slices.Contains(r.SlowIORanks, in.Rank)
+			}
+			return slices.Contains(r.SlowCalculateRanks, in.Rank)
+		}
+		var (
+			seen    *Result
+			seenJob int64 // the step the job had done when seen came
+		)
+		synctest.Test(t, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(t.Context())
+			var jobStep atomic.Int64
+			jobStep.Store(-1)
+			done := make(chan error, 1)
+			go func() {
+				done <- Watch(ctx, live, Config{PollInterval: time.Duration(poll) * stepTime}, func(r *Result) {
+					if seen == nil && names(r) {
+						seen, seenJob = r, jobStep.Load()
+					}
+				})
+			}()
+			// Polls fall on whole steps, files grow half way between.
+			time.Sleep(stepTime / 2)
+			for k := range steps {
+				for _, lr := range ranks {
+					lr.stepDone(t, k, k == steps-1)
+				}
+				jobStep.Store(int64(k))
+				time.Sleep(stepTime)
+			}
+			time.Sleep(time.Duration(poll) * stepTime)
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("Watch: %v", err)
+			}
+		})
+		what := fmt.Sprintf("job %d (tp%d dp%d pp%d, rank %d %s %.1fx slower from step %d, flushes every %d steps at most, polls every %d)",
+			i, l.tp, l.dp, l.pp, in.Rank, slow, in.Factor, onset, slowest, poll)
+		if seen == nil {
+			t.Errorf("%s: never named the rank", what)
+			continue
+		}
+		var detected int64 = -1
+		for _, f := range seen.Findings {
+			if slices.Contains(f.Ranks, in.Rank) && f.Kind != KindHost {
+				detected = f.DetectedStep
+			}
+		}
+		lat := int(seen.LastStep) - onset
+		lats = append(lats, lat)
+		if lat < 0 || lat > DefaultConsecutive+3 || detected != seen.LastStep {
+			t.Errorf("%s: named in the verdict of step %d, %d steps after the onset, convicted at step %d", what, seen.LastStep, lat, detected)
+		}
+		// The rows wait for the slowest rank's flush; the callback, for the
+		// poll after it.
+		if lag := seenJob - seen.LastStep; lag > int64(slowest+poll) {
+			t.Errorf("%s: the verdict of step %d came when the job had done step %d", what, seen.LastStep, seenJob)
+		}
+	}
+	if len(lats) == 0 {
+		return
+	}
+	slices.Sort(lats)
+	hist := map[int]int{}
+	for _, l := range lats {
+		hist[l]++
+	}
+	p90 := lats[len(lats)*9/10]
+	t.Logf("steps from the onset to the verdict naming the rank, over %d jobs: %v (median %d, 90th percentile %d)", len(lats), hist, lats[len(lats)/2], p90)
+	if p90 > DefaultConsecutive {
+		t.Errorf("90th percentile %d steps after the onset, want at most Consecutive (%d)", p90, DefaultConsecutive)
 	}
 }
