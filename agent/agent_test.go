@@ -20,7 +20,7 @@ import (
 // examples/faultline-run's tests run real PyTorch jobs through it.
 
 // shellAgent builds an agent of n ranks, each running script with sh.
-func shellAgent(t *testing.T, n, restarts int, script string) (*Agent, *os.File, string) {
+func shellAgent(t testing.TB, n, restarts int, script string) (*Agent, *os.File, string) {
 	t.Helper()
 	dir := t.TempDir()
 	out, err := os.Create(filepath.Join(dir, "output"))
