@@ -4,11 +4,12 @@
 
 Each rank trains a small MLP on batches drawn from a generator seeded by
 (step, rank), so that a run is bitwise reproducible on CPU; DDP's gradient
-all-reduce goes through faultline's comm hook, which reduces each gradient
-on its own, so that the summation order does not depend on DDP's bucket
-rebuild after the first step. Every step is checkpointed to the node
-agent's memory (every --disk-every steps also to disk) and a restarted
-job resumes from the newest step every rank holds.
+all-reduce goes through faultline's comm hook, which reduces a process's
+first step in the buckets DDP rebuilds after it, as every later step, so
+that a restarted rank sums each gradient in the order the run without the
+fault did. Every step is checkpointed to the node agent's memory (every
+--disk-every steps also to disk) and a restarted job resumes from the
+newest step every rank holds.
 
 Faults to show recovery and diagnosis: --kill-rank R --kill-step S (the
 rank SIGKILLs itself at step S of the first run), --hang-rank R
