@@ -26,7 +26,9 @@
 //   - faultline.torch.init() registers the rank with the agent (op hello),
 //     wraps every torch.distributed collective with collective records for
 //     the hang watchdog, gives DistributedDataParallel a gradient hook that
-//     all-reduces each gradient on its own (bitwise-deterministic resumes),
+//     all-reduces and times each of DDP's buckets and reduces a process's
+//     first step in the buckets DDP rebuilds after it, as every later step
+//     (bitwise-deterministic resumes, at DDP's speed),
 //     sends the process groups (op groups, the rank's parallel_group.json)
 //     and registers faulthandler on FAULTLINE_STACK_SIGNAL, appending to
 //     FAULTLINE_STACK_FILE.

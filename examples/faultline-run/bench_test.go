@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -47,6 +48,57 @@ func BenchmarkRecovery(b *testing.B) {
 	b.ReportMetric(fl.Seconds()/float64(b.N), "faultline-s")
 	b.ReportMetric(tr.Seconds()/float64(b.N), "torchrun-s")
 	b.ReportMetric(fl.Seconds()/tr.Seconds(), "x-torchrun")
+}
+
+// BenchmarkDDPHook measures a DDP job's step time under
+// faultline.torch.init() beside plain DDP's, in the same job under
+// faultline-run: testdata/ddp_bench.py, 2 gloo ranks, 100 Linear(64, 64)
+// layers. Each rank trains one copy of the model wrapped by DDP before
+// ft.init() (DDP's own all-reduce) and one wrapped after it (faultline's
+// comm hook, which keeps DDP's buckets and times each), one step of each
+// in turn, 200 on each side. Run it with
+//
+//	go test -run '^$' -bench DDPHook -benchtime 1x ./examples/faultline-run/
+//
+// It reports each side's median milliseconds a step and x-plain, the
+// median over the pairs of steps of faultline's time over plain DDP's.
+// Goal: x-plain <= 1.03.
+func BenchmarkDDPHook(b *testing.B) {
+	if testing.Short() {
+		b.Skip("real PyTorch jobs take seconds each; not under -short")
+	}
+	if err := exec.Command(torchPython, "-c", "import torch.distributed").Run(); err != nil {
+		b.Skipf("needs torch importable from %s (Debian package python3-torch): %v", torchPython, err)
+	}
+	bin := binary(b)
+	script, _ := filepath.Abs(filepath.Join("testdata", "ddp_bench.py"))
+	var plain, fl, ratio float64
+	for range b.N {
+		cmd := exec.Command(bin, "--standalone", "--nproc-per-node", "2", "--no-spares", "--python", torchPython,
+			"--out", filepath.Join(b.TempDir(), "out"), script)
+		cmd.Env = append(os.Environ(), "OMP_NUM_THREADS=1")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			b.Fatalf("%s: %v\n%s", script, err, out)
+		}
+		_, line, ok := strings.Cut(string(out), "ddp-bench ")
+		line, _, _ = strings.Cut(line, "\n")
+		var r struct {
+			Plain     float64 `json:"plain_ms"`
+			Faultline float64 `json:"faultline_ms"`
+			Ratio     float64 `json:"ratio"`
+		}
+		if err := json.Unmarshal([]byte(line), &r); !ok || err != nil {
+			b.Fatalf("%s: no ddp-bench line (%v)\n%s", script, err, out)
+		}
+		plain += r.Plain
+		fl += r.Faultline
+		ratio += r.Ratio
+	}
+	n := float64(b.N)
+	b.ReportMetric(plain/n, "plain-ms/step")
+	b.ReportMetric(fl/n, "faultline-ms/step")
+	b.ReportMetric(ratio/n, "x-plain")
 }
 
 // recoveryTime runs a job that kills a rank and returns the time from the

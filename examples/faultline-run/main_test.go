@@ -212,27 +212,33 @@ func (j *job) incidents() []agent.Incident {
 const steps = "30"
 
 var (
-	refOnce sync.Once
-	refHash string
+	refMu     sync.Mutex
+	refHashes = map[string]string{} // by train.py's extra arguments
 )
 
-// reference is the weights' hash of the job run without a fault.
-func reference(t *testing.T) string {
+// reference is the weights' hash of the job run without a fault, with
+// train.py's extra arguments args.
+func reference(t *testing.T, args ...string) string {
 	t.Helper()
-	refOnce.Do(func() {
-		dir := t.TempDir()
-		w := filepath.Join(dir, "weights")
-		j := start(t, filepath.Join(dir, "out"), []string{"--standalone", "--nproc-per-node", "4", "--no-spares"},
-			"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--weights", w)
-		if err := j.wait(3 * time.Minute); err != nil {
-			t.Fatalf("the run without faults: %v\nstderr:\n%s", err, j.errText())
-		}
-		refHash = readHash(t, w)
-	})
-	if refHash == "" {
+	key := strings.Join(args, " ")
+	refMu.Lock()
+	defer refMu.Unlock()
+	if h, ok := refHashes[key]; ok {
+		return h
+	}
+	dir := t.TempDir()
+	w := filepath.Join(dir, "weights")
+	j := start(t, filepath.Join(dir, "out"), []string{"--standalone", "--nproc-per-node", "4", "--no-spares"},
+		append([]string{"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--weights", w}, args...)...)
+	if err := j.wait(3 * time.Minute); err != nil {
+		t.Fatalf("the run without faults: %v\nstderr:\n%s", err, j.errText())
+	}
+	h := readHash(t, w)
+	if h == "" {
 		t.Fatal("no reference weights")
 	}
-	return refHash
+	refHashes[key] = h
+	return h
 }
 
 func readHash(t *testing.T, path string) string {
@@ -249,12 +255,28 @@ func readHash(t *testing.T, path string) string {
 // rank holds in memory, and the final weights are bitwise those of a run
 // without the fault.
 func TestKillRank(t *testing.T) {
+	killRank(t)
+}
+
+// TestKillRankBuckets is TestKillRank with DDP's gradients in three
+// buckets, which the run without the fault has rebuilt by the step the
+// restarted ranks resume from, while a new process begins with all of them
+// in one: the restarted ranks reduce their first step in the rebuilt
+// buckets too, or the weights would not be bitwise the same.
+func TestKillRankBuckets(t *testing.T) {
+	killRank(t, "--bucket-cap-mb", "0.0002")
+}
+
+// killRank runs train.py with args, rank 2 SIGKILLed at step 12, and
+// checks the recovery and the final weights.
+func killRank(t *testing.T, args ...string) {
+	t.Helper()
 	needTorch(t)
-	ref := reference(t)
+	ref := reference(t, args...)
 	dir := t.TempDir()
 	w := filepath.Join(dir, "weights")
 	j := start(t, filepath.Join(dir, "out"), []string{"--standalone", "--nproc-per-node", "4", "--max-restarts", "2"},
-		"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--kill-rank", "2", "--kill-step", "12", "--weights", w)
+		append([]string{"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--kill-rank", "2", "--kill-step", "12", "--weights", w}, args...)...)
 	if err := j.wait(3 * time.Minute); err != nil {
 		t.Fatalf("faultline-run: %v\nstderr:\n%s", err, j.errText())
 	}

@@ -4,11 +4,13 @@
 
 Each rank trains a small MLP on batches drawn from a generator seeded by
 (step, rank), so that a run is bitwise reproducible on CPU; DDP's gradient
-all-reduce goes through faultline's comm hook, which reduces each gradient
-on its own, so that the summation order does not depend on DDP's bucket
-rebuild after the first step. Every step is checkpointed to the node
-agent's memory (every --disk-every steps also to disk) and a restarted
-job resumes from the newest step every rank holds.
+all-reduce goes through faultline's comm hook, which reduces a process's
+first step in the buckets DDP rebuilds after it, as every later step, so
+that a restarted rank sums each gradient in the order the run without the
+fault did. --bucket-cap-mb sets DDP's bucket size, its first bucket's too
+(0.0002 puts the model in three buckets). Every step is checkpointed to
+the node agent's memory (every --disk-every steps also to disk) and a
+restarted job resumes from the newest step every rank holds.
 
 Faults to show recovery and diagnosis: --kill-rank R --kill-step S (the
 rank SIGKILLs itself at step S of the first run), --hang-rank R
@@ -46,6 +48,7 @@ def parse():
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-ms", type=float, default=50)
     p.add_argument("--weights", default="")
+    p.add_argument("--bucket-cap-mb", type=float, default=0, help="DDP's bucket size, its first bucket's too")
     p.add_argument("--baseline", action="store_true")
     return p.parse_args()
 
@@ -64,16 +67,20 @@ def main():
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    buckets = {}
+    if args.bucket_cap_mb:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int(args.bucket_cap_mb * 1024 * 1024)
+        buckets["bucket_cap_mb"] = args.bucket_cap_mb
     if args.baseline:
         span = _nospan
-        ddp = DDP(model)
+        ddp = DDP(model, **buckets)
         ckpt = TorchSaveCheckpointer(args.ckpt, rank)
     else:
         import faultline
         import faultline.torch as ft
         span = faultline.span
         ft.init()
-        ddp = DDP(model)
+        ddp = DDP(model, **buckets)
         ckpt = ft.Checkpointer(args.ckpt)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     loss_fn = torch.nn.BCEWithLogitsLoss()

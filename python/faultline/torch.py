@@ -15,10 +15,12 @@ dumps and flash checkpoints into the node agent's shared memory.
 
 init() wraps every torch.distributed collective so that the agent's hang
 watchdog sees when each starts and ends (and the ones that raise), gives
-DistributedDataParallel a gradient hook that all-reduces each gradient on
-its own (the summation order then does not depend on DDP's bucket rebuild,
-so a resumed run is bitwise the run without the fault), tells the agent
-the process groups (its parallel_group.json), and installs the stack dump.
+DistributedDataParallel a gradient hook that all-reduces and times each of
+DDP's buckets, and reduces a process's first step in the buckets DDP
+rebuilds after it, as every later one (each gradient is then summed in one
+order at every step, so a resumed run is bitwise the run without the
+fault), tells the agent the process groups (its parallel_group.json), and
+installs the stack dump.
 
 A Checkpointer saves a state_dict (nested dicts, lists and tuples of
 tensors and plain values) as the blobs of one step of the agent's segment:
@@ -31,6 +33,7 @@ import atexit
 import enum
 import functools
 import inspect
+import itertools
 import json
 import os
 import threading
@@ -300,50 +303,214 @@ def _install_collectives():
 # --------------------------------------------------------------- DDP hook
 
 class _HookState:
-    """The state of faultline's DDP hook: the process group, and the
-    user's own hook when one is registered after ours."""
+    """The state of faultline's DDP comm hook on one DistributedDataParallel:
+    its process group, the user's own hook when one is registered after
+    ours, and, until DDP has rebuilt its buckets, what it takes to reduce
+    each step in the layout of the rebuild.
 
-    __slots__ = ("group", "user", "__weakref__")
+    DDP (torch 1.13) reduces a process's first iteration in one bucket of
+    its parameters in their order, then rebuilds its buckets from the order
+    in which their gradients became ready, rank 0's (only
+    find_unused_parameters without a static graph keeps its first buckets).
+    With gloo's ring all-reduce an element's summation order across ranks
+    depends on its place in the bucket, so a rank restarted at step k would
+    reduce step k otherwise than the run without the fault. Until the
+    rebuild, the hook therefore holds the iteration's buckets and, at its
+    last, all-reduces the gradients in the layout that the rebuild makes
+    from the order they became ready in this very iteration: every step of
+    every process is reduced in the same buckets, and nothing has to
+    outlive a restart. Once a step went through DDP's rebuilt buckets, each
+    found to be one of the layout's, the hook reduces each bucket as it
+    comes, as DDP does.
+    """
 
-    def __init__(self, group):
-        self.group, self.user = group, None
+    __slots__ = ("group", "name", "world", "src", "user", "ddp", "params",
+                 "index", "sparse", "caps", "ready", "handles", "layout",
+                 "held", "clean", "steady", "warned", "__weakref__")
+
+    def __init__(self, ddp):
+        self.group = ddp.process_group
+        self.name = group_name(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.src = (0 if self.group is _world()
+                    else dist.distributed_c10d.get_global_rank(self.group, 0))
+        self.user = None
+        self.ddp = weakref.ref(ddp)
+        # The reducer's parameters, in its order, and its bucket caps.
+        self.params, self.sparse = ddp._build_params_for_reducer()
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.caps = [dist._DEFAULT_FIRST_BUCKET_BYTES, ddp.bucket_bytes_cap]
+        self.layout = None   # the rebuild's buckets: tuples of indices
+        self.held = []       # the iteration's buckets held for the layout
+        self.clean = True    # no bucket of this iteration was held
+        self.steady = False  # each bucket is reduced as it comes
+        self.warned = False
+        # When each gradient was last ready, by parameter: the order in
+        # which the reducer sees them, as a tensor hook runs just before
+        # the AccumulateGrad node that runs the reducer's hook.
+        self.ready, tick = {}, itertools.count()
+        self.handles = [p.register_hook(functools.partial(_ready, self.ready,
+                                                          tick, i))
+                        for i, p in enumerate(self.params)]
+
+    def settle(self):
+        """From now on each bucket is reduced as it comes."""
+        self.steady = True
+        self.unhook()
+        self.params = self.index = self.sparse = None
+
+    def unhook(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.ready.clear()
+
+    def in_layout(self, bucket):
+        """None when bucket is one of the layout's, to be reduced now; else
+        the future of the bucket held until the iteration's last."""
+        ddp = self.ddp()
+        if ddp is None or (self.layout is None and not (
+                ddp.static_graph or not ddp.find_unused_parameters)):
+            self.settle()  # DDP keeps the buckets it began with
+            return None
+        if bucket.index() == 0:
+            self.clean, self.held = True, []
+        idx = tuple(self.index[id(p)] for p in bucket.parameters())
+        if self.layout is not None and idx in self.layout:
+            fut = None
+        else:
+            self.clean = False
+            fut = torch.futures.Future()
+            self.held.append((bucket.buffer(), idx, bucket.gradients(), fut))
+        if bucket.is_last():
+            if self.held:
+                self.reduce_held()
+            if ddp._has_rebuilt_buckets:
+                if self.clean:
+                    self.settle()
+                elif not self.warned:
+                    self.warned = True
+                    warnings.warn(
+                        "faultline: DDP rebuilt its gradient buckets "
+                        "otherwise than faultline derived them; each step is "
+                        "still reduced in faultline's layout, so that resumes "
+                        "stay bitwise, but no longer while backward runs",
+                        RuntimeWarning)
+        return fut
+
+    def derive(self):
+        """The buckets that DDP's rebuild makes from the order in which this
+        iteration's gradients became ready (rank 0's, as the rebuild takes
+        rank 0's)."""
+        order = sorted(self.ready, key=self.ready.get)
+        # A static graph's rebuild puts its unused parameters last.
+        order += [i for i in range(len(self.params)) if i not in self.ready]
+        if self.world > 1:
+            t = torch.tensor(order, dtype=torch.int64,
+                             device=self.params[0].device)  # NCCL's too
+            dist.broadcast(t, src=self.src, group=self.group)
+            order = t.tolist()
+        small_last = os.environ.get("DDP_SET_LAST_BUCKET_CAP") == "1"
+        if small_last:
+            order.reverse()
+        buckets = dist._compute_bucket_assignment_by_size(
+            [self.params[i] for i in order], self.caps, self.sparse, order)
+        if isinstance(buckets, tuple):  # with each bucket's size limit
+            buckets = buckets[0]
+        if small_last:
+            buckets.reverse()
+        return [tuple(b) for b in buckets]
+
+    def reduce_held(self):
+        """All-reduces the held buckets' gradients in the layout's buckets
+        and then completes the held futures."""
+        held, self.held = self.held, []
+        if self.layout is None:
+            self.layout = self.derive()
+            self.unhook()
+        grads, futs = {}, []
+        for buf, idx, views, _ in held:
+            if buf.is_sparse:  # alone in a bucket, whatever the layout
+                futs.append(_all_reduce(self.group, self.name,
+                                        buf.div_(self.world)))
+            else:
+                grads.update(zip(idx, views))
+        flats = []
+        for b in self.layout:
+            if b[0] in grads:  # else reduced already, as a bucket of its own
+                flat = torch.cat([grads[i].reshape(-1) for i in b])
+                flats.append((b, flat))
+                futs.append(_all_reduce(self.group, self.name,
+                                        flat.div_(self.world)))
+
+        def done(fut):
+            try:
+                for f in fut.wait():
+                    f.wait()
+                for b, flat in flats:
+                    off = 0
+                    for i in b:
+                        g = grads[i]
+                        g.copy_(flat[off:off + g.numel()].view_as(g))
+                        off += g.numel()
+            except Exception as e:  # noqa: BLE001 (DDP's wait raises it)
+                for _, _, _, f in held:
+                    f.set_exception(e)
+                return
+            for buf, _, _, f in held:
+                f.set_result(buf)
+
+        torch.futures.collect_all(futs).add_done_callback(done)
 
 
-def _all_reduce_each(state, bucket):
-    """DDP comm hook: averages the bucket's gradients, each with its own
-    all_reduce, and times the bucket as one collective."""
-    if state.user is not None:
-        return _timed_user_hook(state, bucket)
-    group = state.group
-    n = dist.get_world_size(group)
-    buf = bucket.buffer()
+def _ready(ready, tick, i, grad):
+    ready[i] = next(tick)
+
+
+def _all_reduce(group, name, t):
+    """All-reduces t asynchronously, timed as one collective; returns the
+    future of t reduced."""
     rid = _ring.collective_start(
-        _ring.collective("allreduce", group_name(group), buf.numel(),
-                         str(buf.dtype).replace("torch.", "")), buf.numel())
-    all_reduce = _originals.get("all_reduce", dist.all_reduce)
-    futs = []
-    for g in bucket.gradients():
-        g.div_(n)
-        futs.append(all_reduce(g, group=group, async_op=True).get_future())
+        _ring.collective("allreduce", name, t.numel(),
+                         str(t.dtype).replace("torch.", "")), t.numel())
+    try:
+        work = _originals.get("all_reduce", dist.all_reduce)(
+            t, group=group, async_op=True)
+    except Exception as e:
+        _ring.collective_error(rid, _error_text(e))
+        raise
 
     def done(fut):
         try:
-            for f in fut.wait():
-                f.wait()
+            fut.wait()
         except Exception as e:
             _ring.collective_error(rid, _error_text(e))
             raise
         _ring.collective_end(rid)
-        return buf
+        return t
 
-    return torch.futures.collect_all(futs).then(done)
+    return work.get_future().then(done)
+
+
+def _all_reduce_bucket(state, bucket):
+    """DDP comm hook: averages the bucket with one all_reduce, timed as one
+    collective, in the layout of DDP's rebuilt buckets from the first step
+    of the process on (_HookState)."""
+    if state.user is not None:
+        return _timed_user_hook(state, bucket)
+    if not state.steady:
+        fut = state.in_layout(bucket)
+        if fut is not None:
+            return fut
+    return _all_reduce(state.group, state.name,
+                       bucket.buffer().div_(state.world))
 
 
 def _timed_user_hook(state, bucket):
     user_state, hook = state.user
     buf = bucket.buffer()
     rid = _ring.collective_start(
-        _ring.collective("allreduce", group_name(state.group), buf.numel(),
+        _ring.collective("allreduce", state.name, buf.numel(),
                          str(buf.dtype).replace("torch.", "")), buf.numel())
     _inside.on = True  # the hook's own collectives are this one
     try:
@@ -376,8 +543,8 @@ def _install_ddp_hook():
     @functools.wraps(init)
     def ddp_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        state = _HookState(self.process_group)
-        register(self, state, _all_reduce_each)
+        state = _HookState(self)
+        register(self, state, _all_reduce_bucket)
         self._faultline_hook = state
 
     @functools.wraps(register)
@@ -390,6 +557,7 @@ def _install_ddp_hook():
                                "register_builtin_comm_hook can only be called "
                                "once")
         ours.user = (state, hook)  # the reducer keeps ours, which calls it
+        ours.settle()
         return None
 
     ddp_init.__faultline_original__ = init

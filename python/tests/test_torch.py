@@ -150,7 +150,7 @@ class TorchTest(unittest.TestCase):
         self.assertEqual([x["type"] for x in recs], [CSTART, CERR])
         self.assertIn(str(cm.exception)[:40], recs[1]["name"])
 
-    def test_ddp_hook_all_reduces_each_gradient(self):
+    def test_ddp_hook_times_the_bucket(self):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8),
                                     torch.nn.Linear(8, 2))
@@ -169,6 +169,69 @@ class TorchTest(unittest.TestCase):
             sum(p.numel() for p in model.parameters())))
         self.assertEqual([x["type"] for x in recs], [CSTART, CEND])
 
+    def small_buckets(self, layers):
+        """A DDP of layers Linear(16, 16) in buckets of 1 KiB, one layer's
+        weight and bias in each, and the model beside it undistributed."""
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES
+        dist._DEFAULT_FIRST_BUCKET_BYTES = 1024
+        self.addCleanup(setattr, dist, "_DEFAULT_FIRST_BUCKET_BYTES", first)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16)
+                                      for _ in range(layers)])
+        ref = torch.nn.Sequential(*[torch.nn.Linear(16, 16)
+                                    for _ in range(layers)])
+        ref.load_state_dict(model.state_dict())
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=1024 / 2 ** 20)
+        return ddp, model, ref
+
+    def step(self, ddp, model, ref):
+        x = torch.randn(5, 16)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        ddp(x).sum().backward()
+        ref(x).sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            self.assertTrue(torch.equal(p.grad, q.grad))
+        return self.r.read()
+
+    def test_ddp_hook_times_each_bucket_of_the_rebuilt_layout(self):
+        ddp, model, ref = self.small_buckets(3)
+        state = ddp._faultline_hook
+        for it in range(3):
+            recs = self.step(ddp, model, ref)
+            starts = [x for x in recs if x["type"] == CSTART]
+            # The first iteration too: three buckets, last layer first.
+            self.assertEqual([json.loads(x["name"])["count"] for x in starts],
+                             ["272"] * 3, it)
+            self.assertEqual(sorted(x["id"] for x in starts), sorted(
+                x["id"] for x in recs if x["type"] == CEND))
+            self.assertEqual(state.steady, it > 0, it)
+        self.assertEqual(state.layout, [(5, 4), (3, 2), (1, 0)])  # bias first
+        # Settled: no tensor hook left to cost a step anything.
+        for p in model.parameters():
+            self.assertFalse(p._backward_hooks)
+
+    def test_a_rebuild_unlike_the_layout_keeps_the_layout(self):
+        ddp, model, ref = self.small_buckets(2)
+        state = ddp._faultline_hook
+        self.step(ddp, model, ref)
+        # DDP's rebuild now puts the small bucket last: [b1], [b0, W1],
+        # [W0] instead of the [b1, W1], [b0, W0] derived.
+        os.environ["DDP_SET_LAST_BUCKET_CAP"] = "1"
+        self.addCleanup(os.environ.pop, "DDP_SET_LAST_BUCKET_CAP")
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                recs = self.step(ddp, model, ref)
+        msgs = [str(x.message) for x in w if "faultline" in str(x.message)]
+        self.assertEqual(len(msgs), 1, msgs)
+        self.assertIn("otherwise than faultline derived", msgs[0])
+        self.assertFalse(state.steady)
+        starts = [x for x in recs if x["type"] == CSTART]
+        self.assertEqual([json.loads(x["name"])["count"] for x in starts],
+                         ["272"] * 2)
+
     def test_a_user_hook_runs_under_ours(self):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
@@ -179,6 +242,7 @@ class TorchTest(unittest.TestCase):
             return default_hooks.allreduce_hook(state, bucket)
 
         ddp.register_comm_hook(None, hook)
+        self.assertFalse(ddp.module.weight._backward_hooks)
         ddp(torch.randn(2, 3)).sum().backward()
         self.assertEqual(calls, [0])
         with self.assertRaises(RuntimeError):
@@ -200,9 +264,10 @@ class TorchTest(unittest.TestCase):
 
 
 class TwoRanksTest(unittest.TestCase):
-    """Two gloo ranks in child processes: the per-gradient DDP hook keeps
-    the result of each all-reduce independent of the bucket layout, and the
-    second rank's records and groups come out right."""
+    """Two gloo ranks in child processes: DDP's gradients under faultline's
+    hook are the same on both, the first iteration takes rank 0's order of
+    ready gradients (a broadcast) before its all-reduces, and the second
+    rank's records and groups come out right."""
 
     def test_two_ranks(self):
         d = tempfile.mkdtemp(prefix="faultline-two-")
@@ -229,7 +294,7 @@ class TwoRanksTest(unittest.TestCase):
             self.assertEqual(outs[0]["grads"], outs[1]["grads"])
             self.assertEqual(outs[0]["weights"], outs[1]["weights"])
             for r, out in enumerate(outs):
-                self.assertEqual(out["ops"][:2], ["allreduce", "allreduce"])
+                self.assertEqual(out["ops"][:2], ["broadcast", "allreduce"])
                 self.assertGreater(out["hook_buckets"], 0)
                 self.assertEqual(out["groups"]["default_pg"]["global_ranks"],
                                  [0, 1])
@@ -273,6 +338,149 @@ out = {
     "ops": ops, "hook_buckets": ops.count("allreduce"),
     "groups": ft._groups(), "pair": ft._groups()[ft.group_name(pair)],
 }
+with open(os.path.join(os.environ["OUT"], "out-%d.json" % rank), "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+class ResumeLayoutTest(unittest.TestCase):
+    """Four gloo ranks in child processes train a model of several DDP
+    buckets, then train it again from the state of a step in the middle
+    with a new DDP, as a rank restarted there does: under faultline's hook
+    the weights come out bitwise the same, for each way of DDP's that
+    rebuilds or keeps its buckets, and faultline's layout is the one DDP
+    rebuilt. A hook that reduces the buckets as they come shows that the
+    job would tell a different layout apart."""
+
+    def test_a_resumed_step_is_reduced_in_the_rebuilt_layout(self):
+        d = tempfile.mkdtemp(prefix="faultline-layout-")
+        agent = FakeAgent()
+        try:
+            script = os.path.join(d, "rank.py")
+            with open(script, "w") as f:
+                f.write(textwrap.dedent(LAYOUT_SCRIPT))
+            procs = []
+            for rank in range(4):
+                ring = make_ring(os.path.join(d, f"ring-{rank}"), 1 << 20)
+                env = dict(os.environ, PYTHONPATH=PACKAGE + os.pathsep + HERE,
+                           RANK=str(rank), WORLD_SIZE="4", OMP_NUM_THREADS="1",
+                           FAULTLINE_AGENT=agent.sock, FAULTLINE_RING=ring,
+                           STORE=os.path.join(d, "store"), OUT=d)
+                procs.append(subprocess.Popen([sys.executable, script],
+                                              env=env))
+            for p in procs:
+                self.assertEqual(p.wait(timeout=300), 0)
+            outs = []
+            for r in range(4):
+                with open(os.path.join(d, f"out-{r}.json")) as f:
+                    outs.append(json.load(f))
+            for r, out in enumerate(outs):
+                self.assertEqual(out["warnings"], [], r)
+                for name, c in out["configs"].items():
+                    self.assertEqual(c["whole"], outs[0]["configs"][name]
+                                     ["whole"], (r, name))
+                    self.assertEqual(c["resumed"], c["whole"], (r, name))
+                    if name == "find_unused_parameters":
+                        self.assertIsNone(c["layout"])  # never rebuilt
+                    else:
+                        self.assertGreater(len(c["layout"]), 2, name)
+                        self.assertEqual(c["layout"], c["rebuilt"], name)
+                    self.assertTrue(c["steady"], name)
+                control = out["control"]
+                self.assertNotEqual(control["resumed"], control["whole"],
+                                    "the buckets as they come resume "
+                                    "bitwise too: the test would not tell "
+                                    "layouts apart")
+        finally:
+            agent.close()
+            shutil.rmtree(d)
+
+
+LAYOUT_SCRIPT = """
+import hashlib, json, os, warnings
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import faultline.torch as ft
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"],
+                        rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+ft.init()
+warnings.simplefilter("always")
+# Buckets of 1 KiB, the first one too: a layer's weight and bias in each.
+dist._DEFAULT_FIRST_BUCKET_BYTES = 1024
+CAP = 1024 / 2 ** 20
+STEPS, FAULT = 6, 3
+
+
+def model():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def wrap(m, hook, kw):
+    ddp = DDP(m, bucket_cap_mb=CAP, **kw)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    return ddp, torch.optim.SGD(m.parameters(), lr=0.1)
+
+
+def train(ddp, opt, steps):
+    for step in steps:
+        g = torch.Generator().manual_seed(step * 1009 + rank)
+        opt.zero_grad()
+        ddp(torch.randn(8, 16, generator=g)).pow(2).sum().backward()
+        opt.step()
+
+
+def digest(m):
+    h = hashlib.sha256()
+    for t in m.state_dict().values():
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def run(hook=None, **kw):
+    m = model()
+    ddp, opt = wrap(m, hook, kw)
+    train(ddp, opt, range(FAULT))
+    snap = {k: v.clone() for k, v in m.state_dict().items()}
+    train(ddp, opt, range(FAULT, STEPS))
+    again = model()
+    again.load_state_dict(snap)
+    ddp2, opt2 = wrap(again, hook, kw)  # a new reducer, as a restart's
+    train(ddp2, opt2, range(FAULT, STEPS))
+    out = {"whole": digest(m), "resumed": digest(again)}
+    state = ddp._faultline_hook
+    if hook is None:
+        params = {id(p): i for i, p in
+                  enumerate(ddp._build_params_for_reducer()[0])}
+        out["layout"] = state.layout and [list(b) for b in state.layout]
+        out["rebuilt"] = [[params[id(p)] for p in b.parameters()]
+                          for b in ddp.reducer._get_zeros_like_grad_buckets()]
+        out["steady"] = state.steady and ddp2._faultline_hook.steady
+    return out
+
+
+def as_they_come(state, bucket):
+    buf = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buf, async_op=True).get_future().then(
+        lambda f: buf)
+
+
+with warnings.catch_warnings(record=True) as w:
+    out = {"configs": {
+        "default": run(),
+        "static_graph": run(static_graph=True),
+        "gradient_as_bucket_view": run(gradient_as_bucket_view=True),
+        "find_unused_parameters": run(find_unused_parameters=True),
+    }, "control": run(as_they_come)}
+out["warnings"] = [str(x.message) for x in w
+                   if "faultline" in str(x.message)]
 with open(os.path.join(os.environ["OUT"], "out-%d.json" % rank), "w") as f:
     json.dump(out, f)
 dist.destroy_process_group()
