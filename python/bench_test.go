@@ -97,7 +97,9 @@ func BenchmarkSpan(b *testing.B) {
 }
 
 // BenchmarkCheckpoint saves and loads a state_dict of
-// FAULTLINE_PY_BENCH_MIB MiB (default 64) through a real ckpt.Owner, beside
+// FAULTLINE_PY_BENCH_MIB MiB (default 64) in float32 tensors of
+// FAULTLINE_PY_BENCH_TENSOR_KIB KiB each (default 16384: a few large ones;
+// 4 gives many small ones) through a real ckpt.Owner, beside
 // tensor.copy_ of the same bytes into and out of preallocated shared-memory
 // tensors and torch.save to a file, all measured in the same run.
 // Targets (1024 MiB): x-copy-save >= 0.9, x-torchsave >= 10,
@@ -118,6 +120,13 @@ func BenchmarkCheckpoint(b *testing.B) {
 		var err error
 		if mib, err = strconv.Atoi(s); err != nil || mib <= 0 {
 			b.Fatalf("FAULTLINE_PY_BENCH_MIB=%q: want a positive number of MiB", s)
+		}
+	}
+	kib := 16 << 10
+	if s := os.Getenv("FAULTLINE_PY_BENCH_TENSOR_KIB"); s != "" {
+		var err error
+		if kib, err = strconv.Atoi(s); err != nil || kib <= 0 {
+			b.Fatalf("FAULTLINE_PY_BENCH_TENSOR_KIB=%q: want a positive number of KiB", s)
 		}
 	}
 	pkg := extracted(b)
@@ -144,7 +153,7 @@ func BenchmarkCheckpoint(b *testing.B) {
 		SaveAsyncTotal   float64 `json:"save_async_total"`
 	}
 	for b.Loop() {
-		runBench(b, py, pyEnv(pkg, "FAULTLINE_AGENT="+a.sock), &r, "testdata/bench_ckpt.py", strconv.Itoa(mib), shm, disk)
+		runBench(b, py, pyEnv(pkg, "FAULTLINE_AGENT="+a.sock), &r, "testdata/bench_ckpt.py", strconv.Itoa(mib), shm, disk, strconv.Itoa(kib))
 	}
 	b.ReportMetric(float64(r.Bytes)/(1<<20), "MiB")
 	b.ReportMetric(r.Save, "save-s")

@@ -58,13 +58,78 @@
 //
 // # Checkpoints
 //
-// A step of a state_dict is the blob "meta", UTF-8 JSON
-// {"format":"faultline.state/1","step":s,"tree":T}, and a blob "t<k>" per
-// tensor: its bytes, C-contiguous. A node of T is {"d":[[key,T],...]}
-// (int keys as {"i":n}), {"l":[...]}, {"tu":[...]}, {"t":k,"dtype":...,
-// "shape":[...]}, {"v":x}, {"f":"inf"|"-inf"|"nan"} or {"b":"<base64>"}.
-// Stored dtypes: float64, float32, float16, bfloat16, int64, int32, int16,
-// int8, uint8, bool, complex64, complex128. Nothing is unpickled on load.
+// A step of a state_dict is the blob "meta" and data blobs "data0",
+// "data1", ... in that order. "meta" is UTF-8 JSON (no NaN or Infinity
+// literals):
+//
+//	{"format":"faultline.state/2","step":s,"tensors":[E,...],"tree":T}
+//
+// An entry E of "tensors" places tensor k (its index in the list) in a data
+// blob: {"blob":"data0","off":o,"dtype":D,"shape":[d,...]} for a torch
+// tensor, with D one of float64, float32, float16, bfloat16, int64, int32,
+// int16, int8, uint8, bool, complex64, complex128; or
+// {"blob":...,"off":o,"np":N,"shape":[...]} for a numpy array, with N
+// numpy's dtype.str: a byte order (<, >, | or =), a kind (b bool, i int, u
+// uint, f float, c complex, m timedelta64, M datetime64, S bytes, U UCS-4
+// string) and a size ("<f8", "|b1", "<M8[ns]", "<U5": 5 characters, 20
+// bytes). Its bytes are the item size times the dimensions, C order, from
+// byte o of the blob; o is a multiple of 64, so that every tensor is
+// aligned as its blob is, and the bytes between two tensors are zero. A
+// writer fills each data blob in table order until the next tensor would
+// end past max(64 MiB, total/16384) bytes, then starts the next: a
+// tensor that large fills one alone, and no state reaches the 65536 blobs
+// of a step (layout.MaxBlobs); a step over that is refused before it is
+// written.
+//
+// A node of T is one JSON object with exactly one of these keys:
+//
+//	{"v":x}                      None, bool, int (any size), float, str
+//	{"f":"inf"|"-inf"|"nan"}     a float JSON cannot hold
+//	{"b":"<base64>"}             bytes; {"ba":"<base64>"} bytearray
+//	{"c":[re,im]}                complex: re and im are v or f nodes
+//	{"t":k}                      tensor k of the table: a tensor at several
+//	                             key paths (tied weights) is one entry, and
+//	                             loads as one tensor
+//	{"d":[[key,T],...]}          dict, items in order; a str key is a JSON
+//	                             string, any other key a node (v, f, b, c,
+//	                             tu, fs, ns, dt, dev, sz)
+//	{"od":[...],"md":T}          collections.OrderedDict; md, if present, is
+//	                             its _metadata (module versions)
+//	{"ctr":[...]}                collections.Counter
+//	{"dd":[...],"factory":F}     collections.defaultdict; F null or one of
+//	                             int, float, complex, str, bytes, bool, list,
+//	                             tuple, dict, set, frozenset
+//	{"l":[T,...]}                list; {"tu":[...]} tuple; {"set":[...]} set;
+//	                             {"fs":[...]} frozenset
+//	{"ns":N,"bytes":"<base64>"}  numpy scalar of dtype N: its bytes
+//	{"sz":[d,...]}               torch.Size
+//	{"dt":"float32"}             torch.dtype, by its name in torch
+//	{"dev":"cuda:1"}             torch.device
+//	{"fn":"module:qualname"}     a function of torch.optim.lr_scheduler (a
+//	                             module function or one of a class): the
+//	                             only module whose functions load by name
+//	{"m":"module:qualname"}      such a function of a class C, bound: an
+//	                             entry of a dict with str keys, the
+//	                             state_dict of an object of C (OneCycleLR's
+//	                             anneal_func); it loads bound to a new C,
+//	                             made without __init__, whose attributes are
+//	                             that dict's entries
+//	{"wm":"module:qualname"}     the same in a weakref.WeakMethod (CyclicLR's
+//	                             _scale_fn_ref), which holds its object
+//	{"pickle":"<base64>"}        anything else, saved with allow_pickle=True:
+//	                             a pickle (protocol 4) whose persistent ids
+//	                             are table indices, for the tensors in it
+//
+// Nothing is unpickled on load unless the load passes allow_pickle=True;
+// without, a pickle node is an error naming its key path. A save without
+// allow_pickle refuses, with a TypeError naming the key path and before
+// anything is written, what only a pickle holds; lambdas and local
+// functions are refused even with it, as torch.save refuses them.
+//
+// faultline.state/1, written by earlier releases, is still loaded: meta
+// {"format":"faultline.state/1","step":s,"tree":T} and a blob "t<k>" per
+// tensor, its bytes alone; T has the nodes v, f, b, d, l and tu, int keys
+// of d as {"i":n}, and tensor nodes {"t":k,"dtype":D,"shape":[...]}.
 //
 // # Tests and benchmarks
 //

@@ -4,12 +4,16 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"testing"
 	"time"
 
@@ -31,10 +35,93 @@ func decode(t *testing.T, b []byte) any {
 	return v
 }
 
+// stateMeta is the meta blob of a step that faultline.torch saved.
+type stateMeta struct {
+	Format  string          `json:"format"`
+	Step    int64           `json:"step"`
+	Tensors []stateTensor   `json:"tensors"`
+	Tree    json.RawMessage `json:"tree"`
+}
+
+// stateTensor is an entry of its table of tensors.
+type stateTensor struct {
+	Blob  string  `json:"blob"`
+	Off   int64   `json:"off"`
+	Dtype string  `json:"dtype"`
+	NP    string  `json:"np"`
+	Shape []int64 `json:"shape"`
+}
+
+// bytes is the size of the tensor's data.
+func (e stateTensor) bytes() (int64, error) {
+	size := map[string]int64{"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+		"int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}[e.Dtype]
+	if e.NP != "" { // numpy's dtype.str: byte order, kind, item size ("<u2"); U counts characters
+		m := regexp.MustCompile(`^[<>|=]([biufcmMSU])([0-9]+)`).FindStringSubmatch(e.NP)
+		if m == nil || e.Dtype != "" {
+			return 0, fmt.Errorf("np %q, dtype %q", e.NP, e.Dtype)
+		}
+		size, _ = strconv.ParseInt(m[2], 10, 64)
+		if m[1] == "U" {
+			size *= 4
+		}
+	}
+	if size == 0 {
+		return 0, fmt.Errorf("dtype %q", e.Dtype)
+	}
+	for _, d := range e.Shape {
+		size *= d
+	}
+	return size, nil
+}
+
+// walkTensors calls fn with the table index of every tensor node of tree.
+func walkTensors(tree any, fn func(int)) {
+	switch n := tree.(type) {
+	case map[string]any:
+		if k, ok := n["t"].(json.Number); ok {
+			i, _ := k.Int64()
+			fn(int(i))
+		}
+		for _, v := range n {
+			walkTensors(v, fn)
+		}
+	case []any:
+		for _, v := range n {
+			walkTensors(v, fn)
+		}
+	}
+}
+
+// at is the node at a path of string keys through dict nodes of tree.
+func at(t *testing.T, tree any, keys ...string) map[string]any {
+	t.Helper()
+	n, _ := tree.(map[string]any)
+	for _, key := range keys {
+		items, _ := n["d"].([]any)
+		if od, ok := n["od"].([]any); ok {
+			items = od
+		}
+		var next map[string]any
+		for _, item := range items {
+			if kv, _ := item.([]any); len(kv) == 2 && kv[0] == key {
+				next, _ = kv[1].(map[string]any)
+			}
+		}
+		if next == nil {
+			t.Fatalf("meta: no key %q in %v", key, keys)
+		}
+		n = next
+	}
+	return n
+}
+
 // TestCrossLanguageCheckpoint saves state_dicts from Python into the
 // segment of a real ckpt.Owner, which grows the segment when asked, seals,
-// persists and loads them here with every CRC checked; Python loads the
-// newest back bitwise.
+// persists and loads them here with every CRC checked and every tensor of
+// the meta's table found in its blob; Python loads the newest back bitwise.
+// The newest holds over 65536 tensors, more than a step's blobs
+// (layout.MaxBlobs).
 func TestCrossLanguageCheckpoint(t *testing.T) {
 	py := requirePython(t, true)
 	pkg := extracted(t)
@@ -93,20 +180,62 @@ func TestCrossLanguageCheckpoint(t *testing.T) {
 		}
 		for _, blob := range ck.Blobs {
 			sum := sha256.Sum256(blob.Data)
-			if hex.EncodeToString(sum[:]) != out.SHA256[blob.Name] {
-				t.Fatalf("%s: blob %q differs from what Python wrote", where, blob.Name)
+			if hex.EncodeToString(sum[:]) == out.SHA256[blob.Name] {
+				continue
 			}
+			if blob.Name == "meta" {
+				t.Fatalf("%s: meta differs from what Python wrote (-python +loaded):\n%s", where, cmp.Diff(decode(t, out.Meta), decode(t, blob.Data)))
+			}
+			t.Fatalf("%s: blob %q differs from what Python wrote", where, blob.Name)
 		}
-		var meta struct {
-			Format string          `json:"format"`
-			Step   int64           `json:"step"`
-			Tree   json.RawMessage `json:"tree"`
-		}
-		if err := json.Unmarshal(ck.Blob("meta"), &meta); err != nil || meta.Format != "faultline.state/1" || out.SHA256 == nil {
+		var meta stateMeta
+		if err := json.Unmarshal(ck.Blob("meta"), &meta); err != nil || meta.Format != "faultline.state/2" || out.SHA256 == nil {
 			t.Fatalf("%s: meta %+v, %v", where, meta, err)
 		}
-		if d := cmp.Diff(decode(t, out.Meta), decode(t, ck.Blob("meta"))); d != "" {
-			t.Fatalf("%s: meta differs from what Python wrote (-python +loaded):\n%s", where, d)
+		tree := decode(t, meta.Tree)
+		// Every tensor of the table lies in a data blob, and the tree
+		// names each one.
+		data := map[string][]byte{}
+		for _, blob := range ck.Blobs {
+			data[blob.Name] = blob.Data
+		}
+		named := map[int]bool{}
+		walkTensors(tree, func(k int) { named[k] = true })
+		for k, e := range meta.Tensors {
+			n, err := e.bytes()
+			if err != nil {
+				t.Fatalf("%s: tensors[%d]: %v", where, k, err)
+			}
+			if b, ok := data[e.Blob]; !ok || e.Off%64 != 0 || e.Off+n > int64(len(b)) || !named[k] {
+				t.Fatalf("%s: tensors[%d] %+v (%d bytes): not in blob %q of %d bytes at a multiple of 64, or not in the tree (%v)", where, k, e, n, e.Blob, len(b), named[k])
+			}
+		}
+		if len(named) != len(meta.Tensors) {
+			t.Fatalf("%s: the tree names %d tensors, the table has %d", where, len(named), len(meta.Tensors))
+		}
+		// Tied weights: one tensor at two key paths.
+		w0, w1 := at(t, tree, "tied", "0.weight"), at(t, tree, "tied", "1.weight")
+		if fmt.Sprint(w0) != fmt.Sprint(w1) {
+			t.Fatalf("%s: tied weights are tensors %v and %v, want one", where, w0, w1)
+		}
+		if ck.Step != 3 {
+			return
+		}
+		// Step 3: 70001 small tensors more, in few blobs, and "big" holds
+		// float32 0, 1, 2, ... little-endian.
+		if len(meta.Tensors) < 70001 || len(ck.Blobs) > 8 {
+			t.Fatalf("%s: %d tensors in %d blobs, want over 70001 in a few", where, len(meta.Tensors), len(ck.Blobs))
+		}
+		k, err := at(t, tree, "big")["t"].(json.Number).Int64()
+		if err != nil {
+			t.Fatal(err)
+		}
+		e := meta.Tensors[k]
+		big := data[e.Blob][e.Off:]
+		for i := range int(e.Shape[0]) {
+			if f := math.Float32frombits(binary.LittleEndian.Uint32(big[4*i:])); f != float32(i) {
+				t.Fatalf("%s: big[%d] = %v", where, i, f)
+			}
 		}
 	}
 	check("memory", ck)

@@ -22,11 +22,11 @@ order at every step, so a resumed run is bitwise the run without the
 fault), tells the agent the process groups (its parallel_group.json), and
 installs the stack dump.
 
-A Checkpointer saves a state_dict (nested dicts, lists and tuples of
-tensors and plain values) as the blobs of one step of the agent's segment:
-a JSON tree and the tensors' bytes, copied straight into the mapping.
-Nothing is unpickled on load, and loaded tensors are bitwise the saved ones,
-on the CPU.
+A Checkpointer saves a state_dict (what a training loop's checkpoint
+holds: model, optimizer, lr_scheduler, GradScaler, RNG states, config) as
+the blobs of one step of the agent's segment: a JSON tree and the tensors'
+bytes, copied straight into the mapping. Nothing is unpickled on load unless
+asked, and loaded tensors are bitwise the saved ones, on the CPU.
 """
 
 import atexit
@@ -624,8 +624,15 @@ _loaded = False
 # Pinned staging per device-to-host copy, bytes (two such buffers).
 _STAGE = 32 << 20
 
+# The padding between tensors in a data blob.
+_ZEROS = memoryview(bytes(_state.ALIGN))
+
 
 def _check_tensor(t, path):
+    name = _DTYPES.get(t.dtype)
+    if (name is not None and t.layout == torch.strided and not t.is_meta
+            and not getattr(t, "is_nested", False)):
+        return name
     where = _state.path_str(path)
     if t.layout != torch.strided:
         raise TypeError(f"faultline: {where}: a {t.layout} tensor; a "
@@ -640,16 +647,9 @@ def _check_tensor(t, path):
     if t.device.type == "meta":
         raise TypeError(f"faultline: {where}: a tensor on the meta device "
                         "has no data to save")
-    name = _DTYPES.get(t.dtype)
-    if name is None:
-        raise TypeError(f"faultline: {where}: dtype {t.dtype} cannot be "
-                        "stored; a checkpoint holds "
-                        f"{', '.join(_state.DTYPES)}")
-    return name
-
-
-def _nbytes(t):
-    return t.numel() * t.element_size()
+    raise TypeError(f"faultline: {where}: dtype {t.dtype} cannot be "
+                    "stored; a checkpoint holds "
+                    f"{', '.join(_state.DTYPES)}")
 
 
 def _chunked_copy(dst, src, bufs, copy_in, ready):
@@ -695,7 +695,8 @@ class Checkpointer:
         atexit.register(_wait_at_exit, weakref.ref(self))
 
     def save_checkpoint(self, step, state_dict,
-                        storage_type=StorageType.MEMORY, blocking=True):
+                        storage_type=StorageType.MEMORY, blocking=True,
+                        allow_pickle=False):
         """Saves state_dict as step; returns True when saved, False when
         skipped because the agent is reading the half this save would write
         (the previous step stays).
@@ -714,7 +715,8 @@ class Checkpointer:
         Checkpointer) and counted in the agent's
         faultline_agent_async_saves_abandoned_total. Save right after
         optimizer.step() and the copy overlaps the next forward and
-        backward. True then means the save began.
+        backward. True then means the save began. (numpy arrays, which have
+        no version counter, are copied when such a save begins.)
 
         What the check cannot see: a write through .data, or into the
         storage by another tensor that shares it without sharing its
@@ -725,9 +727,17 @@ class Checkpointer:
         next call of the Checkpointer instead, since nothing tells when
         that thread runs no operation.
 
-        A TypeError naming the key path is raised, before anything is
-        written, for what a checkpoint cannot hold. A state larger than the
-        segment makes the agent grow it first.
+        What a state may hold without pickle is an allow-list, as
+        torch.load(weights_only=True) has one: tensors, numpy arrays and
+        scalars, dicts (OrderedDict with its _metadata, Counter,
+        defaultdict), lists, tuples, sets, plain values, torch.Size, dtype
+        and device, and the state_dict of every torch.optim.lr_scheduler
+        (its methods by name). Anything else is a TypeError naming the key
+        path, raised before anything is written, unless allow_pickle=True:
+        then it is pickled, and load_checkpoint loads it only with
+        allow_pickle=True. Lambdas and local functions cannot be saved at
+        all, as with torch.save. A state larger than the segment makes the
+        agent grow it first.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"faultline: save_checkpoint: step {step!r}: "
@@ -737,13 +747,24 @@ class Checkpointer:
                              f"{storage_type!r}: want StorageType.MEMORY or "
                              "StorageType.DISK")
         self.wait()
-        tree, tensors = _state.flatten(state_dict, torch.Tensor,
-                                       _check_tensor)
+        tree, entries, items, nbytes = _state.flatten(
+            state_dict, _check_tensor, allow_pickle)
+        blobs, places = _state.pack(nbytes)
+        names = ["meta"] + [f"data{b}" for b in range(len(blobs))]
+        data = [[] for _ in blobs]  # per data blob: (offset, item)
+        for k, (e, (b, off)) in enumerate(zip(entries, places)):
+            e["blob"], e["off"] = names[b + 1], off
+            data[b].append((off, k))
+            if not blocking and not isinstance(items[k], torch.Tensor):
+                items[k] = items[k].copy()  # numpy: no version counter
         meta = json.dumps({"format": _state.FORMAT, "step": step,
-                           "tree": tree}, separators=(",", ":"),
-                          ensure_ascii=False, allow_nan=False).encode()
-        names = ["meta"] + [f"t{k}" for k in range(len(tensors))]
-        sizes = [len(meta)] + [_nbytes(t) for t in tensors]
+                           "tensors": entries, "tree": tree},
+                          separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False).encode()
+        sizes = [len(meta)] + blobs
+        if len(names) > _state.MAX_BLOBS:
+            raise ValueError(f"faultline: save_checkpoint: {len(names)} blobs "
+                             f"exceed the {_state.MAX_BLOBS} of a step")
         need = _segment.step_size(names, sizes)
         persist = storage_type is StorageType.DISK
         seg = self._segment(need)
@@ -752,16 +773,25 @@ class Checkpointer:
             if i == 0:
                 seg.mv[off:off + len(meta)] = meta
                 return
-            t = tensors[i - 1]
-            n = sizes[i]
-            if n == 0:
-                return
-            dst = seg.tensor[off:off + n]
-            if t.device.type == "cpu":
-                dst.view(t.dtype).view(t.shape).copy_(t)
-            else:
-                self._from_device(dst, t)
+            end = off
+            for o, k in data[i - 1]:
+                o += off
+                if o > end:  # alignment: zeros, not what was there before
+                    seg.mv[end:o] = _ZEROS[:o - end]
+                x, n = items[k], nbytes[k]
+                end = o + n
+                if n == 0:
+                    continue
+                dst = seg.tensor[o:end]
+                if not isinstance(x, torch.Tensor):
+                    dst = dst.numpy().view(x.dtype).reshape(x.shape)
+                    dst[...] = x
+                elif x.device.type == "cpu":
+                    dst.view(x.dtype).view(x.shape).copy_(x)
+                else:
+                    self._from_device(dst, x)
 
+        tensors = [x for x in items if isinstance(x, torch.Tensor)]
         with faultline.span("save_checkpoint"), torch.no_grad():
             save = seg.save if blocking else seg.begin
             args = (step, names, sizes, write, persist) if blocking else \
@@ -811,7 +841,7 @@ class Checkpointer:
         if persist:
             self._persisted = step
 
-    def load_checkpoint(self, into=None):
+    def load_checkpoint(self, into=None, allow_pickle=False):
         """Returns the state_dict of the newest step the job agrees on,
         with tensors on the CPU, bitwise the saved ones; {} when there is
         none. The first call of a process (right after a start or a
@@ -821,14 +851,22 @@ class Checkpointer:
         memory or committed on disk: every rank must call it then, since
         the ranks agree on the step with a collective (all_gather_object on
         the default process group); a job of several ranks without
-        torch.distributed initialised gets a RuntimeError.
+        torch.distributed initialised gets a RuntimeError. A tensor saved
+        at several key paths (tied weights) is one tensor at all of them.
 
         into, a state of the same shape ({"model": model.state_dict(),
         ...}), has each saved tensor copied into the tensor at its key path
         when that one is a contiguous CPU tensor of the same dtype and shape
         (a model's parameters and buffers take the step in place, with one
         copy); the state returned holds those tensors, and new ones where
-        into has none to take it."""
+        into has none to take it. Nothing is copied into it when the load
+        fails.
+
+        Nothing is unpickled unless allow_pickle=True: a step that holds
+        what save_checkpoint pickled (allow_pickle=True there) raises
+        pickle.UnpicklingError naming its key path otherwise. Pass it only
+        for checkpoints you trust, as with torch.load(weights_only=False).
+        """
         global _loaded
         self.wait()
         req = {"op": "load", "dir": self.checkpoint_dir}
@@ -851,7 +889,7 @@ class Checkpointer:
             raise _agent.AgentError(
                 f"faultline agent: op load: step {resp['step']} but half "
                 f"{half} of {seg.path} holds step {h.step}")
-        state = self._decode(seg, h, into)
+        state = self._decode(seg, h, into, allow_pickle)
         if not seg.unchanged(h):
             raise RuntimeError(f"faultline: the step in half {half} of "
                                f"{seg.path} was overwritten while it loaded")
@@ -934,48 +972,78 @@ class Checkpointer:
             path, lambda mm: torch.frombuffer(mm, dtype=torch.uint8))
         return self._seg
 
-    def _decode(self, seg, h, into=None):
+    def _decode(self, seg, h, into=None, allow_pickle=False):
         meta = h.blobs.get("meta")
+        where = f"blob 'meta' of half {h.index} of {seg.path}"
         if meta is None:
             raise ValueError(f"faultline: half {h.index} of {seg.path} has no "
                              "blob 'meta': not a state_dict checkpoint")
         off, size = meta
         try:
             doc = json.loads(bytes(seg.mv[off:off + size]))
-        except ValueError as e:
-            raise ValueError(f"faultline: blob 'meta' of half {h.index} of "
-                             f"{seg.path}: {e}") from None
-        if not isinstance(doc, dict) or doc.get("format") != _state.FORMAT:
-            raise ValueError(f"faultline: blob 'meta' of half {h.index} of "
-                             f"{seg.path}: format is not {_state.FORMAT}")
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"faultline: {where}: {e}") from None
+        fmt = doc.get("format") if isinstance(doc, dict) else None
+        if fmt not in (_state.FORMAT, _state.FORMAT_V1):
+            raise ValueError(f"faultline: {where}: format is {fmt!r}, not "
+                             f"{_state.FORMAT} or {_state.FORMAT_V1}")
+        table = doc.get("tensors") if fmt == _state.FORMAT else None
+        if fmt == _state.FORMAT and not isinstance(table, list):
+            raise ValueError(f"faultline: {where}: tensors is not a list")
         u8 = seg.tensor
+        loaded = {}   # k -> the tensor (or array) the state holds
+        copies = {}   # (k, into tensor's address) -> (into tensor, source)
 
-        def tensor(k, dtype, shape, path):
-            blob = h.blobs.get(f"t{k}")
-            dt = _BY_NAME[dtype]
-            n = _ITEMSIZE[dt]
-            for d in shape:
-                n *= d
-            if blob is None or blob[1] != n:
+        def source(k, path, node):
+            """Tensor or array k as the segment holds it (a view)."""
+            if table is None:  # FORMAT_V1: one blob "t<k>" per tensor
+                e = {"blob": f"t{k}", "off": 0, "dtype": node.get("dtype"),
+                     "shape": node.get("shape")}
+            elif 0 <= k < len(table):
+                e = table[k]
+            else:
+                raise _state.TreeError(
+                    f"faultline: {where}: {_state.path_str(path or [])}: "
+                    f"tensor {k} of a table of {len(table)}")
+            name, o, dtype, shape, n = _state.entry(e, k)
+            blob = h.blobs.get(name)
+            torch_dtype = _BY_NAME.get(dtype) if type(dtype) is str else None
+            item = _ITEMSIZE[torch_dtype] if torch_dtype is not None else 1
+            if blob is None or o + n > blob[1] or (blob[0] + o) % item:
                 raise ValueError(
-                    f"faultline: {_state.path_str(path)}: blob 't{k}' of half "
-                    f"{h.index} of {seg.path} is "
-                    f"{'missing' if blob is None else f'{blob[1]} bytes'}, "
-                    f"want {n} ({dtype} {shape})")
-            dst = _at(into, path)
-            if (isinstance(dst, torch.Tensor) and dst.device.type == "cpu"
-                    and dst.dtype == dt and list(dst.shape) == shape
-                    and dst.is_contiguous()):
-                if n:
-                    with torch.no_grad():
-                        dst.copy_(u8[blob[0]:blob[0] + n].view(dt).view(shape))
-                return dst
-            if n == 0:
-                return torch.empty(shape, dtype=dt)
-            # clone of a typed view: a new tensor, copied at memcpy speed.
-            return u8[blob[0]:blob[0] + n].view(dt).view(shape).clone()
+                    f"faultline: {_state.path_str(path or [])}: tensor {k} "
+                    f"({dtype} {shape}) at offset {o} of blob {name!r} of "
+                    f"half {h.index} of {seg.path}, which is "
+                    f"{'missing' if blob is None else f'{blob[1]} bytes'}")
+            part = u8[blob[0] + o:blob[0] + o + n]
+            if torch_dtype is not None:
+                return part.view(torch_dtype).view(shape)
+            return part.numpy().view(dtype).reshape(shape)
 
-        return _state.unflatten(doc.get("tree"), tensor)
+        def tensor(k, path, node):
+            src = source(k, path, node)
+            dst = _at(into, path) if path is not None else None
+            if (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)
+                    and dst.device.type == "cpu" and dst.dtype == src.dtype
+                    and dst.shape == src.shape and dst.is_contiguous()):
+                if src.numel():
+                    copies[(k, dst.data_ptr())] = (dst, src)
+                loaded.setdefault(k, dst)
+                return dst
+            x = loaded.get(k)
+            if x is None:
+                # clone of a typed view: a new tensor, copied at memcpy speed.
+                x = loaded[k] = src.clone() if isinstance(
+                    src, torch.Tensor) else src.copy()
+            return x
+
+        state = _state.unflatten(doc.get("tree"), tensor,
+                                 2 if table is not None else 1, allow_pickle)
+        # Only now, with the whole step decoded, into takes its tensors.
+        with torch.no_grad():
+            for dst, src in copies.values():
+                dst.copy_(src)
+        return state
 
     def _from_device(self, dst, t):
         """Device to host through pinned staging, two buffers in turn."""

@@ -1,7 +1,8 @@
 """The Python half of BenchmarkCheckpoint.
 
-usage: bench_ckpt.py MIB SHM_DIR DISK_DIR
-Saves and loads a state_dict of MIB MiB of float32 tensors (16 MiB each)
+usage: bench_ckpt.py MIB SHM_DIR DISK_DIR [TENSOR_KIB]
+Saves and loads a state_dict of MIB MiB of float32 tensors (TENSOR_KIB KiB
+each, default 16384)
 through the agent at FAULTLINE_AGENT and times, in the same rounds and on
 the same bytes: tensor.copy_ into preallocated shared-memory tensors and
 back out of them, and torch.save to a new file in DISK_DIR (with and
@@ -19,7 +20,6 @@ import torch
 import faultline.torch as ft
 
 ROUNDS = 5
-CHUNK = 4 << 20  # float32 elements per tensor: 16 MiB
 
 
 def timed(fn):
@@ -30,10 +30,11 @@ def timed(fn):
 
 def main():
     mib, shm, disk = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    chunk = (int(sys.argv[4]) if len(sys.argv) > 4 else 16 << 10) << 8
     n = mib * (1 << 20) // 4
     g = torch.Generator().manual_seed(1)
-    tensors = [torch.rand(min(CHUNK, n - i), generator=g)
-               for i in range(0, n, CHUNK)]
+    tensors = [torch.rand(min(chunk, n - i), generator=g)
+               for i in range(0, n, chunk)]
     state = {"model": {f"layer{i}.weight": t for i, t in enumerate(tensors)},
              "step": 1}
     nbytes = sum(t.numel() * 4 for t in tensors)

@@ -2,24 +2,37 @@
 
 usage: xlang_ckpt.py save DIR OUT.json | load DIR
 save: saves step 1 (memory), step 2 (disk) and step 3 (memory, with a tensor
-of 2 MiB more, for which the agent grows the segment) of the state below
-through the agent at FAULTLINE_AGENT and writes, for the Go side, the meta
-blob's JSON and the SHA-256 of each blob of steps 2 and 3. load: loads the
-newest step back and exits 0 when it is bitwise step 3's state.
+of 2 MiB and 70001 small ones more, for which the agent grows the segment)
+of the state below through the agent at FAULTLINE_AGENT and writes, for the
+Go side, the meta blob's JSON and the SHA-256 of each blob of steps 2 and 3.
+load: loads the newest step back and exits 0 when it is bitwise step 3's
+state, its types included.
 """
 
 import hashlib
 import json
 import math
 import random
+import struct
 import sys
+import types
+import weakref
 
 import torch
+import torch.optim.lr_scheduler as L
 
 import faultline.torch as ft
 
+try:
+    import numpy as np
+except ImportError:
+    np = None
+
 DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32",
           "int16", "int8", "uint8", "bool", "complex64", "complex128")
+
+
+KEEP = []
 
 
 def state(step):
@@ -42,10 +55,29 @@ def state(step):
         else:
             tensors[name] = torch.randint(0, 100, (4, 3), generator=g,
                                           dtype=dt)
-    big = {"big": torch.arange(1 << 19, dtype=torch.float32)} if step == 3 \
-        else {}
+    big = {"big": torch.arange(1 << 19, dtype=torch.float32),
+           "experts": {f"{i}.w": torch.full((i % 3 + 1,), i, dtype=torch.int32)
+                       for i in range(70001)}} if step == 3 else {}
+    emb = torch.nn.Embedding(4, 2)
+    tied = torch.nn.Sequential(emb, torch.nn.Linear(2, 4, bias=False))
+    tied[1].weight = emb.weight
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheds = {"one_cycle": L.OneCycleLR(sgd, 0.1, total_steps=10),
+              "cyclic": L.CyclicLR(sgd, 0.01, 0.1, mode="exp_range"),
+              "multistep": L.MultiStepLR(sgd, [2, 2, 5])}
+    KEEP.append(scheds)  # a WeakMethod in CyclicLR's state names it
+    extra = {}
+    if np is not None:
+        np.random.seed(11)
+        extra["numpy"] = {"rng": np.random.get_state(),
+                          "u16": np.arange(6, dtype=np.uint16).reshape(2, 3),
+                          "scalar": np.float32(0.25)}
     return {
-        **big,
+        **big, **extra,
+        "tied": tied.state_dict(),
+        "schedulers": {k: v.state_dict() for k, v in scheds.items()},
+        "config": {"set": {"a", "b"}, "size": torch.Size([2, 3]),
+                   "dtype": torch.bfloat16, (1, "k"): 1j},
         "model": model.state_dict(), "optimizer": opt.state_dict(),
         "tensors": tensors, "step": step,
         "empty": torch.empty(0, 2), "zero_d": torch.tensor(2.5),
@@ -57,17 +89,30 @@ def state(step):
 
 
 def bits(x):
+    t = type(x)
     if isinstance(x, torch.Tensor):
-        t = x.contiguous()
-        return (str(t.dtype), tuple(t.shape),
-                bytes(t.reshape(-1).view(torch.uint8).numpy()))
+        c = x.contiguous()
+        return (str(c.dtype), tuple(c.shape),
+                bytes(c.reshape(-1).view(torch.uint8).numpy()))
+    if t.__module__ == "numpy":
+        a = np.ascontiguousarray(x)
+        return (t.__name__, a.dtype.str, a.shape, a.tobytes())
     if isinstance(x, dict):
-        return [(k, bits(v)) for k, v in x.items()]
+        return (t.__name__, [(bits(k), bits(v)) for k, v in x.items()],
+                bits(getattr(x, "_metadata", None)))
     if isinstance(x, (list, tuple)):
-        return (type(x).__name__, [bits(v) for v in x])
-    if isinstance(x, float):
+        return (t.__name__, [bits(v) for v in x])
+    if isinstance(x, (set, frozenset)):
+        return (t.__name__, sorted(bits(v) for v in x))
+    if t is float:
         return ("float", x.hex())
-    return (type(x).__name__, x)
+    if t is complex:
+        return ("complex", struct.pack("<dd", x.real, x.imag))
+    if t is types.MethodType:
+        return ("method", x.__func__.__qualname__, type(x.__self__).__name__)
+    if isinstance(x, weakref.WeakMethod):
+        return ("weakmethod", bits(x()))
+    return (t.__name__, repr(x))
 
 
 def main():
@@ -93,6 +138,9 @@ def main():
     got = ckpt.load_checkpoint()
     if bits(got) != bits(state(3)):
         print("loaded state differs from the saved one", file=sys.stderr)
+        return 1
+    if got["tied"]["0.weight"] is not got["tied"]["1.weight"]:
+        print("tied weights loaded as two tensors", file=sys.stderr)
         return 1
     return 0
 

@@ -1,12 +1,16 @@
 """Checkpointer: state_dicts saved into a segment in the ckpt FORMAT and
 loaded back bitwise, and the inputs it refuses."""
 
+import collections
+import json
 import math
 import os
 import random
 import struct
+import types
 import unittest
 import warnings
+import weakref
 
 import torch
 
@@ -18,19 +22,38 @@ from helpers import FakeAgent, newest_half
 
 
 def bits(x):
-    """A comparable form of a state: tensors by dtype, shape and bytes."""
+    """A comparable form of a state, types exact: tensors and numpy arrays
+    by dtype, shape and bytes, floats by their bits, dicts with their
+    attributes, methods by function and the class they are bound to."""
+    t = type(x)
     if isinstance(x, torch.Tensor):
-        t = x.resolve_conj().contiguous()
-        return ("tensor", str(t.dtype), tuple(t.shape),
-                bytes(t.reshape(-1).view(torch.uint8).numpy()) if t.numel()
+        c = x.resolve_conj().contiguous()
+        return ("tensor", str(c.dtype), tuple(c.shape),
+                bytes(c.reshape(-1).view(torch.uint8).numpy()) if c.numel()
                 else b"")
+    if t.__module__ == "numpy":
+        import numpy as np
+        a = np.ascontiguousarray(x)
+        return (t.__name__, a.dtype.str, a.shape, a.tobytes())
     if isinstance(x, dict):
-        return ("dict", [(k, bits(v)) for k, v in x.items()])
+        extra = (sorted(vars(x).items()) if t is collections.OrderedDict
+                 else x.default_factory if t is collections.defaultdict
+                 else None)
+        return (t.__name__, [(bits(k), bits(v)) for k, v in x.items()],
+                bits(extra))
     if isinstance(x, (list, tuple)):
-        return (type(x).__name__, [bits(v) for v in x])
-    if isinstance(x, float):
+        return (t.__name__, [bits(v) for v in x])
+    if isinstance(x, (set, frozenset)):
+        return (t.__name__, sorted((bits(v) for v in x), key=repr))
+    if t is float:
         return ("float", struct.pack("<d", x))
-    return (type(x).__name__, x)
+    if t is complex:
+        return ("complex", struct.pack("<dd", x.real, x.imag))
+    if t is types.MethodType:
+        return ("method", x.__func__, type(x.__self__))
+    if isinstance(x, weakref.WeakMethod):
+        return ("weakmethod", bits(x()))
+    return (t.__name__, x)
 
 
 def every_dtype():
@@ -178,9 +201,8 @@ class CheckpointTest(unittest.TestCase):
                                              torch.qint8)}, '["q"]'),
             ({"h": chalf}, '["h"]'),
             ({"o": object()}, '["o"]'),
-            ({"s": {1, 2}}, '["s"]'),
-            ({(1, 2): 3}, "(1, 2)"),
-            ({True: 3}, "True"),
+            ({"k": {(1, object()): 3}}, '["k"]'),
+            ({"k": {torch.ones(1): 3}}, '["k"]'),
             ({"m": torch.empty(3, device="meta")}, '["m"]'),
         ]
         for state, where in bad:
@@ -285,22 +307,109 @@ class CheckpointTest(unittest.TestCase):
         self.assertTrue(ft.DdpCheckpointer is ft.Checkpointer)
 
     def test_the_segment_holds_the_format(self):
-        state = {"a": torch.arange(5, dtype=torch.int32), "b": [1, "x"]}
+        state = {"a": torch.arange(5, dtype=torch.int32), "b": [1, "x"],
+                 "c": torch.tensor([1.5, -2.0], dtype=torch.float64)}
         self.assertTrue(self.ckpt.save_checkpoint(9, state))
         seg = self.ckpt._seg
         h = seg.read(newest_half(seg.path)[0])
         self.assertEqual(h.step, 9)
-        self.assertEqual(list(h.blobs), ["meta", "t0"])
-        off, size = h.blobs["t0"]
+        self.assertEqual(list(h.blobs), ["meta", "data0"])
+        off, size = h.blobs["data0"]
         self.assertEqual(off % 64, 0)
         self.assertEqual(bytes(seg.mv[off:off + size]),
-                         bytes(torch.arange(5, dtype=torch.int32).numpy()))
-        import json
+                         bytes(torch.arange(5, dtype=torch.int32).numpy())
+                         + bytes(44) + struct.pack("<2d", 1.5, -2.0))
         off, size = h.blobs["meta"]
         self.assertEqual(json.loads(bytes(seg.mv[off:off + size])), {
-            "format": "faultline.state/1", "step": 9, "tree": {"d": [
-                ["a", {"t": 0, "dtype": "int32", "shape": [5]}],
-                ["b", {"l": [{"v": 1}, {"v": "x"}]}]]}})
+            "format": "faultline.state/2", "step": 9,
+            "tensors": [
+                {"dtype": "int32", "shape": [5], "blob": "data0", "off": 0},
+                {"dtype": "float64", "shape": [2], "blob": "data0",
+                 "off": 64}],
+            "tree": {"d": [["a", {"t": 0}],
+                           ["b", {"l": [{"v": 1}, {"v": "x"}]}],
+                           ["c", {"t": 1}]]}})
+
+    def test_a_step_of_format_1_still_loads(self):
+        # What earlier releases wrote: a blob "t<k>" per tensor, int keys
+        # as {"i": n}, tensor nodes with their dtype and shape.
+        meta = json.dumps({"format": "faultline.state/1", "step": 3, "tree": {
+            "d": [["w", {"t": 0, "dtype": "float32", "shape": [2, 2]}],
+                  [{"i": 7}, {"l": [{"v": None}, {"f": "-inf"},
+                                    {"b": "AAE="}, {"tu": [{"v": 1.5}]}]}],
+                  ["e", {"t": 1, "dtype": "int8", "shape": [0]}]]}}).encode()
+        w = torch.arange(4, dtype=torch.float32).reshape(2, 2)
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(1)}))
+        seg = self.ckpt._seg
+
+        def write(i, off):
+            if i == 0:
+                seg.mv[off:off + len(meta)] = meta
+            elif i == 1:
+                seg.mv[off:off + 16] = bytes(w.numpy())
+
+        seg.save(3, ["meta", "t0", "t1"], [len(meta), 16, 0], write)
+        got = self.ckpt.load_checkpoint()
+        self.assertEqual(bits(got), bits({
+            "w": w, 7: [None, -math.inf, b"\x00\x01", (1.5,)],
+            "e": torch.zeros(0, dtype=torch.int8)}))
+
+    def test_many_tensors_fit_in_few_blobs(self):
+        # A step holds at most 65536 blobs (ckpt/layout.MaxBlobs): MoE
+        # experts and their optimizer state pass that in tensors.
+        g = torch.Generator().manual_seed(5)
+        n = 70001
+        experts = {f"experts.{i}.w": torch.randint(0, 1 << 30, (i % 7 + 1,),
+                                                   generator=g,
+                                                   dtype=torch.int32)
+                   for i in range(n)}
+        state = {"model": experts, "big": torch.rand(1 << 18, generator=g),
+                 "step": torch.tensor(3.0)}
+        self.assertTrue(self.ckpt.save_checkpoint(1, state))
+        h = self.ckpt._seg.read(newest_half(self.ckpt._seg.path)[0])
+        self.assertLessEqual(len(h.blobs), 1 << 16)
+        self.assertEqual(bits(self.ckpt.load_checkpoint()), bits(state))
+
+    def test_a_step_of_too_many_blobs_is_refused_at_save(self):
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(3)}))
+        pack = _state.pack
+        try:
+            _state.pack = lambda nbytes: (list(nbytes), [
+                (i, 0) for i in range(len(nbytes))])
+            _state.MAX_BLOBS = 4
+            with self.assertRaises(ValueError) as cm:
+                self.ckpt.save_checkpoint(
+                    2, [torch.zeros(1) for _ in range(4)])
+            self.assertIn("5 blobs exceed the 4", str(cm.exception))
+        finally:
+            _state.pack, _state.MAX_BLOBS = pack, 1 << 16
+        self.assertEqual(self.ckpt.load_checkpoint()["w"].tolist(), [1.0] * 3)
+        self.assertEqual(self.agent.ops().count("saved"), 1)
+
+    def test_tied_weights_are_stored_once_and_load_as_one_tensor(self):
+        torch.manual_seed(4)
+        emb = torch.nn.Embedding(10, 4)
+        head = torch.nn.Linear(4, 10, bias=False)
+        head.weight = emb.weight
+        model = torch.nn.Sequential(emb, head)
+        sd = model.state_dict()
+        self.assertIsNot(sd["0.weight"], sd["1.weight"])  # detached twice
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"model": sd}))
+        h = self.ckpt._seg.read(newest_half(self.ckpt._seg.path)[0])
+        off, size = h.blobs["meta"]
+        meta = json.loads(bytes(self.ckpt._seg.mv[off:off + size]))
+        self.assertEqual(len(meta["tensors"]), 1)
+        got = self.ckpt.load_checkpoint()["model"]
+        self.assertIs(got["0.weight"], got["1.weight"])
+        self.assertTrue(torch.equal(got["0.weight"], emb.weight))
+        # In place: the tied parameter of a fresh model takes it.
+        fresh = torch.nn.Sequential(torch.nn.Embedding(10, 4),
+                                    torch.nn.Linear(4, 10, bias=False))
+        fresh[1].weight = fresh[0].weight
+        got = self.ckpt.load_checkpoint(into={"model": fresh.state_dict()})
+        self.assertEqual(got["model"]["0.weight"].data_ptr(),
+                         fresh[0].weight.data_ptr())
+        self.assertTrue(torch.equal(fresh[1].weight, emb.weight))
 
     def test_staged_copy_in_chunks(self):
         src = torch.arange(1000, dtype=torch.int16).view(torch.uint8)
@@ -329,10 +438,46 @@ class CheckpointTest(unittest.TestCase):
 class StateTest(unittest.TestCase):
     def test_bad_trees_are_refused(self):
         for tree in ({}, {"x": 1}, {"d": 3}, {"d": [[1, {"v": 1}]]},
-                     {"t": 0, "dtype": "uint16", "shape": [1]},
-                     {"f": "huge"}, {"b": "!!"}, {"l": {}}):
-            with self.assertRaises(_state.TreeError):
+                     {"v": [1]}, {"v": 1, "l": []}, {"f": "huge"},
+                     {"b": "!!"}, {"l": {}}, {"t": "0"},
+                     {"d": [[{"l": []}, {"v": 1}]]},
+                     {"set": [{"l": []}]}, {"c": [{"v": 1}]},
+                     {"d": [[{"i": 1}, {"v": 1}]]},
+                     {"ns": "|O8", "bytes": ""}, {"dt": "Tensor"},
+                     {"dev": "nowhere"}, {"fn": "os:system"},
+                     {"fn": "torch.optim.lr_scheduler:__builtins__.eval"},
+                     {"m": "torch.optim.lr_scheduler:OneCycleLR._annealing_cos"},
+                     {"d": [["f", {"m": "torch.optim.lr_scheduler:"
+                                   "OneCycleLR.__init__"}]]},
+                     {"od": [], "md": {"x": 1}}, {"dd": [], "factory": "eval"}):
+            with self.assertRaises(_state.TreeError, msg=tree):
                 _state.unflatten(tree, lambda *a: None)
+        for tree in ({"set": []}, {"d": [[{"v": 1}, {"v": 1}]]},
+                     {"l": [{"sz": [1]}]}):
+            with self.assertRaises(_state.TreeError, msg=tree):
+                _state.unflatten(tree, lambda *a: None, version=1)
+        for e in ({"blob": "data0", "off": 0, "dtype": "uint16", "shape": []},
+                  {"blob": "data0", "off": -1, "dtype": "int8", "shape": []},
+                  {"blob": "data0", "off": 0, "shape": [1]},
+                  {"blob": "data0", "off": 0, "dtype": "int8", "np": "|i1",
+                   "shape": [1]},
+                  {"blob": "data0", "off": 0, "np": "|O8", "shape": [1]},
+                  {"blob": 0, "off": 0, "dtype": "int8", "shape": [1]},
+                  {"blob": "data0", "off": 0, "dtype": "int8",
+                   "shape": [-1]}):
+            with self.assertRaises(_state.TreeError, msg=e):
+                _state.entry(e, 0)
+
+    def test_pack_keeps_below_the_blob_limit(self):
+        sizes, places = _state.pack([10, 0, 100, 3])
+        self.assertEqual(sizes, [64 + 128 + 3])
+        self.assertEqual(places, [(0, 0), (0, 64), (0, 64), (0, 192)])
+        sizes, places = _state.pack([_state.PACK, 1, _state.PACK - 64, 1])
+        self.assertEqual(sizes, [_state.PACK, _state.PACK, 1])
+        self.assertEqual([b for b, _ in places], [0, 1, 1, 2])
+        # However large the state, its blobs stay under the limit.
+        n = [(1 << 40) + 1] * 40000
+        self.assertLess(len(_state.pack(n)[0]), _state.MAX_BLOBS)
 
     def test_segment_layout_matches_ckpt(self):
         # layout.StepSize: header, table, CRC array, 64-aligned blobs, pages.
