@@ -9,6 +9,7 @@ the Go package python run these tests and check the same files from Go.
 import fcntl
 import json
 import os
+import shutil
 import socketserver
 import struct
 import tempfile
@@ -176,11 +177,7 @@ class FakeAgent:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
-        for path, _ in self.segments.values():
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def ops(self):
         return [r["op"] for r in self.requests]
