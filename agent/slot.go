@@ -249,12 +249,28 @@ func (s *slot) launch(cmd *exec.Cmd, own func(*rankProc)) (*rankProc, error) {
 	p := &rankProc{cmd: cmd, pid: cmd.Process.Pid, started: time.Now(), done: make(chan struct{})}
 	own(p)
 	go func() {
+		// Whatever the process started ends with it, however it ended (a
+		// data loader worker, a subprocess left running): its group is
+		// killed between its exit and its reaping, while its pid, the
+		// group's id, cannot be taken by another process.
+		waitExited(p.pid)
+		_ = killGroup(p.pid)
 		_ = cmd.Wait()
 		p.state = cmd.ProcessState
 		close(p.done)
 		s.exited(p)
 	}()
 	return p, nil
+}
+
+// waitExited waits until the child pid has exited, without reaping it.
+func waitExited(pid int) {
+	var info unix.Siginfo
+	for {
+		if err := unix.Waitid(unix.P_PID, pid, &info, unix.WEXITED|unix.WNOWAIT, nil); !errors.Is(err, unix.EINTR) {
+			return
+		}
+	}
 }
 
 // exited takes in the exit of p: a rank's process or a spare.
