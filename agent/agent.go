@@ -57,6 +57,9 @@ type Agent struct {
 	sw       trace.Switch
 	stopped  string // why recovery stopped the job, "" while it runs
 	finished chan struct{}
+	term     chan struct{}  // closed by Terminate
+	termSig  syscall.Signal // Terminate's signal, 0 before
+	termAt   time.Time
 	once     sync.Once
 	warnOnce sync.Once // a step longer than the collective timeout
 	closed   bool
@@ -69,7 +72,7 @@ func New(cfg Config) (*Agent, error) {
 		return nil, err
 	}
 	cfg.setDefaults()
-	a := &Agent{cfg: cfg, log: cfg.Logger.With("node", cfg.NodeRank), world: cfg.world(), finished: make(chan struct{})}
+	a := &Agent{cfg: cfg, log: cfg.Logger.With("node", cfg.NodeRank), world: cfg.world(), finished: make(chan struct{}), term: make(chan struct{})}
 	for _, d := range []string{cfg.Out, cfg.TraceRoot} {
 		if err := os.MkdirAll(d, 0o750); err != nil {
 			return nil, fmt.Errorf("agent: Out: %w", err)
@@ -96,7 +99,9 @@ func New(cfg Config) (*Agent, error) {
 
 // Run starts the ranks and serves them until the job ends: nil when every
 // rank exited 0, an error wrapping ErrStopped when recovery stopped the
-// job, or ctx's error.
+// job, one wrapping ErrTerminated after Terminate, or ctx's error. Each
+// ending gives the node's checkpoint segments back, or keeps them for a
+// new agent of the job when their newest step is not on disk.
 func (a *Agent) Run(ctx context.Context) error {
 	a.mu.Lock()
 	if a.closed {
@@ -148,6 +153,8 @@ func (a *Agent) Run(ctx context.Context) error {
 			result = fmt.Errorf("%w: %s", ErrStopped, a.stopped)
 		}
 		a.mu.Unlock()
+	case <-a.term:
+		result = a.terminate(ctx)
 	case <-ctx.Done():
 		result = ctx.Err()
 	}
@@ -156,9 +163,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err := g.Wait(); err != nil && result == nil && !errors.Is(err, context.Canceled) {
 		result = err
 	}
-	if ctx.Err() == nil || result != nil {
-		a.ckpts.release(result == nil)
-	}
+	a.ckpts.release(result == nil)
 	return result
 }
 
@@ -328,9 +333,10 @@ func (a *Agent) shutdown() {
 	for _, s := range a.slots {
 		s.shutdown()
 	}
-	if a.mgr != nil {
+	if a.mgr != nil && a.terminating() == 0 {
 		// Let node 0's manager outlive this node's ranks while another
-		// node's are still registered: they would lose their control plane.
+		// node's are still registered: they would lose their control plane
+		// (not past a grace period, though).
 		deadline := time.Now().Add(30 * time.Second)
 		for time.Now().Before(deadline) && slices.ContainsFunc(a.mgr.Members(), func(mi taskd.MemberInfo) bool {
 			return mi.Role == taskd.RoleWorker && mi.Position.Node != a.cfg.NodeRank

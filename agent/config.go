@@ -54,6 +54,11 @@ type Config struct {
 	// so that a restart does not import it again (default on; ignored
 	// with NoPython).
 	NoSpares bool
+	// GracePeriod bounds a termination (Agent.Terminate, on SIGTERM or
+	// SIGINT): the ranks have its first three quarters to exit after the
+	// signal, and the newest step in memory is persisted within the rest
+	// (default 30s, torchrun's).
+	GracePeriod time.Duration
 	// CollectiveTimeout is how long a collective may run before it is a
 	// hang; 0 learns it from the job's own collectives (hang's learned
 	// timeouts, capped at 300 s).
@@ -114,6 +119,8 @@ func (c Config) Validate() error {
 		return bad("MaxRestarts", c.MaxRestarts, "negative")
 	case c.MonitorInterval < 0:
 		return bad("MonitorInterval", c.MonitorInterval, "negative")
+	case c.GracePeriod < 0:
+		return bad("GracePeriod", c.GracePeriod, "negative")
 	case c.CollectiveTimeout < 0:
 		return bad("CollectiveTimeout", c.CollectiveTimeout, "negative")
 	case c.Module && c.NoPython:
@@ -128,6 +135,7 @@ func (c *Config) setDefaults() {
 	c.MasterAddr = cmp.Or(c.MasterAddr, "127.0.0.1")
 	c.MasterPort = cmp.Or(c.MasterPort, 29500)
 	c.MonitorInterval = cmp.Or(c.MonitorInterval, 20*time.Millisecond)
+	c.GracePeriod = cmp.Or(c.GracePeriod, 30*time.Second)
 	c.Python = cmp.Or(c.Python, "python3")
 	c.Out = cmp.Or(c.Out, "faultline-out")
 	if abs, err := filepath.Abs(c.Out); err == nil {

@@ -176,6 +176,9 @@ func (s *slot) command() []string {
 // start starts the slot's next process, resuming from step resume (-1:
 // none agreed): from its warm spare when it has one, else directly.
 func (s *slot) start(ctx context.Context, resume int64) error {
+	if sig := s.a.terminating(); sig != 0 {
+		return fmt.Errorf("agent: rank %d: not started: the job is being terminated by %s", s.rank, unix.SignalName(sig))
+	}
 	s.mu.Lock()
 	if s.closed || s.state == slotStopped {
 		s.mu.Unlock()
@@ -275,12 +278,13 @@ func waitExited(pid int) {
 
 // exited takes in the exit of p: a rank's process or a spare.
 func (s *slot) exited(p *rankProc) {
+	terminating := s.a.terminating() != 0
 	s.mu.Lock()
 	if s.spare != nil && s.spare.p == p {
 		s.spare = nil // died unused
 	}
 	current := s.proc == p
-	expected := p.expected || s.closed
+	expected := p.expected || s.closed || terminating
 	if current && !expected {
 		if p.state.Success() {
 			s.state = slotDone
@@ -432,6 +436,12 @@ func (s *slot) ended() bool {
 
 // shutdown kills the slot's process and spare; Run ends.
 func (s *slot) shutdown() {
+	s.dropSpare()
+	s.kill()
+}
+
+// dropSpare kills the slot's spare, if it has one.
+func (s *slot) dropSpare() {
 	s.mu.Lock()
 	sp := s.spare
 	s.spare = nil
@@ -439,7 +449,6 @@ func (s *slot) shutdown() {
 	if sp != nil {
 		s.killProc(sp.p)
 	}
-	s.kill()
 }
 
 // close releases the slot's ring, recorder and watchdog.

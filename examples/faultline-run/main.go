@@ -33,10 +33,20 @@
 //	--token-file F            the control plane's shared token (default $TASKD_TOKEN); a job of one node
 //	                          makes its own, a job of several needs one, or --insecure
 //	--no-spares               start each rank afresh instead of from a warm interpreter
+//	--grace-period D          after SIGTERM or SIGINT, the time to end in (default 30s; keep it under a
+//	                          pod's terminationGracePeriodSeconds)
+//
+// SIGTERM, SIGINT, SIGHUP and SIGQUIT end the job as torchrun's agent
+// ends it (torch 1.13: it sends the same signal to each rank, waits 30s,
+// SIGKILLs those left and exits 1 with a SignalException): the signal is
+// sent to each rank's process group, so that the ranks' own handlers run;
+// ranks still running after three quarters of --grace-period are killed,
+// and the newest step every rank of the node holds in memory is persisted
+// to disk within the rest. A second signal kills the ranks at once.
 //
 // Exit status: 0 when every rank finished, 1 when the job was stopped
-// (its restart budget spent, or a fault no restart repairs), 2 for bad
-// usage.
+// (its restart budget spent, or a fault no restart repairs) or ended by
+// a signal (as torchrun), 2 for bad usage.
 package main
 
 import (
@@ -56,6 +66,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/faultline-ml/faultline/agent"
 	"github.com/faultline-ml/faultline/taskd"
 	"github.com/faultline-ml/faultline/trace"
@@ -73,15 +85,18 @@ func main() {
 		fmt.Fprintln(os.Stderr, "faultline-run:", err)
 		os.Exit(exitUsage)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, cfg); err != nil {
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT)
+	if err := run(context.Background(), cfg, sigs); err != nil {
 		fmt.Fprintln(os.Stderr, "faultline-run:", err)
 		os.Exit(exitStopped)
 	}
 }
 
-func run(ctx context.Context, cfg agent.Config) error {
+// run runs the node's agent until the job ends. The first of sigs
+// terminates the job within the grace period; a second kills its ranks
+// at once.
+func run(ctx context.Context, cfg agent.Config, sigs <-chan os.Signal) error {
 	if !cfg.NoPython {
 		dir, err := pythonPath()
 		if err != nil {
@@ -94,6 +109,24 @@ func run(ctx context.Context, cfg agent.Config) error {
 		return err
 	}
 	defer a.Close()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		select {
+		case sig := <-sigs:
+			a.Terminate(sig.(syscall.Signal))
+		case <-done:
+			return
+		}
+		select {
+		case sig := <-sigs:
+			fmt.Fprintf(os.Stderr, "faultline-run: %s again: killing the ranks now\n", unix.SignalName(sig.(syscall.Signal)))
+			cancel()
+		case <-done:
+		}
+	}()
 	return a.Run(ctx)
 }
 
@@ -122,6 +155,7 @@ func parse(args []string) (agent.Config, error) {
 		tokenFile   = fs.String("token-file", "", "file holding the control plane's token (default $TASKD_TOKEN)")
 		insecure    = fs.Bool("insecure", false, "allow a multi-node control plane in plaintext without a token")
 		noSpares    = fs.Bool("no-spares", false, "start each rank afresh, not from a warm interpreter")
+		grace       = fs.Duration("grace-period", 30*time.Second, "after SIGTERM or SIGINT, the time to end in: the ranks have three quarters of it to exit, the persist of the newest step in memory the rest")
 		verbose     = fs.Bool("v", false, "log the agent's and the control plane's work")
 	)
 	// torchrun's underscore spellings.
@@ -140,13 +174,16 @@ func parse(args []string) (agent.Config, error) {
 	}
 	cfg := agent.Config{Command: cmd, NodeRank: *nodeRank, MasterAddr: *masterAddr, MasterPort: *masterPort,
 		MaxRestarts: *maxRestarts, NoPython: *noPython, Module: *module, Python: *pythonExe, CollectiveTimeout: *collTimeout,
-		Out: *out, Manager: *manager, NoSpares: *noSpares}
+		Out: *out, Manager: *manager, NoSpares: *noSpares, GracePeriod: *grace}
 	var err error
 	if cfg.Nodes, err = parseNodes(*nnodes); err != nil {
 		return cfg, err
 	}
 	if cfg.ProcsPerNode, err = parseNproc(*nproc); err != nil {
 		return cfg, err
+	}
+	if *grace <= 0 {
+		return cfg, fmt.Errorf("%w: --grace-period %v: give a positive duration", errUsage, *grace)
 	}
 	if *monitor <= 0 {
 		return cfg, fmt.Errorf("%w: --monitor-interval %v: give a positive number of seconds", errUsage, *monitor)

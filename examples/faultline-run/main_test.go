@@ -86,9 +86,15 @@ type line struct {
 // start starts faultline-run with flags, then train.py with args.
 func start(t *testing.T, out string, flags []string, args ...string) *job {
 	t.Helper()
-	train, _ := filepath.Abs("train.py")
+	return startScript(t, out, flags, "train.py", args...)
+}
+
+// startScript starts faultline-run with flags, then script with args.
+func startScript(t *testing.T, out string, flags []string, script string, args ...string) *job {
+	t.Helper()
+	script, _ = filepath.Abs(script)
 	argv := append([]string{"--python", torchPython, "--out", out}, flags...)
-	argv = append(argv, train)
+	argv = append(argv, script)
 	argv = append(argv, args...)
 	j := &job{t: t, out: out, done: make(chan struct{})}
 	j.cmd = exec.Command(binary(t), argv...)
@@ -216,10 +222,18 @@ func reference(t *testing.T) string {
 	refOnce.Do(func() {
 		dir := t.TempDir()
 		w := filepath.Join(dir, "weights")
-		j := start(t, filepath.Join(dir, "out"), []string{"--standalone", "--nproc-per-node", "4", "--no-spares"},
+		id := "reference-" + randomHex(3)
+		j := start(t, filepath.Join(dir, "out"), []string{"--standalone", "--nproc-per-node", "4", "--no-spares", "--rdzv-id", id},
 			"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--weights", w)
 		if err := j.wait(3 * time.Minute); err != nil {
 			t.Fatalf("the run without faults: %v\nstderr:\n%s", err, j.errText())
+		}
+		// A job that finished gives its memory back.
+		if shm, _ := filepath.Glob("/dev/shm/faultline-" + id + "*"); len(shm) > 0 {
+			for _, f := range shm {
+				os.Remove(f)
+			}
+			t.Fatalf("the finished job left %v in /dev/shm", shm)
 		}
 		refHash = readHash(t, w)
 	})
