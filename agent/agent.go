@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -48,21 +49,23 @@ type Agent struct {
 	slots []*slot
 
 	mgr      *taskd.Manager // node 0's, when the job has no other
+	done     atomic.Bool    // every rank of the node finished
 	mgrAddr  string
 	policy   *rescheduling.Policy
 	ckpts    *checkpoints
 	incident *incidents
 
-	mu       sync.Mutex
-	sw       trace.Switch
-	stopped  string // why recovery stopped the job, "" while it runs
-	finished chan struct{}
-	term     chan struct{}  // closed by Terminate
-	termSig  syscall.Signal // Terminate's signal, 0 before
-	termAt   time.Time
-	once     sync.Once
-	warnOnce sync.Once // a step longer than the collective timeout
-	closed   bool
+	mu          sync.Mutex
+	sw          trace.Switch
+	stopped     string // why recovery stopped the job, "" while it runs
+	finished    chan struct{}
+	term        chan struct{}  // closed by Terminate
+	termSig     syscall.Signal // Terminate's signal, 0 before
+	termAt      time.Time
+	once        sync.Once
+	stopJobOnce sync.Once
+	warnOnce    sync.Once // a step longer than the collective timeout
+	closed      bool
 }
 
 // New builds the agent of one node: its rings and folders; nothing runs
@@ -266,16 +269,32 @@ func switchSource(path string) taskd.SwitchSource {
 }
 
 // slotEnded is told when a slot's rank is done (exit 0); the job ends
-// when every slot's is.
+// here when every slot's is, and the node's ranks leave it finished.
 func (a *Agent) slotEnded() {
 	for _, s := range a.slots {
 		if !s.stateIs(slotDone) {
 			return
 		}
 	}
+	if !a.done.CompareAndSwap(false, true) {
+		return
+	}
+	// A worker serveWorkers registers from now on sees done and leaves.
+	for _, s := range a.slots {
+		s.mu.Lock()
+		w := s.worker
+		s.mu.Unlock()
+		if w != nil {
+			w.Finish()
+			w.Close()
+		}
+	}
 	a.incident.finish("the job finished")
 	a.once.Do(func() { close(a.finished) })
 }
+
+// nodeFinished reports whether every rank of the node finished.
+func (a *Agent) nodeFinished() bool { return a.done.Load() }
 
 // stop records why recovery stopped the job (the first reason given
 // stays: the most telling one comes first).
@@ -317,7 +336,12 @@ func (a *Agent) stopNode(reason string) {
 }
 
 // stopJob, on node 0, has every node stop its ranks: recovery gave up.
+// Only its first call counts.
 func (a *Agent) stopJob(reason string) {
+	a.stopJobOnce.Do(func() { a.stopAll(reason) })
+}
+
+func (a *Agent) stopAll(reason string) {
 	if a.mgr != nil && a.cfg.Nodes > 1 {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()

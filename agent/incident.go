@@ -252,6 +252,9 @@ func (in *incidents) transition(o taskd.Orchestration, t taskd.Transition) {
 	if o.Kind != taskd.KindRecovery {
 		return
 	}
+	if !t.To.Terminal() {
+		go in.a.refuseIncompleteRestart(t.Reason)
+	}
 	in.mu.Lock()
 	defer in.mu.Unlock()
 	if in.cur == nil {

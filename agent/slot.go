@@ -29,7 +29,7 @@ const (
 	slotRunning                  // its process runs
 	slotPaused                   // stopped by the agent or a recovery (its stacks taken): waits for a resume
 	slotFailed                   // exited non-zero or killed by a signal: a fault
-	slotDone                     // exited 0: the rank finished
+	slotDone                     // exited 0: the rank finished; a restart of the job's ranks starts it again
 	slotStopped                  // stopped for good by recovery
 )
 
@@ -292,18 +292,18 @@ func (s *slot) exited(p *rankProc) {
 			s.state = slotFailed
 		}
 	}
-	w := s.worker
 	s.mu.Unlock()
 	if !current || expected {
 		return
 	}
 	code, sig := exitOf(p.state)
 	if code == 0 && sig == 0 {
+		// The rank stays in the job (its worker registered) until every
+		// rank of the node finished: a fault of another rank meanwhile
+		// restarts it with the others, as torchrun restarts its whole
+		// worker group, since the others cannot rebuild their process group
+		// without it.
 		s.a.log.Info("agent: rank finished", "rank", s.rank, "pid", p.pid)
-		if w != nil {
-			w.Finish()
-			w.Close() // leaves the job, finished
-		}
 		s.a.slotEnded()
 		return
 	}
@@ -427,13 +427,6 @@ func (s *slot) stateIs(st slotState) bool {
 	return s.state == st
 }
 
-// ended reports whether the slot's rank is done or stopped.
-func (s *slot) ended() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.state == slotDone || s.state == slotStopped
-}
-
 // shutdown kills the slot's process and spare; Run ends.
 func (s *slot) shutdown() {
 	s.dropSpare()
@@ -480,8 +473,8 @@ func (s *slot) applySwitch(sw trace.Switch) {
 }
 
 // serveWorkers keeps a taskd worker registered for the slot's rank until
-// ctx ends or the rank is done, building a successor each time recovery
-// evicts one.
+// ctx ends or every rank of the node finished, building a successor each
+// time recovery evicts one.
 func (s *slot) serveWorkers(ctx context.Context) {
 	for ctx.Err() == nil {
 		w, err := taskd.NewWorker(taskd.WorkerConfig{Job: s.a.cfg.Job, Node: s.a.cfg.NodeRank, Rank: s.rank,
@@ -502,7 +495,7 @@ func (s *slot) serveWorkers(ctx context.Context) {
 			return
 		}
 		s.mu.Lock()
-		if s.state == slotDone || s.closed {
+		if s.closed || s.a.nodeFinished() {
 			s.mu.Unlock()
 			w.Close()
 			return
