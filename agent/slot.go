@@ -60,10 +60,12 @@ type slot struct {
 	lastStep int64 // the last step its ring says it completed, -1 before
 	resume   int64 // the step agreed at its last start, -1 none
 	worker   *taskd.Worker
-	drainMu  sync.Mutex             // the ring's reader, and the two maps below
+	ports    map[uint16]bool        // TCP ports its process held (see notePorts)
+	drainMu  sync.Mutex             // the ring's reader, and the maps below
 	opens    map[uint64]openRange   // ranges in flight, by ring id
 	timings  map[uint64]hang.Timing // collectives in flight, by ring id
 	ops      map[string]*hang.Op
+	noted    map[string]bool // communicators whose ports are noted
 	closed   bool
 }
 
@@ -80,7 +82,8 @@ type rankProc struct {
 
 func newSlot(a *Agent, local int) (*slot, error) {
 	rank := a.cfg.NodeRank*a.cfg.ProcsPerNode + local
-	s := &slot{a: a, local: local, rank: rank, lastStep: -1, resume: -1, opens: map[uint64]openRange{}, timings: map[uint64]hang.Timing{}, ops: map[string]*hang.Op{}}
+	s := &slot{a: a, local: local, rank: rank, lastStep: -1, resume: -1, opens: map[uint64]openRange{}, timings: map[uint64]hang.Timing{}, ops: map[string]*hang.Op{},
+		noted: map[string]bool{}, ports: map[uint16]bool{}}
 	s.ringPath = filepath.Join(a.cfg.ShmDir, fmt.Sprintf("faultline-%s-ring-%d", a.cfg.Job, rank))
 	var err error
 	if s.ring, err = CreateRing(s.ringPath, ringBytes); err != nil {
@@ -199,6 +202,7 @@ func (s *slot) start(ctx context.Context, resume int64) error {
 		}
 		s.proc, s.state, s.resume = p, slotRunning, resume
 		s.starts = restart + 1
+		clear(s.ports)
 		s.mu.Unlock()
 	}
 	var p *rankProc
@@ -237,6 +241,7 @@ func (s *slot) forget() {
 		delete(s.timings, id)
 	}
 	clear(s.opens)
+	clear(s.noted)
 }
 
 // launch starts cmd as a rank's process (or spare): in a process group
@@ -264,6 +269,24 @@ func (s *slot) launch(cmd *exec.Cmd, own func(*rankProc)) (*rankProc, error) {
 		s.exited(p)
 	}()
 	return p, nil
+}
+
+// exitedAlready reports whether p has exited: it is a zombie, or reaped
+// already by the goroutine that watches it (whose exited may not have
+// run yet).
+func exitedAlready(p *rankProc) bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+	}
+	for {
+		var info unix.Siginfo // Linux leaves it zero when no child is waitable
+		err := unix.Waitid(unix.P_PID, p.pid, &info, unix.WEXITED|unix.WNOHANG|unix.WNOWAIT, nil)
+		if !errors.Is(err, unix.EINTR) {
+			return errors.Is(err, unix.ECHILD) || err == nil && info.Signo != 0
+		}
+	}
 }
 
 // waitExited waits until the child pid has exited, without reaping it.
@@ -367,9 +390,9 @@ func (s *slot) killProc(p *rankProc) {
 	if p == nil {
 		return
 	}
-	// One that died on its own before this (a zombie not reaped yet) keeps
-	// its exit: it is a fault of its own, not one the agent caused.
-	if !strings.HasPrefix(procState(p.pid), "Z") {
+	// One that died on its own before this keeps its exit: it is a fault
+	// of its own (the root cause, often), not one the agent caused.
+	if !exitedAlready(p) {
 		s.mu.Lock()
 		p.expected = true
 		s.mu.Unlock()

@@ -3,6 +3,7 @@ package agent
 import (
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -61,5 +62,33 @@ fi`)
 	}
 	if got := output(t, out); !strings.Contains(got, "[rank1]: the failed rank's child is gone") {
 		t.Errorf("the restarted rank 1 found its predecessor's child alive:\n%s", got)
+	}
+}
+
+// TestExitedAlready: a rank's process that exited on its own is told
+// from a live one, zombie or reaped, so that the agent stopping its
+// peers does not take its exit for one it caused.
+func TestExitedAlready(t *testing.T) {
+	dead := exec.Command("sh", "-c", "exit 3")
+	if err := dead.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &rankProc{pid: dead.Process.Pid, done: make(chan struct{})}
+	waitExited(p.pid)
+	if !exitedAlready(p) {
+		t.Error("a zombie is taken for a live process")
+	}
+	dead.Wait()
+	if !exitedAlready(p) {
+		t.Error("a process reaped is taken for a live one")
+	}
+	live := exec.Command("sleep", "60")
+	if err := live.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer live.Wait()
+	defer live.Process.Kill()
+	if exitedAlready(&rankProc{pid: live.Process.Pid, done: make(chan struct{})}) {
+		t.Error("a live process is taken for one that exited")
 	}
 }
