@@ -47,9 +47,10 @@ type Agent struct {
 	dir   string // the agent's private folder: socket, stack files
 	sock  string
 	slots []*slot
+	// releaseOut unlocks Out (see claimOut).
+	releaseOut func()
 
 	mgr      *taskd.Manager // node 0's, when the job has no other
-	done     atomic.Bool    // every rank of the node finished
 	mgrAddr  string
 	policy   *rescheduling.Policy
 	ckpts    *checkpoints
@@ -66,6 +67,8 @@ type Agent struct {
 	stopJobOnce sync.Once
 	warnOnce    sync.Once // a step longer than the collective timeout
 	closed      bool
+
+	done atomic.Bool // every rank of the node finished
 }
 
 // New builds the agent of one node: its rings and folders; nothing runs
@@ -76,13 +79,20 @@ func New(cfg Config) (*Agent, error) {
 	}
 	cfg.setDefaults()
 	a := &Agent{cfg: cfg, log: cfg.Logger.With("node", cfg.NodeRank), world: cfg.world(), finished: make(chan struct{}), term: make(chan struct{})}
-	for _, d := range []string{cfg.Out, cfg.TraceRoot} {
-		if err := os.MkdirAll(d, 0o750); err != nil {
-			return nil, fmt.Errorf("agent: Out: %w", err)
-		}
+	if err := os.MkdirAll(cfg.Out, 0o750); err != nil {
+		return nil, fmt.Errorf("agent: Out: %w", err)
 	}
-	var err error
+	release, err := a.claimOut()
+	if err != nil {
+		return nil, err
+	}
+	a.releaseOut = sync.OnceFunc(release)
+	if err := os.MkdirAll(cfg.TraceRoot, 0o750); err != nil {
+		a.releaseOut()
+		return nil, fmt.Errorf("agent: TraceRoot: %w", err)
+	}
 	if a.dir, err = os.MkdirTemp("", "faultline-run-"); err != nil {
+		a.releaseOut()
 		return nil, fmt.Errorf("agent: %w", err)
 	}
 	a.sock = filepath.Join(a.dir, "agent.sock")
@@ -393,6 +403,7 @@ func (a *Agent) cleanup() {
 	if a.dir != "" {
 		os.RemoveAll(a.dir)
 	}
+	a.releaseOut()
 }
 
 // applySwitch applies a profiling switch to every rank: its ring, which

@@ -108,7 +108,10 @@ type incidents struct {
 	verdict  string // the slow-node verdict written last
 }
 
-func newIncidents(a *Agent) *incidents { return &incidents{a: a, maxStep: -1} }
+// newIncidents numbers the node's incidents on from those its Out holds.
+func newIncidents(a *Agent) *incidents {
+	return &incidents{a: a, maxStep: -1, n: lastIncident(a.cfg.Out)}
+}
 
 // openLocked opens an incident unless one is open.
 func (in *incidents) openLocked(now time.Time) *Incident {

@@ -26,7 +26,9 @@
 //	--python PATH             the interpreter (default python3)
 //	--collective-timeout D    a collective running longer is a hang (default: learned from the job's own)
 //	--out DIR                 where diagnoses go (default faultline-out): incidents.jsonl, slownode.json,
-//	                          incident-N/ with the stacks, flame graphs and verdict of a hang
+//	                          incident-N/ with the stacks, flame graphs and verdict of a hang; a new job
+//	                          moves an earlier job's there to previous/<its id>/, one started again with
+//	                          its --rdzv-id goes on in them
 //	--manager ADDR[,ADDR...]  the job's taskd manager when it runs apart (taskd-manager --agents), or its
 //	                          managers, the one leading followed (default: node 0's faultline-run, on
 //	                          --master-addr at --master-port + 1)
