@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -185,7 +187,7 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	a.mgrAddr = a.cfg.Manager
 	if a.cfg.Manager != "" || a.cfg.NodeRank != 0 {
 		if a.mgrAddr == "" {
-			a.mgrAddr = a.cfg.ManagerListen
+			a.mgrAddr = net.JoinHostPort(a.cfg.MasterAddr, strconv.Itoa(a.cfg.MasterPort+1))
 		}
 		return nil
 	}
@@ -216,7 +218,7 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 		return fmt.Errorf("agent: manager: %w", err)
 	}
 	a.mgr = m
-	a.mgrAddr = m.Addr().String()
+	a.mgrAddr = dialable(m.Addr())
 	if a.cfg.SwitchFile == "" {
 		if _, err := m.SetSwitch(a.initialSwitch()); err != nil {
 			return fmt.Errorf("agent: manager: %w", err)
@@ -230,6 +232,15 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 		return err
 	})
 	return nil
+}
+
+// dialable is the address at which this host reaches a listener on addr:
+// loopback for one on every interface.
+func dialable(addr net.Addr) string {
+	if t, ok := addr.(*net.TCPAddr); ok && t.IP.IsUnspecified() {
+		return net.JoinHostPort("127.0.0.1", strconv.Itoa(t.Port))
+	}
+	return addr.String()
 }
 
 // awaitManager says so when the ranks wait long for the manager: they

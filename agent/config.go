@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -78,8 +77,11 @@ type Config struct {
 	// ShmDir holds the checkpoint segments and rings; default /dev/shm.
 	ShmDir string
 	// Manager is the address of the job's taskd manager; "" runs one in
-	// node 0's agent, listening on ManagerListen (default MasterAddr with
-	// port MasterPort+1).
+	// node 0's agent, which the nodes reach at MasterAddr, port
+	// MasterPort+1. It listens on ManagerListen: default every interface
+	// at that port, as the ranks' store listens, so that a MasterAddr that
+	// names this host by another address (a host name that /etc/hosts maps
+	// to 127.0.1.1) reaches it too.
 	Manager       string
 	ManagerListen string
 	// Security of the control plane; required (Insecure for loopback).
@@ -143,7 +145,7 @@ func (c *Config) setDefaults() {
 	}
 	c.TraceRoot = cmp.Or(c.TraceRoot, filepath.Join(c.Out, "profiling"))
 	c.ShmDir = cmp.Or(c.ShmDir, "/dev/shm")
-	c.ManagerListen = cmp.Or(c.ManagerListen, net.JoinHostPort(c.MasterAddr, strconv.Itoa(c.MasterPort+1)))
+	c.ManagerListen = cmp.Or(c.ManagerListen, ":"+strconv.Itoa(c.MasterPort+1))
 	if c.Env == nil {
 		c.Env = os.Environ()
 	}

@@ -10,6 +10,10 @@
 //	faultline-run --nnodes 2 --node-rank 0 --master-addr HOST --master-port 29500 \
 //	    --nproc-per-node 8 train.py [args...]
 //
+// Node 0 serves the ranks' store at --master-port and the job's manager
+// at the next port, both on every interface, as torchrun's store; with
+// several nodes, a --master-addr that resolves to loopback is refused.
+//
 // The flags torchrun users know keep their meaning: --standalone,
 // --nnodes N, --nproc-per-node (also --nproc_per_node; auto and cpu count
 // the processors), --node-rank, --master-addr, --master-port,
@@ -60,9 +64,11 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"os/signal"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -207,6 +213,9 @@ func parse(args []string) (agent.Config, error) {
 	if err := trace.ValidateJob(cfg.Job); err != nil {
 		return cfg, fmt.Errorf("%w: --rdzv-id %q: %v", errUsage, cfg.Job, err)
 	}
+	if err := checkMaster(cfg.MasterAddr, cfg.Nodes); err != nil {
+		return cfg, err
+	}
 	if cfg.Security, err = security(*tokenFile, *insecure, cfg.Nodes, cfg.Manager); err != nil {
 		return cfg, err
 	}
@@ -239,6 +248,27 @@ func parseNodes(s string) (int, error) {
 		}
 	}
 	return n, nil
+}
+
+// checkMaster refuses, for a job of several nodes, a master address that
+// resolves to loopback only: the other nodes cannot reach node 0's store
+// and manager there. One that does not resolve (yet: a Kubernetes
+// service) passes.
+func checkMaster(addr string, nodes int) error {
+	if nodes < 2 {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	ips, err := net.DefaultResolver.LookupNetIP(ctx, "ip", addr)
+	if err != nil || len(ips) == 0 || slices.ContainsFunc(ips, func(ip netip.Addr) bool { return !ip.IsLoopback() }) {
+		return nil
+	}
+	for i, ip := range ips {
+		ips[i] = ip.Unmap()
+	}
+	return fmt.Errorf("%w: --master-addr %q resolves to %v, a loopback address, where the job's other nodes cannot reach node 0: give an address of node 0 that they can reach (its IP, or a name their DNS maps to it; Debian's /etc/hosts maps the host's own name to 127.0.1.1)",
+		errUsage, addr, ips)
 }
 
 // parseNproc reads --nproc-per-node: a number, or auto and cpu (the

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -366,10 +367,11 @@ func TestTwoNodes(t *testing.T) {
 	}
 	t.Setenv("TASKD_TOKEN", randomHex(16))
 	id := "two-nodes-" + randomHex(3)
+	host := hostAddr(t)
 	var jobs []*job
 	for node := range 2 {
 		jobs = append(jobs, start(t, filepath.Join(dir, fmt.Sprintf("out-%d", node)),
-			[]string{"--nnodes", "2", "--node-rank", strconv.Itoa(node), "--nproc-per-node", "2", "--master-port", strconv.Itoa(port),
+			[]string{"--nnodes", "2", "--node-rank", strconv.Itoa(node), "--nproc-per-node", "2", "--master-addr", host, "--master-port", strconv.Itoa(port),
 				"--rdzv-id", id, "--max-restarts", "2"},
 			"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--kill-rank", "3", "--kill-step", "12", "--weights", w))
 	}
@@ -388,6 +390,23 @@ func TestTwoNodes(t *testing.T) {
 	if got := readHash(t, w); got != ref {
 		t.Fatalf("weights after the recovery %s, without the fault %s", got, ref)
 	}
+}
+
+// hostAddr returns an IPv4 address of this host that is not loopback, for
+// a job of several nodes on this one; the test is skipped without one.
+func hostAddr(t *testing.T) string {
+	t.Helper()
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Skip(err)
+	}
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && !n.IP.IsLoopback() && n.IP.To4() != nil {
+			return n.IP.String()
+		}
+	}
+	t.Skip("a job of several nodes needs an address of this host but loopback, and it has none")
+	return ""
 }
 
 // TestLauncherKilled: a launcher SIGKILLed takes its ranks with it, and
@@ -482,7 +501,9 @@ func TestUsage(t *testing.T) {
 		{[]string{"--nnodes", "0", "x.py"}, "--nnodes"},
 		{[]string{"--nproc-per-node", "zero", "x.py"}, "--nproc-per-node"},
 		{[]string{"--nnodes", "2", "x.py"}, "--rdzv-id"},
-		{[]string{"--nnodes", "2", "--rdzv-id", "j", "x.py"}, "TASKD_TOKEN"},
+		{[]string{"--nnodes", "2", "--rdzv-id", "j", "--master-addr", "192.0.2.1", "x.py"}, "TASKD_TOKEN"},
+		{[]string{"--nnodes", "2", "--rdzv-id", "j", "x.py"}, `--master-addr "127.0.0.1" resolves to [127.0.0.1], a loopback address`},
+		{[]string{"--nnodes", "2", "--rdzv-id", "j", "--master-addr", "localhost", "x.py"}, "a loopback address, where the job's other nodes cannot reach node 0"},
 		{[]string{"--monitor-interval", "0", "x.py"}, "--monitor-interval"},
 		{[]string{"--rdzv-id", "../x", "x.py"}, "--rdzv-id"},
 	} {
