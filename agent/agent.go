@@ -197,10 +197,11 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	}
 	a.policy = policy
 	job := newJobCheckpoints(a.cfg.Nodes, a, a.log)
+	interval, deadline := a.cfg.heartbeats()
 	m, err := taskd.NewManager(taskd.ManagerConfig{
 		Job: a.cfg.Job, Listen: a.cfg.ManagerListen, Nodes: a.cfg.Nodes, ProcsPerNode: a.cfg.ProcsPerNode,
 		Security: a.cfg.Security, StateDir: filepath.Join(a.cfg.Out, "manager"),
-		HeartbeatInterval: 500 * time.Millisecond, HeartbeatDeadline: 3 * time.Second,
+		HeartbeatInterval: interval, HeartbeatDeadline: deadline,
 		Handlers:     []taskd.Handler{job.handler()},
 		SwitchSource: switchSource(a.cfg.SwitchFile),
 		Orchestration: &taskd.OrchestrationConfig{

@@ -145,6 +145,8 @@ func TestConfigValidate(t *testing.T) {
 		{func(c *Config) { c.MasterPort = 70000 }, "MasterPort"},
 		{func(c *Config) { c.MaxRestarts = -1 }, "MaxRestarts"},
 		{func(c *Config) { c.CollectiveTimeout = -time.Second }, "CollectiveTimeout"},
+		{func(c *Config) { c.HeartbeatDeadline = -time.Second }, "HeartbeatDeadline"},
+		{func(c *Config) { c.GracePeriod = -time.Second }, "GracePeriod"},
 		{func(c *Config) { c.Module, c.NoPython = true, true }, "Module"},
 	} {
 		c := ok

@@ -84,6 +84,14 @@ type Config struct {
 	// to 127.0.1.1) reaches it too.
 	Manager       string
 	ManagerListen string
+	// HeartbeatDeadline is how long node 0's manager waits for a
+	// heartbeat of a rank's worker before it declares the rank lost and
+	// recovers the job (default 10s; a manager apart has its own); the
+	// workers send one every sixth of it. The workers run in the agent, so
+	// only a node's agent lost, or cut off, falls silent: a rank's own
+	// fault is seen at once however long this is, and a loaded host's
+	// late heartbeat is no loss.
+	HeartbeatDeadline time.Duration
 	// Security of the control plane; required (Insecure for loopback).
 	Security taskd.Security
 	// Env is added to each rank's environment (default os.Environ()).
@@ -121,6 +129,8 @@ func (c Config) Validate() error {
 		return bad("MaxRestarts", c.MaxRestarts, "negative")
 	case c.MonitorInterval < 0:
 		return bad("MonitorInterval", c.MonitorInterval, "negative")
+	case c.HeartbeatDeadline < 0:
+		return bad("HeartbeatDeadline", c.HeartbeatDeadline, "negative")
 	case c.GracePeriod < 0:
 		return bad("GracePeriod", c.GracePeriod, "negative")
 	case c.CollectiveTimeout < 0:
@@ -138,6 +148,7 @@ func (c *Config) setDefaults() {
 	c.MasterPort = cmp.Or(c.MasterPort, 29500)
 	c.MonitorInterval = cmp.Or(c.MonitorInterval, 20*time.Millisecond)
 	c.GracePeriod = cmp.Or(c.GracePeriod, 30*time.Second)
+	c.HeartbeatDeadline = cmp.Or(c.HeartbeatDeadline, 10*time.Second)
 	c.Python = cmp.Or(c.Python, "python3")
 	c.Out = cmp.Or(c.Out, "faultline-out")
 	if abs, err := filepath.Abs(c.Out); err == nil {
@@ -154,6 +165,12 @@ func (c *Config) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
+}
+
+// heartbeats returns how often the workers send a heartbeat and how long
+// the manager waits for one.
+func (c *Config) heartbeats() (interval, deadline time.Duration) {
+	return c.HeartbeatDeadline / 6, c.HeartbeatDeadline
 }
 
 // world is the number of ranks of the job.

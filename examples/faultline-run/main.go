@@ -39,6 +39,8 @@
 //	--token-file F            the control plane's shared token (default $TASKD_TOKEN); a job of one node
 //	                          makes its own, a job of several needs one, or --insecure
 //	--no-spares               start each rank afresh instead of from a warm interpreter
+//	--heartbeat-deadline D    silence of a rank's worker after which node 0's manager declares it lost and
+//	                          recovers the job (default 10s; heartbeats every sixth of it)
 //	--grace-period D          after SIGTERM or SIGINT, the time to end in (default 30s; keep it under a
 //	                          pod's terminationGracePeriodSeconds)
 //
@@ -163,6 +165,7 @@ func parse(args []string) (agent.Config, error) {
 		tokenFile   = fs.String("token-file", "", "file holding the control plane's token (default $TASKD_TOKEN)")
 		insecure    = fs.Bool("insecure", false, "allow a multi-node control plane in plaintext without a token")
 		noSpares    = fs.Bool("no-spares", false, "start each rank afresh, not from a warm interpreter")
+		heartbeat   = fs.Duration("heartbeat-deadline", 10*time.Second, "silence of a rank's worker after which node 0's manager declares it lost (heartbeats every sixth of it)")
 		grace       = fs.Duration("grace-period", 30*time.Second, "after SIGTERM or SIGINT, the time to end in: the ranks have three quarters of it to exit, the persist of the newest step in memory the rest")
 		verbose     = fs.Bool("v", false, "log the agent's and the control plane's work")
 	)
@@ -182,13 +185,16 @@ func parse(args []string) (agent.Config, error) {
 	}
 	cfg := agent.Config{Command: cmd, NodeRank: *nodeRank, MasterAddr: *masterAddr, MasterPort: *masterPort,
 		MaxRestarts: *maxRestarts, NoPython: *noPython, Module: *module, Python: *pythonExe, CollectiveTimeout: *collTimeout,
-		Out: *out, Manager: *manager, NoSpares: *noSpares, GracePeriod: *grace}
+		Out: *out, Manager: *manager, NoSpares: *noSpares, GracePeriod: *grace, HeartbeatDeadline: *heartbeat}
 	var err error
 	if cfg.Nodes, err = parseNodes(*nnodes); err != nil {
 		return cfg, err
 	}
 	if cfg.ProcsPerNode, err = parseNproc(*nproc); err != nil {
 		return cfg, err
+	}
+	if *heartbeat <= 0 {
+		return cfg, fmt.Errorf("%w: --heartbeat-deadline %v: give a positive duration", errUsage, *heartbeat)
 	}
 	if *grace <= 0 {
 		return cfg, fmt.Errorf("%w: --grace-period %v: give a positive duration", errUsage, *grace)

@@ -505,6 +505,8 @@ func TestUsage(t *testing.T) {
 		{[]string{"--nnodes", "2", "--rdzv-id", "j", "x.py"}, `--master-addr "127.0.0.1" resolves to [127.0.0.1], a loopback address`},
 		{[]string{"--nnodes", "2", "--rdzv-id", "j", "--master-addr", "localhost", "x.py"}, "a loopback address, where the job's other nodes cannot reach node 0"},
 		{[]string{"--monitor-interval", "0", "x.py"}, "--monitor-interval"},
+		{[]string{"--heartbeat-deadline", "0s", "x.py"}, "--heartbeat-deadline"},
+		{[]string{"--grace-period", "-1s", "x.py"}, "--grace-period"},
 		{[]string{"--rdzv-id", "../x", "x.py"}, "--rdzv-id"},
 	} {
 		t.Setenv("MINDX_TASK_ID", "")
@@ -514,8 +516,10 @@ func TestUsage(t *testing.T) {
 			t.Errorf("parse(%q) = %v, want an error with %q", tc.args, err, tc.want)
 		}
 	}
-	cfg, err := parse([]string{"--nproc_per_node=3", "--max_restarts", "2", "--rdzv-id", "job-9", "train.py", "--lr", "1"})
-	if err != nil || cfg.ProcsPerNode != 3 || cfg.MaxRestarts != 2 || cfg.Job != "job-9" || strings.Join(cfg.Command, " ") != "train.py --lr 1" {
+	cfg, err := parse([]string{"--nproc_per_node=3", "--max_restarts", "2", "--rdzv-id", "job-9", "--heartbeat-deadline", "12s", "--grace-period", "20s",
+		"train.py", "--lr", "1"})
+	if err != nil || cfg.ProcsPerNode != 3 || cfg.MaxRestarts != 2 || cfg.Job != "job-9" || strings.Join(cfg.Command, " ") != "train.py --lr 1" ||
+		cfg.HeartbeatDeadline != 12*time.Second || cfg.GracePeriod != 20*time.Second {
 		t.Fatalf("parse = %+v, %v", cfg, err)
 	}
 }
