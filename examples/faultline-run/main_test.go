@@ -416,7 +416,15 @@ func TestLauncherKilled(t *testing.T) {
 	ref := reference(t)
 	dir := t.TempDir()
 	w, ckpt := filepath.Join(dir, "weights"), filepath.Join(dir, "ckpt")
-	j := start(t, filepath.Join(dir, "out-1"), []string{"--standalone", "--nproc-per-node", "4"},
+	// The launcher SIGKILLed leaves its segments and rings behind.
+	id := "killed-" + randomHex(3)
+	t.Cleanup(func() {
+		shm, _ := filepath.Glob("/dev/shm/faultline-" + id + "-*")
+		for _, f := range shm {
+			os.Remove(f)
+		}
+	})
+	j := start(t, filepath.Join(dir, "out-1"), []string{"--standalone", "--nproc-per-node", "4", "--rdzv-id", id},
 		"--steps", steps, "--step-ms", "100", "--ckpt", ckpt, "--weights", w)
 	j.waitLine("step 13 loss", 2*time.Minute)
 	j.cmd.Process.Kill()
