@@ -5,10 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -46,6 +49,8 @@ type Agent struct {
 	dir   string // the agent's private folder: socket, stack files
 	sock  string
 	slots []*slot
+	// releaseOut unlocks Out (see claimOut).
+	releaseOut func()
 
 	mgr      *taskd.Manager // node 0's, when the job has no other
 	mgrAddr  string
@@ -53,13 +58,19 @@ type Agent struct {
 	ckpts    *checkpoints
 	incident *incidents
 
-	mu       sync.Mutex
-	sw       trace.Switch
-	stopped  string // why recovery stopped the job, "" while it runs
-	finished chan struct{}
-	once     sync.Once
-	warnOnce sync.Once // a step longer than the collective timeout
-	closed   bool
+	mu          sync.Mutex
+	sw          trace.Switch
+	stopped     string // why recovery stopped the job, "" while it runs
+	finished    chan struct{}
+	term        chan struct{}  // closed by Terminate
+	termSig     syscall.Signal // Terminate's signal, 0 before
+	termAt      time.Time
+	once        sync.Once
+	stopJobOnce sync.Once
+	warnOnce    sync.Once // a step longer than the collective timeout
+	closed      bool
+
+	done atomic.Bool // every rank of the node finished
 }
 
 // New builds the agent of one node: its rings and folders; nothing runs
@@ -69,14 +80,21 @@ func New(cfg Config) (*Agent, error) {
 		return nil, err
 	}
 	cfg.setDefaults()
-	a := &Agent{cfg: cfg, log: cfg.Logger.With("node", cfg.NodeRank), world: cfg.world(), finished: make(chan struct{})}
-	for _, d := range []string{cfg.Out, cfg.TraceRoot} {
-		if err := os.MkdirAll(d, 0o750); err != nil {
-			return nil, fmt.Errorf("agent: Out: %w", err)
-		}
+	a := &Agent{cfg: cfg, log: cfg.Logger.With("node", cfg.NodeRank), world: cfg.world(), finished: make(chan struct{}), term: make(chan struct{})}
+	if err := os.MkdirAll(cfg.Out, 0o750); err != nil {
+		return nil, fmt.Errorf("agent: Out: %w", err)
 	}
-	var err error
+	release, err := a.claimOut()
+	if err != nil {
+		return nil, err
+	}
+	a.releaseOut = sync.OnceFunc(release)
+	if err := os.MkdirAll(cfg.TraceRoot, 0o750); err != nil {
+		a.releaseOut()
+		return nil, fmt.Errorf("agent: TraceRoot: %w", err)
+	}
 	if a.dir, err = os.MkdirTemp("", "faultline-run-"); err != nil {
+		a.releaseOut()
 		return nil, fmt.Errorf("agent: %w", err)
 	}
 	a.sock = filepath.Join(a.dir, "agent.sock")
@@ -99,7 +117,9 @@ func New(cfg Config) (*Agent, error) {
 
 // Run starts the ranks and serves them until the job ends: nil when every
 // rank exited 0, an error wrapping ErrStopped when recovery stopped the
-// job, or ctx's error.
+// job, one wrapping ErrTerminated after Terminate, or ctx's error. Each
+// ending gives the node's checkpoint segments back, or keeps them for a
+// new agent of the job when their newest step is not on disk.
 func (a *Agent) Run(ctx context.Context) error {
 	a.mu.Lock()
 	if a.closed {
@@ -151,6 +171,8 @@ func (a *Agent) Run(ctx context.Context) error {
 			result = fmt.Errorf("%w: %s", ErrStopped, a.stopped)
 		}
 		a.mu.Unlock()
+	case <-a.term:
+		result = a.terminate(ctx)
 	case <-ctx.Done():
 		result = ctx.Err()
 	}
@@ -170,7 +192,7 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	a.mgrAddr = a.cfg.Manager
 	if a.cfg.Manager != "" || a.cfg.NodeRank != 0 {
 		if a.mgrAddr == "" {
-			a.mgrAddr = a.cfg.ManagerListen
+			a.mgrAddr = net.JoinHostPort(a.cfg.MasterAddr, strconv.Itoa(a.cfg.MasterPort+1))
 		}
 		return nil
 	}
@@ -180,10 +202,11 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	}
 	a.policy = policy
 	job := newJobCheckpoints(a.cfg.Nodes, a, a.log)
+	interval, deadline := a.cfg.heartbeats()
 	m, err := taskd.NewManager(taskd.ManagerConfig{
 		Job: a.cfg.Job, Listen: a.cfg.ManagerListen, Nodes: a.cfg.Nodes, ProcsPerNode: a.cfg.ProcsPerNode,
 		Security: a.cfg.Security, StateDir: filepath.Join(a.cfg.Out, "manager"),
-		HeartbeatInterval: 500 * time.Millisecond, HeartbeatDeadline: 3 * time.Second,
+		HeartbeatInterval: interval, HeartbeatDeadline: deadline,
 		Handlers:     []taskd.Handler{job.handler()},
 		SwitchSource: switchSource(a.cfg.SwitchFile),
 		Orchestration: &taskd.OrchestrationConfig{
@@ -201,7 +224,7 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 		return fmt.Errorf("agent: manager: %w", err)
 	}
 	a.mgr = m
-	a.mgrAddr = m.Addr().String()
+	a.mgrAddr = dialable(m.Addr())
 	if a.cfg.SwitchFile == "" {
 		if _, err := m.SetSwitch(a.initialSwitch()); err != nil {
 			return fmt.Errorf("agent: manager: %w", err)
@@ -215,6 +238,15 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 		return err
 	})
 	return nil
+}
+
+// dialable is the address at which this host reaches a listener on addr:
+// loopback for one on every interface.
+func dialable(addr net.Addr) string {
+	if t, ok := addr.(*net.TCPAddr); ok && t.IP.IsUnspecified() {
+		return net.JoinHostPort("127.0.0.1", strconv.Itoa(t.Port))
+	}
+	return addr.String()
 }
 
 // awaitManager says so when the ranks wait long for the manager: they
@@ -264,16 +296,32 @@ func switchSource(path string) taskd.SwitchSource {
 }
 
 // slotEnded is told when a slot's rank is done (exit 0); the job ends
-// when every slot's is.
+// here when every slot's is, and the node's ranks leave it finished.
 func (a *Agent) slotEnded() {
 	for _, s := range a.slots {
 		if !s.stateIs(slotDone) {
 			return
 		}
 	}
+	if !a.done.CompareAndSwap(false, true) {
+		return
+	}
+	// A worker serveWorkers registers from now on sees done and leaves.
+	for _, s := range a.slots {
+		s.mu.Lock()
+		w := s.worker
+		s.mu.Unlock()
+		if w != nil {
+			w.Finish()
+			w.Close()
+		}
+	}
 	a.incident.finish("the job finished")
 	a.once.Do(func() { close(a.finished) })
 }
+
+// nodeFinished reports whether every rank of the node finished.
+func (a *Agent) nodeFinished() bool { return a.done.Load() }
 
 // stop records why recovery stopped the job (the first reason given
 // stays: the most telling one comes first).
@@ -315,7 +363,12 @@ func (a *Agent) stopNode(reason string) {
 }
 
 // stopJob, on node 0, has every node stop its ranks: recovery gave up.
+// Only its first call counts.
 func (a *Agent) stopJob(reason string) {
+	a.stopJobOnce.Do(func() { a.stopAll(reason) })
+}
+
+func (a *Agent) stopAll(reason string) {
 	if a.mgr != nil && a.cfg.Nodes > 1 {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -331,9 +384,10 @@ func (a *Agent) shutdown() {
 	for _, s := range a.slots {
 		s.shutdown()
 	}
-	if a.mgr != nil {
+	if a.mgr != nil && a.terminating() == 0 {
 		// Let node 0's manager outlive this node's ranks while another
-		// node's are still registered: they would lose their control plane.
+		// node's are still registered: they would lose their control plane
+		// (not past a grace period, though).
 		deadline := time.Now().Add(30 * time.Second)
 		for time.Now().Before(deadline) && slices.ContainsFunc(a.mgr.Members(), func(mi taskd.MemberInfo) bool {
 			return mi.Role == taskd.RoleWorker && mi.Position.Node != a.cfg.NodeRank
@@ -366,6 +420,7 @@ func (a *Agent) cleanup() {
 	if a.dir != "" {
 		os.RemoveAll(a.dir)
 	}
+	a.releaseOut()
 }
 
 // applySwitch applies a profiling switch to every rank: its ring, which

@@ -6,12 +6,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd"
 )
 
@@ -142,6 +145,8 @@ func TestConfigValidate(t *testing.T) {
 		{func(c *Config) { c.MasterPort = 70000 }, "MasterPort"},
 		{func(c *Config) { c.MaxRestarts = -1 }, "MaxRestarts"},
 		{func(c *Config) { c.CollectiveTimeout = -time.Second }, "CollectiveTimeout"},
+		{func(c *Config) { c.HeartbeatDeadline = -time.Second }, "HeartbeatDeadline"},
+		{func(c *Config) { c.GracePeriod = -time.Second }, "GracePeriod"},
 		{func(c *Config) { c.Module, c.NoPython = true, true }, "Module"},
 	} {
 		c := ok
@@ -197,5 +202,60 @@ func TestManagerApart(t *testing.T) {
 	st := m.Orchestrations(0)
 	if len(st.History) != 1 || st.History[0].State != taskd.StateRecovered {
 		t.Fatalf("orchestrations: %+v", st)
+	}
+}
+
+// hostAddr returns an IPv4 address of this host that is not loopback,
+// and skips the test where there is none.
+func hostAddr(t *testing.T) string {
+	t.Helper()
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Skip(err)
+	}
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && !n.IP.IsLoopback() && n.IP.To4() != nil {
+			return n.IP.String()
+		}
+	}
+	t.Skip("this host has no address but loopback")
+	return ""
+}
+
+// TestManagerListensEverywhere: node 0's manager listens on every
+// interface, as the ranks' store does, and not only on MasterAddr: the
+// other nodes reach it whichever address of this host MasterAddr names.
+func TestManagerListensEverywhere(t *testing.T) {
+	host := hostAddr(t)
+	l, err := net.Listen("tcp", ":0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	dir := t.TempDir()
+	a, err := New(Config{Job: "listen", MasterAddr: "127.0.0.1", MasterPort: port - 1,
+		Command: []string{"sh", "-c", `while [ ! -e "$WORK/go" ]; do sleep 0.02; done`}, NoPython: true,
+		Out: filepath.Join(dir, "out"), ShmDir: dir, Security: taskd.Security{Token: "0123456789abcdef0123456789abcdef", Insecure: true},
+		Env: append(os.Environ(), "WORK="+dir), Stdout: os.Stderr, Stderr: os.Stderr})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	errc := make(chan error, 1)
+	go func() { errc <- run(t, a) }()
+	addr := net.JoinHostPort(host, strconv.Itoa(port))
+	testkit.WaitFor(t, "the manager at "+addr, func() bool {
+		c, err := net.Dial("tcp", addr)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	})
+	if err := os.WriteFile(filepath.Join(dir, "go"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-errc; err != nil {
+		t.Fatal(err)
 	}
 }

@@ -326,16 +326,29 @@ func (c *checkpoints) owners() []*ckpt.Owner {
 	return out
 }
 
-// persistLocal persists the newest step of each local shard and waits
-// for it to be committed.
-func (c *checkpoints) persistLocal(ctx context.Context) error {
-	var errs []error
-	for _, o := range c.owners() {
-		if _, err := o.PersistNewest(ctx); err != nil {
-			errs = append(errs, err)
-		}
+// persistLocal persists the newest step every local rank holds intact in
+// memory, every rank's shard at once, and returns it.
+func (c *checkpoints) persistLocal(ctx context.Context) (int64, error) {
+	steps := c.localSteps()
+	if len(steps) == 0 {
+		return -1, errors.New("no step that every rank of this node holds intact in memory")
 	}
-	return errors.Join(errs...)
+	var wg sync.WaitGroup
+	errs := make([]error, len(c.a.slots))
+	for i, s := range c.a.slots {
+		wg.Go(func() {
+			o, err := c.owner(s.rank)
+			if err == nil && o == nil {
+				err = fmt.Errorf("rank %d has no segment", s.rank)
+			}
+			if err == nil {
+				_, err = o.PersistStep(ctx, s.rank, steps[0])
+			}
+			errs[i] = err
+		})
+	}
+	wg.Wait()
+	return steps[0], errors.Join(errs...)
 }
 
 // flush waits until every persist the ranks asked for (a save with

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -54,6 +53,11 @@ type Config struct {
 	// so that a restart does not import it again (default on; ignored
 	// with NoPython).
 	NoSpares bool
+	// GracePeriod bounds a termination (Agent.Terminate, on SIGTERM or
+	// SIGINT): the ranks have its first three quarters to exit after the
+	// signal, and the newest step in memory is persisted within the rest
+	// (default 30s, torchrun's).
+	GracePeriod time.Duration
 	// CollectiveTimeout is how long a collective may run before it is a
 	// hang; 0 learns it from the job's own collectives (hang's learned
 	// timeouts, capped at 300 s).
@@ -73,10 +77,21 @@ type Config struct {
 	// ShmDir holds the checkpoint segments and rings; default /dev/shm.
 	ShmDir string
 	// Manager is the address of the job's taskd manager; "" runs one in
-	// node 0's agent, listening on ManagerListen (default MasterAddr with
-	// port MasterPort+1).
+	// node 0's agent, which the nodes reach at MasterAddr, port
+	// MasterPort+1. It listens on ManagerListen: default every interface
+	// at that port, as the ranks' store listens, so that a MasterAddr that
+	// names this host by another address (a host name that /etc/hosts maps
+	// to 127.0.1.1) reaches it too.
 	Manager       string
 	ManagerListen string
+	// HeartbeatDeadline is how long node 0's manager waits for a
+	// heartbeat of a rank's worker before it declares the rank lost and
+	// recovers the job (default 10s; a manager apart has its own); the
+	// workers send one every sixth of it. The workers run in the agent, so
+	// only a node's agent lost, or cut off, falls silent: a rank's own
+	// fault is seen at once however long this is, and a loaded host's
+	// late heartbeat is no loss.
+	HeartbeatDeadline time.Duration
 	// Security of the control plane; required (Insecure for loopback).
 	Security taskd.Security
 	// Env is added to each rank's environment (default os.Environ()).
@@ -114,6 +129,10 @@ func (c Config) Validate() error {
 		return bad("MaxRestarts", c.MaxRestarts, "negative")
 	case c.MonitorInterval < 0:
 		return bad("MonitorInterval", c.MonitorInterval, "negative")
+	case c.HeartbeatDeadline < 0:
+		return bad("HeartbeatDeadline", c.HeartbeatDeadline, "negative")
+	case c.GracePeriod < 0:
+		return bad("GracePeriod", c.GracePeriod, "negative")
 	case c.CollectiveTimeout < 0:
 		return bad("CollectiveTimeout", c.CollectiveTimeout, "negative")
 	case c.Module && c.NoPython:
@@ -128,6 +147,8 @@ func (c *Config) setDefaults() {
 	c.MasterAddr = cmp.Or(c.MasterAddr, "127.0.0.1")
 	c.MasterPort = cmp.Or(c.MasterPort, 29500)
 	c.MonitorInterval = cmp.Or(c.MonitorInterval, 20*time.Millisecond)
+	c.GracePeriod = cmp.Or(c.GracePeriod, 30*time.Second)
+	c.HeartbeatDeadline = cmp.Or(c.HeartbeatDeadline, 10*time.Second)
 	c.Python = cmp.Or(c.Python, "python3")
 	c.Out = cmp.Or(c.Out, "faultline-out")
 	if abs, err := filepath.Abs(c.Out); err == nil {
@@ -135,7 +156,7 @@ func (c *Config) setDefaults() {
 	}
 	c.TraceRoot = cmp.Or(c.TraceRoot, filepath.Join(c.Out, "profiling"))
 	c.ShmDir = cmp.Or(c.ShmDir, "/dev/shm")
-	c.ManagerListen = cmp.Or(c.ManagerListen, net.JoinHostPort(c.MasterAddr, strconv.Itoa(c.MasterPort+1)))
+	c.ManagerListen = cmp.Or(c.ManagerListen, ":"+strconv.Itoa(c.MasterPort+1))
 	if c.Env == nil {
 		c.Env = os.Environ()
 	}
@@ -144,6 +165,12 @@ func (c *Config) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
+}
+
+// heartbeats returns how often the workers send a heartbeat and how long
+// the manager waits for one.
+func (c *Config) heartbeats() (interval, deadline time.Duration) {
+	return c.HeartbeatDeadline / 6, c.HeartbeatDeadline
 }
 
 // world is the number of ranks of the job.

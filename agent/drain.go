@@ -4,6 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -101,6 +106,11 @@ func (s *slot) take(r *RingRecord) {
 			return
 		}
 		s.timings[r.ID] = s.op(op.OpName, op.GroupName).Start(int(op.StreamID))
+		if !s.noted[op.GroupName] {
+			// The communicator's connections are made: note their ports.
+			s.noted[op.GroupName] = true
+			s.notePorts(pid)
+		}
 		rec.Flag, _, _ = trace.CommunicationOperator.Flags()
 		rec.Name, rec.Domain = string(r.Name), trace.DomainCommunication
 		s.rec.Record(&rec) // written only while CommunicationOperator is on
@@ -171,6 +181,9 @@ func (s *slot) onHang(f hang.Fault) {
 // rank they single out as hung (the rank that is not where the others
 // are), which starts the recovery.
 func (a *Agent) hangFault(s *slot, f hang.Fault) {
+	if a.terminating() != 0 {
+		return // the ranks are ending: their collectives fail with their peers
+	}
 	now := time.Now()
 	pos := taskd.Position{Node: a.cfg.NodeRank, Rank: s.rank}
 	if f.Kind == hang.FaultOpError {
@@ -179,6 +192,12 @@ func (a *Agent) hangFault(s *slot, f hang.Fault) {
 		}
 		tf := taskd.Fault{Kind: taskd.FaultOpError, Position: pos, Message: f.String(), Time: f.Time,
 			Attrs: map[string]string{"op": f.Op, "group": f.Group}}
+		if addr, ok := peerAddr(f.String()); ok {
+			tf.Attrs[attrPeer] = addr.String()
+			if r := a.rankOfPeer(addr, s.rank); r >= 0 {
+				tf.Attrs[attrPeerRank] = strconv.Itoa(r)
+			}
+		}
 		if a.incident.fault(tf, now) {
 			s.report(tf)
 			a.stopOthers(s, tf.Message)
@@ -209,6 +228,80 @@ func (a *Agent) hangFault(s *slot, f hang.Fault) {
 		t.report(taskd.Fault{Kind: taskd.FaultHang, Position: taskd.Position{Node: a.cfg.NodeRank, Rank: r}, Message: msg, Time: f.Time,
 			Attrs: map[string]string{"op": f.Op, "group": f.Group, "stacks": in.Dir}})
 	}
+}
+
+// notePorts notes the TCP ports that pid, the slot's process, holds now:
+// once it is gone, a peer's error naming one of them still points at it.
+func (s *slot) notePorts(pid int) {
+	if pid == 0 {
+		return
+	}
+	fds := fmt.Sprintf("/proc/%d/fd", pid)
+	ents, err := os.ReadDir(fds)
+	if err != nil {
+		return
+	}
+	inodes := map[string]bool{}
+	for _, e := range ents {
+		l, err := os.Readlink(filepath.Join(fds, e.Name()))
+		if ino, ok := strings.CutPrefix(l, "socket:["); err == nil && ok {
+			inodes[strings.TrimSuffix(ino, "]")] = true
+		}
+	}
+	var ports []uint16
+	for _, table := range []string{"tcp", "tcp6"} {
+		if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, table)); err == nil {
+			ports = append(ports, socketPorts(b, inodes)...)
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.proc == nil || s.proc.pid != pid {
+		return
+	}
+	for _, p := range ports {
+		s.ports[p] = true
+	}
+}
+
+// rankOfPeer returns the local rank other than rank whose process held
+// addr, as its ports were noted; -1 when none did, or addr is not this
+// host's.
+func (a *Agent) rankOfPeer(addr netip.AddrPort, rank int) int {
+	if !localAddr(addr.Addr()) {
+		return -1
+	}
+	for _, s := range a.slots {
+		if s.rank == rank {
+			continue
+		}
+		s.mu.Lock()
+		held := slices.ContainsFunc(peerPorts(addr.Port()), func(p uint16) bool { return s.ports[p] })
+		s.mu.Unlock()
+		if held {
+			return s.rank
+		}
+	}
+	return -1
+}
+
+// localAddr reports whether ip is this host's.
+func localAddr(ip netip.Addr) bool {
+	if ip.IsLoopback() {
+		return true
+	}
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return false
+	}
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok {
+			if got, ok := netip.AddrFromSlice(n.IP); ok && got.Unmap() == ip.Unmap() {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // slotOf returns the local slot of a global rank, nil when it is not on

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -25,10 +26,12 @@ const IncidentsFile = "incidents.jsonl"
 // agent saw it: each time is when this node got there.
 type Incident struct {
 	ID int `json:"id"`
-	// Fault is the first fault of the incident; Faults are all of them
-	// that this node saw (ranks that failed because a peer did follow).
-	Fault  IncidentFault   `json:"fault"`
-	Faults []IncidentFault `json:"faults"`
+	// Fault is the incident's root cause: of the faults that this node
+	// saw (Faults, in the order it saw them), the one the others follow
+	// from (see blame); Evidence says what chose it.
+	Fault    IncidentFault   `json:"fault"`
+	Evidence string          `json:"evidence,omitempty"`
+	Faults   []IncidentFault `json:"faults"`
 	// StepAtFault is the highest step the node's ranks had completed.
 	StepAtFault int64 `json:"step_at_fault"`
 	// The times: the fault, its detection, every local rank stopped
@@ -66,7 +69,27 @@ type IncidentFault struct {
 	Code    int       `json:"code,omitempty"`
 	Message string    `json:"message"`
 	Time    time.Time `json:"time"`
+	// Peer is the address the fault's error names, as it names it (a
+	// collective that failed on its connection to a peer); PeerRank is the
+	// rank of this node that held it, absent when none did.
+	Peer     string `json:"peer,omitempty"`
+	PeerRank *int   `json:"peer_rank,omitempty"`
 }
+
+// incidentFault is f as an incident records it.
+func incidentFault(f taskd.Fault) IncidentFault {
+	r := IncidentFault{Kind: string(f.Kind), Rank: f.Position.Rank, Code: f.Code, Message: f.Message, Time: f.Time, Peer: f.Attrs[attrPeer]}
+	if n, err := strconv.Atoi(f.Attrs[attrPeerRank]); err == nil {
+		r.PeerRank = &n
+	}
+	return r
+}
+
+// Attributes of a reported fault whose error names a peer.
+const (
+	attrPeer     = "peer"      // the address, as the error names it
+	attrPeerRank = "peer_rank" // the rank of the reporting node that held it
+)
 
 // incidents keeps the node's open incident and writes each as it ends.
 type incidents struct {
@@ -85,7 +108,10 @@ type incidents struct {
 	verdict  string // the slow-node verdict written last
 }
 
-func newIncidents(a *Agent) *incidents { return &incidents{a: a, maxStep: -1} }
+// newIncidents numbers the node's incidents on from those its Out holds.
+func newIncidents(a *Agent) *incidents {
+	return &incidents{a: a, maxStep: -1, n: lastIncident(a.cfg.Out)}
+}
 
 // openLocked opens an incident unless one is open.
 func (in *incidents) openLocked(now time.Time) *Incident {
@@ -125,15 +151,17 @@ func (in *incidents) fault(f taskd.Fault, detected time.Time) bool {
 	in.mu.Lock()
 	defer in.mu.Unlock()
 	c := in.faultLocked(f.Position.Rank, detected)
-	r := IncidentFault{Kind: string(f.Kind), Rank: f.Position.Rank, Code: f.Code, Message: f.Message, Time: f.Time}
-	c.Faults = append(c.Faults, r)
+	c.Faults = append(c.Faults, incidentFault(f))
+	if c.Fault.Kind == "" || c.Fault.Kind == kindRemote {
+		c.FaultTime, c.Detected = f.Time, detected
+	}
+	if c.Fault.Kind != string(taskd.FaultHang) {
+		c.Fault, c.Evidence = blame(c.Faults)
+	}
 	if in.reported {
 		return false
 	}
 	in.reported = true
-	if c.Fault.Kind == "" || c.Fault.Kind == "remote" {
-		c.Fault, c.FaultTime, c.Detected = r, f.Time, detected
-	}
 	return true
 }
 
@@ -145,10 +173,11 @@ func (in *incidents) hang(f hang.Fault, now time.Time) (*Incident, bool) {
 	fresh := in.cur == nil || !in.cur.Restarted.IsZero() || in.started[f.Rank]
 	c := in.faultLocked(f.Rank, now)
 	r := IncidentFault{Kind: string(taskd.FaultHang), Rank: f.Rank, Message: f.String(), Time: f.Time}
-	if fresh {
-		c.Fault, c.FaultTime, c.Detected = r, f.Time.Add(-f.Elapsed).Add(f.Timeout), now
-	}
 	c.Faults = append(c.Faults, r)
+	if fresh {
+		c.FaultTime, c.Detected = f.Time.Add(-f.Elapsed).Add(f.Timeout), now
+		c.Fault, c.Evidence = blame(c.Faults)
+	}
 	first := !in.hangSeen && !in.reported
 	in.hangSeen, in.reported = true, true
 	return c, first
@@ -168,7 +197,7 @@ func (in *incidents) pausing(now time.Time) {
 	defer in.mu.Unlock()
 	c := in.openLocked(now)
 	if c.Fault.Kind == "" {
-		c.Fault = IncidentFault{Kind: "remote", Rank: -1, Message: "the manager paused this node's ranks for a fault elsewhere", Time: now}
+		c.Fault = IncidentFault{Kind: kindRemote, Rank: -1, Message: "the manager paused this node's ranks for a fault elsewhere", Time: now}
 	}
 }
 
@@ -252,6 +281,9 @@ func (in *incidents) transition(o taskd.Orchestration, t taskd.Transition) {
 	if o.Kind != taskd.KindRecovery {
 		return
 	}
+	if !t.To.Terminal() {
+		go in.a.refuseIncompleteRestart(t.Reason)
+	}
 	in.mu.Lock()
 	defer in.mu.Unlock()
 	if in.cur == nil {
@@ -290,32 +322,10 @@ func (in *incidents) allLocked(f func(*slot) bool) bool {
 	return true
 }
 
-// causeWindow is how close to a collective's failure a rank's exit must
-// be to count as its cause.
-const causeWindow = 200 * time.Millisecond
-
 // closeLocked writes the open incident and closes it.
 func (in *incidents) closeLocked() {
 	c := in.cur
 	in.cur = nil
-	// A collective fails because a peer died: the ring may tell the agent
-	// of the failure before the kernel tells it of the death.
-	// The cause is a rank that died without a collective of its own failing
-	// first (one that did is aborting on its peer's death).
-	if c.Fault.Kind == string(taskd.FaultOpError) {
-		failed := map[int]bool{}
-		for _, f := range c.Faults {
-			if f.Kind == string(taskd.FaultOpError) {
-				failed[f.Rank] = true
-			}
-		}
-		for _, f := range c.Faults {
-			if f.Kind == string(taskd.FaultProcessExit) && !failed[f.Rank] && f.Time.Sub(c.FaultTime).Abs() <= causeWindow {
-				c.Fault = f
-				break
-			}
-		}
-	}
 	b, err := json.Marshal(c)
 	if err == nil {
 		var f *os.File
@@ -329,7 +339,11 @@ func (in *incidents) closeLocked() {
 	if err != nil {
 		in.a.log.Error("agent: incident not written", "err", err)
 	}
-	fmt.Fprintf(in.a.cfg.Stderr, "faultline-run: incident %d: %s: %s\n", c.ID, c.Fault.Message, c.Outcome)
+	cause := ""
+	if c.Evidence != "" {
+		cause = " (the root cause: " + c.Evidence + ")"
+	}
+	fmt.Fprintf(in.a.cfg.Stderr, "faultline-run: incident %d: %s%s: %s\n", c.ID, c.Fault.Message, cause, c.Outcome)
 }
 
 // resumedFrom says where an incident's ranks resumed from.

@@ -191,7 +191,7 @@ func (j *jobCheckpoints) PersistNewest(ctx context.Context) (int64, error) {
 		m = j.local.mgr
 	}
 	if j.local != nil && j.nodes == 1 {
-		if err := j.local.ckpts.persistLocal(ctx); err != nil {
+		if _, err := j.local.ckpts.persistLocal(ctx); err != nil {
 			return -1, err
 		}
 		return j.local.ckpts.diskStep(), nil

@@ -29,7 +29,7 @@ const (
 	slotRunning                  // its process runs
 	slotPaused                   // stopped by the agent or a recovery (its stacks taken): waits for a resume
 	slotFailed                   // exited non-zero or killed by a signal: a fault
-	slotDone                     // exited 0: the rank finished
+	slotDone                     // exited 0: the rank finished; a restart of the job's ranks starts it again
 	slotStopped                  // stopped for good by recovery
 )
 
@@ -60,10 +60,12 @@ type slot struct {
 	lastStep int64 // the last step its ring says it completed, -1 before
 	resume   int64 // the step agreed at its last start, -1 none
 	worker   *taskd.Worker
-	drainMu  sync.Mutex             // the ring's reader, and the two maps below
+	ports    map[uint16]bool        // TCP ports its process held (see notePorts)
+	drainMu  sync.Mutex             // the ring's reader, and the maps below
 	opens    map[uint64]openRange   // ranges in flight, by ring id
 	timings  map[uint64]hang.Timing // collectives in flight, by ring id
 	ops      map[string]*hang.Op
+	noted    map[string]bool // communicators whose ports are noted
 	closed   bool
 }
 
@@ -80,7 +82,8 @@ type rankProc struct {
 
 func newSlot(a *Agent, local int) (*slot, error) {
 	rank := a.cfg.NodeRank*a.cfg.ProcsPerNode + local
-	s := &slot{a: a, local: local, rank: rank, lastStep: -1, resume: -1, opens: map[uint64]openRange{}, timings: map[uint64]hang.Timing{}, ops: map[string]*hang.Op{}}
+	s := &slot{a: a, local: local, rank: rank, lastStep: -1, resume: -1, opens: map[uint64]openRange{}, timings: map[uint64]hang.Timing{}, ops: map[string]*hang.Op{},
+		noted: map[string]bool{}, ports: map[uint16]bool{}}
 	s.ringPath = filepath.Join(a.cfg.ShmDir, fmt.Sprintf("faultline-%s-ring-%d", a.cfg.Job, rank))
 	var err error
 	if s.ring, err = CreateRing(s.ringPath, ringBytes); err != nil {
@@ -176,6 +179,9 @@ func (s *slot) command() []string {
 // start starts the slot's next process, resuming from step resume (-1:
 // none agreed): from its warm spare when it has one, else directly.
 func (s *slot) start(ctx context.Context, resume int64) error {
+	if sig := s.a.terminating(); sig != 0 {
+		return fmt.Errorf("agent: rank %d: not started: the job is being terminated by %s", s.rank, unix.SignalName(sig))
+	}
 	s.mu.Lock()
 	if s.closed || s.state == slotStopped {
 		s.mu.Unlock()
@@ -196,6 +202,7 @@ func (s *slot) start(ctx context.Context, resume int64) error {
 		}
 		s.proc, s.state, s.resume = p, slotRunning, resume
 		s.starts = restart + 1
+		clear(s.ports)
 		s.mu.Unlock()
 	}
 	var p *rankProc
@@ -234,6 +241,7 @@ func (s *slot) forget() {
 		delete(s.timings, id)
 	}
 	clear(s.opens)
+	clear(s.noted)
 }
 
 // launch starts cmd as a rank's process (or spare): in a process group
@@ -249,6 +257,12 @@ func (s *slot) launch(cmd *exec.Cmd, own func(*rankProc)) (*rankProc, error) {
 	p := &rankProc{cmd: cmd, pid: cmd.Process.Pid, started: time.Now(), done: make(chan struct{})}
 	own(p)
 	go func() {
+		// Whatever the process started ends with it, however it ended (a
+		// data loader worker, a subprocess left running): its group is
+		// killed between its exit and its reaping, while its pid, the
+		// group's id, cannot be taken by another process.
+		waitExited(p.pid)
+		_ = killGroup(p.pid)
 		_ = cmd.Wait()
 		p.state = cmd.ProcessState
 		close(p.done)
@@ -257,14 +271,43 @@ func (s *slot) launch(cmd *exec.Cmd, own func(*rankProc)) (*rankProc, error) {
 	return p, nil
 }
 
+// exitedAlready reports whether p has exited: it is a zombie, or reaped
+// already by the goroutine that watches it (whose exited may not have
+// run yet).
+func exitedAlready(p *rankProc) bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+	}
+	for {
+		var info unix.Siginfo // Linux leaves it zero when no child is waitable
+		err := unix.Waitid(unix.P_PID, p.pid, &info, unix.WEXITED|unix.WNOHANG|unix.WNOWAIT, nil)
+		if !errors.Is(err, unix.EINTR) {
+			return errors.Is(err, unix.ECHILD) || err == nil && info.Signo != 0
+		}
+	}
+}
+
+// waitExited waits until the child pid has exited, without reaping it.
+func waitExited(pid int) {
+	var info unix.Siginfo
+	for {
+		if err := unix.Waitid(unix.P_PID, pid, &info, unix.WEXITED|unix.WNOWAIT, nil); !errors.Is(err, unix.EINTR) {
+			return
+		}
+	}
+}
+
 // exited takes in the exit of p: a rank's process or a spare.
 func (s *slot) exited(p *rankProc) {
+	terminating := s.a.terminating() != 0
 	s.mu.Lock()
 	if s.spare != nil && s.spare.p == p {
 		s.spare = nil // died unused
 	}
 	current := s.proc == p
-	expected := p.expected || s.closed
+	expected := p.expected || s.closed || terminating
 	if current && !expected {
 		if p.state.Success() {
 			s.state = slotDone
@@ -272,18 +315,18 @@ func (s *slot) exited(p *rankProc) {
 			s.state = slotFailed
 		}
 	}
-	w := s.worker
 	s.mu.Unlock()
 	if !current || expected {
 		return
 	}
 	code, sig := exitOf(p.state)
 	if code == 0 && sig == 0 {
+		// The rank stays in the job (its worker registered) until every
+		// rank of the node finished: a fault of another rank meanwhile
+		// restarts it with the others, as torchrun restarts its whole
+		// worker group, since the others cannot rebuild their process group
+		// without it.
 		s.a.log.Info("agent: rank finished", "rank", s.rank, "pid", p.pid)
-		if w != nil {
-			w.Finish()
-			w.Close() // leaves the job, finished
-		}
 		s.a.slotEnded()
 		return
 	}
@@ -347,9 +390,9 @@ func (s *slot) killProc(p *rankProc) {
 	if p == nil {
 		return
 	}
-	// One that died on its own before this (a zombie not reaped yet) keeps
-	// its exit: it is a fault of its own, not one the agent caused.
-	if !strings.HasPrefix(procState(p.pid), "Z") {
+	// One that died on its own before this keeps its exit: it is a fault
+	// of its own (the root cause, often), not one the agent caused.
+	if !exitedAlready(p) {
 		s.mu.Lock()
 		p.expected = true
 		s.mu.Unlock()
@@ -407,15 +450,14 @@ func (s *slot) stateIs(st slotState) bool {
 	return s.state == st
 }
 
-// ended reports whether the slot's rank is done or stopped.
-func (s *slot) ended() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.state == slotDone || s.state == slotStopped
-}
-
 // shutdown kills the slot's process and spare; Run ends.
 func (s *slot) shutdown() {
+	s.dropSpare()
+	s.kill()
+}
+
+// dropSpare kills the slot's spare, if it has one.
+func (s *slot) dropSpare() {
 	s.mu.Lock()
 	sp := s.spare
 	s.spare = nil
@@ -423,7 +465,6 @@ func (s *slot) shutdown() {
 	if sp != nil {
 		s.killProc(sp.p)
 	}
-	s.kill()
 }
 
 // close releases the slot's ring, recorder and watchdog.
@@ -455,8 +496,8 @@ func (s *slot) applySwitch(sw trace.Switch) {
 }
 
 // serveWorkers keeps a taskd worker registered for the slot's rank until
-// ctx ends or the rank is done, building a successor each time recovery
-// evicts one.
+// ctx ends or every rank of the node finished, building a successor each
+// time recovery evicts one.
 func (s *slot) serveWorkers(ctx context.Context) {
 	for ctx.Err() == nil {
 		w, err := taskd.NewWorker(taskd.WorkerConfig{Job: s.a.cfg.Job, Node: s.a.cfg.NodeRank, Rank: s.rank,
@@ -465,7 +506,8 @@ func (s *slot) serveWorkers(ctx context.Context) {
 			OnMessage: func(m taskd.Message) error {
 				switch m.Kind {
 				case kindPersist:
-					return s.a.ckpts.persistLocal(ctx)
+					_, err := s.a.ckpts.persistLocal(ctx)
+					return err
 				case kindStop:
 					go s.a.stopNode(string(m.Payload))
 				}
@@ -477,7 +519,7 @@ func (s *slot) serveWorkers(ctx context.Context) {
 			return
 		}
 		s.mu.Lock()
-		if s.state == slotDone || s.closed {
+		if s.closed || s.a.nodeFinished() {
 			s.mu.Unlock()
 			w.Close()
 			return

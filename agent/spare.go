@@ -25,7 +25,7 @@ type spareProc struct {
 // prepareSpare starts the slot's next spare unless it has one.
 func (s *slot) prepareSpare() {
 	c := &s.a.cfg
-	if c.NoPython || c.NoSpares {
+	if c.NoPython || c.NoSpares || s.a.terminating() != 0 {
 		return
 	}
 	s.mu.Lock()

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // storeBoot is what the store process runs (faultline.store).
@@ -81,6 +83,8 @@ func (a *Agent) awaitStore(ctx context.Context, ready <-chan struct{}, failed <-
 		return err
 	case <-t.C:
 		return fmt.Errorf("%w within 2 minutes", errNoStore)
+	case <-a.term:
+		return fmt.Errorf("%w by %s before the store served", ErrTerminated, unix.SignalName(a.terminating()))
 	case <-ctx.Done():
 		return ctx.Err()
 	}

@@ -40,6 +40,9 @@ func (t trainer) Pause(ctx context.Context) (int64, error) {
 
 // Resume starts the rank's process when it has none running: from its
 // warm spare, loading r.Step (-1: the newest step the job's ranks hold).
+// A rank that finished is started again by a recovery, as torchrun
+// restarts its whole worker group: its peers cannot rebuild their process
+// group without it.
 func (t trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 	s := t.s
 	s.mu.Lock()
@@ -48,8 +51,12 @@ func (t trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 	switch {
 	case state == slotRunning && r.Step < 0 && len(r.Restarted) == 0:
 		return nil
-	case state == slotDone || state == slotStopped:
+	case state == slotDone && r.Strategy == "":
+		return nil // no recovery: it stays finished
+	case state == slotStopped:
 		return fmt.Errorf("agent: rank %d is %s", s.rank, state)
+	case s.a.nodeFinished():
+		return fmt.Errorf("agent: rank %d: every rank of node %d finished and left the job", s.rank, s.a.cfg.NodeRank)
 	}
 	if why, spent := t.budgetSpent(); spent && state != slotIdle {
 		// A restart the manager asks for without asking for strategies
@@ -75,6 +82,33 @@ func (t trainer) Strategies(context.Context, taskd.FaultNotice) ([]taskd.Strateg
 	}
 	t.s.a.stop(why)
 	return []taskd.Strategy{taskd.StrategyDump, taskd.StrategyExit}, nil
+}
+
+// refuseIncompleteRestart, on node 0 while its manager recovers the job
+// from fault, stops the job when ranks of another node finished and left
+// it: their agents are gone, so a restart would leave the others waiting
+// for them for ever.
+func (a *Agent) refuseIncompleteRestart(fault string) {
+	if a.mgr == nil {
+		return
+	}
+	if ranks := leftFinished(a.mgr.JobStatus()); len(ranks) > 0 {
+		if f := a.incident.last(); f != "" {
+			fault = f // this node's headline, said better than the manager's
+		}
+		a.stopJob(fmt.Sprintf("%s; ranks %v had finished and left the job, and a process group cannot be rebuilt without them: the job is not restarted", fault, ranks))
+	}
+}
+
+// leftFinished returns the ranks that left the job after their last step.
+func leftFinished(js taskd.JobStatus) []int {
+	var ranks []int
+	for _, d := range js.Departed {
+		if d.Finished {
+			ranks = append(ranks, d.Position.Rank)
+		}
+	}
+	return ranks
 }
 
 // budgetSpent says whether the rank has been restarted as often as

@@ -533,6 +533,16 @@ func (o *Owner) Flush(ctx context.Context) error {
 	}
 }
 
+// PersistStep is Persist of a given step of shard, from the half that
+// holds it: what a node agent calls to persist the newest step that every
+// rank of the node holds, when each rank has an owner of its own.
+func (o *Owner) PersistStep(ctx context.Context, shard int, step int64) (layout.ShardManifest, error) {
+	if step < 0 {
+		return layout.ShardManifest{}, fmt.Errorf("ckpt: persist shard %d: step %d is negative", shard, step)
+	}
+	return o.persist(ctx, shard, step)
+}
+
 func (o *Owner) persist(ctx context.Context, shard int, step int64) (layout.ShardManifest, error) {
 	return o.persistHalf(ctx, shard, func(m layout.StepMeta) bool { return step < 0 || m.Step == step }, stepDesc(step))
 }

@@ -10,6 +10,10 @@
 //	faultline-run --nnodes 2 --node-rank 0 --master-addr HOST --master-port 29500 \
 //	    --nproc-per-node 8 train.py [args...]
 //
+// Node 0 serves the ranks' store at --master-port and the job's manager
+// at the next port, both on every interface, as torchrun's store; with
+// several nodes, a --master-addr that resolves to loopback is refused.
+//
 // The flags torchrun users know keep their meaning: --standalone,
 // --nnodes N, --nproc-per-node (also --nproc_per_node; auto and cpu count
 // the processors), --node-rank, --master-addr, --master-port,
@@ -26,17 +30,31 @@
 //	--python PATH             the interpreter (default python3)
 //	--collective-timeout D    a collective running longer is a hang (default: learned from the job's own)
 //	--out DIR                 where diagnoses go (default faultline-out): incidents.jsonl, slownode.json,
-//	                          incident-N/ with the stacks, flame graphs and verdict of a hang
+//	                          incident-N/ with the stacks, flame graphs and verdict of a hang; a new job
+//	                          moves an earlier job's there to previous/<its id>/, one started again with
+//	                          its --rdzv-id goes on in them
 //	--manager ADDR[,ADDR...]  the job's taskd manager when it runs apart (taskd-manager --agents), or its
 //	                          managers, the one leading followed (default: node 0's faultline-run, on
 //	                          --master-addr at --master-port + 1)
 //	--token-file F            the control plane's shared token (default $TASKD_TOKEN); a job of one node
 //	                          makes its own, a job of several needs one, or --insecure
 //	--no-spares               start each rank afresh instead of from a warm interpreter
+//	--heartbeat-deadline D    silence of a rank's worker after which node 0's manager declares it lost and
+//	                          recovers the job (default 10s; heartbeats every sixth of it)
+//	--grace-period D          after SIGTERM or SIGINT, the time to end in (default 30s; keep it under a
+//	                          pod's terminationGracePeriodSeconds)
+//
+// SIGTERM, SIGINT, SIGHUP and SIGQUIT end the job as torchrun's agent
+// ends it (torch 1.13: it sends the same signal to each rank, waits 30s,
+// SIGKILLs those left and exits 1 with a SignalException): the signal is
+// sent to each rank's process group, so that the ranks' own handlers run;
+// ranks still running after three quarters of --grace-period are killed,
+// and the newest step every rank of the node holds in memory is persisted
+// to disk within the rest. A second signal kills the ranks at once.
 //
 // Exit status: 0 when every rank finished, 1 when the job was stopped
-// (its restart budget spent, or a fault no restart repairs), 2 for bad
-// usage.
+// (its restart budget spent, or a fault no restart repairs) or ended by
+// a signal (as torchrun), 2 for bad usage.
 package main
 
 import (
@@ -48,13 +66,17 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"os/signal"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/faultline-ml/faultline/agent"
 	"github.com/faultline-ml/faultline/taskd"
@@ -73,15 +95,18 @@ func main() {
 		fmt.Fprintln(os.Stderr, "faultline-run:", err)
 		os.Exit(exitUsage)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, cfg); err != nil {
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT)
+	if err := run(context.Background(), cfg, sigs); err != nil {
 		fmt.Fprintln(os.Stderr, "faultline-run:", err)
 		os.Exit(exitStopped)
 	}
 }
 
-func run(ctx context.Context, cfg agent.Config) error {
+// run runs the node's agent until the job ends. The first of sigs
+// terminates the job within the grace period; a second kills its ranks
+// at once.
+func run(ctx context.Context, cfg agent.Config, sigs <-chan os.Signal) error {
 	if !cfg.NoPython {
 		dir, err := pythonPath()
 		if err != nil {
@@ -94,6 +119,24 @@ func run(ctx context.Context, cfg agent.Config) error {
 		return err
 	}
 	defer a.Close()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		select {
+		case sig := <-sigs:
+			a.Terminate(sig.(syscall.Signal))
+		case <-done:
+			return
+		}
+		select {
+		case sig := <-sigs:
+			fmt.Fprintf(os.Stderr, "faultline-run: %s again: killing the ranks now\n", unix.SignalName(sig.(syscall.Signal)))
+			cancel()
+		case <-done:
+		}
+	}()
 	return a.Run(ctx)
 }
 
@@ -122,6 +165,8 @@ func parse(args []string) (agent.Config, error) {
 		tokenFile   = fs.String("token-file", "", "file holding the control plane's token (default $TASKD_TOKEN)")
 		insecure    = fs.Bool("insecure", false, "allow a multi-node control plane in plaintext without a token")
 		noSpares    = fs.Bool("no-spares", false, "start each rank afresh, not from a warm interpreter")
+		heartbeat   = fs.Duration("heartbeat-deadline", 10*time.Second, "silence of a rank's worker after which node 0's manager declares it lost (heartbeats every sixth of it)")
+		grace       = fs.Duration("grace-period", 30*time.Second, "after SIGTERM or SIGINT, the time to end in: the ranks have three quarters of it to exit, the persist of the newest step in memory the rest")
 		verbose     = fs.Bool("v", false, "log the agent's and the control plane's work")
 	)
 	// torchrun's underscore spellings.
@@ -140,13 +185,19 @@ func parse(args []string) (agent.Config, error) {
 	}
 	cfg := agent.Config{Command: cmd, NodeRank: *nodeRank, MasterAddr: *masterAddr, MasterPort: *masterPort,
 		MaxRestarts: *maxRestarts, NoPython: *noPython, Module: *module, Python: *pythonExe, CollectiveTimeout: *collTimeout,
-		Out: *out, Manager: *manager, NoSpares: *noSpares}
+		Out: *out, Manager: *manager, NoSpares: *noSpares, GracePeriod: *grace, HeartbeatDeadline: *heartbeat}
 	var err error
 	if cfg.Nodes, err = parseNodes(*nnodes); err != nil {
 		return cfg, err
 	}
 	if cfg.ProcsPerNode, err = parseNproc(*nproc); err != nil {
 		return cfg, err
+	}
+	if *heartbeat <= 0 {
+		return cfg, fmt.Errorf("%w: --heartbeat-deadline %v: give a positive duration", errUsage, *heartbeat)
+	}
+	if *grace <= 0 {
+		return cfg, fmt.Errorf("%w: --grace-period %v: give a positive duration", errUsage, *grace)
 	}
 	if *monitor <= 0 {
 		return cfg, fmt.Errorf("%w: --monitor-interval %v: give a positive number of seconds", errUsage, *monitor)
@@ -167,6 +218,9 @@ func parse(args []string) (agent.Config, error) {
 	}
 	if err := trace.ValidateJob(cfg.Job); err != nil {
 		return cfg, fmt.Errorf("%w: --rdzv-id %q: %v", errUsage, cfg.Job, err)
+	}
+	if err := checkMaster(cfg.MasterAddr, cfg.Nodes); err != nil {
+		return cfg, err
 	}
 	if cfg.Security, err = security(*tokenFile, *insecure, cfg.Nodes, cfg.Manager); err != nil {
 		return cfg, err
@@ -200,6 +254,27 @@ func parseNodes(s string) (int, error) {
 		}
 	}
 	return n, nil
+}
+
+// checkMaster refuses, for a job of several nodes, a master address that
+// resolves to loopback only: the other nodes cannot reach node 0's store
+// and manager there. One that does not resolve (yet: a Kubernetes
+// service) passes.
+func checkMaster(addr string, nodes int) error {
+	if nodes < 2 {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	ips, err := net.DefaultResolver.LookupNetIP(ctx, "ip", addr)
+	if err != nil || len(ips) == 0 || slices.ContainsFunc(ips, func(ip netip.Addr) bool { return !ip.IsLoopback() }) {
+		return nil
+	}
+	for i, ip := range ips {
+		ips[i] = ip.Unmap()
+	}
+	return fmt.Errorf("%w: --master-addr %q resolves to %v, a loopback address, where the job's other nodes cannot reach node 0: give an address of node 0 that they can reach (its IP, or a name their DNS maps to it; Debian's /etc/hosts maps the host's own name to 127.0.1.1)",
+		errUsage, addr, ips)
 }
 
 // parseNproc reads --nproc-per-node: a number, or auto and cpu (the

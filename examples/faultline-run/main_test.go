@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -228,10 +229,18 @@ func reference(t *testing.T, args ...string) string {
 	}
 	dir := t.TempDir()
 	w := filepath.Join(dir, "weights")
-	j := start(t, filepath.Join(dir, "out"), []string{"--standalone", "--nproc-per-node", "4", "--no-spares"},
+	id := "reference-" + randomHex(3)
+	j := start(t, filepath.Join(dir, "out"), []string{"--standalone", "--nproc-per-node", "4", "--no-spares", "--rdzv-id", id},
 		append([]string{"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--weights", w}, args...)...)
 	if err := j.wait(3 * time.Minute); err != nil {
 		t.Fatalf("the run without faults: %v\nstderr:\n%s", err, j.errText())
+	}
+	// A job that finished gives its memory back.
+	if shm, _ := filepath.Glob("/dev/shm/faultline-" + id + "*"); len(shm) > 0 {
+		for _, f := range shm {
+			os.Remove(f)
+		}
+		t.Fatalf("the finished job left %v in /dev/shm", shm)
 	}
 	h := readHash(t, w)
 	if h == "" {
@@ -380,10 +389,11 @@ func TestTwoNodes(t *testing.T) {
 	}
 	t.Setenv("TASKD_TOKEN", randomHex(16))
 	id := "two-nodes-" + randomHex(3)
+	host := hostAddr(t)
 	var jobs []*job
 	for node := range 2 {
 		jobs = append(jobs, start(t, filepath.Join(dir, fmt.Sprintf("out-%d", node)),
-			[]string{"--nnodes", "2", "--node-rank", strconv.Itoa(node), "--nproc-per-node", "2", "--master-port", strconv.Itoa(port),
+			[]string{"--nnodes", "2", "--node-rank", strconv.Itoa(node), "--nproc-per-node", "2", "--master-addr", host, "--master-port", strconv.Itoa(port),
 				"--rdzv-id", id, "--max-restarts", "2"},
 			"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--kill-rank", "3", "--kill-step", "12", "--weights", w))
 	}
@@ -404,6 +414,23 @@ func TestTwoNodes(t *testing.T) {
 	}
 }
 
+// hostAddr returns an IPv4 address of this host that is not loopback, for
+// a job of several nodes on this one; the test is skipped without one.
+func hostAddr(t *testing.T) string {
+	t.Helper()
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Skip(err)
+	}
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && !n.IP.IsLoopback() && n.IP.To4() != nil {
+			return n.IP.String()
+		}
+	}
+	t.Skip("a job of several nodes needs an address of this host but loopback, and it has none")
+	return ""
+}
+
 // TestLauncherKilled: a launcher SIGKILLed takes its ranks with it, and
 // a new launcher resumes the job from the disk tier.
 func TestLauncherKilled(t *testing.T) {
@@ -411,7 +438,15 @@ func TestLauncherKilled(t *testing.T) {
 	ref := reference(t)
 	dir := t.TempDir()
 	w, ckpt := filepath.Join(dir, "weights"), filepath.Join(dir, "ckpt")
-	j := start(t, filepath.Join(dir, "out-1"), []string{"--standalone", "--nproc-per-node", "4"},
+	// The launcher SIGKILLed leaves its segments and rings behind.
+	id := "killed-" + randomHex(3)
+	t.Cleanup(func() {
+		shm, _ := filepath.Glob("/dev/shm/faultline-" + id + "-*")
+		for _, f := range shm {
+			os.Remove(f)
+		}
+	})
+	j := start(t, filepath.Join(dir, "out-1"), []string{"--standalone", "--nproc-per-node", "4", "--rdzv-id", id},
 		"--steps", steps, "--step-ms", "100", "--ckpt", ckpt, "--weights", w)
 	j.waitLine("step 13 loss", 2*time.Minute)
 	j.cmd.Process.Kill()
@@ -496,8 +531,12 @@ func TestUsage(t *testing.T) {
 		{[]string{"--nnodes", "0", "x.py"}, "--nnodes"},
 		{[]string{"--nproc-per-node", "zero", "x.py"}, "--nproc-per-node"},
 		{[]string{"--nnodes", "2", "x.py"}, "--rdzv-id"},
-		{[]string{"--nnodes", "2", "--rdzv-id", "j", "x.py"}, "TASKD_TOKEN"},
+		{[]string{"--nnodes", "2", "--rdzv-id", "j", "--master-addr", "192.0.2.1", "x.py"}, "TASKD_TOKEN"},
+		{[]string{"--nnodes", "2", "--rdzv-id", "j", "x.py"}, `--master-addr "127.0.0.1" resolves to [127.0.0.1], a loopback address`},
+		{[]string{"--nnodes", "2", "--rdzv-id", "j", "--master-addr", "localhost", "x.py"}, "a loopback address, where the job's other nodes cannot reach node 0"},
 		{[]string{"--monitor-interval", "0", "x.py"}, "--monitor-interval"},
+		{[]string{"--heartbeat-deadline", "0s", "x.py"}, "--heartbeat-deadline"},
+		{[]string{"--grace-period", "-1s", "x.py"}, "--grace-period"},
 		{[]string{"--rdzv-id", "../x", "x.py"}, "--rdzv-id"},
 	} {
 		t.Setenv("MINDX_TASK_ID", "")
@@ -507,8 +546,10 @@ func TestUsage(t *testing.T) {
 			t.Errorf("parse(%q) = %v, want an error with %q", tc.args, err, tc.want)
 		}
 	}
-	cfg, err := parse([]string{"--nproc_per_node=3", "--max_restarts", "2", "--rdzv-id", "job-9", "train.py", "--lr", "1"})
-	if err != nil || cfg.ProcsPerNode != 3 || cfg.MaxRestarts != 2 || cfg.Job != "job-9" || strings.Join(cfg.Command, " ") != "train.py --lr 1" {
+	cfg, err := parse([]string{"--nproc_per_node=3", "--max_restarts", "2", "--rdzv-id", "job-9", "--heartbeat-deadline", "12s", "--grace-period", "20s",
+		"train.py", "--lr", "1"})
+	if err != nil || cfg.ProcsPerNode != 3 || cfg.MaxRestarts != 2 || cfg.Job != "job-9" || strings.Join(cfg.Command, " ") != "train.py --lr 1" ||
+		cfg.HeartbeatDeadline != 12*time.Second || cfg.GracePeriod != 20*time.Second {
 		t.Fatalf("parse = %+v, %v", cfg, err)
 	}
 }

@@ -86,10 +86,11 @@ func TestManagersApart(t *testing.T) {
 		}
 	}
 	w := filepath.Join(dir, "weights")
+	host := hostAddr(t)
 	var jobs []*job
 	for node := range 2 {
 		jobs = append(jobs, start(t, filepath.Join(dir, fmt.Sprintf("out-%d", node)),
-			[]string{"--nnodes", "2", "--node-rank", fmt.Sprint(node), "--nproc-per-node", "2", "--master-port", fmt.Sprint(port),
+			[]string{"--nnodes", "2", "--node-rank", fmt.Sprint(node), "--nproc-per-node", "2", "--master-addr", host, "--master-port", fmt.Sprint(port),
 				"--rdzv-id", id, "--max-restarts", "2", "--manager", strings.Join(addrs, ",")},
 			"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--kill-rank", "3", "--kill-step", "12", "--weights", w))
 	}

@@ -1,0 +1,138 @@
+package agent
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func TestBlame(t *testing.T) {
+	t0 := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	rank := func(r int) *int { return &r }
+	exit := func(r, code, ms int) IncidentFault {
+		return IncidentFault{Kind: "process_exit", Rank: r, Code: code, Message: "exit", Time: at(ms)}
+	}
+	opErr := func(r, ms int) IncidentFault {
+		return IncidentFault{Kind: "op_error", Rank: r, Message: "op error", Time: at(ms)}
+	}
+	naming := func(r, ms int, peer string, held *int) IncidentFault {
+		f := opErr(r, ms)
+		f.Peer, f.PeerRank = peer, held
+		return f
+	}
+	hung := IncidentFault{Kind: "hang", Rank: 2, Message: "hang", Time: at(0)}
+	for _, tc := range []struct {
+		name     string
+		faults   []IncidentFault
+		want     IncidentFault
+		evidence string
+	}{
+		{"one exit", []IncidentFault{exit(1, 7, 0)}, exit(1, 7, 0), "the first fault seen"},
+		// The report's case: the peer's exit seen 300 ms after the error.
+		{"an exit beats the earlier collective error of a peer", []IncidentFault{opErr(0, 0), exit(1, 7, 300)}, exit(1, 7, 300),
+			"rank 1 ended without a failed collective of its own; the collective errors of ranks [0] follow from its end"},
+		{"an exit long after still beats it", []IncidentFault{opErr(0, 0), opErr(2, 5), exit(1, 7, 5000)}, exit(1, 7, 5000),
+			"rank 1 ended without a failed collective of its own; the collective errors of ranks [0 2] follow from its end"},
+		{"the exit of a rank whose collective failed follows from it", []IncidentFault{opErr(0, 0), exit(0, 1, 50)}, opErr(0, 0),
+			"the first of 2 faults seen; none names another rank"},
+		{"a killed rank beats the collective errors", []IncidentFault{opErr(0, 0), exit(1, 137, 20)}, exit(1, 137, 20),
+			"rank 1 ended without a failed collective of its own; the collective errors of ranks [0] follow from its end"},
+		{"the error names the rank, which exited too", []IncidentFault{naming(0, 0, "127.0.0.1:14772", rank(1)), exit(0, 1, 10), exit(1, 7, 300)}, exit(1, 7, 300),
+			"rank 0's collective error names 127.0.0.1:14772, a socket of rank 1"},
+		{"the error names the rank, which the agent stopped",
+			[]IncidentFault{naming(0, 0, "127.0.0.1:14772", rank(1))},
+			IncidentFault{Kind: "peer", Rank: 1, Message: "rank 1: rank 0's collective failed on its connection to it", Time: at(0)},
+			"rank 0's collective error names 127.0.0.1:14772, a socket of rank 1"},
+		{"the address outweighs an exit elsewhere", []IncidentFault{exit(3, 2, 0), naming(0, 10, "127.0.0.1:1", rank(1)), opErr(1, 20)}, opErr(1, 20),
+			"rank 0's collective error names 127.0.0.1:1, a socket of rank 1"},
+		{"errors naming peers are followed to the last", []IncidentFault{naming(0, 0, "127.0.0.1:1", rank(1)), naming(1, 5, "127.0.0.1:2", rank(2)), exit(2, 9, 9)}, exit(2, 9, 9),
+			"rank 0's collective error names 127.0.0.1:1, a socket of rank 1, whose own names 127.0.0.1:2, a socket of rank 2"},
+		{"a cycle of errors ends", []IncidentFault{naming(0, 0, "127.0.0.1:1", rank(1)), naming(1, 5, "127.0.0.1:2", rank(0))}, naming(0, 0, "127.0.0.1:1", rank(1)),
+			"rank 0's collective error names 127.0.0.1:1, a socket of rank 1, whose own names 127.0.0.1:2, a socket of rank 0"},
+		{"an address of another node", []IncidentFault{naming(0, 0, "10.0.0.9:4000", nil)}, naming(0, 0, "10.0.0.9:4000", nil),
+			"the first fault seen; rank 0's error names 10.0.0.9:4000, which no rank of this node held: the cause may be on another node"},
+		{"a hang is left to the stacks", []IncidentFault{hung, exit(1, 7, 10)}, hung,
+			"a collective ran past its timeout: the merged stacks name the rank (see verdict)"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, evidence := blame(tc.faults)
+			if d := cmp.Diff(tc.want, got); d != "" {
+				t.Errorf("fault (-want +got):\n%s", d)
+			}
+			if evidence != tc.evidence {
+				t.Errorf("evidence %q, want %q", evidence, tc.evidence)
+			}
+		})
+	}
+}
+
+func TestPeerAddr(t *testing.T) {
+	for _, tc := range []struct {
+		msg  string
+		want string
+	}{
+		{"RuntimeError: [./gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:14772", "127.0.0.1:14772"},
+		{"RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:575] Read error [10.1.2.3]:58112: Connection reset by peer", "10.1.2.3:58112"},
+		{"Connection closed by peer [::1]:4000", "[::1]:4000"},
+		{"Connection closed by peer [::ffff:10.0.0.1]:4000", "10.0.0.1:4000"},
+		{"[pair.cc:598] no address here", ""},
+		{"[1.2.3.4]:99999", ""},
+	} {
+		got, ok := peerAddr(tc.msg)
+		if s := got.String(); ok != (tc.want != "") || ok && s != tc.want {
+			t.Errorf("peerAddr(%q) = %v, %v; want %q", tc.msg, got, ok, tc.want)
+		}
+	}
+}
+
+func TestPeerPorts(t *testing.T) {
+	// gloo printed rank 1's port 46137 (0xb439) as 14772 (0x39b4).
+	if got := peerPorts(14772); !cmp.Equal(got, []uint16{14772, 46137}) {
+		t.Errorf("peerPorts(14772) = %v", got)
+	}
+	if got := peerPorts(0x1111); !cmp.Equal(got, []uint16{0x1111}) {
+		t.Errorf("peerPorts(0x1111) = %v", got)
+	}
+}
+
+// procTCP is /proc/<pid>/net/tcp as Linux writes it.
+const procTCP = `  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:DA7B 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5505 1 0000000000000000 100 0 0 10 0
+   1: 0100007F:B439 0100007F:BE38 01 00000000:00000000 00:00000000 00000000     0        0 5523 1 0000000000000000 20 4 30 10 -1
+   2: 0100007F:C350 0100007F:DA7B 01 00000000:00000000 00:00000000 00000000     0        0 9999 1 0000000000000000 20 4 30 10 -1
+   3: garbage
+`
+
+func TestSocketPorts(t *testing.T) {
+	got := socketPorts([]byte(procTCP), map[string]bool{"5505": true, "5523": true})
+	if !cmp.Equal(got, []uint16{0xDA7B, 0xB439}) {
+		t.Errorf("socketPorts = %v", got)
+	}
+}
+
+func FuzzPeerAddr(f *testing.F) {
+	f.Add("Connection closed by peer [127.0.0.1]:14772")
+	f.Add("[::1]:1 [x]:2")
+	f.Fuzz(func(t *testing.T, msg string) {
+		addr, ok := peerAddr(msg)
+		if ok && !strings.Contains(msg, ":") {
+			t.Fatalf("peerAddr(%q) = %v from a message without a port", msg, addr)
+		}
+		if ok && addr != netip.AddrPortFrom(addr.Addr().Unmap(), addr.Port()) {
+			t.Fatalf("peerAddr(%q) = %v, not unmapped", msg, addr)
+		}
+	})
+}
+
+func FuzzSocketPorts(f *testing.F) {
+	f.Add([]byte(procTCP), "5505")
+	f.Fuzz(func(t *testing.T, table []byte, inode string) {
+		if got := socketPorts(table, map[string]bool{inode: true}); len(got) > strings.Count(string(table), "\n")+1 {
+			t.Fatalf("%d ports from %d lines", len(got), strings.Count(string(table), "\n")+1)
+		}
+	})
+}
