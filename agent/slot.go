@@ -271,14 +271,20 @@ func (s *slot) launch(cmd *exec.Cmd, own func(*rankProc)) (*rankProc, error) {
 	return p, nil
 }
 
-// exitedAlready reports whether p has exited: it is a zombie, or reaped
-// already by the goroutine that watches it (whose exited may not have
-// run yet).
+// exitedAlready reports whether p has exited or is exiting on its own: it
+// is a zombie, or reaped already by the goroutine that watches it (whose
+// exited may not have run yet), or the kernel is taking it down (its
+// sockets closed, so that its peers' collectives fail before it can be
+// waited for: a process of many threads is waitable only once all are
+// gone).
 func exitedAlready(p *rankProc) bool {
 	select {
 	case <-p.done:
 		return true
 	default:
+	}
+	if exiting(p.pid) {
+		return true
 	}
 	for {
 		var info unix.Siginfo // Linux leaves it zero when no child is waitable
@@ -287,6 +293,29 @@ func exitedAlready(p *rankProc) bool {
 			return errors.Is(err, unix.ECHILD) || err == nil && info.Signo != 0
 		}
 	}
+}
+
+// exiting reports whether pid is a zombie or on its way out (PF_EXITING
+// in the flags of /proc/<pid>/stat).
+func exiting(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return false
+	}
+	f := strings.Fields(string(b[i+1:])) // state, ppid, pgrp, session, tty_nr, tpgid, flags, ...
+	if len(f) < 7 {
+		return false
+	}
+	if f[0] == "Z" || f[0] == "X" {
+		return true
+	}
+	flags, err := strconv.ParseUint(f[6], 10, 64)
+	const pfExiting = 0x4
+	return err == nil && flags&pfExiting != 0
 }
 
 // waitExited waits until the child pid has exited, without reaping it.

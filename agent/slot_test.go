@@ -9,6 +9,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // alive reports whether pid runs (a zombie does not).
@@ -81,6 +83,20 @@ func TestExitedAlready(t *testing.T) {
 	dead.Wait()
 	if !exitedAlready(p) {
 		t.Error("a process reaped is taken for a live one")
+	}
+	// A process of threads whose leader is gone and the others not yet:
+	// the shape of one the kernel is taking down, which no wait reports
+	// until its last thread is gone.
+	leaderless := exec.Command("/usr/bin/python3", "-c",
+		"import ctypes, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); ctypes.CDLL(None).pthread_exit(None)")
+	if err := leaderless.Start(); err == nil {
+		defer leaderless.Wait()
+		defer leaderless.Process.Kill()
+		pid := leaderless.Process.Pid
+		testkit.WaitFor(t, "the leader thread gone", func() bool { return strings.HasPrefix(procState(pid), "Z") })
+		if !exitedAlready(&rankProc{pid: pid, done: make(chan struct{})}) {
+			t.Error("a process whose leader thread is gone is taken for a live one")
+		}
 	}
 	live := exec.Command("sleep", "60")
 	if err := live.Start(); err != nil {

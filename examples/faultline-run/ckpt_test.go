@@ -121,12 +121,13 @@ func TestDiskStepsAsked(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	host := hostAddr(t)
 	t.Setenv("TASKD_TOKEN", randomHex(16))
 	id := "flrun-asked-" + randomHex(3)
 	var jobs []*job
 	for node := range 2 {
 		jobs = append(jobs, startScript(t, filepath.Join(dir, fmt.Sprintf("out-%d", node)),
-			[]string{"--nnodes", "2", "--node-rank", strconv.Itoa(node), "--nproc-per-node", "1", "--master-port", strconv.Itoa(port), "--rdzv-id", id},
+			[]string{"--nnodes", "2", "--node-rank", strconv.Itoa(node), "--nproc-per-node", "1", "--master-addr", host, "--master-port", strconv.Itoa(port), "--rdzv-id", id},
 			"testdata/disk_saves.py", ckptDir, "16", "40", "5"))
 	}
 	for node, j := range jobs {
