@@ -277,6 +277,30 @@ func (c *checkpoints) localSteps() []int64 {
 	return slices.Compact(common)
 }
 
+// holdings returns what the node holds to resume from: each local rank's
+// steps intact in memory, newest first, and the steps committed on disk.
+func (c *checkpoints) holdings() (map[int][]int64, []int64) {
+	memory := map[int][]int64{}
+	for i, h := range c.held() {
+		steps := []int64{}
+		for _, hs := range h {
+			steps = append(steps, hs.Step)
+		}
+		memory[c.a.slots[i].rank] = steps
+	}
+	c.mu.Lock()
+	dir := c.dir
+	c.mu.Unlock()
+	var disk []int64
+	if dir != "" {
+		var err error
+		if disk, err = ckpt.CommittedSteps(dir); err != nil {
+			c.a.log.Warn("agent: the disk tier's steps are unknown", "dir", dir, "err", err)
+		}
+	}
+	return memory, disk
+}
+
 // stateBytes is the shared memory the node's segments take.
 func (c *checkpoints) stateBytes() int64 {
 	var n int64
@@ -595,8 +619,14 @@ func (c *checkpoints) startStep(gen int) int64 {
 	c.mu.Unlock()
 	st := c.diskStep()
 	if c.a.cfg.Nodes == 1 {
-		if steps := c.localSteps(); len(steps) > 0 {
-			st = max(st, steps[0])
+		memory, disk := c.holdings()
+		h := holdings{memory: memory, disk: map[int][]int64{c.a.cfg.NodeRank: disk}, nodeOf: func(int) int { return c.a.cfg.NodeRank }}
+		ranks := make([]int, len(c.a.slots))
+		for i, s := range c.a.slots {
+			ranks[i] = s.rank
+		}
+		if plan, _ := h.choose(ranks); plan.step >= 0 {
+			st = plan.step
 		}
 	}
 	c.mu.Lock()

@@ -168,7 +168,7 @@ func TestResumeFromDiskSaysWhy(t *testing.T) {
 	j := newJobCheckpoints(2, nil, log)
 	j.deadline = 50 * time.Millisecond
 	h := j.handler()
-	b, _ := json.Marshal(heldReport{Node: 0, Restart: 1, Steps: []int64{9, 8}, Disk: 5})
+	b, _ := json.Marshal(heldReport{Node: 0, Restart: 1, Ranks: map[int][]int64{0: {9, 8}}, Disk: []int64{5}})
 	if err := h.Handle(context.Background(), nil, taskd.Event{Kind: taskd.EventMessage, Position: taskd.Position{Node: 0},
 		Message: taskd.Message{Kind: kindHeld, Payload: b}}); err != nil {
 		t.Fatal(err)

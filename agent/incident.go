@@ -5,8 +5,10 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -46,8 +48,9 @@ type Incident struct {
 	FirstStep   time.Time `json:"first_step,omitzero"`
 	CaughtUp    time.Time `json:"caught_up,omitzero"`
 	ResumedStep int64     `json:"resumed_step"`
-	// Tier is where the ranks loaded ResumedStep from: memory, disk or
-	// none.
+	// Tier is where the node's ranks loaded ResumedStep from: memory,
+	// disk or none, or several joined by "+" ("disk+memory": a rank whose
+	// double buffer had moved past the step loaded it from disk).
 	Tier string `json:"tier,omitempty"`
 	// RecoverySeconds is CaughtUp - FaultTime: how long the fault cost.
 	RecoverySeconds float64 `json:"recovery_seconds,omitempty"`
@@ -101,8 +104,8 @@ type incidents struct {
 	maxStep  int64 // highest step completed by any local rank
 	isPaused map[int]bool
 	started  map[int]bool
-	isLoaded map[int]bool
-	stepped  map[int]int64 // after the restart: each rank's last step
+	isLoaded map[int]string // by rank: the tier it loaded from
+	stepped  map[int]int64  // after the restart: each rank's last step
 	hangSeen bool
 	reported bool   // a fault of the open incident went to the manager
 	verdict  string // the slow-node verdict written last
@@ -139,7 +142,7 @@ func (in *incidents) newLocked(now time.Time) *Incident {
 	in.n++
 	in.cur = &Incident{ID: in.n, StepAtFault: in.maxStep, FaultTime: now, Detected: now, ResumedStep: -1,
 		Dir: filepath.Join(in.a.cfg.Out, fmt.Sprintf("incident-%d", in.n))}
-	in.isPaused, in.started, in.isLoaded, in.stepped, in.hangSeen, in.reported = map[int]bool{}, map[int]bool{}, map[int]bool{}, map[int]int64{}, false, false
+	in.isPaused, in.started, in.isLoaded, in.stepped, in.hangSeen, in.reported = map[int]bool{}, map[int]bool{}, map[int]string{}, map[int]int64{}, false, false
 	return in.cur
 }
 
@@ -240,9 +243,13 @@ func (in *incidents) loaded(rank int, step int64, tier string) {
 	if in.cur == nil || in.cur.Restarted.IsZero() && !in.started[rank] {
 		return
 	}
-	in.isLoaded[rank] = true
-	in.cur.ResumedStep, in.cur.Tier = step, tier
-	if in.cur.Loaded.IsZero() && in.allLocked(func(s *slot) bool { return in.isLoaded[s.rank] }) {
+	in.isLoaded[rank] = tier
+	tiers := map[string]bool{}
+	for _, t := range in.isLoaded {
+		tiers[t] = true
+	}
+	in.cur.ResumedStep, in.cur.Tier = step, strings.Join(slices.Sorted(maps.Keys(tiers)), "+")
+	if in.cur.Loaded.IsZero() && in.allLocked(func(s *slot) bool { return in.isLoaded[s.rank] != "" }) {
 		in.cur.Loaded = time.Now()
 	}
 }

@@ -4,9 +4,9 @@ import (
 	"cmp"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -16,15 +16,15 @@ import (
 )
 
 // heldReport is what a node's agent tells the manager once its ranks are
-// all stopped for a recovery: the steps every one of them holds intact in
-// memory, the newest step committed on disk, and the restart its ranks are
-// waiting for (the count of restarts so far), so that a report from an
+// all stopped for a recovery: the steps each of its ranks holds intact in
+// memory, the steps committed on its disk tier, and the restart its ranks
+// are waiting for (the count of restarts so far), so that a report from an
 // earlier recovery is never taken for this one.
 type heldReport struct {
-	Node    int     `json:"node"`
-	Restart int     `json:"restart"`
-	Steps   []int64 `json:"steps"`
-	Disk    int64   `json:"disk"`
+	Node    int             `json:"node"`
+	Restart int             `json:"restart"`
+	Ranks   map[int][]int64 `json:"ranks"`
+	Disk    []int64         `json:"disk"`
 }
 
 // jobCheckpoints is the job's checkpoint store as the manager's recovery
@@ -63,59 +63,73 @@ func reportDeadline(bytes int64) time.Duration {
 	return 10*time.Second + time.Duration(bytes/(256<<20))*time.Second
 }
 
-// LoadNewest returns the step the job resumes from, -1 when there is none.
-// A step older than memory's newest (disk's, when a node did not say what
-// it holds or holds less) is said why, on the agent's output.
+// LoadNewest returns the step the job resumes from, -1 when there is none:
+// the newest step every rank can load, from its memory or its node's disk
+// (holdings.choose). A step that not every rank loads from memory is said
+// why, on the agent's output and in the manager's log.
 func (j *jobCheckpoints) LoadNewest(ctx context.Context) (int64, error) {
 	round := -1
-	var steps []int64
-	disk := int64(-1)
+	h := holdings{memory: map[int][]int64{}, disk: map[int][]int64{}}
+	perNode := 0
 	deadline := cmp.Or(j.deadline, reportTimeout)
 	if j.local != nil {
-		round = j.local.slots[0].restarts()
-		steps, disk = j.local.ckpts.localSteps(), j.local.ckpts.diskStep()
-		deadline = cmp.Or(j.deadline, reportDeadline(j.local.ckpts.stateBytes()))
+		a := j.local
+		round = a.slots[0].restarts()
+		h.memory, h.disk[a.cfg.NodeRank] = a.ckpts.holdings()
+		perNode = a.cfg.ProcsPerNode
+		deadline = cmp.Or(j.deadline, reportDeadline(a.ckpts.stateBytes()))
 	}
 	reports, missing, err := j.reports(ctx, round, deadline)
 	if err != nil {
 		return -1, err
 	}
+	for _, r := range reports {
+		for rank, steps := range r.Ranks {
+			h.memory[rank] = steps
+		}
+		h.disk[r.Node] = r.Disk
+		perNode = max(perNode, len(r.Ranks))
+	}
 	var why []string
-	if len(steps) == 0 && j.local != nil {
-		why = append(why, fmt.Sprintf("node %d holds no step in memory that all its ranks hold intact", j.local.cfg.NodeRank))
-	}
-	for i, r := range reports {
-		if i == 0 && j.local == nil {
-			steps = slices.Clone(r.Steps)
-		} else {
-			steps = slices.DeleteFunc(steps, func(st int64) bool { return !slices.Contains(r.Steps, st) })
-		}
-		if len(r.Steps) == 0 {
-			why = append(why, fmt.Sprintf("node %d holds no step in memory that all its ranks hold intact", r.Node))
-		}
-		disk = max(disk, r.Disk)
-	}
 	if len(missing) > 0 {
-		steps = nil // a node that never said: disk, which is the job's
-		why = append(why, fmt.Sprintf("nodes %v did not say what they hold within %v", missing, deadline))
+		// What a node that never said holds in memory is unknown; its disk
+		// is taken to be the shared folder the others report.
+		why = append(why, fmt.Sprintf("nodes %v did not say what they hold within %v: their ranks load from disk", missing, deadline))
+		var shared []int64
+		for _, d := range h.disk {
+			shared = append(shared, d...)
+		}
+		for _, n := range missing {
+			h.disk[n] = shared
+		}
 	}
-	j.log.Info("agent: the job's step to resume from", "memory", steps, "disk", disk)
-	// Never an older step than one committed on disk: memory may have lost
-	// newer steps that disk holds.
-	if len(steps) > 0 && disk <= steps[0] {
-		return steps[0], nil
+	if perNode == 0 {
+		return -1, errors.New("agent: no node said what it holds")
 	}
-	if len(why) > 0 {
-		line := fmt.Sprintf("the job resumes from disk step %d, not memory: %s", disk, strings.Join(why, "; "))
-		if disk < 0 {
-			line = "the job restarts from the beginning, with no step in memory or on disk: " + strings.Join(why, "; ")
+	h.nodeOf = func(rank int) int { return rank / perNode }
+	ranks := make([]int, j.nodes*perNode)
+	for i := range ranks {
+		ranks[i] = i
+	}
+	plan, whyNot := h.choose(ranks)
+	if whyNot != "" {
+		why = append(why, whyNot)
+	}
+	j.log.Info("agent: the job's step to resume from", "step", plan.step, "from_disk", plan.disk, "why", why)
+	if len(plan.disk) > 0 || plan.step < 0 && len(why) > 0 {
+		line := fmt.Sprintf("the job resumes from step %d, ranks %v from disk: %s", plan.step, plan.disk, strings.Join(why, "; "))
+		switch {
+		case plan.step < 0:
+			line = "the job starts over, with no step every rank holds in memory or on disk: " + strings.Join(why, "; ")
+		case len(plan.disk) == len(ranks):
+			line = fmt.Sprintf("the job resumes from disk step %d, not memory: %s", plan.step, strings.Join(why, "; "))
 		}
 		j.log.Warn("agent: " + line)
 		if j.local != nil {
 			fmt.Fprintf(j.local.cfg.Stderr, "faultline-run: %s\n", line)
 		}
 	}
-	return disk, nil
+	return plan.step, nil
 }
 
 // wantsReports reports whether other nodes report to this store.
@@ -251,7 +265,8 @@ func (a *Agent) reportHeld() {
 			return
 		}
 	}
-	b, _ := json.Marshal(heldReport{Node: a.cfg.NodeRank, Restart: a.slots[0].restarts(), Steps: a.ckpts.localSteps(), Disk: a.ckpts.diskStep()})
+	memory, disk := a.ckpts.holdings()
+	b, _ := json.Marshal(heldReport{Node: a.cfg.NodeRank, Restart: a.slots[0].restarts(), Ranks: memory, Disk: disk})
 	for _, s := range a.slots {
 		s.mu.Lock()
 		w := s.worker

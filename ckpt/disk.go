@@ -342,6 +342,20 @@ type Retention struct {
 	KeepEvery int64
 }
 
+// CommittedSteps lists the steps committed in the disk tier at dir, newest
+// first, from the directory alone (nothing is read but each step's
+// commit file's presence); a dir that does not exist holds none.
+func CommittedSteps(dir string) ([]int64, error) {
+	steps, committed, err := stepDirs(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return slices.DeleteFunc(steps, func(s int64) bool { return !committed[s] }), nil
+}
+
 // stepDirs lists the step directories of dir (no symlinks), newest first,
 // with whether each is committed.
 func stepDirs(dir string) (steps []int64, committed map[int64]bool, err error) {

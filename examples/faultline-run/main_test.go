@@ -294,7 +294,10 @@ func killRank(t *testing.T, args ...string) {
 		t.Fatalf("incidents: %+v", in)
 	}
 	c := in[0]
-	if c.Fault.Rank != 2 || !strings.Contains(c.Fault.Message, "SIGKILL") || c.Tier != "memory" || c.ResumedStep < 9 || c.CaughtUp.IsZero() {
+	// Memory serves every rank that holds the step; one whose double
+	// buffer moved past a step it had persisted (its peers' persists of it
+	// still under way, on a loaded machine) loads it from disk: "disk+memory".
+	if c.Fault.Rank != 2 || !strings.Contains(c.Fault.Message, "SIGKILL") || !strings.Contains(c.Tier, "memory") || c.ResumedStep < 9 || c.CaughtUp.IsZero() {
 		t.Fatalf("incident: %+v", c)
 	}
 	if got := readHash(t, w); got != ref {
@@ -324,7 +327,7 @@ func TestHang(t *testing.T) {
 		t.Fatalf("incidents: %+v", in)
 	}
 	c := in[0]
-	if c.Fault.Kind != "hang" || c.Tier != "memory" || c.CaughtUp.IsZero() {
+	if c.Fault.Kind != "hang" || !strings.Contains(c.Tier, "memory") || c.CaughtUp.IsZero() {
 		t.Fatalf("incident: %+v", c)
 	}
 	if took := c.Detected.Sub(blocked); took > timeout+time.Second {
@@ -402,7 +405,7 @@ func TestTwoNodes(t *testing.T) {
 			t.Fatalf("node %d: %v\nstderr:\n%s", node, err, j.errText())
 		}
 		in := j.incidents()
-		if len(in) == 0 || in[0].Tier != "memory" || in[0].ResumedStep < 9 || in[0].CaughtUp.IsZero() {
+		if len(in) == 0 || !strings.Contains(in[0].Tier, "memory") || in[0].ResumedStep < 9 || in[0].CaughtUp.IsZero() {
 			t.Fatalf("node %d: incidents %+v", node, in)
 		}
 	}
