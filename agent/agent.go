@@ -453,8 +453,9 @@ func (a *Agent) watchSlowness(ctx context.Context) {
 
 // hangConfig is the watchdog configuration of rank.
 func (a *Agent) hangConfig(rank int, onFault func(hang.Fault)) hang.Config {
+	// hang labels its metrics with the rank itself.
 	c := hang.Config{Rank: rank, World: a.world, Timeout: a.cfg.CollectiveTimeout, OnFault: onFault,
-		Logger: a.log, Registerer: wrapRank(a.cfg.Registerer, rank)}
+		Logger: a.log, Registerer: a.cfg.Registerer}
 	if a.cfg.CollectiveTimeout == 0 {
 		c.LearnTimeouts = true
 	}

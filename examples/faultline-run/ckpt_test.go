@@ -2,11 +2,14 @@ package main
 
 import (
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -171,4 +174,34 @@ func readFile(t *testing.T, name string) string {
 		t.Fatal(err)
 	}
 	return string(b)
+}
+
+// TestAbandonedSaveCounted: a save with blocking=False torn by an update
+// is abandoned, warned about with its step, and counted in the metrics
+// faultline-run serves with --metrics-listen.
+func TestAbandonedSaveCounted(t *testing.T) {
+	needTorch(t)
+	dir := t.TempDir()
+	port, err := freePorts()
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	j := startScript(t, filepath.Join(dir, "out"), []string{"--standalone", "--nproc-per-node", "1", "--metrics-listen", addr, "--grace-period", "5s"},
+		"testdata/torn_save.py", filepath.Join(dir, "ckpt"))
+	j.waitLine("[rank0]: kept False; warned: ['faultline: the save of step 1 (blocking=False) was abandoned", time.Minute)
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := `faultline_agent_async_saves_abandoned_total{rank="0"} 1`; !strings.Contains(string(b), want) {
+		t.Fatalf("no %q in /metrics:\n%s", want, b)
+	}
+	j.cmd.Process.Signal(syscall.SIGTERM)
+	j.wait(time.Minute)
 }

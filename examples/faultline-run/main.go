@@ -43,6 +43,9 @@
 //	                          recovers the job (default 10s; heartbeats every sixth of it)
 //	--grace-period D          after SIGTERM or SIGINT, the time to end in (default 30s; keep it under a
 //	                          pod's terminationGracePeriodSeconds)
+//	--metrics-listen ADDR     serve the agent's Prometheus metrics on ADDR (/metrics): each rank's
+//	                          checkpoint, dotting and hang metrics, labelled by rank, node 0's manager's,
+//	                          and faultline_agent_async_saves_abandoned_total
 //
 // SIGTERM, SIGINT, SIGHUP and SIGQUIT end the job as torchrun's agent
 // ends it (torch 1.13: it sends the same signal to each rank, waits 30s,
@@ -66,6 +69,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"os/signal"
@@ -77,6 +81,9 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/faultline-ml/faultline/agent"
 	"github.com/faultline-ml/faultline/taskd"
@@ -106,7 +113,19 @@ func main() {
 // run runs the node's agent until the job ends. The first of sigs
 // terminates the job within the grace period; a second kills its ranks
 // at once.
-func run(ctx context.Context, cfg agent.Config, sigs <-chan os.Signal) error {
+func run(ctx context.Context, opts options, sigs <-chan os.Signal) error {
+	cfg := opts.Config
+	if opts.metricsListen != "" {
+		reg := prometheus.NewRegistry()
+		cfg.Registerer = reg
+		ln, err := net.Listen("tcp", opts.metricsListen)
+		if err != nil {
+			return fmt.Errorf("--metrics-listen: %w", err)
+		}
+		srv := &http.Server{Handler: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}), ReadHeaderTimeout: 5 * time.Second}
+		go srv.Serve(ln)
+		defer srv.Close()
+	}
 	if !cfg.NoPython {
 		dir, err := pythonPath()
 		if err != nil {
@@ -143,8 +162,15 @@ func run(ctx context.Context, cfg agent.Config, sigs <-chan os.Signal) error {
 // errUsage is wrapped by every command-line error.
 var errUsage = errors.New("usage")
 
+// options are the agent's configuration and what the launcher itself
+// does: serve its metrics.
+type options struct {
+	agent.Config
+	metricsListen string // serve /metrics there
+}
+
 // parse reads the command line into an agent's configuration.
-func parse(args []string) (agent.Config, error) {
+func parse(args []string) (options, error) {
 	fs := flag.NewFlagSet("faultline-run", flag.ContinueOnError)
 	var (
 		standalone  = fs.Bool("standalone", false, "a job of one node on this machine, on a free port")
@@ -168,6 +194,7 @@ func parse(args []string) (agent.Config, error) {
 		heartbeat   = fs.Duration("heartbeat-deadline", 10*time.Second, "silence of a rank's worker after which node 0's manager declares it lost (heartbeats every sixth of it)")
 		grace       = fs.Duration("grace-period", 30*time.Second, "after SIGTERM or SIGINT, the time to end in: the ranks have three quarters of it to exit, the persist of the newest step in memory the rest")
 		verbose     = fs.Bool("v", false, "log the agent's and the control plane's work")
+		metrics     = fs.String("metrics-listen", "", "address to serve the agent's Prometheus metrics on (/metrics)")
 	)
 	// torchrun's underscore spellings.
 	for _, alias := range []struct{ old, new string }{{"nproc_per_node", "nproc-per-node"}, {"node_rank", "node-rank"},
@@ -177,53 +204,55 @@ func parse(args []string) (agent.Config, error) {
 		fs.Var(f.Value, alias.old, "same as --"+alias.new)
 	}
 	if err := fs.Parse(args); err != nil {
-		return agent.Config{}, fmt.Errorf("%w: %v", errUsage, err)
+		return options{}, fmt.Errorf("%w: %v", errUsage, err)
 	}
 	cmd := fs.Args()
 	if len(cmd) == 0 {
-		return agent.Config{}, fmt.Errorf("%w: name the training script (or, with --no-python, the program) and its arguments", errUsage)
+		return options{}, fmt.Errorf("%w: name the training script (or, with --no-python, the program) and its arguments", errUsage)
 	}
-	cfg := agent.Config{Command: cmd, NodeRank: *nodeRank, MasterAddr: *masterAddr, MasterPort: *masterPort,
+	opts := options{metricsListen: *metrics}
+	cfg := &opts.Config
+	*cfg = agent.Config{Command: cmd, NodeRank: *nodeRank, MasterAddr: *masterAddr, MasterPort: *masterPort,
 		MaxRestarts: *maxRestarts, NoPython: *noPython, Module: *module, Python: *pythonExe, CollectiveTimeout: *collTimeout,
 		Out: *out, Manager: *manager, NoSpares: *noSpares, GracePeriod: *grace, HeartbeatDeadline: *heartbeat}
 	var err error
 	if cfg.Nodes, err = parseNodes(*nnodes); err != nil {
-		return cfg, err
+		return opts, err
 	}
 	if cfg.ProcsPerNode, err = parseNproc(*nproc); err != nil {
-		return cfg, err
+		return opts, err
 	}
 	if *heartbeat <= 0 {
-		return cfg, fmt.Errorf("%w: --heartbeat-deadline %v: give a positive duration", errUsage, *heartbeat)
+		return opts, fmt.Errorf("%w: --heartbeat-deadline %v: give a positive duration", errUsage, *heartbeat)
 	}
 	if *grace <= 0 {
-		return cfg, fmt.Errorf("%w: --grace-period %v: give a positive duration", errUsage, *grace)
+		return opts, fmt.Errorf("%w: --grace-period %v: give a positive duration", errUsage, *grace)
 	}
 	if *monitor <= 0 {
-		return cfg, fmt.Errorf("%w: --monitor-interval %v: give a positive number of seconds", errUsage, *monitor)
+		return opts, fmt.Errorf("%w: --monitor-interval %v: give a positive number of seconds", errUsage, *monitor)
 	}
 	cfg.MonitorInterval = time.Duration(*monitor * float64(time.Second))
 	if *standalone {
 		cfg.Nodes, cfg.NodeRank, cfg.MasterAddr = 1, 0, "127.0.0.1"
 		if cfg.MasterPort, err = freePorts(); err != nil {
-			return cfg, err
+			return opts, err
 		}
 	}
 	cfg.Job = *runID
 	if cfg.Job == "" {
 		if cfg.Nodes > 1 {
-			return cfg, fmt.Errorf("%w: a job of %d nodes needs one id on every node: give --rdzv-id or set MINDX_TASK_ID", errUsage, cfg.Nodes)
+			return opts, fmt.Errorf("%w: a job of %d nodes needs one id on every node: give --rdzv-id or set MINDX_TASK_ID", errUsage, cfg.Nodes)
 		}
 		cfg.Job = "faultline-" + time.Now().Format("20060102-150405") + "-" + randomHex(3)
 	}
 	if err := trace.ValidateJob(cfg.Job); err != nil {
-		return cfg, fmt.Errorf("%w: --rdzv-id %q: %v", errUsage, cfg.Job, err)
+		return opts, fmt.Errorf("%w: --rdzv-id %q: %v", errUsage, cfg.Job, err)
 	}
 	if err := checkMaster(cfg.MasterAddr, cfg.Nodes); err != nil {
-		return cfg, err
+		return opts, err
 	}
 	if cfg.Security, err = security(*tokenFile, *insecure, cfg.Nodes, cfg.Manager); err != nil {
-		return cfg, err
+		return opts, err
 	}
 	if *verbose {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
@@ -231,9 +260,9 @@ func parse(args []string) (agent.Config, error) {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 	}
 	if err := cfg.Validate(); err != nil {
-		return cfg, fmt.Errorf("%w: %v", errUsage, err)
+		return opts, fmt.Errorf("%w: %v", errUsage, err)
 	}
-	return cfg, nil
+	return opts, nil
 }
 
 // parseNodes reads --nnodes: N, or MIN:MAX with MIN = MAX (the agents
