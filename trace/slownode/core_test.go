@@ -318,6 +318,36 @@ func TestNoiseDoesNotClearASlowRank(t *testing.T) {
 	}
 }
 
+// TestFindingClearsWithoutHealthyPeers finds a rank six times as slow for
+// three steps (a rank its machine starved); then the job's ranks split in
+// two pairs, one twice the other, every step: with no three alike there
+// are no healthy peers to compare with, but the rank, in the faster pair
+// every other step, is no slower than most, and its finding clears.
+func TestFindingClearsWithoutHealthyPeers(t *testing.T) {
+	j := newNoisyJob(t)
+	for n := range int64(30) {
+		j.step(n, slowRank(2, 1))
+	}
+	for n := int64(30); n < 33; n++ {
+		j.step(n, slowRank(2, 6))
+	}
+	if r := j.d.Result(); !slices.Equal(r.SlowCalculateRanks, []int{2}) {
+		t.Fatalf("six times as slow: slow ranks %v, want [2]", r.SlowCalculateRanks)
+	}
+	j.pattern = []float64{1}
+	for n := int64(33); n < 45; n++ {
+		j.step(n, func(r int) float64 {
+			if (r < 2) == (n%2 == 0) {
+				return 2
+			}
+			return 1
+		})
+	}
+	if r := j.d.Result(); r.IsSlow != 0 {
+		t.Fatalf("no slower than most for six steps: still slow: %+v", r.Findings)
+	}
+}
+
 func TestSlowIOIsNotSlowCompute(t *testing.T) {
 	j := newSyncJob(16, 4, 3)
 	d := newTestDetector(t, j, Config{})

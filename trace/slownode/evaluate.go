@@ -630,7 +630,9 @@ func (d *Detector) neighbourFlagged(ri int32, flags uint8) bool {
 // subjectValue returns the figure a finding watches at this step, and
 // whether the step bears on it: not where the figure or its reference is
 // missing, nor where no peers were healthy to compare with (most were
-// slow too).
+// slow too, or too few were alike) unless the figure is at or below the
+// median of its stage: no slower than most of its peers, whatever they
+// do.
 func (d *Detector) subjectValue(k findingKey, rw *row) (v, ref float64, ok bool) {
 	sc := &d.scratch
 	if k.kind == kindDomain {
@@ -654,7 +656,7 @@ func (d *Detector) subjectValue(k findingKey, rw *row) (v, ref float64, ok bool)
 			return v, ref, true
 		}
 	}
-	if math.IsNaN(v) || math.IsNaN(ref) || m != mForward && !sc.healthy[st][m] {
+	if math.IsNaN(v) || math.IsNaN(ref) || m != mForward && !sc.healthy[st][m] && v > ref {
 		return 0, 0, false
 	}
 	return v, ref, true
