@@ -197,7 +197,7 @@ func runWorker(ctx context.Context, a childArgs, log *slog.Logger, say func(stri
 
 	w, err := taskd.NewWorker(taskd.WorkerConfig{
 		Job: a.Job, Node: a.Node, Rank: a.Rank, Upstream: a.Upstream, Security: taskd.Security{Insecure: true},
-		OnSwitch: func(sw trace.Switch) error { rec.SetSwitch(sw); return nil },
+		OnSwitch: func(sw trace.Switch) error { tr.setSwitch(sw); return nil },
 		OnMessage: func(m taskd.Message) error {
 			switch m.Kind {
 			case msgInject:

@@ -86,6 +86,11 @@ type trainer struct {
 
 	gate taskd.StepGate
 
+	// dotting is closed once the job's profiling switch is in force on
+	// rec (setSwitch): the first start waits for it.
+	dotting     chan struct{}
+	dottingOnce sync.Once
+
 	mu    sync.Mutex    // guards the fields below
 	step  int64         // last completed step
 	abort chan struct{} // the step in flight's; nil between steps
@@ -98,7 +103,7 @@ type trainer struct {
 
 func newTrainer(cfg trainerConfig, rec *trace.Recorder, wd *hang.Watchdog, fab *fabricClient, ck *ckpt.Writer, say func(string, ...any)) *trainer {
 	t := &trainer{cfg: cfg, rec: rec, fab: fab, ck: ck, say: say, model: make([]byte, modelBytes),
-		slowCompute: 1, slowIO: 1, links: map[int]taskd.LinkTarget{}}
+		dotting: make(chan struct{}), slowCompute: 1, slowIO: 1, links: map[int]taskd.LinkTarget{}}
 	t.gather.op = trace.CommOp{OpName: "HcclAllGather", GroupName: cfg.Groups.TP, Count: 1 << 20, DataType: "bf16", StreamID: 1}
 	t.gather.timer = wd.Op("HcclAllGather", cfg.Groups.TP)
 	t.reduce.op = trace.CommOp{OpName: "HcclAllReduce", GroupName: cfg.Groups.DP, Count: 1 << 22, DataType: "bf16", StreamID: 1}
@@ -341,12 +346,29 @@ func (t *trainer) Pause(ctx context.Context) (int64, error) {
 	return step, nil
 }
 
-// Resume implements taskd.Trainer.
+// setSwitch puts the job's profiling switch in force on the recorder; the
+// first lets the trainer start.
+func (t *trainer) setSwitch(sw trace.Switch) {
+	t.rec.SetSwitch(sw)
+	t.dottingOnce.Do(func() { close(t.dotting) })
+}
+
+// Resume implements taskd.Trainer. The first waits for the job's profiling
+// switch: the taskd worker starts its trainer as soon as it registers,
+// and the manager sends the switch down the stream that opens after, so
+// that a step begun before would go undotted, or its start would.
 func (t *trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 	if t.gate.Stopped() {
 		return errors.New("stopped")
 	}
 	first := !t.gate.Started()
+	if first {
+		select {
+		case <-t.dotting:
+		case <-ctx.Done():
+			return fmt.Errorf("no profiling switch from the manager yet: %w", ctx.Err())
+		}
+	}
 	from := "where it paused"
 	if r.Step >= 0 || first {
 		if err := t.pause(ctx); err != nil {

@@ -25,11 +25,11 @@ type calJob struct {
 // generated jobs (the scenarios of TestPrecisionRecall, and weaker
 // slowdowns near the limit of what a page is worth) and on real PyTorch
 // jobs (testdata/ddp.py: healthy, one rank computing 1.5 or 2 times as
-// slowly, one loading 5 or 10 ms more a batch). The defaults of Config
-// were chosen from its table; set FAULTLINE_SLOWNODE_CALIBRATE=1 to print
-// it (a few minutes: the real jobs run first, where torch is installed;
-// FAULTLINE_SLOWNODE_REAL=dir keeps them for the next run). The jobs run
-// 60 steps, and the slow ones slow down from step 30.
+// slowly, one loading its batches 3 or 5 times as slowly). The defaults
+// of Config were chosen from its table; set FAULTLINE_SLOWNODE_CALIBRATE=1
+// to print it (a few minutes: the real jobs run first, where torch is
+// installed; FAULTLINE_SLOWNODE_REAL=dir keeps them for the next run). The
+// jobs run 60 steps, and the slow ones slow down from step 30.
 func TestCalibrate(t *testing.T) {
 	if os.Getenv("FAULTLINE_SLOWNODE_CALIBRATE") == "" {
 		t.Skip("set FAULTLINE_SLOWNODE_CALIBRATE=1 to measure the thresholds")
@@ -117,8 +117,8 @@ func calibrationJobs(t *testing.T) []calJob {
 			{name: "healthy-" + n},
 			slowRealJob("slow-rank-2x-"+n, i%4, 2, -1, 0),
 			slowRealJob("slow-rank-1.5x-"+n, (i+1)%4, 1.5, -1, 0),
-			slowRealJob("slow-io-10ms-"+n, -1, 0, (i+2)%4, 10),
-			slowRealJob("slow-io-5ms-"+n, -1, 0, (i+3)%4, 5),
+			slowRealJob("slow-io-5x-"+n, -1, 0, (i+2)%4, 5),
+			slowRealJob("slow-io-3x-"+n, -1, 0, (i+3)%4, 3),
 		} {
 			dir := filepath.Join(real, j.name)
 			if _, err := os.Stat(dir); err != nil {

@@ -251,6 +251,103 @@ func TestRecoveryClearsFinding(t *testing.T) {
 	}
 }
 
+// noisyJob is a 4-rank job whose compute jumps from step to step, every
+// rank alike, as that of ranks sharing their cores with other work does:
+// the job goes round pattern, and its ranks differ by a few percent. It
+// records no communication (its switch off), so that the peer test alone
+// judges the ranks.
+type noisyJob struct {
+	d       *Detector
+	pattern []float64
+}
+
+func newNoisyJob(t *testing.T) *noisyJob {
+	d, err := New(Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &noisyJob{d: d, pattern: []float64{1, 1.8}}
+}
+
+// step adds step n: rank r computes factor(r) times the pattern's 10 ms.
+func (j *noisyJob) step(n int64, factor func(r int) float64) {
+	for r := range 4 {
+		f := j.pattern[int(n)%len(j.pattern)] * (1 + 0.03*float64(r%3-1)) * factor(r)
+		j.d.AddStep(r, Step{Number: n, Time: 60 * time.Millisecond, Compute: time.Duration(f * float64(10*time.Millisecond)),
+			DataLoader: 2 * time.Millisecond, Have: FigStep | FigDataLoader})
+	}
+}
+
+// slowRank returns the factors of a job whose rank is f times slower.
+func slowRank(rank int, f float64) func(int) float64 {
+	return func(r int) float64 {
+		if r == rank {
+			return f
+		}
+		return 1
+	}
+}
+
+// TestNoiseDoesNotClearASlowRank finds a rank four times as slow as its
+// peers, in a job whose compute jumps by most of its median from step to
+// step; then the rank stays twice as slow, which no step can tell from
+// that noise (less than NSigma of it above its peers) but none shows as
+// normal either: it stays found until it computes as its peers do.
+func TestNoiseDoesNotClearASlowRank(t *testing.T) {
+	j := newNoisyJob(t)
+	for n := range int64(30) {
+		j.step(n, slowRank(1, 1))
+	}
+	for n := int64(30); n < 33; n++ {
+		j.step(n, slowRank(1, 4))
+	}
+	if r := j.d.Result(); !slices.Equal(r.SlowCalculateRanks, []int{1}) {
+		t.Fatalf("four times as slow: slow ranks %v, want [1]", r.SlowCalculateRanks)
+	}
+	for n := int64(33); n < 60; n++ {
+		j.step(n, slowRank(1, 2))
+		if r := j.d.Result(); !slices.Equal(r.SlowCalculateRanks, []int{1}) {
+			t.Fatalf("twice as slow, step %d: slow ranks %v, want [1]", n, r.SlowCalculateRanks)
+		}
+	}
+	for n := int64(60); n < 72; n++ {
+		j.step(n, slowRank(1, 1))
+	}
+	if r := j.d.Result(); r.IsSlow != 0 {
+		t.Fatalf("recovered: still slow: %+v", r.Findings)
+	}
+}
+
+// TestFindingClearsWithoutHealthyPeers finds a rank six times as slow for
+// three steps (a rank its machine starved); then the job's ranks split in
+// two pairs, one twice the other, every step: with no three alike there
+// are no healthy peers to compare with, but the rank, in the faster pair
+// every other step, is no slower than most, and its finding clears.
+func TestFindingClearsWithoutHealthyPeers(t *testing.T) {
+	j := newNoisyJob(t)
+	for n := range int64(30) {
+		j.step(n, slowRank(2, 1))
+	}
+	for n := int64(30); n < 33; n++ {
+		j.step(n, slowRank(2, 6))
+	}
+	if r := j.d.Result(); !slices.Equal(r.SlowCalculateRanks, []int{2}) {
+		t.Fatalf("six times as slow: slow ranks %v, want [2]", r.SlowCalculateRanks)
+	}
+	j.pattern = []float64{1}
+	for n := int64(33); n < 45; n++ {
+		j.step(n, func(r int) float64 {
+			if (r < 2) == (n%2 == 0) {
+				return 2
+			}
+			return 1
+		})
+	}
+	if r := j.d.Result(); r.IsSlow != 0 {
+		t.Fatalf("no slower than most for six steps: still slow: %+v", r.Findings)
+	}
+}
+
 func TestSlowIOIsNotSlowCompute(t *testing.T) {
 	j := newSyncJob(16, 4, 3)
 	d := newTestDetector(t, j, Config{})

@@ -64,10 +64,13 @@
 // its stage, with no member to blame, is slow; a host is slow when all
 // its ranks are. Lateness that a slow communicator, link or data loading
 // explains is not blamed on compute. Consecutive anomalous steps make a
-// finding (one outlier step does not) and as many normal ones clear it; a
-// step where most of a stage stood apart from the rest has no healthy
-// ranks to compare with and counts neither way, but a run of anomalous
-// steps must fit in twice Consecutive steps.
+// finding (one outlier step does not) and as many normal ones clear it. A
+// step counts neither way where most of a stage stood apart from the rest
+// (no healthy ranks to compare with) and the subject is above the stage's
+// median, or where the subject is still above its peers by
+// RelativeThreshold though not by NSigma of the noise (which, where ranks
+// share their cores with other work, is as large as a slowdown); but a
+// run of anomalous steps must fit in twice Consecutive steps.
 //
 // MindCluster's time detector runs on the job's step time: a baseline of
 // the first NormalSteps steps (their median, and σ from their median

@@ -63,7 +63,7 @@ func (d *Detector) evaluate(rw *row) {
 	d.homogenise(rw, effect)
 	d.flagDomains(rw, effect)
 	d.attribute(rw)
-	d.job.update(s, &job, d.settle(rw), d)
+	d.job.update(s, &job, d.settle(rw, effect), d)
 }
 
 // collectPresent lists the ranks that reported the step in
@@ -327,10 +327,19 @@ func (d *Detector) attribute(rw *row) {
 
 }
 
-// settle adds the step's evidence to the findings not flagged in it and
-// counts them towards clearing. It reports whether a finding is active or
+// settle adds the step's evidence to the findings not flagged in it, and
+// counts those whose subject looked normal towards clearing (or ends the
+// run of one building up). It reports whether a finding is active or
 // building up.
-func (d *Detector) settle(rw *row) bool {
+//
+// A subject still above its peers by the relative threshold and effect,
+// though not by NSigma of the noise, does not look normal: where ranks
+// share their cores with other work the noise is as large as a slowdown,
+// and many steps of a slow rank are such. Like a step with no healthy
+// peers to compare with, such a step counts neither way: it neither
+// clears a finding nor breaks a run, which must still fit in twice
+// Consecutive steps.
+func (d *Detector) settle(rw *row, effect float64) bool {
 	s := rw.step
 	anyPending := false
 	for k, f := range d.findings {
@@ -345,6 +354,13 @@ func (d *Detector) settle(rw *row) bool {
 			continue // neither slow nor healthy this step
 		}
 		f.observe(v, ref, 0, false)
+		threshold := d.cfg.RelativeThreshold
+		if k.kind == kindDomain {
+			threshold = d.cfg.ClusterMeanDistance - 1 // as flagDomains tests it
+		}
+		if v > ref*(1+threshold) && v-ref >= effect {
+			continue // still above its peers: neither slow nor healthy
+		}
 		f.run = 0
 		if !f.active {
 			delete(d.findings, k)
@@ -614,7 +630,9 @@ func (d *Detector) neighbourFlagged(ri int32, flags uint8) bool {
 // subjectValue returns the figure a finding watches at this step, and
 // whether the step bears on it: not where the figure or its reference is
 // missing, nor where no peers were healthy to compare with (most were
-// slow too).
+// slow too, or too few were alike) unless the figure is at or below the
+// median of its stage: no slower than most of its peers, whatever they
+// do.
 func (d *Detector) subjectValue(k findingKey, rw *row) (v, ref float64, ok bool) {
 	sc := &d.scratch
 	if k.kind == kindDomain {
@@ -638,7 +656,7 @@ func (d *Detector) subjectValue(k findingKey, rw *row) (v, ref float64, ok bool)
 			return v, ref, true
 		}
 	}
-	if math.IsNaN(v) || math.IsNaN(ref) || m != mForward && !sc.healthy[st][m] {
+	if math.IsNaN(v) || math.IsNaN(ref) || m != mForward && !sc.healthy[st][m] && v > ref {
 		return 0, 0, false
 	}
 	return v, ref, true

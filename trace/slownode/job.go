@@ -36,7 +36,8 @@ type jobState struct {
 	since    []float64 // step times since onset, for the new baseline
 	tmp      []float64
 	recent   window
-	phases   []PhaseChange
+	phases   []PhaseChange // the latest maxPhases
+	nPhases  uint64        // phase changes so far, uncapped: Watch tells a new one by it
 	hist     history
 	lastStep int64
 }
@@ -129,6 +130,7 @@ func (j *jobState) rebase(s, onset int64, d *Detector) {
 	}
 	ratio := to / j.baseline
 	j.phases = append(j.phases, PhaseChange{Step: onset, Detected: s, FromMs: j.baseline, ToMs: to, Ratio: ratio})
+	j.nPhases++
 	if len(j.phases) > maxPhases {
 		j.phases = j.phases[1:]
 	}

@@ -27,8 +27,9 @@ type realJob struct {
 const realSteps, realOnset = 60, 30
 
 // slowRealJob returns a job with rank cr computing factor times slower
-// and rank ior loading each batch ioMs slower (-1: none of either).
-func slowRealJob(name string, cr int, factor float64, ior int, ioMs float64) realJob {
+// and rank ior loading each batch ioFactor times slower (-1: none of
+// either).
+func slowRealJob(name string, cr int, factor float64, ior int, ioFactor float64) realJob {
 	j := realJob{name: name}
 	onset := strconv.Itoa(realOnset)
 	if cr >= 0 {
@@ -38,7 +39,7 @@ func slowRealJob(name string, cr int, factor float64, ior int, ioMs float64) rea
 	}
 	if ior >= 0 {
 		j.args = append(j.args, "--slow-io", strconv.Itoa(ior), "--slow-io-from", onset,
-			"--slow-io-ms", strconv.FormatFloat(ioMs, 'f', -1, 64))
+			"--slow-io-factor", strconv.FormatFloat(ioFactor, 'f', -1, 64))
 		j.io = []int{ior}
 	}
 	return j
@@ -91,17 +92,25 @@ func runRealJob(t testing.TB, python, root string, j realJob) string {
 }
 
 // TestRealDDPJob runs a real PyTorch job twice, healthy and with one rank
-// computing three times as slowly and another loading its batches 20 ms
-// more slowly, both from step 30 of 60: the healthy one gives no finding
-// and the other names those two ranks and nothing else, however loaded
-// the machine (the job's four ranks share its cores with whatever else
-// runs: their figures jump by whole time slices from step to step).
+// computing three times as slowly and another loading its batches ten
+// times as slowly, both from step 30 of 60: the healthy one gives no
+// finding and the other names those two ranks and nothing else, however
+// loaded the machine (the job's four ranks share its cores with whatever
+// else runs: their figures jump by whole time slices from step to step,
+// and the slowdowns, as a device's or a disk's would, scale with what the
+// load made of the work they slow).
+//
+// The job is judged with MinEffect 0.1 and Consecutive 4: each slowdown
+// costs the job a seventh of a step or more for 30 steps, while a healthy
+// rank that shares a core with other work can be a few percent of a step
+// slower than its peers for seconds, or starved for three steps in a row,
+// which the defaults (2%, 3) rightly name.
 func TestRealDDPJob(t *testing.T) {
 	python := torchPython(t)
 	root := t.TempDir()
-	for _, j := range []realJob{{name: "healthy"}, slowRealJob("slow", 1, 3, 3, 20)} {
+	for _, j := range []realJob{{name: "healthy"}, slowRealJob("slow", 1, 3, 3, 10)} {
 		dir := runRealJob(t, python, root, j)
-		r, err := Analyze(context.Background(), dir, Config{})
+		r, err := Analyze(context.Background(), dir, Config{MinEffect: 0.1, Consecutive: 4})
 		if err != nil {
 			t.Fatal(err)
 		}

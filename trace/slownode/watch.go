@@ -101,7 +101,7 @@ func Watch(ctx context.Context, jobDir string, cfg Config, onChange func(*Result
 	last := ""
 	report := func() {
 		r := s.result()
-		if k := verdictKey(r); k != last {
+		if k := verdictKey(r, s.d.job.nPhases); k != last {
 			last = k
 			s.metrics.changes.Add(1)
 			onChange(r)
@@ -135,10 +135,11 @@ func Watch(ctx context.Context, jobDir string, cfg Config, onChange func(*Result
 	}
 }
 
-// verdictKey is what makes two verdicts different for Watch.
-func verdictKey(r *Result) string {
+// verdictKey is what makes two verdicts different for Watch: r's lists
+// and how many phase changes there were (r lists the latest maxPhases).
+func verdictKey(r *Result, phases uint64) string {
 	return fmt.Sprint(r.IsSlow, r.SlowCalculateRanks, r.SlowCommunicationDomains, r.SlowHostNodes,
-		r.SlowIORanks, r.SlowCommunicationRanks, r.SilentRanks, len(r.PhaseChanges))
+		r.SlowIORanks, r.SlowCommunicationRanks, r.SilentRanks, phases)
 }
 
 type rankSource struct {

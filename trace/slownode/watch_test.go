@@ -605,3 +605,59 @@ func TestWatchDetectsWithinConsecutiveSteps(t *testing.T) {
 		t.Errorf("90th percentile %d steps after the onset, want at most Consecutive (%d)", p90, DefaultConsecutive)
 	}
 }
+
+// TestWatchPassesOnEveryPhaseChange follows a job whose step time moves
+// 40 times between two levels, every rank alike: each phase change is a
+// verdict of its own, passed on as of the step that recognised it, the
+// 33rd and later too, though a Result lists only the latest 32.
+func TestWatchPassesOnEveryPhaseChange(t *testing.T) {
+	const phases, every = 40, 12
+	var in []gen.Injection
+	for k := range phases {
+		f := 2.0
+		if k%2 == 1 {
+			f = 0.5 // back to the first level
+		}
+		in = append(in, gen.Injection{Kind: gen.Phase, From: 2*DefaultNormalSteps + k*every, Factor: f})
+	}
+	src := t.TempDir()
+	steps := 2*DefaultNormalSteps + phases*every + every
+	if _, err := gen.Generate(gen.Config{Root: src, Job: "job", TP: 2, DP: 2, PP: 1, Steps: steps, Seed: 5, Inject: in}); err != nil {
+		t.Fatal(err)
+	}
+	var got []PhaseChange // the newest phase change of each verdict that brought one
+	last := int64(-1)
+	synctest.Test(t, func(t *testing.T) {
+		ctx, cancel := context.WithCancel(t.Context())
+		done := make(chan error, 1)
+		go func() {
+			done <- Watch(ctx, filepath.Join(src, "job"), Config{}, func(r *Result) {
+				if n := len(r.PhaseChanges); n > 0 && r.PhaseChanges[n-1].Detected != last {
+					p := r.PhaseChanges[n-1]
+					last = p.Detected
+					got = append(got, p)
+					if p.Detected != r.LastStep {
+						t.Errorf("phase change of step %d recognised at step %d passed on in the verdict of step %d", p.Step, p.Detected, r.LastStep)
+					}
+				}
+			})
+		}()
+		time.Sleep(DefaultPollInterval / 2) // the first pass reads the whole job
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Watch: %v", err)
+		}
+	})
+	if len(got) != phases {
+		var at []int64
+		for _, p := range got {
+			at = append(at, p.Detected)
+		}
+		t.Fatalf("%d phase changes passed on, want %d: those recognised at steps %v", len(got), phases, at)
+	}
+	for k, p := range got {
+		if want := int64(2*DefaultNormalSteps + k*every); p.Step != want {
+			t.Errorf("phase change %d from step %d, want %d", k, p.Step, want)
+		}
+	}
+}

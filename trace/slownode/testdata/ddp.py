@@ -3,15 +3,17 @@ MindCluster's record format, for the tests of package slownode.
 
     python3 ddp.py --root DIR --job NAME [--world 4] [--steps 80]
                    [--slow-rank R --slow-from S --slow-factor F]
-                   [--slow-io R --slow-io-from S --slow-io-ms MS]
+                   [--slow-io R --slow-io-from S --slow-io-factor F]
 
 Each rank writes <root>/<job>/<rank>/<10-digit seconds> (JSON Lines, one
 mspti marker record a line: "step <n>", "forward" and "dataloader" ranges,
 and the gradient all-reduces of DDP's communication hook in domain
 "communication") and parallel_group.json beside it. A slow rank takes
 --slow-factor times as long in forward and backward from step --slow-from
-on, as a throttled device would; a slow loader takes --slow-io-ms more to
-load each batch.
+on, as a throttled device would; a slow loader takes --slow-io-factor
+times as long to load each batch, as a throttled disk would. Both scale
+with what the batch or the layers took, so that a machine whose load
+stretches every rank's figures stretches the slowdown alike.
 """
 
 import argparse
@@ -77,11 +79,10 @@ class Dots:
 
 
 class Samples(torch.utils.data.Dataset):
-    """Samples that cost some work to make, as decoding would, and
-    box["io"] seconds more a batch (a slow disk)."""
+    """Samples that cost some work to make, as decoding would."""
 
-    def __init__(self, n, batch, box):
-        self.n, self.batch, self.box = n, batch, box
+    def __init__(self, n):
+        self.n = n
 
     def __len__(self):
         return self.n
@@ -90,8 +91,6 @@ class Samples(torch.utils.data.Dataset):
         g = torch.Generator().manual_seed(i)
         x = torch.randn(48, 48, generator=g)
         x = (x @ x.T).flatten()[:256] / 48  # the "decode"
-        if self.box["io"] and i % self.batch == 0:
-            time.sleep(self.box["io"])
         return x, i % 10
 
 
@@ -134,7 +133,7 @@ def worker(rank, a, port):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=a.world)
     torch.manual_seed(0)
-    box = {"factor": 1.0, "fwd": 0.0, "io": 0}
+    box = {"factor": 1.0, "fwd": 0.0}
     model = DDP(Net(box), bucket_cap_mb=0.25)
     dots = Dots(rank)
 
@@ -150,15 +149,17 @@ def worker(rank, a, port):
 
     model.register_comm_hook(None, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = iter(torch.utils.data.DataLoader(Samples(a.batch * a.steps, a.batch, box), batch_size=a.batch))
+    loader = iter(torch.utils.data.DataLoader(Samples(a.batch * a.steps), batch_size=a.batch))
     for step in range(a.steps):
         slow = rank == a.slow_rank and step >= a.slow_from
         box["factor"] = a.slow_factor if slow else 1.0
         slow_io = rank == a.slow_io and step >= a.slow_io_from
-        box["io"] = a.slow_io_ms / 1000 if slow_io else 0
         s = dots.start("step %d" % step)
         d = dots.start("dataloader", host=True)
+        t = time.perf_counter()
         x, y = next(loader)
+        if slow_io:
+            time.sleep((a.slow_io_factor - 1) * (time.perf_counter() - t))
         dots.end(d)
         f = dots.start("forward")
         out = model(x)
@@ -187,7 +188,7 @@ def main():
     p.add_argument("--slow-factor", type=float, default=1.0)
     p.add_argument("--slow-io", type=int, default=-1)
     p.add_argument("--slow-io-from", type=int, default=0)
-    p.add_argument("--slow-io-ms", type=float, default=0)
+    p.add_argument("--slow-io-factor", type=float, default=1.0)
     a = p.parse_args()
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
