@@ -57,8 +57,10 @@ type Agent struct {
 	policy   *rescheduling.Policy
 	ckpts    *checkpoints
 	incident *incidents
+	instance string // this agent's, new at each start: a node that replaces another says so
 
 	mu          sync.Mutex
+	lastRound   string // the round of reports answered last
 	sw          trace.Switch
 	stopped     string // why recovery stopped the job, "" while it runs
 	finished    chan struct{}
@@ -80,7 +82,8 @@ func New(cfg Config) (*Agent, error) {
 		return nil, err
 	}
 	cfg.setDefaults()
-	a := &Agent{cfg: cfg, log: cfg.Logger.With("node", cfg.NodeRank), world: cfg.world(), finished: make(chan struct{}), term: make(chan struct{})}
+	a := &Agent{cfg: cfg, log: cfg.Logger.With("node", cfg.NodeRank), world: cfg.world(), finished: make(chan struct{}), term: make(chan struct{}),
+		instance: newRound()}
 	if err := os.MkdirAll(cfg.Out, 0o750); err != nil {
 		return nil, fmt.Errorf("agent: Out: %w", err)
 	}
@@ -163,6 +166,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		g.Go(func() error { s.serveWorkers(gctx); return nil })
 	}
 	g.Go(func() error { a.awaitManager(gctx); return nil })
+	g.Go(func() error { a.announce(gctx); return nil })
 	var result error
 	select {
 	case <-a.finished:

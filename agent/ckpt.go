@@ -20,13 +20,6 @@ import (
 	"github.com/faultline-ml/faultline/internal/promreg"
 )
 
-// Message kinds between the agents and node 0's manager.
-const (
-	kindHeld    = "faultline-run/held"    // up: the steps a node holds in memory
-	kindPersist = "faultline-run/persist" // down: persist the newest step every shard holds
-	kindStop    = "faultline-run/stop"    // down: recovery gave up; stop every rank
-)
-
 // checkpoints is the memory tier of the node's ranks: one ckpt.Owner per
 // local rank (its shard), made when the rank first asks for its segment
 // or when a segment of the job is found in ShmDir, and the job's choice
@@ -42,6 +35,7 @@ type checkpoints struct {
 	shards map[int]*shard  // by rank
 	starts map[int]int64   // the step of each start with none agreed, by start count
 	loaded map[int]loader  // by rank: its process that loaded once
+	peers  map[int]string  // every node's replica address, by node
 	wg     sync.WaitGroup
 }
 
@@ -300,6 +294,32 @@ func (c *checkpoints) holdings() (map[int][]int64, []int64) {
 	}
 	return memory, disk
 }
+
+// adoptDir takes dir, the job's checkpoint folder as the other nodes name
+// it, as the node's, unless a rank named one: a node that replaced another
+// reads its disk tier there before its ranks start.
+func (c *checkpoints) adoptDir(dir string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.dir == "" && dir != "" {
+		c.dir = dir
+	}
+}
+
+// setPeers takes in the replica address of every node of the job.
+func (c *checkpoints) setPeers(peers map[int]string) {
+	c.mu.Lock()
+	c.peers = peers
+	c.mu.Unlock()
+}
+
+// replicaHoldings returns the steps the node holds as replicas of other
+// nodes' ranks, by rank.
+func (c *checkpoints) replicaHoldings() map[int][]int64 { return nil }
+
+// replicaAddr is the address of the node's replica server, "" when it
+// serves none.
+func (c *checkpoints) replicaAddr() string { return "" }
 
 // stateBytes is the shared memory the node's segments take.
 func (c *checkpoints) stateBytes() int64 {

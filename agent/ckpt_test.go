@@ -3,16 +3,12 @@ package agent
 import (
 	"bytes"
 	"context"
-	"encoding/json"
-	"log/slog"
 	"os"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt"
-	"github.com/faultline-ml/faultline/taskd"
 )
 
 // save writes step into rank's segment as a rank's Checkpointer would,
@@ -155,35 +151,22 @@ func TestHeldChecksEachSaveOnce(t *testing.T) {
 }
 
 // TestResumeFromDiskSaysWhy: a node that does not say what it holds
-// within the deadline has the job resume from disk, and the manager's
-// log says which node and how long it waited.
+// within the deadline has the job resume from what the others hold and
+// the disk, saying which node and how long it waited.
 func TestResumeFromDiskSaysWhy(t *testing.T) {
-	var logs bytes.Buffer
-	var mu sync.Mutex
-	log := slog.New(slog.NewTextHandler(writerFunc(func(p []byte) (int, error) {
-		mu.Lock()
-		defer mu.Unlock()
-		return logs.Write(p)
-	}), nil))
-	j := newJobCheckpoints(2, nil, log)
-	j.deadline = 50 * time.Millisecond
-	h := j.handler()
-	b, _ := json.Marshal(heldReport{Node: 0, Restart: 1, Ranks: map[int][]int64{0: {9, 8}}, Disk: []int64{5}})
-	if err := h.Handle(context.Background(), nil, taskd.Event{Kind: taskd.EventMessage, Position: taskd.Position{Node: 0},
-		Message: taskd.Message{Kind: kindHeld, Payload: b}}); err != nil {
-		t.Fatal(err)
+	c := newJobCore(2)
+	c.startRound("r1")
+	if !c.report(heldReport{Round: "r1", Node: 0, Ranks: map[int][]int64{0: {9, 8}}, Disk: []int64{5}, Restarts: 2}) {
+		t.Fatal("a report of the round was dropped")
 	}
-	step, err := j.LoadNewest(context.Background())
-	if err != nil || step != 5 {
-		t.Fatalf("LoadNewest = %d, %v; want 5 (disk)", step, err)
+	if c.report(heldReport{Round: "r0", Node: 1, Ranks: map[int][]int64{1: {9, 8}}}) {
+		t.Fatal("a report of an earlier round was taken")
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if !strings.Contains(logs.String(), "resumes from disk step 5, not memory: nodes [1] did not say what they hold within 50ms") {
-		t.Fatalf("log:\n%s", logs.String())
+	if got := c.missing(); len(got) != 1 || got[0] != 1 {
+		t.Fatalf("missing = %v, want [1]", got)
+	}
+	plan, restart, why := c.plan(nil, 50*time.Millisecond)
+	if plan.step != 5 || restart != 3 || !strings.Contains(why, "nodes [1] did not say what they hold within 50ms") {
+		t.Fatalf("plan = %+v, restart %d, why %q; want step 5 from disk, restart 3", plan, restart, why)
 	}
 }
-
-type writerFunc func([]byte) (int, error)
-
-func (f writerFunc) Write(p []byte) (int, error) { return f(p) }

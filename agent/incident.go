@@ -216,7 +216,6 @@ func (in *incidents) paused(rank int, now time.Time) {
 	if in.cur.Stopped.IsZero() && in.allLocked(func(s *slot) bool { return in.isPaused[s.rank] || s.stateIs(slotFailed) }) {
 		in.cur.Stopped = now
 	}
-	go in.a.reportHeld()
 }
 
 // restarted notes a local rank restarted to load step.

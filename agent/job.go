@@ -3,11 +3,12 @@ package agent
 import (
 	"cmp"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
-	"strings"
 	"sync"
 	"time"
 
@@ -15,25 +16,25 @@ import (
 	"github.com/faultline-ml/faultline/taskd"
 )
 
-// heldReport is what a node's agent tells the manager once its ranks are
-// all stopped for a recovery: the steps each of its ranks holds intact in
-// memory, the steps committed on its disk tier, and the restart its ranks
-// are waiting for (the count of restarts so far), so that a report from an
-// earlier recovery is never taken for this one.
-type heldReport struct {
-	Node    int             `json:"node"`
-	Restart int             `json:"restart"`
-	Ranks   map[int][]int64 `json:"ranks"`
-	Disk    []int64         `json:"disk"`
-}
+// Message kinds between the agents and the job's manager.
+const (
+	kindHello      = "faultline-run/hello"      // up: a node's agent joins: its ranks and replica address (nodeHello)
+	kindPeers      = "faultline-run/peers"      // down: every node's replica address (map node -> host:port)
+	kindReport     = "faultline-run/report"     // down: say what you hold (reportRequest)
+	kindHeld       = "faultline-run/held"       // up: what a node holds (heldReport)
+	kindGeneration = "faultline-run/generation" // down: the restart count the ranks resume with
+	kindPersist    = "faultline-run/persist"    // down: persist the newest step every shard holds
+	kindStop       = "faultline-run/stop"       // down: recovery gave up; stop every rank
+)
 
-// jobCheckpoints is the job's checkpoint store as the manager's recovery
-// sees it (taskd.Checkpoints): the step to resume from is the newest that
-// every rank of every node holds in memory, else the newest on disk, from
-// what each node's agent reports. local is the agent the manager runs in,
-// whose node it reads itself; nil for a manager apart.
+// jobCheckpoints is the agents' side of the job's manager (in node 0's
+// agent, or in a taskd-manager apart): the taskd.Checkpoints of its
+// recovery, which asks every node what it holds and resumes the job from
+// the newest step every rank can load (its memory, a replica in another
+// node's memory, its node's disk), and the handler that keeps the nodes'
+// replica addresses and sends them to every node. local is the agent the
+// manager runs in, whose node it reads itself; nil for a manager apart.
 type jobCheckpoints struct {
-	nodes int
 	local *Agent
 	log   *slog.Logger
 	// deadline bounds the wait for the nodes' reports; 0 derives it from
@@ -41,18 +42,18 @@ type jobCheckpoints struct {
 	deadline time.Duration
 
 	mu      sync.Mutex
+	core    *jobCore
 	mgr     *taskd.Manager // learned from the handler's calls
-	held    map[int]heldReport
-	changed chan struct{} // closed and replaced when held changes
+	changed chan struct{}  // closed and replaced when a report comes
 }
 
 func newJobCheckpoints(nodes int, local *Agent, log *slog.Logger) *jobCheckpoints {
-	return &jobCheckpoints{nodes: nodes, local: local, log: log, held: map[int]heldReport{}, changed: make(chan struct{})}
+	return &jobCheckpoints{local: local, log: log, core: newJobCore(nodes), changed: make(chan struct{})}
 }
 
 // reportTimeout bounds how long LoadNewest waits for every node's report
 // when it cannot tell the size of the state (a manager apart from the
-// agents); a node that never reports leaves the job to resume from disk.
+// agents); a node that never reports holds nothing it can count on.
 const reportTimeout = time.Minute
 
 // reportDeadline is how long LoadNewest waits for every node's report
@@ -63,153 +64,124 @@ func reportDeadline(bytes int64) time.Duration {
 	return 10*time.Second + time.Duration(bytes/(256<<20))*time.Second
 }
 
+// manager returns the manager to reach the nodes through.
+func (j *jobCheckpoints) manager() *taskd.Manager {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.mgr == nil && j.local != nil {
+		return j.local.mgr
+	}
+	return j.mgr
+}
+
 // LoadNewest returns the step the job resumes from, -1 when there is none:
-// the newest step every rank can load, from its memory or its node's disk
-// (holdings.choose). A step that not every rank loads from memory is said
-// why, on the agent's output and in the manager's log.
+// it asks every node what it holds and picks the newest step every rank
+// can load (jobCore.plan). A step that not every rank loads from its own
+// memory is said why, on the agent's output and in the manager's log.
+// Before it returns, every node learns the restart count the ranks resume
+// with, so that a node that replaced a lost one joins the others'
+// rendezvous.
 func (j *jobCheckpoints) LoadNewest(ctx context.Context) (int64, error) {
-	round := -1
-	h := holdings{memory: map[int][]int64{}, disk: map[int][]int64{}}
-	perNode := 0
 	deadline := cmp.Or(j.deadline, reportTimeout)
+	var local *heldReport
 	if j.local != nil {
-		a := j.local
-		round = a.slots[0].restarts()
-		h.memory, h.disk[a.cfg.NodeRank] = a.ckpts.holdings()
-		perNode = a.cfg.ProcsPerNode
-		deadline = cmp.Or(j.deadline, reportDeadline(a.ckpts.stateBytes()))
+		r := j.local.held("")
+		local = &r
+		deadline = cmp.Or(j.deadline, reportDeadline(j.local.ckpts.stateBytes()))
 	}
-	reports, missing, err := j.reports(ctx, round, deadline)
-	if err != nil {
-		return -1, err
+	j.mu.Lock()
+	if local != nil {
+		j.core.report(*local) // the folder it names
 	}
-	for _, r := range reports {
-		for rank, steps := range r.Ranks {
-			h.memory[rank] = steps
+	req, _ := json.Marshal(j.core.startRound(newRound()))
+	j.mu.Unlock()
+	m := j.manager()
+	if j.core.nodes > 1 || j.local == nil {
+		if m == nil {
+			return -1, errors.New("agent: no manager to reach the nodes through")
 		}
-		h.disk[r.Node] = r.Disk
-		perNode = max(perNode, len(r.Ranks))
-	}
-	var why []string
-	if len(missing) > 0 {
-		// What a node that never said holds in memory is unknown; its disk
-		// is taken to be the shared folder the others report.
-		why = append(why, fmt.Sprintf("nodes %v did not say what they hold within %v: their ranks load from disk", missing, deadline))
-		var shared []int64
-		for _, d := range h.disk {
-			shared = append(shared, d...)
+		if _, err := m.Broadcast(ctx, taskd.AllWorkers(), kindReport, req); err != nil {
+			return -1, fmt.Errorf("agent: ask the nodes what they hold: %w", err)
 		}
-		for _, n := range missing {
-			h.disk[n] = shared
+		if err := j.awaitReports(ctx, local, deadline); err != nil {
+			return -1, err
 		}
 	}
-	if perNode == 0 {
-		return -1, errors.New("agent: no node said what it holds")
-	}
-	h.nodeOf = func(rank int) int { return rank / perNode }
-	ranks := make([]int, j.nodes*perNode)
-	for i := range ranks {
-		ranks[i] = i
-	}
-	plan, whyNot := h.choose(ranks)
-	if whyNot != "" {
-		why = append(why, whyNot)
-	}
-	j.log.Info("agent: the job's step to resume from", "step", plan.step, "from_disk", plan.disk, "why", why)
-	if len(plan.disk) > 0 || plan.step < 0 && len(why) > 0 {
-		line := fmt.Sprintf("the job resumes from step %d, ranks %v from disk: %s", plan.step, plan.disk, strings.Join(why, "; "))
-		switch {
-		case plan.step < 0:
-			line = "the job starts over, with no step every rank holds in memory or on disk: " + strings.Join(why, "; ")
-		case len(plan.disk) == len(ranks):
-			line = fmt.Sprintf("the job resumes from disk step %d, not memory: %s", plan.step, strings.Join(why, "; "))
+	j.mu.Lock()
+	plan, restart, why := j.core.plan(local, deadline)
+	j.mu.Unlock()
+	j.log.Info("agent: the job's step to resume from", "step", plan.step, "from_replica", plan.replica, "from_disk", plan.disk, "restart", restart, "why", why)
+	if why != "" && (plan.step < 0 || len(plan.replica)+len(plan.disk) > 0) {
+		line := fmt.Sprintf("the job resumes from step %d", plan.step)
+		if len(plan.replica) > 0 {
+			line += fmt.Sprintf(", ranks %v from replicas in other nodes' memory", plan.replica)
 		}
+		if len(plan.disk) > 0 {
+			line += fmt.Sprintf(", ranks %v from disk", plan.disk)
+		}
+		if plan.step < 0 {
+			line = "the job starts over, with no step every rank holds in memory, in a replica or on disk"
+		}
+		line += ": " + why
 		j.log.Warn("agent: " + line)
 		if j.local != nil {
 			fmt.Fprintf(j.local.cfg.Stderr, "faultline-run: %s\n", line)
 		}
 	}
+	if m != nil && (j.core.nodes > 1 || j.local == nil) {
+		b, _ := json.Marshal(restart)
+		if _, err := m.Broadcast(ctx, taskd.AllWorkers(), kindGeneration, b); err != nil {
+			return -1, fmt.Errorf("agent: tell the nodes the restart count: %w", err)
+		}
+	}
 	return plan.step, nil
 }
 
-// wantsReports reports whether other nodes report to this store.
-func (j *jobCheckpoints) wantsReports() bool { return j.local == nil || j.nodes > 1 }
-
-// reports waits up to deadline for a report of round from every node the
-// store does not read itself, and returns them, and the nodes that did not
-// report in time. A store apart takes the newest round reported as the
-// round.
-func (j *jobCheckpoints) reports(ctx context.Context, round int, deadline time.Duration) ([]heldReport, []int, error) {
-	if !j.wantsReports() {
-		return nil, nil, nil
-	}
+// awaitReports waits until every node but the local one reported in the
+// round, or deadline passed.
+func (j *jobCheckpoints) awaitReports(ctx context.Context, local *heldReport, deadline time.Duration) error {
 	t := time.NewTimer(deadline)
 	defer t.Stop()
 	for {
 		j.mu.Lock()
 		ch := j.changed
-		want := round
-		if want < 0 {
-			for _, r := range j.held {
-				want = max(want, r.Restart)
-			}
+		var have []int
+		if local != nil {
+			have = append(have, local.Node)
 		}
-		var got []heldReport
-		for n := range j.nodes {
-			if j.local != nil && n == j.local.cfg.NodeRank {
-				continue
-			}
-			if r, ok := j.held[n]; ok && r.Restart == want {
-				got = append(got, r)
-			}
-		}
-		complete := want >= 0 && len(got) == j.nodes-btoi(j.local != nil)
-		var missing []int
-		for n := range j.nodes {
-			if j.local != nil && n == j.local.cfg.NodeRank {
-				continue
-			}
-			if r, ok := j.held[n]; !ok || r.Restart != want {
-				missing = append(missing, n)
-			}
-		}
+		missing := j.core.missing(have...)
 		j.mu.Unlock()
-		if complete {
-			return got, nil, nil
+		if len(missing) == 0 {
+			return nil
 		}
 		select {
 		case <-ch:
 		case <-t.C:
-			return got, missing, nil
+			return nil
 		case <-ctx.Done():
-			return nil, nil, ctx.Err()
+			return ctx.Err()
 		}
 	}
 }
 
-func btoi(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
+// newRound names a round of reports.
+func newRound() string {
+	b := make([]byte, 8)
+	rand.Read(b)
+	return hex.EncodeToString(b)
 }
 
 // PersistNewest has every node persist the newest step all its shards
 // hold in memory, for the dump strategy, and returns the newest step
 // committed on disk after it (-1 when it cannot tell).
 func (j *jobCheckpoints) PersistNewest(ctx context.Context) (int64, error) {
-	j.mu.Lock()
-	m := j.mgr
-	j.mu.Unlock()
-	if m == nil && j.local != nil {
-		m = j.local.mgr
-	}
-	if j.local != nil && j.nodes == 1 {
+	if j.local != nil && j.core.nodes == 1 {
 		if _, err := j.local.ckpts.persistLocal(ctx); err != nil {
 			return -1, err
 		}
 		return j.local.ckpts.diskStep(), nil
 	}
+	m := j.manager()
 	if m == nil {
 		return -1, fmt.Errorf("agent: no manager to reach the nodes through")
 	}
@@ -228,59 +200,60 @@ func (j *jobCheckpoints) PersistNewest(ctx context.Context) (int64, error) {
 	return -1, nil
 }
 
-// handler takes in the nodes' reports on the manager.
+// handler takes in the nodes' hellos and reports on the manager.
 func (j *jobCheckpoints) handler() taskd.Handler {
-	return taskd.Handler{Name: "faultline-run checkpoints", Handle: func(_ context.Context, m *taskd.Manager, ev taskd.Event) error {
+	return taskd.Handler{Name: "faultline-run checkpoints", Handle: func(ctx context.Context, m *taskd.Manager, ev taskd.Event) error {
 		j.mu.Lock()
 		j.mgr = m
 		j.mu.Unlock()
-		if ev.Kind != taskd.EventMessage || ev.Message.Kind != kindHeld {
+		if ev.Kind != taskd.EventMessage {
 			return nil
 		}
-		var r heldReport
-		if err := json.Unmarshal(ev.Message.Payload, &r); err != nil {
-			return fmt.Errorf("%s from %v: %w", kindHeld, ev.Position, err)
+		switch ev.Message.Kind {
+		case kindHello:
+			var h nodeHello
+			if err := json.Unmarshal(ev.Message.Payload, &h); err != nil {
+				return fmt.Errorf("%s from %v: %w", kindHello, ev.Position, err)
+			}
+			if h.Node != ev.Position.Node {
+				return fmt.Errorf("%s from %v speaks for node %d", kindHello, ev.Position, h.Node)
+			}
+			j.mu.Lock()
+			peers, changed := j.core.hello(h)
+			j.mu.Unlock()
+			if changed {
+				b, _ := json.Marshal(peers)
+				// Sent on its own: a handler must not wait for the workers.
+				go func() {
+					if _, err := m.Broadcast(context.WithoutCancel(ctx), taskd.AllWorkers(), kindPeers, b); err != nil {
+						j.log.Warn("agent: not every node was told its peers' replica addresses", "err", err)
+					}
+				}()
+			}
+		case kindHeld:
+			var r heldReport
+			if err := json.Unmarshal(ev.Message.Payload, &r); err != nil {
+				return fmt.Errorf("%s from %v: %w", kindHeld, ev.Position, err)
+			}
+			if r.Node != ev.Position.Node {
+				return fmt.Errorf("%s from %v speaks for node %d", kindHeld, ev.Position, r.Node)
+			}
+			j.mu.Lock()
+			if j.core.report(r) {
+				close(j.changed)
+				j.changed = make(chan struct{})
+			}
+			j.mu.Unlock()
 		}
-		if r.Node != ev.Position.Node {
-			return fmt.Errorf("%s from %v speaks for node %d", kindHeld, ev.Position, r.Node)
-		}
-		j.mu.Lock()
-		j.held[r.Node] = r
-		close(j.changed)
-		j.changed = make(chan struct{})
-		j.mu.Unlock()
 		return nil
 	}}
 }
 
-// reportHeld tells the job's manager what this node holds, once its ranks
-// are all stopped, when the manager needs it (it runs apart, or the job
-// has other nodes).
-func (a *Agent) reportHeld() {
-	if a.mgr != nil && a.cfg.Nodes == 1 {
-		return
-	}
-	for _, s := range a.slots {
-		if s.stateIs(slotRunning) || s.stateIs(slotIdle) {
-			return
-		}
-	}
-	memory, disk := a.ckpts.holdings()
-	b, _ := json.Marshal(heldReport{Node: a.cfg.NodeRank, Restart: a.slots[0].restarts(), Ranks: memory, Disk: disk})
-	for _, s := range a.slots {
-		s.mu.Lock()
-		w := s.worker
-		s.mu.Unlock()
-		if w != nil && w.Send(kindHeld, b) == nil {
-			return
-		}
-	}
-}
-
 // strategies are the recovery strategies of a job of torch.distributed
 // ranks: a process group dies with any member, so every rank is
-// restarted, and those that keep processes (retry) are out.
-var strategies = []taskd.Strategy{taskd.StrategyRecoverInPlace, taskd.StrategyDump, taskd.StrategyExit}
+// restarted (in place, or, for a lost node, by the node that replaces
+// it), and those that keep processes (retry) are out.
+var strategies = []taskd.Strategy{taskd.StrategyRecoverInPlace, taskd.StrategyRecover, taskd.StrategyDump, taskd.StrategyExit}
 
 // newPolicy is the rescheduling policy of such a job: the restart budget
 // is the agents' (Config.MaxRestarts, counted for the whole job), so the

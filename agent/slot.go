@@ -531,17 +531,8 @@ func (s *slot) serveWorkers(ctx context.Context) {
 	for ctx.Err() == nil {
 		w, err := taskd.NewWorker(taskd.WorkerConfig{Job: s.a.cfg.Job, Node: s.a.cfg.NodeRank, Rank: s.rank,
 			Upstream: s.a.mgrAddr, Security: s.a.cfg.Security, Trainer: trainer{s},
-			OnSwitch: func(sw trace.Switch) error { return s.a.applySwitch(sw) },
-			OnMessage: func(m taskd.Message) error {
-				switch m.Kind {
-				case kindPersist:
-					_, err := s.a.ckpts.persistLocal(ctx)
-					return err
-				case kindStop:
-					go s.a.stopNode(string(m.Payload))
-				}
-				return nil
-			},
+			OnSwitch:   func(sw trace.Switch) error { return s.a.applySwitch(sw) },
+			OnMessage:  func(m taskd.Message) error { return s.a.onMessage(ctx, m) },
 			Registerer: wrapRank(s.a.cfg.Registerer, s.rank), Logger: s.a.log.With("rank", s.rank)})
 		if err != nil {
 			s.a.log.Error("agent: taskd worker", "rank", s.rank, "err", err)

@@ -73,12 +73,13 @@ func (t trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 	return s.start(ctx, r.Step)
 }
 
-// Strategies offers restarting the rank (every rank, in fact) while the
+// Strategies offers restarting the rank (every rank, in fact: in place,
+// or with a lost node's ranks on the node that replaces it) while the
 // job's restart budget lasts, and dump and exit after.
 func (t trainer) Strategies(context.Context, taskd.FaultNotice) ([]taskd.Strategy, error) {
 	why, spent := t.budgetSpent()
 	if !spent {
-		return []taskd.Strategy{taskd.StrategyRecoverInPlace, taskd.StrategyDump, taskd.StrategyExit}, nil
+		return strategies, nil
 	}
 	t.s.a.stop(why)
 	return []taskd.Strategy{taskd.StrategyDump, taskd.StrategyExit}, nil

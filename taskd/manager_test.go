@@ -122,6 +122,25 @@ func TestLostAndRejoin(t *testing.T) {
 	}
 }
 
+// TestWorkerTaken: a second worker of a rank another live instance holds
+// is told so (Taken), and stops being told once the holder left and it
+// registered.
+func TestWorkerTaken(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{})
+	w := c.addWorker(0, 0)
+	testkit.WaitFor(t, "registration", w.Connected)
+	second := c.addWorker(0, 0)
+	testkit.WaitFor(t, "the second worker told the rank is taken", second.Taken)
+	if w.Taken() {
+		t.Fatal("the holder is told its rank is taken")
+	}
+	c.stop(w, w)
+	testkit.WaitFor(t, "the second worker registered", second.Connected)
+	if second.Taken() {
+		t.Fatal("a registered worker still says its rank is taken")
+	}
+}
+
 func TestDirectImpersonation(t *testing.T) {
 	c := newCluster(t, insecureSec(), ManagerConfig{})
 	w := c.addWorker(0, 0)

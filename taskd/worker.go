@@ -120,6 +120,7 @@ type Worker struct {
 	heldBy string
 
 	connected atomic.Bool
+	taken     atomic.Bool // the manager answered the last registration: another live instance holds the rank
 	finished  atomic.Bool
 	lifecycle
 }
@@ -206,6 +207,12 @@ func (w *Worker) Finish() { w.finished.Store(true) }
 // Connected reports whether the worker is registered and streaming now.
 func (w *Worker) Connected() bool { return w.connected.Load() }
 
+// Taken reports whether the manager refused this worker's last
+// registration because another live instance holds its rank: a process
+// that replaced this one elsewhere, say, while this one was cut off. It
+// is false again once a registration succeeds.
+func (w *Worker) Taken() bool { return w.taken.Load() }
+
 // Pending returns how many reports wait for the manager's acknowledgement.
 func (w *Worker) Pending() int { return w.up.queue.len() }
 
@@ -285,6 +292,7 @@ func (w *Worker) serve(ctx context.Context) error {
 		}
 		wait := bo.NextBackOff()
 		if status.Code(err) == codes.AlreadyExists {
+			w.taken.Store(true)
 			w.met.refused.Inc()
 			w.log.Warn("taskd: registration refused: another live instance holds this rank", "err", err)
 		} else {
@@ -446,6 +454,7 @@ func (w *Worker) session(ctx context.Context) error {
 		}
 	}
 	w.connected.Store(true)
+	w.taken.Store(false)
 	defer w.connected.Store(false)
 	w.log.Debug("taskd: registered", "upstream", w.cfg.Upstream)
 	g, gctx := errgroup.WithContext(sctx)

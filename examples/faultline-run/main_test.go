@@ -93,13 +93,21 @@ func start(t *testing.T, out string, flags []string, args ...string) *job {
 // startScript starts faultline-run with flags, then script with args.
 func startScript(t *testing.T, out string, flags []string, script string, args ...string) *job {
 	t.Helper()
+	return startCmd(t, exec.Command, out, nil, flags, script, args...)
+}
+
+// startCmd starts faultline-run with flags, then script with args, as
+// command makes it (exec.Command, or a host's Command to run it on that
+// host), with env added to the test's environment.
+func startCmd(t *testing.T, command func(string, ...string) *exec.Cmd, out string, env, flags []string, script string, args ...string) *job {
+	t.Helper()
 	script, _ = filepath.Abs(script)
 	argv := append([]string{"--python", torchPython, "--out", out}, flags...)
 	argv = append(argv, script)
 	argv = append(argv, args...)
 	j := &job{t: t, out: out, done: make(chan struct{})}
-	j.cmd = exec.Command(binary(t), argv...)
-	j.cmd.Env = append(os.Environ(), "OMP_NUM_THREADS=1")
+	j.cmd = command(binary(t), argv...)
+	j.cmd.Env = append(append(os.Environ(), "OMP_NUM_THREADS=1"), env...)
 	stdout, err := j.cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

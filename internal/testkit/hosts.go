@@ -36,9 +36,10 @@ type Host struct {
 	NS   string // its network namespace
 	IP   string // its address on the bridge
 	Shm  string // its /dev/shm, as seen from outside
-	veth string // the bridge's end of its link
-	peer string // its own end, inside NS
-	gone bool
+	// Iface is its network interface (inside NS), for GLOO_SOCKET_IFNAME.
+	Iface string
+	veth  string // the bridge's end of its link
+	gone  bool
 }
 
 var fabrics atomic.Int32
@@ -90,12 +91,12 @@ func (f *Fabric) AddHost() *Host {
 	i := f.n
 	f.n++
 	h := &Host{f: f,
-		Name: fmt.Sprintf("h%02d", i),
-		NS:   fmt.Sprintf("faultline-%s-%d", f.id, i),
-		IP:   fmt.Sprintf("%s%d", f.subnet, i+1),
-		Shm:  filepath.Join(f.dir, fmt.Sprintf("shm-%d", i)),
-		veth: fmt.Sprintf("fl%sh%d", f.id, i),
-		peer: fmt.Sprintf("fl%sp%d", f.id, i),
+		Name:  fmt.Sprintf("h%02d", i),
+		NS:    fmt.Sprintf("faultline-%s-%d", f.id, i),
+		IP:    fmt.Sprintf("%s%d", f.subnet, i+1),
+		Shm:   filepath.Join(f.dir, fmt.Sprintf("shm-%d", i)),
+		veth:  fmt.Sprintf("fl%sh%d", f.id, i),
+		Iface: fmt.Sprintf("fl%sp%d", f.id, i),
 	}
 	f.Hosts = append(f.Hosts, h)
 	if err := os.Mkdir(h.Shm, 0o1777); err != nil {
@@ -104,10 +105,10 @@ func (f *Fabric) AddHost() *Host {
 	f.t.Cleanup(h.remove)
 	f.run("mount", "-t", "tmpfs", "-o", "size=4g,mode=1777", "tmpfs", h.Shm)
 	f.run("ip", "netns", "add", h.NS)
-	f.run("ip", "link", "add", h.veth, "type", "veth", "peer", "name", h.peer, "netns", h.NS)
+	f.run("ip", "link", "add", h.veth, "type", "veth", "peer", "name", h.Iface, "netns", h.NS)
 	f.run("ip", "link", "set", h.veth, "master", f.bridge, "up")
-	f.run("ip", "-n", h.NS, "addr", "add", h.IP+"/24", "dev", h.peer)
-	f.run("ip", "-n", h.NS, "link", "set", h.peer, "up")
+	f.run("ip", "-n", h.NS, "addr", "add", h.IP+"/24", "dev", h.Iface)
+	f.run("ip", "-n", h.NS, "link", "set", h.Iface, "up")
 	f.run("ip", "-n", h.NS, "link", "set", "lo", "up")
 	return h
 }
@@ -166,9 +167,9 @@ func (h *Host) LinkUp() { h.f.run("ip", "link", "set", h.veth, "up") }
 // token bucket; "" lifts the limit.
 func (h *Host) Shape(rate string) {
 	h.f.t.Helper()
-	exec.Command("ip", "netns", "exec", h.NS, "tc", "qdisc", "del", "dev", h.peer, "root").Run()
+	exec.Command("ip", "netns", "exec", h.NS, "tc", "qdisc", "del", "dev", h.Iface, "root").Run()
 	if rate != "" {
-		h.f.run("ip", "netns", "exec", h.NS, "tc", "qdisc", "add", "dev", h.peer, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms")
+		h.f.run("ip", "netns", "exec", h.NS, "tc", "qdisc", "add", "dev", h.Iface, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms")
 	}
 }
 

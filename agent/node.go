@@ -1,0 +1,148 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/faultline-ml/faultline/taskd"
+)
+
+// The node's side of the messages between the agents and the job's
+// manager (job.go): what the manager asks of every node, and the hello
+// with which a node joins.
+
+// onMessage carries out a message from the job's manager. Every local
+// rank's worker gets each broadcast: a round of reports is answered once.
+func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
+	switch m.Kind {
+	case kindReport:
+		var req reportRequest
+		if err := json.Unmarshal(m.Payload, &req); err != nil {
+			return fmt.Errorf("agent: %s %q: %w", kindReport, m.Payload, err)
+		}
+		a.mu.Lock()
+		first := a.lastRound != req.Round
+		a.lastRound = req.Round
+		a.mu.Unlock()
+		if first {
+			a.ckpts.adoptDir(req.Dir)
+			go a.sendHeld(req.Round) // the broadcast waits for this to return
+		}
+	case kindGeneration:
+		var restart int
+		if err := json.Unmarshal(m.Payload, &restart); err != nil {
+			return fmt.Errorf("agent: %s %q: %w", kindGeneration, m.Payload, err)
+		}
+		a.setGeneration(restart)
+	case kindPeers:
+		var peers map[int]string
+		if err := json.Unmarshal(m.Payload, &peers); err != nil {
+			return fmt.Errorf("agent: %s %q: %w", kindPeers, m.Payload, err)
+		}
+		a.ckpts.setPeers(peers)
+	case kindPersist:
+		_, err := a.ckpts.persistLocal(ctx)
+		return err
+	case kindStop:
+		go a.stopNode(string(m.Payload))
+	}
+	return nil
+}
+
+// held is what the node holds, for round: each local rank's steps intact
+// in memory, the replicas it holds of other nodes' ranks, the steps
+// committed on its disk tier, and its restarts so far.
+func (a *Agent) held(round string) heldReport {
+	memory, disk := a.ckpts.holdings()
+	a.ckpts.mu.Lock()
+	dir := a.ckpts.dir
+	a.ckpts.mu.Unlock()
+	return heldReport{Round: round, Node: a.cfg.NodeRank, Dir: dir, Ranks: memory, Replicas: a.ckpts.replicaHoldings(), Disk: disk,
+		Restarts: a.slots[0].restarts()}
+}
+
+// sendHeld sends the node's report of round through any of its workers.
+func (a *Agent) sendHeld(round string) {
+	b, _ := json.Marshal(a.held(round))
+	a.send(kindHeld, b)
+}
+
+// send sends a message up through the first local worker that takes it.
+func (a *Agent) send(kind string, payload []byte) bool {
+	for _, s := range a.slots {
+		s.mu.Lock()
+		w := s.worker
+		s.mu.Unlock()
+		if w != nil && w.Send(kind, payload) == nil {
+			return true
+		}
+	}
+	return false
+}
+
+// setGeneration makes restart the count the node's ranks start with next,
+// unless they are past it: a node that replaces a lost one joins the
+// others' rendezvous, which is keyed by it (TORCHELASTIC_RESTART_COUNT).
+func (a *Agent) setGeneration(restart int) {
+	for _, s := range a.slots {
+		s.mu.Lock()
+		if s.starts < restart {
+			a.log.Info("agent: the job's ranks resume with restart count", "rank", s.rank, "restart", restart, "was", s.starts)
+			s.starts = restart
+		}
+		s.mu.Unlock()
+	}
+}
+
+// announce says hello to the job's manager, with the node's ranks and
+// replica address, once a local worker is registered, and again after
+// every reconnection (a manager that took over, or one restarted, learns
+// the nodes anew). It also ends the node when the job replaced it.
+func (a *Agent) announce(ctx context.Context) {
+	ranks := make([]int, len(a.slots))
+	for i, s := range a.slots {
+		ranks[i] = s.rank
+	}
+	b, _ := json.Marshal(nodeHello{Node: a.cfg.NodeRank, Ranks: ranks, Replicas: a.ckpts.replicaAddr(), Instance: a.instance})
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	said := false
+	var takenSince time.Time
+	for {
+		connected, taken := false, false
+		for _, s := range a.slots {
+			s.mu.Lock()
+			w := s.worker
+			s.mu.Unlock()
+			connected = connected || w != nil && w.Connected()
+			taken = taken || w != nil && w.Taken()
+		}
+		switch {
+		case connected && !said:
+			said = a.send(kindHello, b)
+		case !connected:
+			said = false
+		}
+		// Fenced: the job replaced this node while it was cut off or
+		// stalled; another agent's workers hold its ranks. It must not
+		// touch the job again: its ranks end.
+		switch {
+		case !taken:
+			takenSince = time.Time{}
+		case takenSince.IsZero():
+			takenSince = time.Now()
+		case time.Since(takenSince) > a.cfg.HeartbeatDeadline:
+			why := fmt.Sprintf("node %d was replaced: another agent's workers have held its ranks for %v", a.cfg.NodeRank, time.Since(takenSince).Round(time.Second))
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; this node's ranks end\n", why)
+			a.stopNode(why)
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}

@@ -1,0 +1,79 @@
+package main
+
+import (
+	"path/filepath"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
+)
+
+// The tests of a job whose nodes are hosts apart: each node a network
+// namespace with its own address, its own /dev/shm and its own disk
+// folder (testkit.Fabric), as the nodes of a cluster are.
+
+// cluster is one job run on hosts of a fabric, a faultline-run per node.
+type cluster struct {
+	t          *testing.T
+	f          *testkit.Fabric
+	dir, id    string
+	port       int
+	token      string
+	perNode    int
+	master     string // node 0's address
+	extraEnv   []string
+	sharedDisk bool // one checkpoint folder for every node
+}
+
+func newCluster(t *testing.T, hosts, perNode int) *cluster {
+	t.Helper()
+	needTorch(t)
+	f := testkit.NewFabric(t, hosts)
+	port, err := freePorts()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &cluster{t: t, f: f, dir: t.TempDir(), id: "flrun-nodes-" + randomHex(3), port: port, token: randomHex(16),
+		perNode: perNode, master: f.Hosts[0].IP}
+}
+
+// start runs node's faultline-run on h with flags, then train.py with
+// args; its --out and checkpoint folder are h's own.
+func (c *cluster) start(node int, h *testkit.Host, flags []string, args ...string) *job {
+	c.t.Helper()
+	flags = append([]string{"--nnodes", "2", "--node-rank", strconv.Itoa(node), "--nproc-per-node", strconv.Itoa(c.perNode),
+		"--master-addr", c.master, "--master-port", strconv.Itoa(c.port), "--rdzv-id", c.id}, flags...)
+	ckpt := filepath.Join(c.dir, "ckpt-"+h.Name)
+	if c.sharedDisk {
+		ckpt = filepath.Join(c.dir, "ckpt")
+	}
+	args = append([]string{"--ckpt", ckpt}, args...)
+	env := append([]string{"TASKD_TOKEN=" + c.token, "GLOO_SOCKET_IFNAME=" + h.Iface}, c.extraEnv...)
+	return startCmd(c.t, h.Command, filepath.Join(c.dir, "out-"+h.Name), env, flags, "train.py", args...)
+}
+
+// TestNodeLost: node 1 of a 2 x 2 job is SIGKILLed whole, its memory and
+// disk gone with it, and a new node 1 is started on a new address 3 s
+// later: the job goes on.
+func TestNodeLost(t *testing.T) {
+	c := newCluster(t, 2, 2)
+	c.sharedDisk = true
+	args := []string{"--steps", "60", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
+	n0 := c.start(0, c.f.Hosts[0], []string{"--max-restarts", "3"}, args...)
+	n1 := c.start(1, c.f.Hosts[1], []string{"--max-restarts", "3"}, args...)
+	n1.waitLine("[rank2]: step 37 loss", 3*time.Minute)
+	c.f.Hosts[1].Kill()
+	time.Sleep(3 * time.Second)
+	h2 := c.f.AddHost()
+	n1b := c.start(1, h2, []string{"--max-restarts", "3"}, args...)
+	for i, j := range []*job{n0, n1b} {
+		if err := j.wait(3 * time.Minute); err != nil {
+			t.Fatalf("node %d: %v\nstdout:\n%s\nstderr:\n%s", i, err, j.stdout(), j.errText())
+		}
+	}
+	<-n1.done
+	if got, want := readHash(t, filepath.Join(c.dir, "weights")), reference(t, "--steps", "60"); got != want {
+		t.Fatalf("weights after the node was replaced %s, without the fault %s", got, want)
+	}
+}
