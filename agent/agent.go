@@ -60,7 +60,7 @@ type Agent struct {
 	instance string // this agent's, new at each start: a node that replaces another says so
 
 	mu          sync.Mutex
-	lastRound   string // the round of reports answered last
+	rounds      map[string]string // by message kind: the round carried out last
 	sw          trace.Switch
 	stopped     string // why recovery stopped the job, "" while it runs
 	finished    chan struct{}
@@ -219,7 +219,7 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 			Checkpoints:  job,
 			Strategies:   strategies,
 			OnTransition: a.incident.transition,
-			Timeouts:     taskd.Timeouts{Pause: 20 * time.Second, Restart: 30 * time.Second, Resume: 60 * time.Second},
+			Timeouts:     taskd.Timeouts{Pause: 20 * time.Second, Restart: 30 * time.Second, Replace: a.cfg.NodeTimeout, Resume: 60 * time.Second},
 		},
 		Registerer: a.cfg.Registerer,
 		Logger:     a.log.With("component", "manager"),

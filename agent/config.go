@@ -92,7 +92,21 @@ type Config struct {
 	// fault is seen at once however long this is, and a loaded host's
 	// late heartbeat is no loss.
 	HeartbeatDeadline time.Duration
+	// NodeTimeout is how long node 0's manager waits, once a node is lost
+	// (its agent silent past HeartbeatDeadline), for a node of the same
+	// node rank to join on any host and take its ranks; past it the job
+	// ends (default 10 minutes).
+	NodeTimeout time.Duration
+	// Replicas is how many other nodes hold a copy of each rank's newest
+	// memory step, so that a lost node's ranks resume from their peers'
+	// memory (default 1 when the job has several nodes; negative: none).
+	// ReplicaPort is the first port of the node's replica servers, one
+	// per local rank (default MasterPort+2 plus NodeRank*ProcsPerNode, so
+	// that nodes sharing a host do not collide).
+	Replicas    int
+	ReplicaPort int
 	// Security of the control plane; required (Insecure for loopback).
+	// Its token also keys the replicas' transfers.
 	Security taskd.Security
 	// Env is added to each rank's environment (default os.Environ()).
 	Env []string
@@ -135,6 +149,10 @@ func (c Config) Validate() error {
 		return bad("GracePeriod", c.GracePeriod, "negative")
 	case c.CollectiveTimeout < 0:
 		return bad("CollectiveTimeout", c.CollectiveTimeout, "negative")
+	case c.NodeTimeout < 0:
+		return bad("NodeTimeout", c.NodeTimeout, "negative")
+	case c.ReplicaPort < 0 || c.ReplicaPort > 65535:
+		return bad("ReplicaPort", c.ReplicaPort, "outside [0, 65535]")
 	case c.Module && c.NoPython:
 		return bad("Module", c.Module, "a module needs Python: drop NoPython")
 	}
@@ -149,6 +167,11 @@ func (c *Config) setDefaults() {
 	c.MonitorInterval = cmp.Or(c.MonitorInterval, 20*time.Millisecond)
 	c.GracePeriod = cmp.Or(c.GracePeriod, 30*time.Second)
 	c.HeartbeatDeadline = cmp.Or(c.HeartbeatDeadline, 10*time.Second)
+	c.NodeTimeout = cmp.Or(c.NodeTimeout, 10*time.Minute)
+	if c.Replicas == 0 && c.Nodes > 1 {
+		c.Replicas = 1
+	}
+	c.ReplicaPort = cmp.Or(c.ReplicaPort, c.MasterPort+2+c.NodeRank*c.ProcsPerNode)
 	c.Python = cmp.Or(c.Python, "python3")
 	c.Out = cmp.Or(c.Out, "faultline-out")
 	if abs, err := filepath.Abs(c.Out); err == nil {

@@ -213,6 +213,9 @@ func (a *Agent) hangFault(s *slot, f hang.Fault) {
 	}
 	fmt.Fprintf(a.cfg.Stderr, "faultline-run: rank %d: %s\n", s.rank, f)
 	culprits, where := a.diagnoseHang(in)
+	if a.cfg.Nodes > 1 {
+		go a.sendStacks("", f.String())
+	}
 	if len(culprits) == 0 {
 		culprits = []int{s.rank}
 	}

@@ -186,6 +186,25 @@ func (in *incidents) hang(f hang.Fault, now time.Time) (*Incident, bool) {
 	return c, first
 }
 
+// current returns the open incident, nil when none is.
+func (in *incidents) current() *Incident {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return in.cur
+}
+
+// setVerdict records c's job-wide hang verdict: the rank it names, on
+// whatever node, is the incident's root cause.
+func (in *incidents) setVerdict(c *Incident, verdict string, culprits []int) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	c.Verdict = verdict
+	if len(culprits) > 0 {
+		c.Fault = IncidentFault{Kind: string(taskd.FaultHang), Rank: culprits[0], Message: strings.TrimPrefix(verdict, "Culprit: "), Time: c.Fault.Time}
+		c.Evidence = "the job-wide merge of every rank's stacks"
+	}
+}
+
 // stackDir is where the open incident keeps the ranks' stacks.
 func (in *incidents) stackDir() string {
 	in.mu.Lock()
@@ -420,12 +439,18 @@ func (a *Agent) diagnoseHang(c *Incident) ([]int, string) {
 	if _, err := merged.WriteFiles(c.Dir); err != nil {
 		a.log.Warn("agent: merged stacks not written", "err", err)
 	}
-	culprits, where := hang.Culprit(got, a.ownFrame)
+	culprits, where := hang.Culprit(got, ownFrame(a.cfg.PythonPath))
 	var b bytes.Buffer
 	fmt.Fprintf(&b, "Hang: %s\n", c.Fault.Message)
-	if len(culprits) > 0 {
+	switch {
+	case a.cfg.Nodes > 1:
+		// A rank alone in its code here may be where every rank of the
+		// other nodes is: the job-wide merge (takeVerdict) names the culprit.
+		culprits, where = nil, ""
+		fmt.Fprintf(&b, "Culprit: partial, the stacks of node %d's ranks alone, which name no culprit; the job-wide verdict replaces this one.\n", a.cfg.NodeRank)
+	case len(culprits) > 0:
 		fmt.Fprintf(&b, "Culprit: %s.\n", where)
-	} else {
+	default:
 		b.WriteString("Culprit: the stacks single out no rank: every rank is in the same code.\n")
 	}
 	fmt.Fprintf(&b, "Stacks of %d ranks, taken by faulthandler on each at %s.\n\n", len(got), time.Now().Format(time.RFC3339Nano))

@@ -41,6 +41,8 @@ type jobCheckpoints struct {
 	// the state's size (reportDeadline), or reportTimeout apart.
 	deadline time.Duration
 
+	hangs hangRounds
+
 	mu      sync.Mutex
 	core    *jobCore
 	mgr     *taskd.Manager // learned from the handler's calls
@@ -48,7 +50,9 @@ type jobCheckpoints struct {
 }
 
 func newJobCheckpoints(nodes int, local *Agent, log *slog.Logger) *jobCheckpoints {
-	return &jobCheckpoints{local: local, log: log, core: newJobCore(nodes), changed: make(chan struct{})}
+	j := &jobCheckpoints{local: local, log: log, core: newJobCore(nodes), changed: make(chan struct{})}
+	j.hangs.j = j
+	return j
 }
 
 // reportTimeout bounds how long LoadNewest waits for every node's report
@@ -230,6 +234,15 @@ func (j *jobCheckpoints) handler() taskd.Handler {
 					}
 				}()
 			}
+		case kindStacks:
+			var st stacksMsg
+			if err := json.Unmarshal(ev.Message.Payload, &st); err != nil {
+				return fmt.Errorf("%s from %v: %w", kindStacks, ev.Position, err)
+			}
+			if st.Node != ev.Position.Node {
+				return fmt.Errorf("%s from %v speaks for node %d", kindStacks, ev.Position, st.Node)
+			}
+			j.hangs.take(ctx, m, st)
 		case kindHeld:
 			var r heldReport
 			if err := json.Unmarshal(ev.Message.Payload, &r); err != nil {

@@ -22,11 +22,7 @@ func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
 		if err := json.Unmarshal(m.Payload, &req); err != nil {
 			return fmt.Errorf("agent: %s %q: %w", kindReport, m.Payload, err)
 		}
-		a.mu.Lock()
-		first := a.lastRound != req.Round
-		a.lastRound = req.Round
-		a.mu.Unlock()
-		if first {
+		if a.firstOf(kindReport, req.Round) {
 			a.ckpts.adoptDir(req.Dir)
 			go a.sendHeld(req.Round) // the broadcast waits for this to return
 		}
@@ -42,6 +38,18 @@ func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
 			return fmt.Errorf("agent: %s %q: %w", kindPeers, m.Payload, err)
 		}
 		a.ckpts.setPeers(peers)
+	case kindDump:
+		if a.firstOf(kindDump, string(m.Payload)) {
+			go a.sendStacks(string(m.Payload), "asked by the manager: a hang on another node")
+		}
+	case kindVerdict:
+		var v verdictMsg
+		if err := json.Unmarshal(m.Payload, &v); err != nil {
+			return fmt.Errorf("agent: %s: %w", kindVerdict, err)
+		}
+		if a.firstOf(kindVerdict, v.Round) {
+			go a.takeVerdict(v)
+		}
 	case kindPersist:
 		_, err := a.ckpts.persistLocal(ctx)
 		return err
@@ -49,6 +57,19 @@ func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
 		go a.stopNode(string(m.Payload))
 	}
 	return nil
+}
+
+// firstOf reports whether round is new for messages of kind: every local
+// rank's worker gets each broadcast, which the node carries out once.
+func (a *Agent) firstOf(kind, round string) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.rounds == nil {
+		a.rounds = map[string]string{}
+	}
+	first := a.rounds[kind] != round
+	a.rounds[kind] = round
+	return first
 }
 
 // held is what the node holds, for round: each local rank's steps intact

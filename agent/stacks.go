@@ -92,13 +92,17 @@ func procState(pid int) string {
 
 // ownFrame says whether a stack frame is the job's own Python code: not
 // the interpreter's library or torch (whose paths the stack parser
-// shortened) and not the faultline package.
-func (a *Agent) ownFrame(k hang.Kind, f hang.Frame) bool {
-	switch {
-	case k != hang.KindPython || !filepath.IsAbs(f.File):
-		return false
-	case a.cfg.PythonPath != "" && strings.HasPrefix(f.File, a.cfg.PythonPath+string(filepath.Separator)):
-		return false
+// shortened) and not the faultline package, extracted under pythonPaths.
+func ownFrame(pythonPaths ...string) func(hang.Kind, hang.Frame) bool {
+	return func(k hang.Kind, f hang.Frame) bool {
+		if k != hang.KindPython || !filepath.IsAbs(f.File) {
+			return false
+		}
+		for _, p := range pythonPaths {
+			if p != "" && strings.HasPrefix(f.File, p+string(filepath.Separator)) {
+				return false
+			}
+		}
+		return true
 	}
-	return true
 }

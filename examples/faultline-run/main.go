@@ -43,6 +43,12 @@
 //	                          recovers the job (default 10s; heartbeats every sixth of it)
 //	--grace-period D          after SIGTERM or SIGINT, the time to end in (default 30s; keep it under a
 //	                          pod's terminationGracePeriodSeconds)
+//	--node-timeout D          how long the job waits, once a node is lost (silent past --heartbeat-deadline),
+//	                          for a node with its --node-rank to join on any host and take its ranks, which
+//	                          resume from their copies in the other nodes' memory (default 10m)
+//	--replicas K              how many other nodes hold a copy of each rank's newest memory step (default 1
+//	                          with several nodes; -1: none); --replica-port P is the first of the node's
+//	                          replica servers' ports, one per local rank
 //	--metrics-listen ADDR     serve the agent's Prometheus metrics on ADDR (/metrics): each rank's
 //	                          checkpoint, dotting and hang metrics, labelled by rank, node 0's manager's,
 //	                          and faultline_agent_async_saves_abandoned_total
@@ -195,6 +201,9 @@ func parse(args []string) (options, error) {
 		grace       = fs.Duration("grace-period", 30*time.Second, "after SIGTERM or SIGINT, the time to end in: the ranks have three quarters of it to exit, the persist of the newest step in memory the rest")
 		verbose     = fs.Bool("v", false, "log the agent's and the control plane's work")
 		metrics     = fs.String("metrics-listen", "", "address to serve the agent's Prometheus metrics on (/metrics)")
+		nodeTimeout = fs.Duration("node-timeout", 10*time.Minute, "how long the job waits for a node that replaces a lost one (same --node-rank, any host)")
+		replicas    = fs.Int("replicas", 0, "other nodes that hold a copy of each rank's newest memory step (default 1 with several nodes; -1: none)")
+		replicaPort = fs.Int("replica-port", 0, "first port of the node's replica servers, one per local rank (default --master-port + 2 + node rank x ranks per node)")
 	)
 	// torchrun's underscore spellings.
 	for _, alias := range []struct{ old, new string }{{"nproc_per_node", "nproc-per-node"}, {"node_rank", "node-rank"},
@@ -214,7 +223,8 @@ func parse(args []string) (options, error) {
 	cfg := &opts.Config
 	*cfg = agent.Config{Command: cmd, NodeRank: *nodeRank, MasterAddr: *masterAddr, MasterPort: *masterPort,
 		MaxRestarts: *maxRestarts, NoPython: *noPython, Module: *module, Python: *pythonExe, CollectiveTimeout: *collTimeout,
-		Out: *out, Manager: *manager, NoSpares: *noSpares, GracePeriod: *grace, HeartbeatDeadline: *heartbeat}
+		Out: *out, Manager: *manager, NoSpares: *noSpares, GracePeriod: *grace, HeartbeatDeadline: *heartbeat,
+		NodeTimeout: *nodeTimeout, Replicas: *replicas, ReplicaPort: *replicaPort}
 	var err error
 	if cfg.Nodes, err = parseNodes(*nnodes); err != nil {
 		return opts, err

@@ -1,8 +1,10 @@
 package main
 
 import (
+	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -75,5 +77,31 @@ func TestNodeLost(t *testing.T) {
 	<-n1.done
 	if got, want := readHash(t, filepath.Join(c.dir, "weights")), reference(t, "--steps", "60"); got != want {
 		t.Fatalf("weights after the node was replaced %s, without the fault %s", got, want)
+	}
+}
+
+// TestHangJobWide: rank 3, on node 1, blocks in its data loader while
+// ranks 0 to 2 wait in the all-reduce: each node sees a 1-1 or 2-0 split
+// of its own two ranks, and only the stacks of all four name the culprit.
+// Both nodes' incidents hold the job-wide verdict: rank 3, in get_batch.
+func TestHangJobWide(t *testing.T) {
+	c := newCluster(t, 2, 2)
+	args := []string{"--steps", "30", "--hang-rank", "3", "--hang-step", "10"}
+	flags := []string{"--max-restarts", "1", "--collective-timeout", "3s"}
+	jobs := []*job{c.start(0, c.f.Hosts[0], flags, args...), c.start(1, c.f.Hosts[1], flags, args...)}
+	for i, j := range jobs {
+		if err := j.wait(3 * time.Minute); err != nil {
+			t.Fatalf("node %d: %v\nstderr:\n%s", i, err, j.errText())
+		}
+	}
+	for i, j := range jobs {
+		in := j.incidents()
+		if len(in) == 0 || !strings.Contains(in[0].Verdict, "rank 3 in get_batch") || in[0].Fault.Rank != 3 {
+			t.Fatalf("node %d's incident: %+v\nstderr:\n%s", i, in, j.errText())
+		}
+		b, err := os.ReadFile(filepath.Join(in[0].Dir, "verdict.txt"))
+		if err != nil || !strings.Contains(string(b), "Job-wide: the stacks of 4 ranks on nodes [0 1]") {
+			t.Fatalf("node %d's verdict.txt (%v):\n%s", i, err, b)
+		}
 	}
 }
