@@ -626,6 +626,9 @@ _STAGE = 32 << 20
 
 # The padding between tensors in a data blob.
 _ZEROS = memoryview(bytes(_state.ALIGN))
+# A save with blocking=False copies tensors up to this size before it
+# returns, and the larger ones in the background.
+_SYNC_BYTES = 64 << 10
 
 
 def _check_tensor(t, path):
@@ -702,7 +705,10 @@ class Checkpointer:
         (the previous step stays).
 
         With blocking=False the call returns as soon as the save began: its
-        tensors are copied in a thread of their own while training goes on.
+        tensors of up to 64 KiB (BatchNorm's running statistics, an
+        optimizer's step counts: what the next forward or step changes
+        first) are copied before it returns, the larger ones in a thread of
+        their own while training goes on.
         Once the copy is done, the save becomes the newest step at the
         first moment the main thread runs Python code again (a pending
         call: no tensor operation of that thread is in flight then),
@@ -769,18 +775,21 @@ class Checkpointer:
         persist = storage_type is StorageType.DISK
         seg = self._segment(need)
 
-        def write(i, off):
+        def write(i, off, small=None):
+            # small: True writes the meta and the small items alone, False
+            # all else, None everything.
             if i == 0:
-                seg.mv[off:off + len(meta)] = meta
+                if small is not False:
+                    seg.mv[off:off + len(meta)] = meta
                 return
             end = off
             for o, k in data[i - 1]:
                 o += off
-                if o > end:  # alignment: zeros, not what was there before
+                if o > end and small is not True:  # alignment: zeros
                     seg.mv[end:o] = _ZEROS[:o - end]
                 x, n = items[k], nbytes[k]
                 end = o + n
-                if n == 0:
+                if n == 0 or small is not None and small != (n <= _SYNC_BYTES):
                     continue
                 dst = seg.tensor[o:end]
                 if not isinstance(x, torch.Tensor):
@@ -791,7 +800,6 @@ class Checkpointer:
                 else:
                     self._from_device(dst, x)
 
-        tensors = [x for x in items if isinstance(x, torch.Tensor)]
         with faultline.span("save_checkpoint"), torch.no_grad():
             save = seg.save if blocking else seg.begin
             args = (step, names, sizes, write, persist) if blocking else \
@@ -810,7 +818,16 @@ class Checkpointer:
             if done is None:
                 return False
             if not blocking:
-                self._pending = _AsyncSave(done, write, tensors, persist)
+                # Small tensors are copied now: BatchNorm's running
+                # statistics and the like, which the next forward changes
+                # long before a copy in the background would reach them.
+                for i, off in enumerate(done.offsets):
+                    write(i, done.base + off, small=True)
+                large = [x for x, n in zip(items, nbytes)
+                         if isinstance(x, torch.Tensor) and n > _SYNC_BYTES]
+                self._pending = _AsyncSave(
+                    done, lambda i, off: write(i, off, small=False), large,
+                    persist)
                 return True
         self._saved(step, persist)
         return True

@@ -1,5 +1,7 @@
 """Saves every step with blocking=False, as the bug report's loop does;
-rank 1 SIGKILLs itself at step 15 of the first run. argv: CKPT_DIR."""
+rank 1 SIGKILLs itself at step 15 of the first run. argv: CKPT_DIR [bn]:
+with bn, the model has a BatchNorm, whose running statistics the next
+forward changes at once."""
 
 import os
 import signal
@@ -15,7 +17,10 @@ rank = dist.get_rank()
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 ft.init()
 torch.manual_seed(0)
-model = torch.nn.Linear(8, 8)
+if sys.argv[2:] == ["bn"]:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8))
+else:
+    model = torch.nn.Linear(8, 8)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 ck = ft.Checkpointer(sys.argv[1])
 st = ck.load_checkpoint()
