@@ -47,6 +47,8 @@ func runChild(role string) int {
 		err = childPeer()
 	case "sender":
 		err = childSender()
+	case "node":
+		err = childNode()
 	case "shard":
 		err = childShard()
 	default:
