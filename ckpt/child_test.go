@@ -49,6 +49,10 @@ func runChild(role string) int {
 		err = childSender()
 	case "node":
 		err = childNode()
+	case "benchnode":
+		err = childBenchNode()
+	case "benchpeer":
+		err = childBenchPeer()
 	case "shard":
 		err = childShard()
 	default:
