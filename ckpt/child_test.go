@@ -47,6 +47,12 @@ func runChild(role string) int {
 		err = childPeer()
 	case "sender":
 		err = childSender()
+	case "node":
+		err = childNode()
+	case "benchnode":
+		err = childBenchNode()
+	case "benchpeer":
+		err = childBenchPeer()
 	case "shard":
 		err = childShard()
 	default:

@@ -68,13 +68,44 @@
 //
 // # Replicas
 //
-// Each new save is sent point to point over TCP to Replicas peers chosen
-// by PickPeers, in another failure domain (the ASW a node hangs under,
-// given by the caller) when there is one. Both ends verify the meta
-// checksum and every blob's CRC as the bytes arrive, and the receiver
-// writes into the inactive half of a replica segment, so a transfer cut
-// short by either side's death leaves the previous copy intact. A replaced
-// node (same name) restores its shards from the peers that PickPeers names.
+// A node agent's Run sends each shard's newest sealed step, in the
+// background, point to point over TCP to Replicas peers (OwnerConfig.Peers,
+// node name to address) chosen by PickPeers: in another failure domain
+// (Domains, the ASW a node hangs under) when there is one, so that a lost
+// node or switch does not take a shard and its copies together. A save
+// never waits for a transfer: the half being sent is pinned only while the
+// other half is free for the save, and when a save needs it (the other
+// half waits for a persist) the transfer gives way and is given up
+// (ErrSuperseded). Steps saved faster than the link carries them are
+// skipped, newest first: when a transfer ends, the next one sends the
+// newest step, so a peer holds a step at most one transfer and one save
+// behind (BenchmarkSaveWithReplicas). The receiver checks the meta
+// checksum and every blob's CRC32C as the bytes arrive and writes them
+// into the half of its replica segment (ReplicaPath) that does not hold
+// its newest copy, or into a new, larger segment that replaces it only
+// once whole: a transfer cut short by either side's death, or given up,
+// leaves the previous copy intact. A replica of a shard from a node's
+// replacement (same name, new address) supersedes the replaced node's as
+// any newer save does. Replica segments live in shared memory like the
+// shards' own, so an agent that restarts on the node (Close, or SIGKILL,
+// then NewOwner) serves the replicas it held; Owner.Replicas lists them,
+// what an agent tells the job's manager so that it knows which node holds
+// which shard's step. SetPeers changes the peers while Run runs (a node
+// replaced on a new address), and Run then sends each shard's newest step
+// to the peers it now picks.
+//
+// Every transfer starts with a handshake in which each side proves, over
+// the other's fresh nonce, that it holds OwnerConfig.ReplicaKey
+// (HMAC-SHA256), before any shard byte moves: a peer with another key, or
+// none, or of another protocol version, is refused with ErrRefused and an
+// error that says which, on both sides.
+//
+// Owner.Restore makes a shard's segment hold a given step, from memory,
+// else a peer's replica (fetched over TCP straight into the segment,
+// every CRC checked on arrival), else the disk tier, and reports in
+// LoadReport.Refused why each tier before the one that served did not:
+// what a replacement node's agent, with empty memory, calls before it
+// starts its trainers, which then load the step from memory.
 //
 // # Loading
 //
@@ -102,12 +133,14 @@
 // _save_bytes_total, _save_skipped_total (writer); _seal_seconds, _persist_seconds,
 // _persist_bytes_total, _persist_failures_total, _commits_total,
 // _crc_failures_total, _loads_total{tier}, _replica_bytes_total{direction},
-// _replica_failures_total (owner). Each Writer and Owner registers its
+// _replica_failures_total, _replica_refused_total,
+// _replica_abandoned_total (owner). Each Writer and Owner registers its
 // collectors in its constructor and unregisters them in Close; two on one
 // Registerer collide, which is an error of the second constructor: give
 // each a Registerer wrapped with its own label
 // (prometheus.WrapRegistererWith). Spans: ckpt.Save, ckpt.LoadMemory,
-// ckpt.Seal, ckpt.Persist, ckpt.Replicate, ckpt.Load, ckpt.FetchReplica.
+// ckpt.Seal, ckpt.Persist, ckpt.Replicate, ckpt.Load, ckpt.FetchReplica,
+// ckpt.Restore.
 //
 // # FORMAT
 //
@@ -132,7 +165,10 @@
 // targets, and FAULTLINE_CKPT_BENCH_DIR puts the disk benchmarks on
 // another filesystem. Each reports, beside its own figures, its bandwidth
 // as a fraction of its baseline measured in the same iterations
-// (x-memcpy, x-crc32, x-rawwrite). A verified load checksums each MiB of
+// (x-memcpy, x-crc32, x-rawwrite, x-no-replicas: BenchmarkSaveWithReplicas
+// times a save whose agent replicates beside one whose agent does not, over
+// loopback and, as root, between network namespaces over a link that tc
+// shapes to FAULTLINE_CKPT_BENCH_LINK, 1gbit by default). A verified load checksums each MiB of
 // shared memory and then copies it from the cache with streaming stores,
 // so it moves the bytes memcpy moves; one EPYC core loads at about 0.5x
 // memcpy, and LoadMemory's x-memcpy shows how much of a second core and of

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"net"
 	"os"
 	"path/filepath"
 	"runtime/debug"
@@ -163,7 +162,7 @@ func (o *Owner) load(ctx context.Context, shard int, step int64) (ck *Checkpoint
 		disk = diskSteps(o.cfg.Dir, shard)
 	}
 	fetch := func() (*Checkpoint, error) {
-		if len(o.cfg.Peers) == 0 || o.cfg.Replicas < 0 {
+		if len(o.peers.Load().order) == 0 || o.cfg.Replicas < 0 {
 			return nil, errors.New("no peers configured")
 		}
 		return o.fetch(ctx, seg, -1)
@@ -353,7 +352,7 @@ func (o *Owner) loadGiven(ctx context.Context, seg *segment, step int64, rep *Lo
 		return served(TierMemory, c)
 	}
 	refuse(TierMemory, err)
-	if len(o.cfg.Peers) == 0 || o.cfg.Replicas < 0 {
+	if len(o.peers.Load().order) == 0 || o.cfg.Replicas < 0 {
 		refuse(TierReplica, errors.New("no peers configured"))
 	} else if c, err := o.fetch(ctx, seg, step); err != nil {
 		refuse(TierReplica, err)
@@ -404,31 +403,31 @@ func (o *Owner) loadStep(seg *segment, step int64, rep *LoadReport) (*Checkpoint
 
 // fetch asks peers for their copy of seg's shard at step (-1: newest),
 // in PickPeers's order (so those that received this node's saves first),
-// restores it into seg and copies it out.
+// restores it into seg (grown if the copy does not fit) and copies it out.
 func (o *Owner) fetch(ctx context.Context, seg *segment, step int64) (*Checkpoint, error) {
 	shard := seg.hdr.Shard
 	ctx, span := o.tracer.Start(ctx, "ckpt.FetchReplica", trace.WithAttributes(attribute.Int("ckpt.shard", shard)))
 	defer span.End()
+	ps := o.peers.Load()
 	var errs []error
-	for _, p := range o.peers {
-		m, _, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (layout.StepMeta, int64, error) {
-			m, err := getReplica(conn, shard, step, o.cfg.IOTimeout, func(need int64) (*segment, error) {
-				if need > seg.hdr.HalfSize {
-					return nil, fmt.Errorf("%w: replica needs %d bytes per half, %s has %d: restart the owner with OwnerConfig.Capacity %d or more to restore it",
-						ErrTooLarge, need, seg.path, seg.hdr.HalfSize, need)
-				}
-				return seg, nil
-			})
-			return m, m.DataSize(), err
-		})
+	for _, p := range ps.order {
+		addr := ps.addrs[p]
+		c, err := func() (*Checkpoint, error) {
+			t := restoreTarget{o: o, seg: seg}
+			defer t.release()
+			m, err := o.getReplica(ctx, addr, shard, step, t.open)
+			if err != nil {
+				return nil, err
+			}
+			o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
+			c, err := o.loadStep(t.to, m.Step, nil)
+			if err != nil {
+				return nil, fmt.Errorf("restored step %d: %w", m.Step, err)
+			}
+			return c, nil
+		}()
 		if err != nil {
-			errs = append(errs, fmt.Errorf("peer %s: %w", p, err))
-			continue
-		}
-		o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
-		c, err := o.loadStep(seg, m.Step, nil)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("peer %s: restored step %d: %w", p, m.Step, err))
+			errs = append(errs, fmt.Errorf("peer %s (%s): %w", p, addr, err))
 			continue
 		}
 		return c, nil

@@ -58,16 +58,18 @@ func newWriterMetrics(reg prometheus.Registerer) (*writerMetrics, error) {
 
 // ownerMetrics are an Owner's collectors.
 type ownerMetrics struct {
-	reg             *promreg.Registrar
-	sealSeconds     prometheus.Histogram
-	persistSeconds  prometheus.Histogram
-	persistBytes    prometheus.Counter
-	persistFailures prometheus.Counter
-	commits         prometheus.Counter
-	crcFailures     prometheus.Counter
-	loads           *prometheus.CounterVec
-	replicaBytes    *prometheus.CounterVec
-	replicaFailures prometheus.Counter
+	reg              *promreg.Registrar
+	sealSeconds      prometheus.Histogram
+	persistSeconds   prometheus.Histogram
+	persistBytes     prometheus.Counter
+	persistFailures  prometheus.Counter
+	commits          prometheus.Counter
+	crcFailures      prometheus.Counter
+	loads            *prometheus.CounterVec
+	replicaBytes     *prometheus.CounterVec
+	replicaFailures  prometheus.Counter
+	replicaRefused   prometheus.Counter
+	replicaAbandoned prometheus.Counter
 }
 
 func newOwnerMetrics(reg prometheus.Registerer) (*ownerMetrics, error) {
@@ -112,6 +114,14 @@ func newOwnerMetrics(reg prometheus.Registerer) (*ownerMetrics, error) {
 		replicaFailures: f.NewCounter(prometheus.CounterOpts{
 			Name: "faultline_ckpt_replica_failures_total",
 			Help: "Replica transfers that failed.",
+		}),
+		replicaRefused: f.NewCounter(prometheus.CounterOpts{
+			Name: "faultline_ckpt_replica_refused_total",
+			Help: "Replica requests this owner's server refused before any shard byte moved: a client without the replica key, with another, of another protocol version, or no replica client.",
+		}),
+		replicaAbandoned: f.NewCounter(prometheus.CounterOpts{
+			Name: "faultline_ckpt_replica_abandoned_total",
+			Help: "Replica transfers given up because the trainer saved over the step being sent, having no other half to save into.",
 		}),
 	}
 	return m, register(r)

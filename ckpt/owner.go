@@ -1,12 +1,12 @@
 package ckpt
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
 	"net"
 	"os"
 	"path/filepath"
@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -68,7 +69,8 @@ type OwnerConfig struct {
 	// "" serves none.
 	ListenAddr string
 	// Peers maps each node of the job to the address of its replica
-	// server. Empty: no replicas.
+	// server (its ListenAddr as the others reach it); Owner.SetPeers
+	// replaces it while the owner runs. Empty: no replicas.
 	Peers map[string]string
 	// Domains maps nodes to failure domains (the ASW above them) so that
 	// replicas go to another domain; nil: any peer.
@@ -78,6 +80,16 @@ type OwnerConfig struct {
 	Replicas int
 	// IOTimeout bounds a stalled replica transfer; default 30s.
 	IOTimeout time.Duration
+	// ReplicaKey is the secret that replica transfers prove they hold,
+	// both ways, before any shard byte moves (HMAC-SHA256 over each side's
+	// fresh nonce, version 3 of the protocol in replicawire.go): give every
+	// node of a job the same one, such as a key derived from the control
+	// plane's token, and no one without it reads or writes a shard through
+	// ListenAddr, nor plays a recorded transfer again. A peer that holds
+	// another key, or none, is refused (ErrRefused) and counted. nil:
+	// none, and anyone who reaches ListenAddr may put or get a shard.
+	// Keys shorter than 16 bytes are refused.
+	ReplicaKey []byte
 
 	Registerer     prometheus.Registerer // nil: metrics off
 	TracerProvider trace.TracerProvider  // nil: no spans
@@ -103,6 +115,8 @@ func (c OwnerConfig) Validate() error {
 		return fmt.Errorf("ckpt: OwnerConfig.IOTimeout is %v, want >= 0", c.IOTimeout)
 	case len(c.Peers) > 0 && c.Node == "":
 		return errors.New("ckpt: OwnerConfig.Node is empty but Peers is set")
+	case len(c.ReplicaKey) > 0 && len(c.ReplicaKey) < minKeySize:
+		return fmt.Errorf("ckpt: OwnerConfig.ReplicaKey has %d bytes, want none or at least %d", len(c.ReplicaKey), minKeySize)
 	}
 	seen := map[int]bool{}
 	for i, s := range c.Shards {
@@ -126,8 +140,12 @@ func (c OwnerConfig) withDefaults() OwnerConfig {
 	c.PollInterval = cmp.Or(c.PollInterval, 100*time.Millisecond)
 	c.Replicas = cmp.Or(c.Replicas, 1)
 	c.IOTimeout = cmp.Or(c.IOTimeout, 30*time.Second)
+	c.ReplicaKey = bytes.Clone(c.ReplicaKey)
 	return c
 }
+
+// minKeySize is the shortest OwnerConfig.ReplicaKey.
+const minKeySize = 16
 
 // Owner is the node agent's side of the memory tier. It creates and keeps
 // one segment per local shard (so that a trainer's death loses nothing it
@@ -143,9 +161,7 @@ type Owner struct {
 	tracer    trace.Tracer
 	log       *slog.Logger
 	ln        net.Listener
-	// peers are the other nodes of Peers in PickPeers's order of
-	// preference: the first Replicas of them receive this node's saves.
-	peers []string
+	peers     atomic.Pointer[peerSet] // OwnerConfig.Peers, then SetPeers's
 
 	// ops is held for reading by every operation that touches a segment,
 	// and for writing by Close, which unmaps them.
@@ -161,6 +177,7 @@ type Owner struct {
 	persisting sync.Map // shard -> *sync.Mutex: one persist per shard at a time
 	sealing    sync.Map // shard -> *sync.Mutex: one sealer per shard at a time
 	verified   sync.Map // halfKey -> halfVersion: the version of a half whose CRCs held
+	sent       sync.Map // shard -> uint64: the seq of the newest save a peer took
 }
 
 // NewOwner creates (or reopens, keeping their steps) the segments of
@@ -184,7 +201,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 		replicas: map[int]*replicaSlot{},
 		conns:    map[net.Conn]bool{},
 	}
-	o.peers = PickPeers(cfg.Node, slices.Collect(maps.Keys(cfg.Peers)), cfg.Domains, len(cfg.Peers))
+	o.peers.Store(newPeerSet(cfg.Node, cfg.Peers, cfg.Domains, 0))
 	o.committer = cfg.Committer
 	if o.committer == nil && cfg.Dir != "" {
 		o.committer = &LocalCommitter{Dir: cfg.Dir, Retention: cfg.Retention, OnCommit: o.onCommit}
@@ -218,11 +235,16 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 }
 
 // sweep removes what a killed predecessor left half made for this node's
-// shards: temporary segment files and the larger replica segments of cut
-// transfers in ShmDir, and temporary shard files in the step directories.
-// Other nodes' files, on a shared disk, are left alone.
+// shards: temporary segment files and, if it serves replicas, the larger
+// replica segments of cut transfers in ShmDir, and temporary shard files
+// in the step directories. Other nodes' files, on a shared disk, are left
+// alone, and so are the replicas that another owner of the node (one per
+// local shard, say) may be receiving.
 func (o *Owner) sweep() {
-	globs := []string{filepath.Join(o.cfg.ShmDir, o.cfg.Name+"-replica-*.next")}
+	var globs []string
+	if o.cfg.ListenAddr != "" {
+		globs = append(globs, filepath.Join(o.cfg.ShmDir, o.cfg.Name+"-replica-*.next"))
+	}
 	for _, s := range o.cfg.Shards {
 		globs = append(globs, filepath.Join(o.cfg.ShmDir, "."+filepath.Base(o.SegmentPath(s))+".tmp-*"))
 		if o.cfg.Dir != "" {
@@ -313,7 +335,7 @@ func (o *Owner) remap() error {
 func (o *Owner) seg(shard int) (*segment, error) {
 	s, ok := o.segs[shard]
 	if !ok {
-		return nil, fmt.Errorf("ckpt: shard %d is not local (local: %v)", shard, o.cfg.Shards)
+		return nil, fmt.Errorf("ckpt: shard %d is %w (local: %v)", shard, errNotLocal, o.cfg.Shards)
 	}
 	return s, nil
 }
@@ -342,7 +364,8 @@ func (o *Owner) Run(ctx context.Context) error {
 	}
 
 	lastPersist := map[int]uint64{}
-	lastReplica := map[int]uint64{}
+	type tried struct{ seq, peers uint64 } // a save, sent to the peers of a SetPeers
+	lastReplica := map[int]tried{}
 	var busy sync.Map // "p3", "r3": a goroutine works on it
 	start := func(key string, f func()) {
 		if _, running := busy.LoadOrStore(key, true); running {
@@ -371,13 +394,17 @@ func (o *Owner) Run(ctx context.Context) error {
 					start(fmt.Sprint("p", shard), func() { o.persistRequest(ctx, shard, req) })
 				}
 			}
-			if len(o.replicaTargets()) > 0 {
-				if c := seg.newest(); len(c) > 0 {
-					if seq := seg.seq(c[0]); seq != lastReplica[shard] {
+			if ps := o.peers.Load(); len(ps.targets(o.cfg.Replicas)) > 0 {
+				if i := o.replicaHalf(seg); i >= 0 {
+					if t := (tried{seg.seq(i), ps.gen}); t != lastReplica[shard] {
 						if _, running := busy.Load(fmt.Sprint("r", shard)); !running {
-							lastReplica[shard] = seq
+							lastReplica[shard] = t
 							start(fmt.Sprint("r", shard), func() {
-								if err := o.Replicate(ctx, shard); err != nil {
+								err := o.Replicate(ctx, shard)
+								switch {
+								case errors.Is(err, ErrSuperseded):
+									o.log.Info("ckpt: replication given up for a newer save", "shard", shard, "err", err)
+								case err != nil:
 									o.log.Warn("ckpt: replication incomplete", "shard", shard, "err", err)
 								}
 							})
@@ -711,7 +738,7 @@ func (o *Owner) intactHalves(shard int) (held []HeldStep, why []error) {
 			}
 			continue
 		}
-		key, version := halfKey{shard, i}, halfVersion{seg.gen(i), m.Seq}
+		key, version := halfKey{shard, i, false}, halfVersion{seg.gen(i), m.Seq, seg.ino}
 		if v, ok := o.verified.Load(key); m.Sealed && (!ok || v != version) {
 			if err := verifyHalf(seg, i); err != nil {
 				if errors.Is(err, layout.ErrCorrupt) {
@@ -774,16 +801,20 @@ func (o *Owner) intactSteps() (steps []int64, passed []error, err error) {
 // forget drops what is remembered of shard's verified halves.
 func (o *Owner) forget(shard int) {
 	for i := range 2 {
-		o.verified.Delete(halfKey{shard, i})
+		o.verified.Delete(halfKey{shard, i, false})
 	}
 }
 
-// halfKey names a half of a local shard's segment.
-type halfKey struct{ shard, half int }
+// halfKey names a half of a local shard's segment, or of a replica's.
+type halfKey struct {
+	shard, half int
+	replica     bool
+}
 
 // halfVersion is what a half held when it was verified: a writer changes
-// gen before it touches the half, and seq with each save.
-type halfVersion struct{ gen, seq uint64 }
+// gen before it touches the half, and seq with each save; a segment
+// replaced by a larger one is another file.
+type halfVersion struct{ gen, seq, ino uint64 }
 
 // Close stops Run and waits for it to return, waits for the operations in
 // flight, unregisters the metrics and unmaps the segments. The steps stay in shared memory for the next owner; Remove

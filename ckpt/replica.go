@@ -4,17 +4,18 @@ import (
 	"bufio"
 	"cmp"
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"io"
+	"maps"
 	"net"
 	"os"
+	"path/filepath"
 	"runtime/debug"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
-	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -22,243 +23,6 @@ import (
 
 	"github.com/faultline-ml/faultline/ckpt/layout"
 )
-
-// The replica protocol, over one TCP connection per transfer, little-endian:
-//
-//	request:  "FLRP" u8 version=2, u8 op (1 put, 2 get), u16 0,
-//	          u32 shard, u32 meta length (put) or 0, i64 step (get: -1 newest)
-//	put:      then the sealed StepMeta bytes (MarshalBinary) and each blob's bytes
-//	          in table order
-//	response: u8 status (0 ok, 1 error), 3 bytes 0, u32 length, then the
-//	          error text, or for a get the StepMeta bytes and the blob bytes
-//
-// Both sides check the meta checksum and every blob's CRC32C as the bytes
-// arrive, and write into the inactive half of a segment, so a transfer cut
-// short leaves the previous copy intact.
-const (
-	replicaMagic   = "FLRP"
-	replicaVersion = 2 // 1 sent the layout.StepMeta of segment layout version 1
-	opPut          = 1
-	opGet          = 2
-	reqSize        = 24
-	respSize       = 8
-	maxMetaLen     = 64 << 20
-)
-
-type replicaReq struct {
-	op      byte
-	shard   int
-	metaLen int
-	step    int64
-}
-
-func (r replicaReq) marshal() []byte {
-	b := make([]byte, reqSize)
-	copy(b, replicaMagic)
-	b[4], b[5] = replicaVersion, r.op
-	binary.LittleEndian.PutUint32(b[8:], uint32(r.shard))
-	binary.LittleEndian.PutUint32(b[12:], uint32(r.metaLen))
-	binary.LittleEndian.PutUint64(b[16:], uint64(r.step))
-	return b
-}
-
-func readReq(r io.Reader) (replicaReq, error) {
-	b := make([]byte, reqSize)
-	if _, err := io.ReadFull(r, b); err != nil {
-		return replicaReq{}, err
-	}
-	if string(b[:4]) != replicaMagic || b[4] != replicaVersion || (b[5] != opPut && b[5] != opGet) {
-		return replicaReq{}, formatErr(0, "request", "bad magic, version or op % x", b[:6])
-	}
-	q := replicaReq{op: b[5], shard: int(binary.LittleEndian.Uint32(b[8:])),
-		metaLen: int(binary.LittleEndian.Uint32(b[12:])), step: int64(binary.LittleEndian.Uint64(b[16:]))}
-	if q.metaLen > maxMetaLen || q.shard >= layout.MaxShards {
-		return replicaReq{}, formatErr(8, "request", "shard %d or meta length %d out of range", q.shard, q.metaLen)
-	}
-	return q, nil
-}
-
-func writeResp(w io.Writer, err error, body []byte) error {
-	b := make([]byte, respSize)
-	if err != nil {
-		b[0] = 1
-		body = []byte(err.Error())
-	}
-	binary.LittleEndian.PutUint32(b[4:], uint32(len(body)))
-	if _, err := w.Write(b); err != nil {
-		return err
-	}
-	_, err = w.Write(body)
-	return err
-}
-
-// errPeer is an error the peer reported.
-type errPeer struct{ msg string }
-
-func (e *errPeer) Error() string { return "peer: " + e.msg }
-
-// readResp reads a response header; for an error it reads the text too.
-func readResp(r io.Reader) (int, error) {
-	b := make([]byte, respSize)
-	if _, err := io.ReadFull(r, b); err != nil {
-		return 0, err
-	}
-	n := binary.LittleEndian.Uint32(b[4:])
-	if n > maxMetaLen {
-		return 0, formatErr(4, "response length", "value %d out of range", n)
-	}
-	if b[0] != 0 {
-		msg := make([]byte, n)
-		if _, err := io.ReadFull(r, msg); err != nil {
-			return 0, err
-		}
-		return 0, &errPeer{string(msg)}
-	}
-	return int(n), nil
-}
-
-// deadlineConn renews the connection's deadline before each read and
-// write, so a transfer fails only when it stalls, however large it is.
-type deadlineConn struct {
-	net.Conn
-	timeout time.Duration
-}
-
-func (c deadlineConn) Read(p []byte) (int, error) {
-	c.Conn.SetReadDeadline(time.Now().Add(c.timeout))
-	return c.Conn.Read(p)
-}
-
-func (c deadlineConn) Write(p []byte) (int, error) {
-	c.Conn.SetWriteDeadline(time.Now().Add(c.timeout))
-	return c.Conn.Write(p)
-}
-
-// sendHalf writes the meta and blobs of the sealed half i of seg to w,
-// pinned, and verifies the CRCs of what it sent. head, if not nil, is
-// written first with the meta length.
-func sendHalf(w io.Writer, seg *segment, i int, head func(metaLen int) []byte) (layout.StepMeta, int64, error) {
-	var sent int64
-	var meta layout.StepMeta
-	err := seg.read(i, true, func(m layout.StepMeta, half []byte, valid func() error) error {
-		if !m.Sealed {
-			return fmt.Errorf("ckpt: step %d in %s half %d is not sealed", m.Step, seg.path, i)
-		}
-		meta = m
-		mb, err := m.MarshalBinary()
-		if err != nil {
-			return err
-		}
-		if _, err := w.Write(append(head(len(mb)), mb...)); err != nil {
-			return err
-		}
-		for k, e := range m.Blobs {
-			data := half[e.Offset : e.Offset+e.Size]
-			var c uint32
-			for o := 0; o < len(data); o += persistChunk {
-				chunk := data[o:min(o+persistChunk, len(data))]
-				c = crc32.Update(c, castagnoli, chunk)
-				if _, err := w.Write(chunk); err != nil {
-					return err
-				}
-				sent += int64(len(chunk))
-			}
-			if c != e.CRC32C {
-				return crcMismatch(k, e, c)
-			}
-		}
-		return valid()
-	})
-	return meta, sent, err
-}
-
-// recvHalf reads a sealed meta of metaLen bytes and its blobs from r into
-// a new save of the segment that open returns (given the half size the
-// step needs), checking every CRC before the save completes, which it
-// writes sealed.
-func recvHalf(r io.Reader, metaLen int, open func(need int64) (*segment, error)) (layout.StepMeta, error) {
-	if metaLen < layout.StepHeaderSize {
-		return layout.StepMeta{}, formatErr(12, "meta length", "value %d is shorter than a step header", metaLen)
-	}
-	mb := make([]byte, metaLen)
-	if _, err := io.ReadFull(r, mb); err != nil {
-		return layout.StepMeta{}, fmt.Errorf("read meta: %w", err)
-	}
-	m, err := layout.ParseStepMeta(mb, layout.MaxHalfSize)
-	if err != nil {
-		return layout.StepMeta{}, err
-	}
-	if int(m.MetaSize()) != metaLen {
-		return layout.StepMeta{}, formatErr(44, "table_size", "meta of %d bytes holds a table of %d and %d blobs", metaLen, m.TableSize(), len(m.Blobs))
-	}
-	if !m.Sealed {
-		return layout.StepMeta{}, formatErr(layout.OffSeal, "seal", "the peer sent an unsealed step, whose CRCs are unknown")
-	}
-	seg, err := open(m.End())
-	if err != nil {
-		return layout.StepMeta{}, err
-	}
-	hw, err := seg.begin(m)
-	if err != nil {
-		return layout.StepMeta{}, err
-	}
-	crcs := make([]uint32, len(m.Blobs))
-	for k := range m.Blobs {
-		dst := hw.blob(k)
-		for o := 0; o < len(dst); o += fuseChunk {
-			e := min(o+fuseChunk, len(dst))
-			if _, err := io.ReadFull(r, dst[o:e]); err != nil {
-				return layout.StepMeta{}, fmt.Errorf("blob %q at byte %d of %d: %w", m.Blobs[k].Name, o, len(dst), err)
-			}
-			crcs[k] = crc32.Update(crcs[k], castagnoli, dst[o:e])
-		}
-		if crcs[k] != m.Blobs[k].CRC32C {
-			return layout.StepMeta{}, crcMismatch(k, m.Blobs[k], crcs[k])
-		}
-	}
-	return m, hw.commit(crcs)
-}
-
-// putReplica sends half i of seg to the replica server at addr.
-func putReplica(conn net.Conn, seg *segment, i int, timeout time.Duration) (layout.StepMeta, int64, error) {
-	c := deadlineConn{conn, timeout}
-	bw := bufio.NewWriterSize(c, 1<<20)
-	m, n, err := sendHalf(bw, seg, i, func(metaLen int) []byte {
-		return replicaReq{op: opPut, shard: seg.hdr.Shard, metaLen: metaLen}.marshal()
-	})
-	if err == nil {
-		err = bw.Flush()
-	}
-	if err != nil {
-		return m, n, err
-	}
-	if _, err := readResp(bufio.NewReader(c)); err != nil {
-		return m, n, err
-	}
-	return m, n, nil
-}
-
-// getReplica asks the server at conn for its copy of shard at step (-1:
-// newest) and writes it into the segment open returns.
-func getReplica(conn net.Conn, shard int, step int64, timeout time.Duration, open func(need int64) (*segment, error)) (layout.StepMeta, error) {
-	c := deadlineConn{conn, timeout}
-	if _, err := c.Write(replicaReq{op: opGet, shard: shard, step: step}.marshal()); err != nil {
-		return layout.StepMeta{}, err
-	}
-	br := bufio.NewReaderSize(c, 1<<20)
-	n, err := readResp(br)
-	if err != nil {
-		return layout.StepMeta{}, err
-	}
-	m, err := recvHalf(br, n, open)
-	if err != nil {
-		return layout.StepMeta{}, err
-	}
-	if m.Step != step && step >= 0 {
-		return layout.StepMeta{}, fmt.Errorf("peer sent step %d, asked for %d", m.Step, step)
-	}
-	return m, nil
-}
 
 // errNoReplica is the server's answer when it holds no such copy.
 var errNoReplica = errors.New("no intact replica")
@@ -302,19 +66,72 @@ func PickPeers(self string, nodes []string, domain map[string]string, k int) []s
 	return cands
 }
 
-type replicaSlot struct {
-	mu  sync.Mutex // one transfer at a time
-	seg *segment
+// peerSet is the job's nodes as the owner knows them now.
+type peerSet struct {
+	addrs map[string]string // node -> replica server address
+	// order is the other nodes in PickPeers's order of preference: the
+	// first Replicas of them receive this node's saves.
+	order []string
+	gen   uint64 // counts SetPeers
 }
 
-// replicaTargets are the peers that receive this node's saves.
-func (o *Owner) replicaTargets() []string {
-	return o.peers[:min(max(o.cfg.Replicas, 0), len(o.peers))]
+// targets are the peers that receive this node's saves.
+func (p *peerSet) targets(replicas int) []string {
+	return p.order[:min(max(replicas, 0), len(p.order))]
 }
 
-// Replicate copies shard's newest step to its peers (PickPeers), sealing
-// it first if need be. It returns the errors of the peers that did not
-// take it.
+func newPeerSet(self string, peers, domains map[string]string, gen uint64) *peerSet {
+	return &peerSet{addrs: maps.Clone(peers), gen: gen,
+		order: PickPeers(self, slices.Collect(maps.Keys(peers)), domains, len(peers))}
+}
+
+// SetPeers replaces OwnerConfig.Peers and Domains while the owner runs,
+// as when a node of the job is replaced on a new address: transfers that
+// start from then on, Run's, Replicate's and the fetches of Load,
+// LoadStep and Restore, use the new ones, and Run sends each shard's
+// newest step to the peers it now picks even if it sent that step
+// before. Transfers under way finish with the peers they began with. The
+// maps are copied. It is safe to call at any time.
+func (o *Owner) SetPeers(peers, domains map[string]string) error {
+	if len(peers) > 0 && o.cfg.Node == "" {
+		return errors.New("ckpt: SetPeers: OwnerConfig.Node is empty, so this node is none of the peers")
+	}
+	o.mu.Lock()
+	ps := newPeerSet(o.cfg.Node, peers, domains, o.peers.Load().gen+1)
+	o.peers.Store(ps)
+	o.mu.Unlock()
+	o.log.Info("ckpt: peers changed", "peers", len(peers), "targets", ps.targets(o.cfg.Replicas))
+	return nil
+}
+
+// replicaHalf returns the half of seg whose step Replicate sends, or -1:
+// the newest step; but while the other half holds a step newer than the
+// last one sent that is held for a persist (which the writer leaves alone
+// until the persist is done), that one, whose transfer has no writer to
+// give way to meanwhile. Under a lag, the steps persisted are then the
+// ones replicated.
+func (o *Owner) replicaHalf(seg *segment) int {
+	c := seg.newest()
+	if len(c) == 0 {
+		return -1
+	}
+	if len(c) == 2 && seg.held(c[1]) {
+		last, _ := o.sent.Load(seg.hdr.Shard)
+		if l, _ := last.(uint64); seg.seq(c[1]) > l {
+			return c[1]
+		}
+	}
+	return c[0]
+}
+
+// Replicate copies a step of shard to its peers (PickPeers), sealing it
+// first if need be: the newest, or a newer one than they hold that waits
+// for a persist (see Run). It returns the errors of the peers that did not
+// take it. The trainer's saves never wait for a transfer: while the half
+// being sent is the only one a save could write (the other waits for a
+// persist), the transfer lets it go, and if a save takes it, the
+// transfer is given up (an error wrapping ErrSuperseded; the peers keep
+// their previous copy), and the next one sends the newest step.
 func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 	defer recoverFault(&err, debug.SetPanicOnFault(true))
 	if err := o.acquire(); err != nil {
@@ -325,52 +142,113 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 	if err != nil {
 		return err
 	}
-	peers := o.replicaTargets()
+	ps := o.peers.Load()
+	peers := ps.targets(o.cfg.Replicas)
 	if len(peers) == 0 {
-		return errors.New("ckpt: replicate: no peers")
+		return fmt.Errorf("ckpt: replicate shard %d: no peers", shard)
 	}
-	c := seg.newest()
-	if len(c) == 0 {
+	i := o.replicaHalf(seg)
+	if i < 0 {
 		return fmt.Errorf("%w in memory to replicate shard %d", ErrNoStep, shard)
 	}
-	ctx, span := o.tracer.Start(ctx, "ckpt.Replicate", trace.WithAttributes(attribute.Int("ckpt.shard", shard)))
+	m, _ := seg.metaOK(i)
+	ctx, span := o.tracer.Start(ctx, "ckpt.Replicate", trace.WithAttributes(attribute.Int("ckpt.shard", shard), attribute.Int64("ckpt.step", m.Step)))
 	defer span.End()
-	if err := o.sealHalf(ctx, seg, c[0], nil); err != nil {
+	if err := o.sealHalf(ctx, seg, i, nil); err != nil {
 		return err
 	}
 	var errs []error
 	for _, p := range peers {
-		m, n, err := o.withConn(ctx, o.cfg.Peers[p], func(conn net.Conn) (layout.StepMeta, int64, error) {
-			return putReplica(conn, seg, c[0], o.cfg.IOTimeout)
-		})
+		addr := ps.addrs[p]
+		n, err := o.putReplica(ctx, addr, seg, i, m.Step)
 		o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
 		if err != nil {
+			errs = append(errs, fmt.Errorf("peer %s (%s): %w", p, addr, err))
+			if errors.Is(err, ErrSuperseded) {
+				o.m.replicaAbandoned.Inc()
+				o.log.Info("ckpt: replica given up: the trainer saved over the step being sent", "shard", shard, "step", m.Step, "peer", p, "bytes_sent", n)
+				break // the step is gone; the next transfer sends the newest
+			}
 			o.m.replicaFailures.Inc()
-			errs = append(errs, fmt.Errorf("peer %s (%s): %w", p, o.cfg.Peers[p], err))
 			continue
 		}
+		o.noteSent(shard, m.Seq)
 		o.log.Debug("ckpt: replica sent", "shard", shard, "step", m.Step, "peer", p, "bytes", n)
 	}
 	if err := errors.Join(errs...); err != nil {
 		span.RecordError(err)
 		span.SetStatus(codes.Error, err.Error())
-		return fmt.Errorf("ckpt: replicate shard %d: %w", shard, err)
+		return fmt.Errorf("ckpt: replicate shard %d step %d: %w", shard, m.Step, err)
 	}
 	return nil
 }
 
-// withConn dials addr and runs f with a connection that ctx closes.
-func (o *Owner) withConn(ctx context.Context, addr string, f func(net.Conn) (layout.StepMeta, int64, error)) (layout.StepMeta, int64, error) {
-	var d net.Dialer
-	d.Timeout = o.cfg.IOTimeout
+// noteSent remembers that a peer took shard's save seq.
+func (o *Owner) noteSent(shard int, seq uint64) {
+	for {
+		last, loaded := o.sent.LoadOrStore(shard, seq)
+		if !loaded || last.(uint64) >= seq || o.sent.CompareAndSwap(shard, last, seq) {
+			return
+		}
+	}
+}
+
+// exchange dials a replica server, runs the handshake for q and then f,
+// with a connection that ctx closes.
+func (o *Owner) exchange(ctx context.Context, addr string, q replicaReq, f func(*bufio.Reader, *bufio.Writer) error) error {
+	d := net.Dialer{Timeout: o.cfg.IOTimeout}
 	conn, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
-		return layout.StepMeta{}, 0, err
+		return err
 	}
 	defer conn.Close()
 	stop := context.AfterFunc(ctx, func() { conn.Close() })
 	defer stop()
-	return f(conn)
+	c := deadlineConn{conn, o.cfg.IOTimeout}
+	br, bw := bufio.NewReaderSize(c, 1<<20), bufio.NewWriterSize(c, 1<<20)
+	if err := clientHandshake(br, bw, o.cfg.ReplicaKey, q); err != nil {
+		return err
+	}
+	return f(br, bw)
+}
+
+// putReplica sends half i of seg, which holds step, to the replica server
+// at addr, and returns the blob bytes sent.
+func (o *Owner) putReplica(ctx context.Context, addr string, seg *segment, i int, step int64) (int64, error) {
+	var sent int64
+	err := o.exchange(ctx, addr, replicaReq{op: opPut, shard: seg.hdr.Shard, step: step}, func(br *bufio.Reader, bw *bufio.Writer) error {
+		_, n, err := sendStep(bw, seg, i, step, true)
+		sent = n
+		if err == nil {
+			err = bw.Flush()
+		}
+		if errors.Is(err, ErrSuperseded) {
+			return err // the unfinished frame tells the peer to drop it
+		}
+		if err != nil {
+			// The peer may have stopped reading to say why.
+			var pe *peerError
+			if _, merr := readMsg(br, 0); errors.As(merr, &pe) {
+				return merr
+			}
+			return err
+		}
+		_, err = readMsg(br, 0)
+		return err
+	})
+	return sent, err
+}
+
+// getReplica asks the replica server at addr for its copy of shard at
+// step (-1: the newest) and writes it into the segment open returns.
+func (o *Owner) getReplica(ctx context.Context, addr string, shard int, step int64, open func(need int64) (*segment, error)) (layout.StepMeta, error) {
+	var m layout.StepMeta
+	err := o.exchange(ctx, addr, replicaReq{op: opGet, shard: shard, step: step}, func(br *bufio.Reader, _ *bufio.Writer) error {
+		var err error
+		m, _, _, err = recvStep(br, step, open)
+		return err
+	})
+	return m, err
 }
 
 // serve accepts peers until the listener closes.
@@ -399,7 +277,10 @@ func (o *Owner) serve(ctx context.Context, wg *sync.WaitGroup) {
 				o.mu.Unlock()
 				conn.Close()
 			}()
-			if err := o.handle(conn); err != nil {
+			switch err := o.handle(conn); {
+			case errors.Is(err, ErrRefused):
+				o.log.Warn("ckpt: replica transfer refused", "peer", conn.RemoteAddr().String(), "err", err)
+			case err != nil:
 				o.log.Warn("ckpt: replica transfer failed", "peer", conn.RemoteAddr().String(), "err", err)
 			}
 		})
@@ -414,62 +295,73 @@ func (o *Owner) closeConns() {
 	}
 }
 
-// handle serves one replica request.
+// handle serves one replica request. The handshake comes first, holding
+// nothing, so that a client that stalls or fails it keeps no other
+// transfer waiting.
 func (o *Owner) handle(conn net.Conn) (err error) {
 	defer recoverFault(&err, debug.SetPanicOnFault(true))
-	if err := o.acquire(); err != nil {
-		return err
-	}
-	defer o.ops.RUnlock()
 	c := deadlineConn{conn, o.cfg.IOTimeout}
-	br := bufio.NewReaderSize(c, 1<<20)
-	q, err := readReq(br)
+	q, refuse, err := serverHandshake(c, o.cfg.ReplicaKey)
+	if errors.Is(err, ErrRefused) {
+		o.m.replicaRefused.Inc()
+	}
+	if refuse != nil {
+		refuse()
+	}
 	if err != nil {
 		return err
 	}
+	if err := o.acquire(); err != nil {
+		writeMsg(c, statusError, []byte(err.Error()))
+		return err
+	}
+	defer o.ops.RUnlock()
 	slot := o.replicaSlot(q.shard)
 	slot.mu.Lock()
 	defer slot.mu.Unlock()
 	switch q.op {
 	case opPut:
-		m, err := o.receiveReplica(br, slot, q.shard, q.metaLen)
+		if err := writeMsg(c, statusOK, nil); err != nil {
+			return err
+		}
+		m, err := o.receiveReplica(bufio.NewReaderSize(c, 1<<20), slot, q)
 		if err != nil {
 			o.m.replicaFailures.Inc()
 			if errors.Is(err, layout.ErrCorrupt) {
 				o.m.crcFailures.Inc()
 			}
-			writeResp(c, err, nil)
-			return fmt.Errorf("receive shard %d: %w", q.shard, err)
+			err = fmt.Errorf("receive shard %d step %d: %w", q.shard, q.step, err)
+			writeMsg(c, statusError, []byte(err.Error()))
+			return err
 		}
 		o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
 		o.log.Debug("ckpt: replica received", "shard", q.shard, "step", m.Step, "bytes", m.DataSize())
-		return writeResp(c, nil, nil)
+		return writeMsg(c, statusOK, nil)
 	default: // opGet
-		seg, err := o.replicaSeg(slot, q.shard)
+		seg, i, err := o.intactReplica(slot, q.shard, q.step)
 		if err != nil {
-			writeResp(c, err, nil)
+			writeMsg(c, statusError, []byte(err.Error()))
 			return err
 		}
-		for _, i := range seg.newest() {
-			if m, ok := seg.metaOK(i); !ok || (q.step >= 0 && m.Step != q.step) {
-				continue
-			}
-			bw := bufio.NewWriterSize(c, 1<<20)
-			_, n, err := sendHalf(bw, seg, i, func(metaLen int) []byte {
-				h := make([]byte, respSize)
-				binary.LittleEndian.PutUint32(h[4:], uint32(metaLen))
-				return h
-			})
-			if err == nil {
-				err = bw.Flush()
-			}
-			o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
+		if err := writeMsg(c, statusOK, nil); err != nil {
 			return err
 		}
-		err = fmt.Errorf("%w of shard %d %s", errNoReplica, q.shard, stepDesc(q.step))
-		writeResp(c, err, nil)
-		return err
+		bw := bufio.NewWriterSize(c, 1<<20)
+		_, n, err := sendStep(bw, seg, i, q.step, false)
+		if err == nil {
+			err = bw.Flush()
+		}
+		o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
+		if err != nil {
+			return fmt.Errorf("%s: send: %w", q, err)
+		}
+		return nil
 	}
+}
+
+type replicaSlot struct {
+	mu  sync.Mutex // one transfer at a time
+	seg *segment
 }
 
 func (o *Owner) replicaSlot(shard int) *replicaSlot {
@@ -505,15 +397,65 @@ func (o *Owner) replicaSeg(slot *replicaSlot, shard int) (*segment, error) {
 	return seg, nil
 }
 
+// intactReplica returns the segment and half of the newest copy of shard
+// at step (-1: any) whose every CRC holds, or an error wrapping
+// errNoReplica that says why there is none.
+func (o *Owner) intactReplica(slot *replicaSlot, shard int, step int64) (*segment, int, error) {
+	seg, err := o.replicaSeg(slot, shard)
+	if err != nil {
+		return nil, 0, err
+	}
+	var held []int64
+	var why []error
+	for _, i := range seg.newest() {
+		m, ok := seg.metaOK(i)
+		if !ok {
+			continue
+		}
+		if err := o.replicaIntact(seg, shard, i, m); err != nil {
+			why = append(why, err)
+			continue
+		}
+		if step < 0 || m.Step == step {
+			return seg, i, nil
+		}
+		held = append(held, m.Step)
+	}
+	at := ""
+	if step >= 0 {
+		at = fmt.Sprintf(" at step %d", step)
+	}
+	return nil, 0, fmt.Errorf("%w of shard %d%s here (intact: steps %v): %w", errNoReplica, shard, at, held, errors.Join(why...))
+}
+
+// replicaIntact checks every CRC of half i of seg, a copy of shard whose
+// meta is m, once per save: a half received here was checked as it
+// arrived, and one that verified is not read again until it changes.
+func (o *Owner) replicaIntact(seg *segment, shard, i int, m layout.StepMeta) error {
+	key, version := halfKey{shard, i, true}, halfVersion{seg.gen(i), m.Seq, seg.ino}
+	if v, ok := o.verified.Load(key); ok && v == version {
+		return nil
+	}
+	if err := verifyHalf(seg, i); err != nil {
+		if errors.Is(err, layout.ErrCorrupt) {
+			o.m.crcFailures.Inc()
+		}
+		return fmt.Errorf("step %d: %w", m.Step, err)
+	}
+	o.verified.Store(key, version)
+	return nil
+}
+
 // receiveReplica receives a peer's shard into its replica segment. A step
 // that does not fit goes into a new, larger segment that replaces the old
 // one only once the step is complete, so a transfer cut short never costs
 // the previous copy.
-func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, shard, metaLen int) (layout.StepMeta, error) {
+func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, q replicaReq) (layout.StepMeta, error) {
+	shard := q.shard
 	path := ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard)
 	next := path + ".next"
 	var fresh *segment
-	m, err := recvHalf(r, metaLen, func(need int64) (*segment, error) {
+	m, seg, half, err := recvStep(r, q.step, func(need int64) (*segment, error) {
 		seg, err := o.replicaSeg(slot, shard)
 		if err == nil && seg.hdr.HalfSize >= need {
 			return seg, nil
@@ -525,21 +467,95 @@ func (o *Owner) receiveReplica(r io.Reader, slot *replicaSlot, shard, metaLen in
 		fresh, err = createSegment(next, shard, layout.FlagReplica, max(need, o.cfg.Capacity))
 		return fresh, err
 	})
-	if fresh == nil {
-		return m, err
-	}
-	if err == nil {
-		err = os.Rename(next, path)
+	if fresh != nil {
+		if err == nil {
+			err = os.Rename(next, path)
+		}
+		if err != nil {
+			fresh.close()
+			os.Remove(next)
+			return m, err
+		}
+		if slot.seg != nil {
+			slot.seg.close()
+		}
+		fresh.path = path
+		slot.seg = fresh
 	}
 	if err != nil {
-		fresh.close()
-		os.Remove(next)
 		return m, err
 	}
-	if slot.seg != nil {
-		slot.seg.close()
-	}
-	fresh.path = path
-	slot.seg = fresh
+	// Checked as it arrived: no need to read it again.
+	o.verified.Store(halfKey{shard, half, true}, halfVersion{seg.gen(half), m.Seq, seg.ino})
 	return m, nil
+}
+
+// Replicas returns, by shard, the steps of peers' shards that this owner
+// holds intact in ShmDir under its Name, newest first, and why each
+// other copy found is not intact: what a node agent tells the job's
+// manager so that it knows which node can serve which shard's step. Each
+// half's CRCs are checked once per save (a copy received was checked as it
+// arrived), as Held does for local shards; a half being received is
+// passed over.
+func (o *Owner) Replicas() (held map[int][]int64, why []error, err error) {
+	if err := o.acquire(); err != nil {
+		return nil, nil, err
+	}
+	defer o.ops.RUnlock()
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
+	prefix := filepath.Base(ReplicaPath(o.cfg.ShmDir, o.cfg.Name, 0))
+	prefix = prefix[:len(prefix)-1]
+	names, err := filepath.Glob(filepath.Join(o.cfg.ShmDir, prefix+"*"))
+	if err != nil {
+		return nil, nil, err
+	}
+	held = map[int][]int64{}
+	for _, name := range names {
+		shard, err := strconv.Atoi(strings.TrimPrefix(filepath.Base(name), prefix))
+		if err != nil || shard < 0 || ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard) != name {
+			continue // a larger copy being received (.next)
+		}
+		steps, whyNot := o.replicaSteps(name, shard)
+		why = append(why, whyNot...)
+		if len(steps) > 0 {
+			held[shard] = steps
+		}
+	}
+	return held, why, nil
+}
+
+// replicaSteps returns the steps the replica segment at path holds
+// intact, newest first, and why its other halves hold none.
+func (o *Owner) replicaSteps(path string, shard int) (steps []int64, why []error) {
+	// A mapping of its own: a transfer may replace the slot's meanwhile.
+	seg, err := openSegment(path, true)
+	if err != nil {
+		return nil, []error{fmt.Errorf("replica of shard %d: %w", shard, err)}
+	}
+	defer seg.close()
+	if seg.hdr.Shard != shard || seg.hdr.Flags&layout.FlagReplica == 0 {
+		return nil, []error{fmt.Errorf("replica of shard %d: %s holds shard %d with flags %d", shard, path, seg.hdr.Shard, seg.hdr.Flags)}
+	}
+	for _, i := range seg.newest() {
+		m, ok := seg.metaOK(i)
+		if !ok {
+			continue
+		}
+		err := o.replicaIntact(seg, shard, i, m)
+		switch {
+		case errors.Is(err, ErrSuperseded):
+		case err != nil:
+			why = append(why, fmt.Errorf("replica of shard %d: %w", shard, err))
+		default:
+			steps = append(steps, m.Step)
+		}
+	}
+	for i := range 2 {
+		if st := seg.state(i); st != layout.StateEmpty && st != layout.StateWriting {
+			if err := seg.whyNot(i); err != nil {
+				why = append(why, fmt.Errorf("replica of shard %d: %w", shard, err))
+			}
+		}
+	}
+	return steps, why
 }

@@ -244,14 +244,19 @@ func (p *proxy) forward(c net.Conn) {
 	}
 }
 
-// childPeer is a node agent that holds replicas, until it is killed.
+// childPeer is a node agent that holds replicas, until it is killed. It
+// says ready with its address and the replicas it holds at its start.
 func childPeer() error {
 	o, err := NewOwner(OwnerConfig{ShmDir: os.Getenv("FAULTLINE_CKPT_SHM"), Name: "peer", Node: "p",
-		Shards: []int{9}, Capacity: 4096, ListenAddr: "127.0.0.1:0"})
+		Shards: []int{9}, Capacity: 4096, ListenAddr: "127.0.0.1:0", ReplicaKey: []byte(os.Getenv("FAULTLINE_CKPT_KEY"))})
 	if err != nil {
 		return err
 	}
-	fmt.Println("ready", o.Addr())
+	held, err := heldWords(o)
+	if err != nil {
+		return err
+	}
+	fmt.Println("ready", o.Addr(), "held", strings.Join(held, " "))
 	return o.Run(context.Background())
 }
 
@@ -293,8 +298,8 @@ func TestReplicaPeerKilledMidTransfer(t *testing.T) {
 	t.Logf("%s", rep)
 
 	// The killed peer left the larger segment it was receiving into (unless
-	// it died before reading the request); its successor removes it,
-	// freeing the shared memory.
+	// it died before reading the request); its successor, which serves
+	// replicas as it did, removes it, freeing the shared memory.
 	next := filepath.Join(shm, "peer-replica-0.next")
 	if _, err := os.Stat(next); err != nil {
 		t.Logf("the peer died before it made %s; planting one", next)
@@ -302,7 +307,7 @@ func TestReplicaPeerKilledMidTransfer(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	o, err := NewOwner(OwnerConfig{ShmDir: shm, Name: "peer", Shards: []int{9}, Capacity: 4096})
+	o, err := NewOwner(OwnerConfig{ShmDir: shm, Name: "peer", Shards: []int{9}, Capacity: 4096, ListenAddr: "127.0.0.1:0"})
 	if err != nil {
 		t.Fatal(err)
 	}

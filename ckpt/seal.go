@@ -53,7 +53,7 @@ func (o *Owner) sealHalf(ctx context.Context, seg *segment, i int, pause func())
 	start := time.Now()
 	_, span := o.tracer.Start(ctx, "ckpt.Seal", trace.WithAttributes(attribute.Int("ckpt.shard", seg.hdr.Shard), attribute.Int("ckpt.half", i)))
 	defer span.End()
-	sealed, err := seg.seal(i, o.cfg.Workers, pause)
+	sealed, err := seg.seal(i, o.cfg.Workers, pause, nil)
 	if errors.Is(err, ErrSuperseded) || errors.Is(err, errNotComplete) {
 		return nil
 	}

@@ -126,7 +126,7 @@ func TestSealInterrupted(t *testing.T) {
 				if n++; n == stop {
 					runtime.Goexit()
 				}
-			})
+			}, nil)
 		})
 		wg.Wait()
 		m, err := seg.parse(i)
@@ -271,4 +271,43 @@ func TestRunSealsNewSaves(t *testing.T) {
 			t.Fatalf("Run = %v", err)
 		}
 	})
+}
+
+// TestSaveWhileSealingBesidePersist: while the owner computes the CRCs of
+// the newest step and the other half holds a step whose persist was
+// asked for, a save takes the half being sealed rather than being
+// skipped, and the seal gives way to it.
+func TestSaveWhileSealingBesidePersist(t *testing.T) {
+	ctx := context.Background()
+	o, w := newPair(t, OwnerConfig{Dir: t.TempDir()})
+	if err := w.Save(ctx, 1, blobs(1)...); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Persist(ctx, 1); err != nil { // no Run: the request stays
+		t.Fatal(err)
+	}
+	if err := w.Save(ctx, 2, blobs(2)...); err != nil {
+		t.Fatal(err)
+	}
+	seg := o.segs[0]
+	i, _ := newestMeta(t, seg)
+	var saved error
+	sealed, err := seg.seal(i, 1, nil, func() {
+		saved = w.Save(ctx, 3, blobs(3)...)
+	})
+	if saved != nil {
+		t.Fatalf("a save while the owner computed the CRCs of step 2 = %v, want it written over step 2", saved)
+	}
+	if sealed || !errors.Is(err, ErrSuperseded) {
+		t.Fatalf("seal of the half a save took = %v, %v; want ErrSuperseded", sealed, err)
+	}
+	if m, _ := seg.metaOK(i); m.Step != 3 || m.Sealed {
+		t.Fatalf("half %d: %+v, want step 3 unsealed", i, m)
+	}
+	if err := o.Seal(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	if ck, err := w.Load(ctx); err != nil || ck.Step != 3 || ck.Unverified {
+		t.Fatalf("Load = %+v, %v; want step 3 sealed", ck, err)
+	}
 }

@@ -565,11 +565,16 @@ func (s *segment) loadHalf(i int, workers int, reuse *Checkpoint, seal bool) (ck
 }
 
 // seal computes the CRCs of the blobs of half i, if it holds a complete,
-// unsealed step, and seals it, pinned: Sealing in the FORMAT section. It
-// returns whether it sealed the half (false: it was sealed already).
-// pause, if not nil, runs between the stores of the seal.
-func (s *segment) seal(i int, workers int, pause func()) (sealed bool, err error) {
-	err = s.read(i, true, func(m layout.StepMeta, half []byte, valid func() error) error {
+// unsealed step, and seals it: Sealing in the FORMAT section. It pins the
+// half only to write the seal, not while it computes the CRCs, so that a
+// writer whose other half is held (a persist asked for, a replica being
+// sent) may still take this one rather than skip its save; such a save
+// gives ErrSuperseded here, and is the next to seal. It returns whether
+// it sealed the half (false: it was sealed already). pause, if not nil,
+// runs between the stores of the seal; computed, if not nil, once the
+// CRCs are computed, before the pin.
+func (s *segment) seal(i int, workers int, pause, computed func()) (sealed bool, err error) {
+	err = s.read(i, false, func(m layout.StepMeta, half []byte, valid func() error) error {
 		if m.Sealed {
 			return nil
 		}
@@ -577,6 +582,15 @@ func (s *segment) seal(i int, workers int, pause func()) (sealed bool, err error
 		if err != nil {
 			return err
 		}
+		if computed != nil {
+			computed()
+		}
+		// Pin, then check that no writer took the half: one that claimed
+		// it before the pin shows in its state or gen, and one after sees
+		// the pin and leaves the half alone.
+		p := s.u32(s.halfBase(i) + layout.OffPin)
+		atomic.AddUint32(p, 1)
+		defer atomic.AddUint32(p, ^uint32(0))
 		if err := valid(); err != nil {
 			return err
 		}

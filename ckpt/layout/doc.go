@@ -103,17 +103,23 @@
 // The owner seals each complete step with seal 0 soon after it appears
 // (Run polls for them), and before it persists, sends or loads one:
 //
-//  1. Increment the half's pin; load gen; check that state is 2, then load
-//     seal and check that it is 0 and that meta_crc holds.
+//  1. Load gen; check that state is 2, then load seal and check that it
+//     is 0 and that meta_crc holds.
 //  2. Compute the CRC32C of every blob.
-//  3. Check that state is still 2 and gen unchanged; otherwise unpin and
-//     give up (a writer took the half over: its save is the next to seal).
+//  3. Increment the half's pin; check that state is still 2 and gen
+//     unchanged; otherwise unpin and give up (a writer took the half
+//     over: its save is the next to seal).
 //  4. Write the CRC array, then seal_crc, then set seal to 1.
 //  5. Decrement the pin.
 //
-// The pin keeps writers off the half from step 1 (a writer checks it after
-// setting its state), and steps 1 and 3 catch one that claimed the half
-// before. seal is the last word written: a reader that loads it as 1
+// The pin keeps writers off the half while the seal is written: a writer
+// checks it after setting its state, and the owner checks state and gen
+// after setting the pin, so one of them sees the other; step 3 also
+// catches a writer that claimed the half before. The half is not pinned
+// while its CRCs are computed, which takes as long as reading the step, so
+// that a writer whose other half is held (a persist asked for, a replica
+// being sent) takes this one rather than skip its save; the seal then
+// gives up. seal is the last word written: a reader that loads it as 1
 // finds the whole seal in place, and one that loads 0 ignores the CRC
 // array and seal_crc, whatever part of them an owner killed in step 4
 // left, which the next seal overwrites. A reader therefore meets two kinds

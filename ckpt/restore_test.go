@@ -1,0 +1,400 @@
+package ckpt
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+)
+
+// checkLoaded loads shard's newest step through the trainer's writer and
+// checks that it is step, bitwise what tb saved.
+func checkLoaded(t *testing.T, w *Writer, tb *testBlobs, step int64) {
+	t.Helper()
+	ck, err := w.Load(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ck.Step != step {
+		t.Fatalf("the trainer loads step %d, want %d", ck.Step, step)
+	}
+	if err := tb.check(ck); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitFor polls cond until it holds; what it waits for is a transfer in
+// the background, whose end nothing else signals.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(60 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s within 60s", what)
+		}
+	}
+}
+
+// TestRestoreTiers restores into an empty node from each tier in turn:
+// memory, then a peer's replica, then disk, each refusal in the report.
+func TestRestoreTiers(t *testing.T) {
+	ctx := context.Background()
+	tb := newTestBlobs(2 << 10)
+	dir := t.TempDir()
+	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, ListenAddr: "127.0.0.1:0"}, 1)
+	running(t, b.o)
+	peers := map[string]string{"a": "", "b": b.o.Addr().String()}
+	cfg := OwnerConfig{Node: "a", Shards: []int{0}, Capacity: 64 << 10, Dir: dir, Peers: peers}
+	a := newNode(t, cfg, 1)
+	save := func(step int64) {
+		t.Helper()
+		if err := a.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	save(1)
+	if step, err := a.o.PersistNewest(ctx); err != nil || step != 1 {
+		t.Fatalf("PersistNewest = %d, %v", step, err)
+	}
+	save(2)
+	if err := a.o.Replicate(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	save(3)
+
+	rep, err := a.o.Restore(ctx, 0, 3)
+	if err != nil || rep.Tier != TierMemory || len(rep.Refused) != 0 {
+		t.Fatalf("Restore(3) on the node = %s, %v; want memory", rep, err)
+	}
+
+	for _, tc := range []struct {
+		step    int64
+		tier    Tier
+		refused []Tier
+		why     string // in the report
+	}{
+		{2, TierReplica, []Tier{TierMemory}, "holds no step 2 intact"},
+		{1, TierDisk, []Tier{TierMemory, TierReplica}, "no intact replica of shard 0 at step 1 here (intact: steps [2])"},
+		{9, "", []Tier{TierMemory, TierReplica, TierDisk}, "no such file"},
+	} {
+		t.Run(fmt.Sprint("step ", tc.step), func(t *testing.T) {
+			// A replacement node: empty memory, halves too small for the
+			// step (the restore grows them).
+			c := cfg
+			c.Capacity = 4096
+			a2 := newNode(t, c, 1)
+			rep, err := a2.o.Restore(ctx, 0, tc.step)
+			t.Logf("%s", rep)
+			var refused []Tier
+			for _, e := range rep.Refused {
+				refused = append(refused, e.Tier)
+			}
+			if rep.Tier != tc.tier || !slices.Equal(refused, tc.refused) || !strings.Contains(rep.String(), tc.why) {
+				t.Fatalf("Restore(%d) = %s, %v; want tier %q after refusals %v, saying %q", tc.step, rep, err, tc.tier, tc.refused, tc.why)
+			}
+			if tc.tier == "" {
+				if !errors.Is(err, ErrNoStep) || rep.Step != -1 {
+					t.Fatalf("Restore(%d) = %v, step %d; want ErrNoStep", tc.step, err, rep.Step)
+				}
+				return
+			}
+			if err != nil || rep.Step != tc.step {
+				t.Fatalf("Restore(%d) = %s, %v", tc.step, rep, err)
+			}
+			checkLoaded(t, a2.ws[0], tb, tc.step)
+			// Memory now holds it.
+			if rep, err := a2.o.Restore(ctx, 0, tc.step); err != nil || rep.Tier != TierMemory {
+				t.Fatalf("Restore(%d) again = %s, %v", tc.step, rep, err)
+			}
+		})
+	}
+	if _, err := a.o.Restore(ctx, 5, 1); err == nil || !strings.Contains(err.Error(), "not a local shard") {
+		t.Fatalf("Restore of a shard not held here = %v", err)
+	}
+}
+
+// TestReplicaReplacedNode replaces node a, which held shard 0 and a
+// replica of b's shard 1, by a node on another address with empty memory.
+// The replacement restores shard 0 from b; b, told of the new address
+// (SetPeers), sends its newest step to it without a new save; and the
+// replacement's saves of shard 0 supersede those of the node it replaced
+// on b, the older copy kept until the new one is whole.
+func TestReplicaReplacedNode(t *testing.T) {
+	ctx := context.Background()
+	tb := newTestBlobs(4 << 10)
+	fast := 5 * time.Millisecond
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, ListenAddr: "127.0.0.1:0", PollInterval: fast}, 1)
+	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, ListenAddr: "127.0.0.1:0", PollInterval: fast}, 1)
+	peers := map[string]string{"a": a.o.Addr().String(), "b": b.o.Addr().String()}
+	for _, n := range []*node{a, b} {
+		if err := n.o.SetPeers(peers, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	running(t, b.o)
+	aCtx, stopA := context.WithCancel(ctx)
+	aDone := make(chan error)
+	go func() { aDone <- a.o.Run(aCtx) }()
+
+	// holds says whether o holds the given newest steps of shard.
+	holds := func(o *Owner, shard int, steps ...int64) func() bool {
+		return func() bool {
+			held, _, err := o.Replicas()
+			return err == nil && len(held[shard]) >= len(steps) && slices.Equal(held[shard][:len(steps)], steps)
+		}
+	}
+	for step := int64(1); step <= 5; step++ {
+		if err := a.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := b.ws[0].Save(ctx, 2, tb.step(2)...); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "replica of a's step 5 on b", holds(b.o, 0, 5))
+	waitFor(t, "replica of b's step 2 on a", holds(a.o, 1, 2))
+
+	// Node a is lost with its memory.
+	stopA()
+	<-aDone
+	a.ws[0].Close()
+	a.o.Remove()
+
+	a2 := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, ListenAddr: "127.0.0.1:0", PollInterval: fast}, 1)
+	peers = map[string]string{"a": a2.o.Addr().String(), "b": b.o.Addr().String()}
+	if err := a2.o.SetPeers(peers, nil); err != nil {
+		t.Fatal(err)
+	}
+	rep, err := a2.o.Restore(ctx, 0, 5)
+	if err != nil || rep.Tier != TierReplica {
+		t.Fatalf("Restore = %s, %v; want the replica", rep, err)
+	}
+	checkLoaded(t, a2.ws[0], tb, 5)
+	running(t, a2.o)
+
+	if err := b.o.SetPeers(peers, nil); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "replica of b's step 2 on the replacement", holds(a2.o, 1, 2))
+
+	// The replacement trains on from step 5; its saves replace a's on b.
+	for step := int64(6); step <= 7; step++ {
+		if err := a2.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, fmt.Sprintf("replica of the replacement's step %d on b", step), holds(b.o, 0, step, step-1))
+	}
+	if _, why, err := b.o.Replicas(); err != nil || len(why) != 0 {
+		t.Fatalf("b's replicas: %v, %v", why, err)
+	}
+	a3 := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Peers: peers}, 1)
+	if rep, err := a3.o.Restore(ctx, 0, 7); err != nil || rep.Tier != TierReplica {
+		t.Fatalf("Restore(7) = %s, %v", rep, err)
+	}
+	checkLoaded(t, a3.ws[0], tb, 7)
+}
+
+// TestOwnerRestartKeepsReplicas closes the owner that holds a peer's
+// replica and starts another on the same shared memory: Close removes
+// nothing, and the new owner lists and serves the replica.
+func TestOwnerRestartKeepsReplicas(t *testing.T) {
+	ctx := context.Background()
+	tb := newTestBlobs(4 << 10)
+	shm := shmDir(t)
+	bcfg := OwnerConfig{ShmDir: shm, Node: "b", Shards: []int{1}, ListenAddr: "127.0.0.1:0"}
+	b := newNode(t, bcfg, 1)
+	running(t, b.o)
+	peers := map[string]string{"a": "", "b": b.o.Addr().String()}
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Peers: peers}, 1)
+	if err := a.ws[0].Save(ctx, 3, tb.step(3)...); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.o.Replicate(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	before, _ := filepath.Glob(filepath.Join(shm, "*"))
+	b.ws[0].Close()
+	if err := b.o.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if after, _ := filepath.Glob(filepath.Join(shm, "*")); !slices.Equal(before, after) {
+		t.Fatalf("Close left %v of %v", after, before)
+	}
+
+	b2 := newNode(t, bcfg, 1)
+	held, why, err := b2.o.Replicas()
+	if err != nil || !maps.EqualFunc(held, map[int][]int64{0: {3}}, slices.Equal) || len(why) != 0 {
+		t.Fatalf("Replicas after a restart = %v, %v, %v", held, why, err)
+	}
+	running(t, b2.o)
+	peers["b"] = b2.o.Addr().String()
+	a2 := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Peers: peers}, 1)
+	if rep, err := a2.o.Restore(ctx, 0, 3); err != nil || rep.Tier != TierReplica {
+		t.Fatalf("Restore = %s, %v", rep, err)
+	}
+	checkLoaded(t, a2.ws[0], tb, 3)
+}
+
+// TestOwnerCloseMidTransfer closes an owner while a peer's transfer into
+// it stalls halfway: Close returns, leaves no goroutine, and keeps the
+// previous copy, which the next owner serves.
+func TestOwnerCloseMidTransfer(t *testing.T) {
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+	ctx := context.Background()
+	tb := newTestBlobs(4 << 10)
+	shm := shmDir(t)
+	bcfg := OwnerConfig{ShmDir: shm, Node: "b", Shards: []int{1}, ListenAddr: "127.0.0.1:0"}
+	b := newNode(t, bcfg, 1)
+	bCtx, stopB := context.WithCancel(ctx)
+	defer stopB()
+	bDone := make(chan error)
+	go func() { bDone <- b.o.Run(bCtx) }()
+	peers := map[string]string{"a": "", "b": b.o.Addr().String()}
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Peers: peers}, 1)
+	if err := a.ws[0].Save(ctx, 3, tb.step(3)...); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.o.Replicate(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+
+	// A put of step 4 that stops after its meta.
+	conn, err := net.Dial("tcp", b.o.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	br, bw := bufio.NewReader(conn), bufio.NewWriter(conn)
+	if err := clientHandshake(br, bw, nil, replicaReq{op: opPut, shard: 0, step: 4}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.ws[0].Save(ctx, 4, tb.step(4)...); err != nil {
+		t.Fatal(err)
+	}
+	seg := a.o.segs[0]
+	if err := a.o.Seal(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	m, _ := seg.metaOK(seg.newest()[0])
+	mb, _ := m.MarshalBinary()
+	bw.Write([]byte{byte(len(mb)), byte(len(mb) >> 8), byte(len(mb) >> 16), byte(len(mb) >> 24)})
+	bw.Write(mb)
+	bw.Write(make([]byte, 1000))
+	if err := bw.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	// The server is receiving once the slot is taken: wait for that.
+	waitFor(t, "the stalled transfer to begin", func() bool {
+		slot := b.o.replicaSlot(0)
+		if slot.mu.TryLock() {
+			slot.mu.Unlock()
+			return false
+		}
+		return true
+	})
+	if err := b.o.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-bDone; err != nil {
+		t.Fatalf("Run after Close = %v", err)
+	}
+	if _, err := os.Stat(ReplicaPath(shm, b.o.cfg.Name, 0)); err != nil {
+		t.Fatalf("Close removed the replica: %v", err)
+	}
+	b2 := newNode(t, bcfg, 1)
+	if held, _, err := b2.o.Replicas(); err != nil || !slices.Equal(held[0], []int64{3}) {
+		t.Fatalf("Replicas after a cut transfer = %v, %v", held, err)
+	}
+	b2.ws[0].Close()
+	b2.o.Close()
+	b.ws[0].Close()
+	a.ws[0].Close()
+	a.o.Close()
+}
+
+// childNode is a node agent and its trainer: it saves steps 1 to
+// FAULTLINE_CKPT_STEPS, copies each to its peer, and says ready with the
+// newest step, then waits to be killed.
+func childNode() error {
+	ctx := context.Background()
+	o, err := NewOwner(OwnerConfig{ShmDir: os.Getenv("FAULTLINE_CKPT_SHM"), Name: "node", Node: "a", Shards: []int{0},
+		Capacity: 16 << 20, Peers: map[string]string{"a": "", "p": os.Getenv("FAULTLINE_CKPT_PEER")},
+		ReplicaKey: []byte(os.Getenv("FAULTLINE_CKPT_KEY"))})
+	if err != nil {
+		return err
+	}
+	w, err := NewWriter(WriterConfig{Path: o.SegmentPath(0)})
+	if err != nil {
+		return err
+	}
+	tb := newTestBlobs(1 << 20)
+	n := envInt("FAULTLINE_CKPT_STEPS")
+	for step := int64(1); step <= n; step++ {
+		if err := w.Save(ctx, step, tb.step(step)...); err != nil {
+			return err
+		}
+		if err := o.Replicate(ctx, 0); err != nil {
+			return err
+		}
+	}
+	fmt.Println("ready", n)
+	select {}
+}
+
+// TestReplicaSurvivesSIGKILL kills node a's agent, and then the peer's
+// agent that holds a's replica, each with SIGKILL; the peer's next agent,
+// a new process on the same shared memory, lists the replica and serves
+// it over TCP to a's replacement, which holds the step bitwise.
+func TestReplicaSurvivesSIGKILL(t *testing.T) {
+	ctx := context.Background()
+	key := "a job's key, of more than 16 bytes"
+	shmP := shmDir(t)
+	peer, addr := startChild(t, "peer", "FAULTLINE_CKPT_SHM="+shmP, "FAULTLINE_CKPT_KEY="+key)
+	shmA := shmDir(t)
+	node, ready := startChild(t, "node", "FAULTLINE_CKPT_SHM="+shmA, "FAULTLINE_CKPT_PEER="+addr[0],
+		"FAULTLINE_CKPT_KEY="+key, "FAULTLINE_CKPT_STEPS=3")
+	if ready[0] != "3" {
+		t.Fatalf("node ready at step %s", ready[0])
+	}
+	node.kill()
+	os.RemoveAll(shmA) // the node's memory goes with it
+	peer.kill()
+
+	_, again := startChild(t, "peer", "FAULTLINE_CKPT_SHM="+shmP, "FAULTLINE_CKPT_KEY="+key)
+	if want := []string{"held", "0:3,2"}; !slices.Equal(again[1:], want) {
+		t.Fatalf("the restarted peer says %v, want %v", again[1:], want)
+	}
+	a2 := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Capacity: 4096, ReplicaKey: []byte(key),
+		Peers: map[string]string{"a": "", "p": again[0]}}, 1)
+	rep, err := a2.o.Restore(ctx, 0, 3)
+	if err != nil || rep.Tier != TierReplica {
+		t.Fatalf("Restore = %s, %v", rep, err)
+	}
+	t.Logf("%s", rep)
+	checkLoaded(t, a2.ws[0], newTestBlobs(1<<20), 3)
+}
+
+// heldWords says which steps of which shards an owner's Replicas lists,
+// as "shard:step,step" words.
+func heldWords(o *Owner) ([]string, error) {
+	held, _, err := o.Replicas()
+	var words []string
+	for _, s := range slices.Sorted(maps.Keys(held)) {
+		var steps []string
+		for _, st := range held[s] {
+			steps = append(steps, strconv.FormatInt(st, 10))
+		}
+		words = append(words, fmt.Sprintf("%d:%s", s, strings.Join(steps, ",")))
+	}
+	return words, err
+}
