@@ -2,12 +2,17 @@ package agent
 
 import (
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
+	"maps"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -29,14 +34,22 @@ type checkpoints struct {
 	reg       *promreg.Registrar
 	abandoned *prometheus.CounterVec
 
-	mu     sync.Mutex
-	ctx    context.Context // the owners run on it
-	dir    string          // the job's checkpoint folder; "" until a rank names one
-	shards map[int]*shard  // by rank
-	starts map[int]int64   // the step of each start with none agreed, by start count
-	loaded map[int]loader  // by rank: its process that loaded once
-	peers  map[int]string  // every node's replica address, by node
-	wg     sync.WaitGroup
+	mu  sync.Mutex
+	ctx context.Context // the owners run on it
+	dir string          // the job's checkpoint folder; "" until a rank names one
+	// adopted: dir is the folder the other nodes name, taken before the
+	// node's ranks named one.
+	adopted bool
+	shards  map[int]*shard // by rank
+	starts  map[int]int64  // the step of each start with none agreed, by start count
+	loaded  map[int]loader // by rank: its process that loaded once
+	peers   map[int]string // every node's replica address, by node
+	wg      sync.WaitGroup
+
+	hostOnce sync.Once
+	hostAddr string
+
+	verified map[diskShard]error // committed shards checked, and what was wrong
 }
 
 // loader is a rank's process: its pid and its start (a pid may come again).
@@ -92,10 +105,13 @@ func (c *checkpoints) setDirLocked(dir string) error {
 	if err != nil {
 		return fmt.Errorf("checkpoint dir %q: %w", dir, err)
 	}
-	switch c.dir {
-	case "":
-		c.dir = abs
-	case abs:
+	switch {
+	case c.dir == "" || c.adopted && c.dir != abs:
+		// A folder adopted from the other nodes gives way to the one the
+		// node's own ranks name: each node may have a folder of its own.
+		c.dir, c.adopted = abs, false
+	case c.dir == abs:
+		c.adopted = false
 	default:
 		return fmt.Errorf("checkpoint dir %q: the job's ranks already save to %q: one checkpoint folder per job", dir, c.dir)
 	}
@@ -156,9 +172,18 @@ func (c *checkpoints) openLocked(sh *shard, rank int, dir string, bytes int64) e
 	if h, err := readSegmentHeader(c.segmentPath(rank)); err == nil {
 		half = max(half, h.HalfSize)
 	}
-	o, err := ckpt.NewOwner(ckpt.OwnerConfig{ShmDir: a.cfg.ShmDir, Name: c.segmentName(), Shards: []int{rank}, NumShards: a.world,
+	cfg := ckpt.OwnerConfig{ShmDir: a.cfg.ShmDir, Name: c.segmentName(), Shards: []int{rank}, NumShards: a.world,
 		Capacity: half, Dir: dir, PollInterval: 20 * time.Millisecond, Workers: 1,
-		Registerer: wrapRank(a.cfg.Registerer, rank), Logger: a.log.With("rank", rank)})
+		Registerer: wrapRank(a.cfg.Registerer, rank), Logger: a.log.With("rank", rank)}
+	if c.replicating() {
+		cfg.Node, cfg.Replicas, cfg.ReplicaKey = strconv.Itoa(a.cfg.NodeRank), a.cfg.Replicas, c.replicaKey()
+		cfg.ListenAddr = net.JoinHostPort(c.host(), strconv.Itoa(a.cfg.ReplicaPort+c.local(rank)))
+		cfg.Peers = c.peersOf(rank)
+	}
+	if a.cfg.Nodes > 1 && dir != "" {
+		cfg.Committer = &jobCommitter{c: c, local: &ckpt.LocalCommitter{Dir: dir}}
+	}
+	o, err := ckpt.NewOwner(cfg)
 	if err != nil {
 		return fmt.Errorf("rank %d's checkpoint segment: %w", rank, err)
 	}
@@ -291,8 +316,54 @@ func (c *checkpoints) holdings() (map[int][]int64, []int64) {
 		if disk, err = ckpt.CommittedSteps(dir); err != nil {
 			c.a.log.Warn("agent: the disk tier's steps are unknown", "dir", dir, "err", err)
 		}
+		disk = c.loadable(dir, disk)
 	}
 	return memory, disk
+}
+
+// loadable returns the steps of steps (committed in dir) whose shards of
+// every local rank are intact, and says which are not and why: a step one
+// rank cannot load would split the job, that rank starting over while the
+// others resume. Each shard of a step is checked once, every CRC: a
+// committed step does not change.
+func (c *checkpoints) loadable(dir string, steps []int64) []int64 {
+	var ok []int64
+	for _, st := range steps {
+		var bad []string
+		for _, s := range c.a.slots {
+			key := diskShard{dir, st, s.rank}
+			c.mu.Lock()
+			err, seen := c.verified[key]
+			c.mu.Unlock()
+			if !seen {
+				err = ckpt.VerifyDiskStep(dir, st, s.rank)
+				c.mu.Lock()
+				if c.verified == nil {
+					c.verified = map[diskShard]error{}
+				}
+				c.verified[key] = err
+				c.mu.Unlock()
+				if err != nil {
+					c.a.log.Warn("agent: a committed step cannot be loaded", "step", st, "rank", s.rank, "err", err)
+					fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: step %d on disk cannot be loaded by rank %d, so no rank resumes from it: %v\n", st, s.rank, err)
+				}
+			}
+			if err != nil {
+				bad = append(bad, fmt.Sprint(s.rank))
+			}
+		}
+		if len(bad) == 0 {
+			ok = append(ok, st)
+		}
+	}
+	return ok
+}
+
+// diskShard names a shard of a committed step.
+type diskShard struct {
+	dir  string
+	step int64
+	rank int
 }
 
 // adoptDir takes dir, the job's checkpoint folder as the other nodes name
@@ -302,24 +373,123 @@ func (c *checkpoints) adoptDir(dir string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.dir == "" && dir != "" {
-		c.dir = dir
+		c.dir, c.adopted = dir, true
 	}
 }
 
-// setPeers takes in the replica address of every node of the job.
+// setPeers takes in the replica address of every node of the job and
+// hands each local rank's owner the peers it sends its replicas to.
 func (c *checkpoints) setPeers(peers map[int]string) {
 	c.mu.Lock()
 	c.peers = peers
+	shards := maps.Clone(c.shards)
 	c.mu.Unlock()
+	for rank, sh := range shards {
+		sh.mu.Lock()
+		if sh.owner != nil {
+			if err := sh.owner.SetPeers(c.peersOf(rank), nil); err != nil {
+				c.a.log.Warn("agent: replica peers not set", "rank", rank, "err", err)
+			}
+		}
+		sh.mu.Unlock()
+	}
 }
 
-// replicaHoldings returns the steps the node holds as replicas of other
-// nodes' ranks, by rank.
-func (c *checkpoints) replicaHoldings() map[int][]int64 { return nil }
+// replicating reports whether the node's ranks send replicas to other
+// nodes and keep theirs.
+func (c *checkpoints) replicating() bool { return c.a.cfg.Nodes > 1 && c.a.cfg.Replicas > 0 }
 
-// replicaAddr is the address of the node's replica server, "" when it
-// serves none.
-func (c *checkpoints) replicaAddr() string { return "" }
+// local is rank's index among the node's ranks.
+func (c *checkpoints) local(rank int) int { return rank - c.a.cfg.NodeRank*c.a.cfg.ProcsPerNode }
+
+// peersOf returns, for rank's owner, the replica server of the rank in
+// the same local place on every other node: a node's k-th rank keeps the
+// replicas of the other nodes' k-th ranks, so that the owners of a node
+// share its replicas' load.
+func (c *checkpoints) peersOf(rank int) map[string]string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := map[string]string{}
+	for node, addr := range c.peers {
+		host, port, err := net.SplitHostPort(addr)
+		p, perr := strconv.Atoi(port)
+		if err != nil || perr != nil {
+			c.a.log.Warn("agent: a node's replica address is malformed", "node", node, "addr", addr)
+			continue
+		}
+		out[strconv.Itoa(node)] = net.JoinHostPort(host, strconv.Itoa(p+c.local(rank)))
+	}
+	return out
+}
+
+// replicaHoldings returns the steps the node holds intact as replicas of
+// other nodes' ranks, by rank.
+func (c *checkpoints) replicaHoldings() map[int][]int64 {
+	if !c.replicating() {
+		return nil
+	}
+	out := map[int][]int64{}
+	for _, s := range c.a.slots {
+		o, err := c.owner(s.rank)
+		if o == nil || err != nil {
+			continue
+		}
+		held, why, err := o.Replicas()
+		if err != nil {
+			c.a.log.Info("agent: replicas unknown", "rank", s.rank, "err", err)
+			continue
+		}
+		for _, e := range why {
+			c.a.log.Info("agent: a replica holds no intact step", "rank", s.rank, "err", e)
+		}
+		for r, steps := range held {
+			out[r] = append(out[r], steps...)
+		}
+	}
+	// Every owner of the node sees the node's replicas.
+	for r, steps := range out {
+		slices.Sort(steps)
+		slices.Reverse(steps)
+		out[r] = slices.Compact(steps)
+	}
+	return out
+}
+
+// replicaAddr is the address of the node's first replica server (its
+// k-th rank's owner listens k ports above), "" when it serves none.
+func (c *checkpoints) replicaAddr() string {
+	if !c.replicating() {
+		return ""
+	}
+	return net.JoinHostPort(c.host(), strconv.Itoa(c.a.cfg.ReplicaPort))
+}
+
+// host is the node's address as its peers reach it: the one its packets
+// to the master leave from.
+func (c *checkpoints) host() string {
+	c.hostOnce.Do(func() {
+		c.hostAddr = "127.0.0.1"
+		conn, err := net.Dial("udp", net.JoinHostPort(c.a.cfg.MasterAddr, strconv.Itoa(c.a.cfg.MasterPort)))
+		if err != nil {
+			c.a.log.Warn("agent: the node's address is unknown; replicas are served on loopback", "err", err)
+			return
+		}
+		defer conn.Close()
+		c.hostAddr = conn.LocalAddr().(*net.UDPAddr).IP.String()
+	})
+	return c.hostAddr
+}
+
+// replicaKey is the key the replicas' transfers prove they hold: drawn
+// from the control plane's token, for this job; none without a token.
+func (c *checkpoints) replicaKey() []byte {
+	if c.a.cfg.Security.Token == "" {
+		return nil
+	}
+	m := hmac.New(sha256.New, []byte(c.a.cfg.Security.Token))
+	m.Write([]byte("faultline replica key\x00" + c.a.cfg.Job))
+	return m.Sum(nil)
+}
 
 // stateBytes is the shared memory the node's segments take.
 func (c *checkpoints) stateBytes() int64 {
@@ -473,6 +643,14 @@ func (c *checkpoints) release(ctx context.Context, finished bool) {
 			c.a.log.Warn("agent: checkpoint segment not removed", "rank", s.rank, "err", err)
 		}
 	}
+	// The replicas the node kept of other nodes' ranks, and copies of them
+	// being received when the owners stopped.
+	replicas, _ := filepath.Glob(filepath.Join(c.a.cfg.ShmDir, c.segmentName()+"-replica-*"))
+	for _, name := range replicas {
+		if err := os.Remove(name); err != nil && !errors.Is(err, os.ErrNotExist) {
+			c.a.log.Warn("agent: replica not removed", "path", name, "err", err)
+		}
+	}
 }
 
 // close stops the owners; the segments stay for the next agent.
@@ -549,39 +727,32 @@ func (c *checkpoints) load(ctx context.Context, s *slot, pid int, dir string, at
 		return loadAnswer{Step: want, Tier: string(ckpt.TierMemory), Path: path, Half: h}, nil
 	}
 	ans.Reasons = append(ans.Reasons, "memory: "+why)
-	c.mu.Lock()
-	dir = c.dir
-	c.mu.Unlock()
-	if dir == "" {
-		ans.Reasons = append(ans.Reasons, "disk: no checkpoint folder named")
-		return ans, nil
-	}
-	ck, err := ckpt.LoadDiskStep(dir, want, s.rank)
-	if err != nil {
-		ans.Reasons = append(ans.Reasons, fmt.Sprintf("disk: step %d: %v", want, err))
-		return ans, nil
-	}
-	names, sizes := make([]string, len(ck.Blobs)), make([]int64, len(ck.Blobs))
-	for i, b := range ck.Blobs {
-		names[i], sizes[i] = b.Name, int64(len(b.Data))
-	}
-	if _, _, err := c.segment(s.rank, dir, layout.StepSize(names, sizes)); err != nil {
+	// The owner fetches the step into the segment: from a replica in
+	// another node's memory, else from disk; the rank reads its segment.
+	if _, _, err := c.segment(s.rank, dir, 1); err != nil {
 		return ans, err
 	}
-	w, err := ckpt.NewWriter(ckpt.WriterConfig{Path: path})
+	o, err := c.owner(s.rank)
 	if err != nil {
 		return ans, err
 	}
-	err = w.Save(ctx, want, ck.Blobs...)
-	w.Close()
+	rep, err := o.Restore(ctx, s.rank, want)
+	for _, e := range rep.Refused {
+		if e.Tier != ckpt.TierMemory {
+			ans.Reasons = append(ans.Reasons, e.Error())
+		}
+	}
 	if err != nil {
-		return ans, fmt.Errorf("copy disk step %d into %s: %w", want, path, err)
+		if errors.Is(err, ckpt.ErrNoStep) {
+			return ans, nil
+		}
+		return ans, fmt.Errorf("restore step %d into %s: %w", want, path, err)
 	}
 	h, why = c.findHalf(s.rank, want)
 	if h < 0 {
-		return ans, fmt.Errorf("disk step %d copied into %s, then not found there: %s", want, path, why)
+		return ans, fmt.Errorf("step %d restored into %s from %s, then not found there: %s", want, path, rep.Tier, why)
 	}
-	return loadAnswer{Step: want, Tier: string(ckpt.TierDisk), Path: path, Half: h, Reasons: ans.Reasons}, nil
+	return loadAnswer{Step: want, Tier: string(rep.Tier), Path: path, Half: h, Reasons: ans.Reasons}, nil
 }
 
 // heldSteps returns the steps rank holds intact in memory, newest first,
@@ -637,18 +808,19 @@ func (c *checkpoints) startStep(gen int) int64 {
 		return st
 	}
 	c.mu.Unlock()
-	st := c.diskStep()
-	if c.a.cfg.Nodes == 1 {
-		memory, disk := c.holdings()
-		h := holdings{memory: memory, disk: map[int][]int64{c.a.cfg.NodeRank: disk}, nodeOf: func(int) int { return c.a.cfg.NodeRank }}
-		ranks := make([]int, len(c.a.slots))
-		for i, s := range c.a.slots {
-			ranks[i] = s.rank
-		}
-		if plan, _ := h.choose(ranks); plan.step >= 0 {
-			st = plan.step
-		}
+	// The newest step every local rank can load, from memory (on one
+	// node: the others' ranks are elsewhere) or disk.
+	memory, disk := c.holdings()
+	if c.a.cfg.Nodes > 1 {
+		memory = nil
 	}
+	h := holdings{memory: memory, disk: map[int][]int64{c.a.cfg.NodeRank: disk}, nodeOf: func(int) int { return c.a.cfg.NodeRank }}
+	ranks := make([]int, len(c.a.slots))
+	for i, s := range c.a.slots {
+		ranks[i] = s.rank
+	}
+	plan, _ := h.choose(ranks)
+	st := plan.step
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if prev, ok := c.starts[gen]; ok {

@@ -24,6 +24,8 @@ const (
 	kindHeld       = "faultline-run/held"       // up: what a node holds (heldReport)
 	kindGeneration = "faultline-run/generation" // down: the restart count the ranks resume with
 	kindPersist    = "faultline-run/persist"    // down: persist the newest step every shard holds
+	kindDurable    = "faultline-run/durable"    // up: a shard of a step is durable on its node's disk (durableShard)
+	kindCommit     = "faultline-run/commit"     // down: every shard of a step is durable: commit it (layout.StepManifest)
 	kindStop       = "faultline-run/stop"       // down: recovery gave up; stop every rank
 )
 
@@ -243,6 +245,29 @@ func (j *jobCheckpoints) handler() taskd.Handler {
 				return fmt.Errorf("%s from %v speaks for node %d", kindStacks, ev.Position, st.Node)
 			}
 			j.hangs.take(ctx, m, st)
+		case kindDurable:
+			var d durableShard
+			if err := json.Unmarshal(ev.Message.Payload, &d); err != nil {
+				return fmt.Errorf("%s from %v: %w", kindDurable, ev.Position, err)
+			}
+			if d.Node != ev.Position.Node {
+				return fmt.Errorf("%s from %v speaks for node %d", kindDurable, ev.Position, d.Node)
+			}
+			j.mu.Lock()
+			sm, done := j.core.shardDurable(d)
+			j.mu.Unlock()
+			if done {
+				b, err := sm.Marshal()
+				if err != nil {
+					return err
+				}
+				j.log.Info("agent: every shard of a step is durable; the nodes commit it", "step", sm.Step, "shards", len(sm.Shards))
+				go func() {
+					if _, err := m.Broadcast(context.WithoutCancel(ctx), taskd.AllWorkers(), kindCommit, b); err != nil {
+						j.log.Warn("agent: not every node was told to commit a step", "step", sm.Step, "err", err)
+					}
+				}()
+			}
 		case kindHeld:
 			var r heldReport
 			if err := json.Unmarshal(ev.Message.Payload, &r); err != nil {

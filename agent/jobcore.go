@@ -6,6 +6,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/faultline-ml/faultline/ckpt/layout"
 )
 
 // The job's decisions that the manager takes for the agents, kept pure:
@@ -50,6 +52,57 @@ type jobCore struct {
 	// disk tier there (the same folder, if the nodes share one; an empty
 	// one of its own if not).
 	dir string
+	// durable are the shards each step has persisted on their nodes'
+	// disks, by step, until every shard has and the step is committed;
+	// committed is the newest step committed so.
+	durable   map[int64]map[int]layout.ShardRef
+	committed int64
+}
+
+// durableShard is what a node says when one of its shards of a step is
+// durable on its disk tier: the job commits the step once every shard is,
+// wherever each lies (a folder per node, or one they share).
+type durableShard struct {
+	Node      int             `json:"node"`
+	Step      int64           `json:"step"`
+	NumShards int             `json:"num_shards"`
+	Ref       layout.ShardRef `json:"ref"`
+}
+
+// shardDurable notes d and returns the step's manifest when every shard
+// of it is now durable: the nodes then commit it, each in its folder. A
+// step older than one committed is not (DISK steps commit in order).
+func (c *jobCore) shardDurable(d durableShard) (layout.StepManifest, bool) {
+	if d.Step <= c.committed || d.NumShards < 1 || d.Ref.Shard < 0 || d.Ref.Shard >= d.NumShards {
+		return layout.StepManifest{}, false
+	}
+	if c.durable == nil {
+		c.durable = map[int64]map[int]layout.ShardRef{}
+	}
+	refs := c.durable[d.Step]
+	if refs == nil {
+		refs = map[int]layout.ShardRef{}
+		c.durable[d.Step] = refs
+	}
+	refs[d.Ref.Shard] = d.Ref
+	if len(refs) < d.NumShards {
+		return layout.StepManifest{}, false
+	}
+	m := layout.StepManifest{Step: d.Step, Shards: make([]layout.ShardRef, d.NumShards)}
+	for i := range d.NumShards {
+		r, ok := refs[i]
+		if !ok {
+			return layout.StepManifest{}, false
+		}
+		m.Shards[i] = r
+	}
+	c.committed = d.Step
+	for st := range c.durable {
+		if st <= d.Step {
+			delete(c.durable, st)
+		}
+	}
+	return m, true
 }
 
 // reportRequest is what the manager asks every node in a round of
@@ -60,7 +113,7 @@ type reportRequest struct {
 }
 
 func newJobCore(nodes int) *jobCore {
-	return &jobCore{nodes: nodes, hellos: map[int]nodeHello{}, reports: map[int]heldReport{}}
+	return &jobCore{nodes: nodes, hellos: map[int]nodeHello{}, reports: map[int]heldReport{}, committed: -1}
 }
 
 // hello takes in a node's hello and returns the replica addresses of every

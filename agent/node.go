@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/faultline-ml/faultline/ckpt/layout"
 	"github.com/faultline-ml/faultline/taskd"
 )
 
@@ -49,6 +50,14 @@ func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
 		}
 		if a.firstOf(kindVerdict, v.Round) {
 			go a.takeVerdict(v)
+		}
+	case kindCommit:
+		sm, err := layout.ParseStepManifest(m.Payload)
+		if err != nil {
+			return fmt.Errorf("agent: %s: %w", kindCommit, err)
+		}
+		if a.firstOf(kindCommit, fmt.Sprint(sm.Step)) {
+			a.ckpts.commit(sm)
 		}
 	case kindPersist:
 		_, err := a.ckpts.persistLocal(ctx)
