@@ -476,6 +476,18 @@ func LoadDiskStep(dir string, step int64, shard int) (*Checkpoint, error) {
 	return readShardFile(filepath.Join(layout.StepDir(dir, step), layout.ShardFile(shard)), man)
 }
 
+// VerifyDiskStep checks shard of a committed step in dir as LoadDiskStep
+// does, every CRC included, without keeping what it reads: whether the
+// shard can be loaded. An error that wraps layout.ErrCorrupt is damage.
+func VerifyDiskStep(dir string, step int64, shard int) error {
+	man, err := checkDiskShard(dir, step, shard)
+	if err != nil {
+		return err
+	}
+	_, err = scanShardFile(filepath.Join(layout.StepDir(dir, step), layout.ShardFile(shard)), man, true)
+	return err
+}
+
 // checkDiskShard verifies, for shard of a committed step: the step
 // manifest, the shard manifest's CRC against it, and the data file's size.
 func checkDiskShard(dir string, step int64, shard int) (layout.ShardManifest, error) {

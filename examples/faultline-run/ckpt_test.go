@@ -125,6 +125,39 @@ func TestDiskStepsCommittedAtTheEnd(t *testing.T) {
 	}
 }
 
+// TestDamagedDiskStep: a committed step whose shard of rank 1 was cut
+// short is loaded by no rank: both resume from the step before it, and the
+// launcher says which shard is damaged. Nothing on disk is removed.
+func TestDamagedDiskStep(t *testing.T) {
+	needTorch(t)
+	dir := t.TempDir()
+	ckptDir := filepath.Join(dir, "ckpt")
+	flags := []string{"--standalone", "--nproc-per-node", "2"}
+	j := startScript(t, filepath.Join(dir, "out"), flags, "testdata/disk_saves.py", ckptDir, "1", "2", "1")
+	if err := j.wait(3 * time.Minute); err != nil {
+		t.Fatalf("%v\nstderr:\n%s", err, j.errText())
+	}
+	shard := filepath.Join(layout.StepDir(ckptDir, 1), layout.ShardFile(1))
+	if err := os.Truncate(shard, 1000); err != nil {
+		t.Fatal(err)
+	}
+	j = startScript(t, filepath.Join(dir, "out"), flags, "testdata/disk_saves.py", ckptDir, "1", "0", "1")
+	if err := j.wait(3 * time.Minute); err != nil {
+		t.Fatalf("%v\nstderr:\n%s", err, j.errText())
+	}
+	for r := range 2 {
+		if want := fmt.Sprintf("[rank%d]: resumed from 0", r); !strings.Contains(j.stdout(), want) {
+			t.Errorf("no %q: a rank loaded the damaged step, or none loaded the one before\nstdout:\n%s\nstderr:\n%s", want, j.stdout(), j.errText())
+		}
+	}
+	if want := "step 1 on disk cannot be loaded by rank 1"; !strings.Contains(j.errText(), want) {
+		t.Errorf("no %q on the launcher's output:\n%s", want, j.errText())
+	}
+	if _, err := os.Stat(shard); err != nil {
+		t.Errorf("the damaged shard was removed: %v", err)
+	}
+}
+
 // TestDiskStepsAsked: two launchers on one host share a checkpoint
 // folder and save with StorageType.DISK every 5 steps of 40: the steps
 // committed are the ones asked for (the newest three kept), never those

@@ -1,5 +1,6 @@
-"""Saves a state of MIB MiB a rank with StorageType.DISK every EVERY steps
-(and MEMORY between) for STEPS steps, then exits at once.
+"""Loads the newest checkpoint and says which step it holds, then saves
+a state of MIB MiB a rank with StorageType.DISK every EVERY steps (and
+MEMORY between) for STEPS steps, then exits at once.
 argv: CKPT_DIR MIB STEPS EVERY."""
 
 import sys
@@ -15,6 +16,8 @@ ft.init()
 ckpt_dir, mib, steps, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 w = torch.zeros(mib << 18)  # float32: MIB MiB
 ck = ft.Checkpointer(ckpt_dir)
+st = ck.load_checkpoint()
+print(f"resumed from {st['step'] if st else None}", flush=True)
 for step in range(steps):
     w.fill_(step * 10 + rank)
     disk = (step + 1) % every == 0
