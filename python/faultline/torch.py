@@ -695,6 +695,7 @@ class Checkpointer:
         self._persisted = None  # the newest step saved with DISK
         self._stages = {}       # device -> pinned staging buffers
         self._pending = None    # the save in flight (blocking=False)
+        self._skipped = []      # the steps of saves skipped since the last
         atexit.register(_wait_at_exit, weakref.ref(self))
 
     def save_checkpoint(self, step, state_dict,
@@ -816,7 +817,9 @@ class Checkpointer:
                               f"skipped: {e}", RuntimeWarning, stacklevel=2)
                 return False
             if done is None:
+                self._skip(step)
                 return False
+            self._unskip()
             if not blocking:
                 # Small tensors are copied now: BatchNorm's running
                 # statistics and the like, which the next forward changes
@@ -852,6 +855,26 @@ class Checkpointer:
             self._client.call({"op": "abandoned", "step": a.pending.step,
                                "what": a.why})
         return kept
+
+    def _skip(self, step):
+        # Said at the first of a run of skipped saves, and their count
+        # when a save goes through again: a loop that ignores the return
+        # value learns of them without a line per step.
+        if not self._skipped:
+            warnings.warn(f"faultline: the save of step {step} was skipped: "
+                          "the agent is reading the half it would write (a "
+                          "persist to disk or a copy to a replica under "
+                          "way); the previous step stays", RuntimeWarning,
+                          stacklevel=3)
+        self._skipped.append(step)
+
+    def _unskip(self):
+        s, self._skipped = self._skipped, []
+        if len(s) > 1:
+            warnings.warn(f"faultline: {len(s)} saves were skipped, steps "
+                          f"{s[0]} to {s[-1]}, while the agent read the "
+                          "halves they would write", RuntimeWarning,
+                          stacklevel=3)
 
     def _saved(self, step, persist):
         self._client.call({"op": "saved", "step": step, "persist": persist})

@@ -65,7 +65,10 @@ class AsyncSaveTest(unittest.TestCase):
         self.assertNotIn("abandoned", self.agent.ops())
 
     def test_a_save_torn_by_an_update_is_abandoned_and_said(self):
-        model, opt = model_and_optimizer()
+        # A layer over 64 KiB, which the save copies in the background.
+        torch.manual_seed(3)
+        model = torch.nn.Linear(8, 4096)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         self.assertTrue(self.ckpt.save_checkpoint(
             1, {"model": model.state_dict(), "step": 1}))
         gate = threading.Event()
@@ -99,6 +102,42 @@ class AsyncSaveTest(unittest.TestCase):
             3, {"model": model.state_dict(), "step": 3}, blocking=False))
         self.assertTrue(self.ckpt.wait())
         self.assertEqual(self.ckpt.load_checkpoint()["step"], 3)
+
+    def test_small_tensors_are_copied_before_the_save_returns(self):
+        # BatchNorm's running statistics change in the next forward, as
+        # soon as the save returns: copied before, no save is torn.
+        model, opt = model_and_optimizer()
+        for step in range(1, 4):
+            train_step(model, opt)
+            state = {"model": model.state_dict(), "step": step}
+            want = bits(state)
+            self.assertTrue(self.ckpt.save_checkpoint(step, state,
+                                                      blocking=False))
+            model.train()(torch.randn(4, 8))  # moves the statistics
+            self.assertTrue(self.ckpt.wait(), f"step {step}")
+            self.assertEqual(bits(self.ckpt.load_checkpoint()), want)
+
+    def test_skipped_saves_are_said(self):
+        model, _ = model_and_optimizer()
+        state = lambda step: {"model": model.state_dict(), "step": step}
+        self.assertTrue(self.ckpt.save_checkpoint(1, state(1)))
+        self.assertTrue(self.ckpt.save_checkpoint(2, state(2)))
+        seg = self.ckpt._seg
+        # The owner reads both halves (a persist of one, a replica of the
+        # other): no save can go.
+        for i in (0, 1):
+            seg.u32[seg.base(i) // 4 + 1] = 1
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            self.assertFalse(self.ckpt.save_checkpoint(3, state(3)))
+            self.assertFalse(self.ckpt.save_checkpoint(4, state(4)))
+            for i in (0, 1):
+                seg.u32[seg.base(i) // 4 + 1] = 0
+            self.assertTrue(self.ckpt.save_checkpoint(5, state(5)))
+        said = [str(x.message) for x in w]
+        self.assertEqual(len(said), 2, said)
+        self.assertIn("the save of step 3 was skipped", said[0])
+        self.assertIn("2 saves were skipped, steps 3 to 4", said[1])
 
     def test_a_save_from_another_thread_is_settled_at_the_next_call(self):
         model, opt = model_and_optimizer()
