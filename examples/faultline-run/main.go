@@ -78,6 +78,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"os/exec"
 	"os/signal"
 	"runtime"
 	"slices"
@@ -242,6 +243,11 @@ func parse(args []string) (options, error) {
 		return opts, fmt.Errorf("%w: --monitor-interval %v: give a positive number of seconds", errUsage, *monitor)
 	}
 	cfg.MonitorInterval = time.Duration(*monitor * float64(time.Second))
+	if !*noPython {
+		if _, err := exec.LookPath(*pythonExe); err != nil {
+			return opts, fmt.Errorf("%w: --python %s: %v; name an interpreter that imports torch (Debian's is /usr/bin/python3)", errUsage, *pythonExe, err)
+		}
+	}
 	if *standalone {
 		cfg.Nodes, cfg.NodeRank, cfg.MasterAddr = 1, 0, "127.0.0.1"
 		if cfg.MasterPort, err = freePorts(); err != nil {

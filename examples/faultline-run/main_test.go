@@ -541,6 +541,7 @@ func TestUsage(t *testing.T) {
 		{[]string{"--nnodes", "1:4", "x.py"}, "elastic range is not supported"},
 		{[]string{"--nnodes", "0", "x.py"}, "--nnodes"},
 		{[]string{"--nproc-per-node", "zero", "x.py"}, "--nproc-per-node"},
+		{[]string{"--python", "/nonexistent/python3", "x.py"}, "--python /nonexistent/python3"},
 		{[]string{"--nnodes", "2", "x.py"}, "--rdzv-id"},
 		{[]string{"--nnodes", "2", "--rdzv-id", "j", "--master-addr", "192.0.2.1", "x.py"}, "TASKD_TOKEN"},
 		{[]string{"--nnodes", "2", "--rdzv-id", "j", "x.py"}, `--master-addr "127.0.0.1" resolves to [127.0.0.1], a loopback address`},
