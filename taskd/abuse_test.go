@@ -581,7 +581,8 @@ func TestProxyIdentity(t *testing.T) {
 // a megabyte cost kilobytes and every page fits a message.
 func TestFaultContentsBounded(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	c := newCluster(t, insecureSec(), ManagerConfig{Registerer: reg, MaxMessageBytes: 256 << 10})
+	// The raw member sends no heartbeat: lost, it would add a fault.
+	c := newCluster(t, insecureSec(), ManagerConfig{Registerer: reg, MaxMessageBytes: 256 << 10, HeartbeatDeadline: 10 * time.Minute})
 	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
 	if err := r.register(); err != nil {
 		t.Fatal(err)

@@ -24,7 +24,7 @@ func recoveryTimeouts() taskd.Timeouts {
 // ended, and that the ranks lost no step beyond the newest intact
 // checkpoint.
 func TestRecovery(t *testing.T) {
-	cfg := jobConfig{nodes: 2, ppn: 4, stepTime: 20 * time.Millisecond, switchTime: 300 * time.Millisecond, saveEvery: 5, hangAfter: time.Second, timeouts: recoveryTimeouts()}
+	cfg := jobConfig{nodes: 2, ppn: 4, stepTime: 20 * time.Millisecond, switchTime: 300 * time.Millisecond, saveEvery: 5, hangAfter: 3 * time.Second, timeouts: recoveryTimeouts()}
 	if heavy() {
 		cfg.nodes, cfg.ppn = 4, 8
 	}
