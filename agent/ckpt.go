@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"maps"
 	"net"
 	"os"
@@ -343,7 +344,12 @@ func (c *checkpoints) loadable(dir string, steps []int64) []int64 {
 				}
 				c.verified[key] = err
 				c.mu.Unlock()
-				if err != nil {
+				switch {
+				case errors.Is(err, fs.ErrNotExist):
+					// Not on this node's disk (a folder per node, the
+					// others' adopted): nothing is wrong.
+					c.a.log.Info("agent: a committed step has no shard here", "step", st, "rank", s.rank, "err", err)
+				case err != nil:
 					c.a.log.Warn("agent: a committed step cannot be loaded", "step", st, "rank", s.rank, "err", err)
 					fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: step %d on disk cannot be loaded by rank %d, so no rank resumes from it: %v\n", st, s.rank, err)
 				}

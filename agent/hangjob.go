@@ -138,7 +138,11 @@ func (h *hangRounds) finish(ctx context.Context, m *taskd.Manager, round string,
 			v.Missing = append(v.Missing, r)
 		}
 	}
-	v.Culprits, v.Where = hang.Culprit(dumps, ownFrame(paths...))
+	// Ranks that gave no stacks (a node cut off or gone) may be the very
+	// ones elsewhere: a merge without them names no culprit.
+	if len(v.Missing) == 0 {
+		v.Culprits, v.Where = hang.Culprit(dumps, ownFrame(paths...))
+	}
 	b, err := json.Marshal(v)
 	if err != nil {
 		return
@@ -207,9 +211,14 @@ func (a *Agent) takeVerdict(v verdictMsg) {
 	}
 	var b bytes.Buffer
 	fmt.Fprintf(&b, "Hang: %s\n", v.Reason)
-	if len(v.Culprits) > 0 {
+	scope := "job-wide"
+	switch {
+	case len(v.Missing) > 0:
+		scope = "partial"
+		fmt.Fprintf(&b, "Culprit: partial, ranks %v gave no stacks and may be the ones elsewhere, so none is named.\n", v.Missing)
+	case len(v.Culprits) > 0:
 		fmt.Fprintf(&b, "Culprit: %s.\n", v.Where)
-	} else {
+	default:
 		b.WriteString("Culprit: the stacks single out no rank: every rank is in the same code.\n")
 	}
 	fmt.Fprintf(&b, "Job-wide: the stacks of %d ranks on nodes %v", len(dumps), v.Nodes)
@@ -223,5 +232,5 @@ func (a *Agent) takeVerdict(v verdictMsg) {
 	}
 	verdict := strings.TrimSuffix(strings.SplitN(b.String(), "\n", 3)[1], ".")
 	a.incident.setVerdict(c, verdict, v.Culprits)
-	fmt.Fprintf(a.cfg.Stderr, "faultline-run: hang, job-wide: %s (stacks of %d ranks on nodes %v; flame graphs in %s)\n", verdict, len(dumps), v.Nodes, c.Dir)
+	fmt.Fprintf(a.cfg.Stderr, "faultline-run: hang, %s: %s (stacks of %d ranks on nodes %v; flame graphs in %s)\n", scope, verdict, len(dumps), v.Nodes, c.Dir)
 }

@@ -138,8 +138,9 @@ func (a *Agent) announce(ctx context.Context) {
 	b, _ := json.Marshal(nodeHello{Node: a.cfg.NodeRank, Ranks: ranks, Replicas: a.ckpts.replicaAddr(), Instance: a.instance})
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
-	said := false
+	said, warned := false, false
 	var takenSince time.Time
+	apartSince := time.Now()
 	for {
 		connected, taken := false, false
 		for _, s := range a.slots {
@@ -154,6 +155,22 @@ func (a *Agent) announce(ctx context.Context) {
 			said = a.send(kindHello, b)
 		case !connected:
 			said = false
+		}
+		// Apart from the job's manager (gone with node 0, or cut off,
+		// or refusing this node's token): the node waits for it as the
+		// job waits for a lost node, then ends, saying why, rather
+		// than wait silently for ever.
+		switch apart := time.Since(apartSince); {
+		case connected:
+			apartSince, warned = time.Now(), false
+		case apart > a.cfg.NodeTimeout:
+			why := fmt.Sprintf("node %d has not reached the job's manager for %v (--node-timeout): node 0, which runs it, is lost, or this node cannot reach it or is refused", a.cfg.NodeRank, apart.Round(time.Second))
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; this node's ranks end\n", why)
+			a.stopNode(why)
+			return
+		case apart > a.cfg.HeartbeatDeadline && !warned:
+			warned = true
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d has not reached the job's manager for %v; it waits up to --node-timeout %v\n", a.cfg.NodeRank, apart.Round(time.Second), a.cfg.NodeTimeout)
 		}
 		// Fenced: the job replaced this node while it was cut off or
 		// stalled; another agent's workers hold its ranks. It must not
