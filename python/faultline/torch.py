@@ -886,7 +886,11 @@ class Checkpointer:
         with tensors on the CPU, bitwise the saved ones; {} when there is
         none. The first call of a process (right after a start or a
         restart) loads the step the agent chose for the whole job to resume
-        from. A later call (a rollback without a restart, after a loss
+        from; in a job of several ranks every rank must make it, since the
+        ranks then check with a collective that they all loaded the same
+        step, and, should nodes that each chose on their own disagree (a
+        node's disk folder lost, say), all load the newest step every rank
+        holds, or start over, with a RuntimeWarning that says so. A later call (a rollback without a restart, after a loss
         spike) loads the newest step that every rank holds intact, in
         memory or committed on disk: every rank must call it then, since
         the ranks agree on the step with a collective (all_gather_object on
@@ -916,8 +920,38 @@ class Checkpointer:
                 return {}
             req["step"] = step
         resp = self._client.call(req, timeout=600)
-        _loaded = True
-        if resp.get("tier") in (None, "", "none") or resp.get("step", -1) < 0:
+        first, _loaded = not _loaded, True
+        got = resp.get("step", -1)
+        if resp.get("tier") in (None, "", "none"):
+            got = -1
+        if first and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() > 1:
+            # Each node's agent answers the first load: make sure every
+            # rank of the job got the same step, or the ranks would train
+            # on from different ones.
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, got)
+            if len(set(every)) > 1:
+                step = self._agree()
+                warnings.warn(
+                    "faultline: the ranks' first loads found different "
+                    f"steps ({_steps_by_rank(every)}); "
+                    + (f"every rank loads step {step}, the newest all hold"
+                       if step >= 0 else "no step is held by every rank, "
+                       "so the job starts over"), RuntimeWarning,
+                    stacklevel=2)
+                if step < 0:
+                    return {}
+                req["step"] = step
+                resp = self._client.call(req, timeout=600)
+                got = resp.get("step", -1)
+                if resp.get("tier") in (None, "", "none"):
+                    got = -1
+                if got != step:
+                    raise RuntimeError(
+                        f"faultline: step {step}, which every rank holds, "
+                        f"did not load here: {resp.get('reasons')}")
+        if got < 0:
             return {}
         seg = self._map(resp.get("path"))
         half = resp.get("half")
@@ -1116,6 +1150,16 @@ def _at(tree, path):
         except (KeyError, IndexError, TypeError):
             return None
     return tree
+
+
+def _steps_by_rank(steps):
+    """Says which ranks got which step, briefly: "step 19: ranks 0-1;
+    none: ranks 2-3"."""
+    by = {}
+    for r, st in enumerate(steps):
+        by.setdefault(st, []).append(r)
+    return "; ".join(("none" if st < 0 else f"step {st}") + ": ranks "
+                     + ",".join(map(str, rs)) for st, rs in sorted(by.items()))
 
 
 class _AsyncSave:
