@@ -80,8 +80,10 @@ func TestFenceAtExecution(t *testing.T) {
 	if want := []string{"resume", "pause", "pause"}; !slices.Equal(tr.Calls(), want) {
 		t.Fatalf("trainer calls %q, want %q", tr.Calls(), want)
 	}
-	if counterValue(w.met.fenced) != 1 {
-		t.Errorf("fenced %v, want 1", counterValue(w.met.fenced))
+	// The queued stop, at least: the manager, whose term is still 5, may
+	// send more meanwhile, and those are fenced too.
+	if counterValue(w.met.fenced) < 1 {
+		t.Errorf("fenced %v, want at least the queued stop", counterValue(w.met.fenced))
 	}
 }
 
