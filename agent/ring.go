@@ -231,7 +231,11 @@ func (r *Ring) word32(off int) *atomic.Uint32 {
 // (a bad length, type or name length) ends the drain with a *RingError:
 // the records before it are delivered and the rest of what is published
 // is skipped, so that the next Drain starts at the producer's next record.
+// A closed ring delivers nothing.
 func (r *Ring) Drain(fn func(rec *RingRecord)) (int, error) {
+	if r.mem == nil { // closed
+		return 0, nil
+	}
 	w := r.words[offWrite/8].Load()
 	n, err := r.drain(w, fn)
 	r.words[offRead/8].Store(r.read)

@@ -513,7 +513,9 @@ func (s *slot) close() {
 		s.wd.Close()
 	}
 	if s.ring != nil {
+		s.drainMu.Lock() // the agent's drain may be reading it
 		s.ring.Close()
+		s.drainMu.Unlock()
 		os.Remove(s.ringPath)
 	}
 }
