@@ -253,6 +253,10 @@ func parse(args []string) (options, error) {
 		if cfg.MasterPort, err = freePorts(); err != nil {
 			return opts, err
 		}
+		// No one looks for the manager at a port chosen at random: one of
+		// the kernel's choosing, which no other program can take between
+		// a check and the bind.
+		cfg.ManagerListen = "127.0.0.1:0"
 	}
 	cfg.Job = *runID
 	if cfg.Job == "" {
