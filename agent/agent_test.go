@@ -205,28 +205,11 @@ func TestManagerApart(t *testing.T) {
 	}
 }
 
-// hostAddr returns an IPv4 address of this host that is not loopback,
-// and skips the test where there is none.
-func hostAddr(t *testing.T) string {
-	t.Helper()
-	addrs, err := net.InterfaceAddrs()
-	if err != nil {
-		t.Skip(err)
-	}
-	for _, a := range addrs {
-		if n, ok := a.(*net.IPNet); ok && !n.IP.IsLoopback() && n.IP.To4() != nil {
-			return n.IP.String()
-		}
-	}
-	t.Skip("this host has no address but loopback")
-	return ""
-}
-
 // TestManagerListensEverywhere: node 0's manager listens on every
 // interface, as the ranks' store does, and not only on MasterAddr: the
 // other nodes reach it whichever address of this host MasterAddr names.
 func TestManagerListensEverywhere(t *testing.T) {
-	host := hostAddr(t)
+	host := testkit.HostAddr(t)
 	l, err := net.Listen("tcp", ":0")
 	if err != nil {
 		t.Fatal(err)

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt/layout"
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // The checkpoints of real PyTorch jobs, through the faultline package's
@@ -170,7 +171,7 @@ func TestDiskStepsAsked(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	host := hostAddr(t)
+	host := testkit.HostAddr(t)
 	t.Setenv("TASKD_TOKEN", randomHex(16))
 	id := "flrun-asked-" + randomHex(3)
 	var jobs []*job

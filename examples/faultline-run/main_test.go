@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,6 +18,7 @@ import (
 	"time"
 
 	"github.com/faultline-ml/faultline/agent"
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // The tests run real PyTorch (Debian's python3-torch: torch 1.13, CPU,
@@ -406,7 +406,7 @@ func TestTwoNodes(t *testing.T) {
 	}
 	t.Setenv("TASKD_TOKEN", randomHex(16))
 	id := "two-nodes-" + randomHex(3)
-	host := hostAddr(t)
+	host := testkit.HostAddr(t)
 	var jobs []*job
 	for node := range 2 {
 		jobs = append(jobs, start(t, filepath.Join(dir, fmt.Sprintf("out-%d", node)),
@@ -430,23 +430,6 @@ func TestTwoNodes(t *testing.T) {
 	if got := readHash(t, w); got != ref {
 		t.Fatalf("weights after the recovery %s, without the fault %s", got, ref)
 	}
-}
-
-// hostAddr returns an IPv4 address of this host that is not loopback, for
-// a job of several nodes on this one; the test is skipped without one.
-func hostAddr(t *testing.T) string {
-	t.Helper()
-	addrs, err := net.InterfaceAddrs()
-	if err != nil {
-		t.Skip(err)
-	}
-	for _, a := range addrs {
-		if n, ok := a.(*net.IPNet); ok && !n.IP.IsLoopback() && n.IP.To4() != nil {
-			return n.IP.String()
-		}
-	}
-	t.Skip("a job of several nodes needs an address of this host but loopback, and it has none")
-	return ""
 }
 
 // TestLauncherKilled: a launcher SIGKILLed takes its ranks with it, and

@@ -86,7 +86,7 @@ func TestManagersApart(t *testing.T) {
 		}
 	}
 	w := filepath.Join(dir, "weights")
-	host := hostAddr(t)
+	host := testkit.HostAddr(t)
 	var jobs []*job
 	for node := range 2 {
 		jobs = append(jobs, start(t, filepath.Join(dir, fmt.Sprintf("out-%d", node)),

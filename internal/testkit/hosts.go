@@ -2,6 +2,7 @@ package testkit
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -194,5 +195,23 @@ func freeSubnet(t testing.TB, seed int) string {
 		}
 	}
 	t.Fatal("no free 10.214.X.0/24 subnet")
+	return ""
+}
+
+// HostAddr returns an IPv4 address of this host that is not loopback,
+// for a job of several nodes on this one, and skips the test where there
+// is none.
+func HostAddr(t testing.TB) string {
+	t.Helper()
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Skipf("this host's addresses cannot be listed: %v", err)
+	}
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && !n.IP.IsLoopback() && n.IP.To4() != nil {
+			return n.IP.String()
+		}
+	}
+	t.Skip("a job of several nodes needs an address of this host but loopback, and it has none")
 	return ""
 }
