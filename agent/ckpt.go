@@ -330,7 +330,7 @@ func (c *checkpoints) holdings() (map[int][]int64, []int64) {
 func (c *checkpoints) loadable(dir string, steps []int64) []int64 {
 	var ok []int64
 	for _, st := range steps {
-		var bad []string
+		whole := true
 		for _, s := range c.a.slots {
 			key := diskShard{dir, st, s.rank}
 			c.mu.Lock()
@@ -354,11 +354,9 @@ func (c *checkpoints) loadable(dir string, steps []int64) []int64 {
 					fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: step %d on disk cannot be loaded by rank %d, so no rank resumes from it: %v\n", st, s.rank, err)
 				}
 			}
-			if err != nil {
-				bad = append(bad, fmt.Sprint(s.rank))
-			}
+			whole = whole && err == nil
 		}
-		if len(bad) == 0 {
+		if whole {
 			ok = append(ok, st)
 		}
 	}

@@ -88,6 +88,8 @@ func (c *jobCore) shardDurable(d durableShard) (layout.StepManifest, bool) {
 	if len(refs) < d.NumShards {
 		return layout.StepManifest{}, false
 	}
+	// Each shard looked up: nodes that disagree on NumShards (a bad
+	// message) must not index past the manifest.
 	m := layout.StepManifest{Step: d.Step, Shards: make([]layout.ShardRef, d.NumShards)}
 	for i := range d.NumShards {
 		r, ok := refs[i]

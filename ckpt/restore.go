@@ -137,7 +137,21 @@ func (o *Owner) restoreMemory(ctx context.Context, shard int, step int64) (seale
 
 // restoreReplica writes the replica of shard at step that the server at
 // addr holds into shard's segment.
-func (o *Owner) restoreReplica(ctx context.Context, addr string, shard int, step int64) (err error) {
+func (o *Owner) restoreReplica(ctx context.Context, addr string, shard int, step int64) error {
+	return o.restoreInto(shard, func(t *restoreTarget) error {
+		m, err := o.getReplica(ctx, addr, shard, step, t.open)
+		if err != nil {
+			o.m.replicaFailures.Inc()
+			return err
+		}
+		o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
+		return nil
+	})
+}
+
+// restoreInto runs fill with a target in shard's segment, under the
+// owner's lock and with a fault in the mapping an error.
+func (o *Owner) restoreInto(shard int, fill func(*restoreTarget) error) (err error) {
 	if err := o.acquire(); err != nil {
 		return err
 	}
@@ -149,13 +163,7 @@ func (o *Owner) restoreReplica(ctx context.Context, addr string, shard int, step
 	}
 	t := restoreTarget{o: o, seg: seg}
 	defer t.release()
-	m, err := o.getReplica(ctx, addr, shard, step, t.open)
-	if err != nil {
-		o.m.replicaFailures.Inc()
-		return err
-	}
-	o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
-	return nil
+	return fill(&t)
 }
 
 // restoreDisk writes the committed step of shard on disk into its
@@ -181,36 +189,26 @@ func (o *Owner) restoreDisk(shard int, step int64) (err error) {
 		names[k], sizes[k] = e.Name, e.Size
 	}
 	meta := layout.PlaceBlobs(step, names, sizes)
-
-	if err := o.acquire(); err != nil {
-		return err
-	}
-	defer o.ops.RUnlock()
-	defer recoverFault(&err, debug.SetPanicOnFault(true))
-	seg, err := o.seg(shard)
-	if err != nil {
-		return err
-	}
-	t := restoreTarget{o: o, seg: seg}
-	defer t.release()
-	to, err := t.open(meta.End())
-	if err != nil {
-		return err
-	}
-	hw, err := to.begin(meta)
-	if err != nil {
-		return err
-	}
-	crcs, err := readBlobs(hw, func(k int) io.Reader { return io.NewSectionReader(f, man.Blobs[k].Offset, man.Blobs[k].Size) })
-	if err != nil {
-		return fmt.Errorf("ckpt: read %s: %w", name, err)
-	}
-	for k, e := range man.Blobs {
-		if crcs[k] != e.CRC32C {
-			return withFile(crcMismatch(k, e, crcs[k]), name)
+	return o.restoreInto(shard, func(t *restoreTarget) error {
+		to, err := t.open(meta.End())
+		if err != nil {
+			return err
 		}
-	}
-	return hw.commit(crcs)
+		hw, err := to.begin(meta)
+		if err != nil {
+			return err
+		}
+		crcs, err := readBlobs(hw, func(k int) io.Reader { return io.NewSectionReader(f, man.Blobs[k].Offset, man.Blobs[k].Size) })
+		if err != nil {
+			return fmt.Errorf("ckpt: read %s: %w", name, err)
+		}
+		for k, e := range man.Blobs {
+			if crcs[k] != e.CRC32C {
+				return withFile(crcMismatch(k, e, crcs[k]), name)
+			}
+		}
+		return hw.commit(crcs)
+	})
 }
 
 // readBlobs reads each blob of the save hw from the reader src gives for
