@@ -396,7 +396,10 @@ func TestNetworkNamespaces(t *testing.T) {
 	for _, sc := range scenarios {
 		t.Run(sc.name, func(t *testing.T) {
 			if sc.bytes == 0 {
-				sc.bytes = 512 << 10
+				// 2 MiB take a few milliseconds on a healthy link, so
+				// that a busy machine's scheduling stall of some 10 ms
+				// stays a fraction of a transfer, not a multiple of it.
+				sc.bytes = 2 << 20
 			}
 			if sc.rate == "" {
 				sc.rate = "40mbit"
@@ -428,10 +431,10 @@ func TestNetworkNamespaces(t *testing.T) {
 			}
 			c, err := NewChecker(Config{
 				Prober: &TCPProber{Bytes: sc.bytes, Repeats: 2},
-				// A healthy transfer here takes about a millisecond and,
-				// on a busy shared machine, jitters by several times; a
-				// 40 Mbit/s link takes some 200 times longer. A ratio of
-				// 10 keeps the one clear of the other.
+				// A healthy transfer of 2 MiB here takes a few
+				// milliseconds and, on a busy shared machine, jitters by
+				// several times; a 40 Mbit/s link takes some 100 times
+				// longer. A ratio of 10 keeps the one clear of the other.
 				Policy: Policy{ProbeTimeout: sc.timeout, StragglerRatio: 10},
 				// All hosts share this machine's CPUs: probes at once
 				// would slow each other and blur the figures.
