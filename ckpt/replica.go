@@ -559,3 +559,37 @@ func (o *Owner) replicaSteps(path string, shard int) (steps []int64, why []error
 	}
 	return steps, why
 }
+
+// PersistReplica persists, into OwnerConfig.Dir, the copy of a peer's
+// shard at step that this owner holds, every CRC checked first, and tells
+// the committer as PersistStep does: what a node does with the replicas it
+// keeps when the job cannot go on without the peer's node, so that the
+// next run resumes from that step. It returns an error wrapping ErrNoStep
+// when no intact copy of the step is held here.
+func (o *Owner) PersistReplica(ctx context.Context, shard int, step int64) (man layout.ShardManifest, err error) {
+	defer recoverFault(&err, debug.SetPanicOnFault(true))
+	if o.cfg.Dir == "" {
+		return layout.ShardManifest{}, errors.New("ckpt: persist a replica: OwnerConfig.Dir is empty")
+	}
+	if err := o.acquire(); err != nil {
+		return layout.ShardManifest{}, err
+	}
+	defer o.ops.RUnlock()
+	slot := o.replicaSlot(shard)
+	slot.mu.Lock()
+	defer slot.mu.Unlock()
+	seg, i, err := o.intactReplica(slot, shard, step)
+	if err != nil {
+		return layout.ShardManifest{}, fmt.Errorf("ckpt: persist the replica of shard %d: %w: %w", shard, ErrNoStep, err)
+	}
+	if man, _, err = persistHalf(ctx, seg, i, o.cfg.Dir, o.cfg.NumShards); err != nil {
+		return layout.ShardManifest{}, fmt.Errorf("ckpt: persist the replica of shard %d at step %d: %w", shard, step, err)
+	}
+	o.log.Info("ckpt: replica persisted", "shard", shard, "step", man.Step, "bytes", man.Size)
+	if o.committer != nil {
+		if err := o.committer.ShardDurable(ctx, man); err != nil {
+			return man, fmt.Errorf("ckpt: commit step %d: %w", man.Step, err)
+		}
+	}
+	return man, nil
+}

@@ -399,3 +399,51 @@ func TestReplicaSenderKilledMidTransfer(t *testing.T) {
 		})
 	}
 }
+
+// TestPersistReplica: node a is lost; node b, the last one standing,
+// persists its own shard and the replica it holds of a's at the same step,
+// and the step commits with every shard on disk, a's as a had saved it.
+func TestPersistReplica(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	tb := newTestBlobs(100 << 10)
+	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, NumShards: 2, Dir: dir, ListenAddr: "127.0.0.1:0"}, 1)
+	running(t, b.o)
+	peers := map[string]string{"a": "127.0.0.1:1", "b": b.o.Addr().String()}
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, NumShards: 2, Dir: dir, Capacity: 4 << 20, Peers: peers}, 1)
+	for step := int64(1); step <= 2; step++ {
+		if err := a.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
+			t.Fatal(err)
+		}
+		if err := a.o.Replicate(ctx, 0); err != nil {
+			t.Fatal(err)
+		}
+		if err := b.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a.ws[0].Close()
+	a.o.Remove()
+	if _, err := b.o.PersistStep(ctx, 1, 2); err != nil {
+		t.Fatal(err)
+	}
+	if steps, _ := CommittedSteps(dir); len(steps) != 0 {
+		t.Fatalf("committed %v with shard 0 missing", steps)
+	}
+	if _, err := b.o.PersistReplica(ctx, 0, 7); !errors.Is(err, ErrNoStep) || !strings.Contains(err.Error(), "intact: steps [2 1]") {
+		t.Fatalf("PersistReplica(step 7) = %v, want ErrNoStep naming the steps held", err)
+	}
+	if _, err := b.o.PersistReplica(ctx, 0, 2); err != nil {
+		t.Fatal(err)
+	}
+	if steps, err := CommittedSteps(dir); err != nil || len(steps) != 1 || steps[0] != 2 {
+		t.Fatalf("committed steps %v (%v), want [2]", steps, err)
+	}
+	ck, err := LoadDiskStep(dir, 2, 0)
+	if err != nil || ck.Step != 2 {
+		t.Fatalf("shard 0 from disk: %v, %v", ck, err)
+	}
+	if err := tb.check(ck); err != nil {
+		t.Fatal(err)
+	}
+}
