@@ -377,6 +377,9 @@ func (o *Owner) Run(ctx context.Context) error {
 	// file was cut short under its mapping: that is logged, once, and
 	// polling goes on.
 	lastFault := ""
+	// A sealed save is replicated at once, not a poll later: the replica
+	// then lags the save by its transfer alone.
+	sealed := make(chan struct{}, 1)
 	poll := func() (err error) {
 		defer recoverFault(&err, debug.SetPanicOnFault(true))
 		for _, shard := range o.cfg.Shards {
@@ -385,6 +388,11 @@ func (o *Owner) Run(ctx context.Context) error {
 				start(fmt.Sprint("s", shard), func() {
 					if err := o.Seal(ctx, shard); err != nil {
 						o.log.Error("ckpt: seal failed", "shard", shard, "err", err)
+						return
+					}
+					select {
+					case sealed <- struct{}{}:
+					default:
 					}
 				})
 			}
@@ -424,6 +432,7 @@ func (o *Owner) Run(ctx context.Context) error {
 		case <-o.closing:
 			return nil
 		case <-t.C:
+		case <-sealed:
 		}
 		if o.acquire() != nil {
 			return nil
