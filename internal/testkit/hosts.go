@@ -89,12 +89,33 @@ func (f *Fabric) run(args ...string) {
 // replaces a lost one.
 func (f *Fabric) AddHost() *Host {
 	f.t.Helper()
+	return f.addHost(fmt.Sprintf("%s%d", f.subnet, f.n+1))
+}
+
+// Replace adds a new host, with a /dev/shm of its own, that takes the
+// address of h, which it removes first: a pod recreated under the name
+// that its job reaches it by (a headless Service's), say.
+func (f *Fabric) Replace(h *Host) *Host {
+	f.t.Helper()
+	h.remove()
+	h.gone = true
+	// The other hosts forget the lost one's link address, as they would
+	// never have learnt it for a new pod's address.
+	for _, o := range f.Hosts {
+		if !o.gone {
+			exec.Command("ip", "-n", o.NS, "neigh", "flush", "all").Run()
+		}
+	}
+	return f.addHost(h.IP)
+}
+
+func (f *Fabric) addHost(ip string) *Host {
 	i := f.n
 	f.n++
 	h := &Host{f: f,
 		Name:  fmt.Sprintf("h%02d", i),
 		NS:    fmt.Sprintf("faultline-%s-%d", f.id, i),
-		IP:    fmt.Sprintf("%s%d", f.subnet, i+1),
+		IP:    ip,
 		Shm:   filepath.Join(f.dir, fmt.Sprintf("shm-%d", i)),
 		veth:  fmt.Sprintf("fl%sh%d", f.id, i),
 		Iface: fmt.Sprintf("fl%sp%d", f.id, i),
