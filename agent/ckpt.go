@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"crypto/hmac"
 	"crypto/sha256"
@@ -569,6 +570,75 @@ func (c *checkpoints) persistLocal(ctx context.Context) (int64, error) {
 	return steps[0], errors.Join(errs...)
 }
 
+// persistWithReplicas persists, besides the node's own shards, the
+// replicas it holds of the ranks of the lost nodes, all at the newest step
+// that every local rank holds in memory and every one of those ranks as a
+// replica here: so that the step commits with the lost nodes' shards too,
+// and the next run resumes from it. Without such a step it persists the
+// node's own newest. It says what it did.
+func (c *checkpoints) persistWithReplicas(ctx context.Context, lost []int) string {
+	var others []int
+	for _, node := range lost {
+		for r := node * c.a.cfg.ProcsPerNode; r < (node+1)*c.a.cfg.ProcsPerNode && r < c.a.world; r++ {
+			if l := c.local(r); l < 0 || l >= len(c.a.slots) {
+				others = append(others, r)
+			}
+		}
+	}
+	replicas := c.replicaHoldings()
+	step, why := int64(-1), ""
+	for _, st := range c.localSteps() {
+		missing := slices.IndexFunc(others, func(r int) bool { return !slices.Contains(replicas[r], st) })
+		if missing < 0 {
+			step = st
+			break
+		}
+		if why == "" {
+			why = fmt.Sprintf("rank %d's replica here holds steps %v, not step %d", others[missing], replicas[others[missing]], st)
+		}
+	}
+	if len(others) == 0 || step < 0 {
+		what := c.a.persistNewest(ctx)
+		if len(others) > 0 {
+			what += fmt.Sprintf(" (the ranks %v of the lost nodes %v are not: %s)", others, lost, cmp.Or(why, "no step is held in memory here"))
+		}
+		return what
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, len(c.a.slots)+len(others))
+	for i, s := range c.a.slots {
+		wg.Go(func() {
+			o, err := c.owner(s.rank)
+			if err == nil && o == nil {
+				err = fmt.Errorf("rank %d has no segment", s.rank)
+			}
+			if err == nil {
+				_, err = o.PersistStep(ctx, s.rank, step)
+			}
+			errs[i] = err
+		})
+	}
+	// Every owner of the node sees its replicas: the first persists them.
+	o, err := c.owner(c.a.slots[0].rank)
+	if err == nil && o == nil {
+		err = fmt.Errorf("rank %d has no segment", c.a.slots[0].rank)
+	}
+	for i, r := range others {
+		wg.Go(func() {
+			if err != nil {
+				errs[len(c.a.slots)+i] = err
+				return
+			}
+			_, errs[len(c.a.slots)+i] = o.PersistReplica(ctx, r, step)
+		})
+	}
+	wg.Wait()
+	if disk := c.diskStep(); disk >= step {
+		return fmt.Sprintf("step %d, the newest in memory, is persisted and committed with every rank's shard, those of ranks %v from the replicas held here", step, others)
+	}
+	return fmt.Sprintf("step %d, the newest in memory here, is not committed on disk (the newest step there is %d): %v", step, c.diskStep(), errors.Join(errs...))
+}
+
 // flush waits until every persist the ranks asked for (a save with
 // StorageType.DISK) is done, as the job ends, and says on the agent's
 // output what it waits for and what is committed after.
@@ -622,8 +692,16 @@ func (c *checkpoints) release(ctx context.Context, finished bool) {
 		if len(steps) > 0 && c.diskStep() < steps[0] {
 			glob := filepath.Join(c.a.cfg.ShmDir, c.segmentName()+"-*")
 			c.a.log.Info("agent: checkpoint segments kept: their newest step is not on disk", "step", steps[0])
-			fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: kept the checkpoint segments %s: they hold step %d, which is not on disk; run the job again with --rdzv-id %s to resume from it, or remove them (rm %s)\n",
-				glob, steps[0], c.a.cfg.Job, glob)
+			if c.a.cfg.Nodes > 1 {
+				// A new run of several nodes starts from disk, where
+				// every node sees the same steps; a node taking its own
+				// place in a job still running resumes from memory.
+				fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: kept the checkpoint segments %s: they hold step %d, newer than step %d on disk; a faultline-run started again here to take node %d's place in the running job resumes from them, a new run of the job from step %d; remove them once neither is wanted (rm %s)\n",
+					glob, steps[0], c.diskStep(), c.a.cfg.NodeRank, c.diskStep(), glob)
+			} else {
+				fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: kept the checkpoint segments %s: they hold step %d, which is not on disk; run the job again with --rdzv-id %s to resume from it, or remove them (rm %s)\n",
+					glob, steps[0], c.a.cfg.Job, glob)
+			}
 			c.close()
 			return
 		}

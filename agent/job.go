@@ -191,7 +191,22 @@ func (j *jobCheckpoints) PersistNewest(ctx context.Context) (int64, error) {
 	if m == nil {
 		return -1, fmt.Errorf("agent: no manager to reach the nodes through")
 	}
-	ds, err := m.Broadcast(ctx, taskd.AllWorkers(), kindPersist, nil)
+	// The nodes no worker is registered from are lost: the others persist
+	// the replicas they hold of their ranks.
+	live := map[int]bool{}
+	for _, mi := range m.Members() {
+		if mi.Role == taskd.RoleWorker {
+			live[mi.Position.Node] = true
+		}
+	}
+	var lost []int
+	for n := range j.core.nodes {
+		if !live[n] {
+			lost = append(lost, n)
+		}
+	}
+	payload, _ := json.Marshal(lost)
+	ds, err := m.Broadcast(ctx, taskd.AllWorkers(), kindPersist, payload)
 	if err != nil {
 		return -1, err
 	}

@@ -60,8 +60,18 @@ func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
 			a.ckpts.commit(sm)
 		}
 	case kindPersist:
-		_, err := a.ckpts.persistLocal(ctx)
-		return err
+		// The lost nodes' ranks are persisted from the replicas held here.
+		var lost []int
+		if len(m.Payload) > 0 {
+			if err := json.Unmarshal(m.Payload, &lost); err != nil {
+				return fmt.Errorf("agent: %s: %w", kindPersist, err)
+			}
+		}
+		if len(lost) == 0 {
+			_, err := a.ckpts.persistLocal(ctx)
+			return err
+		}
+		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: %s\n", a.cfg.NodeRank, a.ckpts.persistWithReplicas(ctx, lost))
 	case kindStop:
 		go a.stopNode(string(m.Payload))
 	}
@@ -166,6 +176,17 @@ func (a *Agent) announce(ctx context.Context) {
 		case apart > a.cfg.NodeTimeout:
 			why := fmt.Sprintf("node %d has not reached the job's manager for %v (--node-timeout): node 0, which runs it, is lost, or this node cannot reach it or is refused", a.cfg.NodeRank, apart.Round(time.Second))
 			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; this node's ranks end\n", why)
+			// What the node holds of the others (replicas) goes to disk
+			// with its own shards: the next run resumes from that step.
+			var others []int
+			for n := range a.cfg.Nodes {
+				if n != a.cfg.NodeRank {
+					others = append(others, n)
+				}
+			}
+			pctx, cancel := context.WithTimeout(ctx, persistTimeout)
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: %s\n", a.cfg.NodeRank, a.ckpts.persistWithReplicas(pctx, others))
+			cancel()
 			a.stopNode(why)
 			return
 		case apart > a.cfg.HeartbeatDeadline && !warned:

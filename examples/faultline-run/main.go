@@ -45,7 +45,9 @@
 //	                          pod's terminationGracePeriodSeconds)
 //	--node-timeout D          how long the job waits, once a node is lost (silent past --heartbeat-deadline),
 //	                          for a node with its --node-rank to join on any host and take its ranks, which
-//	                          resume from their copies in the other nodes' memory (default 10m)
+//	                          resume from their copies in the other nodes' memory (default 10m); and how
+//	                          long a node waits for the job's manager it cannot reach, after which it
+//	                          persists its ranks' newest step with the replicas it holds and ends
 //	--replicas K              how many other nodes hold a copy of each rank's newest memory step (default 1
 //	                          with several nodes; -1: none); --replica-port P is the first of the node's
 //	                          replica servers' ports, one per local rank
