@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -323,4 +324,159 @@ func nodeLost(c *cluster, n0 *job, replace func(*testkit.Host)) (time.Duration, 
 		n0.mu.Unlock()
 	}
 	return back.Sub(killed), done - resumed
+}
+
+// TestNodeZeroLost: the shape the docs recommend for clusters, the
+// manager apart (taskd-manager --agents on a lease, on a host of its own),
+// and node 0, which hosts the job's store, SIGKILLed whole in step 37. Its
+// replacement comes up 3 s later under node 0's address, as a recreated
+// pod does under its headless Service's name, hosts the store again, and
+// its ranks resume from the replicas node 1 holds: no step is lost and the
+// weights are those of a run without the fault.
+func TestNodeZeroLost(t *testing.T) {
+	c := newCluster(t, 3, 2)
+	mgrBin := filepath.Join(c.dir, "taskd-manager")
+	if out, err := exec.Command("go", "build", "-o", mgrBin, "../taskd-manager").CombinedOutput(); err != nil {
+		t.Fatalf("go build ../taskd-manager: %v\n%s", err, out)
+	}
+	mh := c.f.Hosts[2]
+	addr := net.JoinHostPort(mh.IP, "9601")
+	mgr := mh.Command(mgrBin, "--agents", "--insecure", "--job", c.id, "--nodes", "2", "--procs-per-node", "2",
+		"--listen", addr, "--heartbeat-deadline", "3s", "--state-dir", filepath.Join(c.dir, "manager"),
+		"--lease", "file", "--lease-file", filepath.Join(c.dir, "manager.lease"))
+	mgrOut := testkit.NewOutput("manager", testing.Verbose())
+	mgr.Env = append(os.Environ(), "TASKD_TOKEN="+c.token, "POD_NAME=manager-0")
+	mgr.Stderr = mgrOut
+	if err := mgr.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { mgr.Process.Kill(); mgr.Wait() })
+
+	args := []string{"--steps", "60", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
+	flags := []string{"--max-restarts", "3", "--manager", addr}
+	n0 := c.start(0, c.f.Hosts[0], flags, args...)
+	n1 := c.start(1, c.f.Hosts[1], flags, args...)
+	n0.waitLine("[rank0]: step 37 loss", 3*time.Minute)
+	c.f.Hosts[0].Kill()
+	time.Sleep(3 * time.Second)
+	n0b := c.start(0, c.f.Replace(c.f.Hosts[0]), flags, args...)
+	for i, j := range []*job{n0b, n1} {
+		if err := j.wait(3 * time.Minute); err != nil {
+			t.Fatalf("node %d: %v\nstdout:\n%s\nstderr:\n%s\nmanager:\n%s", i, err, j.stdout(), j.errText(), mgrOut.String())
+		}
+	}
+	<-n0.done
+	for _, l := range strings.Split(n0b.stdout(), "\n") {
+		if strings.Contains(l, "resumed from step") {
+			if st, _ := strconv.Atoi(l[strings.LastIndex(l, " ")+1:]); st < 36 {
+				t.Errorf("the new node 0 %q: steps were lost, node 0 died in step 37", l)
+			}
+		}
+	}
+	if got, want := readHash(t, filepath.Join(c.dir, "weights")), reference(t, "--steps", "60"); got != want {
+		t.Fatalf("weights after node 0 was replaced %s, without the fault %s\nmanager:\n%s", got, want, mgrOut.String())
+	}
+}
+
+// TestNodeZeroLostStandalone: node 0 of the standalone shape runs the
+// job's manager and store; SIGKILLed whole in step 37 with no replacement,
+// it takes the job with it. Node 1 ends after --node-timeout, but first
+// persists its ranks' newest step and the replicas it holds of node 0's
+// at that step, so the step commits in the folder the nodes share: run
+// again, the job resumes from it and ends with the weights of a run
+// without the fault.
+func TestNodeZeroLostStandalone(t *testing.T) {
+	c := newCluster(t, 2, 2)
+	c.sharedDisk = true
+	// 100 ms a step: replicas lag a save by their transfer, which a busy
+	// machine can stretch past a 50 ms step.
+	args := []string{"--steps", "60", "--step-ms", "100", "--weights", filepath.Join(c.dir, "weights")}
+	flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "3s", "--node-timeout", "4s"}
+	n0 := c.start(0, c.f.Hosts[0], flags, args...)
+	n1 := c.start(1, c.f.Hosts[1], flags, args...)
+	n0.waitLine("[rank0]: step 37 loss", 3*time.Minute)
+	c.f.Hosts[0].Kill()
+	if err := n1.wait(2 * time.Minute); err == nil {
+		t.Fatalf("node 1 ended as if the job had finished:\n%s", n1.errText())
+	}
+	<-n0.done
+	if !strings.Contains(n1.errText(), "committed with every rank's shard, those of ranks [0 1] from the replicas held here") {
+		t.Fatalf("node 1 does not say that it persisted node 0's ranks from its replicas:\n%s", n1.errText())
+	}
+	h0 := c.f.Replace(c.f.Hosts[0])
+	flags = flags[:len(flags)-2] // node 0 may take longer than 4 s to start
+	again := []*job{c.start(0, h0, flags, args...), c.start(1, c.f.Hosts[1], flags, args...)}
+	for i, j := range again {
+		if err := j.wait(3 * time.Minute); err != nil {
+			t.Fatalf("node %d, run again: %v\nstderr:\n%s", i, err, j.errText())
+		}
+		if !strings.Contains(j.stdout(), "resumed from step 3") {
+			t.Errorf("node %d, run again, does not resume from the step node 0 died in:\n%s", i, j.stdout())
+		}
+	}
+	if got, want := readHash(t, filepath.Join(c.dir, "weights")), reference(t, "--steps", "60"); got != want {
+		t.Fatalf("weights after node 0 was lost and the job run again %s, without the fault %s", got, want)
+	}
+}
+
+// BenchmarkReplicaCost measures what replicas cost a training job's step
+// time, on hosts apart whose links are shaped to 1 Gbit/s: train.py on 2
+// nodes x 1 rank, each rank's state 256 MiB (a buffer saved with the
+// model), saved to memory every step of about a second, its newest step
+// copied to the other node in the background; beside the same job with
+// --replicas -1, in the same run. Run it with
+//
+//	go test -run '^$' -bench ReplicaCost -benchtime 1x ./examples/faultline-run/
+//
+// It reports the median step time of each and their ratio.
+func BenchmarkReplicaCost(b *testing.B) {
+	args := []string{"--steps", "30", "--step-ms", "1000", "--state-mb", "256", "--disk-every", "1000"}
+	var with, without time.Duration
+	for range b.N {
+		for _, replicas := range []string{"1", "-1"} {
+			c := newCluster(b, 2, 1)
+			for _, h := range c.f.Hosts {
+				h.Shape("1gbit")
+			}
+			flags := []string{"--replicas", replicas}
+			jobs := []*job{c.start(0, c.f.Hosts[0], flags, args...), c.start(1, c.f.Hosts[1], flags, args...)}
+			for i, j := range jobs {
+				if err := j.wait(5 * time.Minute); err != nil {
+					b.Fatalf("node %d: %v\n%s", i, err, j.errText())
+				}
+			}
+			d := medianStep(b, jobs[0])
+			if replicas == "1" {
+				with += d
+			} else {
+				without += d
+			}
+		}
+	}
+	n := float64(b.N)
+	b.ReportMetric(with.Seconds()/n, "replicas-step-s")
+	b.ReportMetric(without.Seconds()/n, "none-step-s")
+	b.ReportMetric(with.Seconds()/without.Seconds(), "x-none")
+}
+
+// medianStep is the median time between rank 0's steps, past the first
+// five (imports, the first saves).
+func medianStep(b *testing.B, j *job) time.Duration {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	var at []time.Time
+	for _, l := range j.lines {
+		if strings.Contains(l.text, "[rank0]: step ") {
+			at = append(at, l.at)
+		}
+	}
+	if len(at) < 10 {
+		b.Fatalf("rank 0 printed %d steps", len(at))
+	}
+	var ds []time.Duration
+	for i := 6; i < len(at); i++ {
+		ds = append(ds, at[i].Sub(at[i-1]))
+	}
+	slices.Sort(ds)
+	return ds[len(ds)/2]
 }

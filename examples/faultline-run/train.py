@@ -50,6 +50,7 @@ def parse():
     p.add_argument("--weights", default="")
     p.add_argument("--bucket-cap-mb", type=float, default=0, help="DDP's bucket size, its first bucket's too")
     p.add_argument("--baseline", action="store_true")
+    p.add_argument("--state-mb", type=float, default=0, help="a buffer of this size saved with the state, as a large model's")
     return p.parse_args()
 
 
@@ -84,6 +85,7 @@ def main():
         ckpt = ft.Checkpointer(args.ckpt)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     loss_fn = torch.nn.BCEWithLogitsLoss()
+    ballast = torch.zeros(int(args.state_mb * (1 << 18))) if args.state_mb else None
 
     start = 0
     state = ckpt.load_checkpoint()
@@ -114,6 +116,9 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
             with span("save_checkpoint"):
                 state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+                if ballast is not None:
+                    ballast[step % len(ballast)] = step
+                    state["ballast"] = ballast
                 if args.baseline:
                     if (step + 1) % args.disk_every == 0:
                         ckpt.save_checkpoint(step, state)
