@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"cmp"
 	"context"
 	"crypto/hmac"
 	"crypto/sha256"
@@ -586,21 +585,23 @@ func (c *checkpoints) persistWithReplicas(ctx context.Context, lost []int) strin
 		}
 	}
 	replicas := c.replicaHoldings()
-	step, why := int64(-1), ""
-	for _, st := range c.localSteps() {
-		missing := slices.IndexFunc(others, func(r int) bool { return !slices.Contains(replicas[r], st) })
-		if missing < 0 {
+	local := c.localSteps()
+	step := int64(-1)
+	for _, st := range local {
+		if !slices.ContainsFunc(others, func(r int) bool { return !slices.Contains(replicas[r], st) }) {
 			step = st
 			break
-		}
-		if why == "" {
-			why = fmt.Sprintf("rank %d's replica here holds steps %v, not step %d", others[missing], replicas[others[missing]], st)
 		}
 	}
 	if len(others) == 0 || step < 0 {
 		what := c.a.persistNewest(ctx)
 		if len(others) > 0 {
-			what += fmt.Sprintf(" (the ranks %v of the lost nodes %v are not: %s)", others, lost, cmp.Or(why, "no step is held in memory here"))
+			held := make([]string, len(others))
+			for i, r := range others {
+				held[i] = fmt.Sprintf("rank %d %v", r, replicas[r])
+			}
+			what += fmt.Sprintf(" (the ranks %v of the lost nodes %v are not: no step is held both in memory by every rank here, %v, and in the replicas held here: %s)",
+				others, lost, local, strings.Join(held, ", "))
 		}
 		return what
 	}

@@ -71,6 +71,9 @@ func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
 			_, err := a.ckpts.persistLocal(ctx)
 			return err
 		}
+		if !a.firstOf(kindPersist, string(m.Payload)) {
+			return nil // every local worker gets it: the node persists once
+		}
 		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: %s\n", a.cfg.NodeRank, a.ckpts.persistWithReplicas(ctx, lost))
 	case kindStop:
 		go a.stopNode(string(m.Payload))
@@ -148,7 +151,7 @@ func (a *Agent) announce(ctx context.Context) {
 	b, _ := json.Marshal(nodeHello{Node: a.cfg.NodeRank, Ranks: ranks, Replicas: a.ckpts.replicaAddr(), Instance: a.instance})
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
-	said, warned := false, false
+	said, warned, joined := false, false, false
 	var takenSince time.Time
 	apartSince := time.Now()
 	for {
@@ -172,7 +175,11 @@ func (a *Agent) announce(ctx context.Context) {
 		// than wait silently for ever.
 		switch apart := time.Since(apartSince); {
 		case connected:
-			apartSince, warned = time.Now(), false
+			apartSince, warned, joined = time.Now(), false, true
+		case !joined:
+			// Not yet joined: the ranks' wait for the manager says so;
+			// a node that starts before node 0 is not apart from it.
+			apartSince = time.Now()
 		case apart > a.cfg.NodeTimeout:
 			why := fmt.Sprintf("node %d has not reached the job's manager for %v (--node-timeout): node 0, which runs it, is lost, or this node cannot reach it or is refused", a.cfg.NodeRank, apart.Round(time.Second))
 			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; this node's ranks end\n", why)

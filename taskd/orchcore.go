@@ -1048,12 +1048,14 @@ func (m *machine) persisted(now time.Time, id uint64, step int64, err error) {
 		return
 	}
 	m.dirty = true
+	// The exit says why the recovery gave up, not only what the dump did.
+	why := r.o.reasonFor(StateDumping)
 	if err != nil {
 		r.failed[StrategyDump] = true
-		m.enter(now, StateExiting, fmt.Sprintf("dump failed: %v", err))
+		m.enter(now, StateExiting, fmt.Sprintf("%s; dump failed: %v", why, err))
 		return
 	}
-	m.enter(now, StateExiting, fmt.Sprintf("checkpoint step %d persisted", step))
+	m.enter(now, StateExiting, fmt.Sprintf("%s; checkpoint step %d persisted", why, step))
 }
 
 // handOver ends a link switch or stress test as failed and starts a
