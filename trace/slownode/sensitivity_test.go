@@ -77,12 +77,14 @@ func TestSensitivity(t *testing.T) {
 			}
 			cl := &table[k][ci]
 			cl.jobs++
+			hit := false
 			if j.rank < 0 && ci == 0 {
 				spread[j.source] = append(spread[j.source], windowRatios(r, 10)...)
 			}
 			for _, f := range r.Findings {
 				if f.Kind == KindCompute && j.rank >= 0 && slices.Equal(f.Ranks, []int{j.rank}) && f.DetectedStep >= int64(j.onset) {
 					cl.found++
+					hit = true
 					cl.steps = append(cl.steps, int(f.DetectedStep)-j.onset)
 					if ci == 0 {
 						fmt.Fprintf(&evidence, "%s ×%g %s: %s\n", j.source, j.factor, j.name, findingLine(f))
@@ -91,6 +93,11 @@ func TestSensitivity(t *testing.T) {
 				}
 				cl.false++
 				fmt.Fprintf(&evidence, "%s ×%g %s (%s): FALSE %s\n", j.source, j.factor, j.name, c.name, findingLine(f))
+			}
+			// MindCluster's gate sees only a rank that moves the job's
+			// step time by DegradationPercentage.
+			if j.source == "gen 2%" && j.factor > 0 && ci == 1 && hit != (j.factor >= 1.4) {
+				t.Errorf("%s with JobGate: rank %d computing ×%g found %v, want %v", j.name, j.rank, j.factor, hit, j.factor >= 1.4)
 			}
 			if j.source == "gen 2%" && j.factor >= 1.2 && ci == 0 && (cl.found == 0 || slices.Max(cl.steps) > 10) {
 				t.Errorf("%s: rank %d computing ×%g from step %d not found within 10 steps: %+v", j.name, j.rank, j.factor, j.onset, r.Findings)
