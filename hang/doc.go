@@ -15,9 +15,9 @@
 //	... // launch, wait
 //	t.End() // or t.Fail(err)
 //
-// Start and End take a mutex and touch a heap of deadlines, with no
-// allocation (BenchmarkTimerStartEnd beside BenchmarkTimeNowPair, the two
-// clock reads every timer needs). An op hangs when it runs past its
+// Start and End take a mutex and do a constant work, whatever is in
+// flight, with no allocation (BenchmarkTimerStartEnd reports its time as
+// a multiple of the two clock reads every timer needs, x-nowpair). An op hangs when it runs past its
 // timeout: fixed (Config.Timeout, 300 s as xpu_timer) or, with
 // LearnTimeouts, the p99 of the op's last LearnWindow durations times
 // LearnFactor, at least LearnFloor. An op that fails (Timing.Fail) or a

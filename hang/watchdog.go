@@ -28,8 +28,8 @@ var ErrNoDumpDir = errors.New("hang: Config.DumpDir is empty")
 //
 // Its logic runs in Check, which reads Config.Now; Run calls Check every
 // Tick and at once when an op fails, and does the slow work (stack
-// capture, stop) off the caller's path. Op timers use a heap of
-// deadlines, so a check costs O(1) when nothing is due.
+// capture, stop) off the caller's path. Start and End cost the same
+// however many ops are in flight; a Check scans the ops in flight.
 type Watchdog struct {
 	cfg    Config
 	clock  func() time.Time
@@ -50,7 +50,6 @@ type Watchdog struct {
 	ops       map[opKey]*Op
 	slots     []slot
 	free      []int32
-	heap      []int32 // slots in flight and not yet hung, by deadline
 	hungCount int
 	pending   []Fault // op errors waiting for Check, at most maxPending
 	dropped   int     // op errors past maxPending since the last Check
@@ -74,7 +73,6 @@ type slot struct {
 	stream   int
 	start    int64
 	deadline int64
-	heapIdx  int32
 	gen      uint32 // bumped at each end, so a stale Timing is ignored
 	live     bool
 	hung     bool
@@ -202,7 +200,6 @@ func (o *Op) Start(stream int) Timing {
 	s := &w.slots[i]
 	s.op, s.stream, s.start, s.deadline = o, stream, now, now+int64(o.timeout)
 	s.live, s.hung = true, false
-	w.heapPush(i)
 	gen := s.gen
 	w.mu.Unlock()
 	return Timing{op: o, slot: i, gen: gen}
@@ -238,15 +235,12 @@ func (t Timing) finish(err error) {
 	d := now - s.start
 	if s.hung {
 		w.hungCount--
-	} else {
-		w.heapRemove(s.heapIdx)
-		if err == nil && t.op.ring != nil {
-			o := t.op
-			o.ring[o.pos] = d
-			o.pos = (o.pos + 1) % len(o.ring)
-			o.n = min(o.n+1, len(o.ring))
-			o.dirty = true
-		}
+	} else if err == nil && t.op.ring != nil {
+		o := t.op
+		o.ring[o.pos] = d
+		o.pos = (o.pos + 1) % len(o.ring)
+		o.n = min(o.n+1, len(o.ring))
+		o.dirty = true
 	}
 	switch {
 	case err == nil:
@@ -320,18 +314,22 @@ func (w *Watchdog) check() (faults []Fault, hung int) {
 	w.pending = w.pending[:0]
 	dropped := w.dropped
 	w.dropped = 0
-	for len(w.heap) > 0 {
-		i := w.heap[0]
+	// A scan, not a heap of deadlines kept by Start and End: a few
+	// thousand ops in flight cost a check microseconds each Tick, a
+	// heap cost every op a logarithm.
+	first := len(faults)
+	for i := range w.slots {
 		s := &w.slots[i]
-		if s.deadline > now {
-			break
+		if !s.live || s.hung || s.deadline > now {
+			continue
 		}
-		w.heapRemove(0)
 		s.hung = true
 		w.hungCount++
 		faults = append(faults, Fault{Kind: FaultHang, Rank: w.cfg.Rank, Op: s.op.name, Group: s.op.group, Stream: s.stream,
 			Elapsed: time.Duration(now - s.start), Timeout: time.Duration(s.deadline - s.start), Time: w.at(now)})
 	}
+	// The earliest deadline first.
+	slices.SortStableFunc(faults[first:], func(a, b Fault) int { return cmp.Compare(b.Elapsed-b.Timeout, a.Elapsed-a.Timeout) })
 	hung = w.hungCount
 	var learn []*Op
 	if w.cfg.LearnTimeouts {
@@ -592,70 +590,4 @@ func (w *Watchdog) Close() error {
 		w.met.reg.UnregisterAll()
 	})
 	return nil
-}
-
-// The heap of in-flight slots by deadline; w.mu held.
-
-func (w *Watchdog) heapLess(a, b int) bool {
-	return w.slots[w.heap[a]].deadline < w.slots[w.heap[b]].deadline
-}
-
-func (w *Watchdog) heapSwap(a, b int) {
-	w.heap[a], w.heap[b] = w.heap[b], w.heap[a]
-	w.slots[w.heap[a]].heapIdx = int32(a)
-	w.slots[w.heap[b]].heapIdx = int32(b)
-}
-
-func (w *Watchdog) heapPush(i int32) {
-	w.heap = append(w.heap, i)
-	j := len(w.heap) - 1
-	w.slots[i].heapIdx = int32(j)
-	w.heapUp(j)
-}
-
-func (w *Watchdog) heapRemove(idx int32) {
-	j := int(idx)
-	last := len(w.heap) - 1
-	if j != last {
-		w.heapSwap(j, last)
-	}
-	w.slots[w.heap[last]].heapIdx = -1
-	w.heap = w.heap[:last]
-	if j != last {
-		if !w.heapDown(j) {
-			w.heapUp(j)
-		}
-	}
-}
-
-func (w *Watchdog) heapUp(j int) {
-	for j > 0 {
-		p := (j - 1) / 2
-		if !w.heapLess(j, p) {
-			return
-		}
-		w.heapSwap(j, p)
-		j = p
-	}
-}
-
-func (w *Watchdog) heapDown(j int) bool {
-	start := j
-	n := len(w.heap)
-	for {
-		l := 2*j + 1
-		if l >= n {
-			break
-		}
-		c := l
-		if r := l + 1; r < n && w.heapLess(r, l) {
-			c = r
-		}
-		if !w.heapLess(c, j) {
-			break
-		}
-		w.heapSwap(j, c)
-		j = c
-	}
-	return j > start
 }

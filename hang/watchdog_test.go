@@ -63,6 +63,26 @@ func TestFixedTimeout(t *testing.T) {
 	zero.Fail(errors.New("x"))
 }
 
+// Ops found hung at one Check come earliest deadline first, whatever
+// slots they took.
+func TestHangsEarliestDeadlineFirst(t *testing.T) {
+	w, clock := newTestWatchdog(t, Config{Timeout: 10 * time.Second})
+	op := w.Op("HcclAllReduce", "dp")
+	a := op.Start(1)
+	op.Start(2)
+	a.End() // its slot goes to the next Start
+	clock.Advance(time.Second)
+	op.Start(3)
+	clock.Advance(time.Minute)
+	var streams []int
+	for _, f := range w.Check() {
+		streams = append(streams, f.Stream)
+	}
+	if diff := cmp.Diff([]int{2, 3}, streams); diff != "" {
+		t.Errorf("streams of the hung ops (-want +got):\n%s", diff)
+	}
+}
+
 func TestLearnedTimeout(t *testing.T) {
 	w, clock := newTestWatchdog(t, Config{LearnTimeouts: true, LearnMinSamples: 10, LearnWindow: 100, LearnFactor: 4, LearnFloor: time.Second, Timeout: time.Minute})
 	op := w.Op("AllGather", "tp")

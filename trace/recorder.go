@@ -110,7 +110,7 @@ type Recorder struct {
 
 	wmu      sync.Mutex  // held to drain the ring into w
 	w        *fileWriter // guarded by wmu
-	sink     func(*entry)
+	sink     func(*entry, *side)
 	closed   bool  // guarded by wmu: w is closed
 	closeErr error // guarded by wmu
 
@@ -149,7 +149,7 @@ func NewRecorder(cfg RecorderConfig) (*Recorder, error) {
 		left:   make(chan struct{}),
 		stop:   make(chan struct{}),
 	}
-	r.sink = func(e *entry) { r.w.writeEntry(e) }
+	r.sink = r.write
 	r.bits.Store(bitOpen | switchBits(cfg.Switch))
 	r.metrics = promreg.New(cfg.Registerer, "trace: RecorderConfig.Registerer")
 	r.metrics.MustRegister(newStatsCollector(w.c, &r.dropped, &r.bits))
@@ -295,10 +295,8 @@ func (r *Recorder) end(s Span) {
 		r.dropped[domainOf(s.kind)].Add(1)
 		return
 	}
-	c.e.rec = Record{Kind: ActivityKindMarker, Flag: endFlags[s.kind], SourceKind: SourceKindHost,
-		Timestamp: ts, ID: s.id, ProcessID: r.pid, ThreadID: r.pid, DeviceID: s.dev, StreamID: s.stream}
-	c.e.nameForm = nameLiteral
-	c.e.dom = uint8(domainOf(s.kind))
+	c.e = entry{ts: ts, id: s.id, dev: s.dev, stream: s.stream, flag: uint8(endFlags[s.kind]),
+		form: nameNone, dom: uint8(domainOf(s.kind))}
 	c.seq.Store(pos + 1)
 }
 
@@ -311,17 +309,30 @@ func (r *Recorder) put(k Kind, flag Flag, form uint8, name string, step uint64, 
 		return 0
 	}
 	id := r.idBase + pos
-	c.e.rec = Record{Kind: ActivityKindMarker, Flag: flag, SourceKind: SourceKindHost,
-		Timestamp: ts, ID: id, ProcessID: r.pid, ThreadID: r.pid, DeviceID: dev, StreamID: stream,
-		Name: name, Domain: k.Domain()}
-	c.e.nameForm = form
-	c.e.step = step
+	c.e = entry{ts: ts, id: id, name: name, step: step, dev: dev, stream: stream, flag: uint8(flag),
+		form: form, dom: uint8(domainOf(k))}
 	if op != nil {
-		c.e.op = *op
+		r.ring.side(pos).op = *op
 	}
-	c.e.dom = uint8(domainOf(k))
 	c.seq.Store(pos + 1)
 	return id
+}
+
+// write hands an entry of the ring to the writer, as the record it
+// stands for; r.wmu is held.
+func (r *Recorder) write(e *entry, sd *side) {
+	if e.form == nameRecord {
+		r.w.put(int(e.dom), &sd.rec, nameLiteral, 0, nil)
+		return
+	}
+	rec := Record{Kind: ActivityKindMarker, Flag: Flag(e.flag), SourceKind: SourceKindHost,
+		Timestamp: e.ts, ID: e.id, ProcessID: r.pid, ThreadID: r.pid, DeviceID: e.dev, StreamID: e.stream,
+		Name: e.name, Domain: domainNames[e.dom]}
+	form := e.form
+	if form == nameNone {
+		rec.Domain, form = "", nameLiteral
+	}
+	r.w.put(int(e.dom), &rec, form, e.step, &sd.op)
 }
 
 func domainOf(k Kind) int {
@@ -350,9 +361,8 @@ func (r *Recorder) Record(rec *Record) bool {
 		r.dropped[dom].Add(1)
 		return false
 	}
-	c.e.rec = *rec
-	c.e.nameForm = nameLiteral
-	c.e.dom = uint8(dom)
+	r.ring.side(pos).rec = *rec
+	c.e = entry{form: nameRecord, dom: uint8(dom)}
 	c.seq.Store(pos + 1)
 	return true
 }

@@ -12,6 +12,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -441,4 +442,11 @@ func gatherValue(t *testing.T, reg prometheus.Gatherer, name string) float64 {
 	}
 	t.Fatalf("no metric %s", name)
 	return 0
+}
+
+// The caller's thread stores one cache line a record.
+func TestRingCellIsOneCacheLine(t *testing.T) {
+	if n := unsafe.Sizeof(cell{}); n != 64 {
+		t.Errorf("a ring cell is %d bytes, want 64", n)
+	}
 }

@@ -191,12 +191,6 @@ func (w *fileWriter) Write(r *Record) error {
 	return w.put(domainIndex(r.Domain), r, nameLiteral, 0, nil)
 }
 
-// writeEntry buffers a recorder's entry, whose name may still be a step
-// number or a CommOp.
-func (w *fileWriter) writeEntry(e *entry) error {
-	return w.put(int(e.dom), &e.rec, e.nameForm, e.step, &e.op)
-}
-
 // put buffers one record; see encoder.appendRecord for the name forms.
 func (w *fileWriter) put(dom int, r *Record, form uint8, step uint64, op *CommOp) error {
 	if w.closed {

@@ -68,6 +68,15 @@ type Config struct {
 	// Consecutive is how many anomalous steps in a row make a finding,
 	// and how many normal ones clear it. Default 3.
 	Consecutive int
+	// JobGate, when set, blames ranks and communicators only at steps
+	// whose job step time exceeds the time detector's bound (above), as
+	// MindCluster's FD-OL does: a rank that slows the job by less is
+	// never named. Off by default: ranks are judged at every step on
+	// their own figures, so that a rank 20% slower, which at scale costs
+	// every other rank a wait each step, is named long before the job's
+	// step time moves by DegradationPercentage (TestSensitivity measures
+	// both).
+	JobGate bool
 	// ClusterMeanDistance is the homogenisation threshold: inside a
 	// communicator, when the mean communication time of the ranks that
 	// wait more exceeds that of those that wait less by this factor, the

@@ -76,7 +76,11 @@
 // the first NormalSteps steps (their median, and σ from their median
 // absolute deviation, where MindCluster trims the mean), a bound of
 // +DegradationPercentage and NSigma σ, Consecutive anomalies in a row. It
-// gives the degradation level and the onset. A shift no finding explains
+// gives the degradation level and the onset. Ranks are judged at every
+// step whatever it says; Config.JobGate judges them, as MindCluster does,
+// only at steps the time detector finds anomalous, which misses a rank
+// 10 or 20% slower that the job's step time hides (TestSensitivity
+// prints both side by side). A shift no finding explains
 // after Consecutive more steps hit every rank alike (a learning-rate
 // phase, a longer sequence): it is reported as a PhaseChange, the baseline
 // moves to the new level, and no rank is blamed. Each finding carries

@@ -61,8 +61,10 @@ func (d *Detector) evaluate(rw *row) {
 	d.updateRanks(rw)
 	d.testPeers(rw, effect)
 	d.homogenise(rw, effect)
-	d.flagDomains(rw, effect)
-	d.attribute(rw)
+	if !d.cfg.JobGate || d.job.over(job[mStep]) {
+		d.flagDomains(rw, effect)
+		d.attribute(rw)
+	}
 	d.job.update(s, &job, d.settle(rw, effect), d)
 }
 

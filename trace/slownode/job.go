@@ -68,7 +68,7 @@ func (j *jobState) update(s int64, fig *[numMetrics]float64, explained bool, d *
 		}
 		return
 	}
-	bound := math.Max(j.baseline*(1+j.cfg.DegradationPercentage), j.baseline+j.cfg.NSigma*j.sigma)
+	bound := j.bound()
 	lowBound := j.baseline * (1 - j.cfg.DegradationPercentage)
 	keep := func() {
 		if len(j.since) < 4*j.cfg.Window {
@@ -121,6 +121,15 @@ func (j *jobState) update(s int64, fig *[numMetrics]float64, explained bool, d *
 		j.rebase(s, j.onset, d)
 	}
 }
+
+// bound is the step time above which a step is anomalous.
+func (j *jobState) bound() float64 {
+	return math.Max(j.baseline*(1+j.cfg.DegradationPercentage), j.baseline+j.cfg.NSigma*j.sigma)
+}
+
+// over reports whether step time v exceeds the bound, once the baseline
+// is known.
+func (j *jobState) over(v float64) bool { return j.ready && v > j.bound() }
 
 func (j *jobState) rebase(s, onset int64, d *Detector) {
 	vals := append([]float64(nil), j.since...)
