@@ -207,9 +207,17 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	a.policy = policy
 	job := newJobCheckpoints(a.cfg.Nodes, a, a.log)
 	interval, deadline := a.cfg.heartbeats()
+	// The manager lives and dies with this launcher: a recovery the last
+	// one left in progress ended with its ranks, and this is a new run
+	// of the job, which it must not stop with that recovery's reason.
+	// The fault log and the recoveries' history stay.
+	stateDir := filepath.Join(a.cfg.Out, "manager")
+	if err := os.Remove(filepath.Join(stateDir, "orchestration.json")); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("agent: the last run's recovery state: %w", err)
+	}
 	m, err := taskd.NewManager(taskd.ManagerConfig{
 		Job: a.cfg.Job, Listen: a.cfg.ManagerListen, Nodes: a.cfg.Nodes, ProcsPerNode: a.cfg.ProcsPerNode,
-		Security: a.cfg.Security, StateDir: filepath.Join(a.cfg.Out, "manager"),
+		Security: a.cfg.Security, StateDir: stateDir,
 		HeartbeatInterval: interval, HeartbeatDeadline: deadline,
 		Handlers:     []taskd.Handler{job.handler()},
 		SwitchSource: switchSource(a.cfg.SwitchFile),

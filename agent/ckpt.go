@@ -573,9 +573,11 @@ func (c *checkpoints) persistLocal(ctx context.Context) (int64, error) {
 // replicas it holds of the ranks of the lost nodes, all at the newest step
 // that every local rank holds in memory and every one of those ranks as a
 // replica here: so that the step commits with the lost nodes' shards too,
-// and the next run resumes from it. Without such a step it persists the
-// node's own newest. It says what it did.
-func (c *checkpoints) persistWithReplicas(ctx context.Context, lost []int) string {
+// and the next run resumes from it. Without such a step (replicas off, or
+// one step behind, or covering other nodes than those lost) it persists
+// the node's own newest. It says what it did, and returns an error unless
+// that step is committed.
+func (c *checkpoints) persistWithReplicas(ctx context.Context, lost []int) (string, error) {
 	var others []int
 	for _, node := range lost {
 		for r := node * c.a.cfg.ProcsPerNode; r < (node+1)*c.a.cfg.ProcsPerNode && r < c.a.world; r++ {
@@ -585,25 +587,44 @@ func (c *checkpoints) persistWithReplicas(ctx context.Context, lost []int) strin
 		}
 	}
 	replicas := c.replicaHoldings()
-	local := c.localSteps()
+	var local []int64
 	step := int64(-1)
-	for _, st := range local {
-		if !slices.ContainsFunc(others, func(r int) bool { return !slices.Contains(replicas[r], st) }) {
-			step = st
-			break
+	if len(others) > 0 {
+		local = c.localSteps()
+		for _, st := range local {
+			if !slices.ContainsFunc(others, func(r int) bool { return !slices.Contains(replicas[r], st) }) {
+				step = st
+				break
+			}
 		}
 	}
-	if len(others) == 0 || step < 0 {
-		what := c.a.persistNewest(ctx)
-		if len(others) > 0 {
-			held := make([]string, len(others))
-			for i, r := range others {
-				held[i] = fmt.Sprintf("rank %d %v", r, replicas[r])
-			}
-			what += fmt.Sprintf(" (the ranks %v of the lost nodes %v are not: no step is held both in memory by every rank here, %v, and in the replicas held here: %s)",
-				others, lost, local, strings.Join(held, ", "))
+	if step < 0 {
+		// The other nodes, if alive, persist their own: the step commits
+		// when the last has.
+		own, err := c.persistLocal(ctx)
+		what := fmt.Sprintf("step %d, the newest every rank here holds in memory, is persisted", own)
+		switch {
+		case own < 0:
+			what = fmt.Sprintf("nothing to persist: %v", err)
+		case err != nil:
+			what = fmt.Sprintf("step %d, the newest every rank here holds in memory, was not persisted: %v", own, err)
 		}
-		return what
+		if len(others) > 0 {
+			why := "replicas are off (--replicas -1)"
+			if c.replicating() {
+				mem, _ := c.holdings()
+				var held []string
+				for _, s := range c.a.slots {
+					held = append(held, fmt.Sprintf("rank %d %v", s.rank, mem[s.rank]))
+				}
+				for _, r := range others {
+					held = append(held, fmt.Sprintf("rank %d's replica %v", r, replicas[r]))
+				}
+				why = "no step is held both by every rank here and by the replicas held here: " + strings.Join(held, ", ")
+			}
+			what += fmt.Sprintf("; the shards of ranks %v, of nodes %v, are not: %s", others, lost, why)
+		}
+		return what, err
 	}
 	var wg sync.WaitGroup
 	errs := make([]error, len(c.a.slots)+len(others))
@@ -619,25 +640,40 @@ func (c *checkpoints) persistWithReplicas(ctx context.Context, lost []int) strin
 			errs[i] = err
 		})
 	}
-	// Every owner of the node sees its replicas: the first persists them.
-	o, err := c.owner(c.a.slots[0].rank)
-	if err == nil && o == nil {
-		err = fmt.Errorf("rank %d has no segment", c.a.slots[0].rank)
-	}
 	for i, r := range others {
 		wg.Go(func() {
-			if err != nil {
-				errs[len(c.a.slots)+i] = err
-				return
+			// The owner of the local place that r's node sends r's
+			// replica to: its lock keeps a transfer from tearing it.
+			s := c.a.slots[r%c.a.cfg.ProcsPerNode]
+			o, err := c.owner(s.rank)
+			if err == nil && o == nil {
+				err = fmt.Errorf("rank %d has no segment", s.rank)
 			}
-			_, errs[len(c.a.slots)+i] = o.PersistReplica(ctx, r, step)
+			if err == nil {
+				_, err = o.PersistReplica(ctx, r, step)
+			}
+			errs[len(c.a.slots)+i] = err
 		})
 	}
 	wg.Wait()
-	if disk := c.diskStep(); disk >= step {
-		return fmt.Sprintf("step %d, the newest in memory, is persisted and committed with every rank's shard, those of ranks %v from the replicas held here", step, others)
+	committed, err := slices.Contains(c.committedSteps(), step), errors.Join(errs...)
+	if committed {
+		return fmt.Sprintf("step %d, the newest that every rank here holds in memory and the replicas held here hold, is committed with every rank's shard, those of ranks %v from the replicas", step, others), nil
 	}
-	return fmt.Sprintf("step %d, the newest in memory here, is not committed on disk (the newest step there is %d): %v", step, c.diskStep(), errors.Join(errs...))
+	return fmt.Sprintf("step %d, the newest that every rank here holds in memory and the replicas held here hold, is not committed on disk (the newest step there is %d): %v", step, c.diskStep(), err),
+		fmt.Errorf("step %d not committed: %w", step, err)
+}
+
+// committedSteps returns the steps committed in the node's folder.
+func (c *checkpoints) committedSteps() []int64 {
+	c.mu.Lock()
+	dir := c.dir
+	c.mu.Unlock()
+	if dir == "" {
+		return nil
+	}
+	steps, _ := ckpt.CommittedSteps(dir)
+	return steps
 }
 
 // flush waits until every persist the ranks asked for (a save with
@@ -697,8 +733,12 @@ func (c *checkpoints) release(ctx context.Context, finished bool) {
 				// A new run of several nodes starts from disk, where
 				// every node sees the same steps; a node taking its own
 				// place in a job still running resumes from memory.
-				fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: kept the checkpoint segments %s: they hold step %d, newer than step %d on disk; a faultline-run started again here to take node %d's place in the running job resumes from them, a new run of the job from step %d; remove them once neither is wanted (rm %s)\n",
-					glob, steps[0], c.diskStep(), c.a.cfg.NodeRank, c.diskStep(), glob)
+				from := "its start: no step is committed on disk"
+				if d := c.diskStep(); d >= 0 {
+					from = fmt.Sprintf("step %d, committed on disk", d)
+				}
+				fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: kept the checkpoint segments %s: they hold step %d; should the job's other nodes run on, a faultline-run started again here as node %d resumes from them; a new run of the job starts from %s; remove them once neither is wanted (rm %s)\n",
+					glob, steps[0], c.a.cfg.NodeRank, from, glob)
 			} else {
 				fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: kept the checkpoint segments %s: they hold step %d, which is not on disk; run the job again with --rdzv-id %s to resume from it, or remove them (rm %s)\n",
 					glob, steps[0], c.a.cfg.Job, glob)
@@ -839,9 +879,11 @@ func (c *checkpoints) load(ctx context.Context, s *slot, pid int, dir string, at
 }
 
 // heldSteps returns the steps rank holds intact in memory, newest first,
-// and the newest step committed on disk: what the rank's peers agree on
-// for a load after the first.
-func (c *checkpoints) heldSteps(rank int) ([]int64, int64) {
+// the newest step committed on disk, and every committed step the node's
+// ranks can load: what the rank's peers agree on for a load after the
+// first, or a first load the nodes disagreed on (their folders may have
+// committed different newest steps, and share an older one).
+func (c *checkpoints) heldSteps(rank int) ([]int64, int64, []int64) {
 	var steps []int64
 	if o, err := c.owner(rank); o != nil && err == nil {
 		h, _, _ := o.Held(rank)
@@ -849,7 +891,8 @@ func (c *checkpoints) heldSteps(rank int) ([]int64, int64) {
 			steps = append(steps, hs.Step)
 		}
 	}
-	return steps, c.diskStep()
+	_, disk := c.holdings()
+	return steps, c.diskStep(), disk
 }
 
 // findHalf returns the half of rank's segment that holds step intact, or

@@ -88,7 +88,7 @@ func TestLoadAfterTheFirst(t *testing.T) {
 	if ans := load(100, &at); ans.Step != 3 || ans.Tier != "memory" {
 		t.Fatalf("load of the step agreed, 3: %+v", ans)
 	}
-	if steps, disk := a.ckpts.heldSteps(0); len(steps) != 2 || steps[0] != 4 || steps[1] != 3 || disk != -1 {
+	if steps, disk, _ := a.ckpts.heldSteps(0); len(steps) != 2 || steps[0] != 4 || steps[1] != 3 || disk != -1 {
 		t.Fatalf("held: %v, disk %d; want [4 3], -1", steps, disk)
 	}
 	// The rank's next process (a restart, with none agreed) loads the

@@ -94,8 +94,11 @@ type Config struct {
 	HeartbeatDeadline time.Duration
 	// NodeTimeout is how long node 0's manager waits, once a node is lost
 	// (its agent silent past HeartbeatDeadline), for a node of the same
-	// node rank to join on any host and take its ranks; past it the job
-	// ends (default 10 minutes).
+	// node rank to join on any host and take its ranks, and how long a node
+	// waits for the job's manager once it lost it (one not yet joined
+	// waits at least 2 minutes); past it the job ends, the nodes left
+	// persisting their newest step with the replicas they hold of the lost
+	// nodes' ranks (default 10 minutes).
 	NodeTimeout time.Duration
 	// Replicas is how many other nodes hold a copy of each rank's newest
 	// memory step, so that a lost node's ranks resume from their peers'

@@ -177,6 +177,13 @@ func newRound() string {
 	return hex.EncodeToString(b)
 }
 
+// persistMsg asks the nodes to persist their newest step; those whose
+// replicas cover the lost nodes' ranks persist those too.
+type persistMsg struct {
+	Round string `json:"round"`
+	Lost  []int  `json:"lost,omitempty"`
+}
+
 // PersistNewest has every node persist the newest step all its shards
 // hold in memory, for the dump strategy, and returns the newest step
 // committed on disk after it (-1 when it cannot tell).
@@ -205,7 +212,7 @@ func (j *jobCheckpoints) PersistNewest(ctx context.Context) (int64, error) {
 			lost = append(lost, n)
 		}
 	}
-	payload, _ := json.Marshal(lost)
+	payload, _ := json.Marshal(persistMsg{Round: newRound(), Lost: lost})
 	ds, err := m.Broadcast(ctx, taskd.AllWorkers(), kindPersist, payload)
 	if err != nil {
 		return -1, err

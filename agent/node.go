@@ -61,20 +61,24 @@ func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
 		}
 	case kindPersist:
 		// The lost nodes' ranks are persisted from the replicas held here.
-		var lost []int
+		var p persistMsg
 		if len(m.Payload) > 0 {
-			if err := json.Unmarshal(m.Payload, &lost); err != nil {
+			if err := json.Unmarshal(m.Payload, &p); err != nil {
 				return fmt.Errorf("agent: %s: %w", kindPersist, err)
 			}
 		}
-		if len(lost) == 0 {
+		if len(p.Lost) == 0 {
 			_, err := a.ckpts.persistLocal(ctx)
 			return err
 		}
-		if !a.firstOf(kindPersist, string(m.Payload)) {
-			return nil // every local worker gets it: the node persists once
+		// Every local worker gets it: the node persists once a round,
+		// and its first worker answers with the outcome.
+		if !a.firstOf(kindPersist, p.Round) {
+			return nil
 		}
-		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: %s\n", a.cfg.NodeRank, a.ckpts.persistWithReplicas(ctx, lost))
+		what, err := a.ckpts.persistWithReplicas(ctx, p.Lost)
+		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: %s\n", a.cfg.NodeRank, what)
+		return err
 	case kindStop:
 		go a.stopNode(string(m.Payload))
 	}
@@ -173,15 +177,17 @@ func (a *Agent) announce(ctx context.Context) {
 		// or refusing this node's token): the node waits for it as the
 		// job waits for a lost node, then ends, saying why, rather
 		// than wait silently for ever.
+		// A node not yet joined may have started well before node 0: it
+		// waits at least as long as for the store.
+		limit := a.cfg.NodeTimeout
+		if !joined {
+			limit = max(limit, storeTimeout)
+		}
 		switch apart := time.Since(apartSince); {
 		case connected:
 			apartSince, warned, joined = time.Now(), false, true
-		case !joined:
-			// Not yet joined: the ranks' wait for the manager says so;
-			// a node that starts before node 0 is not apart from it.
-			apartSince = time.Now()
-		case apart > a.cfg.NodeTimeout:
-			why := fmt.Sprintf("node %d has not reached the job's manager for %v (--node-timeout): node 0, which runs it, is lost, or this node cannot reach it or is refused", a.cfg.NodeRank, apart.Round(time.Second))
+		case apart > limit:
+			why := fmt.Sprintf("node %d has not reached the job's manager for %v (--node-timeout %v): node 0, which runs it, is lost, or this node cannot reach it or is refused", a.cfg.NodeRank, apart.Round(time.Second), a.cfg.NodeTimeout)
 			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; this node's ranks end\n", why)
 			// What the node holds of the others (replicas) goes to disk
 			// with its own shards: the next run resumes from that step.
@@ -192,13 +198,14 @@ func (a *Agent) announce(ctx context.Context) {
 				}
 			}
 			pctx, cancel := context.WithTimeout(ctx, persistTimeout)
-			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: %s\n", a.cfg.NodeRank, a.ckpts.persistWithReplicas(pctx, others))
+			what, _ := a.ckpts.persistWithReplicas(pctx, others)
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: %s\n", a.cfg.NodeRank, what)
 			cancel()
 			a.stopNode(why)
 			return
 		case apart > a.cfg.HeartbeatDeadline && !warned:
 			warned = true
-			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d has not reached the job's manager for %v; it waits up to --node-timeout %v\n", a.cfg.NodeRank, apart.Round(time.Second), a.cfg.NodeTimeout)
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d has not reached the job's manager for %v; it waits up to %v (--node-timeout %v)\n", a.cfg.NodeRank, apart.Round(time.Second), limit, a.cfg.NodeTimeout)
 		}
 		// Fenced: the job replaced this node while it was cut off or
 		// stalled; another agent's workers hold its ranks. It must not

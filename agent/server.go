@@ -223,8 +223,8 @@ func (srv *server) do(ctx context.Context, pid int, req *request) (map[string]an
 		if err != nil {
 			return nil, fmt.Errorf("agent: held: %w", err)
 		}
-		steps, disk := c.heldSteps(s.rank)
-		return map[string]any{"steps": steps, "disk": disk}, nil
+		steps, disk, committed := c.heldSteps(s.rank)
+		return map[string]any{"steps": steps, "disk": disk, "committed": committed}, nil
 	case "load":
 		ans, err := a.ckpts.load(ctx, s, pid, req.Dir, req.Step)
 		if err != nil {

@@ -69,12 +69,16 @@ func (a *Agent) runStore(ctx context.Context, ready chan<- struct{}) error {
 	return nil
 }
 
+// storeTimeout bounds the wait for node 0's store, and for the job's
+// manager by a node that has not reached it yet.
+const storeTimeout = 2 * time.Minute
+
 // errNoStore is returned by Run when the job's store did not start.
 var errNoStore = errors.New("agent: the job's store did not start")
 
 // awaitStore waits for the store of node 0 to serve.
 func (a *Agent) awaitStore(ctx context.Context, ready <-chan struct{}, failed <-chan error) error {
-	t := time.NewTimer(2 * time.Minute)
+	t := time.NewTimer(storeTimeout)
 	defer t.Stop()
 	select {
 	case <-ready:
@@ -82,7 +86,7 @@ func (a *Agent) awaitStore(ctx context.Context, ready <-chan struct{}, failed <-
 	case err := <-failed:
 		return err
 	case <-t.C:
-		return fmt.Errorf("%w within 2 minutes", errNoStore)
+		return fmt.Errorf("%w within %v", errNoStore, storeTimeout)
 	case <-a.term:
 		return fmt.Errorf("%w by %s before the store served", ErrTerminated, unix.SignalName(a.terminating()))
 	case <-ctx.Done():

@@ -1108,7 +1108,7 @@ func (m *machine) tick(now time.Time) {
 		m.newRound(now, why)
 	case StateDumping:
 		r.failed[StrategyDump] = true
-		m.enter(now, StateExiting, why)
+		m.enter(now, StateExiting, r.o.reasonFor(StateDumping)+"; "+why)
 	case StateExiting:
 		m.enter(now, StateExited, why)
 	case StatePausing, StateSwitching, StateTesting, StateContinuing:

@@ -46,8 +46,10 @@
 //	--node-timeout D          how long the job waits, once a node is lost (silent past --heartbeat-deadline),
 //	                          for a node with its --node-rank to join on any host and take its ranks, which
 //	                          resume from their copies in the other nodes' memory (default 10m); and how
-//	                          long a node waits for the job's manager it cannot reach, after which it
-//	                          persists its ranks' newest step with the replicas it holds and ends
+//	                          long a node waits for the job's manager once it lost it (one not yet joined
+//	                          waits at least 2m). Past it the job ends: the nodes left persist the newest
+//	                          step their ranks hold with the replicas they hold of the lost node's ranks
+//	                          (with 2 nodes, the survivor holds them all), so that the step commits
 //	--replicas K              how many other nodes hold a copy of each rank's newest memory step (default 1
 //	                          with several nodes; -1: none); --replica-port P is the first of the node's
 //	                          replica servers' ports, one per local rank
@@ -204,7 +206,7 @@ func parse(args []string) (options, error) {
 		grace       = fs.Duration("grace-period", 30*time.Second, "after SIGTERM or SIGINT, the time to end in: the ranks have three quarters of it to exit, the persist of the newest step in memory the rest")
 		verbose     = fs.Bool("v", false, "log the agent's and the control plane's work")
 		metrics     = fs.String("metrics-listen", "", "address to serve the agent's Prometheus metrics on (/metrics)")
-		nodeTimeout = fs.Duration("node-timeout", 10*time.Minute, "how long the job waits for a node that replaces a lost one (same --node-rank, any host)")
+		nodeTimeout = fs.Duration("node-timeout", 10*time.Minute, "how long the job waits for a node that replaces a lost one (same --node-rank, any host), and a node for the job's manager it lost (one not yet joined waits at least 2m); the job then ends, its newest step persisted with the lost node's replicas where the survivors hold them")
 		replicas    = fs.Int("replicas", 0, "other nodes that hold a copy of each rank's newest memory step (default 1 with several nodes; -1: none)")
 		replicaPort = fs.Int("replica-port", 0, "first port of the node's replica servers, one per local rank (default --master-port + 2 + node rank x ranks per node)")
 	)

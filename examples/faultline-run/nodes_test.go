@@ -74,6 +74,7 @@ func (c *cluster) start(node int, h *testkit.Host, flags []string, args ...strin
 // loses no step. The DISK steps commit job-wide all the same, though no
 // node sees the others' shards: every folder names the last one.
 func TestNodeLostFromReplicas(t *testing.T) {
+	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
 	c := newCluster(t, 2, 2)
 	args := []string{"--steps", "60", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
 	flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "3s"}
@@ -115,6 +116,7 @@ func TestNodeLostFromReplicas(t *testing.T) {
 // of its own two ranks, and only the stacks of all four name the culprit.
 // Both nodes' incidents hold the job-wide verdict: rank 3, in get_batch.
 func TestHangJobWide(t *testing.T) {
+	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
 	c := newCluster(t, 2, 2)
 	args := []string{"--steps", "30", "--hang-rank", "3", "--hang-step", "10"}
 	flags := []string{"--max-restarts", "1", "--collective-timeout", "3s"}
@@ -140,6 +142,7 @@ func TestHangJobWide(t *testing.T) {
 // deadline and the collective timeout: the job waits for it and goes on,
 // with no incident and no step lost.
 func TestPartitionShort(t *testing.T) {
+	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
 	c := newCluster(t, 2, 2)
 	args := []string{"--steps", "60", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
 	flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "10s", "--collective-timeout", "10s"}
@@ -167,6 +170,7 @@ func TestPartitionShort(t *testing.T) {
 // it was replaced and ends them. The job goes on from the replicas (the
 // nodes share a checkpoint folder here, whose older steps it passes over).
 func TestPartitionLong(t *testing.T) {
+	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
 	c := newCluster(t, 2, 2)
 	c.sharedDisk = true
 	args := []string{"--steps", "60", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
@@ -197,6 +201,7 @@ func TestPartitionLong(t *testing.T) {
 // node 0 alone holds the last DISK step, and every rank starts over
 // rather than the nodes' ranks training on from different steps.
 func TestFirstLoadsAgree(t *testing.T) {
+	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
 	c := newCluster(t, 2, 2)
 	args := []string{"--steps", "20", "--weights", filepath.Join(c.dir, "weights")}
 	run := func() []*job {
@@ -334,6 +339,7 @@ func nodeLost(c *cluster, n0 *job, replace func(*testkit.Host)) (time.Duration, 
 // its ranks resume from the replicas node 1 holds: no step is lost and the
 // weights are those of a run without the fault.
 func TestNodeZeroLost(t *testing.T) {
+	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
 	c := newCluster(t, 3, 2)
 	mgrBin := filepath.Join(c.dir, "taskd-manager")
 	if out, err := exec.Command("go", "build", "-o", mgrBin, "../taskd-manager").CombinedOutput(); err != nil {
@@ -386,31 +392,35 @@ func TestNodeZeroLost(t *testing.T) {
 // again, the job resumes from it and ends with the weights of a run
 // without the fault.
 func TestNodeZeroLostStandalone(t *testing.T) {
+	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
 	c := newCluster(t, 2, 2)
 	c.sharedDisk = true
-	// 100 ms a step: replicas lag a save by their transfer, which a busy
-	// machine can stretch past a 50 ms step.
-	args := []string{"--steps", "60", "--step-ms", "100", "--weights", filepath.Join(c.dir, "weights")}
-	flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "3s", "--node-timeout", "4s"}
-	n0 := c.start(0, c.f.Hosts[0], flags, args...)
-	n1 := c.start(1, c.f.Hosts[1], flags, args...)
-	n0.waitLine("[rank0]: step 37 loss", 3*time.Minute)
+	args := []string{"--steps", "60", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
+	flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "3s", "--node-timeout", "4s", "--collective-timeout", "60s"}
+	// Rank 0 blocks before step 38's all-reduce, the others wait in it:
+	// no save and no transfer is in flight when node 0 goes, so that
+	// every rank and every replica holds step 37.
+	hang := append([]string{"--hang-rank", "0", "--hang-step", "38"}, args...)
+	n0 := c.start(0, c.f.Hosts[0], flags, hang...)
+	n1 := c.start(1, c.f.Hosts[1], flags, hang...)
+	n0.waitLine("[rank0]: blocking in get_batch at step 38", 3*time.Minute)
+	time.Sleep(time.Second)
 	c.f.Hosts[0].Kill()
 	if err := n1.wait(2 * time.Minute); err == nil {
 		t.Fatalf("node 1 ended as if the job had finished:\n%s", n1.errText())
 	}
 	<-n0.done
-	if !strings.Contains(n1.errText(), "committed with every rank's shard, those of ranks [0 1] from the replicas held here") {
+	if !strings.Contains(n1.errText(), "step 37, the newest that every rank here holds in memory and the replicas held here hold, is committed with every rank's shard, those of ranks [0 1] from the replicas") {
 		t.Fatalf("node 1 does not say that it persisted node 0's ranks from its replicas:\n%s", n1.errText())
 	}
 	h0 := c.f.Replace(c.f.Hosts[0])
-	flags = flags[:len(flags)-2] // node 0 may take longer than 4 s to start
+	flags = flags[:len(flags)-4] // node 0 may take longer than 4 s to start
 	again := []*job{c.start(0, h0, flags, args...), c.start(1, c.f.Hosts[1], flags, args...)}
 	for i, j := range again {
 		if err := j.wait(3 * time.Minute); err != nil {
 			t.Fatalf("node %d, run again: %v\nstderr:\n%s", i, err, j.errText())
 		}
-		if !strings.Contains(j.stdout(), "resumed from step 3") {
+		if !strings.Contains(j.stdout(), "resumed from step 37") {
 			t.Errorf("node %d, run again, does not resume from the step node 0 died in:\n%s", i, j.stdout())
 		}
 	}
@@ -497,22 +507,37 @@ func medianStep(b *testing.B, j *job) time.Duration {
 // persists its ranks' newest step with the replicas it holds of node 1's
 // ranks, so that the step commits, and it says why the job stopped.
 func TestNodeLostNoReplacement(t *testing.T) {
+	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
 	c := newCluster(t, 2, 2)
-	args := []string{"--steps", "60", "--step-ms", "100"}
-	flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "3s", "--node-timeout", "4s"}
+	// Rank 2 blocks before step 38's all-reduce, the others wait in it:
+	// no save and no transfer is in flight when node 1 goes.
+	args := []string{"--steps", "60", "--step-ms", "50", "--hang-rank", "2", "--hang-step", "38"}
+	flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "3s", "--node-timeout", "4s", "--collective-timeout", "60s"}
 	n0 := c.start(0, c.f.Hosts[0], flags, args...)
 	n1 := c.start(1, c.f.Hosts[1], flags, args...)
-	n0.waitLine("[rank0]: step 37 loss", 3*time.Minute)
+	n1.waitLine("[rank2]: blocking in get_batch at step 38", 3*time.Minute)
+	time.Sleep(time.Second)
 	c.f.Hosts[1].Kill()
 	if err := n0.wait(2 * time.Minute); err == nil {
 		t.Fatalf("node 0 ended as if the job had finished:\n%s", n0.errText())
 	}
 	<-n1.done
-	if !strings.Contains(n0.errText(), "committed with every rank's shard, those of ranks [2 3] from the replicas held here") {
+	if !strings.Contains(n0.errText(), "step 37, the newest that every rank here holds in memory and the replicas held here hold, is committed with every rank's shard, those of ranks [2 3] from the replicas") {
 		t.Errorf("node 0 does not say that it persisted node 1's ranks from its replicas:\n%s", n0.errText())
 	}
 	dir := filepath.Join(c.dir, "ckpt-"+c.f.Hosts[0].Name)
-	if steps, err := ckpt.CommittedSteps(dir); err != nil || len(steps) == 0 || steps[0] < 36 {
-		t.Errorf("%s: committed steps %v (%v), want one of the steps node 1 died in", dir, steps, err)
+	if steps, err := ckpt.CommittedSteps(dir); err != nil || len(steps) == 0 || steps[0] != 37 {
+		t.Errorf("%s: committed steps %v (%v), want 37 first", dir, steps, err)
+	}
+	if !strings.Contains(n0.errText(), "stopped: replacing timed out") {
+		t.Errorf("node 0 does not say that no node took node 1's place in time:\n%s", n0.errText())
+	}
+	// Run again where node 0 ran, its --out the same: the recovery the
+	// last run gave up is over, and does not stop this one.
+	again := []*job{c.start(0, c.f.Hosts[0], flags[:len(flags)-4], "--steps", "40"), c.start(1, c.f.AddHost(), flags[:len(flags)-4], "--steps", "40")}
+	for i, j := range again {
+		if err := j.wait(3 * time.Minute); err != nil {
+			t.Fatalf("node %d, run again: %v\nstderr:\n%s", i, err, j.errText())
+		}
 	}
 }

@@ -974,7 +974,7 @@ class Checkpointer:
         or committed on disk), -1 when there is none."""
         resp = self._client.call({"op": "held", "dir": self.checkpoint_dir},
                                  timeout=600)
-        mine = set(resp.get("steps") or [])
+        mine = set(resp.get("steps") or []) | set(resp.get("committed") or [])
         if resp.get("disk", -1) >= 0:
             mine.add(resp["disk"])
         world = int(os.environ.get("WORLD_SIZE", "1"))
