@@ -91,10 +91,10 @@ func BenchmarkAbuse(b *testing.B) {
 }
 
 // procKiB returns a field of /proc/PID/status, in KiB.
-func procKiB(b *testing.B, pid int, field string) int {
+func procKiB(t testing.TB, pid int, field string) int {
 	data, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
 	if err != nil {
-		b.Fatal(err)
+		t.Fatal(err)
 	}
 	for _, line := range strings.Split(string(data), "\n") {
 		if v, ok := strings.CutPrefix(line, field+":"); ok {

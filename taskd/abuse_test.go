@@ -749,3 +749,44 @@ func TestEventQueueBounded(t *testing.T) {
 		t.Fatalf("after a take, %d events queued", got)
 	}
 }
+
+// TestFaultFileLoadStreamed: a restart reads the fault log a line at a
+// time and keeps the newest MaxFaults, so that a file far longer than
+// what is kept costs the manager what it keeps, not the file's size.
+func TestFaultFileLoadStreamed(t *testing.T) {
+	const kept = 100
+	big := t.TempDir()
+	var file []byte
+	msg := strings.Repeat("m", MaxFaultMessageBytes-64)
+	for i := range 10000 {
+		b, err := marshalFault(Fault{Seq: uint64(i + 1), ID: fmt.Sprint(i), Kind: FaultHang, Message: msg, Time: t0, Received: t0})
+		if err != nil {
+			t.Fatal(err)
+		}
+		file = append(file, b...)
+	}
+	if err := os.WriteFile(filepath.Join(big, "faults.jsonl"), file, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// The peak memory of a manager process that loads the file, beside one
+	// that loads none.
+	peak := func(dir string) int {
+		mgr := startChild(t, "manager", childArgs{Job: "j", Listen: "127.0.0.1:0", StateDir: dir, MaxFaults: kept})
+		mgr.expect(0, "ready", 60*time.Second)
+		kib := procKiB(t, mgr.cmd.Process.Pid, "VmHWM")
+		mgr.kill()
+		return kib << 10
+	}
+	base, loaded := peak(t.TempDir()), peak(big)
+	if grown := loaded - base; grown > len(file)/2 {
+		t.Fatalf("loading a fault log of %d MiB, %d faults kept, took the manager from %d to %d MiB", len(file)>>20, kept, base>>20, loaded>>20)
+	}
+	m, err := NewManager(ManagerConfig{Job: "j", Listen: "127.0.0.1:0", Security: insecureSec(), StateDir: big, MaxFaults: kept})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if got := m.Faults(0); len(got) != kept || got[0].ID != "9900" || got[kept-1].Seq != 10000 {
+		t.Fatalf("after the restart: %d faults, the oldest %s", len(got), got[0].ID)
+	}
+}

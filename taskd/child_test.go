@@ -49,6 +49,7 @@ type childArgs struct {
 	Name       string
 	Nodes, PPN int
 	LeaseRetry time.Duration
+	MaxFaults  int
 }
 
 func (a childArgs) security() Security {
@@ -84,7 +85,7 @@ func runChild(role string) int {
 	switch role {
 	case "manager":
 		cfg := ManagerConfig{Job: a.Job, Listen: a.Listen, Security: a.security(), StateDir: a.StateDir, Nodes: a.Nodes, ProcsPerNode: a.PPN,
-			HeartbeatInterval: a.Interval, HeartbeatDeadline: a.Deadline, AckTimeout: a.Ack, Logger: log}
+			HeartbeatInterval: a.Interval, HeartbeatDeadline: a.Deadline, AckTimeout: a.Ack, MaxFaults: a.MaxFaults, Logger: log}
 		if a.LeaseFile != "" {
 			var l *lease.File
 			l, err = lease.NewFile(lease.FileConfig{Path: a.LeaseFile, Candidate: lease.Candidate{Job: a.Job, Config: "test", Name: a.Name},
