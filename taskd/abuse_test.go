@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unicode/utf8"
@@ -387,55 +388,110 @@ func closedByServer(t testing.TB, c net.Conn, what string) {
 	}
 }
 
-// TestConnectionsBounded: connections beyond the cap of one peer address
-// are closed at once, a connection that never speaks is closed after the
-// handshake timeout, and a member from another address is served
-// meanwhile.
+// TestConnectionsBounded: the connections of one peer address that
+// authenticated are bounded, and apart from them those that have not yet:
+// connections that stay silent, reopened as they are closed, from the
+// address every member of a node shares, cost them nothing. A new one
+// past the budget of those pending closes the oldest, and a connection
+// that never speaks is closed after the handshake timeout.
 func TestConnectionsBounded(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	c := newCluster(t, insecureSec(), ManagerConfig{MaxConnectionsPerPeer: 4, Registerer: reg})
+	c := newCluster(t, insecureSec(), ManagerConfig{MaxConnectionsPerPeer: 4, Registerer: reg, HeartbeatDeadline: 10 * time.Minute})
 	addr := c.m.Addr().String()
-	for range 4 {
-		silent(t, "127.0.0.2", addr)
+	open := func(n float64) func() bool {
+		return func() bool { return gathered(t, reg)["faultline_taskd_connections"] == n }
 	}
-	testkit.WaitFor(t, "4 connections open", func() bool { return gathered(t, reg)["faultline_taskd_connections"] == 4 })
-	closedByServer(t, silent(t, "127.0.0.2", addr), "a fifth connection from one address")
-	if got := gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="peer_limit"}`]; got != 1 {
-		t.Fatalf("refused for the peer limit: %v", got)
+	first := silent(t, "127.0.0.1", addr)
+	for range 3 {
+		silent(t, "127.0.0.1", addr)
 	}
-	w := c.addWorker(0, 0)
-	testkit.WaitFor(t, "a worker from another address", w.Connected)
+	testkit.WaitFor(t, "4 silent connections open", open(4))
+	for i := range 6 {
+		silent(t, "127.0.0.1", addr) // one more, as a closed one is reopened
+		r := newRawMember(t, addr, c.job, insecureSec(), RoleWorker, Position{Rank: 10 + i})
+		if err := r.register(); err != nil {
+			t.Fatalf("newcomer %d from the silent connections' address: %v", i, err)
+		}
+		r.conn.Close()
+	}
+	closedByServer(t, first, "the oldest silent connection, past the budget of those pending")
+	if got := gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="pending_limit"}`]; got < 6 {
+		t.Fatalf("pending connections closed for newer ones: %v", got)
+	}
+	// Left: the silent connections that the last newcomer did not close.
+	testkit.WaitFor(t, "the newcomers' connections closed", open(3))
+	// Members on one address: past the bound, one more is refused.
+	var members []*rawMember
+	for rank := range 4 {
+		r := newRawMember(t, addr, c.job, insecureSec(), RoleWorker, Position{Rank: rank})
+		if err := r.register(); err != nil {
+			t.Fatal(err)
+		}
+		members = append(members, r)
+	}
+	r := newRawMember(t, addr, c.job, insecureSec(), RoleWorker, Position{Rank: 4})
+	if err := r.register(); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("a fifth member's connection from one address: %v", err)
+	}
+	r.conn.Close()
+	for _, m := range members {
+		m.conn.Close()
+	}
 	closedByServer(t, silent(t, "127.0.0.3", addr), "a connection that never speaks")
 }
 
-// TestAuthFailuresLockOut: an address that keeps failing authentication
-// has its connection closed and may not connect again for a while; a
-// member on another address is served meanwhile.
-func TestAuthFailuresLockOut(t *testing.T) {
+// TestAuthFailuresSpareMembers: an address that keeps failing
+// authentication has each failing connection closed, but a caller from
+// that same address with valid credentials is served, a newcomer with the
+// token and a live member reconnecting with its secret alike, for as long
+// as the guessing goes on.
+func TestAuthFailuresSpareMembers(t *testing.T) {
 	token := "0123456789abcdef0123456789abcdef"
 	reg := prometheus.NewRegistry()
 	sec := Security{Insecure: true, Token: token}
-	c := newCluster(t, sec, ManagerConfig{Registerer: reg})
+	c := newCluster(t, sec, ManagerConfig{Registerer: reg, HeartbeatDeadline: 10 * time.Minute})
 	addr := c.m.Addr().String()
-	guesser := pb.NewControlClient(dialFrom(t, "127.0.0.2", addr, Security{Insecure: true, Token: "guess"}))
-	ctx := context.Background()
-	var codesSeen []codes.Code
-	for range 2 * authFailureBurst {
-		_, err := guesser.Register(ctx, &pb.RegisterRequest{Job: c.job})
-		codesSeen = append(codesSeen, status.Code(err))
-		if status.Code(err) == codes.Unavailable {
-			break
+	live := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+	if err := live.register(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	var closed atomic.Int64 // the guesser's connections closed on it
+	go func() {
+		defer close(done)
+		for ctx.Err() == nil {
+			conn := dialFrom(t, "127.0.0.1", addr, Security{Insecure: true, Token: "guess-0123456789abcdef"})
+			guesser := pb.NewControlClient(conn)
+			for ctx.Err() == nil {
+				if _, err := guesser.Register(ctx, &pb.RegisterRequest{Job: c.job}); status.Code(err) == codes.Unavailable {
+					closed.Add(1)
+					break // closed on it: dial again
+				}
+			}
+			conn.Close()
 		}
+	}()
+	defer func() { cancel(); <-done }()
+	testkit.WaitFor(t, "the guesser's connections closed", func() bool { return closed.Load() >= 3 })
+	for i := range 20 {
+		r := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 1 + i})
+		if err := r.register(); err != nil {
+			t.Fatalf("newcomer %d from the guesser's address: %v", i, err)
+		}
+		r.conn.Close()
+		// The live member reconnects, as after a proxy's or manager's
+		// restart, with its secret.
+		again := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+		again.self = live.self
+		again.cred.set(*live.cred.secret.Load())
+		if err := again.register(); err != nil {
+			t.Fatalf("the live member reconnecting from the guesser's address: %v", err)
+		}
+		again.conn.Close()
 	}
-	if last := codesSeen[len(codesSeen)-1]; last != codes.Unavailable || len(codesSeen) > authFailureBurst+2 {
-		t.Fatalf("guesses answered %v: the connection was not closed after %d failures", codesSeen, authFailureBurst)
-	}
-	closedByServer(t, silent(t, "127.0.0.2", addr), "a new connection from the locked-out address")
-	if got := gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="locked_out"}`]; got < 2 {
-		t.Fatalf("locked out: %v", got)
-	}
-	if err := register(t, addr, sec, 0); err != nil {
-		t.Fatalf("a member on another address: %v", err)
+	if n := gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="auth_failures"}`]; n < 3 {
+		t.Fatalf("guessing connections closed: %v", n)
 	}
 }
 

@@ -218,9 +218,11 @@
 // when they change (SecurityFromDir takes a Kubernetes TLS secret), a
 // shared token, or both; plaintext only when Security.Insecure is set, and
 // logged loudly. A call's token (exactly one authorization value) is
-// checked from its headers, before its body is read; an address that
-// keeps failing (more than 10 times, then once a second) has its
-// connection closed and may not connect again for 10 s. A server refuses
+// checked from its headers, before its body is read; past 10 failures
+// from an address (then one a second), a connection that fails is closed.
+// The address itself is never shut out: the ranks of a node, or the pods
+// behind one NAT, share it, and a call with valid credentials from there
+// is served whatever others got wrong. A server refuses
 // to start with a token shorter than 16 bytes. Every member is issued a secret by the server it registers with
 // (the manager, or its node's proxy), and every later call carries it: a
 // caller acts only for itself, a proxy for its node's workers, and a
@@ -237,7 +239,10 @@
 // (MaxMessageBytes), calls per second per connection (RateLimit), calls in
 // flight per connection (100) and per peer address (1000), header lists
 // (16 KiB), connections in all and per address (MaxConnections,
-// MaxConnectionsPerPeer), handshakes (5 s), idle connections (30 s),
+// MaxConnectionsPerPeer; those that have not yet authenticated draw on a
+// budget of their own, the oldest closed for a newer one, so that silent
+// connections cannot shut a member out), handshakes (5 s), idle
+// connections (30 s),
 // uploads (one writer a path, 10 s idle), hostnames, acknowledgements,
 // and, without a job shape, ranks and nodes (MaxWorkers). Answers that
 // list (ListFaults, ListMembers, GetSwitchStatus) fit half a message.

@@ -5,6 +5,7 @@ import (
 	"crypto/subtle"
 	"log/slog"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -37,14 +38,15 @@ const (
 	// that long; a member always has its stream open.
 	idleTimeout = 30 * time.Second
 	// A peer address may fail authentication authFailureBurst times, and
-	// then once every authFailureEvery; past that budget the connection
-	// that failed is closed, and the address may not connect again for
-	// authLockout.
+	// then once every authFailureEvery; past that budget a connection that
+	// fails is closed, and each new one may fail once. The address itself
+	// is never shut out: the members of a node share it, and a call with
+	// valid credentials is served whatever others from there got wrong.
 	authFailureBurst = 10
 	authFailureEvery = time.Second
-	authLockout      = 10 * time.Second
 	// defaultMaxConnectionsPerPeer bounds the connections from one peer
-	// address.
+	// address that authenticated, and apart from them those that have not
+	// yet.
 	defaultMaxConnectionsPerPeer = 256
 )
 
@@ -78,6 +80,13 @@ type guardMetrics struct {
 // one token a call carries, rate-limits each address's failures, and
 // bounds the calls in flight from each address. A refused call costs its
 // headers, never its body.
+//
+// A connection is pending until a call on it authenticates. The pending
+// connections of a peer address draw on a budget of their own, and a new
+// one past it closes the oldest: connections that never authenticate (a
+// peer that dials and stays silent, or keeps guessing) cannot shut out a
+// member that shares their address, as every rank of a node or every pod
+// behind one NAT does.
 type guard struct {
 	log *slog.Logger
 	met guardMetrics
@@ -94,8 +103,8 @@ type guard struct {
 	policy func(method string, cred credential) error
 
 	mu        sync.Mutex
-	peers     map[string]*peerState // by peer IP, while it has connections or calls
-	penalties map[string]*penalty   // by peer IP
+	peers     map[string]*peerState    // by peer IP, while it has connections or calls
+	penalties map[string]*rate.Limiter // failures budget, by peer IP
 	conns     int
 
 	refusals sync.Map // reason -> *refusalLog
@@ -103,9 +112,19 @@ type guard struct {
 
 // peerState is what a guard holds of one peer address.
 type peerState struct {
-	conns   map[string]net.Conn // open, by remote address
-	streams int                 // calls in flight
+	conns   map[string]*connState // open, by remote address
+	pending []string              // remote addresses not yet authenticated, oldest first
+	streams int                   // calls in flight
 }
+
+// connState is what a guard holds of one connection.
+type connState struct {
+	c      net.Conn
+	authed bool // a call on it authenticated
+}
+
+// authedLocked returns how many of ps's connections authenticated.
+func (ps *peerState) authedLocked() int { return len(ps.conns) - len(ps.pending) }
 
 // guardConfig is what a server's guard enforces.
 type guardConfig struct {
@@ -123,7 +142,7 @@ type guardConfig struct {
 
 func newGuard(c guardConfig) *guard {
 	g := &guard{log: c.log, met: c.met, maxConns: c.maxConns, maxPerPeer: c.maxPerPeer, ids: c.ids, policy: c.policy, open: c.open,
-		peers: make(map[string]*peerState), penalties: make(map[string]*penalty)}
+		peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter)}
 	for token, cred := range c.tokens {
 		if token == "" {
 			continue
@@ -149,7 +168,7 @@ func callCredential(ctx context.Context) credential {
 func (g *guard) peerLocked(ip string) *peerState {
 	ps := g.peers[ip]
 	if ps == nil {
-		ps = &peerState{conns: make(map[string]net.Conn)}
+		ps = &peerState{conns: make(map[string]*connState)}
 		g.peers[ip] = ps
 	}
 	return ps
@@ -180,7 +199,13 @@ func (l *guardListener) Accept() (net.Conn, error) {
 		}
 		addr := c.RemoteAddr().String()
 		ip := peerHost(addr)
-		if reason := l.g.admit(ip, addr, c); reason != "" {
+		reason, evicted := l.g.admit(ip, addr, c)
+		if evicted != nil {
+			l.g.met.conns.WithLabelValues("pending_limit").Inc()
+			evicted.Close()
+			l.g.logRefusal("connections closed", "pending_limit", ip, "")
+		}
+		if reason != "" {
 			// Counted before the close: whoever sees the close sees it counted.
 			l.g.met.conns.WithLabelValues(reason).Inc()
 			c.Close()
@@ -191,25 +216,64 @@ func (l *guardListener) Accept() (net.Conn, error) {
 	}
 }
 
-// admit takes a connection from ip in, or returns why not.
-func (g *guard) admit(ip, addr string, c net.Conn) string {
+// admit takes a connection from ip in, pending, or returns why not. When
+// ip's pending connections are at their budget, the oldest makes room:
+// it is returned, forgotten, for the caller to close.
+func (g *guard) admit(ip, addr string, c net.Conn) (reason string, evicted net.Conn) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if p := g.penalties[ip]; p != nil && time.Now().Before(p.until) {
-		return "locked_out"
+	ps := g.peerLocked(ip)
+	if len(ps.pending) >= g.maxPerPeer {
+		oldest := ps.pending[0]
+		evicted = ps.conns[oldest].c
+		g.dropLocked(ps, oldest)
 	}
 	if g.conns >= g.maxConns {
-		return "limit"
-	}
-	ps := g.peerLocked(ip)
-	if len(ps.conns) >= g.maxPerPeer {
 		g.forgetLocked(ip, ps)
-		return "peer_limit"
+		return "limit", evicted
 	}
-	ps.conns[addr] = c
+	ps.conns[addr] = &connState{c: c}
+	ps.pending = append(ps.pending, addr)
 	g.conns++
 	g.met.open.Set(float64(g.conns))
-	return ""
+	return "", evicted
+}
+
+// dropLocked forgets the connection from addr.
+func (g *guard) dropLocked(ps *peerState, addr string) {
+	cs, ok := ps.conns[addr]
+	if !ok {
+		return
+	}
+	delete(ps.conns, addr)
+	if !cs.authed {
+		ps.pending = slices.DeleteFunc(ps.pending, func(a string) bool { return a == addr })
+	}
+	g.conns--
+	g.met.open.Set(float64(g.conns))
+}
+
+// authenticated takes in that a call on the connection from addr
+// authenticated. It reports false when ip's authenticated connections
+// are at their bound: the connection stays pending, and its call is to
+// be refused.
+func (g *guard) authenticated(ip, addr string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	ps := g.peers[ip]
+	if ps == nil {
+		return true
+	}
+	cs := ps.conns[addr]
+	if cs == nil || cs.authed {
+		return true
+	}
+	if ps.authedLocked() >= g.maxPerPeer {
+		return false
+	}
+	cs.authed = true
+	ps.pending = slices.DeleteFunc(ps.pending, func(a string) bool { return a == addr })
+	return true
 }
 
 // guardConn gives its place back when it closes.
@@ -225,10 +289,8 @@ func (c *guardConn) Close() error {
 		g := c.g
 		g.mu.Lock()
 		if ps := g.peers[c.ip]; ps != nil {
-			if _, ok := ps.conns[c.addr]; ok {
-				delete(ps.conns, c.addr)
-				g.conns--
-				g.met.open.Set(float64(g.conns))
+			if cs := ps.conns[c.addr]; cs != nil && cs.c == c.Conn {
+				g.dropLocked(ps, c.addr)
 			}
 			g.forgetLocked(c.ip, ps)
 		}
@@ -237,45 +299,38 @@ func (c *guardConn) Close() error {
 	return c.Conn.Close()
 }
 
-// penalty is a peer address's budget of authentication failures, and
-// until when it is locked out for spending it.
-type penalty struct {
-	budget *rate.Limiter
-	until  time.Time
-}
-
 // failed takes in an authentication failure of the call from addr: past
-// the address's budget, the connection is closed, and the address may
-// not connect again for authLockout.
+// the address's budget, that connection is closed. Other connections
+// from the address, and new ones, are not: each may still authenticate.
 func (g *guard) failed(ip, addr string) {
 	now := time.Now()
 	g.mu.Lock()
-	p := g.penalties[ip]
-	if p == nil {
+	budget := g.penalties[ip]
+	if budget == nil {
 		if len(g.penalties) >= 4096 {
 			// Addresses whose budget is full again are forgotten, so
 			// that the table stays bounded.
-			for k, q := range g.penalties {
-				if q.budget.TokensAt(now) >= authFailureBurst && now.After(q.until) {
+			for k, b := range g.penalties {
+				if b.TokensAt(now) >= authFailureBurst {
 					delete(g.penalties, k)
 				}
 			}
 		}
-		p = &penalty{budget: rate.NewLimiter(rate.Every(authFailureEvery), authFailureBurst)}
-		g.penalties[ip] = p
+		budget = rate.NewLimiter(rate.Every(authFailureEvery), authFailureBurst)
+		g.penalties[ip] = budget
 	}
 	var c net.Conn
-	if !p.budget.AllowN(now, 1) {
-		p.until = now.Add(authLockout)
-		if ps := g.peers[ip]; ps != nil {
-			c = ps.conns[addr]
+	if !budget.AllowN(now, 1) {
+		if ps := g.peers[ip]; ps != nil && ps.conns[addr] != nil {
+			c = ps.conns[addr].c
+			g.dropLocked(ps, addr)
 		}
 	}
 	g.mu.Unlock()
 	if c != nil {
-		g.met.conns.WithLabelValues("locked_out").Inc()
+		g.met.conns.WithLabelValues("auth_failures").Inc()
 		c.Close()
-		g.logRefusal("connection closed: too many authentication failures", "locked_out", ip, "")
+		g.logRefusal("connection closed: too many authentication failures", "auth_failures", ip, "")
 	}
 }
 
@@ -299,6 +354,10 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 	if err != nil {
 		g.refuse("unknown_member", ip, info.FullMethodName)
 		return nil, err
+	}
+	if !g.authenticated(ip, addr) {
+		g.refuse("peer_limit", ip, info.FullMethodName)
+		return nil, status.Errorf(codes.ResourceExhausted, "taskd: %d connections from %s authenticated, at most %d", g.maxPerPeer, ip, g.maxPerPeer)
 	}
 	g.mu.Lock()
 	ps := g.peerLocked(ip)

@@ -66,8 +66,10 @@ type ManagerConfig struct {
 	RateBurst int
 	// MaxConnections bounds the connections open at once (default half
 	// the process's open-file limit, at most 16384), and
-	// MaxConnectionsPerPeer those from one peer address (default 256);
-	// more are closed at once, counted and logged.
+	// MaxConnectionsPerPeer those from one peer address that
+	// authenticated (default 256), and apart from them those that have
+	// not yet: a new one past that closes the oldest pending. More are
+	// refused, counted and logged.
 	MaxConnections, MaxConnectionsPerPeer int
 	// StateDir, when set, keeps the fault log (faults.jsonl), the switch
 	// (switch.json) and the orchestration state (orchestration.json and
