@@ -604,7 +604,7 @@ func TestProxyIdentity(t *testing.T) {
 		t.Fatal("a proxy queued a fault of another node")
 	}
 	// A proxy of node 1 speaking for itself.
-	p1 := newRawMember(t, addr, c.job, insecureSec(), RoleProxy, Position{Node: 1, Rank: -1})
+	p1 := newRawMember(t, addr, c.job, proxySec(), RoleProxy, Position{Node: 1, Rank: -1})
 	if err := p1.register(); err != nil {
 		t.Fatal(err)
 	}

@@ -230,8 +230,11 @@
 // the manager's embedder (Manager.ReportFault). ListMembers shows
 // instances, which prove nothing. Operators hold a credential of their
 // own (ManagerConfig.AdminToken): the Admin and TrainingDataTrace services
-// take nothing else, and it serves nothing else; with ProxyToken set, only
-// a proxy registers as one. The metrics are served by the embedder, over
+// take nothing else, and it serves nothing else. Proxies hold one too
+// (ManagerConfig.ProxyToken, ProxyConfig.UpstreamToken): only a call with
+// it registers as a proxy, and without it the role is closed, so that a
+// worker's token never makes a node's proxy, which reports that node's
+// ranks' faults. The manager logs, as it starts, which roles are open. The metrics are served by the embedder, over
 // plain HTTP in the reference binaries: keep them on loopback or a
 // cluster-internal address.
 //

@@ -39,7 +39,7 @@ func newFuzzEnv(f *testing.F) *fuzzEnv {
 	})
 	e := &fuzzEnv{c: c, admin: newAdminClient(f, c.m.Addr().String(), c.job)}
 	e.worker = newRawMember(f, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
-	e.proxy = newRawMember(f, c.m.Addr().String(), c.job, insecureSec(), RoleProxy, Position{Node: 1, Rank: -1})
+	e.proxy = newRawMember(f, c.m.Addr().String(), c.job, proxySec(), RoleProxy, Position{Node: 1, Rank: -1})
 	for _, r := range []*rawMember{e.worker, e.proxy} {
 		if err := r.register(); err != nil {
 			f.Fatal(err)

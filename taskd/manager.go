@@ -150,10 +150,8 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		open:   cfg.Security.Token == "", maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer,
 		ids: m.ids, policy: m.policy, met: m.met.guard, log: m.log,
 	})
-	switch {
-	case cfg.AdminToken == "" && cfg.Security.Token != "":
-		m.log.Info("taskd: the Admin and TrainingDataTrace services are off: no AdminToken")
-	case cfg.AdminToken == "":
+	m.log.Info("taskd: roles open", cfg.roles()...)
+	if cfg.AdminToken == "" && cfg.Security.Token == "" {
 		m.log.Warn("taskd: the Admin and TrainingDataTrace services take whoever the transport admits: set AdminToken")
 	}
 	m.lis = g.listen(lis)

@@ -46,9 +46,11 @@ type ManagerConfig struct {
 	// every call; without any token they take whoever the transport
 	// admits (logged at start).
 	AdminToken string
-	// ProxyToken, when set, is the proxies' credential: only a call with
-	// it registers as a proxy, so that a worker's token cannot. Proxies
-	// present it as ProxyConfig.UpstreamToken.
+	// ProxyToken is the proxies' credential: only a call with it
+	// registers as a proxy, so that a worker's token cannot. Proxies
+	// present it as ProxyConfig.UpstreamToken. Empty: the proxy role is
+	// closed, and workers attach to the manager directly; whatever starts
+	// the manager and its proxies makes one and hands it to both.
 	ProxyToken string
 	// HeartbeatInterval is how often members send heartbeats (default 1 s);
 	// a member not heard from within HeartbeatDeadline (default 5 s) is
@@ -197,4 +199,28 @@ func (c ManagerConfig) Validate() error {
 		}
 	}
 	return c.Security.Validate()
+}
+
+// roles says who each role takes, as log attributes: the manager logs
+// them as it starts.
+func (c ManagerConfig) roles() []any {
+	workers := "anyone who reaches the port (plaintext, no token)"
+	switch {
+	case c.Security.Token != "":
+		workers = "the members' token"
+	case c.Security.tls():
+		workers = "a certificate of the CA (mutual TLS)"
+	}
+	proxies := "closed (no ProxyToken)"
+	if c.ProxyToken != "" {
+		proxies = "the proxies' token"
+	}
+	operators := "whoever the transport admits (no AdminToken)"
+	switch {
+	case c.AdminToken != "":
+		operators = "the operators' token"
+	case c.Security.Token != "":
+		operators = "closed (no AdminToken)"
+	}
+	return []any{"workers", workers, "proxies", proxies, "operators", operators}
 }

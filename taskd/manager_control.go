@@ -80,7 +80,10 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		nm.addr = p.Addr.String()
 	}
 	caller := callerOf(ctx)
-	if key.role == RoleProxy && m.cfg.ProxyToken != "" && callCredential(ctx) != credProxy {
+	if key.role == RoleProxy && callCredential(ctx) != credProxy {
+		if m.cfg.ProxyToken == "" {
+			return nil, permission("%s: the proxy role is closed: this manager was given no proxies' token (ManagerConfig.ProxyToken)", key)
+		}
 		return nil, permission("%s: a proxy registers with the proxies' token (ManagerConfig.ProxyToken)", key)
 	}
 	now := time.Now()
