@@ -846,3 +846,30 @@ func TestFaultFileLoadStreamed(t *testing.T) {
 		t.Fatalf("after the restart: %d faults, the oldest %s", len(got), got[0].ID)
 	}
 }
+
+// TestOutsiderRefused: with orchestration on and no job shape, the ranks
+// are those of the first complete rendezvous; a token holder that joins
+// later as a rank of its own is refused, saying why, so that its silence
+// cannot have the real ranks stopped by a recovery. A real rank's next
+// instance registers meanwhile.
+func TestOutsiderRefused(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{Orchestration: &OrchestrationConfig{}})
+	for rank := range 2 {
+		w := c.addWorker(0, rank)
+		testkit.WaitFor(t, fmt.Sprintf("rank %d", rank), w.Connected)
+	}
+	// The rendezvous completes once no new rank has come for twice the
+	// heartbeat deadline; a longer wait, on a loaded machine, changes
+	// nothing.
+	time.Sleep(2 * c.mcfg.HeartbeatDeadline)
+	outsider := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 2})
+	if err := outsider.register(); status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "first complete rendezvous, 0 to 1") {
+		t.Fatalf("rank 2 joining after the rendezvous of ranks 0 and 1: %v", err)
+	}
+	again := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 1})
+	c.stop(c.workers[1], c.workers[1])
+	testkit.WaitFor(t, "rank 1's next instance registered", func() bool { return again.register() == nil })
+	if o := c.m.Orchestrations(0); o.Current != nil || len(o.History) > 0 {
+		t.Fatalf("an orchestration started: %+v", o)
+	}
+}

@@ -245,9 +245,12 @@
 // MaxConnectionsPerPeer; those that have not yet authenticated draw on a
 // budget of their own, the oldest closed for a newer one, so that silent
 // connections cannot shut a member out), handshakes (5 s), idle
-// connections (30 s),
-// uploads (one writer a path, 10 s idle), hostnames, acknowledgements,
-// and, without a job shape, ranks and nodes (MaxWorkers). Answers that
+// connections (30 s), uploads (one writer a path, 10 s idle), hostnames,
+// acknowledgements, and, without a job shape, ranks and nodes
+// (MaxWorkers); with orchestration on and no shape, the job's ranks are
+// those of its first complete rendezvous, and a rank that comes later is
+// refused, so that a token holder joining as a rank of its own and going
+// silent cannot have the others stopped. Answers that
 // list (ListFaults, ListMembers, GetSwitchStatus) fit half a message.
 // Refusals are counted (faultline_taskd_calls_refused_total,
 // faultline_taskd_connections_refused_total) and logged at most every ten

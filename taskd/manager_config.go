@@ -35,7 +35,11 @@ type ManagerConfig struct {
 	// Nodes and ProcsPerNode give the job's shape, so that ranks that never
 	// registered show as waiting in the switch status, and positions
 	// outside it are refused. Zero: unknown, and nodes and ranks must be
-	// below MaxWorkers (default 16384).
+	// below MaxWorkers (default 16384); with Orchestration set, the job's
+	// ranks are then those of its first complete rendezvous (ranks 0 to
+	// n-1 registered, and no new one for twice HeartbeatDeadline), and a
+	// rank beyond them is refused, saying why, so that a member that
+	// joins as a rank of its own cannot start a recovery of the others.
 	Nodes, ProcsPerNode int
 	MaxWorkers          int
 	// Security: mutual TLS, token, or plaintext when asked; required.

@@ -120,6 +120,14 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		m.mu.Unlock()
 		return nil, permission("%s: instance %s is live; registering it again takes its credential", key, nm.instance)
 	}
+	if m.members != nil && key.role == RoleWorker {
+		if err := m.members.admit(now, nm.pos.Rank); err != nil {
+			m.mu.Unlock()
+			m.met.refused.Inc()
+			m.log.Warn("taskd: registration refused: not of the job", "member", key.String(), "addr", nm.addr, "err", err)
+			return nil, status.Errorf(codes.FailedPrecondition, "taskd: %s: %v", key, err)
+		}
+	}
 	oldInstance := ""
 	if old != nil {
 		oldInstance = old.instance
