@@ -327,12 +327,13 @@ func TestStreamsPerPeerBounded(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var streams []grpc.ClientStreamingClient[pb.UploadChunk, pb.UploadResponse]
-	for i := range maxStreamsPerPeer / maxStreamsPerConn {
+	const perMember = 25 // below what one worker may hold in flight
+	for i := range maxStreamsPerPeer / perMember {
 		r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: i})
 		if err := r.register(); err != nil {
 			t.Fatal(err)
 		}
-		for range maxStreamsPerConn {
+		for range perMember {
 			s, err := r.client.Upload(ctx)
 			if err != nil {
 				t.Fatal(err)
@@ -872,4 +873,56 @@ func TestOutsiderRefused(t *testing.T) {
 	if o := c.m.Orchestrations(0); o.Current != nil || len(o.History) > 0 {
 		t.Fatalf("an orchestration started: %+v", o)
 	}
+}
+
+// TestMessageLimits: a call that needs a few hundred bytes (Register,
+// Heartbeat and the like) declaring a message beyond its method's bound
+// has its connection closed from the message's prefix, before its body
+// arrives, even with the members' token; the calls in flight of one
+// worker are bounded; a Send still takes a message of a megabyte.
+func TestMessageLimits(t *testing.T) {
+	token := "0123456789abcdef0123456789abcdef"
+	sec := Security{Insecure: true, Token: token}
+	reg := prometheus.NewRegistry()
+	c := newCluster(t, sec, ManagerConfig{Registerer: reg, HeartbeatDeadline: 10 * time.Minute})
+	addr := c.m.Addr().String()
+	h := newH2Conn(t, addr)
+	h.call(1, pb.Control_Register_FullMethodName, "Bearer "+token, nil, 4<<20-1<<10, 64<<10)
+	h.c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	for {
+		_, err := h.fr.ReadFrame()
+		if ne, ok := err.(net.Error); ok && ne.Timeout() {
+			t.Fatal("a Register declaring 4 MiB: the connection is still open")
+		}
+		if err != nil {
+			break
+		}
+	}
+	if got := gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="message_limit"}`]; got != 1 {
+		t.Fatalf("connections closed for a message beyond its bound: %v", got)
+	}
+	r := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+	if err := r.register(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.client.Send(r.ctx(), &pb.SendRequest{Job: c.job, Reports: []*pb.Report{{Id: "m", From: r.self,
+		Body: &pb.Report_Message{Message: &pb.UserMessage{Kind: "k", Payload: make([]byte, 1<<20)}}}}}); err != nil {
+		t.Fatalf("a Send of a megabyte: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var streams []grpc.ClientStreamingClient[pb.UploadChunk, pb.UploadResponse]
+	for range maxCallsPerWorker {
+		s, err := r.client.Upload(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		streams = append(streams, s)
+	}
+	testkit.WaitFor(t, "a worker's calls in flight bounded", func() bool {
+		return status.Code(r.register()) == codes.ResourceExhausted
+	})
+	streams[0].CloseSend()
+	streams[0].CloseAndRecv()
+	testkit.WaitFor(t, "a call taken once one ended", func() bool { return r.register() == nil })
 }

@@ -239,8 +239,12 @@
 // cluster-internal address.
 //
 // Every server bounds what a peer can make it hold: message size
-// (MaxMessageBytes), calls per second per connection (RateLimit), calls in
-// flight per connection (100) and per peer address (1000), header lists
+// (MaxMessageBytes, and for the calls that carry a few hundred bytes a
+// bound in KiB of their own: 16 KiB for Register, Stream and Leave,
+// 256 KiB for a proxy's batch of heartbeats; a call declaring more has its
+// connection closed from the message's prefix, before its body arrives),
+// calls per second per connection (RateLimit), calls in flight per
+// connection (100), per peer address (1000) and per worker (32), header lists
 // (16 KiB), connections in all and per address (MaxConnections,
 // MaxConnectionsPerPeer; those that have not yet authenticated draw on a
 // budget of their own, the oldest closed for a newer one, so that silent

@@ -29,6 +29,10 @@ const (
 	// maxStreamsPerPeer bounds the calls in flight from one peer address
 	// over all its connections; more are refused.
 	maxStreamsPerPeer = 1000
+	// maxCallsPerWorker bounds the calls in flight of one worker, as its
+	// secret names it, whatever connections and addresses it uses; a
+	// proxy, which relays its node's workers, has maxStreamsPerPeer.
+	maxCallsPerWorker = 32
 	// maxHeaderBytes caps a call's header list, which is read before the
 	// token is checked.
 	maxHeaderBytes = 16 << 10
@@ -105,6 +109,7 @@ type guard struct {
 	mu        sync.Mutex
 	peers     map[string]*peerState    // by peer IP, while it has connections or calls
 	penalties map[string]*rate.Limiter // failures budget, by peer IP
+	calls     map[identity]int         // calls in flight, by member
 	conns     int
 
 	refusals sync.Map // reason -> *refusalLog
@@ -142,7 +147,7 @@ type guardConfig struct {
 
 func newGuard(c guardConfig) *guard {
 	g := &guard{log: c.log, met: c.met, maxConns: c.maxConns, maxPerPeer: c.maxPerPeer, ids: c.ids, policy: c.policy, open: c.open,
-		peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter)}
+		peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter), calls: make(map[identity]int)}
 	for token, cred := range c.tokens {
 		if token == "" {
 			continue
@@ -366,6 +371,18 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 		g.refuse("streams", ip, info.FullMethodName)
 		return nil, status.Errorf(codes.ResourceExhausted, "taskd: %d calls in flight from %s, at most %d", maxStreamsPerPeer, ip, maxStreamsPerPeer)
 	}
+	if caller != nil {
+		bound := maxCallsPerWorker
+		if caller.key.role == RoleProxy {
+			bound = maxStreamsPerPeer
+		}
+		if g.calls[*caller] >= bound {
+			g.mu.Unlock()
+			g.refuse("member_calls", ip, info.FullMethodName)
+			return nil, status.Errorf(codes.ResourceExhausted, "taskd: %s has %d calls in flight, at most %d", caller.key, bound, bound)
+		}
+		g.calls[*caller]++
+	}
 	ps.streams++
 	g.mu.Unlock()
 	ctx = context.WithValue(ctx, authKey{}, cred)
@@ -373,16 +390,23 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 		ctx = context.WithValue(ctx, callerKey{}, caller)
 	}
 	// The call's context ends with the call, whatever ends it.
-	context.AfterFunc(ctx, func() { g.release(ip) })
+	context.AfterFunc(ctx, func() { g.release(ip, caller) })
 	return ctx, nil
 }
 
-func (g *guard) release(ip string) {
+// release takes in the end of a call from ip, made by caller (nil for
+// none).
+func (g *guard) release(ip string, caller *identity) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if ps := g.peers[ip]; ps != nil {
 		ps.streams--
 		g.forgetLocked(ip, ps)
+	}
+	if caller != nil {
+		if g.calls[*caller]--; g.calls[*caller] <= 0 {
+			delete(g.calls, *caller)
+		}
 	}
 }
 
@@ -430,6 +454,13 @@ func (g *guard) identify(method string, values []string) (*identity, error) {
 		return nil, errUnknownMember
 	}
 	return nil, nil
+}
+
+// messageLimit counts and logs a connection closed for a call that
+// declared a message beyond its method's bound.
+func (g *guard) messageLimit(ip, method string) {
+	g.met.conns.WithLabelValues("message_limit").Inc()
+	g.logRefusal("connection closed: a message beyond its method's bound", "message_limit", ip, method)
 }
 
 // refuse counts a refused call and logs it.
