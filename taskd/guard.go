@@ -48,6 +48,13 @@ const (
 	// valid credentials is served whatever others from there got wrong.
 	authFailureBurst = 10
 	authFailureEvery = time.Second
+	// pendingGrace is how long a connection that has not authenticated is
+	// kept from being closed for a newer one: long enough for a member to
+	// speak and call, however many connections arrive meanwhile.
+	pendingGrace = time.Second
+	// silentGrace is that grace for a connection that has not sent a
+	// byte: a member's first bytes follow its connect at once.
+	silentGrace = 100 * time.Millisecond
 	// defaultMaxConnectionsPerPeer bounds the connections from one peer
 	// address that authenticated, and apart from them those that have not
 	// yet.
@@ -125,7 +132,9 @@ type peerState struct {
 // connState is what a guard holds of one connection.
 type connState struct {
 	c      net.Conn
-	authed bool // a call on it authenticated
+	at     time.Time // accepted then
+	spoke  bool      // it sent a byte
+	authed bool      // a call on it authenticated
 }
 
 // authedLocked returns how many of ps's connections authenticated.
@@ -222,22 +231,50 @@ func (l *guardListener) Accept() (net.Conn, error) {
 }
 
 // admit takes a connection from ip in, pending, or returns why not. When
-// ip's pending connections are at their budget, the oldest makes room:
-// it is returned, forgotten, for the caller to close.
+// ip's pending connections are at their budget, one past its grace makes
+// room, the oldest that never spoke (no byte read or waiting) first, else
+// the oldest accepted more than pendingGrace ago: it is returned, forgotten, for the
+// caller to close; one that never spoke has a shorter grace
+// (silentGrace). A member speaks at once and calls next, well within its
+// grace; only while every pending connection is within its own is a
+// newcomer refused.
 func (g *guard) admit(ip, addr string, c net.Conn) (reason string, evicted net.Conn) {
+	now := time.Now()
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	ps := g.peerLocked(ip)
 	if len(ps.pending) >= g.maxPerPeer {
-		oldest := ps.pending[0]
-		evicted = ps.conns[oldest].c
-		g.dropLocked(ps, oldest)
+		victim, oldest := "", "" // the oldest silent, the oldest
+		for _, a := range ps.pending {
+			cs := ps.conns[a]
+			age := now.Sub(cs.at)
+			if age < silentGrace {
+				break // the rest are newer
+			}
+			if !cs.spoke && !hasBytes(cs.c) {
+				victim, oldest = a, ""
+				break
+			}
+			cs.spoke = true
+			if oldest == "" && age >= pendingGrace {
+				oldest = a
+			}
+		}
+		if victim == "" {
+			victim = oldest
+		}
+		if victim == "" {
+			g.forgetLocked(ip, ps)
+			return "pending_limit", nil
+		}
+		evicted = ps.conns[victim].c
+		g.dropLocked(ps, victim)
 	}
 	if g.conns >= g.maxConns {
 		g.forgetLocked(ip, ps)
 		return "limit", evicted
 	}
-	ps.conns[addr] = &connState{c: c}
+	ps.conns[addr] = &connState{c: c, at: now}
 	ps.pending = append(ps.pending, addr)
 	g.conns++
 	g.met.open.Set(float64(g.conns))
@@ -281,12 +318,27 @@ func (g *guard) authenticated(ip, addr string) bool {
 	return true
 }
 
-// guardConn gives its place back when it closes.
+// guardConn gives its place back when it closes, and tells its guard
+// when it first speaks.
 type guardConn struct {
 	net.Conn
 	g        *guard
 	ip, addr string
+	spoke    atomic.Bool
 	once     sync.Once
+}
+
+func (c *guardConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if n > 0 && !c.spoke.Load() {
+		c.spoke.Store(true)
+		c.g.mu.Lock()
+		if ps := c.g.peers[c.ip]; ps != nil && ps.conns[c.addr] != nil {
+			ps.conns[c.addr].spoke = true
+		}
+		c.g.mu.Unlock()
+	}
+	return n, err
 }
 
 func (c *guardConn) Close() error {
