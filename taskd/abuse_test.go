@@ -501,6 +501,41 @@ func TestAuthFailuresSpareMembers(t *testing.T) {
 	}
 }
 
+// TestRegisterAnswerLost: a member whose registration answer came past its
+// deadline (the manager registered it, the member never got its secret)
+// registers again on the same connection and is taken, with the secret it
+// missed: it is not shut out until the heartbeat deadline declares it
+// lost, long enough for a restarted manager to take an orchestration over
+// without its node's ranks. The same instance from another connection,
+// without the secret, is still refused.
+func TestRegisterAnswerLost(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{})
+	addr := c.m.Addr().String()
+	for _, role := range []Role{RoleWorker, RoleProxy} {
+		sec, pos := insecureSec(), Position{Node: 0, Rank: 0}
+		if role == RoleProxy {
+			sec, pos = proxySec(), Position{Node: 0, Rank: -1}
+		}
+		m := newRawMember(t, addr, c.job, sec, role, pos)
+		if err := m.register(); err != nil {
+			t.Fatal(err)
+		}
+		secret := *m.cred.secret.Load()
+		m.cred.set("") // the answer was lost
+		if err := m.register(); err != nil {
+			t.Fatalf("%s: registering again on its connection: %v", role, err)
+		}
+		if got := *m.cred.secret.Load(); got != secret {
+			t.Fatalf("%s: issued %q, then %q", role, secret, got)
+		}
+		other := newRawMember(t, addr, c.job, sec, role, pos)
+		other.self = m.self
+		if err := other.register(); status.Code(err) != codes.PermissionDenied {
+			t.Fatalf("%s: its live instance from another connection: %v", role, err)
+		}
+	}
+}
+
 // TestMemberIdentity: a member's secret, issued at registration, is the
 // only proof of who it is; what ListMembers shows (the instance) proves
 // nothing. A caller cannot take another member's stream, register its

@@ -118,6 +118,7 @@ type guard struct {
 	penalties map[string]*rate.Limiter // failures budget, by peer IP
 	calls     map[identity]int         // calls in flight, by member
 	conns     int
+	lastConn  uint64 // the number of the newest connection admitted
 
 	refusals sync.Map // reason -> *refusalLog
 }
@@ -132,6 +133,7 @@ type peerState struct {
 // connState is what a guard holds of one connection.
 type connState struct {
 	c      net.Conn
+	id     uint64    // its number, never reused (connOf)
 	at     time.Time // accepted then
 	spoke  bool      // it sent a byte
 	authed bool      // a call on it authenticated
@@ -171,6 +173,16 @@ func newGuard(c guardConfig) *guard {
 
 // authKey carries a call's credential in its context.
 type authKey struct{}
+
+// connKey carries the number of a call's connection in its context.
+type connKey struct{}
+
+// connOf returns the number of the connection the call of ctx came on,
+// unique for the server's life; 0 when unknown.
+func connOf(ctx context.Context) uint64 {
+	n, _ := ctx.Value(connKey{}).(uint64)
+	return n
+}
 
 // callCredential returns what the call of ctx proved.
 func callCredential(ctx context.Context) credential {
@@ -274,7 +286,8 @@ func (g *guard) admit(ip, addr string, c net.Conn) (reason string, evicted net.C
 		g.forgetLocked(ip, ps)
 		return "limit", evicted
 	}
-	ps.conns[addr] = &connState{c: c, at: now}
+	g.lastConn++
+	ps.conns[addr] = &connState{c: c, id: g.lastConn, at: now}
 	ps.pending = append(ps.pending, addr)
 	g.conns++
 	g.met.open.Set(float64(g.conns))
@@ -436,8 +449,13 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 		g.calls[*caller]++
 	}
 	ps.streams++
+	var conn uint64
+	if cs := ps.conns[addr]; cs != nil {
+		conn = cs.id
+	}
 	g.mu.Unlock()
 	ctx = context.WithValue(ctx, authKey{}, cred)
+	ctx = context.WithValue(ctx, connKey{}, conn)
 	if caller != nil {
 		ctx = context.WithValue(ctx, callerKey{}, caller)
 	}

@@ -75,7 +75,7 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		return nil, status.Errorf(codes.InvalidArgument, "taskd: hostname: %d bytes, at most %d", n, maxHostnameBytes)
 	}
 	key := keyOf(mem)
-	nm := member{key: key, pos: positionOf(mem), instance: mem.GetInstance(), via: -1, hostname: req.GetHostname(), pid: int(req.GetPid())}
+	nm := member{key: key, pos: positionOf(mem), instance: mem.GetInstance(), via: -1, hostname: req.GetHostname(), pid: int(req.GetPid()), conn: connOf(ctx)}
 	if p, ok := peer.FromContext(ctx); ok {
 		nm.addr = p.Addr.String()
 	}
@@ -114,9 +114,11 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		nm.via = pm.pos.Node
 	}
 	old := m.reg.get(key)
-	if old != nil && old.instance == nm.instance && (old.via != nm.via || (nm.via < 0 && !caller.is(mem))) {
+	if old != nil && old.instance == nm.instance && (old.via != nm.via || (nm.via < 0 && !caller.is(mem) && !old.sameConn(nm))) {
 		// The instance is live: registering it again takes its secret, or
-		// its proxy's.
+		// its proxy's, or the connection that registered it, on which a
+		// member whose answer came past its deadline asks again without
+		// the secret it never got.
 		m.mu.Unlock()
 		return nil, permission("%s: instance %s is live; registering it again takes its credential", key, nm.instance)
 	}
