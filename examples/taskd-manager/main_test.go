@@ -330,9 +330,11 @@ func TestProxyRoleClosedByDefault(t *testing.T) {
 		addr := freeAddr(t)
 		m := startManagerEnv(t, "--insecure --job j --listen "+addr+" "+tc.flags, "TASKD_TOKEN="+member)
 		testkit.WaitFor(t, "the manager listening", func() bool { return listening(addr) })
-		if !strings.Contains(m.stderr.String(), tc.roles) || !strings.Contains(m.stderr.String(), `workers="the members' token"`) {
-			t.Fatalf("%q: the start line does not say which roles are open:\n%s", tc.flags, m.stderr)
-		}
+		// The start line may come after the listener: wait for it.
+		testkit.WaitFor(t, fmt.Sprintf("%q: the start line saying which roles are open", tc.flags), func() bool {
+			out := m.stderr.String()
+			return strings.Contains(out, tc.roles) && strings.Contains(out, `workers="the members' token"`)
+		})
 		if err := register(addr, member); status.Code(err) != tc.member {
 			t.Fatalf("%q: a proxy registering with the members' token: %v", tc.flags, err)
 		}
