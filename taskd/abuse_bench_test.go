@@ -1,10 +1,13 @@
 package taskd
 
 import (
+	"bufio"
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"os"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
@@ -22,55 +25,95 @@ import (
 // BenchmarkAbuse measures what each abuse of the control plane does to a
 // legitimate worker: a manager process with a token and a state folder
 // serves a worker on 127.0.0.1 that registers again and sends a heartbeat
-// (one iteration), while an attacker on 127.0.0.2 runs the abuse. The
-// baseline, "none", runs no abuse, in the same run. It reports the
-// worker's register+heartbeat latency (p50, p99, max) and the manager
-// process's peak resident memory. Run with -benchtime=1000x.
+// (one iteration), while an attacker on 127.0.0.2 runs the abuse, or on
+// 127.0.0.1, the worker's own address, where the abuse is of a node's
+// shared address (-shared). There the worker reconnects each iteration
+// (a new connection, its registration again with its secret, a
+// heartbeat), as after a proxy's or manager's restart, and every attempt
+// should succeed. The baselines, "none" and "none-reconnecting", run no
+// abuse, in the same run. It reports the worker's latency (p50, p99, max),
+// the share of its attempts that failed and the manager process's peak
+// resident memory. Run with -benchtime=1000x.
 func BenchmarkAbuse(b *testing.B) {
 	const token = "bench-token-0123456789abcdef"
+	none := func(_ *abuser, ctx context.Context) { <-ctx.Done() }
 	abuses := []struct {
 		name string
 		run  func(a *abuser, ctx context.Context)
+		// shared: the attacker is on the worker's address, which
+		// reconnects each iteration.
+		shared bool
+		// state fills the manager's state folder before it starts.
+		state func(b *testing.B, dir string)
 	}{
-		{"none", func(_ *abuser, ctx context.Context) { <-ctx.Done() }},
+		{name: "none", run: none},
+		{name: "none-reconnecting", run: none, shared: true},
+		// The members' own address, shared with the attacker.
+		{name: "guessing-shared", run: (*abuser).guessing, shared: true},
+		{name: "silent-connections-shared", run: (*abuser).silentConns, shared: true},
+		// With the token.
+		{name: "stalled-4MiB-registers", run: (*abuser).stalledRegisters},
+		{name: "worker-token-as-proxy", run: (*abuser).asProxy},
+		{name: "outsider-ranks", run: (*abuser).outsiders},
+		{name: "restart-30000-faults", run: none, state: faultFile},
 		// Without the token.
-		{"half-open-streams", (*abuser).halfOpenStreams},
-		{"big-bodies-wrong-token", (*abuser).bigBodies},
-		{"guessing", (*abuser).guessing},
-		{"silent-connections", (*abuser).silentConns},
-		{"idle-http2-connections", (*abuser).idleConns},
+		{name: "half-open-streams", run: (*abuser).halfOpenStreams},
+		{name: "big-bodies-wrong-token", run: (*abuser).bigBodies},
+		{name: "guessing", run: (*abuser).guessing},
+		{name: "silent-connections", run: (*abuser).silentConns},
+		{name: "idle-http2-connections", run: (*abuser).idleConns},
 		// With the token, as any training process holds it.
-		{"forged-faults", (*abuser).forgedFaults},
-		{"fault-flood", (*abuser).faultFlood},
-		{"megabyte-faults", (*abuser).bigFaults},
-		{"register-flood", (*abuser).registerFlood},
-		{"heartbeat-age-overflow", (*abuser).ageOverflow},
-		{"megabyte-ack-errors", (*abuser).bigAcks},
-		{"megabyte-messages", (*abuser).bigMessages},
+		{name: "forged-faults", run: (*abuser).forgedFaults},
+		{name: "fault-flood", run: (*abuser).faultFlood},
+		{name: "megabyte-faults", run: (*abuser).bigFaults},
+		{name: "register-flood", run: (*abuser).registerFlood},
+		{name: "heartbeat-age-overflow", run: (*abuser).ageOverflow},
+		{name: "megabyte-ack-errors", run: (*abuser).bigAcks},
+		{name: "megabyte-messages", run: (*abuser).bigMessages},
 	}
 	for _, ab := range abuses {
 		b.Run(ab.name, func(b *testing.B) {
 			addr := freeAddr(b)
-			mgr := startChild(b, "manager", childArgs{Job: "bench", Listen: addr, StateDir: b.TempDir(), Token: token, Interval: time.Second, Deadline: 5 * time.Second, Ack: 3 * time.Second})
+			dir := b.TempDir()
+			if ab.state != nil {
+				ab.state(b, dir)
+			}
+			mgr := startChild(b, "manager", childArgs{Job: "bench", Listen: addr, StateDir: dir, Token: token, Interval: time.Second, Deadline: 5 * time.Second, Ack: 3 * time.Second})
 			mgr.expect(0, "ready", 60*time.Second)
 			sec := Security{Insecure: true, Token: token}
 			legit := newRawMember(b, addr, "bench", sec, RoleWorker, Position{Node: 0, Rank: 0})
 			testkit.WaitFor(b, "the legitimate worker registered", func() bool { return legit.register() == nil })
-			a := &abuser{b: b, addr: addr, job: "bench", token: token}
+			a := &abuser{b: b, addr: addr, job: "bench", token: token, from: attacker}
+			if ab.shared {
+				a.from = "127.0.0.1"
+			}
 			ctx, cancel := context.WithCancel(context.Background())
 			var wg sync.WaitGroup
 			wg.Go(func() { ab.run(a, ctx) })
 			time.Sleep(time.Second) // the abuse under way before the first sample
 			lat := make([]time.Duration, 0, b.N)
+			failed := 0
 			b.ResetTimer()
 			for range b.N {
 				start := time.Now()
+				if ab.shared {
+					again := newRawMember(b, addr, "bench", sec, RoleWorker, Position{Node: 0, Rank: 0})
+					again.self = legit.self
+					again.cred.set(*legit.cred.secret.Load())
+					legit.conn.Close()
+					legit = again
+				}
 				err := legit.register()
 				if err == nil {
 					_, err = legit.client.Heartbeat(legit.ctx(), &pb.HeartbeatRequest{Job: "bench", Beats: []*pb.Beat{{Member: legit.self}}})
 				}
 				if err != nil {
-					b.Fatalf("the legitimate worker: %v", err)
+					// Counted, not fatal: the share refused is the figure.
+					failed++
+					b.Logf("the legitimate worker: %v", err)
+					legit = newRawMember(b, addr, "bench", sec, RoleWorker, Position{Node: 0, Rank: 0})
+					testkit.WaitFor(b, "the legitimate worker registered", func() bool { return legit.register() == nil })
+					continue
 				}
 				lat = append(lat, time.Since(start))
 				time.Sleep(2 * time.Millisecond)
@@ -79,22 +122,26 @@ func BenchmarkAbuse(b *testing.B) {
 			peak := procKiB(b, mgr.cmd.Process.Pid, "VmHWM")
 			cancel()
 			wg.Wait()
+			if len(lat) == 0 {
+				b.Fatalf("every one of %d attempts of the legitimate worker failed", failed)
+			}
 			sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
 			ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 			b.ReportMetric(ms(lat[len(lat)/2]), "p50-ms")
 			b.ReportMetric(ms(lat[len(lat)*99/100]), "p99-ms")
 			b.ReportMetric(ms(lat[len(lat)-1]), "max-ms")
 			b.ReportMetric(float64(peak)/1024, "peak-rss-MiB")
+			b.ReportMetric(100*float64(failed)/float64(b.N), "failed-%")
 			b.ReportMetric(0, "ns/op")
 		})
 	}
 }
 
 // procKiB returns a field of /proc/PID/status, in KiB.
-func procKiB(b *testing.B, pid int, field string) int {
+func procKiB(t testing.TB, pid int, field string) int {
 	data, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
 	if err != nil {
-		b.Fatal(err)
+		t.Fatal(err)
 	}
 	for _, line := range strings.Split(string(data), "\n") {
 		if v, ok := strings.CutPrefix(line, field+":"); ok {
@@ -105,12 +152,13 @@ func procKiB(b *testing.B, pid int, field string) int {
 	return 0
 }
 
-// abuser runs one abuse from 127.0.0.2 until its context ends.
+// abuser runs one abuse from its address until its context ends.
 type abuser struct {
 	b     *testing.B
 	addr  string
 	job   string
 	token string
+	from  string // the attacker's address: 127.0.0.2, or the worker's
 }
 
 const attacker = "127.0.0.2"
@@ -131,7 +179,7 @@ func loop(ctx context.Context, n int, f func(ctx context.Context)) {
 // h2 opens a bare HTTP/2 connection from the attacker's address, nil when
 // refused.
 func (a *abuser) h2(ctx context.Context) *h2Conn {
-	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(attacker)}}
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(a.from)}}
 	c, err := d.DialContext(ctx, "tcp", a.addr)
 	if err != nil {
 		return nil
@@ -184,7 +232,7 @@ func (a *abuser) bigBodies(ctx context.Context) {
 // closed on it.
 func (a *abuser) guessing(ctx context.Context) {
 	loop(ctx, 8, func(ctx context.Context) {
-		conn := dialFrom(a.b, attacker, a.addr, Security{Insecure: true, Token: "guess-" + strconv.Itoa(int(time.Now().UnixNano()))})
+		conn := dialFrom(a.b, a.from, a.addr, Security{Insecure: true, Token: "guess-" + strconv.Itoa(int(time.Now().UnixNano()))})
 		defer conn.Close()
 		client := pb.NewControlClient(conn)
 		for ctx.Err() == nil {
@@ -198,20 +246,26 @@ func (a *abuser) guessing(ctx context.Context) {
 	})
 }
 
-// silentConns holds 1,000 TCP connections that never speak.
+// silentConns holds 1,000 TCP connections that never speak, each opened
+// again once the server closes it; on the worker's own address, as many
+// as an address may hold pending (a storm of more, opened again at once,
+// still refuses newcomers from there).
 func (a *abuser) silentConns(ctx context.Context) {
-	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(attacker)}}
-	loop(ctx, 4, func(ctx context.Context) {
-		var cs []net.Conn
-		for range 250 {
-			if c, err := d.DialContext(ctx, "tcp", a.addr); err == nil {
-				cs = append(cs, c)
-			}
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(a.from)}}
+	n := 1000
+	if a.from != attacker {
+		n = defaultMaxConnectionsPerPeer
+	}
+	loop(ctx, n, func(ctx context.Context) {
+		c, err := d.DialContext(ctx, "tcp", a.addr)
+		if err != nil {
+			time.Sleep(10 * time.Millisecond)
+			return
 		}
-		<-ctx.Done()
-		for _, c := range cs {
-			c.Close()
-		}
+		stop := context.AfterFunc(ctx, func() { c.Close() })
+		io.Copy(io.Discard, c) // until the server closes it
+		stop()
+		c.Close()
 	})
 }
 
@@ -322,4 +376,68 @@ func (a *abuser) bigMessages(ctx context.Context) {
 		r.client.Send(cctx, &pb.SendRequest{Job: a.job, Reports: []*pb.Report{{Id: id, From: r.self, Body: &pb.Report_Message{Message: &pb.UserMessage{Kind: "k", Payload: payload}}}}})
 		cancel()
 	})
+}
+
+// stalledRegisters sends, with the members' token, Registers that declare
+// 4 MiB - 1 KiB and send all but their last KiB, 24 a connection on 4
+// connections.
+func (a *abuser) stalledRegisters(ctx context.Context) {
+	loop(ctx, 4, func(ctx context.Context) {
+		h := a.h2(ctx)
+		if h == nil {
+			return
+		}
+		defer h.c.Close()
+		for id := uint32(1); id < 2*24 && ctx.Err() == nil; id += 2 {
+			if !h.tryCall(id, pb.Control_Register_FullMethodName, "Bearer "+a.token, 4<<20-1<<10, 4<<20-2<<10) {
+				return
+			}
+		}
+		<-ctx.Done()
+	})
+}
+
+// asProxy registers, with the members' token, as the proxy of node 0.
+func (a *abuser) asProxy(ctx context.Context) {
+	r := newRawMember(a.b, a.addr, a.job, Security{Insecure: true, Token: a.token}, RoleProxy, Position{Node: 0, Rank: -1})
+	loop(ctx, 4, func(ctx context.Context) {
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		r.client.Register(cctx, &pb.RegisterRequest{Job: a.job, Member: memberPB(RoleProxy, Position{Node: 0, Rank: -1}, newInstanceID())})
+		cancel()
+	})
+}
+
+// outsiders join as ranks of their own, one after another, and go silent.
+func (a *abuser) outsiders(ctx context.Context) {
+	r := newRawMember(a.b, a.addr, a.job, Security{Insecure: true, Token: a.token}, RoleWorker, Position{})
+	rank := 0
+	loop(ctx, 1, func(ctx context.Context) {
+		rank = rank%(defaultMaxWorkers-2) + 2
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		r.client.Register(cctx, &pb.RegisterRequest{Job: a.job, Member: memberPB(RoleWorker, Position{Node: 0, Rank: rank}, newInstanceID())})
+		cancel()
+		time.Sleep(10 * time.Millisecond)
+	})
+}
+
+// faultFile writes a fault log of 30,000 faults of 4 KiB, more than the
+// manager keeps, for it to read as it starts.
+func faultFile(b *testing.B, dir string) {
+	f, err := os.Create(filepath.Join(dir, "faults.jsonl"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer f.Close()
+	w := bufio.NewWriter(f)
+	msg := strings.Repeat("m", MaxFaultMessageBytes-64)
+	for i := range 30000 {
+		line, err := marshalFault(Fault{Seq: uint64(i + 1), ID: fmt.Sprint(i), Kind: FaultHang, Message: msg, Time: t0, Received: t0})
+		if err != nil {
+			b.Fatal(err)
+		}
+		w.Write(line)
+	}
+	if err := w.Flush(); err != nil {
+		b.Fatal(err)
+	}
 }

@@ -49,6 +49,7 @@ type childArgs struct {
 	Name       string
 	Nodes, PPN int
 	LeaseRetry time.Duration
+	MaxFaults  int
 }
 
 func (a childArgs) security() Security {
@@ -84,7 +85,7 @@ func runChild(role string) int {
 	switch role {
 	case "manager":
 		cfg := ManagerConfig{Job: a.Job, Listen: a.Listen, Security: a.security(), StateDir: a.StateDir, Nodes: a.Nodes, ProcsPerNode: a.PPN,
-			HeartbeatInterval: a.Interval, HeartbeatDeadline: a.Deadline, AckTimeout: a.Ack, Logger: log}
+			HeartbeatInterval: a.Interval, HeartbeatDeadline: a.Deadline, AckTimeout: a.Ack, MaxFaults: a.MaxFaults, ProxyToken: testProxyToken, Logger: log}
 		if a.LeaseFile != "" {
 			var l *lease.File
 			l, err = lease.NewFile(lease.FileConfig{Path: a.LeaseFile, Candidate: lease.Candidate{Job: a.Job, Config: "test", Name: a.Name},
@@ -103,7 +104,7 @@ func runChild(role string) int {
 		}
 	case "proxy":
 		var p *Proxy
-		p, err = NewProxy(ProxyConfig{Job: a.Job, Node: a.Node, Upstream: a.Upstream, Listen: a.Listen, Security: a.security(), AckTimeout: a.Ack, ReconnectMax: time.Second, Logger: log})
+		p, err = NewProxy(ProxyConfig{Job: a.Job, Node: a.Node, Upstream: a.Upstream, Listen: a.Listen, Security: a.security(), UpstreamToken: testProxyToken, AckTimeout: a.Ack, ReconnectMax: time.Second, Logger: log})
 		if err == nil {
 			say("ready %s", p.Addr())
 			err = p.Run(ctx)

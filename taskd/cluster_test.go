@@ -43,6 +43,7 @@ func newCluster(t testing.TB, sec Security, mcfg ManagerConfig) *cluster {
 	mcfg.HeartbeatInterval = orDefault(mcfg.HeartbeatInterval, testTimings.interval)
 	mcfg.HeartbeatDeadline = orDefault(mcfg.HeartbeatDeadline, testTimings.deadline)
 	mcfg.AckTimeout = orDefault(mcfg.AckTimeout, testTimings.ack)
+	mcfg.ProxyToken = orDefault(mcfg.ProxyToken, testProxyToken)
 	c.mcfg = mcfg
 	c.startManager()
 	t.Cleanup(c.close)
@@ -81,7 +82,7 @@ func (c *cluster) stop(key any, closer interface{ Close() error }) {
 }
 
 func (c *cluster) addProxy(node int) *Proxy {
-	p, err := NewProxy(ProxyConfig{Job: c.job, Node: node, Upstream: c.m.Addr().String(), Listen: "127.0.0.1:0", Security: c.sec, AckTimeout: c.ack, ReconnectMax: 500e6})
+	p, err := NewProxy(ProxyConfig{Job: c.job, Node: node, Upstream: c.m.Addr().String(), Listen: "127.0.0.1:0", Security: c.sec, UpstreamToken: c.mcfg.ProxyToken, AckTimeout: c.ack, ReconnectMax: 500e6})
 	if err != nil {
 		c.t.Fatal(err)
 	}
@@ -150,6 +151,12 @@ func (c *cluster) liveWorkers() int {
 }
 
 func insecureSec() Security { return Security{Insecure: true} }
+
+// testProxyToken is the proxies' token of the tests' managers and proxies.
+const testProxyToken = "proxies-token-0123456789abcdef"
+
+// proxySec is what a proxy of an insecure test cluster presents upstream.
+func proxySec() Security { return Security{Insecure: true, Token: testProxyToken} }
 
 func TestSmoke(t *testing.T) {
 	spans := tracetest.NewSpanRecorder()

@@ -47,7 +47,7 @@ func TestCollect(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	p, err := NewProxy(ProxyConfig{Job: job, Node: 0, Upstream: c.m.Addr().String(), Listen: "127.0.0.1:0", Security: insecureSec(), DottingRoot: dotting, StackRoot: stacks})
+	p, err := NewProxy(ProxyConfig{Job: job, Node: 0, Upstream: c.m.Addr().String(), Listen: "127.0.0.1:0", Security: insecureSec(), UpstreamToken: testProxyToken, DottingRoot: dotting, StackRoot: stacks})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +120,7 @@ func TestCollectSizeCap(t *testing.T) {
 	c := newCluster(t, insecureSec(), ManagerConfig{CollectDir: t.TempDir(), MaxCollectBytes: 1000})
 	dotting := t.TempDir()
 	writeFile(t, filepath.Join(dotting, c.job, "0", "1700000000"), bytes.Repeat([]byte("x"), 5000))
-	p, err := NewProxy(ProxyConfig{Job: c.job, Node: 0, Upstream: c.m.Addr().String(), Listen: "127.0.0.1:0", Security: insecureSec(), DottingRoot: dotting})
+	p, err := NewProxy(ProxyConfig{Job: c.job, Node: 0, Upstream: c.m.Addr().String(), Listen: "127.0.0.1:0", Security: insecureSec(), UpstreamToken: testProxyToken, DottingRoot: dotting})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -195,7 +195,7 @@ func TestCollectBadOffsets(t *testing.T) {
 	defer srv.Stop()
 	dotting := t.TempDir()
 	writeFile(t, filepath.Join(dotting, "job-1", "0", "1700000000"), []byte("x"))
-	p, err := NewProxy(ProxyConfig{Job: "job-1", Node: 0, Upstream: lis.Addr().String(), Listen: "127.0.0.1:0", Security: insecureSec(), DottingRoot: dotting})
+	p, err := NewProxy(ProxyConfig{Job: "job-1", Node: 0, Upstream: lis.Addr().String(), Listen: "127.0.0.1:0", Security: insecureSec(), UpstreamToken: testProxyToken, DottingRoot: dotting})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -211,7 +211,7 @@ func TestCollectBadOffsets(t *testing.T) {
 func uploadJob(t *testing.T) (*cluster, *rawMember, context.CancelFunc, <-chan []CollectResult) {
 	t.Helper()
 	c := newCluster(t, insecureSec(), ManagerConfig{CollectDir: t.TempDir()})
-	p := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleProxy, Position{Node: 0, Rank: -1})
+	p := newRawMember(t, c.m.Addr().String(), c.job, proxySec(), RoleProxy, Position{Node: 0, Rank: -1})
 	if err := p.register(); err != nil {
 		t.Fatal(err)
 	}

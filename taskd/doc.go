@@ -218,9 +218,11 @@
 // when they change (SecurityFromDir takes a Kubernetes TLS secret), a
 // shared token, or both; plaintext only when Security.Insecure is set, and
 // logged loudly. A call's token (exactly one authorization value) is
-// checked from its headers, before its body is read; an address that
-// keeps failing (more than 10 times, then once a second) has its
-// connection closed and may not connect again for 10 s. A server refuses
+// checked from its headers, before its body is read; past 10 failures
+// from an address (then one a second), a connection that fails is closed.
+// The address itself is never shut out: the ranks of a node, or the pods
+// behind one NAT, share it, and a call with valid credentials from there
+// is served whatever others got wrong. A server refuses
 // to start with a token shorter than 16 bytes. Every member is issued a secret by the server it registers with
 // (the manager, or its node's proxy), and every later call carries it: a
 // caller acts only for itself, a proxy for its node's workers, and a
@@ -228,18 +230,31 @@
 // the manager's embedder (Manager.ReportFault). ListMembers shows
 // instances, which prove nothing. Operators hold a credential of their
 // own (ManagerConfig.AdminToken): the Admin and TrainingDataTrace services
-// take nothing else, and it serves nothing else; with ProxyToken set, only
-// a proxy registers as one. The metrics are served by the embedder, over
+// take nothing else, and it serves nothing else. Proxies hold one too
+// (ManagerConfig.ProxyToken, ProxyConfig.UpstreamToken): only a call with
+// it registers as a proxy, and without it the role is closed, so that a
+// worker's token never makes a node's proxy, which reports that node's
+// ranks' faults. The manager logs, as it starts, which roles are open. The metrics are served by the embedder, over
 // plain HTTP in the reference binaries: keep them on loopback or a
 // cluster-internal address.
 //
 // Every server bounds what a peer can make it hold: message size
-// (MaxMessageBytes), calls per second per connection (RateLimit), calls in
-// flight per connection (100) and per peer address (1000), header lists
+// (MaxMessageBytes, and for the calls that carry a few hundred bytes a
+// bound in KiB of their own: 16 KiB for Register, Stream and Leave,
+// 256 KiB for a proxy's batch of heartbeats; a call declaring more has its
+// connection closed from the message's prefix, before its body arrives),
+// calls per second per connection (RateLimit), calls in flight per
+// connection (100), per peer address (1000) and per worker (32), header lists
 // (16 KiB), connections in all and per address (MaxConnections,
-// MaxConnectionsPerPeer), handshakes (5 s), idle connections (30 s),
-// uploads (one writer a path, 10 s idle), hostnames, acknowledgements,
-// and, without a job shape, ranks and nodes (MaxWorkers). Answers that
+// MaxConnectionsPerPeer; those that have not yet authenticated draw on a
+// budget of their own, the oldest closed for a newer one, so that silent
+// connections cannot shut a member out), handshakes (5 s), idle
+// connections (30 s), uploads (one writer a path, 10 s idle), hostnames,
+// acknowledgements, and, without a job shape, ranks and nodes
+// (MaxWorkers); with orchestration on and no shape, the job's ranks are
+// those of its first complete rendezvous, and a rank that comes later is
+// refused, so that a token holder joining as a rank of its own and going
+// silent cannot have the others stopped. Answers that
 // list (ListFaults, ListMembers, GetSwitchStatus) fit half a message.
 // Refusals are counted (faultline_taskd_calls_refused_total,
 // faultline_taskd_connections_refused_total) and logged at most every ten

@@ -48,7 +48,7 @@ func BenchmarkFailover(b *testing.B) {
 	c := &cluster{t: b, sec: insecureSec(), job: base.Job, ack: defaultAckTimeout, proxies: map[int]*Proxy{}, workers: map[int]*Worker{}, cancels: map[any]context.CancelFunc{}}
 	b.Cleanup(c.close)
 	for n := range nodes {
-		p, err := NewProxy(ProxyConfig{Job: c.job, Node: n, Upstream: upstream, Listen: "127.0.0.1:0", Security: c.sec})
+		p, err := NewProxy(ProxyConfig{Job: c.job, Node: n, Upstream: upstream, Listen: "127.0.0.1:0", Security: c.sec, UpstreamToken: c.mcfg.ProxyToken})
 		if err != nil {
 			b.Fatal(err)
 		}

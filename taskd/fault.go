@@ -1,10 +1,12 @@
 package taskd
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"slices"
 	"sort"
@@ -247,22 +249,50 @@ func marshalFault(f Fault) ([]byte, error) {
 	return append(b, '\n'), nil
 }
 
-// parseFaultLog reads a fault log file: one JSON fault a line, Seq strictly
-// increasing. A last line without its newline is a write torn by a crash:
-// it is ignored (its fault was never acknowledged) and tail reports its
-// offset so the caller can cut it off.
+// maxFaultLineBytes bounds a line of a fault log file: a fault cut to its
+// bounds takes a few hundred KiB at most, escaped.
+const maxFaultLineBytes = 1 << 20
+
+// parseFaultLog reads a fault log file held in memory (see readFaultLog).
 func parseFaultLog(data []byte) (faults []Fault, tail int, err error) {
-	line := 0
-	off := 0
-	var last uint64
-	for off < len(data) {
-		line++
-		nl := bytes.IndexByte(data[off:], '\n')
-		if nl < 0 {
-			return faults, off, nil
+	n, err := readFaultLog(bytes.NewReader(data), func(f Fault) { faults = append(faults, f) })
+	return faults, int(n), err
+}
+
+// readFaultLog reads a fault log file from r, one line at a time, and
+// gives each fault to each, oldest first, so that a caller keeps only what
+// it needs: one JSON fault a line, Seq strictly increasing. A last line
+// without its newline is a write torn by a crash: it is ignored (its fault
+// was never acknowledged) and tail reports its offset so the caller can
+// cut it off; tail is the length read when no line is torn.
+func readFaultLog(r io.Reader, each func(Fault)) (tail int64, err error) {
+	br := bufio.NewReaderSize(r, 64<<10)
+	var (
+		line int
+		last uint64
+		buf  []byte // a line longer than br's buffer
+	)
+	for {
+		raw, err := br.ReadSlice('\n')
+		if errors.Is(err, bufio.ErrBufferFull) || (buf != nil && err == nil) {
+			buf = append(buf, raw...)
+			if len(buf) > maxFaultLineBytes {
+				return 0, &FaultLogError{Line: line + 1, Err: fmt.Errorf("longer than %d bytes", maxFaultLineBytes)}
+			}
+			if err != nil {
+				continue
+			}
+			raw, buf = buf, nil
 		}
-		raw := data[off : off+nl]
-		off += nl + 1
+		if err != nil {
+			if err == io.EOF {
+				return tail, nil // a torn line, or none
+			}
+			return tail, err
+		}
+		line++
+		tail += int64(len(raw))
+		raw = raw[:len(raw)-1]
 		if len(bytes.TrimSpace(raw)) == 0 {
 			continue
 		}
@@ -270,21 +300,20 @@ func parseFaultLog(data []byte) (faults []Fault, tail int, err error) {
 		dec := json.NewDecoder(bytes.NewReader(raw))
 		dec.DisallowUnknownFields()
 		if err := dec.Decode(&f); err != nil {
-			return faults, 0, &FaultLogError{Line: line, Err: err}
+			return 0, &FaultLogError{Line: line, Err: err}
 		}
 		if dec.More() {
-			return faults, 0, &FaultLogError{Line: line, Err: errors.New("data after the fault")}
+			return 0, &FaultLogError{Line: line, Err: errors.New("data after the fault")}
 		}
 		switch {
 		case f.ID == "":
-			return faults, 0, &FaultLogError{Line: line, Err: errors.New(`field "id": empty`)}
+			return 0, &FaultLogError{Line: line, Err: errors.New(`field "id": empty`)}
 		case f.Kind == "":
-			return faults, 0, &FaultLogError{Line: line, Err: errors.New(`field "kind": empty`)}
+			return 0, &FaultLogError{Line: line, Err: errors.New(`field "kind": empty`)}
 		case f.Seq <= last:
-			return faults, 0, &FaultLogError{Line: line, Err: fmt.Errorf(`field "seq": %d after %d`, f.Seq, last)}
+			return 0, &FaultLogError{Line: line, Err: fmt.Errorf(`field "seq": %d after %d`, f.Seq, last)}
 		}
 		last = f.Seq
-		faults = append(faults, f)
+		each(f)
 	}
-	return faults, len(data), nil
 }

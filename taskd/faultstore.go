@@ -5,7 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
+	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -49,38 +49,41 @@ func newFaultStore(max int, log *slog.Logger) *faultStore {
 }
 
 // load reads the fault log kept in dir and opens its file for appending.
-// A torn last line (a write a crash cut short, never acknowledged) is cut
-// off; any other bad line is an error that names it, and the file is left
-// as it is.
+// It reads the file a line at a time and keeps the newest faults the log
+// holds, so that a file of any length costs what is kept. A torn last
+// line (a write a crash cut short, never acknowledged) is cut off; any
+// other bad line is an error that names it, and the file is left as it
+// is.
 func (s *faultStore) load(dir string) error {
 	name := filepath.Join(dir, "faults.jsonl")
-	data, err := os.ReadFile(name)
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("taskd: state file: %w", err)
-	}
-	faults, tail, err := parseFaultLog(data)
-	if err != nil {
-		return fmt.Errorf("taskd: state file %s: %w", name, err)
-	}
-	for _, f := range faults {
-		s.faults.restore(f)
-	}
 	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o644)
 	if err != nil {
 		return fmt.Errorf("taskd: state file: %w", err)
 	}
-	if tail < len(data) {
+	lines := 0
+	tail, err := readFaultLog(f, func(flt Fault) {
+		s.faults.restore(flt)
+		lines++
+	})
+	if err != nil {
+		f.Close()
+		return fmt.Errorf("taskd: state file %s: %w", name, err)
+	}
+	if end, err := f.Seek(0, io.SeekEnd); err != nil {
+		f.Close()
+		return fmt.Errorf("taskd: state file %s: %w", name, err)
+	} else if tail < end {
 		s.log.Warn("taskd: dropping a torn last line of the fault log", "file", name, "offset", tail)
-		if err := f.Truncate(int64(tail)); err != nil {
+		if err := f.Truncate(tail); err != nil {
+			f.Close()
+			return fmt.Errorf("taskd: state file %s: %w", name, err)
+		}
+		if _, err := f.Seek(tail, io.SeekStart); err != nil {
 			f.Close()
 			return fmt.Errorf("taskd: state file %s: %w", name, err)
 		}
 	}
-	if _, err := f.Seek(0, 2); err != nil {
-		f.Close()
-		return fmt.Errorf("taskd: state file %s: %w", name, err)
-	}
-	s.name, s.file, s.lines = name, f, len(faults)
+	s.name, s.file, s.lines = name, f, lines
 	s.last, s.synced = s.faults.next-1, s.faults.next-1
 	return nil
 }

@@ -1,9 +1,13 @@
 package taskd
 
 import (
+	"bytes"
 	"context"
 	"testing"
 	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -39,7 +43,7 @@ func newFuzzEnv(f *testing.F) *fuzzEnv {
 	})
 	e := &fuzzEnv{c: c, admin: newAdminClient(f, c.m.Addr().String(), c.job)}
 	e.worker = newRawMember(f, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 0})
-	e.proxy = newRawMember(f, c.m.Addr().String(), c.job, insecureSec(), RoleProxy, Position{Node: 1, Rank: -1})
+	e.proxy = newRawMember(f, c.m.Addr().String(), c.job, proxySec(), RoleProxy, Position{Node: 1, Rank: -1})
 	for _, r := range []*rawMember{e.worker, e.proxy} {
 		if err := r.register(); err != nil {
 			f.Fatal(err)
@@ -383,4 +387,35 @@ func FuzzSubscribeDataTraceSwitch(f *testing.F) {
 		},
 		&pb.DataStatusReq{JobNsName: "job-1"},
 	)
+}
+
+// FuzzMsgLimiter: whatever bytes a client sends, the limiter of message
+// sizes neither panics nor depends on how the reads cut them.
+func FuzzMsgLimiter(f *testing.F) {
+	var buf bytes.Buffer
+	buf.WriteString(h2Preface)
+	fr := http2.NewFramer(&buf, nil)
+	fr.WriteSettings()
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	for _, kv := range [][2]string{{":method", "POST"}, {":path", pb.Control_Register_FullMethodName}, {"content-type", "application/grpc"}} {
+		enc.WriteField(hpack.HeaderField{Name: kv[0], Value: kv[1]})
+	}
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true})
+	fr.WriteDataPadded(1, false, []byte{0, 0, 0, 0, 8, 1, 2, 3, 4}, []byte{0, 0})
+	fr.WriteData(1, true, []byte{5, 6, 7, 8, 0, 0x10, 0, 0, 0})
+	f.Add(buf.Bytes(), 3)
+	f.Add(buf.Bytes(), 1000)
+	f.Fuzz(func(t *testing.T, data []byte, cut int) {
+		whole := newMsgLimiter(nil, func(string) {}).feed(data)
+		l := newMsgLimiter(nil, func(string) {})
+		var err error
+		for b := data; len(b) > 0 && err == nil; {
+			k := min(len(b), 1+(cut&0xffff)%97)
+			err, b = l.feed(b[:k]), b[k:]
+		}
+		if (err == nil) != (whole == nil) {
+			t.Fatalf("in one read: %v; cut in reads of up to %d bytes: %v", whole, 1+(cut&0xffff)%97, err)
+		}
+	})
 }

@@ -5,6 +5,7 @@ import (
 	"crypto/subtle"
 	"log/slog"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -28,6 +29,10 @@ const (
 	// maxStreamsPerPeer bounds the calls in flight from one peer address
 	// over all its connections; more are refused.
 	maxStreamsPerPeer = 1000
+	// maxCallsPerWorker bounds the calls in flight of one worker, as its
+	// secret names it, whatever connections and addresses it uses; a
+	// proxy, which relays its node's workers, has maxStreamsPerPeer.
+	maxCallsPerWorker = 32
 	// maxHeaderBytes caps a call's header list, which is read before the
 	// token is checked.
 	maxHeaderBytes = 16 << 10
@@ -37,14 +42,22 @@ const (
 	// that long; a member always has its stream open.
 	idleTimeout = 30 * time.Second
 	// A peer address may fail authentication authFailureBurst times, and
-	// then once every authFailureEvery; past that budget the connection
-	// that failed is closed, and the address may not connect again for
-	// authLockout.
+	// then once every authFailureEvery; past that budget a connection that
+	// fails is closed, and each new one may fail once. The address itself
+	// is never shut out: the members of a node share it, and a call with
+	// valid credentials is served whatever others from there got wrong.
 	authFailureBurst = 10
 	authFailureEvery = time.Second
-	authLockout      = 10 * time.Second
+	// pendingGrace is how long a connection that has not authenticated is
+	// kept from being closed for a newer one: long enough for a member to
+	// speak and call, however many connections arrive meanwhile.
+	pendingGrace = time.Second
+	// silentGrace is that grace for a connection that has not sent a
+	// byte: a member's first bytes follow its connect at once.
+	silentGrace = 100 * time.Millisecond
 	// defaultMaxConnectionsPerPeer bounds the connections from one peer
-	// address.
+	// address that authenticated, and apart from them those that have not
+	// yet.
 	defaultMaxConnectionsPerPeer = 256
 )
 
@@ -78,6 +91,13 @@ type guardMetrics struct {
 // one token a call carries, rate-limits each address's failures, and
 // bounds the calls in flight from each address. A refused call costs its
 // headers, never its body.
+//
+// A connection is pending until a call on it authenticates. The pending
+// connections of a peer address draw on a budget of their own, and a new
+// one past it closes the oldest: connections that never authenticate (a
+// peer that dials and stays silent, or keeps guessing) cannot shut out a
+// member that shares their address, as every rank of a node or every pod
+// behind one NAT does.
 type guard struct {
 	log *slog.Logger
 	met guardMetrics
@@ -94,18 +114,33 @@ type guard struct {
 	policy func(method string, cred credential) error
 
 	mu        sync.Mutex
-	peers     map[string]*peerState // by peer IP, while it has connections or calls
-	penalties map[string]*penalty   // by peer IP
+	peers     map[string]*peerState    // by peer IP, while it has connections or calls
+	penalties map[string]*rate.Limiter // failures budget, by peer IP
+	calls     map[identity]int         // calls in flight, by member
 	conns     int
+	lastConn  uint64 // the number of the newest connection admitted
 
 	refusals sync.Map // reason -> *refusalLog
 }
 
 // peerState is what a guard holds of one peer address.
 type peerState struct {
-	conns   map[string]net.Conn // open, by remote address
-	streams int                 // calls in flight
+	conns   map[string]*connState // open, by remote address
+	pending []string              // remote addresses not yet authenticated, oldest first
+	streams int                   // calls in flight
 }
+
+// connState is what a guard holds of one connection.
+type connState struct {
+	c      net.Conn
+	id     uint64    // its number, never reused (connOf)
+	at     time.Time // accepted then
+	spoke  bool      // it sent a byte
+	authed bool      // a call on it authenticated
+}
+
+// authedLocked returns how many of ps's connections authenticated.
+func (ps *peerState) authedLocked() int { return len(ps.conns) - len(ps.pending) }
 
 // guardConfig is what a server's guard enforces.
 type guardConfig struct {
@@ -123,7 +158,7 @@ type guardConfig struct {
 
 func newGuard(c guardConfig) *guard {
 	g := &guard{log: c.log, met: c.met, maxConns: c.maxConns, maxPerPeer: c.maxPerPeer, ids: c.ids, policy: c.policy, open: c.open,
-		peers: make(map[string]*peerState), penalties: make(map[string]*penalty)}
+		peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter), calls: make(map[identity]int)}
 	for token, cred := range c.tokens {
 		if token == "" {
 			continue
@@ -139,6 +174,16 @@ func newGuard(c guardConfig) *guard {
 // authKey carries a call's credential in its context.
 type authKey struct{}
 
+// connKey carries the number of a call's connection in its context.
+type connKey struct{}
+
+// connOf returns the number of the connection the call of ctx came on,
+// unique for the server's life; 0 when unknown.
+func connOf(ctx context.Context) uint64 {
+	n, _ := ctx.Value(connKey{}).(uint64)
+	return n
+}
+
 // callCredential returns what the call of ctx proved.
 func callCredential(ctx context.Context) credential {
 	c, _ := ctx.Value(authKey{}).(credential)
@@ -149,7 +194,7 @@ func callCredential(ctx context.Context) credential {
 func (g *guard) peerLocked(ip string) *peerState {
 	ps := g.peers[ip]
 	if ps == nil {
-		ps = &peerState{conns: make(map[string]net.Conn)}
+		ps = &peerState{conns: make(map[string]*connState)}
 		g.peers[ip] = ps
 	}
 	return ps
@@ -180,7 +225,13 @@ func (l *guardListener) Accept() (net.Conn, error) {
 		}
 		addr := c.RemoteAddr().String()
 		ip := peerHost(addr)
-		if reason := l.g.admit(ip, addr, c); reason != "" {
+		reason, evicted := l.g.admit(ip, addr, c)
+		if evicted != nil {
+			l.g.met.conns.WithLabelValues("pending_limit").Inc()
+			evicted.Close()
+			l.g.logRefusal("connections closed", "pending_limit", ip, "")
+		}
+		if reason != "" {
 			// Counted before the close: whoever sees the close sees it counted.
 			l.g.met.conns.WithLabelValues(reason).Inc()
 			c.Close()
@@ -191,33 +242,116 @@ func (l *guardListener) Accept() (net.Conn, error) {
 	}
 }
 
-// admit takes a connection from ip in, or returns why not.
-func (g *guard) admit(ip, addr string, c net.Conn) string {
+// admit takes a connection from ip in, pending, or returns why not. When
+// ip's pending connections are at their budget, one past its grace makes
+// room, the oldest that never spoke (no byte read or waiting) first, else
+// the oldest accepted more than pendingGrace ago: it is returned, forgotten, for the
+// caller to close; one that never spoke has a shorter grace
+// (silentGrace). A member speaks at once and calls next, well within its
+// grace; only while every pending connection is within its own is a
+// newcomer refused.
+func (g *guard) admit(ip, addr string, c net.Conn) (reason string, evicted net.Conn) {
+	now := time.Now()
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if p := g.penalties[ip]; p != nil && time.Now().Before(p.until) {
-		return "locked_out"
+	ps := g.peerLocked(ip)
+	if len(ps.pending) >= g.maxPerPeer {
+		victim, oldest := "", "" // the oldest silent, the oldest
+		for _, a := range ps.pending {
+			cs := ps.conns[a]
+			age := now.Sub(cs.at)
+			if age < silentGrace {
+				break // the rest are newer
+			}
+			if !cs.spoke && !hasBytes(cs.c) {
+				victim, oldest = a, ""
+				break
+			}
+			cs.spoke = true
+			if oldest == "" && age >= pendingGrace {
+				oldest = a
+			}
+		}
+		if victim == "" {
+			victim = oldest
+		}
+		if victim == "" {
+			g.forgetLocked(ip, ps)
+			return "pending_limit", nil
+		}
+		evicted = ps.conns[victim].c
+		g.dropLocked(ps, victim)
 	}
 	if g.conns >= g.maxConns {
-		return "limit"
-	}
-	ps := g.peerLocked(ip)
-	if len(ps.conns) >= g.maxPerPeer {
 		g.forgetLocked(ip, ps)
-		return "peer_limit"
+		return "limit", evicted
 	}
-	ps.conns[addr] = c
+	g.lastConn++
+	ps.conns[addr] = &connState{c: c, id: g.lastConn, at: now}
+	ps.pending = append(ps.pending, addr)
 	g.conns++
 	g.met.open.Set(float64(g.conns))
-	return ""
+	return "", evicted
 }
 
-// guardConn gives its place back when it closes.
+// dropLocked forgets the connection from addr.
+func (g *guard) dropLocked(ps *peerState, addr string) {
+	cs, ok := ps.conns[addr]
+	if !ok {
+		return
+	}
+	delete(ps.conns, addr)
+	if !cs.authed {
+		ps.pending = slices.DeleteFunc(ps.pending, func(a string) bool { return a == addr })
+	}
+	g.conns--
+	g.met.open.Set(float64(g.conns))
+}
+
+// authenticated takes in that a call on the connection from addr
+// authenticated. It reports false when ip's authenticated connections
+// are at their bound: the connection stays pending, and its call is to
+// be refused.
+func (g *guard) authenticated(ip, addr string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	ps := g.peers[ip]
+	if ps == nil {
+		return true
+	}
+	cs := ps.conns[addr]
+	if cs == nil || cs.authed {
+		return true
+	}
+	if ps.authedLocked() >= g.maxPerPeer {
+		return false
+	}
+	cs.authed = true
+	ps.pending = slices.DeleteFunc(ps.pending, func(a string) bool { return a == addr })
+	return true
+}
+
+// guardConn gives its place back when it closes, and tells its guard
+// when it first speaks.
 type guardConn struct {
 	net.Conn
 	g        *guard
 	ip, addr string
+	spoke    atomic.Bool
 	once     sync.Once
+}
+
+func (c *guardConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if n > 0 && !c.spoke.Load() {
+		c.spoke.Store(true)
+		c.g.mu.Lock()
+		if ps := c.g.peers[c.ip]; ps != nil && ps.conns[c.addr] != nil {
+			ps.conns[c.addr].spoke = true
+		}
+		c.g.mu.Unlock()
+	}
+	return n, err
 }
 
 func (c *guardConn) Close() error {
@@ -225,10 +359,8 @@ func (c *guardConn) Close() error {
 		g := c.g
 		g.mu.Lock()
 		if ps := g.peers[c.ip]; ps != nil {
-			if _, ok := ps.conns[c.addr]; ok {
-				delete(ps.conns, c.addr)
-				g.conns--
-				g.met.open.Set(float64(g.conns))
+			if cs := ps.conns[c.addr]; cs != nil && cs.c == c.Conn {
+				g.dropLocked(ps, c.addr)
 			}
 			g.forgetLocked(c.ip, ps)
 		}
@@ -237,45 +369,38 @@ func (c *guardConn) Close() error {
 	return c.Conn.Close()
 }
 
-// penalty is a peer address's budget of authentication failures, and
-// until when it is locked out for spending it.
-type penalty struct {
-	budget *rate.Limiter
-	until  time.Time
-}
-
 // failed takes in an authentication failure of the call from addr: past
-// the address's budget, the connection is closed, and the address may
-// not connect again for authLockout.
+// the address's budget, that connection is closed. Other connections
+// from the address, and new ones, are not: each may still authenticate.
 func (g *guard) failed(ip, addr string) {
 	now := time.Now()
 	g.mu.Lock()
-	p := g.penalties[ip]
-	if p == nil {
+	budget := g.penalties[ip]
+	if budget == nil {
 		if len(g.penalties) >= 4096 {
 			// Addresses whose budget is full again are forgotten, so
 			// that the table stays bounded.
-			for k, q := range g.penalties {
-				if q.budget.TokensAt(now) >= authFailureBurst && now.After(q.until) {
+			for k, b := range g.penalties {
+				if b.TokensAt(now) >= authFailureBurst {
 					delete(g.penalties, k)
 				}
 			}
 		}
-		p = &penalty{budget: rate.NewLimiter(rate.Every(authFailureEvery), authFailureBurst)}
-		g.penalties[ip] = p
+		budget = rate.NewLimiter(rate.Every(authFailureEvery), authFailureBurst)
+		g.penalties[ip] = budget
 	}
 	var c net.Conn
-	if !p.budget.AllowN(now, 1) {
-		p.until = now.Add(authLockout)
-		if ps := g.peers[ip]; ps != nil {
-			c = ps.conns[addr]
+	if !budget.AllowN(now, 1) {
+		if ps := g.peers[ip]; ps != nil && ps.conns[addr] != nil {
+			c = ps.conns[addr].c
+			g.dropLocked(ps, addr)
 		}
 	}
 	g.mu.Unlock()
 	if c != nil {
-		g.met.conns.WithLabelValues("locked_out").Inc()
+		g.met.conns.WithLabelValues("auth_failures").Inc()
 		c.Close()
-		g.logRefusal("connection closed: too many authentication failures", "locked_out", ip, "")
+		g.logRefusal("connection closed: too many authentication failures", "auth_failures", ip, "")
 	}
 }
 
@@ -300,6 +425,10 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 		g.refuse("unknown_member", ip, info.FullMethodName)
 		return nil, err
 	}
+	if !g.authenticated(ip, addr) {
+		g.refuse("peer_limit", ip, info.FullMethodName)
+		return nil, status.Errorf(codes.ResourceExhausted, "taskd: %d connections from %s authenticated, at most %d", g.maxPerPeer, ip, g.maxPerPeer)
+	}
 	g.mu.Lock()
 	ps := g.peerLocked(ip)
 	if ps.streams >= maxStreamsPerPeer {
@@ -307,23 +436,47 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 		g.refuse("streams", ip, info.FullMethodName)
 		return nil, status.Errorf(codes.ResourceExhausted, "taskd: %d calls in flight from %s, at most %d", maxStreamsPerPeer, ip, maxStreamsPerPeer)
 	}
+	if caller != nil {
+		bound := maxCallsPerWorker
+		if caller.key.role == RoleProxy {
+			bound = maxStreamsPerPeer
+		}
+		if g.calls[*caller] >= bound {
+			g.mu.Unlock()
+			g.refuse("member_calls", ip, info.FullMethodName)
+			return nil, status.Errorf(codes.ResourceExhausted, "taskd: %s has %d calls in flight, at most %d", caller.key, bound, bound)
+		}
+		g.calls[*caller]++
+	}
 	ps.streams++
+	var conn uint64
+	if cs := ps.conns[addr]; cs != nil {
+		conn = cs.id
+	}
 	g.mu.Unlock()
 	ctx = context.WithValue(ctx, authKey{}, cred)
+	ctx = context.WithValue(ctx, connKey{}, conn)
 	if caller != nil {
 		ctx = context.WithValue(ctx, callerKey{}, caller)
 	}
 	// The call's context ends with the call, whatever ends it.
-	context.AfterFunc(ctx, func() { g.release(ip) })
+	context.AfterFunc(ctx, func() { g.release(ip, caller) })
 	return ctx, nil
 }
 
-func (g *guard) release(ip string) {
+// release takes in the end of a call from ip, made by caller (nil for
+// none).
+func (g *guard) release(ip string, caller *identity) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if ps := g.peers[ip]; ps != nil {
 		ps.streams--
 		g.forgetLocked(ip, ps)
+	}
+	if caller != nil {
+		if g.calls[*caller]--; g.calls[*caller] <= 0 {
+			delete(g.calls, *caller)
+		}
 	}
 }
 
@@ -371,6 +524,13 @@ func (g *guard) identify(method string, values []string) (*identity, error) {
 		return nil, errUnknownMember
 	}
 	return nil, nil
+}
+
+// messageLimit counts and logs a connection closed for a call that
+// declared a message beyond its method's bound.
+func (g *guard) messageLimit(ip, method string) {
+	g.met.conns.WithLabelValues("message_limit").Inc()
+	g.logRefusal("connection closed: a message beyond its method's bound", "message_limit", ip, method)
 }
 
 // refuse counts a refused call and logs it.

@@ -69,6 +69,7 @@ type Manager struct {
 	uploadIdle  time.Duration   // uploadIdleTimeout, shorter in tests
 	proxyHosts  map[int]string
 	gone        *departures // workers lost, evicted or left
+	members     *membership // the job's ranks, when orchestration is on and the shape unset; else nil
 	completedAt time.Time   // when every rank left finished; zero until then
 
 	lifecycle
@@ -125,6 +126,9 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		}
 		m.orch = orch
 		m.handlers = sortHandlers(append(slices.Clone(cfg.Handlers), orch.handler()))
+		if cfg.Nodes == 0 || cfg.ProcsPerNode == 0 {
+			m.members = newMembership(2 * cfg.HeartbeatDeadline)
+		}
 	}
 	if err := metrics.Err(); err != nil {
 		m.release()
@@ -150,10 +154,8 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 		open:   cfg.Security.Token == "", maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer,
 		ids: m.ids, policy: m.policy, met: m.met.guard, log: m.log,
 	})
-	switch {
-	case cfg.AdminToken == "" && cfg.Security.Token != "":
-		m.log.Info("taskd: the Admin and TrainingDataTrace services are off: no AdminToken")
-	case cfg.AdminToken == "":
+	m.log.Info("taskd: roles open", cfg.roles()...)
+	if cfg.AdminToken == "" && cfg.Security.Token == "" {
 		m.log.Warn("taskd: the Admin and TrainingDataTrace services take whoever the transport admits: set AdminToken")
 	}
 	m.lis = g.listen(lis)

@@ -35,7 +35,11 @@ type ManagerConfig struct {
 	// Nodes and ProcsPerNode give the job's shape, so that ranks that never
 	// registered show as waiting in the switch status, and positions
 	// outside it are refused. Zero: unknown, and nodes and ranks must be
-	// below MaxWorkers (default 16384).
+	// below MaxWorkers (default 16384); with Orchestration set, the job's
+	// ranks are then those of its first complete rendezvous (ranks 0 to
+	// n-1 registered, and no new one for twice HeartbeatDeadline), and a
+	// rank beyond them is refused, saying why, so that a member that
+	// joins as a rank of its own cannot start a recovery of the others.
 	Nodes, ProcsPerNode int
 	MaxWorkers          int
 	// Security: mutual TLS, token, or plaintext when asked; required.
@@ -46,9 +50,11 @@ type ManagerConfig struct {
 	// every call; without any token they take whoever the transport
 	// admits (logged at start).
 	AdminToken string
-	// ProxyToken, when set, is the proxies' credential: only a call with
-	// it registers as a proxy, so that a worker's token cannot. Proxies
-	// present it as ProxyConfig.UpstreamToken.
+	// ProxyToken is the proxies' credential: only a call with it
+	// registers as a proxy, so that a worker's token cannot. Proxies
+	// present it as ProxyConfig.UpstreamToken. Empty: the proxy role is
+	// closed, and workers attach to the manager directly; whatever starts
+	// the manager and its proxies makes one and hands it to both.
 	ProxyToken string
 	// HeartbeatInterval is how often members send heartbeats (default 1 s);
 	// a member not heard from within HeartbeatDeadline (default 5 s) is
@@ -66,8 +72,10 @@ type ManagerConfig struct {
 	RateBurst int
 	// MaxConnections bounds the connections open at once (default half
 	// the process's open-file limit, at most 16384), and
-	// MaxConnectionsPerPeer those from one peer address (default 256);
-	// more are closed at once, counted and logged.
+	// MaxConnectionsPerPeer those from one peer address that
+	// authenticated (default 256), and apart from them those that have
+	// not yet: a new one past that closes the oldest pending. More are
+	// refused, counted and logged.
 	MaxConnections, MaxConnectionsPerPeer int
 	// StateDir, when set, keeps the fault log (faults.jsonl), the switch
 	// (switch.json) and the orchestration state (orchestration.json and
@@ -195,4 +203,28 @@ func (c ManagerConfig) Validate() error {
 		}
 	}
 	return c.Security.Validate()
+}
+
+// roles says who each role takes, as log attributes: the manager logs
+// them as it starts.
+func (c ManagerConfig) roles() []any {
+	workers := "anyone who reaches the port (plaintext, no token)"
+	switch {
+	case c.Security.Token != "":
+		workers = "the members' token"
+	case c.Security.tls():
+		workers = "a certificate of the CA (mutual TLS)"
+	}
+	proxies := "closed (no ProxyToken)"
+	if c.ProxyToken != "" {
+		proxies = "the proxies' token"
+	}
+	operators := "whoever the transport admits (no AdminToken)"
+	switch {
+	case c.AdminToken != "":
+		operators = "the operators' token"
+	case c.Security.Token != "":
+		operators = "closed (no AdminToken)"
+	}
+	return []any{"workers", workers, "proxies", proxies, "operators", operators}
 }

@@ -75,12 +75,15 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		return nil, status.Errorf(codes.InvalidArgument, "taskd: hostname: %d bytes, at most %d", n, maxHostnameBytes)
 	}
 	key := keyOf(mem)
-	nm := member{key: key, pos: positionOf(mem), instance: mem.GetInstance(), via: -1, hostname: req.GetHostname(), pid: int(req.GetPid())}
+	nm := member{key: key, pos: positionOf(mem), instance: mem.GetInstance(), via: -1, hostname: req.GetHostname(), pid: int(req.GetPid()), conn: connOf(ctx)}
 	if p, ok := peer.FromContext(ctx); ok {
 		nm.addr = p.Addr.String()
 	}
 	caller := callerOf(ctx)
-	if key.role == RoleProxy && m.cfg.ProxyToken != "" && callCredential(ctx) != credProxy {
+	if key.role == RoleProxy && callCredential(ctx) != credProxy {
+		if m.cfg.ProxyToken == "" {
+			return nil, permission("%s: the proxy role is closed: this manager was given no proxies' token (ManagerConfig.ProxyToken)", key)
+		}
 		return nil, permission("%s: a proxy registers with the proxies' token (ManagerConfig.ProxyToken)", key)
 	}
 	now := time.Now()
@@ -111,11 +114,21 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		nm.via = pm.pos.Node
 	}
 	old := m.reg.get(key)
-	if old != nil && old.instance == nm.instance && (old.via != nm.via || (nm.via < 0 && !caller.is(mem))) {
+	if old != nil && old.instance == nm.instance && (old.via != nm.via || (nm.via < 0 && !caller.is(mem) && !old.sameConn(nm))) {
 		// The instance is live: registering it again takes its secret, or
-		// its proxy's.
+		// its proxy's, or the connection that registered it, on which a
+		// member whose answer came past its deadline asks again without
+		// the secret it never got.
 		m.mu.Unlock()
 		return nil, permission("%s: instance %s is live; registering it again takes its credential", key, nm.instance)
+	}
+	if m.members != nil && key.role == RoleWorker {
+		if err := m.members.admit(now, nm.pos.Rank); err != nil {
+			m.mu.Unlock()
+			m.met.refused.Inc()
+			m.log.Warn("taskd: registration refused: not of the job", "member", key.String(), "addr", nm.addr, "err", err)
+			return nil, status.Errorf(codes.FailedPrecondition, "taskd: %s: %v", key, err)
+		}
 	}
 	oldInstance := ""
 	if old != nil {

@@ -57,7 +57,8 @@ type ProxyConfig struct {
 	RateBurst int
 	// MaxConnections bounds the workers' connections open at once
 	// (default half the process's open-file limit, at most 16384), and
-	// MaxConnectionsPerPeer those from one peer address (default 256).
+	// MaxConnectionsPerPeer those from one peer address that authenticated
+	// (default 256), and apart from them those that have not yet.
 	MaxConnections, MaxConnectionsPerPeer int
 	// ReconnectMax caps the backoff between attempts to register with the
 	// manager again (default 5 s).

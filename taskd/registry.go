@@ -27,6 +27,7 @@ type member struct {
 	hostname string
 	pid      int
 	addr     string // the peer address the registration came from
+	conn     uint64 // the connection it came on (connOf); 0 when unknown
 }
 
 // registry holds the live members and decides liveness from heartbeats. It
@@ -129,3 +130,7 @@ func sortMembers(ms []member) {
 		return a.id < b.id
 	})
 }
+
+// sameConn reports whether m and nm came on the same connection: whoever
+// holds it is the member that registered on it.
+func (m *member) sameConn(nm member) bool { return m.conn != 0 && m.conn == nm.conn }

@@ -93,11 +93,10 @@ func (s Security) warn(log *slog.Logger, side string) {
 	log.Warn("TASKD IS USING PLAINTEXT WITHOUT AUTHENTICATION: anyone who reaches the port can join the job; set mutual TLS or a token", "side", side)
 }
 
-// serverOptions returns the credentials for a server; the token is the
-// guard's to check.
-func (s Security) serverOptions(log *slog.Logger) []grpc.ServerOption {
+// serverCreds returns the transport credentials of a server; the token
+// is the guard's to check.
+func (s Security) serverCreds(log *slog.Logger) credentials.TransportCredentials {
 	s.warn(log, "server")
-	var opts []grpc.ServerOption
 	if s.tls() {
 		r := &certReloader{cert: s.CertFile, key: s.KeyFile, ca: s.CAFile, log: log}
 		cfg := &tls.Config{
@@ -116,11 +115,9 @@ func (s Security) serverOptions(log *slog.Logger) []grpc.ServerOption {
 				}, nil
 			},
 		}
-		opts = append(opts, grpc.Creds(credentials.NewTLS(cfg)))
-	} else {
-		opts = append(opts, grpc.Creds(insecure.NewCredentials()))
+		return credentials.NewTLS(cfg)
 	}
-	return opts
+	return insecure.NewCredentials()
 }
 
 // dialOptions returns the credentials for a client dialling one of

@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"log/slog"
 	"math/big"
 	"net"
 	"os"
@@ -256,5 +257,33 @@ func TestOperatorCredential(t *testing.T) {
 	_, err = pb.NewAdminClient(conn).ListFaults(context.Background(), &pb.ListFaultsReq{JobNsName: c2.job})
 	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "AdminToken") {
 		t.Fatalf("the Admin service without an operators' token: %v", err)
+	}
+}
+
+// TestProxyRoleClosedByDefault: a manager given no proxies' token takes
+// no proxy, so that a worker's token cannot register as a node's proxy and
+// report the faults of that node's ranks; the line it logs as it starts
+// says which roles are open.
+func TestProxyRoleClosedByDefault(t *testing.T) {
+	const member = "member-token-0123456789"
+	var logged strings.Builder
+	sec := Security{Insecure: true, Token: member}
+	m, err := NewManager(ManagerConfig{Job: "job-1", Listen: "127.0.0.1:0", Security: sec, Orchestration: &OrchestrationConfig{},
+		Logger: slog.New(slog.NewTextHandler(&logged, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Read before Run, which logs on.
+	if line := logged.String(); !strings.Contains(line, `proxies="closed (no ProxyToken)"`) || !strings.Contains(line, `workers="the members' token"`) {
+		m.Close()
+		t.Fatalf("the start line does not say which roles are open: %s", line)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- m.Run(ctx) }()
+	defer func() { cancel(); <-done; m.Close() }()
+	fake := newRawMember(t, m.Addr().String(), "job-1", sec, RoleProxy, Position{Node: 0, Rank: -1})
+	if err := fake.register(); status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "ProxyToken") {
+		t.Fatalf("a proxy registered with a member's token, the proxy role unset: %v", err)
 	}
 }

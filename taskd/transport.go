@@ -75,8 +75,8 @@ func (l limits) allow(ctx context.Context) error {
 // streams, headers and handshakes, and keepalive settings that find dead
 // peers within seconds and close idle connections.
 func newServer(sec Security, l limits, g *guard, log *slog.Logger) *grpc.Server {
-	opts := sec.serverOptions(log)
-	opts = append(opts,
+	opts := []grpc.ServerOption{
+		grpc.Creds(limitCreds{TransportCredentials: sec.serverCreds(log), exceeded: g.messageLimit}),
 		grpc.InTapHandle(g.tap),
 		grpc.MaxConcurrentStreams(maxStreamsPerConn),
 		grpc.MaxHeaderListSize(maxHeaderBytes),
@@ -98,7 +98,7 @@ func newServer(sec Security, l limits, g *guard, log *slog.Logger) *grpc.Server 
 		}),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 2 * time.Second, PermitWithoutStream: true}),
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, MaxConnectionIdle: idleTimeout}),
-	)
+	}
 	return grpc.NewServer(opts...)
 }
 

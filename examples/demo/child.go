@@ -44,6 +44,9 @@ type childArgs struct {
 	Host     string // the node's address: a proxy listens on it
 	Upstream string // the manager (proxy) or the node's proxy (worker)
 
+	// Proxy only: the proxies' token, which the manager asks of a proxy.
+	ProxyToken string
+
 	// Worker only.
 	Rank, World, ProcsPerNode int
 	Fabric                    string
@@ -124,7 +127,7 @@ func runProxy(ctx context.Context, a childArgs, log *slog.Logger, say func(strin
 	reg := prometheus.NewRegistry()
 	p, err := taskd.NewProxy(taskd.ProxyConfig{
 		Job: a.Job, Node: a.Node, Upstream: a.Upstream, Listen: net.JoinHostPort(a.Host, "0"),
-		Security: taskd.Security{Insecure: true}, AckTimeout: time.Second, ReconnectMax: 200 * time.Millisecond,
+		Security: taskd.Security{Insecure: true}, UpstreamToken: a.ProxyToken, AckTimeout: time.Second, ReconnectMax: 200 * time.Millisecond,
 		DottingRoot: a.DottingRoot, StackRoot: a.StackDir, Registerer: reg, Logger: log,
 	})
 	if err != nil {

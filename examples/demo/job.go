@@ -3,6 +3,8 @@ package main
 import (
 	"bufio"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -45,6 +47,7 @@ type job struct {
 	start       time.Time
 	world       int
 	hosts       []string // node n's address
+	proxyToken  string   // the proxies' token: the manager's, handed to the proxies
 	switchOf    []string // node n's access switch
 	exe         string
 	shm         string
@@ -511,9 +514,14 @@ func (j *job) setupManager(ctx context.Context) error {
 	if err := atomicfile.WriteFile(switchFile, []byte(trace.AllOn().String()), 0o644); err != nil {
 		return err
 	}
+	// The proxies' token, made here and handed to the proxies this job
+	// starts: without one the manager takes no proxy.
+	var secret [16]byte
+	rand.Read(secret[:])
+	j.proxyToken = hex.EncodeToString(secret[:])
 	j.m, err = taskd.NewManager(taskd.ManagerConfig{
 		Job: jobID, Listen: "127.0.0.1:0", Nodes: j.cfg.Nodes, ProcsPerNode: j.cfg.ProcsPerNode,
-		Security:          taskd.Security{Insecure: true},
+		Security: taskd.Security{Insecure: true}, ProxyToken: j.proxyToken,
 		HeartbeatInterval: 500 * time.Millisecond, HeartbeatDeadline: 3 * time.Second, AckTimeout: time.Second,
 		StateDir:     j.path("manager"),
 		SwitchSource: taskd.SwitchFile(trace.SwitchWatcherConfig{Path: switchFile, Registerer: j.reg, Logger: j.log}),
@@ -580,7 +588,7 @@ func (j *job) startProxies() error {
 			return err
 		}
 		cmd := exec.Command(j.exe)
-		cmd.Env = append(os.Environ(), childEnv("proxy", childArgs{Job: jobID, Node: n, Host: host, Upstream: j.m.Addr().String(),
+		cmd.Env = append(os.Environ(), childEnv("proxy", childArgs{Job: jobID, Node: n, Host: host, Upstream: j.m.Addr().String(), ProxyToken: j.proxyToken,
 			DottingRoot: j.path("profiling"), StackDir: j.path("stacks")})...)
 		cmd.Stderr = stderr
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}

@@ -100,7 +100,7 @@
 // admin_token_file (default $TASKD_ADMIN_TOKEN: the operators' token, which
 // the Admin and TrainingDataTrace services take, and nothing else),
 // proxy_token or proxy_token_file (default $TASKD_PROXY_TOKEN: without it
-// any member may register as a proxy), state_dir, collect_dir,
+// no proxy registers), state_dir, collect_dir,
 // switch_file, heartbeat_interval, heartbeat_deadline, log_level.
 // taskd_set_switch sets the job's profiling switch. taskd_init_proxy and
 // taskd_start_proxy run a node's proxy; keys: job, node, upstream

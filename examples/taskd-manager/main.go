@@ -12,9 +12,11 @@
 // without it --insecure must be given. The members' shared token is read
 // from --token-file or TASKD_TOKEN, the operators' (which the Admin and
 // TrainingDataTrace services take, and nothing else) from
-// --admin-token-file or TASKD_ADMIN_TOKEN, and the proxies' (without
-// which any member may register as a proxy) from --proxy-token-file or
-// TASKD_PROXY_TOKEN. A token file must hold a token of 16 bytes or more
+// --admin-token-file or TASKD_ADMIN_TOKEN, and the proxies' from
+// --proxy-token-file or TASKD_PROXY_TOKEN: without it the proxy role is
+// closed, and workers attach to the manager directly; give the same token
+// to each taskd-proxy. The line logged at start says which roles are
+// open and to whom. A token file must hold a token of 16 bytes or more
 // (openssl rand -hex 16); an empty one is refused. --switch-file follows a
 // profilingSwitch file such as a mounted ConfigMap; the switch can also be
 // changed through the TrainingDataTrace gRPC service on the same port.

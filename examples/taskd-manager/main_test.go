@@ -13,10 +13,16 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
 
+	pb "github.com/faultline-ml/faultline/internal/taskdpb"
 	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd"
 	"github.com/faultline-ml/faultline/taskd/lease"
@@ -96,8 +102,16 @@ type manager struct {
 
 func startManager(t *testing.T, podName, args string) *manager {
 	t.Helper()
-	cmd := testkit.Command(t, "taskd-manager", "TASKD_MANAGER_ARGS="+args, "POD_NAME="+podName, "TASKD_TOKEN=")
-	m := &manager{cmd: cmd, stderr: testkit.NewOutput(podName, false), done: make(chan struct{})}
+	return startManagerEnv(t, args, "POD_NAME="+podName)
+}
+
+// startManagerEnv starts a taskd-manager process with args and, beside
+// no token, the environment env.
+func startManagerEnv(t *testing.T, args string, env ...string) *manager {
+	t.Helper()
+	env = append([]string{"TASKD_MANAGER_ARGS=" + args, "TASKD_TOKEN=", "TASKD_ADMIN_TOKEN=", "TASKD_PROXY_TOKEN="}, env...)
+	cmd := testkit.Command(t, "taskd-manager", env...)
+	m := &manager{cmd: cmd, stderr: testkit.NewOutput("taskd-manager", false), done: make(chan struct{})}
 	cmd.Stderr = m.stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -279,5 +293,55 @@ func TestLeaseConfigPauseDefault(t *testing.T) {
 	}
 	if hash(0) == hash(20*time.Second) {
 		t.Error("--pause-timeout 0 and 20s give the same configuration")
+	}
+}
+
+// TestProxyRoleClosedByDefault: started without --proxy-token-file, the
+// manager takes no proxy, so that a worker's token cannot register as a
+// node's proxy (which reports that node's ranks' faults and, with
+// --orchestrate, has the others stopped); its start line says which
+// roles are open. With the flag, a proxy holding that token registers.
+func TestProxyRoleClosedByDefault(t *testing.T) {
+	const member, proxies = "member-token-0123456789", "proxies-token-0123456789"
+	dir := t.TempDir()
+	proxyFile := filepath.Join(dir, "proxy-token")
+	if err := os.WriteFile(proxyFile, []byte(proxies+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	register := func(addr, token string) error {
+		conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+token), 20*time.Second)
+		defer cancel()
+		_, err = pb.NewControlClient(conn).Register(ctx, &pb.RegisterRequest{Job: "j", Member: &pb.Member{
+			Role: pb.Role_ROLE_PROXY, Position: &pb.Position{Node: 0, Rank: -1}, Instance: fmt.Sprint("proxy-", time.Now().UnixNano())}})
+		return err
+	}
+	for _, tc := range []struct {
+		flags, roles string
+		member       codes.Code
+	}{
+		{"", `proxies="closed (no ProxyToken)"`, codes.PermissionDenied},
+		{"--proxy-token-file " + proxyFile, `proxies="the proxies' token"`, codes.PermissionDenied},
+	} {
+		addr := freeAddr(t)
+		m := startManagerEnv(t, "--insecure --job j --listen "+addr+" "+tc.flags, "TASKD_TOKEN="+member)
+		testkit.WaitFor(t, "the manager listening", func() bool { return listening(addr) })
+		// The start line may come after the listener: wait for it.
+		testkit.WaitFor(t, fmt.Sprintf("%q: the start line saying which roles are open", tc.flags), func() bool {
+			out := m.stderr.String()
+			return strings.Contains(out, tc.roles) && strings.Contains(out, `workers="the members' token"`)
+		})
+		if err := register(addr, member); status.Code(err) != tc.member {
+			t.Fatalf("%q: a proxy registering with the members' token: %v", tc.flags, err)
+		}
+		if tc.flags != "" {
+			if err := register(addr, proxies); err != nil {
+				t.Fatalf("a proxy registering with the proxies' token: %v", err)
+			}
+		}
 	}
 }

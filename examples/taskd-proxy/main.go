@@ -10,9 +10,10 @@
 // commas: only the leader listens, and the proxy follows it.
 //
 // The workers' shared token is read from --token-file or TASKD_TOKEN; the
-// proxies' token, which the manager may ask of a proxy
-// (ManagerConfig.ProxyToken), from --proxy-token-file or
-// TASKD_PROXY_TOKEN. An empty token file is refused.
+// proxies' token, which the manager asks of a proxy
+// (ManagerConfig.ProxyToken, taskd-manager --proxy-token-file), from
+// --proxy-token-file or TASKD_PROXY_TOKEN: a manager takes no proxy
+// without it. An empty token file is refused.
 //
 // --metrics-listen serves /metrics over plain HTTP, without
 // authentication: keep it on loopback or a cluster-internal address.

@@ -23,6 +23,10 @@ import (
 // testkit.Role names the role; childArgsEnv holds its childArgs as JSON.
 const childArgsEnv = "TRAINERTEST_ARGS"
 
+// proxyToken is the proxies' token of the tests' managers and proxies:
+// without one, a manager takes no proxy.
+const proxyToken = "proxies-token-0123456789abcdef"
+
 type childArgs struct {
 	Job      string
 	Node     int
@@ -79,7 +83,7 @@ func runChild(role string) int {
 	switch role {
 	case "proxy":
 		var p *taskd.Proxy
-		p, err = taskd.NewProxy(taskd.ProxyConfig{Job: a.Job, Node: a.Node, Upstream: a.Upstream, Listen: a.Listen, Security: sec, AckTimeout: time.Second, ReconnectMax: 200 * time.Millisecond, Logger: childLogger()})
+		p, err = taskd.NewProxy(taskd.ProxyConfig{Job: a.Job, Node: a.Node, Upstream: a.Upstream, Listen: a.Listen, Security: sec, UpstreamToken: proxyToken, AckTimeout: time.Second, ReconnectMax: 200 * time.Millisecond, Logger: childLogger()})
 		if err == nil {
 			say("ready %s", p.Addr())
 			err = p.Run(ctx)

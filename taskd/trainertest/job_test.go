@@ -110,7 +110,7 @@ func startJob(t testing.TB, cfg jobConfig) *job {
 	j.policy = policy
 	sups := make(local.Nodes, cfg.nodes)
 	m, err := taskd.NewManager(taskd.ManagerConfig{
-		Job: "job-r", Listen: "127.0.0.1:0", Nodes: cfg.nodes, ProcsPerNode: cfg.ppn, Security: taskd.Security{Insecure: true},
+		Job: "job-r", Listen: "127.0.0.1:0", Nodes: cfg.nodes, ProcsPerNode: cfg.ppn, Security: taskd.Security{Insecure: true}, ProxyToken: proxyToken,
 		HeartbeatInterval: 200 * time.Millisecond, HeartbeatDeadline: 3 * time.Second, AckTimeout: time.Second,
 		Registerer: j.reg, Logger: testLogger(t),
 		Orchestration: &taskd.OrchestrationConfig{

@@ -97,7 +97,7 @@ func runManager(ctx context.Context, a childArgs, say func(string, ...any)) erro
 	defer policy.Close()
 	agent := agentClient{base: a.Agent}
 	m, err := taskd.NewManager(taskd.ManagerConfig{
-		Job: a.Job, Listen: a.Listen, Nodes: a.Nodes, ProcsPerNode: a.PPN, Security: taskd.Security{Insecure: true}, StateDir: a.StateDir,
+		Job: a.Job, Listen: a.Listen, Nodes: a.Nodes, ProcsPerNode: a.PPN, Security: taskd.Security{Insecure: true}, ProxyToken: proxyToken, StateDir: a.StateDir,
 		HeartbeatInterval: 200 * time.Millisecond, HeartbeatDeadline: 2 * time.Second, AckTimeout: time.Second, Logger: childLogger(),
 		Orchestration: &taskd.OrchestrationConfig{
 			Policy: policy, Executor: agent, Checkpoints: agent, Timeouts: a.Timeouts,
@@ -236,7 +236,7 @@ func startHAJob(t testing.TB, nodes, ppn int, timeouts taskd.Timeouts) *haJob {
 
 	j.startManager(t)
 	for n := range nodes {
-		p, err := taskd.NewProxy(taskd.ProxyConfig{Job: "job-h", Node: n, Upstream: j.mgrAddr, Listen: "127.0.0.1:0", Security: taskd.Security{Insecure: true},
+		p, err := taskd.NewProxy(taskd.ProxyConfig{Job: "job-h", Node: n, Upstream: j.mgrAddr, Listen: "127.0.0.1:0", Security: taskd.Security{Insecure: true}, UpstreamToken: proxyToken,
 			AckTimeout: time.Second, ReconnectMax: 200 * time.Millisecond, Logger: testLogger(t)})
 		if err != nil {
 			t.Fatal(err)

@@ -190,13 +190,17 @@ def mode_all_in_one():
     """Manager, proxy and worker in one process, the switch set through the
     library."""
     job = os.environ["MINDX_TASK_ID"]
+    # The proxies' token: without one the manager takes no proxy.
+    proxy_token = "proxies-token-0123456789abcdef"
     if not taskd.init_taskd_manager({"job_id": job, "node_nums": 1, "proc_per_node": 1,
-                                     "listen": "127.0.0.1:0", "insecure": True}):
+                                     "listen": "127.0.0.1:0", "insecure": True,
+                                     "proxy_token": proxy_token}):
         fail("init_taskd_manager: " + taskd.last_error())
     if not taskd.start_taskd_manager():
         fail("start_taskd_manager: " + taskd.last_error())
     if not taskd.init_taskd_proxy({"job_id": job, "node": 0, "upstream": taskd.manager_address(),
-                                   "listen": "127.0.0.1:0", "insecure": True}):
+                                   "listen": "127.0.0.1:0", "insecure": True,
+                                   "upstream_token": proxy_token}):
         fail("init_taskd_proxy: " + taskd.last_error())
     config = json.loads(os.environ["TRAINER_CONFIG"])
     config["upstream"] = taskd.proxy_address()
