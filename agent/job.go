@@ -117,7 +117,9 @@ func (j *jobCheckpoints) LoadNewest(ctx context.Context) (int64, error) {
 	plan, restart, why := j.core.plan(local, deadline)
 	j.mu.Unlock()
 	j.log.Info("agent: the job's step to resume from", "step", plan.step, "from_replica", plan.replica, "from_disk", plan.disk, "restart", restart, "why", why)
-	if why != "" && (plan.step < 0 || len(plan.replica)+len(plan.disk) > 0) {
+	// Said whenever a rank does not resume from its own memory, or newer
+	// steps are passed over.
+	if plan.step < 0 || len(plan.replica)+len(plan.disk) > 0 {
 		line := fmt.Sprintf("the job resumes from step %d", plan.step)
 		if len(plan.replica) > 0 {
 			line += fmt.Sprintf(", ranks %v from replicas in other nodes' memory", plan.replica)
@@ -128,7 +130,9 @@ func (j *jobCheckpoints) LoadNewest(ctx context.Context) (int64, error) {
 		if plan.step < 0 {
 			line = "the job starts over, with no step every rank holds in memory, in a replica or on disk"
 		}
-		line += ": " + why
+		if why != "" {
+			line += ": " + why
+		}
 		j.log.Warn("agent: " + line)
 		if j.local != nil {
 			fmt.Fprintf(j.local.cfg.Stderr, "faultline-run: %s\n", line)
