@@ -544,6 +544,15 @@ func (c *checkpoints) owners() []*ckpt.Owner {
 	return out
 }
 
+// ownerOf returns rank's owner, or an error when it has none.
+func (c *checkpoints) ownerOf(rank int) (*ckpt.Owner, error) {
+	o, err := c.owner(rank)
+	if err == nil && o == nil {
+		err = fmt.Errorf("rank %d has no segment", rank)
+	}
+	return o, err
+}
+
 // persistLocal persists the newest step every local rank holds intact in
 // memory, every rank's shard at once, and returns it.
 func (c *checkpoints) persistLocal(ctx context.Context) (int64, error) {
@@ -555,10 +564,7 @@ func (c *checkpoints) persistLocal(ctx context.Context) (int64, error) {
 	errs := make([]error, len(c.a.slots))
 	for i, s := range c.a.slots {
 		wg.Go(func() {
-			o, err := c.owner(s.rank)
-			if err == nil && o == nil {
-				err = fmt.Errorf("rank %d has no segment", s.rank)
-			}
+			o, err := c.ownerOf(s.rank)
 			if err == nil {
 				_, err = o.PersistStep(ctx, s.rank, steps[0])
 			}
@@ -630,10 +636,7 @@ func (c *checkpoints) persistWithReplicas(ctx context.Context, lost []int) (stri
 	errs := make([]error, len(c.a.slots)+len(others))
 	for i, s := range c.a.slots {
 		wg.Go(func() {
-			o, err := c.owner(s.rank)
-			if err == nil && o == nil {
-				err = fmt.Errorf("rank %d has no segment", s.rank)
-			}
+			o, err := c.ownerOf(s.rank)
 			if err == nil {
 				_, err = o.PersistStep(ctx, s.rank, step)
 			}
@@ -645,10 +648,7 @@ func (c *checkpoints) persistWithReplicas(ctx context.Context, lost []int) (stri
 			// The owner of the local place that r's node sends r's
 			// replica to: its lock keeps a transfer from tearing it.
 			s := c.a.slots[r%c.a.cfg.ProcsPerNode]
-			o, err := c.owner(s.rank)
-			if err == nil && o == nil {
-				err = fmt.Errorf("rank %d has no segment", s.rank)
-			}
+			o, err := c.ownerOf(s.rank)
 			if err == nil {
 				_, err = o.PersistReplica(ctx, r, step)
 			}

@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 var sinkDuration time.Duration
@@ -27,39 +29,6 @@ func BenchmarkTimeNowPair(b *testing.B) {
 	}
 }
 
-// vsNowPair runs a batch of the baseline, nowPair, with the timer
-// stopped every 1024 iterations of the benchmark's loop, and reports the
-// benchmark's time per iteration as a multiple of the baseline's
-// ("x-nowpair"). On a shared machine the two then run under the same
-// load, which a ratio of two separate benchmarks does not.
-type vsNowPair struct {
-	i, n int
-	d    time.Duration
-}
-
-const vsBatch = 1024
-
-func (v *vsNowPair) tick(b *testing.B) {
-	if v.i++; v.i%vsBatch != 1 {
-		return
-	}
-	b.StopTimer()
-	t := time.Now()
-	for range vsBatch {
-		nowPair()
-	}
-	v.d += time.Since(t)
-	v.n += vsBatch
-	b.StartTimer()
-}
-
-func (v *vsNowPair) report(b *testing.B) {
-	if v.n > 0 && v.d > 0 && b.N > 0 {
-		per := float64(b.Elapsed()) / float64(b.N)
-		b.ReportMetric(per/(float64(v.d)/float64(v.n)), "x-nowpair")
-	}
-}
-
 func BenchmarkTimerStartEnd(b *testing.B) {
 	w, err := New(Config{LearnTimeouts: true})
 	if err != nil {
@@ -67,13 +36,13 @@ func BenchmarkTimerStartEnd(b *testing.B) {
 	}
 	op := w.Op("HcclAllReduce", "dp")
 	b.ReportAllocs()
-	var v vsNowPair
+	v := testkit.Paired{Base: nowPair, Unit: "x-nowpair"}
 	for b.Loop() {
-		v.tick(b)
+		v.Tick(b)
 		op.Start(0).End()
 	}
 	b.StopTimer()
-	v.report(b)
+	v.Report(b)
 }
 
 // BenchmarkTimerStartEndInFlight keeps 64 ops in flight, so that every
@@ -89,16 +58,16 @@ func BenchmarkTimerStartEndInFlight(b *testing.B) {
 		ring[i] = op.Start(i)
 	}
 	b.ReportAllocs()
-	var v vsNowPair
+	v := testkit.Paired{Base: nowPair, Unit: "x-nowpair"}
 	i := 0
 	for b.Loop() {
-		v.tick(b)
+		v.Tick(b)
 		ring[i].End()
 		ring[i] = op.Start(i)
 		i = (i + 1) % len(ring)
 	}
 	b.StopTimer()
-	v.report(b)
+	v.Report(b)
 }
 
 func BenchmarkTimerStartEndParallel(b *testing.B) {

@@ -9,6 +9,8 @@ import (
 	"strconv"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 var sinkTime time.Time
@@ -27,39 +29,6 @@ func BenchmarkTimeNowPair(b *testing.B) {
 	}
 }
 
-// vsNowPair runs a batch of the baseline, nowPair, with the timer
-// stopped every 1024 iterations of the benchmark's loop, and reports the
-// benchmark's time per iteration as a multiple of the baseline's
-// ("x-nowpair"). On a shared machine the two then run under the same
-// load, which a ratio of two separate benchmarks does not.
-type vsNowPair struct {
-	i, n int
-	d    time.Duration
-}
-
-const vsBatch = 1024
-
-func (v *vsNowPair) tick(b *testing.B) {
-	if v.i++; v.i%vsBatch != 1 {
-		return
-	}
-	b.StopTimer()
-	t := time.Now()
-	for range vsBatch {
-		nowPair()
-	}
-	v.d += time.Since(t)
-	v.n += vsBatch
-	b.StartTimer()
-}
-
-func (v *vsNowPair) report(b *testing.B) {
-	if v.n > 0 && v.d > 0 && b.N > 0 {
-		per := float64(b.Elapsed()) / float64(b.N)
-		b.ReportMetric(per/(float64(v.d)/float64(v.n)), "x-nowpair")
-	}
-}
-
 // BenchmarkRangeOn is a start and an end with the kind on, while Run
 // writes the records. The ring is also drained outside the timed region
 // every so often, so that the figure is the recording path and not the
@@ -73,10 +42,10 @@ func BenchmarkRangeOn(b *testing.B) {
 	go rec.Run(context.Background())
 	defer rec.Close()
 	b.ReportAllocs()
-	var v vsNowPair
+	v := testkit.Paired{Base: nowPair, Unit: "x-nowpair"}
 	i := 0
 	for b.Loop() {
-		v.tick(b)
+		v.Tick(b)
 		rec.Start(FP, MarkerForward, 0, 1).End()
 		if i++; i%(1<<14) == 0 {
 			b.StopTimer()
@@ -85,7 +54,7 @@ func BenchmarkRangeOn(b *testing.B) {
 		}
 	}
 	b.StopTimer()
-	v.report(b)
+	v.Report(b)
 	if d := rec.Stats().Dropped; d != (DomainCounts{}) {
 		b.Fatalf("dropped %+v", d)
 	}
