@@ -308,18 +308,23 @@ func (c *checkpoints) holdings() (map[int][]int64, []int64) {
 		}
 		memory[c.a.slots[i].rank] = steps
 	}
+	return memory, c.diskSteps()
+}
+
+// diskSteps returns the steps committed on disk that every local rank can
+// load, newest first.
+func (c *checkpoints) diskSteps() []int64 {
 	c.mu.Lock()
 	dir := c.dir
 	c.mu.Unlock()
-	var disk []int64
-	if dir != "" {
-		var err error
-		if disk, err = ckpt.CommittedSteps(dir); err != nil {
-			c.a.log.Warn("agent: the disk tier's steps are unknown", "dir", dir, "err", err)
-		}
-		disk = c.loadable(dir, disk)
+	if dir == "" {
+		return nil
 	}
-	return memory, disk
+	steps, err := ckpt.CommittedSteps(dir)
+	if err != nil {
+		c.a.log.Warn("agent: the disk tier's steps are unknown", "dir", dir, "err", err)
+	}
+	return c.loadable(dir, steps)
 }
 
 // loadable returns the steps of steps (committed in dir) whose shards of
@@ -656,24 +661,12 @@ func (c *checkpoints) persistWithReplicas(ctx context.Context, lost []int) (stri
 		})
 	}
 	wg.Wait()
-	committed, err := slices.Contains(c.committedSteps(), step), errors.Join(errs...)
+	committed, err := slices.Contains(c.diskSteps(), step), errors.Join(errs...)
 	if committed {
 		return fmt.Sprintf("step %d, the newest that every rank here holds in memory and the replicas held here hold, is committed with every rank's shard, those of ranks %v from the replicas", step, others), nil
 	}
 	return fmt.Sprintf("step %d, the newest that every rank here holds in memory and the replicas held here hold, is not committed on disk (the newest step there is %d): %v", step, c.diskStep(), err),
 		fmt.Errorf("step %d not committed: %w", step, err)
-}
-
-// committedSteps returns the steps committed in the node's folder.
-func (c *checkpoints) committedSteps() []int64 {
-	c.mu.Lock()
-	dir := c.dir
-	c.mu.Unlock()
-	if dir == "" {
-		return nil
-	}
-	steps, _ := ckpt.CommittedSteps(dir)
-	return steps
 }
 
 // flush waits until every persist the ranks asked for (a save with
@@ -891,8 +884,7 @@ func (c *checkpoints) heldSteps(rank int) ([]int64, int64, []int64) {
 			steps = append(steps, hs.Step)
 		}
 	}
-	_, disk := c.holdings()
-	return steps, c.diskStep(), disk
+	return steps, c.diskStep(), c.diskSteps()
 }
 
 // findHalf returns the half of rank's segment that holds step intact, or

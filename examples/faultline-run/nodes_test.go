@@ -397,22 +397,7 @@ func TestNodeZeroLostStandalone(t *testing.T) {
 	c.sharedDisk = true
 	args := []string{"--steps", "60", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
 	flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "3s", "--node-timeout", "4s", "--collective-timeout", "60s"}
-	// Rank 0 blocks before step 38's all-reduce, the others wait in it:
-	// no save and no transfer is in flight when node 0 goes, so that
-	// every rank and every replica holds step 37.
-	hang := append([]string{"--hang-rank", "0", "--hang-step", "38"}, args...)
-	n0 := c.start(0, c.f.Hosts[0], flags, hang...)
-	n1 := c.start(1, c.f.Hosts[1], flags, hang...)
-	n0.waitLine("[rank0]: blocking in get_batch at step 38", 3*time.Minute)
-	time.Sleep(time.Second)
-	c.f.Hosts[0].Kill()
-	if err := n1.wait(2 * time.Minute); err == nil {
-		t.Fatalf("node 1 ended as if the job had finished:\n%s", n1.errText())
-	}
-	<-n0.done
-	if !strings.Contains(n1.errText(), "step 37, the newest that every rank here holds in memory and the replicas held here hold, is committed with every rank's shard, those of ranks [0 1] from the replicas") {
-		t.Fatalf("node 1 does not say that it persisted node 0's ranks from its replicas:\n%s", n1.errText())
-	}
+	loseQuietly(c, flags, args, 0)
 	h0 := c.f.Replace(c.f.Hosts[0])
 	flags = flags[:len(flags)-4] // node 0 may take longer than 4 s to start
 	again := []*job{c.start(0, h0, flags, args...), c.start(1, c.f.Hosts[1], flags, args...)}
@@ -502,6 +487,32 @@ func medianStep(b *testing.B, j *job) time.Duration {
 	return ds[len(ds)/2]
 }
 
+// loseQuietly runs a job of two nodes with flags and args, loses node
+// lost whole where no save and no transfer is in flight (its first rank
+// blocks before step 38's all-reduce, the others wait in it, so every
+// rank and every replica holds step 37), and checks that the other node
+// ends the job, having committed step 37 with the lost node's shards from
+// its replicas. It returns the other node's job.
+func loseQuietly(c *cluster, flags, args []string, lost int) *job {
+	c.t.Helper()
+	hang := append([]string{"--hang-rank", strconv.Itoa(lost * c.perNode), "--hang-step", "38"}, args...)
+	jobs := []*job{c.start(0, c.f.Hosts[0], flags, hang...), c.start(1, c.f.Hosts[1], flags, hang...)}
+	left := jobs[1-lost]
+	jobs[lost].waitLine(fmt.Sprintf("[rank%d]: blocking in get_batch at step 38", lost*c.perNode), 3*time.Minute)
+	time.Sleep(time.Second)
+	c.f.Hosts[lost].Kill()
+	if err := left.wait(2 * time.Minute); err == nil {
+		c.t.Fatalf("node %d ended as if the job had finished:\n%s", 1-lost, left.errText())
+	}
+	<-jobs[lost].done
+	want := fmt.Sprintf("step 37, the newest that every rank here holds in memory and the replicas held here hold, is committed with every rank's shard, those of ranks %v from the replicas",
+		[]int{lost * c.perNode, lost*c.perNode + 1})
+	if !strings.Contains(left.errText(), want) {
+		c.t.Fatalf("node %d does not say that it persisted node %d's ranks from its replicas:\n%s", 1-lost, lost, left.errText())
+	}
+	return left
+}
+
 // TestNodeLostNoReplacement: node 1 is SIGKILLed whole and no node takes
 // its place within --node-timeout: node 0 gives the job up, but first
 // persists its ranks' newest step with the replicas it holds of node 1's
@@ -509,22 +520,9 @@ func medianStep(b *testing.B, j *job) time.Duration {
 func TestNodeLostNoReplacement(t *testing.T) {
 	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
 	c := newCluster(t, 2, 2)
-	// Rank 2 blocks before step 38's all-reduce, the others wait in it:
-	// no save and no transfer is in flight when node 1 goes.
-	args := []string{"--steps", "60", "--step-ms", "50", "--hang-rank", "2", "--hang-step", "38"}
+	args := []string{"--steps", "60", "--step-ms", "50"}
 	flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "3s", "--node-timeout", "4s", "--collective-timeout", "60s"}
-	n0 := c.start(0, c.f.Hosts[0], flags, args...)
-	n1 := c.start(1, c.f.Hosts[1], flags, args...)
-	n1.waitLine("[rank2]: blocking in get_batch at step 38", 3*time.Minute)
-	time.Sleep(time.Second)
-	c.f.Hosts[1].Kill()
-	if err := n0.wait(2 * time.Minute); err == nil {
-		t.Fatalf("node 0 ended as if the job had finished:\n%s", n0.errText())
-	}
-	<-n1.done
-	if !strings.Contains(n0.errText(), "step 37, the newest that every rank here holds in memory and the replicas held here hold, is committed with every rank's shard, those of ranks [2 3] from the replicas") {
-		t.Errorf("node 0 does not say that it persisted node 1's ranks from its replicas:\n%s", n0.errText())
-	}
+	n0 := loseQuietly(c, flags, args, 1)
 	dir := filepath.Join(c.dir, "ckpt-"+c.f.Hosts[0].Name)
 	if steps, err := ckpt.CommittedSteps(dir); err != nil || len(steps) == 0 || steps[0] != 37 {
 		t.Errorf("%s: committed steps %v (%v), want 37 first", dir, steps, err)
