@@ -524,34 +524,44 @@ func (o *orchestrator) do(ctx context.Context, a action) {
 		span.RecordError(err)
 		span.SetStatus(codes.Error, err.Error())
 	}
+	// An action cancelled is either stale (the core asked for something
+	// else and ignores its outcome) or ended with the manager; in the
+	// latter case its outcome is no outcome ("context canceled" is not a
+	// load that failed) and must not reach the state a successor takes
+	// over from.
+	feed := func(f func(time.Time, *machine)) {
+		if !errors.Is(ctx.Err(), context.Canceled) {
+			o.feed(f)
+		}
+	}
 	switch a.kind {
 	case actBroadcast:
 		results, err := o.broadcast(ctx, a)
 		if err != nil && !errors.Is(err, ErrClosed) {
 			fail(err)
 		}
-		o.feed(func(now time.Time, c *machine) { c.delivered(now, a.id, results) })
+		feed(func(now time.Time, c *machine) { c.delivered(now, a.id, results) })
 	case actDecide:
 		lvl, why := o.decide(ctx, a)
-		o.feed(func(now time.Time, c *machine) { c.decided(now, a.id, lvl, why) })
+		feed(func(now time.Time, c *machine) { c.decided(now, a.id, lvl, why) })
 	case actRepair:
 		ranks, err := o.repair(ctx, a)
 		if err != nil {
 			fail(err)
 		}
-		o.feed(func(now time.Time, c *machine) { c.repaired(now, a.id, ranks, err) })
+		feed(func(now time.Time, c *machine) { c.repaired(now, a.id, ranks, err) })
 	case actLoad:
 		step, err := o.cfg.Checkpoints.LoadNewest(ctx)
 		if err != nil {
 			fail(err)
 		}
-		o.feed(func(now time.Time, c *machine) { c.loaded(now, a.id, step, err) })
+		feed(func(now time.Time, c *machine) { c.loaded(now, a.id, step, err) })
 	case actPersist:
 		step, err := o.cfg.Checkpoints.PersistNewest(ctx)
 		if err != nil {
 			fail(err)
 		}
-		o.feed(func(now time.Time, c *machine) { c.persisted(now, a.id, step, err) })
+		feed(func(now time.Time, c *machine) { c.persisted(now, a.id, step, err) })
 	}
 }
 
