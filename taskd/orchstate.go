@@ -503,9 +503,10 @@ func (m *machine) restore(st coreState, history []Orchestration) {
 // again for what its state needs, and reacts to the faults that came
 // meanwhile. A repair that the executor finished is not made again: the
 // state waits for the ranks it restarted. Nor is one whose executor call
-// was cut short but evidently made: a rank it evicted that is live as
-// another instance was restarted by it, and the repair is taken for done,
-// waiting for the other ranks it evicted as for those of any repair.
+// was cut short once its evictions were written, unless a rank it was to
+// restart still runs as the instance it evicted: the repair is taken for
+// done, a rank live as another instance as restarted by it, the others
+// waited for as for those of any repair (and lost if they never come).
 func (m *machine) settled(now time.Time, why string, live map[int]string) {
 	r := m.run
 	if r == nil || !r.settling {
@@ -516,15 +517,23 @@ func (m *machine) settled(now time.Time, why string, live map[int]string) {
 	m.record(now, r.o.State, why)
 	repairing := r.o.State == StateRestarting || r.o.State == StateReplacing
 	var restarted []int
+	untouched := false // a rank the call was to restart still runs as it was
 	if repairing && !r.repairDone {
 		for rank, inst := range r.evictedInst {
-			if l := live[rank]; l != "" && l != inst {
+			switch l := live[rank]; {
+			case l != "" && l != inst:
 				restarted = append(restarted, rank)
+			case l != "" && l == inst:
+				untouched = true
 			}
 		}
 	}
+	// A rank evicted and not live yet may be on its way back from the
+	// dead manager's call: making the repair again would kill what that
+	// call started and count its registration for the new one. It is
+	// waited for as the ranks of any repair are.
 	switch {
-	case repairing && (r.repairDone || len(restarted) > 0):
+	case repairing && (r.repairDone || (len(r.evictedInst) > 0 && !untouched)):
 		timeout := m.repairTimeout()
 		m.nextAction++
 		r.action, r.deadline = m.nextAction, now.Add(timeout+grace(timeout))

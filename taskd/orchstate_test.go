@@ -192,6 +192,47 @@ func TestCoreTakeOver(t *testing.T) {
 		}
 	})
 
+	t.Run("restarting with the executor's call cut short, the rank not back yet: waited for, not restarted again", func(t *testing.T) {
+		w := newCoreWorld(t, testCoreConfig())
+		w.fault(3, FaultProcessExit)
+		w.deliver(orchReply{})
+		w.deliver(all())
+		w.m.decided(w.now, w.last().id, levelInPlace, "x")
+		w.drain()
+		w.m.evicted(w.last().id, map[int]string{3: "before"})
+		w.drain()
+		n := len(w.actions)
+		// The dead manager's call killed rank 3's old process; the new
+		// one registers only after the takeover settled.
+		w.takeOverLive(map[int]string{0: "a", 1: "b", 2: "c"})
+		if a := w.actions[n:]; len(a) != 0 {
+			t.Fatalf("after the takeover: %+v, want the rank waited for", a)
+		}
+		w.m.registered(w.now, 3)
+		w.drain()
+		if a := w.actions[n:]; len(a) != 1 || a[0].kind != actLoad {
+			t.Fatalf("once rank 3 registered: %+v", a)
+		}
+	})
+
+	t.Run("restarting with the executor's call cut short, the rank never back: lost at the repair's deadline", func(t *testing.T) {
+		w := newCoreWorld(t, testCoreConfig())
+		w.fault(3, FaultProcessExit)
+		w.deliver(orchReply{})
+		w.deliver(all())
+		w.m.decided(w.now, w.last().id, levelInPlace, "x")
+		w.drain()
+		w.m.evicted(w.last().id, map[int]string{3: "before"})
+		w.drain()
+		w.takeOverLive(map[int]string{0: "a", 1: "b", 2: "c"})
+		w.now = w.m.deadline().Add(time.Millisecond)
+		w.m.tick(w.now)
+		w.drain()
+		if fs := w.m.run.faults[3]; len(fs) == 0 || fs[len(fs)-1].Kind != FaultLost {
+			t.Fatalf("after the deadline: state %s, faults %+v", w.m.run.o.State, w.m.run.faults)
+		}
+	})
+
 	t.Run("a fault while the members register again", func(t *testing.T) {
 		w := newCoreWorld(t, testCoreConfig())
 		w.fault(3, FaultProcessExit)

@@ -407,7 +407,8 @@ func (j *haJob) checkOnce(t testing.TB, rec taskd.Orchestration, from []int) {
 // time: the manager that comes back takes the orchestration over where
 // the dead one left it, and the job resumes, from the right step, with
 // every rank resumed once. One more is killed while the executor restarts
-// a rank: the repair is made again.
+// a rank: the manager that takes over waits for the rank that call
+// restarts rather than restarting it again.
 func TestManagerKilled(t *testing.T) {
 	timeouts := taskd.Timeouts{Pause: 5 * time.Second, Notify: 5 * time.Second, Decide: 5 * time.Second, Retry: 5 * time.Second,
 		Restart: 20 * time.Second, Replace: 20 * time.Second, Load: 10 * time.Second, Resume: 10 * time.Second,
@@ -444,7 +445,7 @@ func TestManagerKilled(t *testing.T) {
 		j.checkOnce(t, rec, from)
 	})
 
-	t.Run("killed while the executor restarts the rank: the repair is made again", func(t *testing.T) {
+	t.Run("killed while the executor restarts the rank: the rank it restarts waited for", func(t *testing.T) {
 		hold := make(chan struct{})
 		j.mu.Lock()
 		j.hold = hold
