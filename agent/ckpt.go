@@ -10,6 +10,7 @@ import (
 	"io/fs"
 	"maps"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -45,6 +46,9 @@ type checkpoints struct {
 	starts  map[int]int64  // the step of each start with none agreed, by start count
 	loaded  map[int]loader // by rank: its process that loaded once
 	peers   map[int]string // every node's replica address, by node
+	// domains is each node's access switch, where Config.Topology names
+	// its host (by node, as the owners key their peers).
+	domains map[string]string
 	wg      sync.WaitGroup
 
 	hostOnce sync.Once
@@ -180,6 +184,9 @@ func (c *checkpoints) openLocked(sh *shard, rank int, dir string, bytes int64) e
 		cfg.Node, cfg.Replicas, cfg.ReplicaKey = strconv.Itoa(a.cfg.NodeRank), a.cfg.Replicas, c.replicaKey()
 		cfg.ListenAddr = net.JoinHostPort(c.host(), strconv.Itoa(a.cfg.ReplicaPort+c.local(rank)))
 		cfg.Peers = c.peersOf(rank)
+		c.mu.Lock()
+		cfg.Domains = maps.Clone(c.domains)
+		c.mu.Unlock()
 	}
 	if a.cfg.Nodes > 1 && dir != "" {
 		cfg.Committer = &jobCommitter{c: c, local: &ckpt.LocalCommitter{Dir: dir}}
@@ -389,19 +396,56 @@ func (c *checkpoints) adoptDir(dir string) {
 // setPeers takes in the replica address of every node of the job and
 // hands each local rank's owner the peers it sends its replicas to.
 func (c *checkpoints) setPeers(peers map[int]string) {
+	domains := c.domainsOf(peers)
 	c.mu.Lock()
-	c.peers = peers
+	c.peers, c.domains = peers, domains
 	shards := maps.Clone(c.shards)
 	c.mu.Unlock()
 	for rank, sh := range shards {
 		sh.mu.Lock()
 		if sh.owner != nil {
-			if err := sh.owner.SetPeers(c.peersOf(rank), nil); err != nil {
+			if err := sh.owner.SetPeers(c.peersOf(rank), domains); err != nil {
 				c.a.log.Warn("agent: replica peers not set", "rank", rank, "err", err)
 			}
 		}
 		sh.mu.Unlock()
 	}
+}
+
+// domainsOf returns the access switch of each node whose replica
+// address is a host Config.Topology names (a name is resolved first, as a
+// pod's headless-Service name is); nil without a topology.
+func (c *checkpoints) domainsOf(peers map[int]string) map[string]string {
+	t := c.a.cfg.Topology
+	if t == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	out := make(map[string]string, len(peers))
+	for node, addr := range peers {
+		host, _, err := net.SplitHostPort(addr)
+		if err != nil {
+			continue
+		}
+		ips := []string{host}
+		if _, err := netip.ParseAddr(host); err != nil {
+			if ips, err = net.DefaultResolver.LookupHost(ctx, host); err != nil {
+				c.a.log.Warn("agent: a node's host is not resolved; its switch is unknown", "node", node, "host", host, "err", err)
+				continue
+			}
+		}
+		for _, ip := range ips {
+			if n, ok := t.Lookup(ip); ok {
+				out[strconv.Itoa(node)] = n.ASW
+				break
+			}
+		}
+		if _, ok := out[strconv.Itoa(node)]; !ok {
+			c.a.log.Warn("agent: a node's host is not in the topology; its replicas' switch is unknown", "node", node, "host", host)
+		}
+	}
+	return out
 }
 
 // replicating reports whether the node's ranks send replicas to other

@@ -3,12 +3,16 @@ package agent
 import (
 	"bytes"
 	"context"
+	"log/slog"
+	"maps"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/topology"
 )
 
 // save writes step into rank's segment as a rank's Checkpointer would,
@@ -168,5 +172,32 @@ func TestResumeFromDiskSaysWhy(t *testing.T) {
 	plan, restart, why := c.plan(nil, 50*time.Millisecond)
 	if plan.step != 5 || restart != 3 || !strings.Contains(why, "nodes [1] did not say what they hold within 50ms") {
 		t.Fatalf("plan = %+v, restart %d, why %q; want step 5 from disk, restart 3", plan, restart, why)
+	}
+}
+
+// TestReplicasGoToAnotherSwitch: with the job's topology, a node's
+// replicas go to a node under another access switch, not to the next
+// node under its own; a host named rather than numbered is resolved, and
+// one the topology does not list has no switch.
+func TestReplicasGoToAnotherSwitch(t *testing.T) {
+	topo, err := topology.Parse([]byte("asw-a psw-1 10.0.0.1\nasw-a psw-1 10.0.0.2\nasw-b psw-1 127.0.0.1\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &checkpoints{a: &Agent{cfg: Config{Topology: topo}, log: slog.New(slog.DiscardHandler)}}
+	peers := map[int]string{0: "10.0.0.1:29502", 1: "10.0.0.2:29502", 2: "localhost:29502", 3: "10.9.9.9:29502"}
+	got := c.domainsOf(peers)
+	if want := map[string]string{"0": "asw-a", "1": "asw-a", "2": "asw-b"}; !maps.Equal(got, want) {
+		t.Fatalf("domains %v, want %v", got, want)
+	}
+	nodes := []string{"0", "1", "2", "3"}
+	if p := ckpt.PickPeers("0", nodes, got, 1); !slices.Equal(p, []string{"2"}) {
+		t.Errorf("node 0 replicates to %v, want [2] (another switch)", p)
+	}
+	if p := ckpt.PickPeers("0", nodes, nil, 1); !slices.Equal(p, []string{"1"}) {
+		t.Errorf("without a topology node 0 replicates to %v, want [1] (the next node)", p)
+	}
+	if (&checkpoints{a: &Agent{log: slog.New(slog.DiscardHandler)}}).domainsOf(peers) != nil {
+		t.Error("domains without a topology")
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/topology"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -108,6 +109,11 @@ type Config struct {
 	// that nodes sharing a host do not collide).
 	Replicas    int
 	ReplicaPort int
+	// Topology is the switches the job's hosts hang from (DLRover's
+	// node-topology-config): a rank's replicas go first to nodes under
+	// another access switch than its own, so that losing a switch loses
+	// no step. Nil: the nodes that follow in node-rank order.
+	Topology *topology.Topology
 	// Security of the control plane; required (Insecure for loopback).
 	// Its token also keys the replicas' transfers.
 	Security taskd.Security

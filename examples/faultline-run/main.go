@@ -53,6 +53,9 @@
 //	--replicas K              how many other nodes hold a copy of each rank's newest memory step (default 1
 //	                          with several nodes; -1: none); --replica-port P is the first of the node's
 //	                          replica servers' ports, one per local rank
+//	--topology FILE           DLRover's node-topology-config (asw psw ip lines, the ConfigMap the
+//	                          Kubernetes manifests mount): each rank's replicas go first to nodes under
+//	                          another access switch, so that a switch lost loses no step
 //	--metrics-listen ADDR     serve the agent's Prometheus metrics on ADDR (/metrics): each rank's
 //	                          checkpoint, dotting and hang metrics, labelled by rank, node 0's manager's,
 //	                          and faultline_agent_async_saves_abandoned_total
@@ -98,6 +101,7 @@ import (
 
 	"github.com/faultline-ml/faultline/agent"
 	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/topology"
 	"github.com/faultline-ml/faultline/trace"
 )
 
@@ -208,6 +212,7 @@ func parse(args []string) (options, error) {
 		metrics     = fs.String("metrics-listen", "", "address to serve the agent's Prometheus metrics on (/metrics)")
 		nodeTimeout = fs.Duration("node-timeout", 10*time.Minute, "how long the job waits for a node that replaces a lost one (same --node-rank, any host), and a node for the job's manager it lost (one not yet joined waits at least 2m); the job then ends, its newest step persisted with the lost node's replicas where the survivors hold them")
 		replicas    = fs.Int("replicas", 0, "other nodes that hold a copy of each rank's newest memory step (default 1 with several nodes; -1: none)")
+		topo        = fs.String("topology", "", "DLRover's node-topology-config (asw psw ip lines): replicas go to nodes under another access switch first")
 		replicaPort = fs.Int("replica-port", 0, "first port of the node's replica servers, one per local rank (default --master-port + 2 + node rank x ranks per node)")
 	)
 	// torchrun's underscore spellings.
@@ -236,6 +241,15 @@ func parse(args []string) (options, error) {
 	}
 	if cfg.ProcsPerNode, err = parseNproc(*nproc); err != nil {
 		return opts, err
+	}
+	if *topo != "" {
+		data, err := os.ReadFile(*topo)
+		if err != nil {
+			return opts, fmt.Errorf("%w: --topology: %v", errUsage, err)
+		}
+		if cfg.Topology, err = topology.Parse(data); err != nil {
+			return opts, fmt.Errorf("%w: --topology %s: %v", errUsage, *topo, err)
+		}
 	}
 	if *heartbeat <= 0 {
 		return opts, fmt.Errorf("%w: --heartbeat-deadline %v: give a positive duration", errUsage, *heartbeat)

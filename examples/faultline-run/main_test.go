@@ -523,6 +523,10 @@ func TestAdmin(t *testing.T) {
 
 // TestUsage: bad command lines are refused with the flag named.
 func TestUsage(t *testing.T) {
+	badTopo := filepath.Join(t.TempDir(), "topology_config")
+	if err := os.WriteFile(badTopo, []byte("asw-1 psw-1 not-an-ip\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	for _, tc := range []struct {
 		args []string
 		want string
@@ -540,6 +544,8 @@ func TestUsage(t *testing.T) {
 		{[]string{"--heartbeat-deadline", "0s", "x.py"}, "--heartbeat-deadline"},
 		{[]string{"--grace-period", "-1s", "x.py"}, "--grace-period"},
 		{[]string{"--rdzv-id", "../x", "x.py"}, "--rdzv-id"},
+		{[]string{"--topology", "/nonexistent/topology_config", "x.py"}, "--topology: open /nonexistent/topology_config"},
+		{[]string{"--topology", badTopo, "x.py"}, "--topology " + badTopo + ": topology: node-topology-config: line 1: field ip"},
 	} {
 		t.Setenv("MINDX_TASK_ID", "")
 		t.Setenv("TASKD_TOKEN", "")
