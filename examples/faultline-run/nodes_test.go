@@ -238,12 +238,16 @@ func TestFirstLoadsAgree(t *testing.T) {
 // folder per node) and under torch.distributed.run with a c10d rendezvous
 // (torch.save every 10 steps to a folder both nodes share, as a torchrun
 // job checkpoints). The job: train.py, 2 nodes x 2 ranks, 100 ms a step,
-// node 1 killed after step 50. Run it with
+// node 1 killed in step 51: iteration i of N at (i+0.5)/N of the step,
+// so that the kills spread evenly over it, as a fault's time would. Run
+// it with
 //
-//	go test -run '^$' -bench NodeLost -benchtime 1x ./examples/faultline-run/
+//	go test -run '^$' -bench NodeLost -benchtime 4x ./examples/faultline-run/
 //
 // It reports both times, their ratio (faultline-run's over torchrun's) and
-// the steps each lost (trained again after the resume).
+// the steps each lost (trained again after the resume), on average: a
+// kill in the moment between a step's end and its replica's arrival costs
+// that step.
 func BenchmarkNodeLost(b *testing.B) {
 	needTorch(b)
 	if err := exec.Command(torchPython, "-c", "import torch.distributed.run").Run(); err != nil {
@@ -254,13 +258,14 @@ func BenchmarkNodeLost(b *testing.B) {
 	args := []string{"--steps", "80", "--step-ms", "100"}
 	var fl, tr time.Duration
 	var flLost, trLost int
-	for range b.N {
+	for i := range b.N {
+		into := time.Duration((float64(i) + 0.5) / float64(b.N) * float64(100*time.Millisecond))
 		c := newCluster(b, 2, 2)
 		c.spares = true
 		flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "3s"}
 		n0 := c.start(0, c.f.Hosts[0], flags, args...)
 		c.start(1, c.f.Hosts[1], flags, args...)
-		d, lost := nodeLost(c, n0, func(h *testkit.Host) { c.start(1, h, flags, args...) })
+		d, lost := nodeLost(c, n0, into, func(h *testkit.Host) { c.start(1, h, flags, args...) })
 		fl += d
 		flLost += lost
 
@@ -279,7 +284,7 @@ func BenchmarkNodeLost(b *testing.B) {
 		}
 		t0 := run(c.f.Hosts[0])
 		run(c.f.Hosts[1])
-		d, lost = nodeLost(c, t0, func(h *testkit.Host) { run(h) })
+		d, lost = nodeLost(c, t0, into, func(h *testkit.Host) { run(h) })
 		tr += d
 		trLost += lost
 	}
@@ -291,23 +296,29 @@ func BenchmarkNodeLost(b *testing.B) {
 	b.ReportMetric(float64(trLost)/n, "torchrun-steps-lost")
 }
 
-// nodeLost kills c's node 1 once node 0's job n0 is past step 50, starts
-// a replacement on a new host 3 s later, and returns the time from the
-// kill to n0's first line, once resumed, of the step after the newest one
-// done before the kill, and the steps trained again.
-func nodeLost(c *cluster, n0 *job, replace func(*testkit.Host)) (time.Duration, int) {
+// nodeLost kills c's node 1 a time into after node 0's job n0 is past
+// step 50, starts a replacement on a new host 3 s later, and returns the
+// time from the kill to n0's first line, once resumed, of the step after
+// the newest one done before the kill, and the steps done before the kill
+// that were trained again.
+func nodeLost(c *cluster, n0 *job, into time.Duration, replace func(*testkit.Host)) (time.Duration, int) {
 	c.t.Helper()
 	n0.waitLine("step 50 loss", 5*time.Minute)
-	c.f.Hosts[1].Kill()
+	time.Sleep(into)
+	// From the moment the kill begins: Kill returns once every process
+	// of the host is gone, and a line node 0 printed meanwhile is of a
+	// step node 1 did not live through.
 	killed := time.Now()
+	c.f.Hosts[1].Kill()
 	time.Sleep(3 * time.Second)
 	replace(c.f.AddHost())
-	done, resumed := -1, -1
+	var done, resumed int
 	var back time.Time
 	for deadline := time.Now().Add(5 * time.Minute); back.IsZero(); time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			c.t.Fatalf("the job is not back after the node's loss:\n%s\n%s", n0.stdout(), n0.errText())
 		}
+		done, resumed = -1, -1 // each look reads the lines from the first
 		n0.mu.Lock()
 		for _, l := range n0.lines {
 			var st int
@@ -319,7 +330,7 @@ func nodeLost(c *cluster, n0 *job, replace func(*testkit.Host)) (time.Duration, 
 				}
 			case strings.Contains(l.text, "resumed from step "):
 				fmt.Sscanf(l.text[strings.Index(l.text, "resumed from step "):], "resumed from step %d", &resumed)
-			case resumed >= 0 && strings.Contains(l.text, fmt.Sprintf("step %d loss", done+1)):
+			case resumed >= 0 && strings.Contains(l.text, fmt.Sprintf("step %d loss", max(done, resumed)+1)):
 				back = l.at
 			}
 			if !back.IsZero() {
@@ -328,7 +339,9 @@ func nodeLost(c *cluster, n0 *job, replace func(*testkit.Host)) (time.Duration, 
 		}
 		n0.mu.Unlock()
 	}
-	return back.Sub(killed), done - resumed
+	// A step node 1 finished between the kill's start and its processes'
+	// end may be resumed from: none is lost then.
+	return back.Sub(killed), max(done-resumed, 0)
 }
 
 // TestNodeZeroLost: the shape the docs recommend for clusters, the
