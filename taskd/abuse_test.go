@@ -317,37 +317,73 @@ func TestRefusedBeforeTheBody(t *testing.T) {
 	}
 }
 
-// TestStreamsPerPeerBounded: the calls in flight from one peer address,
-// over all its connections, are bounded; one more is refused from its
-// headers, and a call that ends frees its place.
+// TestStreamsPerPeerBounded: the calls in flight that name no member (a
+// registration) have a small budget of each peer address, apart from the
+// members' calls, which are bounded per member: a token holder's 1,000
+// stalled registrations, from the address the members share, refuse none
+// of their calls, and each ends at its body deadline, freeing its place.
 func TestStreamsPerPeerBounded(t *testing.T) {
+	const token = "0123456789abcdef0123456789abcdef"
+	sec := Security{Insecure: true, Token: token}
+	reg := prometheus.NewRegistry()
 	// The members that open the calls never beat: a long deadline keeps
 	// them registered however slow the machine.
-	c := newCluster(t, insecureSec(), ManagerConfig{HeartbeatDeadline: 10 * time.Minute})
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	var streams []grpc.ClientStreamingClient[pb.UploadChunk, pb.UploadResponse]
-	const perMember = 25 // below what one worker may hold in flight
-	for i := range maxStreamsPerPeer / perMember {
-		r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: i})
+	c := newCluster(t, sec, ManagerConfig{Registerer: reg, HeartbeatDeadline: 10 * time.Minute})
+	addr := c.m.Addr().String()
+	live := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+	other := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 2})
+	for _, r := range []*rawMember{live, other} {
 		if err := r.register(); err != nil {
 			t.Fatal(err)
 		}
-		for range perMember {
-			s, err := r.client.Upload(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			streams = append(streams, s)
+	}
+	// 10 connections of 100 registrations with the token, each declaring
+	// a body it never sends.
+	var attack []*h2Conn
+	for range 10 {
+		h := newH2Conn(t, addr)
+		for id := uint32(1); id < 2*maxStreamsPerConn; id += 2 {
+			h.call(id, pb.Control_Register_FullMethodName, "Bearer "+token, nil, 100, 0)
+		}
+		attack = append(attack, h)
+	}
+	refused := func() float64 {
+		return gathered(t, reg)[`faultline_taskd_calls_refused_total{reason="anonymous_calls"}`]
+	}
+	testkit.WaitFor(t, "the stalled registrations past their budget refused", func() bool { return refused() >= 500 })
+	for i := range 10 {
+		if _, err := live.client.Heartbeat(live.ctx(), &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: live.self}}}); err != nil {
+			t.Fatalf("heartbeat %d of a member beside the stalled registrations: %v", i, err)
 		}
 	}
-	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: 99})
-	testkit.WaitFor(t, "the calls in flight refused", func() bool {
-		return status.Code(r.register()) == codes.ResourceExhausted
+	again := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+	again.self = live.self
+	again.cred.set(*live.cred.secret.Load())
+	if err := again.register(); err != nil {
+		t.Fatalf("a member reconnecting with its secret beside the stalled registrations: %v", err)
+	}
+	// A member's calls are bounded per member, from whatever address.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	for range maxCallsPerWorker {
+		if _, err := live.client.Upload(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testkit.WaitFor(t, "a member's call past its bound refused", func() bool {
+		_, err := live.client.Heartbeat(live.ctx(), &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: live.self}}})
+		return status.Code(err) == codes.ResourceExhausted
 	})
-	streams[0].CloseSend()
-	streams[0].CloseAndRecv()
-	testkit.WaitFor(t, "a call taken once one ended", func() bool { return r.register() == nil })
+	if _, err := other.client.Heartbeat(other.ctx(), &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: other.self}}}); err != nil {
+		t.Fatalf("another member on the address: %v", err)
+	}
+	// The stalled registrations end at their body deadline; a newcomer
+	// from the address is then served.
+	if got := attack[0].status(1); got != fmt.Sprint(int(codes.Canceled)) {
+		t.Fatalf("a stalled registration: status %q, want Canceled", got)
+	}
+	newcomer := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 1})
+	testkit.WaitFor(t, "a newcomer served once the stalled registrations ended", func() bool { return newcomer.register() == nil })
 }
 
 // dialFrom returns a gRPC connection to addr made from the loopback

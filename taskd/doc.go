@@ -244,7 +244,11 @@
 // 256 KiB for a proxy's batch of heartbeats; a call declaring more has its
 // connection closed from the message's prefix, before its body arrives),
 // calls per second per connection (RateLimit), calls in flight per
-// connection (100), per peer address (1000) and per worker (32), header lists
+// connection (100), per worker (32) and per proxy (1000), and apart from
+// them, for the calls that name no member (a registration), per peer
+// address (64), each with 2 s to send its message, so that a token
+// holder's stalled registrations cannot refuse the calls of the members
+// sharing its address, header lists
 // (16 KiB), connections in all and per address (MaxConnections,
 // MaxConnectionsPerPeer; those that have not yet authenticated draw on a
 // budget of their own, the oldest closed for a newer one, so that silent

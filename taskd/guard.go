@@ -3,6 +3,7 @@ package taskd
 import (
 	"context"
 	"crypto/subtle"
+	"fmt"
 	"log/slog"
 	"net"
 	"slices"
@@ -26,13 +27,21 @@ const (
 	// maxStreamsPerConn bounds the calls in flight on one connection
 	// (HTTP/2 MAX_CONCURRENT_STREAMS); a client queues past it.
 	maxStreamsPerConn = 100
-	// maxStreamsPerPeer bounds the calls in flight from one peer address
-	// over all its connections; more are refused.
-	maxStreamsPerPeer = 1000
+	// maxAnonCallsPerPeer bounds the calls in flight from one peer
+	// address that name no member (registrations, operators' calls), over
+	// all its connections; more are refused. The members' own calls do
+	// not draw on it, so that a token holder's stalled registrations do
+	// not refuse the heartbeats of the members sharing its address.
+	maxAnonCallsPerPeer = 64
+	// anonBodyDeadline bounds how long a call that names no member takes
+	// to send its first message: a registration is a few hundred bytes,
+	// and one that stalls gives its place back.
+	anonBodyDeadline = 2 * time.Second
 	// maxCallsPerWorker bounds the calls in flight of one worker, as its
 	// secret names it, whatever connections and addresses it uses; a
-	// proxy, which relays its node's workers, has maxStreamsPerPeer.
+	// proxy, which relays its node's workers, has maxCallsPerProxy.
 	maxCallsPerWorker = 32
+	maxCallsPerProxy  = 1000
 	// maxHeaderBytes caps a call's header list, which is read before the
 	// token is checked.
 	maxHeaderBytes = 16 << 10
@@ -89,7 +98,8 @@ type guardMetrics struct {
 // their body is read (a gRPC tap handle, run as a call's headers arrive):
 // it bounds the connections in all and from each peer address, checks the
 // one token a call carries, rate-limits each address's failures, and
-// bounds the calls in flight from each address. A refused call costs its
+// bounds the calls in flight of each member, and apart from them those
+// from each address that name no member. A refused call costs its
 // headers, never its body.
 //
 // A connection is pending until a call on it authenticates. The pending
@@ -127,7 +137,7 @@ type guard struct {
 type peerState struct {
 	conns   map[string]*connState // open, by remote address
 	pending []string              // remote addresses not yet authenticated, oldest first
-	streams int                   // calls in flight
+	anon    int                   // calls in flight that name no member
 }
 
 // connState is what a guard holds of one connection.
@@ -202,7 +212,7 @@ func (g *guard) peerLocked(ip string) *peerState {
 
 // forgetLocked drops the state of ip once it holds nothing.
 func (g *guard) forgetLocked(ip string, ps *peerState) {
-	if len(ps.conns) == 0 && ps.streams <= 0 {
+	if len(ps.conns) == 0 && ps.anon <= 0 {
 		delete(g.peers, ip)
 	}
 }
@@ -430,16 +440,18 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 		return nil, status.Errorf(codes.ResourceExhausted, "taskd: %d connections from %s authenticated, at most %d", g.maxPerPeer, ip, g.maxPerPeer)
 	}
 	g.mu.Lock()
-	ps := g.peerLocked(ip)
-	if ps.streams >= maxStreamsPerPeer {
-		g.mu.Unlock()
-		g.refuse("streams", ip, info.FullMethodName)
-		return nil, status.Errorf(codes.ResourceExhausted, "taskd: %d calls in flight from %s, at most %d", maxStreamsPerPeer, ip, maxStreamsPerPeer)
-	}
-	if caller != nil {
+	if caller == nil {
+		ps := g.peerLocked(ip)
+		if ps.anon >= maxAnonCallsPerPeer {
+			g.mu.Unlock()
+			g.refuse("anonymous_calls", ip, info.FullMethodName)
+			return nil, status.Errorf(codes.ResourceExhausted, "taskd: %d calls in flight from %s that name no member, at most %d", maxAnonCallsPerPeer, ip, maxAnonCallsPerPeer)
+		}
+		ps.anon++
+	} else {
 		bound := maxCallsPerWorker
 		if caller.key.role == RoleProxy {
-			bound = maxStreamsPerPeer
+			bound = maxCallsPerProxy
 		}
 		if g.calls[*caller] >= bound {
 			g.mu.Unlock()
@@ -448,20 +460,44 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 		}
 		g.calls[*caller]++
 	}
-	ps.streams++
 	var conn uint64
-	if cs := ps.conns[addr]; cs != nil {
-		conn = cs.id
+	if ps := g.peers[ip]; ps != nil && ps.conns[addr] != nil {
+		conn = ps.conns[addr].id
 	}
 	g.mu.Unlock()
 	ctx = context.WithValue(ctx, authKey{}, cred)
 	ctx = context.WithValue(ctx, connKey{}, conn)
+	stop := func() bool { return false }
 	if caller != nil {
 		ctx = context.WithValue(ctx, callerKey{}, caller)
+	} else {
+		// A call that names no member has anonBodyDeadline to send its
+		// message (the server's stats handler stops the clock as it
+		// arrives), so that a stalled one ends and frees its place.
+		var cancel context.CancelCauseFunc
+		ctx, cancel = context.WithCancelCause(ctx)
+		t := time.AfterFunc(anonBodyDeadline, func() { cancel(errBodyDeadline) })
+		stop = t.Stop
+		ctx = context.WithValue(ctx, bodyClockKey{}, t)
 	}
 	// The call's context ends with the call, whatever ends it.
-	context.AfterFunc(ctx, func() { g.release(ip, caller) })
+	context.AfterFunc(ctx, func() { stop(); g.release(ip, caller) })
 	return ctx, nil
+}
+
+// errBodyDeadline is why a call that names no member and did not send its
+// message within anonBodyDeadline was cancelled.
+var errBodyDeadline = fmt.Errorf("taskd: no message within %v of the call's headers", anonBodyDeadline)
+
+// bodyClockKey carries, in the context of a call that names no member,
+// the timer that ends it unless its message arrives first.
+type bodyClockKey struct{}
+
+// messageArrived stops the body clock of the call of ctx, if it has one.
+func messageArrived(ctx context.Context) {
+	if t, _ := ctx.Value(bodyClockKey{}).(*time.Timer); t != nil {
+		t.Stop()
+	}
 }
 
 // release takes in the end of a call from ip, made by caller (nil for
@@ -469,11 +505,12 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 func (g *guard) release(ip string, caller *identity) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if ps := g.peers[ip]; ps != nil {
-		ps.streams--
-		g.forgetLocked(ip, ps)
-	}
-	if caller != nil {
+	if caller == nil {
+		if ps := g.peers[ip]; ps != nil {
+			ps.anon--
+			g.forgetLocked(ip, ps)
+		}
+	} else {
 		if g.calls[*caller]--; g.calls[*caller] <= 0 {
 			delete(g.calls, *caller)
 		}
