@@ -1002,3 +1002,107 @@ func TestMessageLimits(t *testing.T) {
 	streams[0].CloseAndRecv()
 	testkit.WaitFor(t, "a call taken once one ended", func() bool { return r.register() == nil })
 }
+
+// closedOn waits for the server to close h's connection, reading what it
+// sends meanwhile.
+func closedOn(t testing.TB, h *h2Conn, what string) {
+	t.Helper()
+	h.c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	for {
+		_, err := h.fr.ReadFrame()
+		if ne, ok := err.(net.Error); ok && ne.Timeout() {
+			t.Fatalf("%s: the connection is still open", what)
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// TestUnfinishedBytesBounded: what the messages begun and not yet whole
+// hold is bounded per worker and per address: a token holder's own ranks
+// that stall their Sends, each within the method's bound, have their
+// connections closed once a worker would hold more than two of the
+// largest messages or their address more than 16, while a member on that
+// address keeps beating; what the stalled messages held is given back as
+// their connections close. Acknowledge and CollectDone have bounds of
+// their own.
+func TestUnfinishedBytesBounded(t *testing.T) {
+	const token = "0123456789abcdef0123456789abcdef"
+	sec := Security{Insecure: true, Token: token}
+	reg := prometheus.NewRegistry()
+	c := newCluster(t, sec, ManagerConfig{Registerer: reg, MaxMessageBytes: 256 << 10, HeartbeatDeadline: 10 * time.Minute})
+	addr := c.m.Addr().String()
+	g := c.m.lis.(*guardListener).g
+	closed := func(reason string) float64 {
+		return gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="`+reason+`"}`]
+	}
+	live := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+	if err := live.register(); err != nil {
+		t.Fatal(err)
+	}
+	beat := func() error {
+		_, err := live.client.Heartbeat(live.ctx(), &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: live.self}}})
+		return err
+	}
+	// stall opens, as rank, calls of method that each declare a message
+	// within the bound and send 60 KiB of it (a stream's first window).
+	stall := func(rank, calls int, method string) *h2Conn {
+		r := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: rank})
+		if err := r.register(); err != nil {
+			t.Fatal(err)
+		}
+		r.conn.Close()
+		h := newH2Conn(t, addr)
+		for i := range calls {
+			h.call(uint32(2*i+1), method, "Bearer "+token, map[string]string{memberHeader: *r.cred.secret.Load()}, 200<<10, 60<<10)
+		}
+		return h
+	}
+	// A worker: 8 stalled Sends hold 480 KiB, within two messages; a
+	// ninth passes them.
+	closedOn(t, stall(1, 9, pb.Control_Send_FullMethodName), "a worker's ninth stalled Send of 60 KiB")
+	if n := closed("unfinished_bytes"); n != 1 {
+		t.Fatalf("connections closed for what their calls held: %v", n)
+	}
+	// An address: 8 workers of 8 stalled Sends hold 3.75 MiB, within 16
+	// messages; a ninth worker's passes them.
+	var held []*h2Conn
+	for rank := 2; rank < 10; rank++ {
+		held = append(held, stall(rank, 8, pb.Control_Send_FullMethodName))
+	}
+	testkit.WaitFor(t, "the stalled Sends held", func() bool {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		return g.heldByPeer["127.0.0.1"] >= 8*8*(60<<10)-16<<10
+	})
+	for i := range 10 {
+		if err := beat(); err != nil {
+			t.Fatalf("heartbeat %d of a member beside the stalled Sends: %v", i, err)
+		}
+	}
+	closedOn(t, stall(10, 8, pb.Control_Send_FullMethodName), "stalled Sends past the address's bound")
+	if n := closed("unfinished_bytes"); n != 2 {
+		t.Fatalf("connections closed for what their calls held: %v", n)
+	}
+	for _, h := range held {
+		h.c.Close()
+	}
+	testkit.WaitFor(t, "what the stalled Sends held given back", func() bool {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		return len(g.heldByPeer) == 0 && len(g.heldByMember) == 0
+	})
+	if err := beat(); err != nil {
+		t.Fatal(err)
+	}
+	// Acknowledge and CollectDone declaring more than they carry.
+	for i, m := range []string{pb.Control_Acknowledge_FullMethodName, pb.Control_CollectDone_FullMethodName} {
+		h := newH2Conn(t, addr)
+		h.call(1, m, "Bearer "+token, map[string]string{memberHeader: *live.cred.secret.Load()}, 2<<20, 1<<10)
+		closedOn(t, h, m+" declaring 2 MiB")
+		if n := closed("message_limit"); n != float64(i+1) {
+			t.Fatalf("connections closed for a message beyond its method's bound: %v", n)
+		}
+	}
+}

@@ -240,9 +240,14 @@
 //
 // Every server bounds what a peer can make it hold: message size
 // (MaxMessageBytes, and for the calls that carry a few hundred bytes a
-// bound in KiB of their own: 16 KiB for Register, Stream and Leave,
-// 256 KiB for a proxy's batch of heartbeats; a call declaring more has its
-// connection closed from the message's prefix, before its body arrives),
+// bound of their own: 16 KiB for Register, Stream and Leave, 256 KiB for
+// a proxy's batch of heartbeats and for CollectDone, 1 MiB for a batch of
+// acknowledgements; a call declaring more has its connection closed from
+// the message's prefix, before its body arrives; Send, which carries a
+// node's stack dumps, and Upload keep MaxMessageBytes), the bytes of
+// messages begun and not yet whole, which gRPC holds until they are (two
+// messages of MaxMessageBytes per worker, 16 per peer address: a
+// connection that would hold more is closed),
 // calls per second per connection (RateLimit), calls in flight per
 // connection (100), per worker (32) and per proxy (1000), and apart from
 // them, for the calls that name no member (a registration), per peer

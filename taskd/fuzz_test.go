@@ -389,6 +389,19 @@ func FuzzSubscribeDataTraceSwitch(f *testing.F) {
 	)
 }
 
+// countBudget is a msgLimiter's budget of max bytes, for one connection.
+type countBudget struct{ held, max int }
+
+func (*countBudget) member(string) *identity { return nil }
+func (*countBudget) exceeded(string, string) {}
+func (b *countBudget) hold(_ *identity, n int) bool {
+	if b.held+n > b.max {
+		return false
+	}
+	b.held += n
+	return true
+}
+
 // FuzzMsgLimiter: whatever bytes a client sends, the limiter of message
 // sizes neither panics nor depends on how the reads cut them.
 func FuzzMsgLimiter(f *testing.F) {
@@ -407,8 +420,8 @@ func FuzzMsgLimiter(f *testing.F) {
 	f.Add(buf.Bytes(), 3)
 	f.Add(buf.Bytes(), 1000)
 	f.Fuzz(func(t *testing.T, data []byte, cut int) {
-		whole := newMsgLimiter(nil, func(string) {}).feed(data)
-		l := newMsgLimiter(nil, func(string) {})
+		whole := newMsgLimiter(nil, &countBudget{max: 64 << 10}).feed(data)
+		l := newMsgLimiter(nil, &countBudget{max: 64 << 10})
 		var err error
 		for b := data; len(b) > 0 && err == nil; {
 			k := min(len(b), 1+(cut&0xffff)%97)

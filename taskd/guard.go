@@ -64,6 +64,12 @@ const (
 	// silentGrace is that grace for a connection that has not sent a
 	// byte: a member's first bytes follow its connect at once.
 	silentGrace = 100 * time.Millisecond
+	// The bytes of the messages begun and not yet whole, which gRPC holds
+	// until they are, are bounded per worker and per peer address, in
+	// messages of the largest size (MaxMessageBytes): a connection that
+	// would pass either bound is closed.
+	unfinishedPerWorker = 2
+	unfinishedPerPeer   = 16
 	// defaultMaxConnectionsPerPeer bounds the connections from one peer
 	// address that authenticated, and apart from them those that have not
 	// yet.
@@ -127,8 +133,13 @@ type guard struct {
 	peers     map[string]*peerState    // by peer IP, while it has connections or calls
 	penalties map[string]*rate.Limiter // failures budget, by peer IP
 	calls     map[identity]int         // calls in flight, by member
-	conns     int
-	lastConn  uint64 // the number of the newest connection admitted
+	// Bytes of messages begun and not yet whole, by peer IP and by
+	// member, and their bounds.
+	heldByPeer   map[string]int
+	heldByMember map[identity]int
+	maxMsg       int
+	conns        int
+	lastConn     uint64 // the number of the newest connection admitted
 
 	refusals sync.Map // reason -> *refusalLog
 }
@@ -159,7 +170,9 @@ type guardConfig struct {
 	tokens               map[string]credential
 	open                 bool
 	maxConns, maxPerPeer int
-	ids                  *identities
+	// maxMsg is the server's bound on a message (MaxMessageBytes).
+	maxMsg int
+	ids    *identities
 	// policy, if set, refuses a call to method with cred.
 	policy func(method string, cred credential) error
 	met    guardMetrics
@@ -168,7 +181,8 @@ type guardConfig struct {
 
 func newGuard(c guardConfig) *guard {
 	g := &guard{log: c.log, met: c.met, maxConns: c.maxConns, maxPerPeer: c.maxPerPeer, ids: c.ids, policy: c.policy, open: c.open,
-		peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter), calls: make(map[identity]int)}
+		peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter), calls: make(map[identity]int),
+		heldByPeer: make(map[string]int), heldByMember: make(map[identity]int), maxMsg: orDefault(c.maxMsg, defaultMaxMessageBytes)}
 	for token, cred := range c.tokens {
 		if token == "" {
 			continue
@@ -563,11 +577,55 @@ func (g *guard) identify(method string, values []string) (*identity, error) {
 	return nil, nil
 }
 
+// hold takes in that n more bytes (fewer, when n is negative) of messages
+// not yet whole are held for who (nil: a call that names no member) from
+// ip. It takes nothing, and reports false, when that would pass ip's
+// bound or who's; a proxy, which relays its node's workers, holds what its
+// address may.
+func (g *guard) hold(ip string, who *identity, n int) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if n > 0 {
+		if g.heldByPeer[ip]+n > unfinishedPerPeer*g.maxMsg {
+			return false
+		}
+		if who != nil && who.key.role != RoleProxy && g.heldByMember[*who]+n > unfinishedPerWorker*g.maxMsg {
+			return false
+		}
+	}
+	if g.heldByPeer[ip] += n; g.heldByPeer[ip] <= 0 {
+		delete(g.heldByPeer, ip)
+	}
+	if who != nil {
+		if g.heldByMember[*who] += n; g.heldByMember[*who] <= 0 {
+			delete(g.heldByMember, *who)
+		}
+	}
+	return true
+}
+
+// member returns who secret names, nil when no member.
+func (g *guard) member(secret string) *identity {
+	if g.ids == nil || secret == "" {
+		return nil
+	}
+	if id, ok := g.ids.lookup(secret); ok {
+		return &id
+	}
+	return nil
+}
+
 // messageLimit counts and logs a connection closed for a call that
-// declared a message beyond its method's bound.
-func (g *guard) messageLimit(ip, method string) {
-	g.met.conns.WithLabelValues("message_limit").Inc()
-	g.logRefusal("connection closed: a message beyond its method's bound", "message_limit", ip, method)
+// declared a message beyond its method's bound (reason message_limit), or
+// whose bytes held would pass its member's or its address's bound
+// (unfinished_bytes).
+func (g *guard) messageLimit(ip, method, reason string) {
+	msg := "connection closed: a message beyond its method's bound"
+	if reason == "unfinished_bytes" {
+		msg = "connection closed: messages not yet whole beyond their member's or address's bound"
+	}
+	g.met.conns.WithLabelValues(reason).Inc()
+	g.logRefusal(msg, reason, ip, method)
 }
 
 // refuse counts a refused call and logs it.

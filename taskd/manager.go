@@ -151,7 +151,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 	}
 	g := newGuard(guardConfig{
 		tokens: map[string]credential{cfg.Security.Token: credMember, cfg.ProxyToken: credProxy, cfg.AdminToken: credAdmin},
-		open:   cfg.Security.Token == "", maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer,
+		open:   cfg.Security.Token == "", maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer, maxMsg: cfg.MaxMessageBytes,
 		ids: m.ids, policy: m.policy, met: m.met.guard, log: m.log,
 	})
 	m.log.Info("taskd: roles open", cfg.roles()...)

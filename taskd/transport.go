@@ -83,7 +83,7 @@ func (l limits) allow(ctx context.Context) error {
 // peers within seconds and close idle connections.
 func newServer(sec Security, l limits, g *guard, log *slog.Logger) *grpc.Server {
 	opts := []grpc.ServerOption{
-		grpc.Creds(limitCreds{TransportCredentials: sec.serverCreds(log), exceeded: g.messageLimit}),
+		grpc.Creds(limitCreds{TransportCredentials: sec.serverCreds(log), g: g}),
 		grpc.InTapHandle(g.tap),
 		grpc.MaxConcurrentStreams(maxStreamsPerConn),
 		grpc.MaxHeaderListSize(maxHeaderBytes),
