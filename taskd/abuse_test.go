@@ -951,6 +951,40 @@ func TestOutsiderRefused(t *testing.T) {
 	}
 }
 
+// TestOutsiderPastGapRefused: a token holder's rank past the job's, with
+// a gap, registered before the real ranks and gone silent, neither keeps
+// the first rendezvous open nor has a recovery started: the rendezvous
+// completes on ranks 0 and 1, the rank past the gap is dropped, and a
+// later outsider is refused.
+func TestOutsiderPastGapRefused(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{Orchestration: &OrchestrationConfig{}})
+	gap := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 7})
+	if err := gap.register(); err != nil {
+		t.Fatal(err)
+	}
+	for rank := range 2 {
+		w := c.addWorker(0, rank)
+		testkit.WaitFor(t, fmt.Sprintf("rank %d", rank), w.Connected)
+	}
+	testkit.WaitFor(t, "the first rendezvous complete", func() bool {
+		c.m.mu.Lock()
+		defer c.m.mu.Unlock()
+		return c.m.members.world > 0
+	})
+	outsider := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 2})
+	if err := outsider.register(); status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "first complete rendezvous, 0 to 1") {
+		t.Fatalf("rank 2 joining after the rendezvous of ranks 0 and 1 (and 7, past a gap): %v", err)
+	}
+	for _, mi := range c.m.Members() {
+		if mi.Position.Rank == 7 {
+			t.Fatalf("rank 7, past the gap, still a member: %+v", mi)
+		}
+	}
+	if o := c.m.Orchestrations(0); o.Current != nil || len(o.History) > 0 {
+		t.Fatalf("an orchestration started: %+v", o)
+	}
+}
+
 // TestMessageLimits: a call that needs a few hundred bytes (Register,
 // Heartbeat and the like) declaring a message beyond its method's bound
 // has its connection closed from the message's prefix, before its body

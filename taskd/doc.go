@@ -261,9 +261,10 @@
 // connections (30 s), uploads (one writer a path, 10 s idle), hostnames,
 // acknowledgements, and, without a job shape, ranks and nodes
 // (MaxWorkers); with orchestration on and no shape, the job's ranks are
-// those of its first complete rendezvous, and a rank that comes later is
-// refused, so that a token holder joining as a rank of its own and going
-// silent cannot have the others stopped. Answers that
+// those of its first complete rendezvous (0 to n-1, none missing), a rank
+// that comes later is refused and one that joined past a gap dropped, so
+// that a token holder joining as a rank of its own and going silent cannot
+// have the others stopped, nor keep the rendezvous open. Answers that
 // list (ListFaults, ListMembers, GetSwitchStatus) fit half a message.
 // Refusals are counted (faultline_taskd_calls_refused_total,
 // faultline_taskd_connections_refused_total) and logged at most every ten
