@@ -430,9 +430,7 @@ func closedByServer(t testing.TB, c net.Conn, what string) {
 // connections that stay silent, reopened as they are closed, from the
 // address every member of a node shares, cost them nothing. A new one
 // past the budget of those pending closes the oldest, and a connection
-// that never speaks is closed after the handshake timeout. A pending
-// connection is kept for a grace after it is accepted, so that a member
-// among a storm of new connections has the time to speak and call.
+// that never speaks is closed after the handshake timeout.
 func TestConnectionsBounded(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	c := newCluster(t, insecureSec(), ManagerConfig{MaxConnectionsPerPeer: 4, Registerer: reg, HeartbeatDeadline: 10 * time.Minute})
@@ -446,9 +444,6 @@ func TestConnectionsBounded(t *testing.T) {
 	}
 	testkit.WaitFor(t, "4 silent connections open", open(4))
 	for i := range 6 {
-		// A connection is kept from being closed for a newer one for a
-		// grace after it is accepted; waiting longer changes nothing.
-		time.Sleep(pendingGrace)
 		silent(t, "127.0.0.1", addr) // one more, as a closed one is reopened
 		r := newRawMember(t, addr, c.job, insecureSec(), RoleWorker, Position{Rank: 10 + i})
 		if err := r.register(); err != nil {

@@ -57,12 +57,9 @@ const (
 	// valid credentials is served whatever others from there got wrong.
 	authFailureBurst = 10
 	authFailureEvery = time.Second
-	// pendingGrace is how long a connection that has not authenticated is
-	// kept from being closed for a newer one: long enough for a member to
-	// speak and call, however many connections arrive meanwhile.
-	pendingGrace = time.Second
-	// silentGrace is that grace for a connection that has not sent a
-	// byte: a member's first bytes follow its connect at once.
+	// silentGrace is how long a connection that has not sent a byte is
+	// spared from being closed first for a newer one: a member's first
+	// bytes follow its connect at once.
 	silentGrace = 100 * time.Millisecond
 	// The bytes of the messages begun and not yet whole, which gRPC holds
 	// until they are, are bounded per worker and per peer address, in
@@ -267,41 +264,31 @@ func (l *guardListener) Accept() (net.Conn, error) {
 }
 
 // admit takes a connection from ip in, pending, or returns why not. When
-// ip's pending connections are at their budget, one past its grace makes
-// room, the oldest that never spoke (no byte read or waiting) first, else
-// the oldest accepted more than pendingGrace ago: it is returned, forgotten, for the
-// caller to close; one that never spoke has a shorter grace
-// (silentGrace). A member speaks at once and calls next, well within its
-// grace; only while every pending connection is within its own is a
-// newcomer refused.
+// ip's pending connections are at their budget, the oldest makes room: it
+// is returned, forgotten, for the caller to close. One that never spoke
+// (no byte read or waiting) past silentGrace goes first. A newcomer is
+// never refused for the budget: a member calls within milliseconds of its
+// connect, long before the connections that came after it are as many as
+// the budget, while a connection kept for a grace once it spoke let a
+// peer that sends a byte on each of 600 connections a second refuse its
+// address's newcomers.
 func (g *guard) admit(ip, addr string, c net.Conn) (reason string, evicted net.Conn) {
 	now := time.Now()
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	ps := g.peerLocked(ip)
 	if len(ps.pending) >= g.maxPerPeer {
-		victim, oldest := "", "" // the oldest silent, the oldest
+		victim := ps.pending[0]
 		for _, a := range ps.pending {
 			cs := ps.conns[a]
-			age := now.Sub(cs.at)
-			if age < silentGrace {
+			if now.Sub(cs.at) < silentGrace {
 				break // the rest are newer
 			}
 			if !cs.spoke && !hasBytes(cs.c) {
-				victim, oldest = a, ""
+				victim = a
 				break
 			}
 			cs.spoke = true
-			if oldest == "" && age >= pendingGrace {
-				oldest = a
-			}
-		}
-		if victim == "" {
-			victim = oldest
-		}
-		if victim == "" {
-			g.forgetLocked(ip, ps)
-			return "pending_limit", nil
 		}
 		evicted = ps.conns[victim].c
 		g.dropLocked(ps, victim)
