@@ -532,6 +532,56 @@ func TestAuthFailuresSpareMembers(t *testing.T) {
 	}
 }
 
+// TestGuessingBounded: past its address's budget of authentication
+// failures, a connection that has not authenticated has a call checked
+// only after a wait, whatever its token, and closed on its first failure,
+// and the guesses it sent ahead are checked by none: a guesser gets one
+// answer a second on each connection, where one that pipelined its
+// guesses had them all checked (700 a second). A newcomer from the
+// address with the token is served after the wait, and a member
+// reconnecting with its secret without it.
+func TestGuessingBounded(t *testing.T) {
+	const token = "0123456789abcdef0123456789abcdef"
+	sec := Security{Insecure: true, Token: token}
+	c := newCluster(t, sec, ManagerConfig{HeartbeatDeadline: 10 * time.Minute})
+	addr := c.m.Addr().String()
+	live := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+	if err := live.register(); err != nil {
+		t.Fatal(err)
+	}
+	failures := func() float64 { return counterValue(c.m.met.guard.authFailures) }
+	// The budget spent, on a connection closed past it.
+	h := newH2Conn(t, addr)
+	for id := uint32(1); failures() < authFailureBurst+1; id += 2 {
+		if !h.tryCall(id, pb.Control_Register_FullMethodName, "Bearer wrong", 10, 10) || h.status(id) == "" {
+			break
+		}
+	}
+	closedOn(t, h, "a connection past the budget of failures")
+	before := failures()
+	// 50 guesses sent at once on a new connection.
+	h = newH2Conn(t, addr)
+	for id := uint32(1); id < 100; id += 2 {
+		h.tryCall(id, pb.Control_Register_FullMethodName, "Bearer wrong", 10, 10)
+	}
+	closedOn(t, h, "a connection that failed past the budget")
+	testkit.WaitFor(t, "the first guess checked", func() bool { return failures() > before })
+	// A newcomer from the address waits, and is served.
+	newcomer := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 1})
+	if err := newcomer.register(); err != nil {
+		t.Fatalf("a newcomer from the guesser's address: %v", err)
+	}
+	if n := failures() - before; n != 1 {
+		t.Fatalf("of 50 guesses sent at once past the budget, %v checked, want 1", n)
+	}
+	again := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+	again.self = live.self
+	again.cred.set(*live.cred.secret.Load())
+	if err := again.register(); err != nil {
+		t.Fatalf("a member reconnecting with its secret from the guesser's address: %v", err)
+	}
+}
+
 // TestRegisterAnswerLost: a member whose registration answer came past its
 // deadline (the manager registered it, the member never got its secret)
 // registers again on the same connection and is taken, with the secret it

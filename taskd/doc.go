@@ -255,7 +255,11 @@
 // holder's stalled registrations cannot refuse the calls of the members
 // sharing its address, header lists
 // (16 KiB), connections in all and per address (MaxConnections,
-// MaxConnectionsPerPeer; those that have not yet authenticated draw on a
+// MaxConnectionsPerPeer; past 10 authentication failures (then one a
+// second) from an address, a connection there that has not authenticated
+// waits 1 s before each token is checked, is closed on its first
+// failure, and has no guess it sent ahead checked; those that have not
+// yet authenticated draw on a
 // budget of their own, the oldest closed for a newer one, so that silent
 // connections cannot shut a member out), handshakes (5 s), idle
 // connections (30 s), uploads (one writer a path, 10 s idle), hostnames,

@@ -57,6 +57,13 @@ const (
 	// valid credentials is served whatever others from there got wrong.
 	authFailureBurst = 10
 	authFailureEvery = time.Second
+	// authCheckDelay is how long, while its address is past that budget,
+	// a call on a connection that has not authenticated waits before its
+	// token is checked, right or wrong alike, so that the wait says
+	// nothing of the token: a guesser there gets an answer a second on
+	// each connection, and at most its address's pending connections at
+	// once; a call carrying a member's secret does not wait.
+	authCheckDelay = time.Second
 	// silentGrace is how long a connection that has not sent a byte is
 	// spared from being closed first for a newer one: a member's first
 	// bytes follow its connect at once.
@@ -381,9 +388,10 @@ func (c *guardConn) Close() error {
 }
 
 // failed takes in an authentication failure of the call from addr: past
-// the address's budget, that connection is closed. Other connections
-// from the address, and new ones, are not: each may still authenticate.
-func (g *guard) failed(ip, addr string) {
+// the address's budget, or when the address was past it as the check
+// began (late), that connection is closed. Other connections from the
+// address, and new ones, are not: each may still authenticate.
+func (g *guard) failed(ip, addr string, late bool) {
 	now := time.Now()
 	g.mu.Lock()
 	budget := g.penalties[ip]
@@ -401,7 +409,7 @@ func (g *guard) failed(ip, addr string) {
 		g.penalties[ip] = budget
 	}
 	var c net.Conn
-	if !budget.AllowN(now, 1) {
+	if !budget.AllowN(now, 1) || late {
 		if ps := g.peers[ip]; ps != nil && ps.conns[addr] != nil {
 			c = ps.conns[addr].c
 			g.dropLocked(ps, addr)
@@ -415,14 +423,64 @@ func (g *guard) failed(ip, addr string) {
 	}
 }
 
+// connOpen reports whether the guard still holds the connection from addr
+// open; true when it never knew it.
+func (g *guard) connOpen(ip, addr string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	ps := g.peers[ip]
+	return addr == "" || (ps != nil && ps.conns[addr] != nil)
+}
+
+// guessedLately reports whether ip is past its budget of authentication
+// failures and the connection from addr has not authenticated.
+func (g *guard) guessedLately(ip, addr string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	b := g.penalties[ip]
+	if b == nil || b.TokensAt(time.Now()) >= 1 {
+		return false
+	}
+	ps := g.peers[ip]
+	return ps == nil || ps.conns[addr] == nil || !ps.conns[addr].authed
+}
+
+// memberSecret returns the one secret of a call's member header, "" for
+// none or several.
+func memberSecret(values []string) string {
+	if len(values) != 1 {
+		return ""
+	}
+	return values[0]
+}
+
 // tap admits a call or refuses it, from its headers alone.
 func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error) {
 	ip, addr := peerAddr(ctx)
+	if !g.connOpen(ip, addr) {
+		// Closed by the guard (failures, or for a newer one): the calls
+		// it had sent are not checked, so that guesses sent ahead on it
+		// are answered by none.
+		return nil, status.Error(codes.Unavailable, "taskd: connection closed")
+	}
+	late := g.guessedLately(ip, addr) && g.member(memberSecret(info.Header.Get(memberHeader))) == nil
+	if late {
+		t := time.NewTimer(authCheckDelay)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, status.FromContextError(ctx.Err()).Err()
+		}
+		if !g.connOpen(ip, addr) {
+			return nil, status.Error(codes.Unavailable, "taskd: connection closed")
+		}
+	}
 	cred, err := g.authenticate(info.Header.Get("authorization"))
 	if err != nil {
 		g.met.authFailures.Inc()
 		g.refuse("unauthenticated", ip, info.FullMethodName)
-		g.failed(ip, addr)
+		g.failed(ip, addr, late)
 		return nil, err
 	}
 	if g.policy != nil {
