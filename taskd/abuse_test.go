@@ -1185,3 +1185,44 @@ func TestUnfinishedBytesBounded(t *testing.T) {
 		}
 	}
 }
+
+// TestLimiterForgetsServerEnded: a call the server ends is no longer
+// followed by the connection's limiter, whether or not its client ends it
+// too: 450 calls refused from their headers, one after another on one
+// long-lived connection, leave it open (a limiter that followed them until
+// the client ended them closed it past 400), and what they held is given
+// back.
+func TestLimiterForgetsServerEnded(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{HeartbeatDeadline: 10 * time.Minute})
+	h := newH2Conn(t, c.m.Addr().String())
+	want := fmt.Sprint(int(codes.Unauthenticated)) // no member secret
+	for i := range 450 {
+		id := uint32(2*i + 1)
+		h.call(id, pb.Control_Send_FullMethodName, "", nil, 1000, 10)
+		if got := h.status(id); got != want {
+			t.Fatalf("call %d refused from its headers: status %q, want %s", i, got, want)
+		}
+	}
+}
+
+// TestLimiterEndStreamAcrossContinuation: a HEADERS frame that ends its
+// stream ends it when its block does, on a CONTINUATION.
+func TestLimiterEndStreamAcrossContinuation(t *testing.T) {
+	var buf, hb bytes.Buffer
+	buf.WriteString(h2Preface)
+	fr := http2.NewFramer(&buf, nil)
+	enc := hpack.NewEncoder(&hb)
+	for _, kv := range [][2]string{{":method", "POST"}, {":path", pb.Control_Register_FullMethodName}, {"content-type", "application/grpc"}} {
+		enc.WriteField(hpack.HeaderField{Name: kv[0], Value: kv[1]})
+	}
+	block := hb.Bytes()
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: block[:3], EndStream: true})
+	fr.WriteContinuation(1, true, block[3:])
+	l := newMsgLimiter(nil, &countBudget{max: 1 << 20})
+	if err := l.feed(buf.Bytes()); err != nil {
+		t.Fatal(err)
+	}
+	if len(l.calls) != 0 {
+		t.Fatalf("calls followed after one that ended: %d", len(l.calls))
+	}
+}

@@ -3,6 +3,7 @@ package taskd
 import (
 	"bytes"
 	"context"
+	"slices"
 	"testing"
 	"time"
 
@@ -429,6 +430,19 @@ func FuzzMsgLimiter(f *testing.F) {
 		}
 		if (err == nil) != (whole == nil) {
 			t.Fatalf("in one read: %v; cut in reads of up to %d bytes: %v", whole, 1+(cut&0xffff)%97, err)
+		}
+		// The same bytes as the server's frames: the streams they end.
+		var once, cutUp []uint32
+		var f frameHeads
+		f.feed(data, func(id uint32) { once = append(once, id) })
+		f = frameHeads{}
+		for b := data; len(b) > 0; {
+			k := min(len(b), 1+(cut&0xffff)%97)
+			f.feed(b[:k], func(id uint32) { cutUp = append(cutUp, id) })
+			b = b[k:]
+		}
+		if !slices.Equal(once, cutUp) {
+			t.Fatalf("streams ended, in one write: %v; cut: %v", once, cutUp)
 		}
 	})
 }

@@ -121,10 +121,12 @@ type msgLimiter struct {
 	stream  uint32           // the current frame's stream
 	pad     int              // DATA: padding at the frame's end; -1 until its length is read
 	block   []byte           // a HEADERS frame's payload and CONTINUATIONs, until END_HEADERS
+	ends    bool             // that HEADERS frame ended its stream
 	dec     *hpack.Decoder   // the client's header blocks, in order
 	path    string           // :path of the block being decoded
 	secret  string           // the member secret of the block being decoded
-	calls   map[uint32]*call // by stream, until the client ends it
+	calls   map[uint32]*call // by stream, until the client or the server ends it
+	out     frameHeads       // what the server sends
 	err     error
 }
 
@@ -169,6 +171,47 @@ func (l *msgLimiter) Read(p []byte) (int, error) {
 		return 0, ferr
 	}
 	return n, err
+}
+
+// Write follows the frames the server sends, for the calls it ends.
+func (l *msgLimiter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	l.out.feed(p, l.forget)
+	l.mu.Unlock()
+	return l.Conn.Write(p)
+}
+
+// frameHeads follows the frame headers of one direction of HTTP/2, and
+// tells of each stream one of its frames ends: a call that the server
+// ended (refused from its headers, say) is no longer followed, whether
+// or not its client ever ends it too.
+type frameHeads struct {
+	hdr  [h2FrameHeader]byte
+	hn   int
+	left int // bytes of the current frame's payload to come
+}
+
+func (f *frameHeads) feed(b []byte, ended func(stream uint32)) {
+	for len(b) > 0 {
+		if f.left > 0 {
+			k := min(f.left, len(b))
+			f.left -= k
+			b = b[k:]
+			continue
+		}
+		k := copy(f.hdr[f.hn:], b)
+		f.hn += k
+		b = b[k:]
+		if f.hn < h2FrameHeader {
+			return
+		}
+		f.hn = 0
+		f.left = int(f.hdr[0])<<16 | int(f.hdr[1])<<8 | int(f.hdr[2])
+		typ, flags := f.hdr[3], f.hdr[4]
+		if typ == h2RSTStream || (flags&h2EndStream != 0 && (typ == h2Headers || typ == h2Data)) {
+			ended(binary.BigEndian.Uint32(f.hdr[5:]) & (1<<31 - 1))
+		}
+	}
 }
 
 // Close gives back what the connection's calls hold, and closes it.
@@ -307,6 +350,7 @@ func (l *msgLimiter) frameEnd() error {
 				return err
 			}
 			l.block = append(l.block[:0], frag...)
+			l.ends = l.flags&h2EndStream != 0
 		}
 		if l.flags&h2EndHeaders == 0 {
 			return nil // CONTINUATION frames follow
@@ -318,11 +362,15 @@ func (l *msgLimiter) frameEnd() error {
 		if cap(l.block) > 4<<10 {
 			l.block = nil
 		}
+		if l.ends {
+			l.forget(l.stream)
+		}
 	case h2RSTStream:
 		l.forget(l.stream)
-	}
-	if l.flags&h2EndStream != 0 && (l.typ == h2Data || l.typ == h2Headers) {
-		l.forget(l.stream)
+	case h2Data:
+		if l.flags&h2EndStream != 0 {
+			l.forget(l.stream)
+		}
 	}
 	return nil
 }
