@@ -418,6 +418,12 @@ func FuzzMsgLimiter(f *testing.F) {
 	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true})
 	fr.WriteDataPadded(1, false, []byte{0, 0, 0, 0, 8, 1, 2, 3, 4}, []byte{0, 0})
 	fr.WriteData(1, true, []byte{5, 6, 7, 8, 0, 0x10, 0, 0, 0})
+	// A call whose HEADERS ends it across a CONTINUATION, and the same
+	// again as the server's RST_STREAM.
+	block := hb.Bytes()
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, BlockFragment: block[:2], EndStream: true})
+	fr.WriteContinuation(3, true, block[2:])
+	fr.WriteRSTStream(1, http2.ErrCodeCancel)
 	f.Add(buf.Bytes(), 3)
 	f.Add(buf.Bytes(), 1000)
 	f.Fuzz(func(t *testing.T, data []byte, cut int) {
