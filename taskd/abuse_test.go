@@ -883,14 +883,14 @@ func TestOtherBounds(t *testing.T) {
 	if err != nil || env.GetSwitch() == nil {
 		t.Fatalf("no switch: %v %v", env, err)
 	}
-	_, err = r.client.Acknowledge(r.ctx(), &pb.AckRequest{Job: c.job, Acks: []*pb.Ack{{Id: env.GetId(), From: r.self, Error: strings.Repeat("e", 3<<20)}}})
+	_, err = r.client.Acknowledge(r.ctx(), &pb.AckRequest{Job: c.job, Acks: []*pb.Ack{{Id: env.GetId(), From: r.self, Error: strings.Repeat("e", 900<<10)}}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	api := newAdminClient(t, c.m.Addr().String(), c.job)
 	res, err := api.admin.GetSwitchStatus(api.ctx(), &pb.DataStatusReq{JobNsName: c.job})
 	if err != nil || len(res.GetWorkers()) != 1 || res.GetWorkers()[0].GetError() == "" || len(res.GetWorkers()[0].GetError()) > maxAckErrorBytes {
-		t.Fatalf("switch status after a 3 MiB error: %d workers, %v", len(res.GetWorkers()), err)
+		t.Fatalf("switch status after a 900 KiB error: %d workers, %v", len(res.GetWorkers()), err)
 	}
 	nodes := make([]int32, 100000)
 	for i := range nodes {
