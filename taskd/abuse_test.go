@@ -317,37 +317,73 @@ func TestRefusedBeforeTheBody(t *testing.T) {
 	}
 }
 
-// TestStreamsPerPeerBounded: the calls in flight from one peer address,
-// over all its connections, are bounded; one more is refused from its
-// headers, and a call that ends frees its place.
+// TestStreamsPerPeerBounded: the calls in flight that name no member (a
+// registration) have a small budget of each peer address, apart from the
+// members' calls, which are bounded per member: a token holder's 1,000
+// stalled registrations, from the address the members share, refuse none
+// of their calls, and each ends at its body deadline, freeing its place.
 func TestStreamsPerPeerBounded(t *testing.T) {
+	const token = "0123456789abcdef0123456789abcdef"
+	sec := Security{Insecure: true, Token: token}
+	reg := prometheus.NewRegistry()
 	// The members that open the calls never beat: a long deadline keeps
 	// them registered however slow the machine.
-	c := newCluster(t, insecureSec(), ManagerConfig{HeartbeatDeadline: 10 * time.Minute})
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	var streams []grpc.ClientStreamingClient[pb.UploadChunk, pb.UploadResponse]
-	const perMember = 25 // below what one worker may hold in flight
-	for i := range maxStreamsPerPeer / perMember {
-		r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: i})
+	c := newCluster(t, sec, ManagerConfig{Registerer: reg, HeartbeatDeadline: 10 * time.Minute})
+	addr := c.m.Addr().String()
+	live := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+	other := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 2})
+	for _, r := range []*rawMember{live, other} {
 		if err := r.register(); err != nil {
 			t.Fatal(err)
 		}
-		for range perMember {
-			s, err := r.client.Upload(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			streams = append(streams, s)
+	}
+	// 10 connections of 100 registrations with the token, each declaring
+	// a body it never sends.
+	var attack []*h2Conn
+	for range 10 {
+		h := newH2Conn(t, addr)
+		for id := uint32(1); id < 2*maxStreamsPerConn; id += 2 {
+			h.call(id, pb.Control_Register_FullMethodName, "Bearer "+token, nil, 100, 0)
+		}
+		attack = append(attack, h)
+	}
+	refused := func() float64 {
+		return gathered(t, reg)[`faultline_taskd_calls_refused_total{reason="anonymous_calls"}`]
+	}
+	testkit.WaitFor(t, "the stalled registrations past their budget refused", func() bool { return refused() >= 500 })
+	for i := range 10 {
+		if _, err := live.client.Heartbeat(live.ctx(), &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: live.self}}}); err != nil {
+			t.Fatalf("heartbeat %d of a member beside the stalled registrations: %v", i, err)
 		}
 	}
-	r := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Rank: 99})
-	testkit.WaitFor(t, "the calls in flight refused", func() bool {
-		return status.Code(r.register()) == codes.ResourceExhausted
+	again := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+	again.self = live.self
+	again.cred.set(*live.cred.secret.Load())
+	if err := again.register(); err != nil {
+		t.Fatalf("a member reconnecting with its secret beside the stalled registrations: %v", err)
+	}
+	// A member's calls are bounded per member, from whatever address.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	for range maxCallsPerWorker {
+		if _, err := live.client.Upload(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testkit.WaitFor(t, "a member's call past its bound refused", func() bool {
+		_, err := live.client.Heartbeat(live.ctx(), &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: live.self}}})
+		return status.Code(err) == codes.ResourceExhausted
 	})
-	streams[0].CloseSend()
-	streams[0].CloseAndRecv()
-	testkit.WaitFor(t, "a call taken once one ended", func() bool { return r.register() == nil })
+	if _, err := other.client.Heartbeat(other.ctx(), &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: other.self}}}); err != nil {
+		t.Fatalf("another member on the address: %v", err)
+	}
+	// The stalled registrations end at their body deadline; a newcomer
+	// from the address is then served.
+	if got := attack[0].status(1); got != fmt.Sprint(int(codes.Canceled)) {
+		t.Fatalf("a stalled registration: status %q, want Canceled", got)
+	}
+	newcomer := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 1})
+	testkit.WaitFor(t, "a newcomer served once the stalled registrations ended", func() bool { return newcomer.register() == nil })
 }
 
 // dialFrom returns a gRPC connection to addr made from the loopback
@@ -394,9 +430,7 @@ func closedByServer(t testing.TB, c net.Conn, what string) {
 // connections that stay silent, reopened as they are closed, from the
 // address every member of a node shares, cost them nothing. A new one
 // past the budget of those pending closes the oldest, and a connection
-// that never speaks is closed after the handshake timeout. A pending
-// connection is kept for a grace after it is accepted, so that a member
-// among a storm of new connections has the time to speak and call.
+// that never speaks is closed after the handshake timeout.
 func TestConnectionsBounded(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	c := newCluster(t, insecureSec(), ManagerConfig{MaxConnectionsPerPeer: 4, Registerer: reg, HeartbeatDeadline: 10 * time.Minute})
@@ -410,9 +444,6 @@ func TestConnectionsBounded(t *testing.T) {
 	}
 	testkit.WaitFor(t, "4 silent connections open", open(4))
 	for i := range 6 {
-		// A connection is kept from being closed for a newer one for a
-		// grace after it is accepted; waiting longer changes nothing.
-		time.Sleep(pendingGrace)
 		silent(t, "127.0.0.1", addr) // one more, as a closed one is reopened
 		r := newRawMember(t, addr, c.job, insecureSec(), RoleWorker, Position{Rank: 10 + i})
 		if err := r.register(); err != nil {
@@ -498,6 +529,56 @@ func TestAuthFailuresSpareMembers(t *testing.T) {
 	}
 	if n := gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="auth_failures"}`]; n < 3 {
 		t.Fatalf("guessing connections closed: %v", n)
+	}
+}
+
+// TestGuessingBounded: past its address's budget of authentication
+// failures, a connection that has not authenticated has a call checked
+// only after a wait, whatever its token, and closed on its first failure,
+// and the guesses it sent ahead are checked by none: a guesser gets one
+// answer a second on each connection, where one that pipelined its
+// guesses had them all checked (700 a second). A newcomer from the
+// address with the token is served after the wait, and a member
+// reconnecting with its secret without it.
+func TestGuessingBounded(t *testing.T) {
+	const token = "0123456789abcdef0123456789abcdef"
+	sec := Security{Insecure: true, Token: token}
+	c := newCluster(t, sec, ManagerConfig{HeartbeatDeadline: 10 * time.Minute})
+	addr := c.m.Addr().String()
+	live := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+	if err := live.register(); err != nil {
+		t.Fatal(err)
+	}
+	failures := func() float64 { return counterValue(c.m.met.guard.authFailures) }
+	// The budget spent, on a connection closed past it.
+	h := newH2Conn(t, addr)
+	for id := uint32(1); failures() < authFailureBurst+1; id += 2 {
+		if !h.tryCall(id, pb.Control_Register_FullMethodName, "Bearer wrong", 10, 10) || h.status(id) == "" {
+			break
+		}
+	}
+	closedOn(t, h, "a connection past the budget of failures")
+	before := failures()
+	// 50 guesses sent at once on a new connection.
+	h = newH2Conn(t, addr)
+	for id := uint32(1); id < 100; id += 2 {
+		h.tryCall(id, pb.Control_Register_FullMethodName, "Bearer wrong", 10, 10)
+	}
+	closedOn(t, h, "a connection that failed past the budget")
+	testkit.WaitFor(t, "the first guess checked", func() bool { return failures() > before })
+	// A newcomer from the address waits, and is served.
+	newcomer := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 1})
+	if err := newcomer.register(); err != nil {
+		t.Fatalf("a newcomer from the guesser's address: %v", err)
+	}
+	if n := failures() - before; n != 1 {
+		t.Fatalf("of 50 guesses sent at once past the budget, %v checked, want 1", n)
+	}
+	again := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+	again.self = live.self
+	again.cred.set(*live.cred.secret.Load())
+	if err := again.register(); err != nil {
+		t.Fatalf("a member reconnecting with its secret from the guesser's address: %v", err)
 	}
 }
 
@@ -802,14 +883,14 @@ func TestOtherBounds(t *testing.T) {
 	if err != nil || env.GetSwitch() == nil {
 		t.Fatalf("no switch: %v %v", env, err)
 	}
-	_, err = r.client.Acknowledge(r.ctx(), &pb.AckRequest{Job: c.job, Acks: []*pb.Ack{{Id: env.GetId(), From: r.self, Error: strings.Repeat("e", 3<<20)}}})
+	_, err = r.client.Acknowledge(r.ctx(), &pb.AckRequest{Job: c.job, Acks: []*pb.Ack{{Id: env.GetId(), From: r.self, Error: strings.Repeat("e", 900<<10)}}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	api := newAdminClient(t, c.m.Addr().String(), c.job)
 	res, err := api.admin.GetSwitchStatus(api.ctx(), &pb.DataStatusReq{JobNsName: c.job})
 	if err != nil || len(res.GetWorkers()) != 1 || res.GetWorkers()[0].GetError() == "" || len(res.GetWorkers()[0].GetError()) > maxAckErrorBytes {
-		t.Fatalf("switch status after a 3 MiB error: %d workers, %v", len(res.GetWorkers()), err)
+		t.Fatalf("switch status after a 900 KiB error: %d workers, %v", len(res.GetWorkers()), err)
 	}
 	nodes := make([]int32, 100000)
 	for i := range nodes {
@@ -915,6 +996,40 @@ func TestOutsiderRefused(t *testing.T) {
 	}
 }
 
+// TestOutsiderPastGapRefused: a token holder's rank past the job's, with
+// a gap, registered before the real ranks and gone silent, neither keeps
+// the first rendezvous open nor has a recovery started: the rendezvous
+// completes on ranks 0 and 1, the rank past the gap is dropped, and a
+// later outsider is refused.
+func TestOutsiderPastGapRefused(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{Orchestration: &OrchestrationConfig{}})
+	gap := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 7})
+	if err := gap.register(); err != nil {
+		t.Fatal(err)
+	}
+	for rank := range 2 {
+		w := c.addWorker(0, rank)
+		testkit.WaitFor(t, fmt.Sprintf("rank %d", rank), w.Connected)
+	}
+	testkit.WaitFor(t, "the first rendezvous complete", func() bool {
+		c.m.mu.Lock()
+		defer c.m.mu.Unlock()
+		return c.m.members.world > 0
+	})
+	outsider := newRawMember(t, c.m.Addr().String(), c.job, insecureSec(), RoleWorker, Position{Node: 0, Rank: 2})
+	if err := outsider.register(); status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "first complete rendezvous, 0 to 1") {
+		t.Fatalf("rank 2 joining after the rendezvous of ranks 0 and 1 (and 7, past a gap): %v", err)
+	}
+	for _, mi := range c.m.Members() {
+		if mi.Position.Rank == 7 {
+			t.Fatalf("rank 7, past the gap, still a member: %+v", mi)
+		}
+	}
+	if o := c.m.Orchestrations(0); o.Current != nil || len(o.History) > 0 {
+		t.Fatalf("an orchestration started: %+v", o)
+	}
+}
+
 // TestMessageLimits: a call that needs a few hundred bytes (Register,
 // Heartbeat and the like) declaring a message beyond its method's bound
 // has its connection closed from the message's prefix, before its body
@@ -965,4 +1080,149 @@ func TestMessageLimits(t *testing.T) {
 	streams[0].CloseSend()
 	streams[0].CloseAndRecv()
 	testkit.WaitFor(t, "a call taken once one ended", func() bool { return r.register() == nil })
+}
+
+// closedOn waits for the server to close h's connection, reading what it
+// sends meanwhile.
+func closedOn(t testing.TB, h *h2Conn, what string) {
+	t.Helper()
+	h.c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	for {
+		_, err := h.fr.ReadFrame()
+		if ne, ok := err.(net.Error); ok && ne.Timeout() {
+			t.Fatalf("%s: the connection is still open", what)
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// TestUnfinishedBytesBounded: what the messages begun and not yet whole
+// hold is bounded per worker and per address: a token holder's own ranks
+// that stall their Sends, each within the method's bound, have their
+// connections closed once a worker would hold more than two of the
+// largest messages or their address more than 16, while a member on that
+// address keeps beating; what the stalled messages held is given back as
+// their connections close. Acknowledge and CollectDone have bounds of
+// their own.
+func TestUnfinishedBytesBounded(t *testing.T) {
+	const token = "0123456789abcdef0123456789abcdef"
+	sec := Security{Insecure: true, Token: token}
+	reg := prometheus.NewRegistry()
+	c := newCluster(t, sec, ManagerConfig{Registerer: reg, MaxMessageBytes: 256 << 10, HeartbeatDeadline: 10 * time.Minute})
+	addr := c.m.Addr().String()
+	g := c.m.lis.(*guardListener).g
+	closed := func(reason string) float64 {
+		return gathered(t, reg)[`faultline_taskd_connections_refused_total{reason="`+reason+`"}`]
+	}
+	live := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: 0})
+	if err := live.register(); err != nil {
+		t.Fatal(err)
+	}
+	beat := func() error {
+		_, err := live.client.Heartbeat(live.ctx(), &pb.HeartbeatRequest{Job: c.job, Beats: []*pb.Beat{{Member: live.self}}})
+		return err
+	}
+	// stall opens, as rank, calls of method that each declare a message
+	// within the bound and send 60 KiB of it (a stream's first window).
+	stall := func(rank, calls int, method string) *h2Conn {
+		r := newRawMember(t, addr, c.job, sec, RoleWorker, Position{Rank: rank})
+		if err := r.register(); err != nil {
+			t.Fatal(err)
+		}
+		r.conn.Close()
+		h := newH2Conn(t, addr)
+		for i := range calls {
+			h.call(uint32(2*i+1), method, "Bearer "+token, map[string]string{memberHeader: *r.cred.secret.Load()}, 200<<10, 60<<10)
+		}
+		return h
+	}
+	// A worker: 8 stalled Sends hold 480 KiB, within two messages; a
+	// ninth passes them.
+	closedOn(t, stall(1, 9, pb.Control_Send_FullMethodName), "a worker's ninth stalled Send of 60 KiB")
+	if n := closed("unfinished_bytes"); n != 1 {
+		t.Fatalf("connections closed for what their calls held: %v", n)
+	}
+	// An address: 8 workers of 8 stalled Sends hold 3.75 MiB, within 16
+	// messages; a ninth worker's passes them.
+	var held []*h2Conn
+	for rank := 2; rank < 10; rank++ {
+		held = append(held, stall(rank, 8, pb.Control_Send_FullMethodName))
+	}
+	testkit.WaitFor(t, "the stalled Sends held", func() bool {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		return g.heldByPeer["127.0.0.1"] >= 8*8*(60<<10)-16<<10
+	})
+	for i := range 10 {
+		if err := beat(); err != nil {
+			t.Fatalf("heartbeat %d of a member beside the stalled Sends: %v", i, err)
+		}
+	}
+	closedOn(t, stall(10, 8, pb.Control_Send_FullMethodName), "stalled Sends past the address's bound")
+	if n := closed("unfinished_bytes"); n != 2 {
+		t.Fatalf("connections closed for what their calls held: %v", n)
+	}
+	for _, h := range held {
+		h.c.Close()
+	}
+	testkit.WaitFor(t, "what the stalled Sends held given back", func() bool {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		return len(g.heldByPeer) == 0 && len(g.heldByMember) == 0
+	})
+	if err := beat(); err != nil {
+		t.Fatal(err)
+	}
+	// Acknowledge and CollectDone declaring more than they carry.
+	for i, m := range []string{pb.Control_Acknowledge_FullMethodName, pb.Control_CollectDone_FullMethodName} {
+		h := newH2Conn(t, addr)
+		h.call(1, m, "Bearer "+token, map[string]string{memberHeader: *live.cred.secret.Load()}, 2<<20, 1<<10)
+		closedOn(t, h, m+" declaring 2 MiB")
+		if n := closed("message_limit"); n != float64(i+1) {
+			t.Fatalf("connections closed for a message beyond its method's bound: %v", n)
+		}
+	}
+}
+
+// TestLimiterForgetsServerEnded: a call the server ends is no longer
+// followed by the connection's limiter, whether or not its client ends it
+// too: 450 calls refused from their headers, one after another on one
+// long-lived connection, leave it open (a limiter that followed them until
+// the client ended them closed it past 400), and what they held is given
+// back.
+func TestLimiterForgetsServerEnded(t *testing.T) {
+	c := newCluster(t, insecureSec(), ManagerConfig{HeartbeatDeadline: 10 * time.Minute})
+	h := newH2Conn(t, c.m.Addr().String())
+	want := fmt.Sprint(int(codes.Unauthenticated)) // no member secret
+	for i := range 450 {
+		id := uint32(2*i + 1)
+		h.call(id, pb.Control_Send_FullMethodName, "", nil, 1000, 10)
+		if got := h.status(id); got != want {
+			t.Fatalf("call %d refused from its headers: status %q, want %s", i, got, want)
+		}
+	}
+}
+
+// TestLimiterEndStreamAcrossContinuation: a HEADERS frame that ends its
+// stream ends it when its block does, on a CONTINUATION.
+func TestLimiterEndStreamAcrossContinuation(t *testing.T) {
+	var buf, hb bytes.Buffer
+	buf.WriteString(h2Preface)
+	fr := http2.NewFramer(&buf, nil)
+	enc := hpack.NewEncoder(&hb)
+	for _, kv := range [][2]string{{":method", "POST"}, {":path", pb.Control_Register_FullMethodName}, {"content-type", "application/grpc"}} {
+		enc.WriteField(hpack.HeaderField{Name: kv[0], Value: kv[1]})
+	}
+	block := hb.Bytes()
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: block[:3], EndStream: true})
+	fr.WriteContinuation(1, true, block[3:])
+	l := newMsgLimiter(nil, &countBudget{max: 1 << 20})
+	if err := l.feed(buf.Bytes()); err != nil {
+		t.Fatal(err)
+	}
+	if len(l.calls) != 0 {
+		t.Fatalf("calls followed after one that ended: %d", len(l.calls))
+	}
 }

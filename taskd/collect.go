@@ -472,7 +472,28 @@ func (p *Proxy) collectFiles(ctx context.Context, client pb.ControlClient, req *
 		root.Close()
 	}
 	span.SetAttributes(attribute.Int("taskd.files", int(res.Files)), attribute.Int64("taskd.bytes", res.Bytes))
+	res.Errors = boundErrors(res.Errors)
 	return res
+}
+
+// maxCollectErrors and maxCollectErrorBytes bound the errors a collection
+// result lists, within the bound of a CollectDone message (methodLimits).
+const (
+	maxCollectErrors     = 100
+	maxCollectErrorBytes = 1 << 10
+)
+
+// boundErrors returns the first maxCollectErrors of errs, each cut, and
+// how many more there were.
+func boundErrors(errs []string) []string {
+	out := make([]string, 0, min(len(errs), maxCollectErrors+1))
+	for _, e := range errs[:min(len(errs), maxCollectErrors)] {
+		out = append(out, cut(e, maxCollectErrorBytes))
+	}
+	if n := len(errs) - maxCollectErrors; n > 0 {
+		out = append(out, fmt.Sprintf("and %d more", n))
+	}
+	return out
 }
 
 // shipRoot ships the regular files under root, never following a symlink.

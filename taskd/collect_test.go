@@ -292,6 +292,11 @@ func TestUploadEnds(t *testing.T) {
 	if err := silent.RecvMsg(new(pb.UploadResponse)); status.Code(err) != codes.DeadlineExceeded {
 		t.Fatalf("a silent upload: %v", err)
 	}
+	// The late upload must not go idle while the collection ends, however
+	// slow the machine.
+	c.m.mu.Lock()
+	c.m.uploadIdle = time.Minute
+	c.m.mu.Unlock()
 	late, err := p.client.Upload(p.ctx())
 	if err != nil {
 		t.Fatal(err)

@@ -240,21 +240,35 @@
 //
 // Every server bounds what a peer can make it hold: message size
 // (MaxMessageBytes, and for the calls that carry a few hundred bytes a
-// bound in KiB of their own: 16 KiB for Register, Stream and Leave,
-// 256 KiB for a proxy's batch of heartbeats; a call declaring more has its
-// connection closed from the message's prefix, before its body arrives),
+// bound of their own: 16 KiB for Register, Stream and Leave, 256 KiB for
+// a proxy's batch of heartbeats and for CollectDone, 1 MiB for a batch of
+// acknowledgements; a call declaring more has its connection closed from
+// the message's prefix, before its body arrives; Send, which carries a
+// node's stack dumps, and Upload keep MaxMessageBytes), the bytes of
+// messages begun and not yet whole, which gRPC holds until they are (two
+// messages of MaxMessageBytes per worker, 16 per peer address: a
+// connection that would hold more is closed),
 // calls per second per connection (RateLimit), calls in flight per
-// connection (100), per peer address (1000) and per worker (32), header lists
+// connection (100), per worker (32) and per proxy (1000), and apart from
+// them, for the calls that name no member (a registration), per peer
+// address (64), each with 2 s to send its message, so that a token
+// holder's stalled registrations cannot refuse the calls of the members
+// sharing its address, header lists
 // (16 KiB), connections in all and per address (MaxConnections,
-// MaxConnectionsPerPeer; those that have not yet authenticated draw on a
+// MaxConnectionsPerPeer; past 10 authentication failures (then one a
+// second) from an address, a connection there that has not authenticated
+// waits 1 s before each token is checked, is closed on its first
+// failure, and has no guess it sent ahead checked; those that have not
+// yet authenticated draw on a
 // budget of their own, the oldest closed for a newer one, so that silent
 // connections cannot shut a member out), handshakes (5 s), idle
 // connections (30 s), uploads (one writer a path, 10 s idle), hostnames,
 // acknowledgements, and, without a job shape, ranks and nodes
 // (MaxWorkers); with orchestration on and no shape, the job's ranks are
-// those of its first complete rendezvous, and a rank that comes later is
-// refused, so that a token holder joining as a rank of its own and going
-// silent cannot have the others stopped. Answers that
+// those of its first complete rendezvous (0 to n-1, none missing), a rank
+// that comes later is refused and one that joined past a gap dropped, so
+// that a token holder joining as a rank of its own and going silent cannot
+// have the others stopped, nor keep the rendezvous open. Answers that
 // list (ListFaults, ListMembers, GetSwitchStatus) fit half a message.
 // Refusals are counted (faultline_taskd_calls_refused_total,
 // faultline_taskd_connections_refused_total) and logged at most every ten

@@ -3,6 +3,7 @@ package taskd
 import (
 	"bytes"
 	"context"
+	"slices"
 	"testing"
 	"time"
 
@@ -389,6 +390,19 @@ func FuzzSubscribeDataTraceSwitch(f *testing.F) {
 	)
 }
 
+// countBudget is a msgLimiter's budget of max bytes, for one connection.
+type countBudget struct{ held, max int }
+
+func (*countBudget) member(string) *identity { return nil }
+func (*countBudget) exceeded(string, string) {}
+func (b *countBudget) hold(_ *identity, n int) bool {
+	if b.held+n > b.max {
+		return false
+	}
+	b.held += n
+	return true
+}
+
 // FuzzMsgLimiter: whatever bytes a client sends, the limiter of message
 // sizes neither panics nor depends on how the reads cut them.
 func FuzzMsgLimiter(f *testing.F) {
@@ -404,11 +418,17 @@ func FuzzMsgLimiter(f *testing.F) {
 	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true})
 	fr.WriteDataPadded(1, false, []byte{0, 0, 0, 0, 8, 1, 2, 3, 4}, []byte{0, 0})
 	fr.WriteData(1, true, []byte{5, 6, 7, 8, 0, 0x10, 0, 0, 0})
+	// A call whose HEADERS ends it across a CONTINUATION, and the same
+	// again as the server's RST_STREAM.
+	block := hb.Bytes()
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, BlockFragment: block[:2], EndStream: true})
+	fr.WriteContinuation(3, true, block[2:])
+	fr.WriteRSTStream(1, http2.ErrCodeCancel)
 	f.Add(buf.Bytes(), 3)
 	f.Add(buf.Bytes(), 1000)
 	f.Fuzz(func(t *testing.T, data []byte, cut int) {
-		whole := newMsgLimiter(nil, func(string) {}).feed(data)
-		l := newMsgLimiter(nil, func(string) {})
+		whole := newMsgLimiter(nil, &countBudget{max: 64 << 10}).feed(data)
+		l := newMsgLimiter(nil, &countBudget{max: 64 << 10})
 		var err error
 		for b := data; len(b) > 0 && err == nil; {
 			k := min(len(b), 1+(cut&0xffff)%97)
@@ -416,6 +436,19 @@ func FuzzMsgLimiter(f *testing.F) {
 		}
 		if (err == nil) != (whole == nil) {
 			t.Fatalf("in one read: %v; cut in reads of up to %d bytes: %v", whole, 1+(cut&0xffff)%97, err)
+		}
+		// The same bytes as the server's frames: the streams they end.
+		var once, cutUp []uint32
+		var f frameHeads
+		f.feed(data, func(id uint32) { once = append(once, id) })
+		f = frameHeads{}
+		for b := data; len(b) > 0; {
+			k := min(len(b), 1+(cut&0xffff)%97)
+			f.feed(b[:k], func(id uint32) { cutUp = append(cutUp, id) })
+			b = b[k:]
+		}
+		if !slices.Equal(once, cutUp) {
+			t.Fatalf("streams ended, in one write: %v; cut: %v", once, cutUp)
 		}
 	})
 }

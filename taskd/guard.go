@@ -3,6 +3,7 @@ package taskd
 import (
 	"context"
 	"crypto/subtle"
+	"fmt"
 	"log/slog"
 	"net"
 	"slices"
@@ -26,13 +27,21 @@ const (
 	// maxStreamsPerConn bounds the calls in flight on one connection
 	// (HTTP/2 MAX_CONCURRENT_STREAMS); a client queues past it.
 	maxStreamsPerConn = 100
-	// maxStreamsPerPeer bounds the calls in flight from one peer address
-	// over all its connections; more are refused.
-	maxStreamsPerPeer = 1000
+	// maxAnonCallsPerPeer bounds the calls in flight from one peer
+	// address that name no member (registrations, operators' calls), over
+	// all its connections; more are refused. The members' own calls do
+	// not draw on it, so that a token holder's stalled registrations do
+	// not refuse the heartbeats of the members sharing its address.
+	maxAnonCallsPerPeer = 64
+	// anonBodyDeadline bounds how long a call that names no member takes
+	// to send its first message: a registration is a few hundred bytes,
+	// and one that stalls gives its place back.
+	anonBodyDeadline = 2 * time.Second
 	// maxCallsPerWorker bounds the calls in flight of one worker, as its
 	// secret names it, whatever connections and addresses it uses; a
-	// proxy, which relays its node's workers, has maxStreamsPerPeer.
+	// proxy, which relays its node's workers, has maxCallsPerProxy.
 	maxCallsPerWorker = 32
+	maxCallsPerProxy  = 1000
 	// maxHeaderBytes caps a call's header list, which is read before the
 	// token is checked.
 	maxHeaderBytes = 16 << 10
@@ -48,13 +57,23 @@ const (
 	// valid credentials is served whatever others from there got wrong.
 	authFailureBurst = 10
 	authFailureEvery = time.Second
-	// pendingGrace is how long a connection that has not authenticated is
-	// kept from being closed for a newer one: long enough for a member to
-	// speak and call, however many connections arrive meanwhile.
-	pendingGrace = time.Second
-	// silentGrace is that grace for a connection that has not sent a
-	// byte: a member's first bytes follow its connect at once.
+	// authCheckDelay is how long, while its address is past that budget,
+	// a call on a connection that has not authenticated waits before its
+	// token is checked, right or wrong alike, so that the wait says
+	// nothing of the token: a guesser there gets an answer a second on
+	// each connection, and at most its address's pending connections at
+	// once; a call carrying a member's secret does not wait.
+	authCheckDelay = time.Second
+	// silentGrace is how long a connection that has not sent a byte is
+	// spared from being closed first for a newer one: a member's first
+	// bytes follow its connect at once.
 	silentGrace = 100 * time.Millisecond
+	// The bytes of the messages begun and not yet whole, which gRPC holds
+	// until they are, are bounded per worker and per peer address, in
+	// messages of the largest size (MaxMessageBytes): a connection that
+	// would pass either bound is closed.
+	unfinishedPerWorker = 2
+	unfinishedPerPeer   = 16
 	// defaultMaxConnectionsPerPeer bounds the connections from one peer
 	// address that authenticated, and apart from them those that have not
 	// yet.
@@ -89,7 +108,8 @@ type guardMetrics struct {
 // their body is read (a gRPC tap handle, run as a call's headers arrive):
 // it bounds the connections in all and from each peer address, checks the
 // one token a call carries, rate-limits each address's failures, and
-// bounds the calls in flight from each address. A refused call costs its
+// bounds the calls in flight of each member, and apart from them those
+// from each address that name no member. A refused call costs its
 // headers, never its body.
 //
 // A connection is pending until a call on it authenticates. The pending
@@ -117,8 +137,13 @@ type guard struct {
 	peers     map[string]*peerState    // by peer IP, while it has connections or calls
 	penalties map[string]*rate.Limiter // failures budget, by peer IP
 	calls     map[identity]int         // calls in flight, by member
-	conns     int
-	lastConn  uint64 // the number of the newest connection admitted
+	// Bytes of messages begun and not yet whole, by peer IP and by
+	// member, and their bounds.
+	heldByPeer   map[string]int
+	heldByMember map[identity]int
+	maxMsg       int
+	conns        int
+	lastConn     uint64 // the number of the newest connection admitted
 
 	refusals sync.Map // reason -> *refusalLog
 }
@@ -127,7 +152,7 @@ type guard struct {
 type peerState struct {
 	conns   map[string]*connState // open, by remote address
 	pending []string              // remote addresses not yet authenticated, oldest first
-	streams int                   // calls in flight
+	anon    int                   // calls in flight that name no member
 }
 
 // connState is what a guard holds of one connection.
@@ -149,7 +174,9 @@ type guardConfig struct {
 	tokens               map[string]credential
 	open                 bool
 	maxConns, maxPerPeer int
-	ids                  *identities
+	// maxMsg is the server's bound on a message (MaxMessageBytes).
+	maxMsg int
+	ids    *identities
 	// policy, if set, refuses a call to method with cred.
 	policy func(method string, cred credential) error
 	met    guardMetrics
@@ -158,7 +185,8 @@ type guardConfig struct {
 
 func newGuard(c guardConfig) *guard {
 	g := &guard{log: c.log, met: c.met, maxConns: c.maxConns, maxPerPeer: c.maxPerPeer, ids: c.ids, policy: c.policy, open: c.open,
-		peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter), calls: make(map[identity]int)}
+		peers: make(map[string]*peerState), penalties: make(map[string]*rate.Limiter), calls: make(map[identity]int),
+		heldByPeer: make(map[string]int), heldByMember: make(map[identity]int), maxMsg: orDefault(c.maxMsg, defaultMaxMessageBytes)}
 	for token, cred := range c.tokens {
 		if token == "" {
 			continue
@@ -202,7 +230,7 @@ func (g *guard) peerLocked(ip string) *peerState {
 
 // forgetLocked drops the state of ip once it holds nothing.
 func (g *guard) forgetLocked(ip string, ps *peerState) {
-	if len(ps.conns) == 0 && ps.streams <= 0 {
+	if len(ps.conns) == 0 && ps.anon <= 0 {
 		delete(g.peers, ip)
 	}
 }
@@ -243,41 +271,31 @@ func (l *guardListener) Accept() (net.Conn, error) {
 }
 
 // admit takes a connection from ip in, pending, or returns why not. When
-// ip's pending connections are at their budget, one past its grace makes
-// room, the oldest that never spoke (no byte read or waiting) first, else
-// the oldest accepted more than pendingGrace ago: it is returned, forgotten, for the
-// caller to close; one that never spoke has a shorter grace
-// (silentGrace). A member speaks at once and calls next, well within its
-// grace; only while every pending connection is within its own is a
-// newcomer refused.
+// ip's pending connections are at their budget, the oldest makes room: it
+// is returned, forgotten, for the caller to close. One that never spoke
+// (no byte read or waiting) past silentGrace goes first. A newcomer is
+// never refused for the budget: a member calls within milliseconds of its
+// connect, long before the connections that came after it are as many as
+// the budget, while a connection kept for a grace once it spoke let a
+// peer that sends a byte on each of 600 connections a second refuse its
+// address's newcomers.
 func (g *guard) admit(ip, addr string, c net.Conn) (reason string, evicted net.Conn) {
 	now := time.Now()
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	ps := g.peerLocked(ip)
 	if len(ps.pending) >= g.maxPerPeer {
-		victim, oldest := "", "" // the oldest silent, the oldest
+		victim := ps.pending[0]
 		for _, a := range ps.pending {
 			cs := ps.conns[a]
-			age := now.Sub(cs.at)
-			if age < silentGrace {
+			if now.Sub(cs.at) < silentGrace {
 				break // the rest are newer
 			}
 			if !cs.spoke && !hasBytes(cs.c) {
-				victim, oldest = a, ""
+				victim = a
 				break
 			}
 			cs.spoke = true
-			if oldest == "" && age >= pendingGrace {
-				oldest = a
-			}
-		}
-		if victim == "" {
-			victim = oldest
-		}
-		if victim == "" {
-			g.forgetLocked(ip, ps)
-			return "pending_limit", nil
 		}
 		evicted = ps.conns[victim].c
 		g.dropLocked(ps, victim)
@@ -370,9 +388,10 @@ func (c *guardConn) Close() error {
 }
 
 // failed takes in an authentication failure of the call from addr: past
-// the address's budget, that connection is closed. Other connections
-// from the address, and new ones, are not: each may still authenticate.
-func (g *guard) failed(ip, addr string) {
+// the address's budget, or when the address was past it as the check
+// began (late), that connection is closed. Other connections from the
+// address, and new ones, are not: each may still authenticate.
+func (g *guard) failed(ip, addr string, late bool) {
 	now := time.Now()
 	g.mu.Lock()
 	budget := g.penalties[ip]
@@ -390,7 +409,7 @@ func (g *guard) failed(ip, addr string) {
 		g.penalties[ip] = budget
 	}
 	var c net.Conn
-	if !budget.AllowN(now, 1) {
+	if !budget.AllowN(now, 1) || late {
 		if ps := g.peers[ip]; ps != nil && ps.conns[addr] != nil {
 			c = ps.conns[addr].c
 			g.dropLocked(ps, addr)
@@ -404,14 +423,64 @@ func (g *guard) failed(ip, addr string) {
 	}
 }
 
+// connOpen reports whether the guard still holds the connection from addr
+// open; true when it never knew it.
+func (g *guard) connOpen(ip, addr string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	ps := g.peers[ip]
+	return addr == "" || (ps != nil && ps.conns[addr] != nil)
+}
+
+// guessedLately reports whether ip is past its budget of authentication
+// failures and the connection from addr has not authenticated.
+func (g *guard) guessedLately(ip, addr string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	b := g.penalties[ip]
+	if b == nil || b.TokensAt(time.Now()) >= 1 {
+		return false
+	}
+	ps := g.peers[ip]
+	return ps == nil || ps.conns[addr] == nil || !ps.conns[addr].authed
+}
+
+// memberSecret returns the one secret of a call's member header, "" for
+// none or several.
+func memberSecret(values []string) string {
+	if len(values) != 1 {
+		return ""
+	}
+	return values[0]
+}
+
 // tap admits a call or refuses it, from its headers alone.
 func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error) {
 	ip, addr := peerAddr(ctx)
+	if !g.connOpen(ip, addr) {
+		// Closed by the guard (failures, or for a newer one): the calls
+		// it had sent are not checked, so that guesses sent ahead on it
+		// are answered by none.
+		return nil, status.Error(codes.Unavailable, "taskd: connection closed")
+	}
+	late := g.guessedLately(ip, addr) && g.member(memberSecret(info.Header.Get(memberHeader))) == nil
+	if late {
+		t := time.NewTimer(authCheckDelay)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, status.FromContextError(ctx.Err()).Err()
+		}
+		if !g.connOpen(ip, addr) {
+			return nil, status.Error(codes.Unavailable, "taskd: connection closed")
+		}
+	}
 	cred, err := g.authenticate(info.Header.Get("authorization"))
 	if err != nil {
 		g.met.authFailures.Inc()
 		g.refuse("unauthenticated", ip, info.FullMethodName)
-		g.failed(ip, addr)
+		g.failed(ip, addr, late)
 		return nil, err
 	}
 	if g.policy != nil {
@@ -430,16 +499,18 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 		return nil, status.Errorf(codes.ResourceExhausted, "taskd: %d connections from %s authenticated, at most %d", g.maxPerPeer, ip, g.maxPerPeer)
 	}
 	g.mu.Lock()
-	ps := g.peerLocked(ip)
-	if ps.streams >= maxStreamsPerPeer {
-		g.mu.Unlock()
-		g.refuse("streams", ip, info.FullMethodName)
-		return nil, status.Errorf(codes.ResourceExhausted, "taskd: %d calls in flight from %s, at most %d", maxStreamsPerPeer, ip, maxStreamsPerPeer)
-	}
-	if caller != nil {
+	if caller == nil {
+		ps := g.peerLocked(ip)
+		if ps.anon >= maxAnonCallsPerPeer {
+			g.mu.Unlock()
+			g.refuse("anonymous_calls", ip, info.FullMethodName)
+			return nil, status.Errorf(codes.ResourceExhausted, "taskd: %d calls in flight from %s that name no member, at most %d", maxAnonCallsPerPeer, ip, maxAnonCallsPerPeer)
+		}
+		ps.anon++
+	} else {
 		bound := maxCallsPerWorker
 		if caller.key.role == RoleProxy {
-			bound = maxStreamsPerPeer
+			bound = maxCallsPerProxy
 		}
 		if g.calls[*caller] >= bound {
 			g.mu.Unlock()
@@ -448,20 +519,44 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 		}
 		g.calls[*caller]++
 	}
-	ps.streams++
 	var conn uint64
-	if cs := ps.conns[addr]; cs != nil {
-		conn = cs.id
+	if ps := g.peers[ip]; ps != nil && ps.conns[addr] != nil {
+		conn = ps.conns[addr].id
 	}
 	g.mu.Unlock()
 	ctx = context.WithValue(ctx, authKey{}, cred)
 	ctx = context.WithValue(ctx, connKey{}, conn)
+	stop := func() bool { return false }
 	if caller != nil {
 		ctx = context.WithValue(ctx, callerKey{}, caller)
+	} else {
+		// A call that names no member has anonBodyDeadline to send its
+		// message (the server's stats handler stops the clock as it
+		// arrives), so that a stalled one ends and frees its place.
+		var cancel context.CancelCauseFunc
+		ctx, cancel = context.WithCancelCause(ctx)
+		t := time.AfterFunc(anonBodyDeadline, func() { cancel(errBodyDeadline) })
+		stop = t.Stop
+		ctx = context.WithValue(ctx, bodyClockKey{}, t)
 	}
 	// The call's context ends with the call, whatever ends it.
-	context.AfterFunc(ctx, func() { g.release(ip, caller) })
+	context.AfterFunc(ctx, func() { stop(); g.release(ip, caller) })
 	return ctx, nil
+}
+
+// errBodyDeadline is why a call that names no member and did not send its
+// message within anonBodyDeadline was cancelled.
+var errBodyDeadline = fmt.Errorf("taskd: no message within %v of the call's headers", anonBodyDeadline)
+
+// bodyClockKey carries, in the context of a call that names no member,
+// the timer that ends it unless its message arrives first.
+type bodyClockKey struct{}
+
+// messageArrived stops the body clock of the call of ctx, if it has one.
+func messageArrived(ctx context.Context) {
+	if t, _ := ctx.Value(bodyClockKey{}).(*time.Timer); t != nil {
+		t.Stop()
+	}
 }
 
 // release takes in the end of a call from ip, made by caller (nil for
@@ -469,11 +564,12 @@ func (g *guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 func (g *guard) release(ip string, caller *identity) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if ps := g.peers[ip]; ps != nil {
-		ps.streams--
-		g.forgetLocked(ip, ps)
-	}
-	if caller != nil {
+	if caller == nil {
+		if ps := g.peers[ip]; ps != nil {
+			ps.anon--
+			g.forgetLocked(ip, ps)
+		}
+	} else {
 		if g.calls[*caller]--; g.calls[*caller] <= 0 {
 			delete(g.calls, *caller)
 		}
@@ -526,11 +622,55 @@ func (g *guard) identify(method string, values []string) (*identity, error) {
 	return nil, nil
 }
 
+// hold takes in that n more bytes (fewer, when n is negative) of messages
+// not yet whole are held for who (nil: a call that names no member) from
+// ip. It takes nothing, and reports false, when that would pass ip's
+// bound or who's; a proxy, which relays its node's workers, holds what its
+// address may.
+func (g *guard) hold(ip string, who *identity, n int) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if n > 0 {
+		if g.heldByPeer[ip]+n > unfinishedPerPeer*g.maxMsg {
+			return false
+		}
+		if who != nil && who.key.role != RoleProxy && g.heldByMember[*who]+n > unfinishedPerWorker*g.maxMsg {
+			return false
+		}
+	}
+	if g.heldByPeer[ip] += n; g.heldByPeer[ip] <= 0 {
+		delete(g.heldByPeer, ip)
+	}
+	if who != nil {
+		if g.heldByMember[*who] += n; g.heldByMember[*who] <= 0 {
+			delete(g.heldByMember, *who)
+		}
+	}
+	return true
+}
+
+// member returns who secret names, nil when no member.
+func (g *guard) member(secret string) *identity {
+	if g.ids == nil || secret == "" {
+		return nil
+	}
+	if id, ok := g.ids.lookup(secret); ok {
+		return &id
+	}
+	return nil
+}
+
 // messageLimit counts and logs a connection closed for a call that
-// declared a message beyond its method's bound.
-func (g *guard) messageLimit(ip, method string) {
-	g.met.conns.WithLabelValues("message_limit").Inc()
-	g.logRefusal("connection closed: a message beyond its method's bound", "message_limit", ip, method)
+// declared a message beyond its method's bound (reason message_limit), or
+// whose bytes held would pass its member's or its address's bound
+// (unfinished_bytes).
+func (g *guard) messageLimit(ip, method, reason string) {
+	msg := "connection closed: a message beyond its method's bound"
+	if reason == "unfinished_bytes" {
+		msg = "connection closed: messages not yet whole beyond their member's or address's bound"
+	}
+	g.met.conns.WithLabelValues(reason).Inc()
+	g.logRefusal(msg, reason, ip, method)
 }
 
 // refuse counts a refused call and logs it.

@@ -151,7 +151,7 @@ func NewManager(cfg ManagerConfig) (*Manager, error) {
 	}
 	g := newGuard(guardConfig{
 		tokens: map[string]credential{cfg.Security.Token: credMember, cfg.ProxyToken: credProxy, cfg.AdminToken: credAdmin},
-		open:   cfg.Security.Token == "", maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer,
+		open:   cfg.Security.Token == "", maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer, maxMsg: cfg.MaxMessageBytes,
 		ids: m.ids, policy: m.policy, met: m.met.guard, log: m.log,
 	})
 	m.log.Info("taskd: roles open", cfg.roles()...)
@@ -330,6 +330,7 @@ func (m *Manager) step(now time.Time) {
 	m.mu.Lock()
 	var evs []Event
 	var lostFaults []Fault
+	m.completeMembersLocked(now)
 	for _, lm := range m.reg.expire(now) {
 		m.ids.revoke(lm.key, lm.instance)
 		if dl := m.downlinks[lm.key]; dl != nil && dl.instance == lm.instance {
@@ -338,6 +339,12 @@ func (m *Manager) step(now time.Time) {
 		}
 		if lm.key.role == RoleWorker {
 			m.sw.gone(lm.key.id)
+			if m.members != nil && !m.members.of(lm.pos.Rank) {
+				// Past a gap in the first rendezvous: maybe no rank of
+				// the job, whose loss must not stop the others.
+				m.log.Warn("taskd: member lost, not of the job: no fault", "member", lm.key.String(), "last_seen", lm.lastSeen)
+				continue
+			}
 			m.departedLocked(lm.pos, lm.lastSeen)
 		}
 		m.met.lost.WithLabelValues(lm.key.role.String()).Inc()
@@ -376,6 +383,31 @@ func (m *Manager) step(now time.Time) {
 	m.checkFanoutLocked(now)
 	m.mu.Unlock()
 	m.events.push(evs...)
+}
+
+// completeMembersLocked completes the first rendezvous at now, when it
+// is, and drops the workers that joined it past a gap: they are not of the
+// job, and their silence from now on is nothing to it.
+func (m *Manager) completeMembersLocked(now time.Time) {
+	if m.members == nil {
+		return
+	}
+	for _, rank := range m.members.complete(now) {
+		key := workerKey(rank)
+		lm := m.reg.get(key)
+		if lm == nil {
+			continue
+		}
+		m.reg.remove(key, lm.instance)
+		m.ids.revoke(key, lm.instance)
+		if dl := m.downlinks[key]; dl != nil {
+			dl.detach()
+			delete(m.downlinks, key)
+		}
+		m.sw.gone(rank)
+		m.log.Warn("taskd: member dropped: it joined the first rendezvous past a gap, and is not of the job", "member", key.String(), "addr", lm.addr, "world", m.members.world)
+	}
+	m.updateMemberGaugesLocked()
 }
 
 func (m *Manager) checkFanoutLocked(now time.Time) {

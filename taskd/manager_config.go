@@ -37,9 +37,11 @@ type ManagerConfig struct {
 	// outside it are refused. Zero: unknown, and nodes and ranks must be
 	// below MaxWorkers (default 16384); with Orchestration set, the job's
 	// ranks are then those of its first complete rendezvous (ranks 0 to
-	// n-1 registered, and no new one for twice HeartbeatDeadline), and a
-	// rank beyond them is refused, saying why, so that a member that
-	// joins as a rank of its own cannot start a recovery of the others.
+	// n-1 registered, none missing, and that run not grown for twice
+	// HeartbeatDeadline), and a rank beyond them is refused, saying why,
+	// or dropped when it joined past a gap, so that a member that joins
+	// as a rank of its own cannot start a recovery of the others. A job
+	// whose ranks may join past a missing one gives its shape.
 	Nodes, ProcsPerNode int
 	MaxWorkers          int
 	// Security: mutual TLS, token, or plaintext when asked; required.

@@ -123,6 +123,7 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		return nil, permission("%s: instance %s is live; registering it again takes its credential", key, nm.instance)
 	}
 	if m.members != nil && key.role == RoleWorker {
+		m.completeMembersLocked(now)
 		if err := m.members.admit(now, nm.pos.Rank); err != nil {
 			m.mu.Unlock()
 			m.met.refused.Inc()

@@ -60,8 +60,8 @@ func newManagerMetrics(r *promreg.Registrar) *managerMetrics {
 func newGuardMetrics(f promauto.Factory, prefix string) guardMetrics {
 	return guardMetrics{
 		authFailures: f.NewCounter(prometheus.CounterOpts{Name: prefix + "auth_failures_total", Help: "Calls whose token was missing or wrong."}),
-		calls:        f.NewCounterVec(prometheus.CounterOpts{Name: prefix + "calls_refused_total", Help: "Calls refused before their body was read, by reason (unauthenticated, permission, unknown_member, peer_limit, streams, member_calls)."}, []string{"reason"}),
-		conns:        f.NewCounterVec(prometheus.CounterOpts{Name: prefix + "connections_refused_total", Help: "Connections refused or closed, by reason (limit, pending_limit, auth_failures, message_limit)."}, []string{"reason"}),
+		calls:        f.NewCounterVec(prometheus.CounterOpts{Name: prefix + "calls_refused_total", Help: "Calls refused before their body was read, by reason (unauthenticated, permission, unknown_member, peer_limit, anonymous_calls, member_calls)."}, []string{"reason"}),
+		conns:        f.NewCounterVec(prometheus.CounterOpts{Name: prefix + "connections_refused_total", Help: "Connections refused or closed, by reason (limit, pending_limit, auth_failures, message_limit, unfinished_bytes)."}, []string{"reason"}),
 		open:         f.NewGauge(prometheus.GaugeOpts{Name: prefix + "connections", Help: "Connections open."}),
 	}
 }

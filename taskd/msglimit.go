@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"sync"
 
 	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc/credentials"
@@ -17,6 +18,9 @@ import (
 // size against one bound for every method, and reads and holds what
 // arrives up to it before a handler sees the call, so that a stalled
 // Register of 4 MiB held 4 MiB, taken in before the member was checked.
+// Send keeps MaxMessageBytes, since a node's stack dumps in a hang travel
+// in one message, and Upload, a file's chunks; what their stalled
+// messages hold is bounded per member and per address instead (guard.hold).
 var methodLimits = map[string]int{
 	pb.Control_Register_FullMethodName:      16 << 10,
 	pb.Control_Stream_FullMethodName:        16 << 10,
@@ -24,17 +28,25 @@ var methodLimits = map[string]int{
 	pb.Control_UploadOffsets_FullMethodName: 64 << 10,
 	// A proxy's heartbeat carries a beat of each of its node's workers.
 	pb.Control_Heartbeat_FullMethodName: 256 << 10,
+	// A batch of acknowledgements, each error cut (ackBatchBytes).
+	pb.Control_Acknowledge_FullMethodName: 1 << 20,
+	// A proxy's collection result, its errors cut (maxCollectErrors).
+	pb.Control_CollectDone_FullMethodName: 256 << 10,
 }
 
 // errMessageLimit is what a connection whose peer declared a message
 // beyond its method's bound is closed with.
 var errMessageLimit = errors.New("taskd: a message beyond its method's bound")
 
+// errUnfinished is what a connection is closed with whose call would hold
+// more bytes of messages not yet whole than its member or address may.
+var errUnfinished = errors.New("taskd: messages not yet whole beyond their bound")
+
 // limitCreds wraps a server's transport credentials so that each
 // connection, once its handshake is done, reads through a msgLimiter.
 type limitCreds struct {
 	credentials.TransportCredentials
-	exceeded func(ip, method string) // counts and logs a connection closed
+	g *guard
 }
 
 func (c limitCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
@@ -42,13 +54,31 @@ func (c limitCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInf
 	if err != nil {
 		return conn, info, err
 	}
-	ip := peerHost(raw.RemoteAddr().String())
-	return newMsgLimiter(conn, func(method string) { c.exceeded(ip, method) }), info, nil
+	return newMsgLimiter(conn, guardBudget{g: c.g, ip: peerHost(raw.RemoteAddr().String())}), info, nil
 }
 
 func (c limitCreds) Clone() credentials.TransportCredentials {
-	return limitCreds{TransportCredentials: c.TransportCredentials.Clone(), exceeded: c.exceeded}
+	return limitCreds{TransportCredentials: c.TransportCredentials.Clone(), g: c.g}
 }
+
+// msgBudget is what a msgLimiter answers to: who a call's secret names,
+// whether its bytes not yet whole may grow, and where to count a
+// connection it closes.
+type msgBudget interface {
+	member(secret string) *identity
+	hold(who *identity, n int) bool
+	exceeded(method, reason string)
+}
+
+// guardBudget is a connection's budget: its guard's, for its peer address.
+type guardBudget struct {
+	g  *guard
+	ip string
+}
+
+func (b guardBudget) member(secret string) *identity { return b.g.member(secret) }
+func (b guardBudget) hold(who *identity, n int) bool { return b.g.hold(b.ip, who, n) }
+func (b guardBudget) exceeded(method, reason string) { b.g.messageLimit(b.ip, method, reason) }
 
 // HTTP/2 as a client writes it (RFC 9113): what msgLimiter reads.
 const (
@@ -70,11 +100,17 @@ const (
 // msgLimiter reads a server connection's HTTP/2 frames as they pass, and
 // closes the connection when a call declares a gRPC message longer than
 // its method's bound (methodLimits), from the message's 5-byte prefix,
-// before its body arrives. It decodes the header blocks (HPACK is
-// stateful) for each call's method; it changes no byte.
+// before its body arrives, or when the bytes of the messages begun and
+// not yet whole, which gRPC holds until they are, would pass what the
+// call's member or the connection's address may hold (its budget). It
+// decodes the header blocks (HPACK is stateful) for each call's method
+// and member; it changes no byte.
 type msgLimiter struct {
 	net.Conn
-	exceeded func(method string)
+	budget msgBudget
+
+	mu     sync.Mutex // Read and Close may run at once
+	closed bool
 
 	preface int // bytes of the client preface still to pass
 	hdr     [h2FrameHeader]byte
@@ -85,26 +121,34 @@ type msgLimiter struct {
 	stream  uint32           // the current frame's stream
 	pad     int              // DATA: padding at the frame's end; -1 until its length is read
 	block   []byte           // a HEADERS frame's payload and CONTINUATIONs, until END_HEADERS
+	ends    bool             // that HEADERS frame ended its stream
 	dec     *hpack.Decoder   // the client's header blocks, in order
 	path    string           // :path of the block being decoded
-	calls   map[uint32]*call // by stream, until the client ends it
+	secret  string           // the member secret of the block being decoded
+	calls   map[uint32]*call // by stream, until the client or the server ends it
+	out     frameHeads       // what the server sends
 	err     error
 }
 
 // call is what a msgLimiter follows of one stream.
 type call struct {
 	method string
-	limit  int
-	prefix [5]byte // the gRPC message prefix being read
+	limit  int       // 0: the server's
+	who    *identity // the member its secret names; nil for none
+	prefix [5]byte   // the gRPC message prefix being read
 	pn     int
 	body   uint32 // bytes of the current message's body to come
+	held   int    // bytes of the current message's body come
 }
 
-func newMsgLimiter(c net.Conn, exceeded func(method string)) *msgLimiter {
-	l := &msgLimiter{Conn: c, exceeded: exceeded, preface: len(h2Preface), calls: make(map[uint32]*call)}
+func newMsgLimiter(c net.Conn, budget msgBudget) *msgLimiter {
+	l := &msgLimiter{Conn: c, budget: budget, preface: len(h2Preface), calls: make(map[uint32]*call)}
 	l.dec = hpack.NewDecoder(4096, func(f hpack.HeaderField) {
-		if f.Name == ":path" {
+		switch f.Name {
+		case ":path":
 			l.path = f.Value
+		case memberHeader:
+			l.secret = f.Value
 		}
 	})
 	l.dec.SetMaxStringLength(maxHeaderBytes)
@@ -112,16 +156,85 @@ func newMsgLimiter(c net.Conn, exceeded func(method string)) *msgLimiter {
 }
 
 func (l *msgLimiter) Read(p []byte) (int, error) {
-	if l.err != nil {
-		return 0, l.err
-	}
 	n, err := l.Conn.Read(p)
-	if ferr := l.feed(p[:n]); ferr != nil {
-		l.err = ferr
-		l.Conn.Close()
+	l.mu.Lock()
+	if l.err == nil && l.closed {
+		l.err = net.ErrClosed
+	}
+	if l.err == nil {
+		l.err = l.feed(p[:n])
+	}
+	ferr := l.err
+	l.mu.Unlock()
+	if ferr != nil {
+		l.Close()
 		return 0, ferr
 	}
 	return n, err
+}
+
+// Write follows the frames the server sends, for the calls it ends.
+func (l *msgLimiter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	l.out.feed(p, l.forget)
+	l.mu.Unlock()
+	return l.Conn.Write(p)
+}
+
+// frameHeads follows the frame headers of one direction of HTTP/2, and
+// tells of each stream one of its frames ends: a call that the server
+// ended (refused from its headers, say) is no longer followed, whether
+// or not its client ever ends it too.
+type frameHeads struct {
+	hdr  [h2FrameHeader]byte
+	hn   int
+	left int // bytes of the current frame's payload to come
+}
+
+func (f *frameHeads) feed(b []byte, ended func(stream uint32)) {
+	for len(b) > 0 {
+		if f.left > 0 {
+			k := min(f.left, len(b))
+			f.left -= k
+			b = b[k:]
+			continue
+		}
+		k := copy(f.hdr[f.hn:], b)
+		f.hn += k
+		b = b[k:]
+		if f.hn < h2FrameHeader {
+			return
+		}
+		f.hn = 0
+		f.left = int(f.hdr[0])<<16 | int(f.hdr[1])<<8 | int(f.hdr[2])
+		typ, flags := f.hdr[3], f.hdr[4]
+		if typ == h2RSTStream || (flags&h2EndStream != 0 && (typ == h2Headers || typ == h2Data)) {
+			ended(binary.BigEndian.Uint32(f.hdr[5:]) & (1<<31 - 1))
+		}
+	}
+}
+
+// Close gives back what the connection's calls hold, and closes it.
+func (l *msgLimiter) Close() error {
+	l.mu.Lock()
+	if !l.closed {
+		l.closed = true
+		for id := range l.calls {
+			l.forget(id)
+		}
+	}
+	l.mu.Unlock()
+	return l.Conn.Close()
+}
+
+// forget stops following stream id, and gives back what its call holds.
+func (l *msgLimiter) forget(id uint32) {
+	if c := l.calls[id]; c != nil {
+		if c.held > 0 {
+			l.budget.hold(c.who, -c.held)
+		}
+		delete(l.calls, id)
+	}
 }
 
 // feed follows b, the next bytes the client sent.
@@ -184,19 +297,30 @@ func (l *msgLimiter) payload(b []byte) error {
 		// The padding is the payload's last l.pad bytes.
 		data := b[:max(0, min(len(b), rest-l.pad))]
 		if c := l.calls[l.stream]; c != nil {
-			return c.take(data, l.exceeded)
+			return c.take(data, l.budget)
 		}
 	}
 	return nil
 }
 
-// take follows data, the next bytes of a call's messages.
-func (c *call) take(data []byte, exceeded func(method string)) error {
+// take follows data, the next bytes of a call's messages, drawing the
+// bytes of a message not yet whole on budget until it is.
+func (c *call) take(data []byte, budget msgBudget) error {
 	for len(data) > 0 {
 		if c.body > 0 {
 			k := min(int(c.body), len(data))
 			c.body -= uint32(k)
 			data = data[k:]
+			if c.body == 0 {
+				budget.hold(c.who, -c.held) // whole: the handler has it
+				c.held = 0
+				continue
+			}
+			if !budget.hold(c.who, k) {
+				budget.exceeded(c.method, "unfinished_bytes")
+				return fmt.Errorf("%w: %s, %d bytes of a message of %d", errUnfinished, c.method, c.held+k, uint32(c.held+k)+c.body)
+			}
+			c.held += k
 			continue
 		}
 		k := copy(c.prefix[c.pn:], data)
@@ -205,8 +329,8 @@ func (c *call) take(data []byte, exceeded func(method string)) error {
 		if c.pn == len(c.prefix) {
 			c.pn = 0
 			c.body = binary.BigEndian.Uint32(c.prefix[1:])
-			if int64(c.body) > int64(c.limit) {
-				exceeded(c.method)
+			if c.limit > 0 && int64(c.body) > int64(c.limit) {
+				budget.exceeded(c.method, "message_limit")
 				return fmt.Errorf("%w: %s declared %d bytes, at most %d", errMessageLimit, c.method, c.body, c.limit)
 			}
 		}
@@ -226,6 +350,7 @@ func (l *msgLimiter) frameEnd() error {
 				return err
 			}
 			l.block = append(l.block[:0], frag...)
+			l.ends = l.flags&h2EndStream != 0
 		}
 		if l.flags&h2EndHeaders == 0 {
 			return nil // CONTINUATION frames follow
@@ -237,18 +362,22 @@ func (l *msgLimiter) frameEnd() error {
 		if cap(l.block) > 4<<10 {
 			l.block = nil
 		}
+		if l.ends {
+			l.forget(l.stream)
+		}
 	case h2RSTStream:
-		delete(l.calls, l.stream)
-	}
-	if l.flags&h2EndStream != 0 && (l.typ == h2Data || l.typ == h2Headers) {
-		delete(l.calls, l.stream)
+		l.forget(l.stream)
+	case h2Data:
+		if l.flags&h2EndStream != 0 {
+			l.forget(l.stream)
+		}
 	}
 	return nil
 }
 
 // headers decodes a header block, and follows the call it opens.
 func (l *msgLimiter) headers(frag []byte) error {
-	l.path = ""
+	l.path, l.secret = "", ""
 	if _, err := l.dec.Write(frag); err != nil {
 		return fmt.Errorf("taskd: header block: %w", err)
 	}
@@ -261,9 +390,7 @@ func (l *msgLimiter) headers(frag []byte) error {
 	if len(l.calls) >= maxTracked {
 		return fmt.Errorf("taskd: more than %d calls open on one connection", maxTracked)
 	}
-	if limit, ok := methodLimits[l.path]; ok {
-		l.calls[l.stream] = &call{method: l.path, limit: limit}
-	}
+	l.calls[l.stream] = &call{method: l.path, limit: methodLimits[l.path], who: l.budget.member(l.secret)}
 	return nil
 }
 

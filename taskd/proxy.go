@@ -213,7 +213,7 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		return nil, fmt.Errorf("taskd: proxy listen on %s: %w", cfg.Listen, err)
 	}
 	g := newGuard(guardConfig{tokens: map[string]credential{cfg.Security.Token: credMember}, open: cfg.Security.Token == "",
-		maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer, ids: p.ids, met: p.met.guard, log: log})
+		maxConns: cfg.MaxConnections, maxPerPeer: cfg.MaxConnectionsPerPeer, maxMsg: cfg.MaxMessageBytes, ids: p.ids, met: p.met.guard, log: log})
 	p.lis = g.listen(lis)
 	p.srv = newServer(cfg.Security, limits{maxMsg: cfg.MaxMessageBytes, rate: cfg.RateLimit, burst: cfg.RateBurst, limited: p.met.rateLimited.Inc}, g, log)
 	pb.RegisterControlServer(p.srv, &proxyControl{p: p})

@@ -57,7 +57,14 @@ func (h connLimits) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.C
 }
 func (connLimits) HandleConn(context.Context, stats.ConnStats)                     {}
 func (connLimits) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context { return ctx }
-func (connLimits) HandleRPC(context.Context, stats.RPCStats)                       {}
+
+// HandleRPC stops the body clock of a call that names no member as its
+// message arrives.
+func (connLimits) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	if _, ok := s.(*stats.InPayload); ok {
+		messageArrived(ctx)
+	}
+}
 
 func (l limits) allow(ctx context.Context) error {
 	lim, _ := ctx.Value(connLimiterKey{}).(*rate.Limiter)
@@ -76,7 +83,7 @@ func (l limits) allow(ctx context.Context) error {
 // peers within seconds and close idle connections.
 func newServer(sec Security, l limits, g *guard, log *slog.Logger) *grpc.Server {
 	opts := []grpc.ServerOption{
-		grpc.Creds(limitCreds{TransportCredentials: sec.serverCreds(log), exceeded: g.messageLimit}),
+		grpc.Creds(limitCreds{TransportCredentials: sec.serverCreds(log), g: g}),
 		grpc.InTapHandle(g.tap),
 		grpc.MaxConcurrentStreams(maxStreamsPerConn),
 		grpc.MaxHeaderListSize(maxHeaderBytes),

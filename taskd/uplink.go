@@ -125,8 +125,12 @@ func (u *uplink) sendBatch(ctx context.Context, client pb.ControlClient) error {
 	return nil
 }
 
-// maxAckBatch bounds the acknowledgements sent in one call.
-const maxAckBatch = 1024
+// maxAckBatch and ackBatchBytes bound the acknowledgements sent in one
+// call, well within the bound of an Acknowledge message (methodLimits).
+const (
+	maxAckBatch   = 1024
+	ackBatchBytes = 256 << 10
+)
 
 // runAcks forwards acknowledgements in batches; one that fails is dropped,
 // since the sender re-sends what it does not see acknowledged. A batch cut
@@ -140,11 +144,13 @@ func runAcks(ctx context.Context, client pb.ControlClient, job string, acks chan
 		case a := <-acks:
 			batch = append(batch, a)
 		}
+		size := proto.Size(batch[0])
 	drain:
-		for len(batch) < maxAckBatch {
+		for len(batch) < maxAckBatch && size < ackBatchBytes {
 			select {
 			case a := <-acks:
 				batch = append(batch, a)
+				size += proto.Size(a)
 			default:
 				break drain
 			}

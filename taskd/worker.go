@@ -578,7 +578,7 @@ func (w *Worker) ack(id uint64, kind, errMsg string, reply []byte) {
 	}
 	w.met.applied.WithLabelValues(kind, result).Inc()
 	select {
-	case w.acks <- &pb.Ack{Id: id, From: w.self, Error: errMsg, Reply: reply}:
+	case w.acks <- &pb.Ack{Id: id, From: w.self, Error: cut(errMsg, maxAckErrorBytes), Reply: reply}:
 	default: // the manager re-sends what it does not see acknowledged
 	}
 }
