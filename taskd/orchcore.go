@@ -947,7 +947,9 @@ func (m *machine) repaired(now time.Time, id uint64, ranks []int, err error) {
 		return
 	}
 	r.repairDone = true
-	r.awaited = sortedUnique(ranks)
+	// With the ranks it restarted, those a repair taken over was waiting
+	// for from the dead manager's call (evicted, and not made again).
+	r.awaited = sortedUnique(append(slices.Collect(maps.Keys(r.evictedInst)), ranks...))
 	for _, rank := range r.awaited {
 		m.restartedAt[rank] = r.repairStart
 		delete(r.faults, rank)

@@ -780,15 +780,19 @@ func (o *orchestrator) repair(ctx context.Context, a action) ([]int, error) {
 		ranks = append(ranks, f.Position.Rank)
 	}
 	ranks = sortedUnique(ranks)
+	var backoff time.Duration
+	for _, d := range scopes {
+		backoff = max(backoff, d.Backoff)
+	}
+	if err := waitBackoff(ctx, backoff); err != nil {
+		return nil, err
+	}
 	if err := o.evict(ctx, a, ranks, fmt.Sprintf("replaced by orchestration #%d", a.run)); err != nil {
 		return nil, err
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	for _, d := range scopes {
 		g.Go(func() error {
-			if err := waitBackoff(gctx, d.Backoff); err != nil {
-				return err
-			}
 			o.policy.Executing(d, time.Now())
 			if d.AvoidNode != "" {
 				if err := ex.AvoidNode(gctx, d); err != nil && !errors.Is(err, rescheduling.ErrUnsupported) {
@@ -806,8 +810,13 @@ func (o *orchestrator) repair(ctx context.Context, a action) ([]int, error) {
 // before does not count for the repair, only their successors do. It
 // returns once that is written down: a manager that takes over must
 // know whether the executor may have been called, or it would restart
-// the ranks again.
+// the ranks again. It comes after the policy's backoff, right before the
+// calls, so that a manager taking over takes evictions written down for
+// calls made; nothing is evicted once ctx ended.
 func (o *orchestrator) evict(ctx context.Context, a action, ranks []int, why string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	instances := o.m.evict(ranks, why)
 	return o.waitWritten(ctx, o.feed(func(_ time.Time, c *machine) { c.evicted(a.id, instances) }))
 }
@@ -819,18 +828,25 @@ func (o *orchestrator) restartInPlace(ctx context.Context, a action, decisions m
 	for _, f := range a.faults {
 		ranks = append(ranks, f.Position.Rank)
 	}
+	groups := o.inPlaceCalls(a.faults, decisions)
+	var backoff time.Duration
+	for _, calls := range groups {
+		for _, d := range calls {
+			backoff = max(backoff, d.Backoff)
+		}
+	}
+	if err := waitBackoff(ctx, backoff); err != nil {
+		return nil, err
+	}
 	if err := o.evict(ctx, a, ranks, fmt.Sprintf("restarted by orchestration #%d", a.run)); err != nil {
 		return nil, err
 	}
 	var g errgroup.Group
-	for _, calls := range o.inPlaceCalls(a.faults, decisions) {
+	for _, calls := range groups {
 		g.Go(func() error {
 			// One at a time: a call restarts what is dead in its pod, and
 			// the next must find it running.
 			for _, d := range calls {
-				if err := waitBackoff(ctx, d.Backoff); err != nil {
-					return err
-				}
 				o.policy.Executing(d, time.Now())
 				if err := o.cfg.Executor.RestartProcesses(ctx, d); err != nil {
 					return fmt.Errorf("restart %s on node %s: %w", d.Process, d.Node, err)

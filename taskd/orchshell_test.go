@@ -585,3 +585,46 @@ func TestEvictionWrittenBeforeRepair(t *testing.T) {
 		t.Fatalf("evicted as the executor was called: %v, want rank 1's instance %s", ev, old)
 	}
 }
+
+// TestTakeoverInBackoff: a manager stopped while its repair waits out the
+// policy's backoff has evicted nothing and called no executor, and says
+// so in its state: the manager taking over makes the repair itself
+// rather than waiting for ranks no one restarts.
+func TestTakeoverInBackoff(t *testing.T) {
+	pol, err := rescheduling.NewPolicy(rescheduling.Config{Backoff: rescheduling.Backoff{Initial: 3 * time.Second, Max: 3 * time.Second, Jitter: -1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pol.Close() })
+	dir := t.TempDir()
+	to := shortTimeouts()
+	to.Restart, to.Replace = 20*time.Second, 20*time.Second
+	j := newTrainerJobWith(t, 2, 2, 0, ManagerConfig{Nodes: 2, ProcsPerNode: 2, StateDir: dir,
+		Orchestration: &OrchestrationConfig{Policy: pol, Timeouts: to}})
+	if _, _, err := j.m.ReportFault(Fault{Kind: FaultProcessExit, Code: 137, Position: Position{1, 3}}); err != nil {
+		t.Fatal(err)
+	}
+	j.until(StateRecovered)
+	// The same rank again: the policy backs off before restarting it.
+	if _, _, err := j.m.ReportFault(Fault{Kind: FaultProcessExit, Code: 137, Position: Position{1, 3}}); err != nil {
+		t.Fatal(err)
+	}
+	j.until(StateRestarting, StateReplacing)
+	time.Sleep(time.Second) // within the 3 s backoff
+	_, raw, err := readStateFile(filepath.Join(dir, orchStateFile), j.job)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := parseCoreState(orchStateFile, raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Run == nil || len(st.Run.Evicted) != 0 {
+		t.Fatalf("evictions written during the backoff: %+v", st.Run)
+	}
+	j.stop(j.m, j.m)
+	j.startManager()
+	if got := j.until(StateRecovered, StateExited, StateFailed); got[len(got)-1] != StateRecovered {
+		t.Fatalf("after the takeover: %v%s", got, j.explain())
+	}
+}

@@ -516,24 +516,39 @@ func (m *machine) settled(now time.Time, why string, live map[int]string) {
 	r.o.Restored++
 	m.record(now, r.o.State, why)
 	repairing := r.o.State == StateRestarting || r.o.State == StateReplacing
-	var restarted []int
-	untouched := false // a rank the call was to restart still runs as it was
+	var restarted, untouched []int // untouched: still running as the instance evicted
 	if repairing && !r.repairDone {
 		for rank, inst := range r.evictedInst {
 			switch l := live[rank]; {
 			case l != "" && l != inst:
 				restarted = append(restarted, rank)
 			case l != "" && l == inst:
-				untouched = true
+				untouched = append(untouched, rank)
 			}
 		}
 	}
 	// A rank evicted and not live yet may be on its way back from the
 	// dead manager's call: making the repair again would kill what that
 	// call started and count its registration for the new one. It is
-	// waited for as the ranks of any repair are.
+	// waited for as the ranks of any repair are. In place, only the ranks
+	// the call evidently did not reach are restarted again; a pod's
+	// recreation, which may be under way for any of its ranks, is made
+	// again whole.
+	if len(untouched) > 0 && len(untouched) < len(r.evictedInst) && r.o.State == StateRestarting {
+		for _, rank := range restarted {
+			r.registered[rank] = true
+		}
+		for rank := range r.repairing {
+			if !slices.Contains(untouched, rank) {
+				delete(r.repairing, rank)
+			}
+		}
+		m.issue(now)
+		m.settledFaults(now)
+		return
+	}
 	switch {
-	case repairing && (r.repairDone || (len(r.evictedInst) > 0 && !untouched)):
+	case repairing && (r.repairDone || (len(r.evictedInst) > 0 && len(untouched) == 0)):
 		timeout := m.repairTimeout()
 		m.nextAction++
 		r.action, r.deadline = m.nextAction, now.Add(timeout+grace(timeout))
@@ -548,6 +563,13 @@ func (m *machine) settled(now time.Time, why string, live map[int]string) {
 	default:
 		m.issue(now)
 	}
+	m.settledFaults(now)
+}
+
+// settledFaults reacts to the faults deferred while the orchestration
+// taken over settled.
+func (m *machine) settledFaults(now time.Time) {
+	r := m.run
 	deferred := r.deferred
 	r.deferred = nil
 	for _, f := range deferred {

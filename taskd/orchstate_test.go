@@ -233,6 +233,46 @@ func TestCoreTakeOver(t *testing.T) {
 		}
 	})
 
+	// A call cut short part way: the ranks it evidently did not reach are
+	// restarted again, alone; those it restarted, back or on their way,
+	// are waited for.
+	for _, tc := range []struct {
+		name string
+		live map[int]string
+	}{
+		{"one rank untouched, the other back", map[int]string{0: "a", 1: "b", 2: "h2", 3: "new3"}},
+		{"one rank untouched, the other on its way back", map[int]string{0: "a", 1: "b", 2: "h2"}},
+	} {
+		t.Run("restarting with the executor's call cut short part way: "+tc.name, func(t *testing.T) {
+			w := newCoreWorld(t, testCoreConfig())
+			w.fault(2, FaultHang)
+			w.fault(3, FaultProcessExit)
+			w.deliver(orchReply{})
+			w.deliver(all())
+			w.m.decided(w.now, w.last().id, levelInPlace, "x")
+			w.drain()
+			w.m.evicted(w.last().id, map[int]string{2: "h2", 3: ""})
+			w.drain()
+			w.takeOverLive(tc.live)
+			a := w.last()
+			if a.kind != actRepair || len(a.faults) != 1 || a.faults[0].Position.Rank != 2 {
+				t.Fatalf("after the takeover: %+v, want rank 2 alone restarted again", a)
+			}
+			w.m.evicted(a.id, map[int]string{2: "h2"})
+			w.m.registered(w.now, 3) // the dead call's rank 3, now or again: it counts
+			w.m.repaired(w.now, a.id, []int{2}, nil)
+			w.drain()
+			if w.m.run.o.State != StateRestarting {
+				t.Fatalf("moved on to %s before rank 2's successor registered", w.m.run.o.State)
+			}
+			w.m.registered(w.now, 2)
+			w.drain()
+			if w.m.run.o.State != StateLoading || !slices.Equal(w.m.run.awaited, []int{2, 3}) {
+				t.Fatalf("once rank 2 registered: %s, awaited %v\n%s", w.m.run.o.State, w.m.run.awaited, w.reasons())
+			}
+		})
+	}
+
 	t.Run("a fault while the members register again", func(t *testing.T) {
 		w := newCoreWorld(t, testCoreConfig())
 		w.fault(3, FaultProcessExit)
