@@ -10,7 +10,6 @@ import (
 	"io/fs"
 	"maps"
 	"net"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -396,7 +395,14 @@ func (c *checkpoints) adoptDir(dir string) {
 // setPeers takes in the replica address of every node of the job and
 // hands each local rank's owner the peers it sends its replicas to.
 func (c *checkpoints) setPeers(peers map[int]string) {
-	domains := c.domainsOf(peers)
+	// Every local rank's worker hands the same peers on: the switches are
+	// looked up (and said) once for each change.
+	c.mu.Lock()
+	domains, same := c.domains, c.domains != nil && maps.Equal(peers, c.peers)
+	c.mu.Unlock()
+	if !same {
+		domains = c.domainsOf(peers)
+	}
 	c.mu.Lock()
 	c.peers, c.domains = peers, domains
 	shards := maps.Clone(c.shards)
@@ -413,37 +419,27 @@ func (c *checkpoints) setPeers(peers map[int]string) {
 }
 
 // domainsOf returns the access switch of each node whose replica
-// address is a host Config.Topology names (a name is resolved first, as a
-// pod's headless-Service name is); nil without a topology.
+// address is a host Config.Topology lists; nil without a topology. The
+// addresses are the IPs the agents reach each other at, so the topology
+// must list those (hosts' IPs on bare metal or with host networking).
 func (c *checkpoints) domainsOf(peers map[int]string) map[string]string {
 	t := c.a.cfg.Topology
 	if t == nil {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
 	out := make(map[string]string, len(peers))
+	var unknown []string
 	for node, addr := range peers {
-		host, _, err := net.SplitHostPort(addr)
-		if err != nil {
-			continue
+		host, _, _ := net.SplitHostPort(addr)
+		if n, ok := t.Lookup(host); ok {
+			out[strconv.Itoa(node)] = n.ASW
+		} else {
+			unknown = append(unknown, addr)
 		}
-		ips := []string{host}
-		if _, err := netip.ParseAddr(host); err != nil {
-			if ips, err = net.DefaultResolver.LookupHost(ctx, host); err != nil {
-				c.a.log.Warn("agent: a node's host is not resolved; its switch is unknown", "node", node, "host", host, "err", err)
-				continue
-			}
-		}
-		for _, ip := range ips {
-			if n, ok := t.Lookup(ip); ok {
-				out[strconv.Itoa(node)] = n.ASW
-				break
-			}
-		}
-		if _, ok := out[strconv.Itoa(node)]; !ok {
-			c.a.log.Warn("agent: a node's host is not in the topology; its replicas' switch is unknown", "node", node, "host", host)
-		}
+	}
+	if len(unknown) > 0 {
+		slices.Sort(unknown)
+		c.a.log.Warn("agent: nodes whose address the topology does not list: their switch is unknown, and replicas go to them after the nodes under other switches", "addrs", unknown)
 	}
 	return out
 }

@@ -177,15 +177,15 @@ func TestResumeFromDiskSaysWhy(t *testing.T) {
 
 // TestReplicasGoToAnotherSwitch: with the job's topology, a node's
 // replicas go to a node under another access switch, not to the next
-// node under its own; a host named rather than numbered is resolved, and
-// one the topology does not list has no switch.
+// node under its own; a node whose address the topology does not list
+// has no switch.
 func TestReplicasGoToAnotherSwitch(t *testing.T) {
 	topo, err := topology.Parse([]byte("asw-a psw-1 10.0.0.1\nasw-a psw-1 10.0.0.2\nasw-b psw-1 127.0.0.1\n"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	c := &checkpoints{a: &Agent{cfg: Config{Topology: topo}, log: slog.New(slog.DiscardHandler)}}
-	peers := map[int]string{0: "10.0.0.1:29502", 1: "10.0.0.2:29502", 2: "localhost:29502", 3: "10.9.9.9:29502"}
+	peers := map[int]string{0: "10.0.0.1:29502", 1: "10.0.0.2:29502", 2: "127.0.0.1:29502", 3: "10.9.9.9:29502"}
 	got := c.domainsOf(peers)
 	if want := map[string]string{"0": "asw-a", "1": "asw-a", "2": "asw-b"}; !maps.Equal(got, want) {
 		t.Fatalf("domains %v, want %v", got, want)

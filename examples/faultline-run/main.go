@@ -53,9 +53,9 @@
 //	--replicas K              how many other nodes hold a copy of each rank's newest memory step (default 1
 //	                          with several nodes; -1: none); --replica-port P is the first of the node's
 //	                          replica servers' ports, one per local rank
-//	--topology FILE           DLRover's node-topology-config (asw psw ip lines, the ConfigMap the
-//	                          Kubernetes manifests mount): each rank's replicas go first to nodes under
-//	                          another access switch, so that a switch lost loses no step
+//	--topology FILE           DLRover's node-topology-config (asw psw ip lines, the IPs the nodes reach
+//	                          each other at): each rank's replicas go first to nodes under another
+//	                          access switch, so that a switch lost loses no step
 //	--metrics-listen ADDR     serve the agent's Prometheus metrics on ADDR (/metrics): each rank's
 //	                          checkpoint, dotting and hang metrics, labelled by rank, node 0's manager's,
 //	                          and faultline_agent_async_saves_abandoned_total
