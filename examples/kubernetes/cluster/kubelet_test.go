@@ -78,6 +78,7 @@ type pod struct {
 	node     string
 	ip       string
 	netns    string
+	veth     string
 	dir      string
 	cmd      *exec.Cmd
 	exited   chan struct{}
@@ -295,6 +296,12 @@ func (k *Kubelet) NodeDown(name string) {
 	}
 }
 
+func (k *Kubelet) nodeDown(name string) bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.nodes[name].down
+}
+
 // loop starts the pods bound to its nodes, and ends the deleted ones.
 func (k *Kubelet) loop() {
 	defer k.wg.Done()
@@ -377,6 +384,9 @@ func (k *Kubelet) killAll(p *pod) {
 	}
 	<-p.exited
 	exec.Command("ip", "netns", "del", p.netns).Run()
+	// The link goes with the namespace, but the kernel destroys a
+	// namespace in its own time.
+	exec.Command("ip", "link", "del", p.veth).Run()
 }
 
 func (k *Kubelet) close() {
@@ -445,6 +455,9 @@ func (k *Kubelet) watch(p *pod, obj *corev1.Pod) {
 	for {
 		select {
 		case <-p.exited:
+			if k.nodeDown(p.node) {
+				return // a dead node's kubelet says nothing
+			}
 			code := p.exitCode
 			k.status(p, func(s *corev1.PodStatus) {
 				s.Phase = corev1.PodSucceeded
@@ -544,6 +557,7 @@ func (k *Kubelet) run(p *pod, obj *corev1.Pod) error {
 		return err
 	}
 	veth := fmt.Sprintf("flk%sv%s", k.id, k.nextIPOf(p))
+	p.veth = veth
 	for _, args := range [][]string{
 		{"ip", "netns", "add", p.netns},
 		{"ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", p.netns},

@@ -22,11 +22,15 @@ func Manifests(t *testing.T) []*unstructured.Unstructured {
 	}
 	var objs []*unstructured.Unstructured
 	for _, r := range m.Resources() {
-		obj, err := r.Map()
+		b, err := r.MarshalJSON()
 		if err != nil {
 			t.Fatalf("%s: %v", r.CurId(), err)
 		}
-		objs = append(objs, &unstructured.Unstructured{Object: obj})
+		obj := &unstructured.Unstructured{}
+		if err := obj.UnmarshalJSON(b); err != nil {
+			t.Fatalf("%s: %v", r.CurId(), err)
+		}
+		objs = append(objs, obj)
 	}
 	return objs
 }

@@ -33,6 +33,9 @@ func TestMain(m *testing.M) {
 	// sets it.
 	flag.Set("v", "0")
 	code := m.Run()
+	if imageDir != "" {
+		os.RemoveAll(imageDir)
+	}
 	if code == 0 {
 		if err := goleak.Find(leakOptions...); err != nil {
 			fmt.Fprintf(os.Stderr, "goleak: %v\n", err)
