@@ -6,5 +6,8 @@
 // local processes. It is a module of its own so that no user of the
 // library inherits k8s.io/kubernetes.
 //
-//	cd examples/kubernetes/cluster && go test -count=1 .
+//	cd examples/kubernetes/cluster && go test -count=1 -timeout 15m .
+//
+// as root: the kubelet makes network and mount namespaces. The tests are
+// described in examples/kubernetes/README.md.
 package cluster

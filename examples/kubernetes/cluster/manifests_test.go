@@ -68,3 +68,20 @@ func Apply(t *testing.T, cp *ControlPlane, objs []*unstructured.Unstructured, ki
 		}
 	}
 }
+
+// TestManifestsTrain (2a): the manifests as written (kustomize), on the
+// real control plane: the Job controller starts the two pods, whose
+// faultline-run takes its node rank from the completion index; the two
+// managers campaign on the Lease and the leader serves; the job trains
+// with real PyTorch and the Job is Complete. Its final weights are the
+// baseline of the runs with faults.
+//
+// It is in this file, before TestRecovery's, so that it runs first and
+// TestRecovery finds its baseline.
+func TestManifestsTrain(t *testing.T) {
+	ran := false
+	baselineOnce.Do(func() { baseline, ran = train(t), true })
+	if !ran {
+		t.Log("ran as the baseline of an earlier test")
+	}
+}

@@ -168,16 +168,6 @@ var (
 	baseline     string
 )
 
-// TestManifestsTrain (2a): the manifests as written (kustomize), on the
-// real control plane: the Job controller starts the two pods, whose
-// faultline-run takes its node rank from the completion index; the two
-// managers campaign on the Lease and the leader serves; the job trains
-// with real PyTorch and the Job is Complete. Its final weights are the
-// baseline of the runs with faults.
-func TestManifestsTrain(t *testing.T) {
-	baselineOnce.Do(func() { baseline = train(t) })
-}
-
 func train(t *testing.T) string {
 	cp, k := trainJob(t, "0")
 	ctx := t.Context()
