@@ -279,6 +279,17 @@ func (k *Kubelet) heartbeat() {
 	}
 }
 
+// KillContainer SIGKILLs the pod's first process, as the kernel's OOM
+// killer or a crash would end it.
+func (k *Kubelet) KillContainer(uid types.UID) {
+	k.mu.Lock()
+	p := k.pods[uid]
+	k.mu.Unlock()
+	if p != nil && p.cmd != nil && p.cmd.Process != nil {
+		p.cmd.Process.Kill()
+	}
+}
+
 // NodeDown kills the node's pods' processes and silences its kubelet,
 // as a machine that dies.
 func (k *Kubelet) NodeDown(name string) {
@@ -458,6 +469,9 @@ func (k *Kubelet) watch(p *pod, obj *corev1.Pod) {
 			if k.nodeDown(p.node) {
 				return // a dead node's kubelet says nothing
 			}
+			// The container ends with its first process: the runtime
+			// kills what it leaves behind.
+			k.killAll(p)
 			code := p.exitCode
 			k.status(p, func(s *corev1.PodStatus) {
 				s.Phase = corev1.PodSucceeded

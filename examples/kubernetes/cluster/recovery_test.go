@@ -31,8 +31,9 @@ func lastSteps(log string) map[int]int {
 // TestRecovery (2b, 2c, 2f): the manifests' job, on the real control
 // plane, through three faults in one run: the leading manager's pod
 // deleted (the standby leads within the Lease's duration and the job goes
-// on); a training pod deleted (the Job controller recreates its index,
-// whose ranks resume from the other pod's replicas); a node lost (the
+// on); a training pod deleted, then another's process killed (each
+// time the Job controller recreates the index, whose ranks resume from
+// the other pod's replicas); a node lost (the
 // node lifecycle controller finds it not ready, its pod is evicted once
 // the manifests' toleration of 30 s runs out, and the job recovers
 // again). The final weights are bitwise those of the run without faults.
@@ -115,6 +116,20 @@ func TestRecovery(t *testing.T) {
 	if p1b.UID == p1.UID {
 		t.Fatal("the deleted pod still runs")
 	}
+
+	// 2c, again: the training pod's process killed; the pod fails, and
+	// the Job controller recreates its index.
+	p1b = at("the job going on", lastSteps(k.Log(p1b.UID))[2]+3, time.Minute)
+	died = lastSteps(k.Log(p1b.UID))[2]
+	start = time.Now()
+	k.KillContainer(p1b.UID)
+	waitFor(t, time.Minute, "the killed pod's index recreated", func() (bool, error) {
+		p, ok := trainer("1")
+		return ok && p.UID != p1b.UID, nil
+	})
+	p1k := at("the job back at the step where the process died", died, 2*time.Minute)
+	t.Logf("2c: pod %s's faultline-run killed at step %d; its index's new pod %s back at that step %v later", p1b.Name, died, p1k.Name, time.Since(start).Round(time.Millisecond))
+	p1b = p1k
 
 	// 2f: the node of index 1 lost.
 	p1b = at("the job going on", lastSteps(k.Log(p1b.UID))[2]+3, time.Minute)
