@@ -109,8 +109,10 @@ func TestProxyFenceAtSend(t *testing.T) {
 	if env.GetId() != 2 {
 		t.Fatalf("the worker got message %d (term %d) first, want 2 (term 6)", env.GetId(), env.GetFence())
 	}
-	if counterValue(p.met.fenced) != 1 {
-		t.Errorf("fenced %v, want 1", counterValue(p.met.fenced))
+	// The queued message of term 5, at least: the manager, whose term is
+	// still 5, may send the worker more meanwhile, and those are fenced too.
+	if counterValue(p.met.fenced) < 1 {
+		t.Errorf("fenced %v, want at least the queued message of term 5", counterValue(p.met.fenced))
 	}
 }
 
