@@ -82,6 +82,24 @@ func coreRanks0() []int {
 	return out
 }
 
+// evictedInPlace is a core restarting ranks in place whose repair has
+// evicted instances (rank -> instance), the executor not yet called: a
+// fault of kind[i] on each rank evicted, in rank order.
+func evictedInPlace(t *testing.T, evicted map[int]string, kind ...FaultKind) *coreWorld {
+	t.Helper()
+	w := newCoreWorld(t, testCoreConfig())
+	for i, rank := range slices.Sorted(maps.Keys(evicted)) {
+		w.fault(rank, kind[i])
+	}
+	w.deliver(orchReply{})
+	w.deliver(all())
+	w.m.decided(w.now, w.last().id, levelInPlace, "x")
+	w.drain()
+	w.m.evicted(w.last().id, evicted)
+	w.drain()
+	return w
+}
+
 // TestCoreTakeOver: a manager that takes a recovery over in each state
 // asks again for what that state needs, with the keys that make a
 // worker carry a retry or resume out once, and finishes it.
@@ -156,14 +174,7 @@ func TestCoreTakeOver(t *testing.T) {
 	})
 
 	t.Run("restarting with the executor's call cut short after it restarted the rank: no second repair", func(t *testing.T) {
-		w := newCoreWorld(t, testCoreConfig())
-		w.fault(3, FaultProcessExit)
-		w.deliver(orchReply{})
-		w.deliver(all())
-		w.m.decided(w.now, w.last().id, levelInPlace, "x")
-		w.drain()
-		w.m.evicted(w.last().id, map[int]string{3: "before"})
-		w.drain()
+		w := evictedInPlace(t, map[int]string{3: "before"}, FaultProcessExit)
 		n := len(w.actions)
 		// Rank 3's new process registers with the new manager.
 		w.takeOverLive(map[int]string{0: "a", 1: "b", 2: "c", 3: "after"})
@@ -176,14 +187,7 @@ func TestCoreTakeOver(t *testing.T) {
 	})
 
 	t.Run("restarting with the executor's call cut short before it restarted the rank: the repair again", func(t *testing.T) {
-		w := newCoreWorld(t, testCoreConfig())
-		w.fault(3, FaultProcessExit)
-		w.deliver(orchReply{})
-		w.deliver(all())
-		w.m.decided(w.now, w.last().id, levelInPlace, "x")
-		w.drain()
-		w.m.evicted(w.last().id, map[int]string{3: "before"})
-		w.drain()
+		w := evictedInPlace(t, map[int]string{3: "before"}, FaultProcessExit)
 		// Rank 3's old process, which the executor did not reach,
 		// registers with the new manager.
 		w.takeOverLive(map[int]string{0: "a", 1: "b", 2: "c", 3: "before"})
@@ -193,14 +197,7 @@ func TestCoreTakeOver(t *testing.T) {
 	})
 
 	t.Run("restarting with the executor's call cut short, the rank not back yet: waited for, not restarted again", func(t *testing.T) {
-		w := newCoreWorld(t, testCoreConfig())
-		w.fault(3, FaultProcessExit)
-		w.deliver(orchReply{})
-		w.deliver(all())
-		w.m.decided(w.now, w.last().id, levelInPlace, "x")
-		w.drain()
-		w.m.evicted(w.last().id, map[int]string{3: "before"})
-		w.drain()
+		w := evictedInPlace(t, map[int]string{3: "before"}, FaultProcessExit)
 		n := len(w.actions)
 		// The dead manager's call killed rank 3's old process; the new
 		// one registers only after the takeover settled.
@@ -216,14 +213,7 @@ func TestCoreTakeOver(t *testing.T) {
 	})
 
 	t.Run("restarting with the executor's call cut short, the rank never back: lost at the repair's deadline", func(t *testing.T) {
-		w := newCoreWorld(t, testCoreConfig())
-		w.fault(3, FaultProcessExit)
-		w.deliver(orchReply{})
-		w.deliver(all())
-		w.m.decided(w.now, w.last().id, levelInPlace, "x")
-		w.drain()
-		w.m.evicted(w.last().id, map[int]string{3: "before"})
-		w.drain()
+		w := evictedInPlace(t, map[int]string{3: "before"}, FaultProcessExit)
 		w.takeOverLive(map[int]string{0: "a", 1: "b", 2: "c"})
 		w.now = w.m.deadline().Add(time.Millisecond)
 		w.m.tick(w.now)
@@ -244,15 +234,7 @@ func TestCoreTakeOver(t *testing.T) {
 		{"one rank untouched, the other on its way back", map[int]string{0: "a", 1: "b", 2: "h2"}},
 	} {
 		t.Run("restarting with the executor's call cut short part way: "+tc.name, func(t *testing.T) {
-			w := newCoreWorld(t, testCoreConfig())
-			w.fault(2, FaultHang)
-			w.fault(3, FaultProcessExit)
-			w.deliver(orchReply{})
-			w.deliver(all())
-			w.m.decided(w.now, w.last().id, levelInPlace, "x")
-			w.drain()
-			w.m.evicted(w.last().id, map[int]string{2: "h2", 3: ""})
-			w.drain()
+			w := evictedInPlace(t, map[int]string{2: "h2", 3: ""}, FaultHang, FaultProcessExit)
 			w.takeOverLive(tc.live)
 			a := w.last()
 			if a.kind != actRepair || len(a.faults) != 1 || a.faults[0].Position.Rank != 2 {
