@@ -79,7 +79,14 @@
 // (ErrSuperseded). Steps saved faster than the link carries them are
 // skipped, newest first: when a transfer ends, the next one sends the
 // newest step, so a peer holds a step at most one transfer and one save
-// behind (BenchmarkSaveWithReplicas). The receiver checks the meta
+// behind (BenchmarkSaveWithReplicas). When the trainer saves twice or more
+// during one transfer, the step sent is overwritten at the next save, and
+// until a newer copy lands no step is held both by the shard and by its
+// peers: Run says so, once, with the transfer's figures
+// (_replica_saves_behind tells how far). Both ends of a transfer run on
+// threads of the lowest CPU priority, so that the trainer's saves, data
+// loading and interpreter get the CPU first; a replica fetched for a
+// recovery does not, as the job waits for it. The receiver checks the meta
 // checksum and every blob's CRC32C as the bytes arrive and writes them
 // into the half of its replica segment (ReplicaPath) that does not hold
 // its newest copy, or into a new, larger segment that replaces it only
@@ -134,7 +141,7 @@
 // _persist_bytes_total, _persist_failures_total, _commits_total,
 // _crc_failures_total, _loads_total{tier}, _replica_bytes_total{direction},
 // _replica_failures_total, _replica_refused_total,
-// _replica_abandoned_total (owner). Each Writer and Owner registers its
+// _replica_abandoned_total, _replica_saves_behind{shard} (owner). Each Writer and Owner registers its
 // collectors in its constructor and unregisters them in Close; two on one
 // Registerer collide, which is an error of the second constructor: give
 // each a Registerer wrapped with its own label

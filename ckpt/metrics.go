@@ -70,6 +70,7 @@ type ownerMetrics struct {
 	replicaFailures  prometheus.Counter
 	replicaRefused   prometheus.Counter
 	replicaAbandoned prometheus.Counter
+	replicaBehind    *prometheus.GaugeVec
 }
 
 func newOwnerMetrics(reg prometheus.Registerer) (*ownerMetrics, error) {
@@ -123,6 +124,10 @@ func newOwnerMetrics(reg prometheus.Registerer) (*ownerMetrics, error) {
 			Name: "faultline_ckpt_replica_abandoned_total",
 			Help: "Replica transfers given up because the trainer saved over the step being sent, having no other half to save into.",
 		}),
+		replicaBehind: f.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "faultline_ckpt_replica_saves_behind",
+			Help: "Saves a shard's trainer made while its last replica was sent: 2 or more, and the step replicated is overwritten at the next save, before a lost node could resume from it.",
+		}, []string{"shard"}),
 	}
 	return m, register(r)
 }

@@ -178,6 +178,7 @@ type Owner struct {
 	sealing    sync.Map // shard -> *sync.Mutex: one sealer per shard at a time
 	verified   sync.Map // halfKey -> halfVersion: the version of a half whose CRCs held
 	sent       sync.Map // shard -> uint64: the seq of the newest save a peer took
+	lagging    sync.Map // shard -> true: its replicas do not keep up with its saves (noteLag)
 }
 
 // NewOwner creates (or reopens, keeping their steps) the segments of
@@ -408,6 +409,7 @@ func (o *Owner) Run(ctx context.Context) error {
 						if _, running := busy.Load(fmt.Sprint("r", shard)); !running {
 							lastReplica[shard] = t
 							start(fmt.Sprint("r", shard), func() {
+								background()
 								err := o.Replicate(ctx, shard)
 								switch {
 								case errors.Is(err, ErrSuperseded):

@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -158,6 +159,7 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 		return err
 	}
 	var errs []error
+	began := time.Now()
 	for _, p := range peers {
 		addr := ps.addrs[p]
 		n, err := o.putReplica(ctx, addr, seg, i, m.Step)
@@ -175,12 +177,43 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 		o.noteSent(shard, m.Seq)
 		o.log.Debug("ckpt: replica sent", "shard", shard, "step", m.Step, "peer", p, "bytes", n)
 	}
+	if len(errs) < len(peers) {
+		o.noteLag(seg, m, time.Since(began))
+	}
 	if err := errors.Join(errs...); err != nil {
 		span.RecordError(err)
 		span.SetStatus(codes.Error, err.Error())
 		return fmt.Errorf("ckpt: replicate shard %d step %d: %w", shard, m.Step, err)
 	}
 	return nil
+}
+
+// noteLag says when the replicas of a shard stop keeping up with its
+// saves, and when they keep up again: a transfer of m, which took took,
+// during which the trainer made two saves or more. The writer keeps the
+// half being sent, so every save went to the other half; the next one
+// overwrites m, and from then until a newer replica lands no step is held
+// both by this node's rank and by its peers, and a lost node resumes from
+// an older step (from disk, unless the replicas held before still match).
+func (o *Owner) noteLag(seg *segment, m layout.StepMeta, took time.Duration) {
+	shard := seg.hdr.Shard
+	var behind uint64
+	if c := seg.newest(); len(c) > 0 {
+		if n := seg.seq(c[0]); n > m.Seq {
+			behind = n - m.Seq
+		}
+	}
+	o.m.replicaBehind.WithLabelValues(strconv.Itoa(shard)).Set(float64(behind))
+	_, was := o.lagging.Load(shard)
+	switch {
+	case behind >= 2 && !was:
+		o.lagging.Store(shard, true)
+		o.log.Warn("ckpt: replicas cannot keep up with the saves: the trainer saved again before a transfer ended, so the step replicated is overwritten at its next save, and a node lost until the next replica lands resumes from an older step, mostly from disk; save to memory less often than a transfer takes, or give the link more bandwidth",
+			"shard", shard, "step", m.Step, "bytes", m.DataSize(), "transfer", took.Round(time.Millisecond), "saves_meanwhile", behind)
+	case behind < 2 && was:
+		o.lagging.Delete(shard)
+		o.log.Info("ckpt: replicas keep up with the saves again", "shard", shard, "step", m.Step, "transfer", took.Round(time.Millisecond))
+	}
 }
 
 // noteSent remembers that a peer took shard's save seq.
@@ -321,6 +354,7 @@ func (o *Owner) handle(conn net.Conn) (err error) {
 	defer slot.mu.Unlock()
 	switch q.op {
 	case opPut:
+		background() // serve's goroutine ends with handle
 		if err := writeMsg(c, statusOK, nil); err != nil {
 			return err
 		}

@@ -1,20 +1,27 @@
 package ckpt
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/faultline-ml/faultline/ckpt/layout"
 )
@@ -445,5 +452,130 @@ func TestPersistReplica(t *testing.T) {
 	}
 	if err := tb.check(ck); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestReplicaCopiesInBackground holds a transfer halfway and looks at the
+// threads of the process: the sender's and the receiver's run at the
+// lowest priority while it lasts, so that a trainer gets the CPU first,
+// and end with it, so that no other work ever runs at that priority.
+func TestReplicaCopiesInBackground(t *testing.T) {
+	ctx := context.Background()
+	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, ListenAddr: "127.0.0.1:0"}, 1)
+	running(t, b.o)
+	held, release := make(chan struct{}), make(chan struct{})
+	p := startProxy(t, b.o.Addr().String(), 2048, func() { close(held); <-release })
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, PollInterval: 5 * time.Millisecond,
+		Peers: map[string]string{"a": "", "b": p.ln.Addr().String()}}, 1)
+	running(t, a.o)
+	if err := a.ws[0].Save(ctx, 3, blobs(3)...); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-held:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no transfer reached the proxy within 30s")
+	}
+	// The receiver's thread lowers itself once the handshake is done,
+	// which the proxy let through: give it a moment to get there.
+	deadline := time.Now().Add(10 * time.Second)
+	for backgroundThreads(t) < 2 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := backgroundThreads(t); n != 2 {
+		t.Errorf("%d threads at nice %d while a transfer is under way, want 2 (the sender's and the receiver's)", n, backgroundNice)
+	}
+	close(release)
+	deadline = time.Now().Add(10 * time.Second)
+	for backgroundThreads(t) > 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := backgroundThreads(t); n != 0 {
+		buf := make([]byte, 1<<20)
+		t.Errorf("%d threads still at nice %d after the transfer ended, want 0\n%s", n, backgroundNice, buf[:runtime.Stack(buf, true)])
+	}
+}
+
+// backgroundThreads counts the process's threads at backgroundNice.
+func backgroundThreads(t *testing.T) int {
+	t.Helper()
+	stats, err := filepath.Glob("/proc/self/task/*/stat")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, name := range stats {
+		b, err := os.ReadFile(name)
+		if err != nil {
+			continue // a thread that ended meanwhile
+		}
+		// Fields after the command's closing parenthesis start at the
+		// third (state); nice is the nineteenth.
+		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+		if len(f) > 16 && f[16] == strconv.Itoa(backgroundNice) {
+			n++
+		}
+	}
+	return n
+}
+
+// TestReplicaLagSaid checks what an owner says of a transfer during which
+// the trainer saved twice or more (the replicas cannot keep up: the step
+// sent is overwritten at the next save), and once they keep up again.
+func TestReplicaLagSaid(t *testing.T) {
+	ctx := context.Background()
+	logs := &syncBuffer{}
+	reg := prometheus.NewRegistry()
+	n := newNode(t, OwnerConfig{Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: reg}, 1)
+	metaOf := func(step int64) layout.StepMeta {
+		seg, err := n.o.seg(0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range 2 {
+			if m, ok := seg.metaOK(i); ok && m.Step == step {
+				return m
+			}
+		}
+		t.Fatalf("step %d not in memory", step)
+		return layout.StepMeta{}
+	}
+	seg, _ := n.o.seg(0)
+	behind := func() float64 {
+		return testutil.ToFloat64(n.o.m.replicaBehind.WithLabelValues("0"))
+	}
+	for step := int64(1); step <= 2; step++ {
+		if err := n.ws[0].Save(ctx, step, blobs(step)...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sent := metaOf(2)
+	n.o.noteLag(seg, sent, time.Second)
+	if b := behind(); b != 0 || strings.Contains(logs.String(), "cannot keep up") {
+		t.Fatalf("a transfer with no save meanwhile: %v saves behind, logs:\n%s", b, logs)
+	}
+	// Steps 3 and 4 go to the half that step 2 is not in, as while it
+	// was pinned for its transfer.
+	for step := int64(3); step <= 4; step++ {
+		if err := n.ws[0].Save(ctx, step, blobs(step)...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n.o.noteLag(seg, sent, 2100*time.Millisecond)
+	if b := behind(); b != 2 {
+		t.Errorf("saves behind = %v, want 2", b)
+	}
+	for _, want := range []string{"replicas cannot keep up with the saves", "step=2", "transfer=2.1s", "saves_meanwhile=2", "bytes="} {
+		if !strings.Contains(logs.String(), want) {
+			t.Errorf("the warning lacks %q:\n%s", want, logs)
+		}
+	}
+	n.o.noteLag(seg, sent, 2100*time.Millisecond)
+	if c := strings.Count(logs.String(), "cannot keep up"); c != 1 {
+		t.Errorf("said %d times while it lasts, want once", c)
+	}
+	n.o.noteLag(seg, metaOf(4), 900*time.Millisecond)
+	if b := behind(); b != 0 || !strings.Contains(logs.String(), "replicas keep up with the saves again") {
+		t.Errorf("caught up: %v saves behind, logs:\n%s", b, logs)
 	}
 }
