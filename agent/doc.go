@@ -34,6 +34,13 @@
 //     what to load (which step, which tier), and back at the step where
 //     they were.
 //
+// The job's decisions are kept pure, time and events in and actions out,
+// with processes, sockets and segments at their edges: who is lost and
+// whom the job waits for are taskd's orchestration core (the manager's
+// side) and nodeWatch (a node's side: when it is apart from the manager,
+// gives up on it, or was replaced); which step every rank resumes from
+// and which node holds which replica are jobCore's.
+//
 // The protocol between a rank and its agent: the agent's unix socket
 // (FAULTLINE_AGENT, JSON lines: hello, groups, segment, saved, wait,
 // load, admin, spare), the rank's dotting ring (FAULTLINE_RING, see Ring)

@@ -155,71 +155,46 @@ func (a *Agent) announce(ctx context.Context) {
 	b, _ := json.Marshal(nodeHello{Node: a.cfg.NodeRank, Ranks: ranks, Replicas: a.ckpts.replicaAddr(), Instance: a.instance})
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
-	said, warned, joined := false, false, false
-	var takenSince time.Time
-	apartSince := time.Now()
+	w := newNodeWatch(a.cfg.NodeRank, a.cfg.NodeTimeout, a.cfg.HeartbeatDeadline, time.Now())
 	for {
 		connected, taken := false, false
 		for _, s := range a.slots {
 			s.mu.Lock()
-			w := s.worker
+			sw := s.worker
 			s.mu.Unlock()
-			connected = connected || w != nil && w.Connected()
-			taken = taken || w != nil && w.Taken()
+			connected = connected || sw != nil && sw.Connected()
+			taken = taken || sw != nil && sw.Taken()
 		}
-		switch {
-		case connected && !said:
-			said = a.send(kindHello, b)
-		case !connected:
-			said = false
-		}
-		// Apart from the job's manager (gone with node 0, or cut off,
-		// or refusing this node's token): the node waits for it as the
-		// job waits for a lost node, then ends, saying why, rather
-		// than wait silently for ever.
-		// A node not yet joined may have started well before node 0: it
-		// waits at least as long as for the store.
-		limit := a.cfg.NodeTimeout
-		if !joined {
-			limit = max(limit, storeTimeout)
-		}
-		switch apart := time.Since(apartSince); {
-		case connected:
-			apartSince, warned, joined = time.Now(), false, true
-		case apart > limit:
-			why := fmt.Sprintf("node %d has not reached the job's manager for %v (--node-timeout %v): node 0, which runs it, is lost, or this node cannot reach it or is refused", a.cfg.NodeRank, apart.Round(time.Second), a.cfg.NodeTimeout)
-			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; this node's ranks end\n", why)
-			// What the node holds of the others (replicas) goes to disk
-			// with its own shards: the next run resumes from that step.
-			var others []int
-			for n := range a.cfg.Nodes {
-				if n != a.cfg.NodeRank {
-					others = append(others, n)
+		for _, act := range w.tick(time.Now(), connected, taken) {
+			switch act.kind {
+			case nodeHelloAction:
+				w.helloSent(a.send(kindHello, b))
+			case nodeWarnAction:
+				fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s\n", act.why)
+			case nodeGiveUpAction:
+				fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; this node's ranks end\n", act.why)
+				// What the node holds of the others (replicas) goes to
+				// disk with its own shards: the next run resumes from
+				// that step.
+				var others []int
+				for n := range a.cfg.Nodes {
+					if n != a.cfg.NodeRank {
+						others = append(others, n)
+					}
 				}
+				pctx, cancel := context.WithTimeout(ctx, persistTimeout)
+				what, _ := a.ckpts.persistWithReplicas(pctx, others)
+				fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: %s\n", a.cfg.NodeRank, what)
+				cancel()
+				a.stopNode(act.why)
+				return
+			case nodeFencedAction:
+				// Another agent's workers hold its ranks: it must not
+				// touch the job again.
+				fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; this node's ranks end\n", act.why)
+				a.stopNode(act.why)
+				return
 			}
-			pctx, cancel := context.WithTimeout(ctx, persistTimeout)
-			what, _ := a.ckpts.persistWithReplicas(pctx, others)
-			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: %s\n", a.cfg.NodeRank, what)
-			cancel()
-			a.stopNode(why)
-			return
-		case apart > a.cfg.HeartbeatDeadline && !warned:
-			warned = true
-			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d has not reached the job's manager for %v; it waits up to %v (--node-timeout %v)\n", a.cfg.NodeRank, apart.Round(time.Second), limit, a.cfg.NodeTimeout)
-		}
-		// Fenced: the job replaced this node while it was cut off or
-		// stalled; another agent's workers hold its ranks. It must not
-		// touch the job again: its ranks end.
-		switch {
-		case !taken:
-			takenSince = time.Time{}
-		case takenSince.IsZero():
-			takenSince = time.Now()
-		case time.Since(takenSince) > a.cfg.HeartbeatDeadline:
-			why := fmt.Sprintf("node %d was replaced: another agent's workers have held its ranks for %v", a.cfg.NodeRank, time.Since(takenSince).Round(time.Second))
-			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; this node's ranks end\n", why)
-			a.stopNode(why)
-			return
 		}
 		select {
 		case <-ctx.Done():
