@@ -83,10 +83,14 @@
 // during one transfer, the step sent is overwritten at the next save, and
 // until a newer copy lands no step is held both by the shard and by its
 // peers: Run says so, once, with the transfer's figures
-// (_replica_saves_behind tells how far). Both ends of a transfer run on
-// threads of the lowest CPU priority, so that the trainer's saves, data
-// loading and interpreter get the CPU first; a replica fetched for a
-// recovery does not, as the job waits for it. The receiver checks the meta
+// (_replica_saves_behind tells how far). A transfer waits while the
+// trainer saves (up to 5 s a save), so that the save, which blocks the
+// trainer, has the CPU and memory bandwidth to itself; its packets, both ways,
+// are marked as bulk traffic (DSCP CS1 and the socket priority that
+// Linux's default queueing sends last), so that on a link whose queues
+// honor it the job's collectives do not wait behind a replica; a replica
+// fetched for a recovery is not, as the job waits for it. The receiver
+// checks the meta
 // checksum and every blob's CRC32C as the bytes arrive and writes them
 // into the half of its replica segment (ReplicaPath) that does not hold
 // its newest copy, or into a new, larger segment that replaces it only

@@ -409,7 +409,6 @@ func (o *Owner) Run(ctx context.Context) error {
 						if _, running := busy.Load(fmt.Sprint("r", shard)); !running {
 							lastReplica[shard] = t
 							start(fmt.Sprint("r", shard), func() {
-								background()
 								err := o.Replicate(ctx, shard)
 								switch {
 								case errors.Is(err, ErrSuperseded):

@@ -1,7 +1,6 @@
 package ckpt
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -11,9 +10,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -22,6 +19,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
 
 	"github.com/faultline-ml/faultline/ckpt/layout"
 )
@@ -455,70 +453,6 @@ func TestPersistReplica(t *testing.T) {
 	}
 }
 
-// TestReplicaCopiesInBackground holds a transfer halfway and looks at the
-// threads of the process: the sender's and the receiver's run at the
-// lowest priority while it lasts, so that a trainer gets the CPU first,
-// and end with it, so that no other work ever runs at that priority.
-func TestReplicaCopiesInBackground(t *testing.T) {
-	ctx := context.Background()
-	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, ListenAddr: "127.0.0.1:0"}, 1)
-	running(t, b.o)
-	held, release := make(chan struct{}), make(chan struct{})
-	p := startProxy(t, b.o.Addr().String(), 2048, func() { close(held); <-release })
-	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, PollInterval: 5 * time.Millisecond,
-		Peers: map[string]string{"a": "", "b": p.ln.Addr().String()}}, 1)
-	running(t, a.o)
-	if err := a.ws[0].Save(ctx, 3, blobs(3)...); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case <-held:
-	case <-time.After(30 * time.Second):
-		t.Fatal("no transfer reached the proxy within 30s")
-	}
-	// The receiver's thread lowers itself once the handshake is done,
-	// which the proxy let through: give it a moment to get there.
-	deadline := time.Now().Add(10 * time.Second)
-	for backgroundThreads(t) < 2 && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
-	if n := backgroundThreads(t); n != 2 {
-		t.Errorf("%d threads at nice %d while a transfer is under way, want 2 (the sender's and the receiver's)", n, backgroundNice)
-	}
-	close(release)
-	deadline = time.Now().Add(10 * time.Second)
-	for backgroundThreads(t) > 0 && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
-	if n := backgroundThreads(t); n != 0 {
-		buf := make([]byte, 1<<20)
-		t.Errorf("%d threads still at nice %d after the transfer ended, want 0\n%s", n, backgroundNice, buf[:runtime.Stack(buf, true)])
-	}
-}
-
-// backgroundThreads counts the process's threads at backgroundNice.
-func backgroundThreads(t *testing.T) int {
-	t.Helper()
-	stats, err := filepath.Glob("/proc/self/task/*/stat")
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := 0
-	for _, name := range stats {
-		b, err := os.ReadFile(name)
-		if err != nil {
-			continue // a thread that ended meanwhile
-		}
-		// Fields after the command's closing parenthesis start at the
-		// third (state); nice is the nineteenth.
-		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
-		if len(f) > 16 && f[16] == strconv.Itoa(backgroundNice) {
-			n++
-		}
-	}
-	return n
-}
-
 // TestReplicaLagSaid checks what an owner says of a transfer during which
 // the trainer saved twice or more (the replicas cannot keep up: the step
 // sent is overwritten at the next save), and once they keep up again.
@@ -577,5 +511,37 @@ func TestReplicaLagSaid(t *testing.T) {
 	n.o.noteLag(seg, metaOf(4), 900*time.Millisecond)
 	if b := behind(); b != 0 || !strings.Contains(logs.String(), "replicas keep up with the saves again") {
 		t.Errorf("caught up: %v saves behind, logs:\n%s", b, logs)
+	}
+}
+
+// TestMarkBulk checks the marks of a replica's connection: the TOS byte
+// and the socket priority that queues honoring them send last.
+func TestMarkBulk(t *testing.T) {
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	c, err := net.Dial("tcp4", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	markBulk(c)
+	raw, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tos, prio int
+	var tosErr, prioErr error
+	raw.Control(func(fd uintptr) {
+		tos, tosErr = unix.GetsockoptInt(int(fd), unix.IPPROTO_IP, unix.IP_TOS)
+		prio, prioErr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PRIORITY)
+	})
+	if tosErr != nil || prioErr != nil {
+		t.Fatal(tosErr, prioErr)
+	}
+	if tos != bulkTOS || prio != bulkPriority {
+		t.Errorf("TOS %#x and priority %d, want %#x and %d", tos, prio, bulkTOS, bulkPriority)
 	}
 }

@@ -186,12 +186,25 @@ func (h *Host) LinkDown() { h.f.run("ip", "link", "set", h.veth, "down") }
 func (h *Host) LinkUp() { h.f.run("ip", "link", "set", h.veth, "up") }
 
 // Shape limits what h sends to rate (tc's spelling: "1gbit") with a
-// token bucket; "" lifts the limit.
-func (h *Host) Shape(rate string) {
+// token bucket whose queue honors the senders' socket priorities, as
+// Linux's default queueing (pfifo_fast, its queue here) and a switch's
+// QoS classes do: traffic marked as bulk (SO_PRIORITY 1-3, 5) waits
+// behind the rest. "" lifts the limit.
+func (h *Host) Shape(rate string) { h.shape(rate, true) }
+
+// ShapeFIFO is Shape with one queue for every sender: bulk traffic that
+// fills it delays everything behind it, up to the bucket's 50 ms.
+func (h *Host) ShapeFIFO(rate string) { h.shape(rate, false) }
+
+func (h *Host) shape(rate string, prio bool) {
 	h.f.t.Helper()
 	exec.Command("ip", "netns", "exec", h.NS, "tc", "qdisc", "del", "dev", h.Iface, "root").Run()
-	if rate != "" {
-		h.f.run("ip", "netns", "exec", h.NS, "tc", "qdisc", "add", "dev", h.Iface, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms")
+	if rate == "" {
+		return
+	}
+	h.f.run("ip", "netns", "exec", h.NS, "tc", "qdisc", "add", "dev", h.Iface, "root", "handle", "1:", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms")
+	if prio {
+		h.f.run("ip", "netns", "exec", h.NS, "tc", "qdisc", "add", "dev", h.Iface, "parent", "1:1", "handle", "10:", "pfifo_fast")
 	}
 }
 
