@@ -83,9 +83,7 @@
 // during one transfer, the step sent is overwritten at the next save, and
 // until a newer copy lands no step is held both by the shard and by its
 // peers: Run says so, once, with the transfer's figures
-// (_replica_saves_behind tells how far). A transfer waits while the
-// trainer saves (up to 5 s a save), so that the save, which blocks the
-// trainer, has the CPU and memory bandwidth to itself; its packets, both ways,
+// (_replica_saves_behind tells how far). A transfer's packets, both ways,
 // are marked as bulk traffic (DSCP CS1 and the socket priority that
 // Linux's default queueing sends last), so that on a link whose queues
 // honor it the job's collectives do not wait behind a replica; a replica

@@ -253,7 +253,7 @@ func (o *Owner) exchange(ctx context.Context, addr string, q replicaReq, f func(
 func (o *Owner) putReplica(ctx context.Context, addr string, seg *segment, i int, step int64) (int64, error) {
 	var sent int64
 	err := o.exchange(ctx, addr, replicaReq{op: opPut, shard: seg.hdr.Shard, step: step}, func(br *bufio.Reader, bw *bufio.Writer) error {
-		_, n, err := sendStep(ctx, bw, seg, i, step, true)
+		_, n, err := sendStep(bw, seg, i, step, true)
 		sent = n
 		if err == nil {
 			err = bw.Flush()
@@ -384,7 +384,7 @@ func (o *Owner) handle(conn net.Conn) (err error) {
 			return err
 		}
 		bw := bufio.NewWriterSize(c, 1<<20)
-		_, n, err := sendStep(context.Background(), bw, seg, i, q.step, false)
+		_, n, err := sendStep(bw, seg, i, q.step, false)
 		if err == nil {
 			err = bw.Flush()
 		}

@@ -1,7 +1,6 @@
 package ckpt
 
 import (
-	"context"
 	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
@@ -461,41 +460,13 @@ func (h *halfHold) release() error {
 	return h.released
 }
 
-// maxGiveWay bounds how long a transfer waits for one save: a writer
-// killed mid-save leaves its half being written for ever.
-const maxGiveWay = 5 * time.Second
-
-// saveGiver returns what a transfer from seg calls before each chunk: it
-// waits while the trainer saves into half other, so that the save, which
-// blocks the trainer, has the CPU and memory bandwidth the transfer would
-// take, and the transfer, in the background, goes on once it is done. A
-// save that lasts past maxGiveWay is not waited for again in this
-// transfer, nor one once ctx is done.
-func saveGiver(ctx context.Context, seg *segment, other int) func() {
-	stuck := false
-	return func() {
-		if stuck {
-			return
-		}
-		start := time.Now()
-		for seg.state(other) == layout.StateWriting {
-			if time.Since(start) > maxGiveWay || ctx.Err() != nil {
-				stuck = true
-				return
-			}
-			time.Sleep(time.Millisecond)
-		}
-	}
-}
-
 // sendStep writes the sealed step in half i of seg, which must be step
 // want (-1: any), to w as a step frame, and returns its meta and the
-// blob bytes written. With yield, the half is held so as to give way to
-// the trainer (halfHold), and the transfer waits while the trainer saves
-// (saveGiver). A frame left
+// blob bytes written. With yield, the
+// half is held so as to give way to the trainer (halfHold). A frame left
 // unfinished by an error lacks its last byte, so the receiver discards
 // it: the caller closes the connection.
-func sendStep(ctx context.Context, w io.Writer, seg *segment, i int, want int64, yield bool) (m layout.StepMeta, sent int64, err error) {
+func sendStep(w io.Writer, seg *segment, i int, want int64, yield bool) (m layout.StepMeta, sent int64, err error) {
 	h, err := holdHalf(seg, i, yield)
 	if err != nil {
 		return m, 0, err
@@ -526,14 +497,9 @@ func sendStep(ctx context.Context, w io.Writer, seg *segment, i int, want int64,
 	// The receiver checks every CRC as the bytes arrive: a second pass
 	// here would only take a core from the trainer.
 	half := seg.half(i)
-	giveWay := func() {}
-	if yield {
-		giveWay = saveGiver(ctx, seg, 1-i)
-	}
 	for _, e := range m.Blobs {
 		data := half[e.Offset : e.Offset+e.Size]
 		for o := 0; o < len(data); o += persistChunk {
-			giveWay()
 			if err := h.check(); err != nil {
 				return m, sent, err
 			}

@@ -8,10 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"strings"
-	"sync/atomic"
 	"testing"
-	"testing/synctest"
-	"time"
 
 	"github.com/faultline-ml/faultline/ckpt/layout"
 )
@@ -185,73 +182,5 @@ func TestReplicaKeyAccepted(t *testing.T) {
 	}
 	if _, err := NewOwner(OwnerConfig{ShmDir: shmDir(t), Shards: []int{0}, Capacity: 4096, ReplicaKey: []byte("short")}); err == nil || !strings.Contains(err.Error(), "ReplicaKey has 5 bytes") {
 		t.Fatalf("NewOwner with a 5-byte key = %v", err)
-	}
-}
-
-// TestTransferGivesWayToSaves sends a step while the trainer saves into
-// the other half: no blob byte goes until the save is done, and a save
-// that never ends (its writer killed) is waited for no longer than
-// maxGiveWay. A recovery's fetch does not wait.
-func TestTransferGivesWayToSaves(t *testing.T) {
-	ctx := context.Background()
-	n := newNode(t, OwnerConfig{}, 1)
-	if err := n.ws[0].Save(ctx, 1, blobs(1)...); err != nil {
-		t.Fatal(err)
-	}
-	if err := n.o.Seal(ctx, 0); err != nil {
-		t.Fatal(err)
-	}
-	seg, err := n.o.seg(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	i := seg.newest()[0]
-	m, _ := seg.metaOK(i)
-	head := 4 + int(m.MetaSize()) // what goes before the first blob byte
-	whole := head + int(m.DataSize()) + 1
-	state := seg.u32(seg.halfBase(1-i) + layout.OffState)
-	prev := atomic.LoadUint32(state)
-	defer atomic.StoreUint32(state, prev)
-
-	for _, tc := range []struct {
-		name  string
-		yield bool
-		ends  bool // the save ends after a second
-		waits time.Duration
-	}{
-		{"a save that ends", true, true, time.Second},
-		{"a save whose writer died", true, false, maxGiveWay},
-		{"a recovery's fetch", false, false, 0},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			synctest.Test(t, func(t *testing.T) {
-				atomic.StoreUint32(state, layout.StateWriting)
-				defer atomic.StoreUint32(state, prev)
-				var out syncBuffer
-				done := make(chan error)
-				start := time.Now()
-				go func() {
-					_, _, err := sendStep(t.Context(), &out, seg, i, 1, tc.yield)
-					done <- err
-				}()
-				if tc.ends {
-					time.Sleep(time.Second)
-					synctest.Wait()
-					if got := len(out.String()); got != head {
-						t.Fatalf("%d bytes sent during the save, want the %d before the blobs", got, head)
-					}
-					atomic.StoreUint32(state, prev)
-				}
-				if err := <-done; err != nil {
-					t.Fatal(err)
-				}
-				if took := time.Since(start); took < tc.waits || took > tc.waits+time.Second {
-					t.Errorf("the transfer took %v, want %v and a little", took, tc.waits)
-				}
-				if got := len(out.String()); got != whole {
-					t.Errorf("%d bytes sent, want the whole frame's %d", got, whole)
-				}
-			})
-		})
 	}
 }
