@@ -138,6 +138,13 @@ func (j *jobCheckpoints) LoadNewest(ctx context.Context) (int64, error) {
 			fmt.Fprintf(j.local.cfg.Stderr, "faultline-run: %s\n", line)
 		}
 	}
+	// Every rank of the job starts with this count, those of the
+	// manager's own node too: one that had not started yet (its worker
+	// registered after the fault) would otherwise start with 0 while the
+	// others start with 1, and their rendezvous, keyed by it, never meets.
+	if j.local != nil {
+		j.local.setGeneration(restart)
+	}
 	if m != nil && (j.core.nodes > 1 || j.local == nil) {
 		b, _ := json.Marshal(restart)
 		if _, err := m.Broadcast(ctx, taskd.AllWorkers(), kindGeneration, b); err != nil {

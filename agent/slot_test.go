@@ -24,7 +24,9 @@ func alive(pid int) bool {
 // before the rank is restarted, and so are those of the ranks that
 // finished, and of the one the agent stopped.
 func TestRankGroupEndsWithRank(t *testing.T) {
-	a, out, dir := shellAgent(t, 2, 1, `sleep 300 & echo $! > "$WORK/child-$RANK-$TORCHELASTIC_RESTART_COUNT"
+	// The child's pid file is whole or absent: a rank stopped between
+	// opening and writing it would leave it empty.
+	a, out, dir := shellAgent(t, 2, 1, `sleep 300 & echo $! > "$WORK/.child-$RANK" && mv "$WORK/.child-$RANK" "$WORK/child-$RANK-$TORCHELASTIC_RESTART_COUNT"
 if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then
 	[ "$RANK" = 1 ] && exit 5
 	sleep 60
@@ -106,5 +108,23 @@ func TestExitedAlready(t *testing.T) {
 	defer live.Process.Kill()
 	if exitedAlready(&rankProc{pid: live.Process.Pid, done: make(chan struct{})}) {
 		t.Error("a live process is taken for one that exited")
+	}
+}
+
+// TestRecoveryStartsRanksAlike: a rank whose process had not started when
+// another failed (its worker registered after the fault) starts, at the
+// recovery, with the same restart count as the rank that failed, so that
+// their rendezvous, keyed by it, meets.
+func TestRecoveryStartsRanksAlike(t *testing.T) {
+	a, _, _ := shellAgent(t, 2, 3, "exit 0")
+	a.slots[1].starts = 1 // rank 1 started once and failed; rank 0 never started
+	j := newJobCheckpoints(1, a, a.log)
+	if _, err := j.LoadNewest(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range a.slots {
+		if s.starts != 1 {
+			t.Errorf("rank %d starts with restart count %d, want 1, as the other rank", s.rank, s.starts)
+		}
 	}
 }
