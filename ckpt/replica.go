@@ -159,6 +159,7 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 		return err
 	}
 	var errs []error
+	took := 0 // peers that took the step
 	began := time.Now()
 	for _, p := range peers {
 		addr := ps.addrs[p]
@@ -174,10 +175,12 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 			o.m.replicaFailures.Inc()
 			continue
 		}
+		took++
 		o.noteSent(shard, m.Seq)
 		o.log.Debug("ckpt: replica sent", "shard", shard, "step", m.Step, "peer", p, "bytes", n)
 	}
-	if len(errs) < len(peers) {
+	// Not len(errs) < len(peers): a transfer given up ends the loop.
+	if took > 0 {
 		o.noteLag(seg, m, time.Since(began))
 	}
 	if err := errors.Join(errs...); err != nil {

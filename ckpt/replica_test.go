@@ -187,22 +187,36 @@ func TestRunReplicatesNewSaves(t *testing.T) {
 
 // proxy forwards TCP connections to target and calls cut once a
 // connection has carried more than after bytes toward it, then drops it:
-// a transfer killed halfway at a known point.
+// a transfer killed halfway at a known point. A gate (startGate) calls it
+// and forwards the rest: a transfer held up halfway.
 type proxy struct {
 	ln     net.Listener
 	wg     sync.WaitGroup
 	cutAt  int64
 	cut    func()
+	gate   bool
 	target string
 	cuts   atomic.Int32
 }
 
 func startProxy(t *testing.T, target string, after int64, cut func()) *proxy {
+	return newProxy(t, target, after, cut, false)
+}
+
+// startGate forwards TCP connections to target; once a connection has
+// carried more than after bytes toward it, it calls pause, forwarding
+// nothing more until pause returns. Its own receive buffer is small, so
+// that a sender of many more bytes than after is held up mid-transfer.
+func startGate(t *testing.T, target string, after int64, pause func()) *proxy {
+	return newProxy(t, target, after, pause, true)
+}
+
+func newProxy(t *testing.T, target string, after int64, cut func(), gate bool) *proxy {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &proxy{ln: ln, cutAt: after, cut: cut, target: target}
+	p := &proxy{ln: ln, cutAt: after, cut: cut, gate: gate, target: target}
 	p.wg.Go(func() {
 		for {
 			c, err := ln.Accept()
@@ -227,12 +241,19 @@ func (p *proxy) forward(c net.Conn) {
 	}
 	defer u.Close()
 	p.wg.Go(func() { io.Copy(c, u); c.Close() })
+	if p.gate {
+		c.(*net.TCPConn).SetReadBuffer(64 << 10)
+	}
 	var n int64
 	buf := make([]byte, 64<<10)
 	for {
 		k, err := c.Read(buf)
 		if k > 0 {
-			if n+int64(k) > p.cutAt {
+			if p.gate && n <= p.cutAt && n+int64(k) > p.cutAt {
+				p.cuts.Add(1)
+				p.cut()
+			}
+			if !p.gate && n+int64(k) > p.cutAt {
 				u.Write(buf[:p.cutAt-n])
 				p.cuts.Add(1)
 				p.cut()
@@ -543,5 +564,61 @@ func TestMarkBulk(t *testing.T) {
 	}
 	if tos != bulkTOS || prio != bulkPriority {
 		t.Errorf("TOS %#x and priority %d, want %#x and %d", tos, prio, bulkTOS, bulkPriority)
+	}
+}
+
+// TestReplicaGivenUpNoLag: with two peers, a transfer that the trainer
+// saves over at the first one, while the other half waits for a persist,
+// is given up for every peer: no peer took the step, so it says nothing
+// of whether replicas keep up (the peers still hold the step the persist
+// waits for, in memory too).
+func TestReplicaGivenUpNoLag(t *testing.T) {
+	ctx := context.Background()
+	tb := newTestBlobs(2 << 20) // ~24 MiB a step, many times what the gate lets through
+	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, Capacity: 32 << 20, ListenAddr: "127.0.0.1:0"}, 1)
+	running(t, b.o)
+	var during atomic.Pointer[func()]
+	gate := startGate(t, b.o.Addr().String(), 1<<20, func() {
+		if f := during.Swap(nil); f != nil {
+			(*f)()
+		}
+	})
+	logs := &syncBuffer{}
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Capacity: 32 << 20, Replicas: 2,
+		Peers:  map[string]string{"a": "", "b": gate.ln.Addr().String(), "c": "127.0.0.1:1"},
+		Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: prometheus.NewRegistry()}, 1)
+	seg, err := a.o.seg(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	save := func(step int64) {
+		if err := a.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
+			t.Error(err)
+		}
+	}
+	save(1)
+	if err := a.o.Replicate(ctx, 0); err == nil || !strings.Contains(err.Error(), "peer c") {
+		t.Fatalf("Replicate step 1 = %v, want c's error alone", err)
+	}
+	// Step 1 waits for a persist; step 2 is sent, and the trainer saves
+	// steps 3 and 4 over it meanwhile.
+	seg.setPersistSeq(seg.seq(seg.newest()[0]))
+	save(2)
+	done := make(chan struct{})
+	f := func() { defer close(done); save(3); save(4) }
+	during.Store(&f)
+	err = a.o.Replicate(ctx, 0)
+	<-done
+	if !errors.Is(err, ErrSuperseded) || strings.Contains(err.Error(), "peer c") {
+		t.Fatalf("Replicate step 2 = %v, want it given up at b, c left alone", err)
+	}
+	if strings.Contains(logs.String(), "keep up") {
+		t.Errorf("a transfer no peer took is judged:\n%s", logs)
+	}
+	if n := testutil.CollectAndCount(a.o.m.replicaBehind); n != 1 {
+		t.Errorf("%d saves_behind series", n)
+	}
+	if v := testutil.ToFloat64(a.o.m.replicaBehind.WithLabelValues("0")); v != 0 {
+		t.Errorf("saves_behind = %v after a transfer no peer took, want 0 as after step 1's", v)
 	}
 }
