@@ -79,17 +79,17 @@
 // (ErrSuperseded). Steps saved faster than the link carries them are
 // skipped, newest first: when a transfer ends, the next one sends the
 // newest step, so a peer holds a step at most one transfer and one save
-// behind (BenchmarkSaveWithReplicas). When the trainer saves twice or more
-// during one transfer, the step sent is overwritten at the next save, and
-// until a newer copy lands no step is held both by the shard and by its
-// peers: Run says so, once, with the transfer's figures
-// (_replica_saves_behind tells how far). A transfer's packets, both ways,
-// are marked as bulk traffic (DSCP CS1 and the socket priority that
-// Linux's default queueing sends last), so that on a link whose queues
-// honor it the job's collectives do not wait behind a replica; a replica
-// fetched for a recovery is not, as the job waits for it. The receiver
-// checks the meta
-// checksum and every blob's CRC32C as the bytes arrive and writes them
+// behind (BenchmarkSaveWithReplicas). A single save during a transfer
+// overwrites the step the peers held, and until the newer copy lands no
+// step is held both by the shard and by its peers: Run says so, once
+// while transfers keep landing after the steps their peers held are gone,
+// with the transfer's figures (_replica_saves_behind tells how far). A
+// transfer's packets, both ways, are marked as bulk traffic (DSCP CS1 and
+// the socket priority that Linux's default queueing sends last), so that
+// on a link whose queues honor it the job's collectives do not wait
+// behind a replica; a replica fetched for a recovery is not, as the job
+// waits for it. The receiver checks the meta checksum and every blob's
+// CRC32C as the bytes arrive and writes them
 // into the half of its replica segment (ReplicaPath) that does not hold
 // its newest copy, or into a new, larger segment that replaces it only
 // once whole: a transfer cut short by either side's death, or given up,

@@ -126,7 +126,7 @@ func newOwnerMetrics(reg prometheus.Registerer) (*ownerMetrics, error) {
 		}),
 		replicaBehind: f.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "faultline_ckpt_replica_saves_behind",
-			Help: "Saves a shard's trainer made while its last replica was sent: 2 or more, and the step replicated is overwritten at the next save, before a lost node could resume from it.",
+			Help: "Saves a shard's trainer had made after the step of its last replica when a peer took it: 1 or more, and that step is overwritten at the next save.",
 		}, []string{"shard"}),
 	}
 	return m, register(r)

@@ -177,7 +177,7 @@ type Owner struct {
 	persisting sync.Map // shard -> *sync.Mutex: one persist per shard at a time
 	sealing    sync.Map // shard -> *sync.Mutex: one sealer per shard at a time
 	verified   sync.Map // halfKey -> halfVersion: the version of a half whose CRCs held
-	sent       sync.Map // shard -> uint64: the seq of the newest save a peer took
+	sent       sync.Map // shard -> sentSeqs: the saves peers took last
 	lagging    sync.Map // shard -> true: its replicas do not keep up with its saves (noteLag)
 }
 

@@ -117,8 +117,7 @@ func (o *Owner) replicaHalf(seg *segment) int {
 		return -1
 	}
 	if len(c) == 2 && seg.held(c[1]) {
-		last, _ := o.sent.Load(seg.hdr.Shard)
-		if l, _ := last.(uint64); seg.seq(c[1]) > l {
+		if seg.seq(c[1]) > o.sentSeqs(seg.hdr.Shard)[0] {
 			return c[1]
 		}
 	}
@@ -160,7 +159,8 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 	}
 	var errs []error
 	took := 0 // peers that took the step
-	began := time.Now()
+	began, before := time.Now(), seg.newestSeq()
+	held := o.sentSeqs(shard) // what the peers held before
 	for _, p := range peers {
 		addr := ps.addrs[p]
 		n, err := o.putReplica(ctx, addr, seg, i, m.Step)
@@ -175,13 +175,11 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 			o.m.replicaFailures.Inc()
 			continue
 		}
-		took++
+		if took++; took == 1 {
+			o.noteLag(seg, m, held, before, time.Since(began))
+		}
 		o.noteSent(shard, m.Seq)
 		o.log.Debug("ckpt: replica sent", "shard", shard, "step", m.Step, "peer", p, "bytes", n)
-	}
-	// Not len(errs) < len(peers): a transfer given up ends the loop.
-	if took > 0 {
-		o.noteLag(seg, m, time.Since(began))
 	}
 	if err := errors.Join(errs...); err != nil {
 		span.RecordError(err)
@@ -191,39 +189,55 @@ func (o *Owner) Replicate(ctx context.Context, shard int) (err error) {
 	return nil
 }
 
-// noteLag says when the replicas of a shard stop keeping up with its
-// saves, and when they keep up again: a transfer of m, which took took,
-// during which the trainer made two saves or more. The writer keeps the
-// half being sent, so every save went to the other half; the next one
-// overwrites m, and from then until a newer replica lands no step is held
-// both by this node's rank and by its peers, and a lost node resumes from
-// an older step (from disk, unless the replicas held before still match).
-func (o *Owner) noteLag(seg *segment, m layout.StepMeta, took time.Duration) {
+// noteLag says, as a transfer of m lands (the first peer took it, after
+// took), when the replicas of a shard stop keeping up with its saves and
+// when they keep up again: held are the saves the peers held before, and
+// before the newest save when the transfer began. The writer keeps the
+// half being sent, so a single save during a transfer overwrites the
+// newest step the peers hold; unless the other one waits for a persist,
+// from then until m lands no step is held both by this node's rank and by
+// its peers, and a node lost meanwhile resumes from an older step, mostly
+// from disk. A transfer that lands after the steps the peers held are
+// gone is what is said.
+func (o *Owner) noteLag(seg *segment, m layout.StepMeta, held sentSeqs, before uint64, took time.Duration) {
 	shard := seg.hdr.Shard
-	var behind uint64
-	if c := seg.newest(); len(c) > 0 {
-		if n := seg.seq(c[0]); n > m.Seq {
-			behind = n - m.Seq
-		}
+	newest := seg.newestSeq()
+	o.m.replicaBehind.WithLabelValues(strconv.Itoa(shard)).Set(float64(newest - min(newest, m.Seq)))
+	if held[0] == 0 || held[0] >= m.Seq {
+		return // the first step sent, or the same one again to new peers
 	}
-	o.m.replicaBehind.WithLabelValues(strconv.Itoa(shard)).Set(float64(behind))
+	kept := seg.holds(held[0]) || held[1] != 0 && seg.holds(held[1])
 	_, was := o.lagging.Load(shard)
 	switch {
-	case behind >= 2 && !was:
+	case !kept && !was:
 		o.lagging.Store(shard, true)
-		o.log.Warn("ckpt: replicas cannot keep up with the saves: the trainer saved again before a transfer ended, so the step replicated is overwritten at its next save, and a node lost until the next replica lands resumes from an older step, mostly from disk; save to memory less often than a transfer takes, or give the link more bandwidth",
-			"shard", shard, "step", m.Step, "bytes", m.DataSize(), "transfer", took.Round(time.Millisecond), "saves_meanwhile", behind)
-	case behind < 2 && was:
+		o.log.Warn("ckpt: replicas cannot keep up with the saves: the trainer saved over the step its peers held before a newer one reached them, so meanwhile no step was held both here and by the peers, and a node lost then resumes from an older step, mostly from disk; save to memory less often than a transfer takes, or give the link more bandwidth",
+			"shard", shard, "step", m.Step, "bytes", m.DataSize(), "transfer", took.Round(time.Millisecond), "saves_meanwhile", newest-min(newest, before))
+	case kept && was:
 		o.lagging.Delete(shard)
 		o.log.Info("ckpt: replicas keep up with the saves again", "shard", shard, "step", m.Step, "transfer", took.Round(time.Millisecond))
 	}
 }
 
+// sentSeqs are the two newest saves of a shard that peers took, newest
+// first, 0 for none: what a peer's replica segment holds, a half each.
+type sentSeqs [2]uint64
+
+func (o *Owner) sentSeqs(shard int) sentSeqs {
+	last, _ := o.sent.Load(shard)
+	s, _ := last.(sentSeqs)
+	return s
+}
+
 // noteSent remembers that a peer took shard's save seq.
 func (o *Owner) noteSent(shard int, seq uint64) {
 	for {
-		last, loaded := o.sent.LoadOrStore(shard, seq)
-		if !loaded || last.(uint64) >= seq || o.sent.CompareAndSwap(shard, last, seq) {
+		last, loaded := o.sent.LoadOrStore(shard, sentSeqs{seq})
+		if !loaded {
+			return
+		}
+		s := last.(sentSeqs)
+		if s[0] >= seq || o.sent.CompareAndSwap(shard, last, sentSeqs{seq, s[0]}) {
 			return
 		}
 	}

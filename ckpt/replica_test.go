@@ -474,64 +474,134 @@ func TestPersistReplica(t *testing.T) {
 	}
 }
 
-// TestReplicaLagSaid checks what an owner says of a transfer during which
-// the trainer saved twice or more (the replicas cannot keep up: the step
-// sent is overwritten at the next save), and once they keep up again.
+// TestReplicaLagSaid holds transfers up halfway (a gate before the peer)
+// while the trainer saves, and checks what the owner says. One save during
+// each transfer is enough for replicas not to keep up: it overwrites the
+// step the peer holds before the newer one lands, and meanwhile no step
+// is held both here and by the peer.
 func TestReplicaLagSaid(t *testing.T) {
 	ctx := context.Background()
-	logs := &syncBuffer{}
-	reg := prometheus.NewRegistry()
-	n := newNode(t, OwnerConfig{Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: reg}, 1)
-	metaOf := func(step int64) layout.StepMeta {
-		seg, err := n.o.seg(0)
-		if err != nil {
-			t.Fatal(err)
+	tb := newTestBlobs(2 << 20) // ~24 MiB a step, many times what the gate lets through
+	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, Capacity: 32 << 20, ListenAddr: "127.0.0.1:0"}, 1)
+	running(t, b.o)
+	var during atomic.Pointer[func()]
+	gate := startGate(t, b.o.Addr().String(), 1<<20, func() {
+		if f := during.Swap(nil); f != nil {
+			(*f)()
 		}
-		for i := range 2 {
-			if m, ok := seg.metaOK(i); ok && m.Step == step {
-				return m
+	})
+	logs := &syncBuffer{}
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Capacity: 32 << 20,
+		Peers:  map[string]string{"a": "", "b": gate.ln.Addr().String()},
+		Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: prometheus.NewRegistry()}, 1)
+	seg, err := a.o.seg(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	save := func(step int64) {
+		if err := a.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
+			t.Error(err)
+		}
+	}
+	inMemory := func() (steps []int64) {
+		for _, i := range seg.newest() {
+			m, _ := seg.metaOK(i)
+			steps = append(steps, m.Step)
+		}
+		return steps
+	}
+	onPeer := func() []int64 {
+		held, _, err := b.o.Replicas()
+		if err != nil {
+			t.Error(err)
+		}
+		return held[0]
+	}
+	// replicate sends the newest step (or one held for a persist), the
+	// trainer saving the steps saves while the transfer is held up: they
+	// leave no step held both here and by the peer.
+	replicate := func(saves ...int64) {
+		t.Helper()
+		done := make(chan struct{})
+		f := func() {
+			defer close(done)
+			for _, step := range saves {
+				save(step)
+			}
+			if len(saves) == 0 {
+				return
+			}
+			mem, peer := inMemory(), onPeer()
+			if slices.ContainsFunc(mem, func(s int64) bool { return slices.Contains(peer, s) }) {
+				t.Errorf("while a transfer is under way: steps %v in memory, %v on the peer", mem, peer)
 			}
 		}
-		t.Fatalf("step %d not in memory", step)
-		return layout.StepMeta{}
-	}
-	seg, _ := n.o.seg(0)
-	behind := func() float64 {
-		return testutil.ToFloat64(n.o.m.replicaBehind.WithLabelValues("0"))
-	}
-	for step := int64(1); step <= 2; step++ {
-		if err := n.ws[0].Save(ctx, step, blobs(step)...); err != nil {
+		during.Store(&f)
+		if err := a.o.Replicate(ctx, 0); err != nil {
 			t.Fatal(err)
 		}
-	}
-	sent := metaOf(2)
-	n.o.noteLag(seg, sent, time.Second)
-	if b := behind(); b != 0 || strings.Contains(logs.String(), "cannot keep up") {
-		t.Fatalf("a transfer with no save meanwhile: %v saves behind, logs:\n%s", b, logs)
-	}
-	// Steps 3 and 4 go to the half that step 2 is not in, as while it
-	// was pinned for its transfer.
-	for step := int64(3); step <= 4; step++ {
-		if err := n.ws[0].Save(ctx, step, blobs(step)...); err != nil {
-			t.Fatal(err)
+		if during.Swap(nil) == nil {
+			<-done
 		}
 	}
-	n.o.noteLag(seg, sent, 2100*time.Millisecond)
-	if b := behind(); b != 2 {
-		t.Errorf("saves behind = %v, want 2", b)
+	behind := func() float64 { return testutil.ToFloat64(a.o.m.replicaBehind.WithLabelValues("0")) }
+	said := func(what string) int { return strings.Count(logs.String(), what) }
+	const lag, again = "replicas cannot keep up", "replicas keep up with the saves again"
+
+	// Step 2 waits for a persist that outlasts the next save: step 4 is
+	// saved over step 3, which the peer holds, but the peer holds step 2
+	// too, which is still here.
+	for step := int64(1); step <= 4; step++ {
+		save(step)
+		if step == 2 {
+			seg.setPersistSeq(seg.seq(seg.newest()[0]))
+		}
+		replicate()
 	}
-	for _, want := range []string{"replicas cannot keep up with the saves", "step=2", "transfer=2.1s", "saves_meanwhile=2", "bytes="} {
+	if s := inMemory(); !slices.Equal(s, []int64{4, 2}) {
+		t.Fatalf("steps %v in memory, want [4 2]", s)
+	}
+	if said(lag)+said(again) != 0 || behind() != 0 {
+		t.Fatalf("transfers with no save meanwhile: %v saves behind, logs:\n%s", behind(), logs)
+	}
+	seg.donePersist(seg.persistSeq())
+	// Step 6, saved while step 5 is sent, overwrites step 4, which the
+	// peer holds (with step 3) until step 5 lands.
+	save(5)
+	replicate(6)
+	if said(lag) != 1 || behind() != 1 {
+		t.Fatalf("one save during a transfer: said %d times, %v saves behind, logs:\n%s", said(lag), behind(), logs)
+	}
+	for _, want := range []string{"step=5", "saves_meanwhile=1", "bytes=", "transfer="} {
 		if !strings.Contains(logs.String(), want) {
 			t.Errorf("the warning lacks %q:\n%s", want, logs)
 		}
 	}
-	n.o.noteLag(seg, sent, 2100*time.Millisecond)
-	if c := strings.Count(logs.String(), "cannot keep up"); c != 1 {
-		t.Errorf("said %d times while it lasts, want once", c)
+	replicate(7) // step 6 sent, step 5 overwritten: said once while it lasts
+	if said(lag) != 1 || said(again) != 0 {
+		t.Fatalf("said %d times while it lasts, logs:\n%s", said(lag), logs)
 	}
-	n.o.noteLag(seg, metaOf(4), 900*time.Millisecond)
-	if b := behind(); b != 0 || !strings.Contains(logs.String(), "replicas keep up with the saves again") {
-		t.Errorf("caught up: %v saves behind, logs:\n%s", b, logs)
+	replicate() // step 7, step 6 kept meanwhile
+	if said(again) != 1 || behind() != 0 {
+		t.Fatalf("caught up: %v saves behind, logs:\n%s", behind(), logs)
+	}
+	// Step 8 waits for a persist; steps 9 and 10 come before its transfer
+	// begins (9 overwriting 7, which the peer holds with 6), and none
+	// during it: the replicas did not keep up, though no save was made
+	// meanwhile.
+	save(8)
+	seg.setPersistSeq(seg.seq(seg.newest()[0]))
+	save(9)
+	save(10)
+	if s := inMemory(); !slices.Equal(s, []int64{10, 8}) {
+		t.Fatalf("steps %v in memory, want [10 8]", s)
+	}
+	replicate()
+	if s := onPeer(); !slices.Equal(s, []int64{8, 7}) {
+		t.Fatalf("the peer holds %v, want [8 7]", s)
+	}
+	if said(lag) != 2 || !strings.Contains(logs.String(), "step=8 bytes=") || !strings.Contains(logs.String(), "saves_meanwhile=0") || behind() != 2 {
+		t.Fatalf("the held step sent after two saves: %v saves behind, logs:\n%s", behind(), logs)
 	}
 }
 

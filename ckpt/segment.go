@@ -537,6 +537,26 @@ func (s *segment) newest() []int {
 	return nil
 }
 
+// newestSeq returns the seq of the newest step the segment holds, 0 for
+// none.
+func (s *segment) newestSeq() uint64 {
+	if c := s.newest(); len(c) > 0 {
+		m, _ := s.metaOK(c[0])
+		return m.Seq
+	}
+	return 0
+}
+
+// holds says whether a half holds the save seq, complete.
+func (s *segment) holds(seq uint64) bool {
+	for i := range 2 {
+		if m, ok := s.metaOK(i); ok && m.Seq == seq {
+			return true
+		}
+	}
+	return false
+}
+
 // loadHalf copies the step of half i out. It checks every CRC of a sealed
 // step; an unsealed one it takes as the save left it (Unverified), its
 // CRCs computed on the way, and with seal (the owner, holding the shard's
