@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -605,35 +606,58 @@ func TestReplicaLagSaid(t *testing.T) {
 	}
 }
 
-// TestMarkBulk checks the marks of a replica's connection: the TOS byte
-// and the socket priority that queues honoring them send last.
+// TestMarkBulk checks the marks of a replica's connection, both ends: the
+// TOS byte (the traffic class, for IPv6) and the socket priority that
+// queues honoring them send last. A dual-stack listener's end of an IPv4
+// connection is an IPv6 socket whose packets are IPv4, which take the TOS.
 func TestMarkBulk(t *testing.T) {
-	ln, err := net.Listen("tcp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	c, err := net.Dial("tcp4", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	markBulk(c)
-	raw, err := c.(*net.TCPConn).SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var tos, prio int
-	var tosErr, prioErr error
-	raw.Control(func(fd uintptr) {
-		tos, tosErr = unix.GetsockoptInt(int(fd), unix.IPPROTO_IP, unix.IP_TOS)
-		prio, prioErr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PRIORITY)
-	})
-	if tosErr != nil || prioErr != nil {
-		t.Fatal(tosErr, prioErr)
-	}
-	if tos != bulkTOS || prio != bulkPriority {
-		t.Errorf("TOS %#x and priority %d, want %#x and %d", tos, prio, bulkTOS, bulkPriority)
+	for _, tc := range []struct{ listen, addr, dial, host string }{
+		{"tcp4", "127.0.0.1:0", "tcp4", "127.0.0.1"},
+		{"tcp6", "[::1]:0", "tcp6", "::1"},
+		{"tcp", ":0", "tcp4", "127.0.0.1"},
+	} {
+		t.Run(tc.listen+" "+tc.addr, func(t *testing.T) {
+			ln, err := net.Listen(tc.listen, tc.addr)
+			if err != nil {
+				t.Skipf("no %s here: %v", tc.listen, err)
+			}
+			defer ln.Close()
+			c, err := net.Dial(tc.dial, net.JoinHostPort(tc.host, strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			s, err := ln.Accept()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			for _, conn := range []net.Conn{c, s} {
+				markBulk(conn)
+				raw, err := conn.(*net.TCPConn).SyscallConn()
+				if err != nil {
+					t.Fatal(err)
+				}
+				var domain, tos, class, prio int
+				var errs [4]error
+				raw.Control(func(fd uintptr) {
+					domain, errs[0] = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_DOMAIN)
+					tos, errs[1] = unix.GetsockoptInt(int(fd), unix.IPPROTO_IP, unix.IP_TOS)
+					prio, errs[2] = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PRIORITY)
+					if domain == unix.AF_INET6 {
+						class, errs[3] = unix.GetsockoptInt(int(fd), unix.IPPROTO_IPV6, unix.IPV6_TCLASS)
+					} else {
+						class = bulkTOS
+					}
+				})
+				if err := errors.Join(errs[:]...); err != nil {
+					t.Fatal(err)
+				}
+				if tos != bulkTOS || class != bulkTOS || prio != bulkPriority {
+					t.Errorf("%s (domain %d): TOS %#x, traffic class %#x, priority %d, want %#x and %d", conn.LocalAddr(), domain, tos, class, prio, bulkTOS, bulkPriority)
+				}
+			}
+		})
 	}
 }
 
