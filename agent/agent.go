@@ -141,6 +141,13 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { srv.serve(gctx); return nil })
+	// Each rank's interpreter imports torch while the node joins the job
+	// (the store, the manager, the first rendezvous), so that its first
+	// process starts warm, as its restarts do: seconds saved at every
+	// start, most of all for a node that replaces a lost one.
+	for _, s := range a.slots {
+		s.prepareSpare()
+	}
 	if a.hostsStore() {
 		ready, failed := make(chan struct{}), make(chan error, 1)
 		g.Go(func() error {
