@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -482,28 +483,8 @@ func TestPersistReplica(t *testing.T) {
 // is held both here and by the peer.
 func TestReplicaLagSaid(t *testing.T) {
 	ctx := context.Background()
-	tb := newTestBlobs(2 << 20) // ~24 MiB a step, many times what the gate lets through
-	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, Capacity: 32 << 20, ListenAddr: "127.0.0.1:0"}, 1)
-	running(t, b.o)
-	var during atomic.Pointer[func()]
-	gate := startGate(t, b.o.Addr().String(), 1<<20, func() {
-		if f := during.Swap(nil); f != nil {
-			(*f)()
-		}
-	})
-	logs := &syncBuffer{}
-	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Capacity: 32 << 20,
-		Peers:  map[string]string{"a": "", "b": gate.ln.Addr().String()},
-		Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: prometheus.NewRegistry()}, 1)
-	seg, err := a.o.seg(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	save := func(step int64) {
-		if err := a.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
-			t.Error(err)
-		}
-	}
+	g := newGated(t, 1, nil)
+	a, b, seg, logs, during, save := g.a, g.b, g.seg, g.logs, &g.during, g.save
 	inMemory := func() (steps []int64) {
 		for _, i := range seg.newest() {
 			m, _ := seg.metaOK(i)
@@ -668,28 +649,8 @@ func TestMarkBulk(t *testing.T) {
 // waits for, in memory too).
 func TestReplicaGivenUpNoLag(t *testing.T) {
 	ctx := context.Background()
-	tb := newTestBlobs(2 << 20) // ~24 MiB a step, many times what the gate lets through
-	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, Capacity: 32 << 20, ListenAddr: "127.0.0.1:0"}, 1)
-	running(t, b.o)
-	var during atomic.Pointer[func()]
-	gate := startGate(t, b.o.Addr().String(), 1<<20, func() {
-		if f := during.Swap(nil); f != nil {
-			(*f)()
-		}
-	})
-	logs := &syncBuffer{}
-	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Capacity: 32 << 20, Replicas: 2,
-		Peers:  map[string]string{"a": "", "b": gate.ln.Addr().String(), "c": "127.0.0.1:1"},
-		Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: prometheus.NewRegistry()}, 1)
-	seg, err := a.o.seg(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	save := func(step int64) {
-		if err := a.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
-			t.Error(err)
-		}
-	}
+	g := newGated(t, 2, map[string]string{"c": "127.0.0.1:1"})
+	a, seg, logs, during, save := g.a, g.seg, g.logs, &g.during, g.save
 	save(1)
 	if err := a.o.Replicate(ctx, 0); err == nil || !strings.Contains(err.Error(), "peer c") {
 		t.Fatalf("Replicate step 1 = %v, want c's error alone", err)
@@ -701,7 +662,7 @@ func TestReplicaGivenUpNoLag(t *testing.T) {
 	done := make(chan struct{})
 	f := func() { defer close(done); save(3); save(4) }
 	during.Store(&f)
-	err = a.o.Replicate(ctx, 0)
+	err := a.o.Replicate(ctx, 0)
 	<-done
 	if !errors.Is(err, ErrSuperseded) || strings.Contains(err.Error(), "peer c") {
 		t.Fatalf("Replicate step 2 = %v, want it given up at b, c left alone", err)
@@ -715,4 +676,44 @@ func TestReplicaGivenUpNoLag(t *testing.T) {
 	if v := testutil.ToFloat64(a.o.m.replicaBehind.WithLabelValues("0")); v != 0 {
 		t.Errorf("saves_behind = %v after a transfer no peer took, want 0 as after step 1's", v)
 	}
+}
+
+// gated is an owner "a" of shard 0 whose transfers to peer "b" pass a gate
+// that calls during (once set) after 1 MiB, with steps of ~24 MiB: many
+// times what the gate lets through before it calls.
+type gated struct {
+	a, b   *node
+	seg    *segment
+	logs   *syncBuffer
+	during atomic.Pointer[func()]
+	save   func(step int64)
+}
+
+// newGated starts b and a, a sending to b through the gate and to the
+// other peers given (node name to address), replicas of them each.
+func newGated(t *testing.T, replicas int, others map[string]string) *gated {
+	t.Helper()
+	g := &gated{logs: &syncBuffer{}}
+	tb := newTestBlobs(2 << 20)
+	g.b = newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, Capacity: 32 << 20, ListenAddr: "127.0.0.1:0"}, 1)
+	running(t, g.b.o)
+	gate := startGate(t, g.b.o.Addr().String(), 1<<20, func() {
+		if f := g.during.Swap(nil); f != nil {
+			(*f)()
+		}
+	})
+	peers := map[string]string{"a": "", "b": gate.ln.Addr().String()}
+	maps.Copy(peers, others)
+	g.a = newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Capacity: 32 << 20, Replicas: replicas, Peers: peers,
+		Logger: slog.New(slog.NewTextHandler(g.logs, nil)), Registerer: prometheus.NewRegistry()}, 1)
+	var err error
+	if g.seg, err = g.a.o.seg(0); err != nil {
+		t.Fatal(err)
+	}
+	g.save = func(step int64) {
+		if err := g.a.ws[0].Save(context.Background(), step, tb.step(step)...); err != nil {
+			t.Error(err)
+		}
+	}
+	return g
 }
