@@ -50,9 +50,10 @@ type Config struct {
 	// PythonPath is put first on each rank's PYTHONPATH, so that
 	// "import faultline" works; the launcher extracts the package there.
 	PythonPath string
-	// Spares keeps a warm interpreter per rank that has imported torch,
-	// so that a restart does not import it again (default on; ignored
-	// with NoPython).
+	// NoSpares turns off the warm interpreter kept per rank, which has
+	// imported torch while the node joined the job or since the rank's
+	// last start, so that neither its first start nor a restart imports
+	// it again (ignored with NoPython).
 	NoSpares bool
 	// GracePeriod bounds a termination (Agent.Terminate, on SIGTERM or
 	// SIGINT): the ranks have its first three quarters to exit after the

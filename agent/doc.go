@@ -6,7 +6,8 @@
 // torchrun's environment, and then:
 //
 //   - runs each rank from a warm spare interpreter that has imported torch
-//     already (faultline.spare), so that a restart skips seconds of imports;
+//     already (faultline.spare), from the node's start on, so that a start
+//     or a restart skips seconds of imports;
 //     on node 0 it also hosts the job's c10d store, as torchrun's agent
 //     does, so that restarted ranks rendezvous at once;
 //   - drains each rank's dotting ring (Ring, written by the faultline Python
