@@ -541,8 +541,7 @@ func (s *segment) newest() []int {
 // none.
 func (s *segment) newestSeq() uint64 {
 	if c := s.newest(); len(c) > 0 {
-		m, _ := s.metaOK(c[0])
-		return m.Seq
+		return s.seq(c[0]) // its meta checked by newest
 	}
 	return 0
 }
