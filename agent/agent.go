@@ -62,7 +62,8 @@ type Agent struct {
 	mu          sync.Mutex
 	rounds      map[string]string // by message kind: the round carried out last
 	sw          trace.Switch
-	stopped     string // why recovery stopped the job, "" while it runs
+	stopped     string   // why recovery stopped the job, "" while it runs
+	resized     *Resized // how the job goes on, when it goes on with other nodes
 	finished    chan struct{}
 	term        chan struct{}  // closed by Terminate
 	termSig     syscall.Signal // Terminate's signal, 0 before
@@ -174,11 +175,15 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	g.Go(func() error { a.awaitManager(gctx); return nil })
 	g.Go(func() error { a.announce(gctx); return nil })
+	g.Go(func() error { a.awaitNodes(gctx); return nil })
 	var result error
 	select {
 	case <-a.finished:
 		a.mu.Lock()
-		if a.stopped != "" {
+		switch {
+		case a.resized != nil:
+			result = a.resized
+		case a.stopped != "":
 			result = fmt.Errorf("%w: %s", ErrStopped, a.stopped)
 		}
 		a.mu.Unlock()
@@ -193,7 +198,15 @@ func (a *Agent) Run(ctx context.Context) error {
 		result = err
 	}
 	// Every ending gives the segments back, or keeps them on purpose (their
-	// newest step not on disk) and says so.
+	// newest step not on disk) and says so; a job that goes on resized
+	// keeps them under the ranks' new numbers.
+	var r *Resized
+	if errors.As(result, &r) {
+		if err := a.ckpts.renumber(r); err != nil {
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: the ranks' segments were not all renumbered, so those resume from disk: %v\n", a.cfg.NodeRank, err)
+		}
+		return result
+	}
 	a.ckpts.release(context.Background(), result == nil)
 	return result
 }
@@ -219,11 +232,14 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	// of the job, which it must not stop with that recovery's reason.
 	// The fault log and the recoveries' history stay.
 	stateDir := filepath.Join(a.cfg.Out, "manager")
+	if a.cfg.Restarts > 0 {
+		stateDir += "-" + a.controlJob()[len(a.cfg.Job)+1:] // the manager of a job that went on resized
+	}
 	if err := os.Remove(filepath.Join(stateDir, "orchestration.json")); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("agent: the last run's recovery state: %w", err)
 	}
 	m, err := taskd.NewManager(taskd.ManagerConfig{
-		Job: a.cfg.Job, Listen: a.cfg.ManagerListen, Nodes: a.cfg.Nodes, ProcsPerNode: a.cfg.ProcsPerNode,
+		Job: a.controlJob(), Listen: a.cfg.ManagerListen, Nodes: a.cfg.Nodes, ProcsPerNode: a.cfg.ProcsPerNode,
 		Security: a.cfg.Security, StateDir: stateDir,
 		HeartbeatInterval: interval, HeartbeatDeadline: deadline,
 		Handlers:     []taskd.Handler{job.handler()},
@@ -259,6 +275,17 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	return nil
 }
 
+// controlJob is the job's name on the control plane: a job that went on
+// resized has a new one, so that no node registers with the manager of
+// its last shape, which may not have ended yet, and starts its ranks
+// before the new shape's store is up.
+func (a *Agent) controlJob() string {
+	if a.cfg.Restarts == 0 {
+		return a.cfg.Job
+	}
+	return fmt.Sprintf("%s-r%d", a.cfg.Job, a.cfg.Restarts)
+}
+
 // dialable is the address at which this host reaches a listener on addr:
 // loopback for one on every interface.
 func dialable(addr net.Addr) string {
@@ -284,7 +311,7 @@ func (a *Agent) awaitManager(ctx context.Context) {
 		s.mu.Unlock()
 		if w == nil || !w.Connected() {
 			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d's ranks wait for the job's manager at %s (job %q): not registered after 15s; check --master-addr, --master-port, --rdzv-id and the token on every node\n",
-				a.cfg.NodeRank, a.mgrAddr, a.cfg.Job)
+				a.cfg.NodeRank, a.mgrAddr, a.controlJob())
 			return
 		}
 	}
@@ -377,7 +404,11 @@ func (a *Agent) stopNode(reason string) {
 		s.state = slotStopped
 		s.mu.Unlock()
 	}
-	a.incident.finish("stopped: " + reason)
+	if r := a.resizedTo(); r != nil {
+		a.incident.finish("resized: " + r.Why)
+	} else {
+		a.incident.finish("stopped: " + reason)
+	}
 	a.once.Do(func() { close(a.finished) })
 }
 

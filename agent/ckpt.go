@@ -969,7 +969,10 @@ func (c *checkpoints) startStep(gen int) int64 {
 	// The newest step every local rank can load, from memory (on one
 	// node: the others' ranks are elsewhere) or disk.
 	memory, disk := c.holdings()
-	if c.a.cfg.Nodes > 1 {
+	if c.a.cfg.Nodes > 1 && c.a.cfg.Restarts == 0 {
+		// A new run of several nodes starts from disk, where every node
+		// sees the same steps; one that goes on resized, from the steps
+		// its ranks hold in memory (renumbered with them).
 		memory = nil
 	}
 	h := holdings{memory: memory, disk: map[int][]int64{c.a.cfg.NodeRank: disk}, nodeOf: func(int) int { return c.a.cfg.NodeRank }}

@@ -26,6 +26,19 @@ type Config struct {
 	Job string
 	// Nodes is the number of nodes (default 1); NodeRank is this one's.
 	Nodes, NodeRank int
+	// MinNodes makes the job elastic (torchrun's --nnodes MIN:MAX, with
+	// Nodes the MAX): it starts with the nodes there once MinNodes are,
+	// after JoinTimeout more (default 30s) for the others, and goes on
+	// with fewer, whole nodes, when nodes are lost and none takes their
+	// place within NodeTimeout, down to MinNodes: Run then returns a
+	// *Resized. Default Nodes: the membership is fixed. An elastic job's
+	// manager is node 0's.
+	MinNodes    int
+	JoinTimeout time.Duration
+	// Restarts is the restart count the ranks start with: a job that goes
+	// on resized counts on (Resized.Next sets it). The restart budget
+	// counts the restarts after it.
+	Restarts int
 	// ProcsPerNode is the number of ranks on each node (default 1).
 	ProcsPerNode int
 	// MasterAddr and MasterPort are where rank 0 serves the ranks' store
@@ -145,6 +158,14 @@ func (c Config) Validate() error {
 		return bad("Nodes", c.Nodes, "negative")
 	case c.NodeRank < 0 || c.NodeRank >= max(c.Nodes, 1):
 		return bad("NodeRank", c.NodeRank, fmt.Sprintf("outside [0, %d)", max(c.Nodes, 1)))
+	case c.MinNodes < 0 || c.MinNodes > max(c.Nodes, 1):
+		return bad("MinNodes", c.MinNodes, fmt.Sprintf("outside [1, Nodes = %d]", max(c.Nodes, 1)))
+	case c.MinNodes > 0 && c.MinNodes < c.Nodes && c.Manager != "":
+		return bad("MinNodes", c.MinNodes, "an elastic job's manager is node 0's, whose shape changes with the job's: drop Manager")
+	case c.JoinTimeout < 0:
+		return bad("JoinTimeout", c.JoinTimeout, "negative")
+	case c.Restarts < 0:
+		return bad("Restarts", c.Restarts, "negative")
 	case c.ProcsPerNode < 0:
 		return bad("ProcsPerNode", c.ProcsPerNode, "negative")
 	case c.MasterPort < 0 || c.MasterPort > 65534:
@@ -172,6 +193,10 @@ func (c Config) Validate() error {
 func (c *Config) setDefaults() {
 	c.Nodes = max(c.Nodes, 1)
 	c.ProcsPerNode = max(c.ProcsPerNode, 1)
+	if c.MinNodes == 0 {
+		c.MinNodes = c.Nodes
+	}
+	c.JoinTimeout = cmp.Or(c.JoinTimeout, 30*time.Second)
 	c.MasterAddr = cmp.Or(c.MasterAddr, "127.0.0.1")
 	c.MasterPort = cmp.Or(c.MasterPort, 29500)
 	c.MonitorInterval = cmp.Or(c.MonitorInterval, 20*time.Millisecond)

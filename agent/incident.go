@@ -320,6 +320,9 @@ func (in *incidents) transition(o taskd.Orchestration, t taskd.Transition) {
 	in.cur.Orchestration, in.cur.Strategy = o.ID, string(o.Strategy)
 	if t.To == taskd.StateExited {
 		in.cur.Outcome = "exited: " + o.Outcome
+		if r := in.a.resizedTo(); r != nil {
+			in.cur.Outcome = "resized: " + r.Why
+		}
 		in.closeLocked()
 		go in.a.stopJob(o.Outcome)
 	}

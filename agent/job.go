@@ -228,10 +228,29 @@ func (j *jobCheckpoints) PersistNewest(ctx context.Context) (int64, error) {
 	if err != nil {
 		return -1, err
 	}
+	var errs []error
 	for _, d := range ds {
 		if d.Err != nil {
-			return -1, fmt.Errorf("rank %d: %w", d.Rank, d.Err)
+			errs = append(errs, fmt.Errorf("rank %d: %w", d.Rank, d.Err))
 		}
+	}
+	// An elastic job goes on without the lost nodes, from what the nodes
+	// left hold in memory, whether or not their step committed.
+	if a := j.local; a != nil && a.elastic() && len(lost) > 0 {
+		live := liveNodes(m)
+		why := resizeWhy(j.core.nodes, live, a.cfg.ProcsPerNode, fmt.Sprintf("were lost and no node took their place within --node-timeout %v", a.cfg.NodeTimeout))
+		rm, whyNot := shrink(j.core.nodes, a.cfg.MinNodes, live, a.slots[0].restarts()+1, why)
+		if whyNot == "" {
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s\n", why)
+			if err := a.resize(ctx, rm); err != nil {
+				j.log.Warn("agent: not every node was told that the job goes on resized", "err", err)
+			}
+		} else {
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: the job cannot go on with fewer nodes: %s\n", whyNot)
+		}
+	}
+	if len(errs) > 0 {
+		return -1, errs[0]
 	}
 	if j.local != nil {
 		return j.local.ckpts.diskStep(), nil

@@ -79,6 +79,12 @@ func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
 		what, err := a.ckpts.persistWithReplicas(ctx, p.Lost)
 		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: %s\n", a.cfg.NodeRank, what)
 		return err
+	case kindResize:
+		var r resizeMsg
+		if err := json.Unmarshal(m.Payload, &r); err != nil {
+			return fmt.Errorf("agent: %s: %w", kindResize, err)
+		}
+		a.takeResize(r)
 	case kindStop:
 		go a.stopNode(string(m.Payload))
 	}

@@ -82,7 +82,7 @@ type rankProc struct {
 
 func newSlot(a *Agent, local int) (*slot, error) {
 	rank := a.cfg.NodeRank*a.cfg.ProcsPerNode + local
-	s := &slot{a: a, local: local, rank: rank, lastStep: -1, resume: -1, opens: map[uint64]openRange{}, timings: map[uint64]hang.Timing{}, ops: map[string]*hang.Op{},
+	s := &slot{a: a, local: local, rank: rank, lastStep: -1, resume: -1, starts: a.cfg.Restarts, opens: map[uint64]openRange{}, timings: map[uint64]hang.Timing{}, ops: map[string]*hang.Op{},
 		noted: map[string]bool{}, ports: map[uint16]bool{}}
 	s.ringPath = filepath.Join(a.cfg.ShmDir, fmt.Sprintf("faultline-%s-ring-%d", a.cfg.Job, rank))
 	var err error
@@ -531,7 +531,7 @@ func (s *slot) applySwitch(sw trace.Switch) {
 // time recovery evicts one.
 func (s *slot) serveWorkers(ctx context.Context) {
 	for ctx.Err() == nil {
-		w, err := taskd.NewWorker(taskd.WorkerConfig{Job: s.a.cfg.Job, Node: s.a.cfg.NodeRank, Rank: s.rank,
+		w, err := taskd.NewWorker(taskd.WorkerConfig{Job: s.a.controlJob(), Node: s.a.cfg.NodeRank, Rank: s.rank,
 			Upstream: s.a.mgrAddr, Security: s.a.cfg.Security, Trainer: trainer{s},
 			OnSwitch:   func(sw trace.Switch) error { return s.a.applySwitch(sw) },
 			OnMessage:  func(m taskd.Message) error { return s.a.onMessage(ctx, m) },

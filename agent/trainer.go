@@ -117,7 +117,7 @@ func leftFinished(js taskd.JobStatus) []int {
 func (t trainer) budgetSpent() (string, bool) {
 	s := t.s
 	s.mu.Lock()
-	restarts := s.starts - 1
+	restarts := s.starts - 1 - s.a.cfg.Restarts // those of this run: a resize is none
 	s.mu.Unlock()
 	if restarts < s.a.cfg.MaxRestarts {
 		return "", false

@@ -1,0 +1,217 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"github.com/faultline-ml/faultline/ckpt"
+	"github.com/faultline-ml/faultline/taskd"
+)
+
+// An elastic job (Config.MinNodes below Config.Nodes) goes on with fewer
+// nodes, whole ones, when nodes are lost and none takes their place
+// within the node timeout, or are not there when it starts: node 0's
+// manager renumbers the nodes left, in the order they had, and every
+// agent ends its run with a *Resized that says the node's place in the
+// job that goes on; the launcher runs the node's agent again with it.
+// Each rank's segment is renumbered with it, so that the ranks resume from
+// the newest step they hold in memory: for a data-parallel job every
+// rank's state is the model's, and the rank that takes a number loads the
+// state its node's rank of the same local rank saved.
+
+// Resized is the error Agent.Run returns when the job goes on with
+// another number of nodes: run the node's agent again with Next.
+type Resized struct {
+	From, To int    // the job's nodes before and after
+	Node     int    // this node's rank before
+	NodeRank int    // and after
+	Restarts int    // the restart count the ranks go on with
+	Why      string // what changed: the nodes lost, or missing at the start
+}
+
+func (r *Resized) Error() string {
+	return fmt.Sprintf("agent: the job goes on with %d nodes instead of %d, this one as node %d (was %d): %s", r.To, r.From, r.NodeRank, r.Node, r.Why)
+}
+
+// Next returns the configuration of the node's agent in the job that goes
+// on: c with the job's new shape and restart count.
+func (r *Resized) Next(c Config) Config {
+	c.Nodes, c.NodeRank, c.Restarts = r.To, r.NodeRank, r.Restarts
+	return c
+}
+
+// kindResize, down: the job goes on with other nodes (resizeMsg).
+const kindResize = "faultline-run/resize"
+
+// resizeMsg is node 0's word that the job goes on with To nodes: each
+// node's new rank by its old one (a node not named ends).
+type resizeMsg struct {
+	From     int         `json:"from"`
+	To       int         `json:"to"`
+	Ranks    map[int]int `json:"ranks"`
+	Restarts int         `json:"restarts"`
+	Why      string      `json:"why"`
+}
+
+// shrink plans the job's going on with the nodes in live, of nodes, when
+// it may: at least min of them, node 0 among them (it serves the ranks'
+// store and the manager at the address every node was given), fewer than
+// nodes. It says why not otherwise.
+func shrink(nodes, min int, live []int, restarts int, why string) (resizeMsg, string) {
+	live = slices.Clone(live)
+	slices.Sort(live)
+	live = slices.Compact(live)
+	live = slices.DeleteFunc(live, func(n int) bool { return n < 0 || n >= nodes })
+	switch {
+	case len(live) == nodes:
+		return resizeMsg{}, "no node is missing"
+	case len(live) < min:
+		return resizeMsg{}, fmt.Sprintf("%d nodes of %d are left, fewer than the %d the job needs (--nnodes %d:%d)", len(live), nodes, min, min, nodes)
+	case live[0] != 0:
+		return resizeMsg{}, "node 0, which serves the ranks' store and the job's manager, is lost"
+	}
+	m := resizeMsg{From: nodes, To: len(live), Ranks: map[int]int{}, Restarts: restarts, Why: why}
+	for i, n := range live {
+		m.Ranks[n] = i
+	}
+	return m, ""
+}
+
+// resizeWhy says which nodes the job goes on without.
+func resizeWhy(nodes int, live []int, perNode int, what string) string {
+	var gone []int
+	for n := range nodes {
+		if !slices.Contains(live, n) {
+			gone = append(gone, n)
+		}
+	}
+	return fmt.Sprintf("nodes %v %s; the job goes on with %d nodes of %d (world %d → %d)", gone, what, len(live), nodes, nodes*perNode, len(live)*perNode)
+}
+
+// liveNodes returns the nodes of which a worker is registered with m.
+func liveNodes(m *taskd.Manager) []int {
+	var live []int
+	for _, mi := range m.Members() {
+		if mi.Role == taskd.RoleWorker && !slices.Contains(live, mi.Position.Node) {
+			live = append(live, mi.Position.Node)
+		}
+	}
+	slices.Sort(live)
+	return live
+}
+
+// elastic reports whether the job may go on with fewer nodes.
+func (a *Agent) elastic() bool { return a.cfg.MinNodes < a.cfg.Nodes }
+
+// resize, on node 0, tells every node that the job goes on as m says,
+// and takes it itself: every node ends its run with a *Resized once
+// recovery stops its ranks (or stopAll, at the start).
+func (a *Agent) resize(ctx context.Context, m resizeMsg) error {
+	a.takeResize(m)
+	b, _ := json.Marshal(m)
+	ds, err := a.mgr.Broadcast(ctx, taskd.AllWorkers(), kindResize, b)
+	if err != nil {
+		return fmt.Errorf("agent: tell the nodes that the job goes on with %d nodes: %w", m.To, err)
+	}
+	var errs []error
+	for _, d := range ds {
+		if d.Err != nil {
+			errs = append(errs, fmt.Errorf("rank %d: %w", d.Rank, d.Err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// takeResize notes that the job goes on as m says: the node's run ends
+// with a *Resized, or for good when m leaves it out.
+func (a *Agent) takeResize(m resizeMsg) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.resized != nil {
+		return
+	}
+	to, ok := m.Ranks[a.cfg.NodeRank]
+	if !ok {
+		return // not in the job that goes on: it stops
+	}
+	a.resized = &Resized{From: m.From, To: m.To, Node: a.cfg.NodeRank, NodeRank: to, Restarts: m.Restarts, Why: m.Why}
+	a.log.Warn("agent: the job goes on with other nodes", "nodes", m.To, "was", m.From, "node_rank", to, "why", m.Why)
+}
+
+// resizedTo returns how the job goes on, nil when it does not.
+func (a *Agent) resizedTo() *Resized {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.resized
+}
+
+// awaitNodes, on node 0 of an elastic job's first run, waits until every
+// node is registered, and once Config.MinNodes are, up to JoinTimeout
+// more: then the job goes on with those there.
+func (a *Agent) awaitNodes(ctx context.Context) {
+	if !a.elastic() || a.mgr == nil || a.cfg.Restarts > 0 {
+		return
+	}
+	t := time.NewTicker(50 * time.Millisecond)
+	defer t.Stop()
+	var enough time.Time // when MinNodes were first there
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		live := liveNodes(a.mgr)
+		switch {
+		case len(live) == a.cfg.Nodes:
+			return
+		case len(live) < a.cfg.MinNodes:
+			continue
+		case enough.IsZero():
+			enough = time.Now()
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: nodes %v are here, of %d; the job waits up to %v (--join-timeout) for more\n", live, a.cfg.Nodes, a.cfg.JoinTimeout)
+		}
+		if time.Since(enough) < a.cfg.JoinTimeout {
+			continue
+		}
+		why := resizeWhy(a.cfg.Nodes, live, a.cfg.ProcsPerNode, fmt.Sprintf("did not join within --join-timeout %v", a.cfg.JoinTimeout))
+		m, whyNot := shrink(a.cfg.Nodes, a.cfg.MinNodes, live, a.slots[0].restarts()+1, why)
+		if whyNot != "" {
+			continue // a node left meanwhile
+		}
+		fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s\n", why)
+		if err := a.resize(ctx, m); err != nil {
+			a.log.Warn("agent: resize", "err", err)
+		}
+		a.stopJob(why)
+		return
+	}
+}
+
+// renumber, at the end of a run that goes on resized, gives each local
+// rank's segment its rank's new number, so that the ranks resume from
+// what they hold in memory, and drops the replicas of the old numbers.
+func (c *checkpoints) renumber(r *Resized) error {
+	c.close()
+	per := c.a.cfg.ProcsPerNode
+	var errs []error
+	for _, s := range c.a.slots {
+		to := r.NodeRank*per + s.local
+		if err := ckpt.RenameShard(c.a.cfg.ShmDir, c.segmentName(), s.rank, to); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	replicas, _ := filepath.Glob(filepath.Join(c.a.cfg.ShmDir, c.segmentName()+"-replica-*"))
+	for _, name := range replicas {
+		if err := os.Remove(name); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
