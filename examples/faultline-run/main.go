@@ -91,6 +91,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -125,19 +126,23 @@ func main() {
 	}
 }
 
-// run runs the node's agent until the job ends. The first of sigs
-// terminates the job within the grace period; a second kills its ranks
-// at once.
+// run runs the node's agent until the job ends, again with the job's new
+// shape each time an elastic job goes on with other nodes. The first of
+// sigs terminates the job within the grace period; a second kills its
+// ranks at once.
 func run(ctx context.Context, opts options, sigs <-chan os.Signal) error {
 	cfg := opts.Config
+	// One registry an agent: the next one registers the same collectors.
+	var reg atomic.Pointer[prometheus.Registry]
 	if opts.metricsListen != "" {
-		reg := prometheus.NewRegistry()
-		cfg.Registerer = reg
 		ln, err := net.Listen("tcp", opts.metricsListen)
 		if err != nil {
 			return fmt.Errorf("--metrics-listen: %w", err)
 		}
-		srv := &http.Server{Handler: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}), ReadHeaderTimeout: 5 * time.Second}
+		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			promhttp.HandlerFor(reg.Load(), promhttp.HandlerOpts{}).ServeHTTP(w, r)
+		})
+		srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
 		go srv.Serve(ln)
 		defer srv.Close()
 	}
@@ -148,6 +153,24 @@ func run(ctx context.Context, opts options, sigs <-chan os.Signal) error {
 		}
 		cfg.PythonPath = dir
 	}
+	for {
+		if opts.metricsListen != "" {
+			r := prometheus.NewRegistry()
+			reg.Store(r)
+			cfg.Registerer = r
+		}
+		err := runAgent(ctx, cfg, sigs)
+		var rz *agent.Resized
+		if !errors.As(err, &rz) {
+			return err
+		}
+		fmt.Fprintf(os.Stderr, "faultline-run: node %d goes on as node %d of %d: %s\n", rz.Node, rz.NodeRank, rz.To, rz.Why)
+		cfg = rz.Next(cfg)
+	}
+}
+
+// runAgent runs one agent of the node until it ends.
+func runAgent(ctx context.Context, cfg agent.Config, sigs <-chan os.Signal) error {
 	a, err := agent.New(cfg)
 	if err != nil {
 		return err
@@ -189,7 +212,8 @@ func parse(args []string) (options, error) {
 	fs := flag.NewFlagSet("faultline-run", flag.ContinueOnError)
 	var (
 		standalone  = fs.Bool("standalone", false, "a job of one node on this machine, on a free port")
-		nnodes      = fs.String("nnodes", "1", "number of nodes, N or MIN:MAX (MIN = MAX: membership is fixed)")
+		nnodes      = fs.String("nnodes", "1", "number of nodes, N or MIN:MAX (elastic: the job starts with MIN to MAX nodes and goes on with fewer, down to MIN, when nodes are lost)")
+		joinTimeout = fs.Duration("join-timeout", 30*time.Second, "an elastic job's wait for more nodes, up to MAX, once MIN are there")
 		nproc       = fs.String("nproc-per-node", "1", "ranks on this node: a number, auto or cpu")
 		nodeRank    = fs.Int("node-rank", 0, "this node's rank")
 		masterAddr  = fs.String("master-addr", "127.0.0.1", "address of node 0 (rank 0's store, the manager)")
@@ -234,10 +258,19 @@ func parse(args []string) (options, error) {
 	*cfg = agent.Config{Command: cmd, NodeRank: *nodeRank, MasterAddr: *masterAddr, MasterPort: *masterPort,
 		MaxRestarts: *maxRestarts, NoPython: *noPython, Module: *module, Python: *pythonExe, CollectiveTimeout: *collTimeout,
 		Out: *out, Manager: *manager, NoSpares: *noSpares, GracePeriod: *grace, HeartbeatDeadline: *heartbeat,
-		NodeTimeout: *nodeTimeout, Replicas: *replicas, ReplicaPort: *replicaPort}
+		NodeTimeout: *nodeTimeout, Replicas: *replicas, ReplicaPort: *replicaPort, JoinTimeout: *joinTimeout}
 	var err error
-	if cfg.Nodes, err = parseNodes(*nnodes); err != nil {
+	if cfg.MinNodes, cfg.Nodes, err = parseNodes(*nnodes); err != nil {
 		return opts, err
+	}
+	if *joinTimeout <= 0 {
+		return opts, fmt.Errorf("%w: --join-timeout %v: give a positive duration", errUsage, *joinTimeout)
+	}
+	if cfg.MinNodes < cfg.Nodes && *manager != "" {
+		return opts, fmt.Errorf("%w: --nnodes %s with --manager: an elastic job's manager is node 0's faultline-run, whose shape changes with the job's; drop --manager, or give a fixed --nnodes", errUsage, *nnodes)
+	}
+	if *nodeRank < 0 || *nodeRank >= cfg.Nodes {
+		return opts, fmt.Errorf("%w: --node-rank %d: outside [0, %d) for --nnodes %s", errUsage, *nodeRank, cfg.Nodes, *nnodes)
 	}
 	if cfg.ProcsPerNode, err = parseNproc(*nproc); err != nil {
 		return opts, err
@@ -267,7 +300,7 @@ func parse(args []string) (options, error) {
 		}
 	}
 	if *standalone {
-		cfg.Nodes, cfg.NodeRank, cfg.MasterAddr = 1, 0, "127.0.0.1"
+		cfg.Nodes, cfg.MinNodes, cfg.NodeRank, cfg.MasterAddr = 1, 1, 0, "127.0.0.1"
 		if cfg.MasterPort, err = freePorts(); err != nil {
 			return opts, err
 		}
@@ -303,24 +336,25 @@ func parse(args []string) (options, error) {
 	return opts, nil
 }
 
-// parseNodes reads --nnodes: N, or MIN:MAX with MIN = MAX (the agents
-// keep a fixed membership: a failed node is restarted, not dropped).
-func parseNodes(s string) (int, error) {
-	lo, hi, ranged := strings.Cut(s, ":")
-	n, err := strconv.Atoi(lo)
-	if err != nil || n < 1 {
-		return 0, fmt.Errorf("%w: --nnodes %q: give a positive number of nodes, or MIN:MAX", errUsage, s)
+// parseNodes reads --nnodes: N, or MIN:MAX as torchrun reads it (an
+// elastic job, with MIN < MAX).
+func parseNodes(s string) (lo, hi int, err error) {
+	a, b, ranged := strings.Cut(s, ":")
+	lo, err = strconv.Atoi(a)
+	if err != nil || lo < 1 {
+		return 0, 0, fmt.Errorf("%w: --nnodes %q: give a positive number of nodes, or MIN:MAX with MIN at least 1", errUsage, s)
 	}
-	if ranged {
-		m, err := strconv.Atoi(hi)
-		if err != nil || m < n {
-			return 0, fmt.Errorf("%w: --nnodes %q: MAX must be a number no smaller than MIN", errUsage, s)
-		}
-		if m != n {
-			return 0, fmt.Errorf("%w: --nnodes %q: an elastic range is not supported; faultline-run keeps a fixed membership and restarts a failed node's ranks: give %d or %d:%d", errUsage, s, m, m, m)
-		}
+	if !ranged {
+		return lo, lo, nil
 	}
-	return n, nil
+	hi, err = strconv.Atoi(b)
+	switch {
+	case err != nil || hi < 1:
+		return 0, 0, fmt.Errorf("%w: --nnodes %q: MAX must be a positive number", errUsage, s)
+	case lo > hi:
+		return 0, 0, fmt.Errorf("%w: --nnodes %q: MIN %d is more than MAX %d", errUsage, s, lo, hi)
+	}
+	return lo, hi, nil
 }
 
 // checkMaster refuses, for a job of several nodes, a master address that

@@ -532,8 +532,13 @@ func TestUsage(t *testing.T) {
 		want string
 	}{
 		{[]string{}, "name the training script"},
-		{[]string{"--nnodes", "1:4", "x.py"}, "elastic range is not supported"},
+		{[]string{"--nnodes", "3:2", "x.py"}, `--nnodes "3:2": MIN 3 is more than MAX 2`},
+		{[]string{"--nnodes", "0:2", "x.py"}, `--nnodes "0:2": give a positive number of nodes, or MIN:MAX with MIN at least 1`},
+		{[]string{"--nnodes", "1:x", "x.py"}, `--nnodes "1:x": MAX must be a positive number`},
 		{[]string{"--nnodes", "0", "x.py"}, "--nnodes"},
+		{[]string{"--nnodes", "2:3", "--node-rank", "3", "--rdzv-id", "j", "x.py"}, "--node-rank 3: outside [0, 3)"},
+		{[]string{"--nnodes", "2:3", "--manager", "10.0.0.1:29501", "--rdzv-id", "j", "x.py"}, "an elastic job's manager is node 0's"},
+		{[]string{"--nnodes", "2:3", "--join-timeout", "0s", "--rdzv-id", "j", "x.py"}, "--join-timeout 0s"},
 		{[]string{"--nproc-per-node", "zero", "x.py"}, "--nproc-per-node"},
 		{[]string{"--python", "/nonexistent/python3", "x.py"}, "--python /nonexistent/python3"},
 		{[]string{"--nnodes", "2", "x.py"}, "--rdzv-id"},
@@ -559,5 +564,10 @@ func TestUsage(t *testing.T) {
 	if err != nil || cfg.ProcsPerNode != 3 || cfg.MaxRestarts != 2 || cfg.Job != "job-9" || strings.Join(cfg.Command, " ") != "train.py --lr 1" ||
 		cfg.HeartbeatDeadline != 12*time.Second || cfg.GracePeriod != 20*time.Second {
 		t.Fatalf("parse = %+v, %v", cfg, err)
+	}
+	t.Setenv("TASKD_TOKEN", "t")
+	cfg, err = parse([]string{"--nnodes", "2:3", "--node-rank", "2", "--master-addr", "192.0.2.1", "--rdzv-id", "j", "--join-timeout", "5s", "train.py"})
+	if err != nil || cfg.MinNodes != 2 || cfg.Nodes != 3 || cfg.NodeRank != 2 || cfg.JoinTimeout != 5*time.Second {
+		t.Fatalf("parse of an elastic range = %+v, %v", cfg, err)
 	}
 }
