@@ -33,14 +33,19 @@
 //   - writes one record per incident to Config.Out/incidents.jsonl: the
 //     fault, and when it was detected, the ranks stopped, restarted, told
 //     what to load (which step, which tier), and back at the step where
-//     they were.
+//     they were;
+//   - in an elastic job (Config.MinNodes below Nodes), starts with the
+//     nodes there once MinNodes are, and goes on with the nodes left when
+//     nodes are lost and not replaced: Run returns a *Resized, and the
+//     caller runs the node's agent again with Resized.Next.
 //
 // The job's decisions are kept pure, time and events in and actions out,
 // with processes, sockets and segments at their edges: who is lost and
 // whom the job waits for are taskd's orchestration core (the manager's
 // side) and nodeWatch (a node's side: when it is apart from the manager,
 // gives up on it, or was replaced); which step every rank resumes from
-// and which node holds which replica are jobCore's.
+// and which node holds which replica are jobCore's; how the job goes on
+// with fewer nodes is shrink's.
 //
 // The protocol between a rank and its agent: the agent's unix socket
 // (FAULTLINE_AGENT, JSON lines: hello, groups, segment, saved, wait,
@@ -61,5 +66,5 @@
 //		return err
 //	}
 //	defer a.Close()
-//	return a.Run(ctx) // nil once every rank finished; ErrStopped when recovery gave up
+//	return a.Run(ctx) // nil once every rank finished; ErrStopped when recovery gave up; *Resized: run again
 package agent

@@ -15,7 +15,7 @@
 // several nodes, a --master-addr that resolves to loopback is refused.
 //
 // The flags torchrun users know keep their meaning: --standalone,
-// --nnodes N, --nproc-per-node (also --nproc_per_node; auto and cpu count
+// --nnodes N or MIN:MAX, --nproc-per-node (also --nproc_per_node; auto and cpu count
 // the processors), --node-rank, --master-addr, --master-port,
 // --max-restarts (restarts of the whole job, default 0), --monitor-interval
 // (seconds), --no-python, -m, --rdzv-id (the job id; default
@@ -50,6 +50,12 @@
 //	                          waits at least 2m). Past it the job ends: the nodes left persist the newest
 //	                          step their ranks hold with the replicas they hold of the lost node's ranks
 //	                          (with 2 nodes, the survivor holds them all), so that the step commits
+//	--join-timeout D          with --nnodes MIN:MAX: once MIN nodes are there, how long the job waits for
+//	                          more before it starts with those there (default 30s). Such a job goes on
+//	                          with fewer nodes, down to MIN, where lost nodes are not replaced within
+//	                          --node-timeout: the nodes left are renumbered in their order and each
+//	                          launcher runs its node again in the new shape, the ranks resuming from
+//	                          the newest step they hold in memory
 //	--replicas K              how many other nodes hold a copy of each rank's newest memory step (default 1
 //	                          with several nodes; -1: none); --replica-port P is the first of the node's
 //	                          replica servers' ports, one per local rank
