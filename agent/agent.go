@@ -52,7 +52,8 @@ type Agent struct {
 	// releaseOut unlocks Out (see claimOut).
 	releaseOut func()
 
-	mgr      *taskd.Manager // node 0's, when the job has no other
+	mgr      *taskd.Manager  // node 0's, when the job has no other
+	job      *jobCheckpoints // its handler's side
 	mgrAddr  string
 	policy   *rescheduling.Policy
 	ckpts    *checkpoints
@@ -226,6 +227,7 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	}
 	a.policy = policy
 	job := newJobCheckpoints(a.cfg.Nodes, a, a.log)
+	a.job = job
 	interval, deadline := a.cfg.heartbeats()
 	// The manager lives and dies with this launcher: a recovery the last
 	// one left in progress ended with its ranks, and this is a new run

@@ -705,6 +705,11 @@ func (c *checkpoints) persistWithReplicas(ctx context.Context, lost []int) (stri
 	if committed {
 		return fmt.Sprintf("step %d, the newest that every rank here holds in memory and the replicas held here hold, is committed with every rank's shard, those of ranks %v from the replicas", step, others), nil
 	}
+	if err == nil {
+		// Every shard here is on disk: another node persisted another
+		// step (its newest), or has not said that its shards are.
+		err = errors.New("its shards here are persisted, but not every other node's shards of it are")
+	}
 	return fmt.Sprintf("step %d, the newest that every rank here holds in memory and the replicas held here hold, is not committed on disk (the newest step there is %d): %v", step, c.diskStep(), err),
 		fmt.Errorf("step %d not committed: %w", step, err)
 }

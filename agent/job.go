@@ -239,7 +239,7 @@ func (j *jobCheckpoints) PersistNewest(ctx context.Context) (int64, error) {
 	if a := j.local; a != nil && a.elastic() && len(lost) > 0 {
 		live := liveNodes(m)
 		why := resizeWhy(j.core.nodes, live, a.cfg.ProcsPerNode, fmt.Sprintf("were lost and no node took their place within --node-timeout %v", a.cfg.NodeTimeout))
-		rm, whyNot := shrink(j.core.nodes, a.cfg.MinNodes, live, a.slots[0].restarts()+1, why)
+		rm, whyNot := shrink(j.core.nodes, a.cfg.MinNodes, live, a.cfg.Topology, j.addrs(), a.slots[0].restarts()+1, why)
 		if whyNot == "" {
 			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s\n", why)
 			if err := a.resize(ctx, rm); err != nil {

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/faultline-ml/faultline/ckpt"
 	"github.com/faultline-ml/faultline/taskd"
+	"github.com/faultline-ml/faultline/topology"
 )
 
 // An elastic job (Config.MinNodes below Config.Nodes) goes on with fewer
@@ -62,12 +64,15 @@ type resizeMsg struct {
 // shrink plans the job's going on with the nodes in live, of nodes, when
 // it may: at least min of them, node 0 among them (it serves the ranks'
 // store and the manager at the address every node was given), fewer than
-// nodes. It says why not otherwise.
-func shrink(nodes, min int, live []int, restarts int, why string) (resizeMsg, string) {
+// nodes. The nodes left keep their order, or, with a topology that knows
+// every one's host (addrs, host:port by node), take its switch order
+// (topology.Order), node 0 first. It says why not otherwise.
+func shrink(nodes, min int, live []int, t *topology.Topology, addrs map[int]string, restarts int, why string) (resizeMsg, string) {
 	live = slices.Clone(live)
 	slices.Sort(live)
 	live = slices.Compact(live)
 	live = slices.DeleteFunc(live, func(n int) bool { return n < 0 || n >= nodes })
+	live = switchOrder(live, t, addrs)
 	switch {
 	case len(live) == nodes:
 		return resizeMsg{}, "no node is missing"
@@ -83,6 +88,35 @@ func shrink(nodes, min int, live []int, restarts int, why string) (resizeMsg, st
 	return m, ""
 }
 
+// switchOrder returns live (node ranks, node 0 first) in t's switch
+// order, or as it is when t is nil or does not know every node's host.
+func switchOrder(live []int, t *topology.Topology, addrs map[int]string) []int {
+	if t == nil || len(live) < 2 {
+		return live
+	}
+	hosts := make([]string, len(live))
+	byHost := map[string]int{}
+	for i, n := range live {
+		host, _, err := net.SplitHostPort(addrs[n])
+		if _, known := t.Lookup(host); err != nil || !known {
+			return live
+		}
+		if _, dup := byHost[host]; dup {
+			return live // nodes sharing a host: their order is theirs
+		}
+		hosts[i], byHost[host] = host, n
+	}
+	ordered := t.Order(hosts)
+	if ordered[0] != hosts[0] {
+		return live
+	}
+	out := make([]int, len(live))
+	for i, h := range ordered {
+		out[i] = byHost[h]
+	}
+	return out
+}
+
 // resizeWhy says which nodes the job goes on without.
 func resizeWhy(nodes int, live []int, perNode int, what string) string {
 	var gone []int
@@ -92,6 +126,14 @@ func resizeWhy(nodes int, live []int, perNode int, what string) string {
 		}
 	}
 	return fmt.Sprintf("nodes %v %s; the job goes on with %d nodes of %d (world %d → %d)", gone, what, len(live), nodes, nodes*perNode, len(live)*perNode)
+}
+
+// addrs returns the replica address (host:port) of every node that said
+// hello.
+func (j *jobCheckpoints) addrs() map[int]string {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.core.peers()
 }
 
 // liveNodes returns the nodes of which a worker is registered with m.
@@ -181,7 +223,7 @@ func (a *Agent) awaitNodes(ctx context.Context) {
 			continue
 		}
 		why := resizeWhy(a.cfg.Nodes, live, a.cfg.ProcsPerNode, fmt.Sprintf("did not join within --join-timeout %v", a.cfg.JoinTimeout))
-		m, whyNot := shrink(a.cfg.Nodes, a.cfg.MinNodes, live, a.slots[0].restarts()+1, why)
+		m, whyNot := shrink(a.cfg.Nodes, a.cfg.MinNodes, live, a.cfg.Topology, a.job.addrs(), a.slots[0].restarts()+1, why)
 		if whyNot != "" {
 			continue // a node left meanwhile
 		}

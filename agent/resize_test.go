@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/faultline-ml/faultline/topology"
 )
 
 // TestShrink: the nodes left are renumbered in the order they had, down
@@ -26,7 +28,7 @@ func TestShrink(t *testing.T) {
 		{"none lost", 2, 1, []int{0, 1}, nil, "no node is missing"},
 		{"strangers ignored", 2, 1, []int{0, 5, -1}, map[int]int{0: 0}, ""},
 	} {
-		m, whyNot := shrink(c.nodes, c.min, c.live, 4, "why")
+		m, whyNot := shrink(c.nodes, c.min, c.live, nil, nil, 4, "why")
 		if c.whyNot != "" {
 			if !strings.Contains(whyNot, c.whyNot) {
 				t.Errorf("%s: why not %q, want %q", c.name, whyNot, c.whyNot)
@@ -39,6 +41,23 @@ func TestShrink(t *testing.T) {
 		if d := cmp.Diff(c.want, m.Ranks); d != "" {
 			t.Errorf("%s: ranks (-want +got):\n%s", c.name, d)
 		}
+	}
+	// With a topology, the nodes left take its switch order, node 0
+	// first: node 3 shares node 0's access switch.
+	topo, err := topology.Parse([]byte("asw-a psw-1 10.0.0.1\nasw-b psw-1 10.0.0.2\nasw-b psw-1 10.0.0.3\nasw-a psw-1 10.0.0.4\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	addrs := map[int]string{0: "10.0.0.1:29502", 1: "10.0.0.2:29503", 2: "10.0.0.3:29504", 3: "10.0.0.4:29505"}
+	m, whyNot := shrink(4, 2, []int{0, 2, 3}, topo, addrs, 1, "why")
+	if d := cmp.Diff(map[int]int{0: 0, 3: 1, 2: 2}, m.Ranks); whyNot != "" || d != "" {
+		t.Errorf("in switch order: %q, ranks (-want +got):\n%s", whyNot, d)
+	}
+	// A node whose host the topology does not list: the order stays.
+	addrs[3] = "10.9.9.9:29505"
+	m, _ = shrink(4, 2, []int{0, 2, 3}, topo, addrs, 1, "why")
+	if d := cmp.Diff(map[int]int{0: 0, 2: 1, 3: 2}, m.Ranks); d != "" {
+		t.Errorf("a host the topology does not know: ranks (-want +got):\n%s", d)
 	}
 	if got, want := resizeWhy(3, []int{0, 2}, 2, "were lost"), "nodes [1] were lost; the job goes on with 2 nodes of 3 (world 6 → 4)"; got != want {
 		t.Errorf("resizeWhy = %q, want %q", got, want)

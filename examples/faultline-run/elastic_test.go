@@ -1,11 +1,16 @@
 package main
 
 import (
+	"net"
+	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
 // The tests of elastic jobs (--nnodes MIN:MAX) on hosts apart.
@@ -124,4 +129,64 @@ func TestElasticStartsWithMin(t *testing.T) {
 	if got, want := readHash(t, filepath.Join(c.dir, "weights")), resizedReference(t, 2, 2, -1, 20); got != want {
 		t.Fatalf("weights of the job that started with 2 nodes of 3: %s; on 2 ranks: %s", got, want)
 	}
+}
+
+// BenchmarkElasticShrink times a job going on with fewer nodes: from the
+// moment node 1 of 3 (one rank each, train.py at 100 ms a step, killed
+// in step 51 at points spread over the step) is SIGKILLed whole, with no
+// node to take its place, to nodes 0 and 2 back at the step after the
+// newest one done before the kill. Beside it, in the same run, torchrun
+// --nnodes 2:3 (c10d rendezvous, torch.save every 10 steps to a folder
+// the hosts share) on the same hosts. Each waits 5 s for a node to take
+// the lost one's place (--node-timeout, torchrun's last_call_timeout);
+// faultline-run also waits --heartbeat-deadline 3s before it calls the
+// node lost. Run it with
+//
+//	go test -run '^$' -bench ElasticShrink -benchtime 2x ./examples/faultline-run/
+func BenchmarkElasticShrink(b *testing.B) {
+	needTorch(b)
+	if err := exec.Command(torchPython, "-c", "import torch.distributed.run").Run(); err != nil {
+		b.Skipf("needs torch importable from %s (Debian package python3-torch): %v", torchPython, err)
+	}
+	torchrun, _ := filepath.Abs(filepath.Join("testdata", "torchrun.py"))
+	train, _ := filepath.Abs("train.py")
+	args := []string{"--steps", "80", "--step-ms", "100"}
+	none := func(*testkit.Host) {}
+	var fl, tr time.Duration
+	var flLost, trLost int
+	for i := range b.N {
+		into := time.Duration((float64(i) + 0.5) / float64(b.N) * float64(100*time.Millisecond))
+		c := newCluster(b, 3, 1)
+		c.spares = true
+		flags := []string{"--nnodes", "2:3", "--max-restarts", "3", "--heartbeat-deadline", "3s", "--node-timeout", "5s"}
+		n0 := c.start(0, c.f.Hosts[0], flags, args...)
+		c.start(1, c.f.Hosts[1], flags, args...)
+		c.start(2, c.f.Hosts[2], flags, args...)
+		d, lost := nodeLost(c, n0, into, none)
+		fl += d
+		flLost += lost
+
+		c = newCluster(b, 3, 1)
+		ckpt := filepath.Join(c.dir, "tr-ckpt")
+		run := func(h *testkit.Host) *job {
+			isHost := strconv.FormatBool(h == c.f.Hosts[0])
+			cmd := h.Command("unshare", append([]string{"--uts", "sh", "-c", `hostname "$0" && exec "$@"`, h.IP, torchPython, torchrun, "--nnodes", "2:3", "--nproc_per_node", "1", "--max_restarts", "3",
+				"--rdzv_backend", "c10d", "--rdzv_endpoint", net.JoinHostPort(c.master, strconv.Itoa(c.port)), "--rdzv_id", c.id,
+				"--rdzv_conf", "is_host=" + isHost + ",last_call_timeout=5", train, "--baseline", "--ckpt", ckpt}, args...)...)
+			cmd.Env = append(os.Environ(), "OMP_NUM_THREADS=1", "PYTHONUNBUFFERED=1", "GLOO_SOCKET_IFNAME="+h.Iface)
+			return startProc(b, filepath.Join(c.dir, "out-"+h.Name), cmd)
+		}
+		t0 := run(c.f.Hosts[0])
+		run(c.f.Hosts[1])
+		run(c.f.Hosts[2])
+		d, lost = nodeLost(c, t0, into, none)
+		tr += d
+		trLost += lost
+	}
+	n := float64(b.N)
+	b.ReportMetric(fl.Seconds()/n, "faultline-s")
+	b.ReportMetric(tr.Seconds()/n, "torchrun-s")
+	b.ReportMetric(fl.Seconds()/tr.Seconds(), "x-torchrun")
+	b.ReportMetric(float64(flLost)/n, "faultline-steps-lost")
+	b.ReportMetric(float64(trLost)/n, "torchrun-steps-lost")
 }
