@@ -75,6 +75,11 @@ type Agent struct {
 	closed      bool
 
 	done atomic.Bool // every rank of the node finished
+
+	shape     chan struct{} // closed once the ranks may start (see shaped)
+	shapeOnce sync.Once
+	runCtx    context.Context // Run's: what deferred starts run under
+	wg        sync.WaitGroup  // deferred starts
 }
 
 // New builds the agent of one node: its rings and folders; nothing runs
@@ -85,7 +90,10 @@ func New(cfg Config) (*Agent, error) {
 	}
 	cfg.setDefaults()
 	a := &Agent{cfg: cfg, log: cfg.Logger.With("node", cfg.NodeRank), world: cfg.world(), finished: make(chan struct{}), term: make(chan struct{}),
-		instance: newRound()}
+		instance: newRound(), shape: make(chan struct{})}
+	if !a.elastic() {
+		a.takeShape()
+	}
 	if err := os.MkdirAll(cfg.Out, 0o750); err != nil {
 		return nil, fmt.Errorf("agent: Out: %w", err)
 	}
@@ -142,6 +150,8 @@ func (a *Agent) Run(ctx context.Context) error {
 	defer srv.close()
 
 	g, gctx := errgroup.WithContext(ctx)
+	a.runCtx = gctx
+	defer a.wg.Wait() // after cancel, below: deferred starts end with gctx
 	g.Go(func() error { srv.serve(gctx); return nil })
 	// Each rank's interpreter imports torch while the node joins the job
 	// (the store, the manager, the first rendezvous), so that its first
@@ -204,7 +214,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	var r *Resized
 	if errors.As(result, &r) {
 		if err := a.ckpts.renumber(r); err != nil {
-			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: the ranks' segments were not all renumbered, so those resume from disk: %v\n", a.cfg.NodeRank, err)
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: the ranks' segments were not all renumbered, so not every rank resumes from its memory (the job agrees on a step every rank holds, on disk or none): %v\n", a.cfg.NodeRank, err)
 		}
 		return result
 	}
@@ -235,7 +245,9 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	// The fault log and the recoveries' history stay.
 	stateDir := filepath.Join(a.cfg.Out, "manager")
 	if a.cfg.Restarts > 0 {
-		stateDir += "-" + a.controlJob()[len(a.cfg.Job)+1:] // the manager of a job that went on resized
+		// The manager of a job that went on resized keeps its state
+		// beside the first one's, and moves with it to previous/.
+		stateDir = filepath.Join(stateDir, a.controlJob())
 	}
 	if err := os.Remove(filepath.Join(stateDir, "orchestration.json")); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("agent: the last run's recovery state: %w", err)
@@ -277,10 +289,11 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	return nil
 }
 
-// controlJob is the job's name on the control plane: a job that went on
-// resized has a new one, so that no node registers with the manager of
-// its last shape, which may not have ended yet, and starts its ranks
-// before the new shape's store is up.
+// controlJob is the job's name on the control plane and in the dotting
+// root: a job that went on resized has a new one, so that no node
+// registers with the manager of its last shape, which may not have ended
+// yet, and starts its ranks before the new shape's store is up, and so
+// that the slow-rank analysis reads no rank of the last shape.
 func (a *Agent) controlJob() string {
 	if a.cfg.Restarts == 0 {
 		return a.cfg.Job
@@ -312,8 +325,12 @@ func (a *Agent) awaitManager(ctx context.Context) {
 		w := s.worker
 		s.mu.Unlock()
 		if w == nil || !w.Connected() {
-			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d's ranks wait for the job's manager at %s (job %q): not registered after 15s; check --master-addr, --master-port, --rdzv-id and the token on every node\n",
-				a.cfg.NodeRank, a.mgrAddr, a.controlJob())
+			also := ""
+			if a.elastic() {
+				also = "; or the job went on without this node (an elastic job takes in a node that comes after it started, or after it went on with fewer, only when it is started again)"
+			}
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d's ranks wait for the job's manager at %s (job %q): not registered after 15s; check --master-addr, --master-port, --rdzv-id and the token on every node%s\n",
+				a.cfg.NodeRank, a.mgrAddr, a.controlJob(), also)
 			return
 		}
 	}
@@ -406,7 +423,7 @@ func (a *Agent) stopNode(reason string) {
 		s.state = slotStopped
 		s.mu.Unlock()
 	}
-	if r := a.resizedTo(); r != nil {
+	if r := a.resizedTo(); r != nil && a.terminating() == 0 {
 		a.incident.finish("resized: " + r.Why)
 	} else {
 		a.incident.finish("stopped: " + reason)
@@ -490,7 +507,7 @@ func (a *Agent) applySwitch(sw trace.Switch) error {
 // watchSlowness runs slownode.Watch over the job's live dotting files and
 // writes each new verdict to Out as it changes.
 func (a *Agent) watchSlowness(ctx context.Context) {
-	jobDir := filepath.Join(a.cfg.TraceRoot, a.cfg.Job)
+	jobDir := filepath.Join(a.cfg.TraceRoot, a.controlJob())
 	if err := os.MkdirAll(jobDir, 0o750); err != nil {
 		a.log.Warn("agent: slownode: no dotting folder", "err", err)
 		return

@@ -320,7 +320,7 @@ func (in *incidents) transition(o taskd.Orchestration, t taskd.Transition) {
 	in.cur.Orchestration, in.cur.Strategy = o.ID, string(o.Strategy)
 	if t.To == taskd.StateExited {
 		in.cur.Outcome = "exited: " + o.Outcome
-		if r := in.a.resizedTo(); r != nil {
+		if r := in.a.resizedTo(); r != nil && in.a.terminating() == 0 {
 			in.cur.Outcome = "resized: " + r.Why
 		}
 		in.closeLocked()

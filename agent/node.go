@@ -79,6 +79,8 @@ func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
 		what, err := a.ckpts.persistWithReplicas(ctx, p.Lost)
 		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: %s\n", a.cfg.NodeRank, what)
 		return err
+	case kindShaped:
+		a.takeShape()
 	case kindResize:
 		var r resizeMsg
 		if err := json.Unmarshal(m.Payload, &r); err != nil {

@@ -38,7 +38,7 @@ type Resized struct {
 }
 
 func (r *Resized) Error() string {
-	return fmt.Sprintf("agent: the job goes on with %d nodes instead of %d, this one as node %d (was %d): %s", r.To, r.From, r.NodeRank, r.Node, r.Why)
+	return fmt.Sprintf("agent: the job goes on with %s instead of %d, this one as node %d (was %d): %s", nodesWord(r.To), r.From, r.NodeRank, r.Node, r.Why)
 }
 
 // Next returns the configuration of the node's agent in the job that goes
@@ -77,7 +77,7 @@ func shrink(nodes, min int, live []int, t *topology.Topology, addrs map[int]stri
 	case len(live) == nodes:
 		return resizeMsg{}, "no node is missing"
 	case len(live) < min:
-		return resizeMsg{}, fmt.Sprintf("%d nodes of %d are left, fewer than the %d the job needs (--nnodes %d:%d)", len(live), nodes, min, min, nodes)
+		return resizeMsg{}, fmt.Sprintf("%s of %d left, fewer than the %d the job needs (--nnodes %d:%d)", nodesWord(len(live)), nodes, min, min, nodes)
 	case live[0] != 0:
 		return resizeMsg{}, "node 0, which serves the ranks' store and the job's manager, is lost"
 	}
@@ -125,7 +125,15 @@ func resizeWhy(nodes int, live []int, perNode int, what string) string {
 			gone = append(gone, n)
 		}
 	}
-	return fmt.Sprintf("nodes %v %s; the job goes on with %d nodes of %d (world %d → %d)", gone, what, len(live), nodes, nodes*perNode, len(live)*perNode)
+	return fmt.Sprintf("nodes %v %s; the job goes on with %s of %d (world %d → %d)", gone, what, nodesWord(len(live)), nodes, nodes*perNode, len(live)*perNode)
+}
+
+// nodesWord is "1 node", "2 nodes".
+func nodesWord(n int) string {
+	if n == 1 {
+		return "1 node"
+	}
+	return fmt.Sprintf("%d nodes", n)
 }
 
 // addrs returns the replica address (host:port) of every node that said
@@ -193,16 +201,69 @@ func (a *Agent) resizedTo() *Resized {
 	return a.resized
 }
 
-// awaitNodes, on node 0 of an elastic job's first run, waits until every
-// node is registered, and once Config.MinNodes are, up to JoinTimeout
-// more: then the job goes on with those there.
+// kindShaped, down: every node of an elastic job's shape is there; its
+// ranks start.
+const kindShaped = "faultline-run/shaped"
+
+// shaped reports whether the node's ranks may start: at once in a job of
+// fixed membership; in an elastic one, once node 0 said that every node
+// of the job's shape is there.
+func (a *Agent) shaped() bool {
+	select {
+	case <-a.shape:
+		return true
+	default:
+		return false
+	}
+}
+
+// takeShape lets the node's ranks start.
+func (a *Agent) takeShape() { a.shapeOnce.Do(func() { close(a.shape) }) }
+
+// deferStart starts the slot's first process, resuming from step, once
+// the job's shape is known (Agent.shaped); a later call before then
+// changes the step.
+func (s *slot) deferStart(step int64) {
+	s.mu.Lock()
+	s.deferred = step
+	first := !s.waiting
+	s.waiting = true
+	s.mu.Unlock()
+	if !first {
+		return
+	}
+	a := s.a
+	a.wg.Go(func() {
+		select {
+		case <-a.shape:
+		case <-a.runCtx.Done():
+			return
+		}
+		s.mu.Lock()
+		step, state := s.deferred, s.state
+		s.waiting = false
+		s.mu.Unlock()
+		if state != slotIdle {
+			return
+		}
+		if err := s.start(a.runCtx, step); err != nil {
+			a.log.Warn("agent: rank not started", "rank", s.rank, "err", err)
+		}
+	})
+}
+
+// awaitNodes, on node 0 of an elastic job, waits until every node of the
+// job's shape is registered, then lets every node's ranks start; or, once
+// Config.MinNodes are and JoinTimeout more has passed, has the job go on
+// with those there.
 func (a *Agent) awaitNodes(ctx context.Context) {
-	if !a.elastic() || a.mgr == nil || a.cfg.Restarts > 0 {
+	if !a.elastic() || a.mgr == nil {
 		return
 	}
 	t := time.NewTicker(50 * time.Millisecond)
 	defer t.Stop()
 	var enough time.Time // when MinNodes were first there
+	said := false
 	for {
 		select {
 		case <-ctx.Done():
@@ -212,11 +273,16 @@ func (a *Agent) awaitNodes(ctx context.Context) {
 		live := liveNodes(a.mgr)
 		switch {
 		case len(live) == a.cfg.Nodes:
+			a.startShape(ctx)
 			return
 		case len(live) < a.cfg.MinNodes:
 			continue
 		case enough.IsZero():
 			enough = time.Now()
+		}
+		// Said once nodes are late, not while they register one by one.
+		if !said && time.Since(enough) > time.Second {
+			said = true
 			fmt.Fprintf(a.cfg.Stderr, "faultline-run: nodes %v are here, of %d; the job waits up to %v (--join-timeout) for more\n", live, a.cfg.Nodes, a.cfg.JoinTimeout)
 		}
 		if time.Since(enough) < a.cfg.JoinTimeout {
@@ -233,6 +299,23 @@ func (a *Agent) awaitNodes(ctx context.Context) {
 		}
 		a.stopJob(why)
 		return
+	}
+}
+
+// startShape lets every node's ranks start: node 0's own at once, the
+// others' when they hear it (said again to a node that did not take it).
+func (a *Agent) startShape(ctx context.Context) {
+	a.takeShape()
+	for ctx.Err() == nil {
+		ds, err := a.mgr.Broadcast(ctx, taskd.AllWorkers(), kindShaped, nil)
+		if err == nil && !slices.ContainsFunc(ds, func(d taskd.Delivery) bool { return d.Err != nil }) {
+			return
+		}
+		a.log.Warn("agent: not every node was told that the job's ranks start; telling them again", "err", err)
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+		}
 	}
 }
 

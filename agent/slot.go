@@ -59,6 +59,8 @@ type slot struct {
 	starts   int   // processes started: the restart count is starts-1
 	lastStep int64 // the last step its ring says it completed, -1 before
 	resume   int64 // the step agreed at its last start, -1 none
+	waiting  bool  // a first start waits for the job's shape (deferStart)
+	deferred int64 // and resumes from this step
 	worker   *taskd.Worker
 	ports    map[uint16]bool        // TCP ports its process held (see notePorts)
 	drainMu  sync.Mutex             // the ring's reader, and the maps below
@@ -89,7 +91,7 @@ func newSlot(a *Agent, local int) (*slot, error) {
 	if s.ring, err = CreateRing(s.ringPath, ringBytes); err != nil {
 		return nil, fmt.Errorf("agent: rank %d: ring %s: %w", rank, s.ringPath, err)
 	}
-	s.rec, err = trace.NewRecorder(trace.RecorderConfig{Root: a.cfg.TraceRoot, Job: a.cfg.Job, Rank: rank,
+	s.rec, err = trace.NewRecorder(trace.RecorderConfig{Root: a.cfg.TraceRoot, Job: a.controlJob(), Rank: rank,
 		FlushInterval: time.Second, Registerer: wrapRank(a.cfg.Registerer, rank), Logger: a.log})
 	if err != nil {
 		s.close()

@@ -57,6 +57,11 @@ func (t trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 		return fmt.Errorf("agent: rank %d is %s", s.rank, state)
 	case s.a.nodeFinished():
 		return fmt.Errorf("agent: rank %d: every rank of node %d finished and left the job", s.rank, s.a.cfg.NodeRank)
+	case state == slotIdle && !s.a.shaped():
+		// An elastic job's ranks start once node 0 has said the job's
+		// shape, so that they start once, with the world they train in.
+		s.deferStart(r.Step)
+		return nil
 	}
 	if why, spent := t.budgetSpent(); spent && state != slotIdle {
 		// A restart the manager asks for without asking for strategies

@@ -27,16 +27,16 @@ func resumedFrom(out string) int {
 	return st
 }
 
-// TestElasticShrink: a job of 3 nodes (one rank each) started with
-// --nnodes 2:3 loses node 1, whole, and no node takes its place within
-// --node-timeout: nodes 0 and 2 go on as a job of 2 (node 2 as node 1),
-// from the newest step they hold in memory, and finish with the weights
-// of the same script run on 3 ranks up to that step and then on 2 from
-// its checkpoint.
+// TestElasticShrink: a job of 3 nodes of 2 ranks started with --nnodes
+// 2:3 loses node 1, whole, and no node takes its place within
+// --node-timeout: nodes 0 and 2 go on as a job of 2 (node 2 as node 1,
+// its ranks 4 and 5 as ranks 2 and 3), from the newest step they hold in
+// memory, and finish with the weights of the same script run on 6 ranks
+// up to that step and then on 4 from its checkpoint.
 func TestElasticShrink(t *testing.T) {
 	t.Parallel() // hosts of their own
-	c := newCluster(t, 3, 1)
-	args := []string{"--steps", "60", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
+	c := newCluster(t, 3, 2)
+	args := []string{"--steps", "40", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
 	flags := []string{"--nnodes", "2:3", "--max-restarts", "3", "--heartbeat-deadline", "3s", "--node-timeout", "4s", "--collective-timeout", "60s"}
 	jobs := make([]*job, 3)
 	for i := range jobs {
@@ -53,28 +53,34 @@ func TestElasticShrink(t *testing.T) {
 	}
 	<-jobs[1].done
 	t.Logf("from node 1's loss to the job going on with 2 nodes: %v", back.Sub(killed).Round(time.Millisecond))
-	if want := "nodes [1] were lost and no node took their place within --node-timeout 4s; the job goes on with 2 nodes of 3 (world 3 → 2)"; !strings.Contains(jobs[0].errText(), want) {
+	if want := "nodes [1] were lost and no node took their place within --node-timeout 4s; the job goes on with 2 nodes of 3 (world 6 → 4)"; !strings.Contains(jobs[0].errText(), want) {
 		t.Errorf("node 0 does not say %q:\n%s", want, jobs[0].errText())
 	}
 	if want := "node 2 goes on as node 1 of 2"; !strings.Contains(jobs[2].errText(), want) {
 		t.Errorf("node 2 does not say %q:\n%s", want, jobs[2].errText())
 	}
-	var said bool
-	for _, in := range jobs[0].incidents() {
-		said = said || strings.Contains(in.Outcome, "resized: nodes [1] were lost") && strings.Contains(in.Outcome, "(world 3 → 2)")
+	for _, i := range []int{0, 2} {
+		var said bool
+		for _, in := range jobs[i].incidents() {
+			said = said || strings.Contains(in.Outcome, "resized: nodes [1] were lost") && strings.Contains(in.Outcome, "(world 6 → 4)")
+		}
+		if !said {
+			t.Errorf("node %d's incidents do not say that the world went from 6 to 4: %+v", i, jobs[i].incidents())
+		}
 	}
-	if !said {
-		t.Errorf("node 0's incidents do not say that the world went from 3 to 2: %+v", jobs[0].incidents())
-	}
+	// Every rank of the job that went on resumed from one step, node 2's
+	// as ranks 2 and 3, from memory.
 	from := resumedFrom(jobs[0].stdout())
 	if from < 19 {
 		t.Fatalf("node 0 resumed from step %d, before the step in which node 1 was lost (20 or later)\n%s", from, jobs[0].stdout())
 	}
-	if r2 := resumedFrom(jobs[2].stdout()); r2 != from {
-		t.Fatalf("node 2 resumed from step %d, node 0 from %d", r2, from)
+	for _, line := range []string{"[rank2]: resumed from step " + strconv.Itoa(from), "[rank3]: resumed from step " + strconv.Itoa(from)} {
+		if !strings.Contains(jobs[2].stdout(), line) {
+			t.Errorf("node 2 does not say %q:\n%s", line, jobs[2].stdout())
+		}
 	}
-	if got, want := readHash(t, filepath.Join(c.dir, "weights")), resizedReference(t, 3, 2, from, 60); got != want {
-		t.Fatalf("weights after the job went on with 2 nodes from step %d: %s; on 3 ranks to that step, then on 2: %s", from, got, want)
+	if got, want := readHash(t, filepath.Join(c.dir, "weights")), resizedReference(t, 6, 4, from, 40); got != want {
+		t.Fatalf("weights after the job went on with 2 nodes from step %d: %s; on 6 ranks to that step, then on 4: %s", from, got, want)
 	}
 }
 
@@ -125,6 +131,12 @@ func TestElasticStartsWithMin(t *testing.T) {
 	}
 	if want := "nodes [2] did not join within --join-timeout 2s; the job goes on with 2 nodes of 3 (world 3 → 2)"; !strings.Contains(jobs[0].errText(), want) {
 		t.Errorf("node 0 does not say %q:\n%s", want, jobs[0].errText())
+	}
+	// The ranks started once, in the world they trained in.
+	for i, j := range jobs {
+		if strings.Contains(j.stdout(), " of 3\n") || strings.Count(j.stdout(), "starting rank") != 1 {
+			t.Errorf("node %d's rank did not start once, in a world of 2:\n%s", i, j.stdout())
+		}
 	}
 	if got, want := readHash(t, filepath.Join(c.dir, "weights")), resizedReference(t, 2, 2, -1, 20); got != want {
 		t.Fatalf("weights of the job that started with 2 nodes of 3: %s; on 2 ranks: %s", got, want)

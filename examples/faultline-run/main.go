@@ -165,30 +165,37 @@ func run(ctx context.Context, opts options, sigs <-chan os.Signal) error {
 			reg.Store(r)
 			cfg.Registerer = r
 		}
-		err := runAgent(ctx, cfg, sigs)
+		sig, err := runAgent(ctx, cfg, sigs)
 		var rz *agent.Resized
 		if !errors.As(err, &rz) {
 			return err
+		}
+		if sig != 0 {
+			// Taken as the run ended: the job ends here, its ranks stopped
+			// and their segments kept (renumbered) for a run started again.
+			return fmt.Errorf("%w by %s as the job went on with %d nodes", agent.ErrTerminated, unix.SignalName(sig), rz.To)
 		}
 		fmt.Fprintf(os.Stderr, "faultline-run: node %d goes on as node %d of %d: %s\n", rz.Node, rz.NodeRank, rz.To, rz.Why)
 		cfg = rz.Next(cfg)
 	}
 }
 
-// runAgent runs one agent of the node until it ends.
-func runAgent(ctx context.Context, cfg agent.Config, sigs <-chan os.Signal) error {
+// runAgent runs one agent of the node until it ends, and returns the
+// signal that terminated it, if one came.
+func runAgent(ctx context.Context, cfg agent.Config, sigs <-chan os.Signal) (syscall.Signal, error) {
 	a, err := agent.New(cfg)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer a.Close()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan struct{})
-	defer close(done)
+	var got atomic.Int32
 	go func() {
 		select {
 		case sig := <-sigs:
+			got.Store(int32(sig.(syscall.Signal)))
 			a.Terminate(sig.(syscall.Signal))
 		case <-done:
 			return
@@ -200,7 +207,9 @@ func runAgent(ctx context.Context, cfg agent.Config, sigs <-chan os.Signal) erro
 		case <-done:
 		}
 	}()
-	return a.Run(ctx)
+	err = a.Run(ctx)
+	close(done)
+	return syscall.Signal(got.Load()), err
 }
 
 // errUsage is wrapped by every command-line error.
@@ -306,6 +315,9 @@ func parse(args []string) (options, error) {
 		}
 	}
 	if *standalone {
+		if cfg.MinNodes < cfg.Nodes {
+			return opts, fmt.Errorf("%w: --standalone with --nnodes %s: a standalone job is one node; drop the range", errUsage, *nnodes)
+		}
 		cfg.Nodes, cfg.MinNodes, cfg.NodeRank, cfg.MasterAddr = 1, 1, 0, "127.0.0.1"
 		if cfg.MasterPort, err = freePorts(); err != nil {
 			return opts, err

@@ -539,6 +539,7 @@ func TestUsage(t *testing.T) {
 		{[]string{"--nnodes", "2:3", "--node-rank", "3", "--rdzv-id", "j", "x.py"}, "--node-rank 3: outside [0, 3)"},
 		{[]string{"--nnodes", "2:3", "--manager", "10.0.0.1:29501", "--rdzv-id", "j", "x.py"}, "an elastic job's manager is node 0's"},
 		{[]string{"--nnodes", "2:3", "--join-timeout", "0s", "--rdzv-id", "j", "x.py"}, "--join-timeout 0s"},
+		{[]string{"--standalone", "--nnodes", "1:2", "x.py"}, "--standalone with --nnodes 1:2: a standalone job is one node"},
 		{[]string{"--nproc-per-node", "zero", "x.py"}, "--nproc-per-node"},
 		{[]string{"--python", "/nonexistent/python3", "x.py"}, "--python /nonexistent/python3"},
 		{[]string{"--nnodes", "2", "x.py"}, "--rdzv-id"},

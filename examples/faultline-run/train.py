@@ -63,6 +63,9 @@ def batch(step, rank):
 
 def main():
     args = parse()
+    # Before the rendezvous: a start in a world that is not the job's
+    # shows here even if it never gets past init_process_group.
+    print(f"starting rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}", flush=True)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
