@@ -66,8 +66,27 @@ func (c *cluster) start(node int, h *testkit.Host, flags []string, args ...strin
 	return startCmd(c.t, h.Command, filepath.Join(c.dir, "out-"+h.Name), env, flags, "train.py", args...)
 }
 
-// TestNodeLostFromReplicas: node 1 of a 2 x 2 job is SIGKILLed whole, its
-// memory and disk gone with it, and a new node 1 is started on a new
+// waitReplicas waits until h's memory holds a replica of step of each of
+// ranks.
+func (c *cluster) waitReplicas(h *testkit.Host, step int64, ranks ...int) {
+	c.t.Helper()
+	for _, r := range ranks {
+		path := ckpt.ReplicaPath(h.Shm, "faultline-"+c.id, r)
+		for deadline := time.Now().Add(time.Minute); ; time.Sleep(20 * time.Millisecond) {
+			rep, err := ckpt.InspectSegment(path)
+			if err == nil && rep.NewestHalf >= 0 && rep.Halves[rep.NewestHalf].Meta.Step >= step {
+				break
+			}
+			if time.Now().After(deadline) {
+				c.t.Fatalf("%s holds no replica of rank %d's step %d after a minute: %+v, %v", h.Name, r, step, rep, err)
+			}
+		}
+	}
+}
+
+// TestNodeLostFromReplicas: node 1 of a 2 x 2 job is SIGKILLed whole
+// once node 0 holds the replicas of its ranks' step 37 (the ranks held in
+// step 38), its memory and disk gone with it, and a new node 1 is started on a new
 // address 3 s later. Each node has a disk folder of its own, so the new
 // node finds nothing of its ranks there: they resume from the replicas
 // node 0 holds in memory, from the step where node 1 died, and the job
@@ -77,10 +96,16 @@ func TestNodeLostFromReplicas(t *testing.T) {
 	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
 	c := newCluster(t, 2, 2)
 	args := []string{"--steps", "60", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
-	flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "3s"}
-	n0 := c.start(0, c.f.Hosts[0], flags, args...)
-	n1 := c.start(1, c.f.Hosts[1], flags, args...)
-	n1.waitLine("[rank2]: step 37 loss", 3*time.Minute)
+	flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "3s", "--collective-timeout", "60s"}
+	// Rank 2 blocks before step 38's all-reduce and the others wait in
+	// it, so that node 1 dies once node 0 holds its ranks' step 37: a
+	// replica lands a moment after its save, and on a loaded machine a
+	// kill in between costs steps (BenchmarkNodeLost counts them).
+	hang := append([]string{"--hang-rank", "2", "--hang-step", "38"}, args...)
+	n0 := c.start(0, c.f.Hosts[0], flags, hang...)
+	n1 := c.start(1, c.f.Hosts[1], flags, hang...)
+	n1.waitLine("[rank2]: blocking in get_batch at step 38", 3*time.Minute)
+	c.waitReplicas(c.f.Hosts[0], 37, 2, 3)
 	c.f.Hosts[1].Kill()
 	time.Sleep(3 * time.Second)
 	n1b := c.start(1, c.f.AddHost(), flags, args...)
@@ -95,7 +120,7 @@ func TestNodeLostFromReplicas(t *testing.T) {
 	}
 	for _, l := range strings.Split(n1b.stdout(), "\n") {
 		if strings.Contains(l, "resumed from step") {
-			if st, _ := strconv.Atoi(l[strings.LastIndex(l, " ")+1:]); st < 36 {
+			if st, _ := strconv.Atoi(l[strings.LastIndex(l, " ")+1:]); st < 37 {
 				t.Errorf("the new node 1 %q: steps were lost, node 1 died in step 37", l)
 			}
 		}
@@ -387,7 +412,7 @@ func TestNodeZeroLost(t *testing.T) {
 	<-n0.done
 	for _, l := range strings.Split(n0b.stdout(), "\n") {
 		if strings.Contains(l, "resumed from step") {
-			if st, _ := strconv.Atoi(l[strings.LastIndex(l, " ")+1:]); st < 36 {
+			if st, _ := strconv.Atoi(l[strings.LastIndex(l, " ")+1:]); st < 37 {
 				t.Errorf("the new node 0 %q: steps were lost, node 0 died in step 37", l)
 			}
 		}
@@ -527,7 +552,11 @@ func loseQuietly(c *cluster, flags, args []string, lost int) *job {
 	jobs := []*job{c.start(0, c.f.Hosts[0], flags, hang...), c.start(1, c.f.Hosts[1], flags, hang...)}
 	left := jobs[1-lost]
 	jobs[lost].waitLine(fmt.Sprintf("[rank%d]: blocking in get_batch at step 38", lost*c.perNode), 3*time.Minute)
-	time.Sleep(time.Second)
+	ranks := make([]int, c.perNode)
+	for i := range ranks {
+		ranks[i] = lost*c.perNode + i
+	}
+	c.waitReplicas(c.f.Hosts[1-lost], 37, ranks...)
 	c.f.Hosts[lost].Kill()
 	if err := left.wait(2 * time.Minute); err == nil {
 		c.t.Fatalf("node %d ended as if the job had finished:\n%s", 1-lost, left.errText())
