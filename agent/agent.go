@@ -80,6 +80,7 @@ type Agent struct {
 	shapeOnce sync.Once
 	runCtx    context.Context // Run's: what deferred starts run under
 	wg        sync.WaitGroup  // deferred starts
+	deferOff  bool            // under mu: Run is ending, no deferred start begins
 }
 
 // New builds the agent of one node: its rings and folders; nothing runs
@@ -151,7 +152,14 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	g, gctx := errgroup.WithContext(ctx)
 	a.runCtx = gctx
-	defer a.wg.Wait() // after cancel, below: deferred starts end with gctx
+	defer func() {
+		// After cancel, below: deferred starts end with gctx, and none
+		// begins once Wait has.
+		a.mu.Lock()
+		a.deferOff = true
+		a.mu.Unlock()
+		a.wg.Wait()
+	}()
 	g.Go(func() error { srv.serve(gctx); return nil })
 	// Each rank's interpreter imports torch while the node joins the job
 	// (the store, the manager, the first rendezvous), so that its first
@@ -244,7 +252,7 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	// of the job, which it must not stop with that recovery's reason.
 	// The fault log and the recoveries' history stay.
 	stateDir := filepath.Join(a.cfg.Out, "manager")
-	if a.cfg.Restarts > 0 {
+	if a.cfg.Generation > 0 {
 		// The manager of a job that went on resized keeps its state
 		// beside the first one's, and moves with it to previous/.
 		stateDir = filepath.Join(stateDir, a.controlJob())
@@ -295,10 +303,10 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 // yet, and starts its ranks before the new shape's store is up, and so
 // that the slow-rank analysis reads no rank of the last shape.
 func (a *Agent) controlJob() string {
-	if a.cfg.Restarts == 0 {
+	if a.cfg.Generation == 0 {
 		return a.cfg.Job
 	}
-	return fmt.Sprintf("%s-r%d", a.cfg.Job, a.cfg.Restarts)
+	return fmt.Sprintf("%s-g%d", a.cfg.Job, a.cfg.Generation)
 }
 
 // dialable is the address at which this host reaches a listener on addr:

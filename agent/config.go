@@ -37,8 +37,11 @@ type Config struct {
 	JoinTimeout time.Duration
 	// Restarts is the restart count the ranks start with: a job that goes
 	// on resized counts on (Resized.Next sets it). The restart budget
-	// counts the restarts after it.
-	Restarts int
+	// counts the restarts after it. Generation is how many times an
+	// elastic job changed its shape before this run: it names the job on
+	// the control plane (Job-gN), so that no node reaches the manager of
+	// the last shape.
+	Restarts, Generation int
 	// ProcsPerNode is the number of ranks on each node (default 1).
 	ProcsPerNode int
 	// MasterAddr and MasterPort are where rank 0 serves the ranks' store
@@ -166,6 +169,8 @@ func (c Config) Validate() error {
 		return bad("JoinTimeout", c.JoinTimeout, "negative")
 	case c.Restarts < 0:
 		return bad("Restarts", c.Restarts, "negative")
+	case c.Generation < 0:
+		return bad("Generation", c.Generation, "negative")
 	case c.ProcsPerNode < 0:
 		return bad("ProcsPerNode", c.ProcsPerNode, "negative")
 	case c.MasterPort < 0 || c.MasterPort > 65534:

@@ -239,7 +239,7 @@ func (j *jobCheckpoints) PersistNewest(ctx context.Context) (int64, error) {
 	if a := j.local; a != nil && a.elastic() && len(lost) > 0 {
 		live := liveNodes(m)
 		why := resizeWhy(j.core.nodes, live, a.cfg.ProcsPerNode, fmt.Sprintf("were lost and no node took their place within --node-timeout %v", a.cfg.NodeTimeout))
-		rm, whyNot := shrink(j.core.nodes, a.cfg.MinNodes, live, a.cfg.Topology, j.addrs(), a.slots[0].restarts()+1, why)
+		rm, whyNot := shrink(j.core.nodes, a.cfg.MinNodes, live, a.cfg.Topology, j.addrs(), a.slots[0].restarts()+1, a.cfg.Generation+1, why)
 		if whyNot == "" {
 			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s\n", why)
 			if err := a.resize(ctx, rm); err != nil {
@@ -279,6 +279,15 @@ func (j *jobCheckpoints) handler() taskd.Handler {
 			j.mu.Lock()
 			peers, changed := j.core.hello(h)
 			j.mu.Unlock()
+			if a := j.local; a != nil && a.elastic() && a.shaped() {
+				// A node that said hello after the job's ranks started
+				// (one that replaces a lost node) starts its own.
+				go func() {
+					if _, err := m.Broadcast(context.WithoutCancel(ctx), taskd.NodeWorkers(h.Node), kindShaped, nil); err != nil {
+						j.log.Warn("agent: a node that joined was not told that the job's ranks start", "node", h.Node, "err", err)
+					}
+				}()
+			}
 			if changed {
 				b, _ := json.Marshal(peers)
 				// Sent on its own: a handler must not wait for the workers.

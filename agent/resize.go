@@ -30,11 +30,13 @@ import (
 // Resized is the error Agent.Run returns when the job goes on with
 // another number of nodes: run the node's agent again with Next.
 type Resized struct {
-	From, To int    // the job's nodes before and after
-	Node     int    // this node's rank before
-	NodeRank int    // and after
-	Restarts int    // the restart count the ranks go on with
-	Why      string // what changed: the nodes lost, or missing at the start
+	From, To int // the job's nodes before and after
+	Node     int // this node's rank before
+	NodeRank int // and after
+	Restarts int // the restart count the ranks go on with
+	// Generation counts the job's shapes: the next run's Config.Generation.
+	Generation int
+	Why        string // what changed: the nodes lost, or missing at the start
 }
 
 func (r *Resized) Error() string {
@@ -44,7 +46,7 @@ func (r *Resized) Error() string {
 // Next returns the configuration of the node's agent in the job that goes
 // on: c with the job's new shape and restart count.
 func (r *Resized) Next(c Config) Config {
-	c.Nodes, c.NodeRank, c.Restarts = r.To, r.NodeRank, r.Restarts
+	c.Nodes, c.NodeRank, c.Restarts, c.Generation = r.To, r.NodeRank, r.Restarts, r.Generation
 	return c
 }
 
@@ -54,11 +56,12 @@ const kindResize = "faultline-run/resize"
 // resizeMsg is node 0's word that the job goes on with To nodes: each
 // node's new rank by its old one (a node not named ends).
 type resizeMsg struct {
-	From     int         `json:"from"`
-	To       int         `json:"to"`
-	Ranks    map[int]int `json:"ranks"`
-	Restarts int         `json:"restarts"`
-	Why      string      `json:"why"`
+	From       int         `json:"from"`
+	To         int         `json:"to"`
+	Ranks      map[int]int `json:"ranks"`
+	Restarts   int         `json:"restarts"`
+	Generation int         `json:"generation"`
+	Why        string      `json:"why"`
 }
 
 // shrink plans the job's going on with the nodes in live, of nodes, when
@@ -67,7 +70,7 @@ type resizeMsg struct {
 // nodes. The nodes left keep their order, or, with a topology that knows
 // every one's host (addrs, host:port by node), take its switch order
 // (topology.Order), node 0 first. It says why not otherwise.
-func shrink(nodes, min int, live []int, t *topology.Topology, addrs map[int]string, restarts int, why string) (resizeMsg, string) {
+func shrink(nodes, min int, live []int, t *topology.Topology, addrs map[int]string, restarts, generation int, why string) (resizeMsg, string) {
 	live = slices.Clone(live)
 	slices.Sort(live)
 	live = slices.Compact(live)
@@ -81,7 +84,7 @@ func shrink(nodes, min int, live []int, t *topology.Topology, addrs map[int]stri
 	case live[0] != 0:
 		return resizeMsg{}, "node 0, which serves the ranks' store and the job's manager, is lost"
 	}
-	m := resizeMsg{From: nodes, To: len(live), Ranks: map[int]int{}, Restarts: restarts, Why: why}
+	m := resizeMsg{From: nodes, To: len(live), Ranks: map[int]int{}, Restarts: restarts, Generation: generation, Why: why}
 	for i, n := range live {
 		m.Ranks[n] = i
 	}
@@ -190,7 +193,7 @@ func (a *Agent) takeResize(m resizeMsg) {
 	if !ok {
 		return // not in the job that goes on: it stops
 	}
-	a.resized = &Resized{From: m.From, To: m.To, Node: a.cfg.NodeRank, NodeRank: to, Restarts: m.Restarts, Why: m.Why}
+	a.resized = &Resized{From: m.From, To: m.To, Node: a.cfg.NodeRank, NodeRank: to, Restarts: m.Restarts, Generation: m.Generation, Why: m.Why}
 	a.log.Warn("agent: the job goes on with other nodes", "nodes", m.To, "was", m.From, "node_rank", to, "why", m.Why)
 }
 
@@ -233,11 +236,19 @@ func (s *slot) deferStart(step int64) {
 		return
 	}
 	a := s.a
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.deferOff {
+		return
+	}
 	a.wg.Go(func() {
 		select {
 		case <-a.shape:
 		case <-a.runCtx.Done():
 			return
+		}
+		if a.runCtx.Err() != nil {
+			return // both were ready: Run is ending
 		}
 		s.mu.Lock()
 		step, state := s.deferred, s.state
@@ -289,7 +300,8 @@ func (a *Agent) awaitNodes(ctx context.Context) {
 			continue
 		}
 		why := resizeWhy(a.cfg.Nodes, live, a.cfg.ProcsPerNode, fmt.Sprintf("did not join within --join-timeout %v", a.cfg.JoinTimeout))
-		m, whyNot := shrink(a.cfg.Nodes, a.cfg.MinNodes, live, a.cfg.Topology, a.job.addrs(), a.slots[0].restarts()+1, why)
+		// No rank has started in this run (the gate): the count stays.
+		m, whyNot := shrink(a.cfg.Nodes, a.cfg.MinNodes, live, a.cfg.Topology, a.job.addrs(), a.cfg.Restarts, a.cfg.Generation+1, why)
 		if whyNot != "" {
 			continue // a node left meanwhile
 		}

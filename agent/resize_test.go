@@ -28,14 +28,14 @@ func TestShrink(t *testing.T) {
 		{"none lost", 2, 1, []int{0, 1}, nil, "no node is missing"},
 		{"strangers ignored", 2, 1, []int{0, 5, -1}, map[int]int{0: 0}, ""},
 	} {
-		m, whyNot := shrink(c.nodes, c.min, c.live, nil, nil, 4, "why")
+		m, whyNot := shrink(c.nodes, c.min, c.live, nil, nil, 4, 1, "why")
 		if c.whyNot != "" {
 			if !strings.Contains(whyNot, c.whyNot) {
 				t.Errorf("%s: why not %q, want %q", c.name, whyNot, c.whyNot)
 			}
 			continue
 		}
-		if whyNot != "" || m.From != c.nodes || m.To != len(c.want) || m.Restarts != 4 {
+		if whyNot != "" || m.From != c.nodes || m.To != len(c.want) || m.Restarts != 4 || m.Generation != 1 {
 			t.Errorf("%s: %+v, %q", c.name, m, whyNot)
 		}
 		if d := cmp.Diff(c.want, m.Ranks); d != "" {
@@ -49,13 +49,13 @@ func TestShrink(t *testing.T) {
 		t.Fatal(err)
 	}
 	addrs := map[int]string{0: "10.0.0.1:29502", 1: "10.0.0.2:29503", 2: "10.0.0.3:29504", 3: "10.0.0.4:29505"}
-	m, whyNot := shrink(4, 2, []int{0, 2, 3}, topo, addrs, 1, "why")
+	m, whyNot := shrink(4, 2, []int{0, 2, 3}, topo, addrs, 1, 1, "why")
 	if d := cmp.Diff(map[int]int{0: 0, 3: 1, 2: 2}, m.Ranks); whyNot != "" || d != "" {
 		t.Errorf("in switch order: %q, ranks (-want +got):\n%s", whyNot, d)
 	}
 	// A node whose host the topology does not list: the order stays.
 	addrs[3] = "10.9.9.9:29505"
-	m, _ = shrink(4, 2, []int{0, 2, 3}, topo, addrs, 1, "why")
+	m, _ = shrink(4, 2, []int{0, 2, 3}, topo, addrs, 1, 1, "why")
 	if d := cmp.Diff(map[int]int{0: 0, 2: 1, 3: 2}, m.Ranks); d != "" {
 		t.Errorf("a host the topology does not know: ranks (-want +got):\n%s", d)
 	}
@@ -67,9 +67,9 @@ func TestShrink(t *testing.T) {
 // TestResizedNext: the next run takes the job's new shape and counts its
 // restarts on.
 func TestResizedNext(t *testing.T) {
-	r := &Resized{From: 3, To: 2, Node: 2, NodeRank: 1, Restarts: 1, Why: "nodes [1] were lost"}
+	r := &Resized{From: 3, To: 2, Node: 2, NodeRank: 1, Restarts: 1, Generation: 1, Why: "nodes [1] were lost"}
 	c := r.Next(Config{Job: "j", Command: []string{"train.py"}, Nodes: 3, MinNodes: 2, NodeRank: 2})
-	if c.Nodes != 2 || c.NodeRank != 1 || c.MinNodes != 2 || c.Restarts != 1 {
+	if c.Nodes != 2 || c.NodeRank != 1 || c.MinNodes != 2 || c.Restarts != 1 || c.Generation != 1 {
 		t.Fatalf("Next = %+v", c)
 	}
 	if err := c.Validate(); err != nil {
@@ -79,6 +79,7 @@ func TestResizedNext(t *testing.T) {
 		{Job: "j", Command: []string{"x"}, Nodes: 2, MinNodes: 3},
 		{Job: "j", Command: []string{"x"}, Nodes: 3, MinNodes: 2, Manager: "h:1"},
 		{Job: "j", Command: []string{"x"}, Restarts: -1},
+		{Job: "j", Command: []string{"x"}, Generation: -1},
 		{Job: "j", Command: []string{"x"}, JoinTimeout: -1},
 	} {
 		if err := bad.Validate(); err == nil {

@@ -202,3 +202,34 @@ func BenchmarkElasticShrink(b *testing.B) {
 	b.ReportMetric(float64(flLost)/n, "faultline-steps-lost")
 	b.ReportMetric(float64(trLost)/n, "torchrun-steps-lost")
 }
+
+// TestElasticReplaced: in a job started with --nnodes 2:3, node 1 is
+// SIGKILLed whole and a new node 1 comes on a new host within
+// --node-timeout: it takes node 1's place, as in a job of fixed
+// membership, its ranks started as the others' are, and the job finishes
+// on 3 nodes with the weights of a run without the fault.
+func TestElasticReplaced(t *testing.T) {
+	t.Parallel() // hosts of their own
+	c := newCluster(t, 3, 1)
+	args := []string{"--steps", "40", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
+	flags := []string{"--nnodes", "2:3", "--max-restarts", "3", "--heartbeat-deadline", "3s", "--node-timeout", "2m", "--collective-timeout", "60s"}
+	jobs := make([]*job, 3)
+	for i := range jobs {
+		jobs[i] = c.start(i, c.f.Hosts[i], flags, args...)
+	}
+	jobs[0].waitLine("[rank0]: step 15 loss", 3*time.Minute)
+	c.f.Hosts[1].Kill()
+	<-jobs[1].done
+	jobs[1] = c.start(1, c.f.AddHost(), flags, args...)
+	for i, j := range jobs {
+		if err := j.wait(3 * time.Minute); err != nil {
+			t.Fatalf("node %d: %v\nstdout:\n%s\nstderr:\n%s", i, err, j.stdout(), j.errText())
+		}
+	}
+	if strings.Contains(jobs[0].errText(), "goes on with") {
+		t.Errorf("the job went on with fewer nodes though node 1 was replaced:\n%s", jobs[0].errText())
+	}
+	if got, want := readHash(t, filepath.Join(c.dir, "weights")), resizedReference(t, 3, 3, -1, 40); got != want {
+		t.Fatalf("weights after node 1 was replaced: %s; without the fault: %s", got, want)
+	}
+}

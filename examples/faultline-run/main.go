@@ -80,6 +80,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -93,6 +94,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
@@ -173,6 +175,8 @@ func run(ctx context.Context, opts options, sigs <-chan os.Signal) error {
 		if sig != 0 {
 			// Taken as the run ended: the job ends here, its ranks stopped
 			// and their segments kept (renumbered) for a run started again.
+			glob := filepath.Join(cmp.Or(cfg.ShmDir, "/dev/shm"), "faultline-"+cfg.Job+"-*")
+			fmt.Fprintf(os.Stderr, "faultline-run: kept the checkpoint segments %s, renumbered for the job's new shape; remove them unless the job is run again (rm %s)\n", glob, glob)
 			return fmt.Errorf("%w by %s as the job went on with %d nodes", agent.ErrTerminated, unix.SignalName(sig), rz.To)
 		}
 		fmt.Fprintf(os.Stderr, "faultline-run: node %d goes on as node %d of %d: %s\n", rz.Node, rz.NodeRank, rz.To, rz.Why)
@@ -190,9 +194,10 @@ func runAgent(ctx context.Context, cfg agent.Config, sigs <-chan os.Signal) (sys
 	defer a.Close()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	done := make(chan struct{})
+	done, ended := make(chan struct{}), make(chan struct{})
 	var got atomic.Int32
 	go func() {
+		defer close(ended)
 		select {
 		case sig := <-sigs:
 			got.Store(int32(sig.(syscall.Signal)))
@@ -209,6 +214,7 @@ func runAgent(ctx context.Context, cfg agent.Config, sigs <-chan os.Signal) (sys
 	}()
 	err = a.Run(ctx)
 	close(done)
+	<-ended // a signal it took as Run ended is in got
 	return syscall.Signal(got.Load()), err
 }
 
