@@ -132,7 +132,16 @@ func startProc(t testing.TB, out string, cmd *exec.Cmd) *job {
 		j.exit = j.cmd.Wait()
 		close(j.done)
 	}()
-	t.Cleanup(func() { j.cmd.Process.Kill(); <-j.done })
+	t.Cleanup(func() {
+		j.cmd.Process.Kill()
+		select {
+		case <-j.done:
+		case <-time.After(10 * time.Second):
+			// A child it left (a torchrun worker) holds the pipe open.
+			stdout.Close()
+			<-j.done
+		}
+	})
 	return j
 }
 
