@@ -87,6 +87,9 @@ func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
 			return fmt.Errorf("agent: %s: %w", kindResize, err)
 		}
 		a.takeResize(r)
+		if r.Now {
+			go a.stopNode(r.Why) // the broadcast waits for this to return
+		}
 	case kindStop:
 		go a.stopNode(string(m.Payload))
 	}

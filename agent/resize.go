@@ -61,7 +61,10 @@ type resizeMsg struct {
 	Ranks      map[int]int `json:"ranks"`
 	Restarts   int         `json:"restarts"`
 	Generation int         `json:"generation"`
-	Why        string      `json:"why"`
+	// Now: the ranks have not started (the job's first shape was not
+	// complete): every node ends its run at once.
+	Now bool   `json:"now,omitempty"`
+	Why string `json:"why"`
 }
 
 // shrink plans the job's going on with the nodes in live, of nodes, when
@@ -306,10 +309,11 @@ func (a *Agent) awaitNodes(ctx context.Context) {
 			continue // a node left meanwhile
 		}
 		fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s\n", why)
+		m.Now = true
 		if err := a.resize(ctx, m); err != nil {
 			a.log.Warn("agent: resize", "err", err)
 		}
-		a.stopJob(why)
+		a.stopNode(why)
 		return
 	}
 }

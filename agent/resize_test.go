@@ -1,11 +1,16 @@
 package agent
 
 import (
+	"errors"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/faultline-ml/faultline/taskd"
 	"github.com/faultline-ml/faultline/topology"
 )
 
@@ -85,5 +90,42 @@ func TestResizedNext(t *testing.T) {
 		if err := bad.Validate(); err == nil {
 			t.Errorf("Validate(%+v) = nil", bad)
 		}
+	}
+}
+
+// TestElasticStartsWithFewer: node 0 of a job of 1 to 2 nodes, alone:
+// its rank does not start in a world of 2; once JoinTimeout has passed,
+// Run returns a *Resized, and the run Next configures starts the rank
+// once, in a world of 1, with restart count 0.
+func TestElasticStartsWithFewer(t *testing.T) {
+	dir := t.TempDir()
+	cfg := Config{Job: "agent-test-elastic", Nodes: 2, MinNodes: 1, JoinTimeout: 200 * time.Millisecond,
+		Command: []string{"sh", "-c", `echo "$WORLD_SIZE $TORCHELASTIC_RESTART_COUNT" >> "$WORK/seen"`}, NoPython: true,
+		Out: filepath.Join(dir, "out"), ShmDir: dir, ManagerListen: "127.0.0.1:0",
+		Security: taskd.Security{Token: "0123456789abcdef0123456789abcdef", Insecure: true},
+		Env:      append(os.Environ(), "WORK="+dir), Stdout: os.Stderr, Stderr: os.Stderr}
+	a, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = run(t, a)
+	a.Close()
+	var r *Resized
+	if !errors.As(err, &r) || r.To != 1 || r.NodeRank != 0 || r.Restarts != 0 || r.Generation != 1 {
+		t.Fatalf("Run = %v, want a *Resized to 1 node, restart count 0, generation 1", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "seen")); err == nil {
+		t.Fatalf("the rank started before the job's shape was known: %q", b)
+	}
+	a, err = New(r.Next(cfg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	if err := run(t, a); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "seen")); err != nil || string(b) != "1 0\n" {
+		t.Fatalf("the rank saw %q (%v), want one start in a world of 1 with restart count 0", b, err)
 	}
 }
