@@ -19,7 +19,8 @@ import (
 // An elastic job (Config.MinNodes below Config.Nodes) goes on with fewer
 // nodes, whole ones, when nodes are lost and none takes their place
 // within the node timeout, or are not there when it starts: node 0's
-// manager renumbers the nodes left, in the order they had, and every
+// manager renumbers the nodes left, in the order they had (or the
+// topology's switch order), and every
 // agent ends its run with a *Resized that says the node's place in the
 // job that goes on; the launcher runs the node's agent again with it.
 // Each rank's segment is renumbered with it, so that the ranks resume from
@@ -39,6 +40,7 @@ type Resized struct {
 	Why        string // what changed: the nodes lost, or missing at the start
 }
 
+// Error says how the job goes on, and why.
 func (r *Resized) Error() string {
 	return fmt.Sprintf("agent: the job goes on with %s instead of %d, this one as node %d (was %d): %s", nodesWord(r.To), r.From, r.NodeRank, r.Node, r.Why)
 }
