@@ -63,4 +63,3 @@ func RenameShard(dir, name string, from, to int) error {
 	}
 	return nil
 }
-

@@ -1,9 +1,6 @@
 package main
 
 import (
-	"net"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -156,12 +153,7 @@ func TestElasticStartsWithMin(t *testing.T) {
 //
 //	go test -run '^$' -bench ElasticShrink -benchtime 2x ./examples/faultline-run/
 func BenchmarkElasticShrink(b *testing.B) {
-	needTorch(b)
-	if err := exec.Command(torchPython, "-c", "import torch.distributed.run").Run(); err != nil {
-		b.Skipf("needs torch importable from %s (Debian package python3-torch): %v", torchPython, err)
-	}
-	torchrun, _ := filepath.Abs(filepath.Join("testdata", "torchrun.py"))
-	train, _ := filepath.Abs("train.py")
+	needTorchrun(b)
 	args := []string{"--steps", "80", "--step-ms", "100"}
 	none := func(*testkit.Host) {}
 	var fl, tr time.Duration
@@ -179,18 +171,9 @@ func BenchmarkElasticShrink(b *testing.B) {
 		flLost += lost
 
 		c = newCluster(b, 3, 1)
-		ckpt := filepath.Join(c.dir, "tr-ckpt")
-		run := func(h *testkit.Host) *job {
-			isHost := strconv.FormatBool(h == c.f.Hosts[0])
-			cmd := h.Command("unshare", append([]string{"--uts", "sh", "-c", `hostname "$0" && exec "$@"`, h.IP, torchPython, torchrun, "--nnodes", "2:3", "--nproc_per_node", "1", "--max_restarts", "3",
-				"--rdzv_backend", "c10d", "--rdzv_endpoint", net.JoinHostPort(c.master, strconv.Itoa(c.port)), "--rdzv_id", c.id,
-				"--rdzv_conf", "is_host=" + isHost + ",last_call_timeout=5", train, "--baseline", "--ckpt", ckpt}, args...)...)
-			cmd.Env = append(os.Environ(), "OMP_NUM_THREADS=1", "PYTHONUNBUFFERED=1", "GLOO_SOCKET_IFNAME="+h.Iface)
-			return startProc(b, filepath.Join(c.dir, "out-"+h.Name), cmd)
-		}
-		t0 := run(c.f.Hosts[0])
-		run(c.f.Hosts[1])
-		run(c.f.Hosts[2])
+		t0 := c.torchrun(c.f.Hosts[0], "2:3", ",last_call_timeout=5", args...)
+		c.torchrun(c.f.Hosts[1], "2:3", ",last_call_timeout=5", args...)
+		c.torchrun(c.f.Hosts[2], "2:3", ",last_call_timeout=5", args...)
 		d, lost = nodeLost(c, t0, into, none)
 		tr += d
 		trLost += lost

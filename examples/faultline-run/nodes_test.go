@@ -274,12 +274,7 @@ func TestFirstLoadsAgree(t *testing.T) {
 // kill in the moment between a step's end and its replica's arrival costs
 // that step.
 func BenchmarkNodeLost(b *testing.B) {
-	needTorch(b)
-	if err := exec.Command(torchPython, "-c", "import torch.distributed.run").Run(); err != nil {
-		b.Skipf("needs torch importable from %s (Debian package python3-torch): %v", torchPython, err)
-	}
-	torchrun, _ := filepath.Abs(filepath.Join("testdata", "torchrun.py"))
-	train, _ := filepath.Abs("train.py")
+	needTorchrun(b)
 	args := []string{"--steps", "80", "--step-ms", "100"}
 	var fl, tr time.Duration
 	var flLost, trLost int
@@ -295,21 +290,9 @@ func BenchmarkNodeLost(b *testing.B) {
 		flLost += lost
 
 		c = newCluster(b, 2, 2)
-		ckpt := filepath.Join(c.dir, "tr-ckpt")
-		run := func(h *testkit.Host) *job {
-			// Node 0 hosts the rendezvous's store, and each host is named
-			// by its address, which torchrun gives its ranks as the
-			// master's: the namespaces share the machine's host name.
-			isHost := strconv.FormatBool(h == c.f.Hosts[0])
-			cmd := h.Command("unshare", append([]string{"--uts", "sh", "-c", `hostname "$0" && exec "$@"`, h.IP, torchPython, torchrun, "--nnodes", "2", "--nproc_per_node", "2", "--max_restarts", "3",
-				"--rdzv_backend", "c10d", "--rdzv_endpoint", net.JoinHostPort(c.master, strconv.Itoa(c.port)), "--rdzv_id", c.id,
-				"--rdzv_conf", "is_host=" + isHost, train, "--baseline", "--ckpt", ckpt}, args...)...)
-			cmd.Env = append(os.Environ(), "OMP_NUM_THREADS=1", "PYTHONUNBUFFERED=1", "GLOO_SOCKET_IFNAME="+h.Iface)
-			return startProc(b, filepath.Join(c.dir, "out-"+h.Name), cmd)
-		}
-		t0 := run(c.f.Hosts[0])
-		run(c.f.Hosts[1])
-		d, lost = nodeLost(c, t0, into, func(h *testkit.Host) { run(h) })
+		t0 := c.torchrun(c.f.Hosts[0], "2", "", args...)
+		c.torchrun(c.f.Hosts[1], "2", "", args...)
+		d, lost = nodeLost(c, t0, into, func(h *testkit.Host) { c.torchrun(h, "2", "", args...) })
 		tr += d
 		trLost += lost
 	}
@@ -319,6 +302,34 @@ func BenchmarkNodeLost(b *testing.B) {
 	b.ReportMetric(fl.Seconds()/tr.Seconds(), "x-torchrun")
 	b.ReportMetric(float64(flLost)/n, "faultline-steps-lost")
 	b.ReportMetric(float64(trLost)/n, "torchrun-steps-lost")
+}
+
+// needTorchrun skips b without torch.distributed.run.
+func needTorchrun(b *testing.B) {
+	needTorch(b)
+	if err := exec.Command(torchPython, "-c", "import torch.distributed.run").Run(); err != nil {
+		b.Skipf("needs torch importable from %s (Debian package python3-torch): %v", torchPython, err)
+	}
+}
+
+// torchrun starts train.py --baseline with args on h under
+// torch.distributed.run, --nnodes nnodes, c's ranks per node, a c10d
+// rendezvous served by node 0's host (conf adds to its --rdzv_conf), and
+// torch.save checkpoints in a folder every host shares.
+func (c *cluster) torchrun(h *testkit.Host, nnodes, conf string, args ...string) *job {
+	c.t.Helper()
+	torchrun, _ := filepath.Abs(filepath.Join("testdata", "torchrun.py"))
+	train, _ := filepath.Abs("train.py")
+	// Node 0 hosts the rendezvous's store, and each host is named by its
+	// address, which torchrun gives its ranks as the master's: the
+	// namespaces share the machine's host name.
+	conf = "is_host=" + strconv.FormatBool(h == c.f.Hosts[0]) + conf
+	cmd := h.Command("unshare", append([]string{"--uts", "sh", "-c", `hostname "$0" && exec "$@"`, h.IP, torchPython, torchrun,
+		"--nnodes", nnodes, "--nproc_per_node", strconv.Itoa(c.perNode), "--max_restarts", "3",
+		"--rdzv_backend", "c10d", "--rdzv_endpoint", net.JoinHostPort(c.master, strconv.Itoa(c.port)), "--rdzv_id", c.id,
+		"--rdzv_conf", conf, train, "--baseline", "--ckpt", filepath.Join(c.dir, "tr-ckpt")}, args...)...)
+	cmd.Env = append(os.Environ(), "OMP_NUM_THREADS=1", "PYTHONUNBUFFERED=1", "GLOO_SOCKET_IFNAME="+h.Iface)
+	return startProc(c.t, filepath.Join(c.dir, "out-"+h.Name), cmd)
 }
 
 // nodeLost kills c's node 1 a time into after node 0's job n0 is past
