@@ -156,8 +156,7 @@ func BenchmarkElasticShrink(b *testing.B) {
 	needTorchrun(b)
 	args := []string{"--steps", "80", "--step-ms", "100"}
 	none := func(*testkit.Host) {}
-	var fl, tr time.Duration
-	var flLost, trLost int
+	var r recoveries
 	for i := range b.N {
 		into := time.Duration((float64(i) + 0.5) / float64(b.N) * float64(100*time.Millisecond))
 		c := newCluster(b, 3, 1)
@@ -167,23 +166,16 @@ func BenchmarkElasticShrink(b *testing.B) {
 		c.start(1, c.f.Hosts[1], flags, args...)
 		c.start(2, c.f.Hosts[2], flags, args...)
 		d, lost := nodeLost(c, n0, into, none)
-		fl += d
-		flLost += lost
+		r.fl, r.flLost = r.fl+d, r.flLost+lost
 
 		c = newCluster(b, 3, 1)
 		t0 := c.torchrun(c.f.Hosts[0], "2:3", ",last_call_timeout=5", args...)
 		c.torchrun(c.f.Hosts[1], "2:3", ",last_call_timeout=5", args...)
 		c.torchrun(c.f.Hosts[2], "2:3", ",last_call_timeout=5", args...)
 		d, lost = nodeLost(c, t0, into, none)
-		tr += d
-		trLost += lost
+		r.tr, r.trLost = r.tr+d, r.trLost+lost
 	}
-	n := float64(b.N)
-	b.ReportMetric(fl.Seconds()/n, "faultline-s")
-	b.ReportMetric(tr.Seconds()/n, "torchrun-s")
-	b.ReportMetric(fl.Seconds()/tr.Seconds(), "x-torchrun")
-	b.ReportMetric(float64(flLost)/n, "faultline-steps-lost")
-	b.ReportMetric(float64(trLost)/n, "torchrun-steps-lost")
+	r.report(b)
 }
 
 // TestElasticReplaced: in a job started with --nnodes 2:3, node 1 is
