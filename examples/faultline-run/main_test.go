@@ -423,15 +423,23 @@ func TestTwoNodes(t *testing.T) {
 				"--rdzv-id", id, "--max-restarts", "2"},
 			"--steps", steps, "--ckpt", filepath.Join(dir, "ckpt"), "--kill-rank", "3", "--kill-step", "12", "--weights", w))
 	}
+	var tiers []string
 	for node, j := range jobs {
 		if err := j.wait(3 * time.Minute); err != nil {
 			t.Fatalf("node %d: %v\nstderr:\n%s", node, err, j.errText())
 		}
 		in := j.incidents()
-		// Memory, or a replica where a rank's double buffer moved past the step.
-		if len(in) == 0 || !strings.Contains(in[0].Tier, "memory") && in[0].Tier != "replica" || in[0].ResumedStep < 9 || in[0].CaughtUp.IsZero() {
+		if len(in) == 0 || in[0].ResumedStep < 9 || in[0].ResumedStep != jobs[0].incidents()[0].ResumedStep || in[0].CaughtUp.IsZero() {
 			t.Fatalf("node %d: incidents %+v", node, in)
 		}
+		tiers = append(tiers, in[0].Tier)
+	}
+	// Memory (or a replica) serves the ranks that hold the step. Where the
+	// persist of step 9 is slow on a loaded machine, a rank that holds it
+	// keeps it while the others move past it: those load it from disk, and
+	// a node whose ranks all did says "disk" alone, but not both nodes.
+	if !slices.ContainsFunc(tiers, func(t string) bool { return strings.Contains(t, "memory") || strings.Contains(t, "replica") }) {
+		t.Fatalf("no rank resumed from memory or a replica: tiers by node %q", tiers)
 	}
 	if c := jobs[1].incidents()[0]; c.Fault.Rank != 3 || !strings.Contains(c.Fault.Message, "SIGKILL") {
 		t.Errorf("node 1's incident blames %+v, not rank 3's SIGKILL", c.Fault)
