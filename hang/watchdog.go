@@ -238,8 +238,13 @@ func (t Timing) finish(err error) {
 	} else if err == nil && t.op.ring != nil {
 		o := t.op
 		o.ring[o.pos] = d
-		o.pos = (o.pos + 1) % len(o.ring)
-		o.n = min(o.n+1, len(o.ring))
+		// A compare, not a modulo: a division costs the hot path more.
+		if o.pos++; o.pos == len(o.ring) {
+			o.pos = 0
+		}
+		if o.n < len(o.ring) {
+			o.n++
+		}
 		o.dirty = true
 	}
 	switch {
