@@ -392,7 +392,8 @@ func nodeLost(c *cluster, n0 *job, into time.Duration, replace func(*testkit.Hos
 
 // TestNodeZeroLost: the shape the docs recommend for clusters, the
 // manager apart (taskd-manager --agents on a lease, on a host of its own),
-// and node 0, which hosts the job's store, SIGKILLed whole in step 37. Its
+// and node 0, which hosts the job's store, SIGKILLed whole in step 38,
+// once node 1 holds the replicas of its ranks' step 37. Its
 // replacement comes up 3 s later under node 0's address, as a recreated
 // pod does under its headless Service's name, hosts the store again, and
 // its ranks resume from the replicas node 1 holds: no step is lost and the
@@ -418,10 +419,14 @@ func TestNodeZeroLost(t *testing.T) {
 	t.Cleanup(func() { mgr.Process.Kill(); mgr.Wait() })
 
 	args := []string{"--steps", "60", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
-	flags := []string{"--max-restarts", "3", "--manager", addr}
-	n0 := c.start(0, c.f.Hosts[0], flags, args...)
-	n1 := c.start(1, c.f.Hosts[1], flags, args...)
-	n0.waitLine("[rank0]: step 37 loss", 3*time.Minute)
+	flags := []string{"--max-restarts", "3", "--manager", addr, "--collective-timeout", "60s"}
+	// Rank 0 blocks before step 38's all-reduce, so that node 0 dies once
+	// node 1 holds its ranks' step 37 (as in TestNodeLostFromReplicas).
+	hang := append([]string{"--hang-rank", "0", "--hang-step", "38"}, args...)
+	n0 := c.start(0, c.f.Hosts[0], flags, hang...)
+	n1 := c.start(1, c.f.Hosts[1], flags, hang...)
+	n0.waitLine("[rank0]: blocking in get_batch at step 38", 3*time.Minute)
+	c.waitReplicas(c.f.Hosts[1], 37, 0, 1)
 	c.f.Hosts[0].Kill()
 	time.Sleep(3 * time.Second)
 	n0b := c.start(0, c.f.Replace(c.f.Hosts[0]), flags, args...)
