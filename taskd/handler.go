@@ -19,7 +19,7 @@ const (
 	EventFault                            // a fault was taken into the log (FaultLost included)
 	EventMessage                          // a worker or proxy sent an application message
 	EventSwitch                           // the job's profiling switch changed
-	EventLeft                             // a worker or proxy left on purpose (its silence is no fault)
+	EventLeft                             // a worker or proxy left on purpose, or a spare was lost (its silence is no fault)
 	EventJobComplete                      // every rank of the job left after its last step
 )
 

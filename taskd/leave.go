@@ -112,10 +112,13 @@ func (m *Manager) leave(key memberKey, instance string, finished bool, now time.
 	dep := Departure{Position: mm.pos, Left: true, Finished: finished && key.role == RoleWorker, Time: now}
 	evs := []Event{{Kind: EventLeft, Time: now, Role: key.role, Position: mm.pos, Departure: dep}}
 	complete := false
-	if key.role == RoleWorker {
+	switch {
+	case key.role == RoleWorker && m.spare(mm.pos):
+		m.sw.gone(key.id) // no rank of the job: not among its departures
+	case key.role == RoleWorker:
 		m.sw.gone(key.id)
 		m.gone.add(dep)
-		if m.completedAt.IsZero() && m.gone.complete(m.reg.count(RoleWorker)) {
+		if m.completedAt.IsZero() && m.gone.complete(m.jobWorkersLocked()) {
 			complete = true
 			m.completedAt = now
 			m.met.complete.Set(1)
@@ -174,7 +177,7 @@ func (s *managerAdmin) GetJob(_ context.Context, req *pb.GetJobReq) (*pb.GetJobR
 	m := s.m
 	m.mu.Lock()
 	res := &pb.GetJobRes{Code: pb.Code_CODE_OK, Message: "ok", Complete: !m.completedAt.IsZero(), CompleteUnixNano: unixNano(m.completedAt),
-		LiveWorkers: int32(m.reg.count(RoleWorker)), DepartedWorkers: int32(len(m.gone.byRank))}
+		LiveWorkers: int32(m.jobWorkersLocked()), DepartedWorkers: int32(len(m.gone.byRank))}
 	deps := m.gone.list(int(req.GetFromRank()))
 	m.mu.Unlock()
 	if len(deps) > maxDeparturesPerList {

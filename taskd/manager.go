@@ -339,6 +339,14 @@ func (m *Manager) step(now time.Time) {
 		}
 		if lm.key.role == RoleWorker {
 			m.sw.gone(lm.key.id)
+			if m.spare(lm.pos) {
+				// No fault, but its handlers learn that it is gone: the
+				// job's nodes may hold on to it (their replicas' target).
+				m.log.Warn("taskd: spare lost: no fault", "member", lm.key.String(), "last_seen", lm.lastSeen)
+				evs = append(evs, Event{Kind: EventLeft, Time: now, Role: lm.key.role, Position: lm.pos,
+					Departure: Departure{Position: lm.pos, Time: lm.lastSeen}})
+				continue
+			}
 			if m.members != nil && !m.members.of(lm.pos.Rank) {
 				// Past a gap in the first rendezvous: maybe no rank of
 				// the job, whose loss must not stop the others.
@@ -613,6 +621,25 @@ func (m *Manager) liveWorkers() []int {
 	return m.resolveLocked(AllWorkers())
 }
 
+// spare reports whether pos is on one of the job's spare nodes
+// (ManagerConfig.SpareNodes).
+func (m *Manager) spare(pos Position) bool {
+	return m.cfg.SpareNodes > 0 && pos.Node >= m.cfg.Nodes
+}
+
+// jobWorkersLocked counts the live workers of the job, spares left out.
+func (m *Manager) jobWorkersLocked() int {
+	n := m.reg.count(RoleWorker)
+	if m.cfg.SpareNodes > 0 {
+		for _, mm := range m.reg.list() {
+			if mm.key.role == RoleWorker && m.spare(mm.pos) {
+				n--
+			}
+		}
+	}
+	return n
+}
+
 // isLive reports whether instance is the live worker of rank.
 func (m *Manager) isLive(rank int, instance string) bool {
 	m.mu.Lock()
@@ -627,7 +654,7 @@ func (m *Manager) liveInstances() map[int]string {
 	defer m.mu.Unlock()
 	out := make(map[int]string)
 	for _, mm := range m.reg.list() {
-		if mm.key.role == RoleWorker {
+		if mm.key.role == RoleWorker && !m.spare(mm.pos) {
 			out[mm.key.id] = mm.instance
 		}
 	}

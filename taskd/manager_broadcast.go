@@ -142,8 +142,9 @@ func (m *Manager) results(d *delivery, ranks []int) []Delivery {
 	return out
 }
 
-// resolveLocked returns the ranks a target names: for All and Nodes the
-// live workers, for Ranks the ranks as given.
+// resolveLocked returns the ranks a target names: for All the live
+// workers of the job (spares left out), for Nodes the live workers there,
+// for Ranks the ranks as given.
 func (m *Manager) resolveLocked(to Target) []int {
 	var out []int
 	nodes := make(map[int]bool, len(to.Nodes))
@@ -152,7 +153,7 @@ func (m *Manager) resolveLocked(to Target) []int {
 	}
 	if to.All || len(nodes) > 0 {
 		for _, mm := range m.reg.list() {
-			if mm.key.role == RoleWorker && (to.All || nodes[mm.pos.Node]) {
+			if mm.key.role == RoleWorker && (to.All && !m.spare(mm.pos) || nodes[mm.pos.Node]) {
 				out = append(out, mm.key.id)
 			}
 		}

@@ -44,6 +44,15 @@ type ManagerConfig struct {
 	// whose ranks may join past a missing one gives its shape.
 	Nodes, ProcsPerNode int
 	MaxWorkers          int
+	// SpareNodes are nodes beyond the shape, Nodes to Nodes+SpareNodes-1
+	// (their ranks following the job's), whose workers are spares: they
+	// register, beat and exchange messages as the job's workers do, but
+	// are no ranks of the job. AllWorkers leaves them out (NodeWorkers
+	// reaches them), so orchestration neither targets nor waits for them;
+	// their loss is no fault (handlers see an EventLeft whose
+	// Departure.Left is unset), and the job completes without them. It
+	// needs the shape.
+	SpareNodes int
 	// Security: mutual TLS, token, or plaintext when asked; required.
 	Security Security
 	// AdminToken is the operators' credential: the Admin and
@@ -165,6 +174,10 @@ func (c ManagerConfig) Validate() error {
 		return fmt.Errorf("taskd: ManagerConfig.Nodes: %d is negative", c.Nodes)
 	case c.ProcsPerNode < 0:
 		return fmt.Errorf("taskd: ManagerConfig.ProcsPerNode: %d is negative", c.ProcsPerNode)
+	case c.SpareNodes < 0:
+		return fmt.Errorf("taskd: ManagerConfig.SpareNodes: %d is negative", c.SpareNodes)
+	case c.SpareNodes > 0 && (c.Nodes == 0 || c.ProcsPerNode == 0):
+		return fmt.Errorf("taskd: ManagerConfig.SpareNodes: %d without the job's shape (Nodes and ProcsPerNode): spares are the nodes beyond it", c.SpareNodes)
 	case c.MaxWorkers < 0:
 		return fmt.Errorf("taskd: ManagerConfig.MaxWorkers: %d is negative", c.MaxWorkers)
 	case negative(c.HeartbeatInterval, c.HeartbeatDeadline, c.AckTimeout, c.DeliveryTimeout):

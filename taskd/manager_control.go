@@ -53,6 +53,12 @@ func checkMember(mem *pb.Member, nodes, procsPerNode, maxWorkers int) error {
 		if rank < 0 || rank >= maxRanks {
 			return status.Errorf(codes.InvalidArgument, "taskd: member.position.rank: %d out of range [0,%d)", rank, maxRanks)
 		}
+		// With the shape known, a node's ranks are node×procsPerNode on:
+		// one elsewhere was started with another shape than the job's.
+		if nodes > 0 && procsPerNode > 0 && rank/procsPerNode != node {
+			return status.Errorf(codes.InvalidArgument, "taskd: member.position: rank %d is not of node %d, whose ranks are %d to %d with %d a node",
+				rank, node, node*procsPerNode, (node+1)*procsPerNode-1, procsPerNode)
+		}
 	default:
 		return status.Errorf(codes.InvalidArgument, "taskd: member.role: %v cannot register", mem.GetRole())
 	}
@@ -68,7 +74,7 @@ func (s *managerControl) Register(ctx context.Context, req *pb.RegisterRequest) 
 		return nil, err
 	}
 	mem := req.GetMember()
-	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode, m.cfg.MaxWorkers); err != nil {
+	if err := checkMember(mem, m.cfg.Nodes+m.cfg.SpareNodes, m.cfg.ProcsPerNode, m.cfg.MaxWorkers); err != nil {
 		return nil, err
 	}
 	if n := len(req.GetHostname()); n > maxHostnameBytes {
@@ -471,7 +477,7 @@ func (s *managerControl) Leave(ctx context.Context, req *pb.LeaveRequest) (*pb.L
 		return nil, err
 	}
 	mem := req.GetMember()
-	if err := checkMember(mem, m.cfg.Nodes, m.cfg.ProcsPerNode, m.cfg.MaxWorkers); err != nil {
+	if err := checkMember(mem, m.cfg.Nodes+m.cfg.SpareNodes, m.cfg.ProcsPerNode, m.cfg.MaxWorkers); err != nil {
 		return nil, err
 	}
 	m.mu.Lock()

@@ -140,6 +140,9 @@ func (o *orchestrator) handler() Handler {
 	return Handler{Name: "orchestration", Priority: 100, Handle: func(_ context.Context, _ *Manager, ev Event) error {
 		switch ev.Kind {
 		case EventFault:
+			if o.m.spare(ev.Fault.Position) {
+				return nil // no rank of the job
+			}
 			o.feed(func(now time.Time, c *machine) {
 				if ev.Fault.Position.Rank >= 0 {
 					o.nodeOf[ev.Fault.Position.Rank] = ev.Fault.Position.Node
@@ -150,7 +153,7 @@ func (o *orchestrator) handler() Handler {
 			// A registration counts for a repair only while its instance
 			// lives: one evicted since, that the repair is replacing,
 			// does not.
-			if ev.Role == RoleWorker && o.m.isLive(ev.Position.Rank, ev.instance) {
+			if ev.Role == RoleWorker && !o.m.spare(ev.Position) && o.m.isLive(ev.Position.Rank, ev.instance) {
 				o.feed(func(now time.Time, c *machine) {
 					o.nodeOf[ev.Position.Rank] = ev.Position.Node
 					c.registered(now, ev.Position.Rank)

@@ -43,15 +43,17 @@ func (p Position) String() string {
 	return fmt.Sprintf("node %d rank %d", p.Node, p.Rank)
 }
 
-// Target selects the workers a message goes to: every live worker when All
-// is set, else the workers on Nodes and the workers with Ranks.
+// Target selects the workers a message goes to: every live worker of the
+// job (no spare) when All is set, else the workers on Nodes and the
+// workers with Ranks.
 type Target struct {
 	All   bool
 	Nodes []int
 	Ranks []int
 }
 
-// AllWorkers targets every live worker.
+// AllWorkers targets every live worker of the job, its spares'
+// (ManagerConfig.SpareNodes) left out.
 func AllWorkers() Target { return Target{All: true} }
 
 // NodeWorkers targets the workers on the given nodes.

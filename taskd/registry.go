@@ -16,6 +16,11 @@ var ErrRankTaken = errors.New("taskd: position is held by another live instance"
 // hosts workers for processes it restarts itself builds that successor.
 var ErrEvicted = errors.New("taskd: this instance was evicted by recovery; its successor takes the rank")
 
+// ErrPosition ends a Worker's Run when the manager refuses its position
+// for good: a node or rank outside the job's shape, or a rank that is not
+// of its node (the nodes were given different shapes).
+var ErrPosition = errors.New("taskd: the manager refuses this position")
+
 // member is a registered, live member of the tree.
 type member struct {
 	key      memberKey

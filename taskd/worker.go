@@ -218,7 +218,9 @@ func (w *Worker) Pending() int { return w.up.queue.len() }
 
 // Run keeps the worker registered until ctx ends or Close is called, then
 // returns nil; or until the manager refuses this instance as evicted by
-// recovery, then returns ErrEvicted. On the way out it lets a trainer
+// recovery, then returns ErrEvicted, or refuses its position (one the
+// job's shape does not hold), then returns an error wrapping
+// ErrPosition. On the way out it lets a trainer
 // call in progress end, sends what is queued and leaves the job (see
 // Close). Run may be called once.
 func (w *Worker) Run(ctx context.Context) error {
@@ -274,7 +276,8 @@ func (w *Worker) Run(ctx context.Context) error {
 const closeGrace = time.Second
 
 // serve registers again after each session ends, with backoff, until ctx
-// ends (nil) or the instance is evicted (ErrEvicted).
+// ends (nil), the instance is evicted (ErrEvicted) or its position is
+// refused (ErrPosition).
 func (w *Worker) serve(ctx context.Context) error {
 	bo := newBackoff(50*time.Millisecond, w.cfg.ReconnectMax)
 	for {
@@ -286,6 +289,10 @@ func (w *Worker) serve(ctx context.Context) error {
 		if errors.Is(err, ErrEvicted) {
 			w.log.Info("taskd: this instance was evicted by recovery; its successor takes the rank")
 			return ErrEvicted
+		}
+		if errors.Is(err, ErrPosition) {
+			w.log.Error("taskd: the manager refuses this worker's position", "err", err)
+			return err
 		}
 		if time.Since(start) > 2*w.cfg.ReconnectMax {
 			bo.Reset()
@@ -397,8 +404,11 @@ func (w *Worker) session(ctx context.Context) error {
 	rctx, cancel := context.WithTimeout(ctx, w.cfg.AckTimeout)
 	resp, err := w.client.Register(rctx, &pb.RegisterRequest{Job: w.cfg.Job, Member: w.self, SwitchBits: bits, HasSwitch: has, Hostname: host, Pid: int64(os.Getpid()), Fence: w.fence.newest()}, grpc.WaitForReady(true))
 	cancel()
-	if status.Code(err) == codes.FailedPrecondition {
+	switch status.Code(err) {
+	case codes.FailedPrecondition:
 		return fmt.Errorf("%w: %v", ErrEvicted, err)
+	case codes.InvalidArgument:
+		return fmt.Errorf("%w: %v", ErrPosition, err)
 	}
 	if err != nil {
 		return err
