@@ -717,3 +717,66 @@ func newGated(t *testing.T, replicas int, others map[string]string) *gated {
 	}
 	return g
 }
+
+// TestAdopt: node b holds a replica of node a's shard 0; b's shard 1,
+// which saved nothing, adopts its step 2 (a data-parallel rank going on
+// from another's state) and then holds it, blob for blob, as its own. A
+// step b holds no copy of is ErrNoStep.
+func TestAdopt(t *testing.T) {
+	ctx := context.Background()
+	tb := newTestBlobs(100 << 10)
+	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, NumShards: 2, ListenAddr: "127.0.0.1:0"}, 1)
+	running(t, b.o)
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, NumShards: 2, Capacity: 4 << 20,
+		Peers: map[string]string{"a": "127.0.0.1:1", "b": b.o.Addr().String()}}, 1)
+	for step := int64(1); step <= 2; step++ {
+		if err := a.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
+			t.Fatal(err)
+		}
+		if err := a.o.Replicate(ctx, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := b.o.Adopt(ctx, 1, 0, 7); !errors.Is(err, ErrNoStep) {
+		t.Fatalf("Adopt(step 7) = %v, want ErrNoStep", err)
+	}
+	if err := b.o.Adopt(ctx, 1, 0, 2); err != nil {
+		t.Fatal(err)
+	}
+	ck, _, err := b.o.Load(ctx, 1)
+	if err != nil || ck.Step != 2 {
+		t.Fatalf("shard 1 after adopting shard 0's step 2: %v, %v", ck, err)
+	}
+	if err := tb.check(ck); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestRestoreFromReplicaHeld: node c holds a replica of shard 0, which it
+// now owns too (a spare that took node a's place): Restore serves shard
+// 0's step from that replica, with no peer to ask.
+func TestRestoreFromReplicaHeld(t *testing.T) {
+	ctx := context.Background()
+	tb := newTestBlobs(100 << 10)
+	c := newNode(t, OwnerConfig{Node: "c", Shards: []int{0}, NumShards: 2, ListenAddr: "127.0.0.1:0"}, 1)
+	running(t, c.o)
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, NumShards: 2, Capacity: 4 << 20,
+		Peers: map[string]string{"a": "127.0.0.1:1", "c": c.o.Addr().String()}}, 1)
+	if err := a.ws[0].Save(ctx, 3, tb.step(3)...); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.o.Replicate(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	rep, err := c.o.Restore(ctx, 0, 3)
+	if err != nil || rep.Tier != TierReplica {
+		t.Fatalf("Restore = %+v, %v; want step 3 from the replica held here", rep, err)
+	}
+	ck, _, err := c.o.Load(ctx, 0)
+	if err != nil || ck.Step != 3 {
+		t.Fatalf("shard 0 after the restore: %v, %v", ck, err)
+	}
+	if err := tb.check(ck); err != nil {
+		t.Fatal(err)
+	}
+}

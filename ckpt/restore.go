@@ -1,6 +1,7 @@
 package ckpt
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -23,8 +24,9 @@ import (
 // served it and why the tiers preferred to it did not. Memory first:
 // nothing is done when a half holds the step intact (see Held; a step
 // complete but not yet sealed is sealed, LoadReport.SealedOnLoad). Else a
-// peer's replica, the peers asked in PickPeers's order, each in turn; else
-// the disk tier. A step fetched or read is written into the half that does
+// replica of the shard held here (a node that took a lost node's place
+// holds those the lost node sent it), then a peer's, the peers asked in
+// PickPeers's order, each in turn; else the disk tier. A step fetched or read is written into the half that does
 // not hold the segment's newest step, as a save is, straight from the
 // connection or the file: every CRC is checked as the bytes arrive, the
 // step counts only once all of them held, and the blobs are never copied
@@ -70,6 +72,14 @@ func (o *Owner) Restore(ctx context.Context, shard int, step int64) (rep LoadRep
 	}
 	refuse(TierMemory, err)
 
+	// A copy held here first: a node that took a lost node's place holds
+	// the replicas the lost node sent it.
+	switch err := o.restoreLocalReplica(shard, shard, step); {
+	case err == nil:
+		return served(TierReplica)
+	case !errors.Is(err, errNoReplica):
+		refuse(TierReplica, err)
+	}
 	if ps := o.peers.Load(); len(ps.order) == 0 || o.cfg.Replicas < 0 {
 		refuse(TierReplica, errors.New("no peers configured"))
 	} else {
@@ -146,6 +156,68 @@ func (o *Owner) restoreReplica(ctx context.Context, addr string, shard int, step
 		}
 		o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
 		return nil
+	})
+}
+
+// Adopt writes step of shard from, which this owner holds as a replica,
+// into the segment of shard, its own: for a job whose shards are alike
+// (data-parallel, every rank's state the model's), where a shard goes on
+// from another's state. The error wraps ErrNoStep when no intact copy of
+// from at step is held here.
+func (o *Owner) Adopt(ctx context.Context, shard, from int, step int64) error {
+	err := o.restoreLocalReplica(shard, from, step)
+	if errors.Is(err, errNoReplica) {
+		return fmt.Errorf("ckpt: adopt shard %d's step %d into shard %d: %w: %w", from, step, shard, ErrNoStep, err)
+	}
+	return err
+}
+
+// restoreLocalReplica writes step of the copy of shard from that this
+// owner holds as a replica into shard's segment; an error wrapping
+// errNoReplica when it holds none intact.
+func (o *Owner) restoreLocalReplica(shard, from int, step int64) error {
+	if _, err := os.Stat(ReplicaPath(o.cfg.ShmDir, o.cfg.Name, from)); err != nil {
+		return fmt.Errorf("%w of shard %d here", errNoReplica, from)
+	}
+	return o.restoreInto(shard, func(t *restoreTarget) error {
+		slot := o.replicaSlot(from)
+		slot.mu.Lock()
+		defer slot.mu.Unlock()
+		seg, i, err := o.intactReplica(slot, from, step)
+		if err != nil {
+			return err
+		}
+		return seg.read(i, false, func(m layout.StepMeta, half []byte, valid func() error) error {
+			names, sizes := make([]string, len(m.Blobs)), make([]int64, len(m.Blobs))
+			for k, e := range m.Blobs {
+				names[k], sizes[k] = e.Name, e.Size
+			}
+			meta := layout.PlaceBlobs(step, names, sizes)
+			to, err := t.open(meta.End())
+			if err != nil {
+				return err
+			}
+			hw, err := to.begin(meta)
+			if err != nil {
+				return err
+			}
+			crcs, err := readBlobs(hw, func(k int) io.Reader {
+				e := m.Blobs[k]
+				return bytes.NewReader(half[e.Offset : e.Offset+e.Size])
+			})
+			if err != nil {
+				return fmt.Errorf("ckpt: read %s: %w", seg.path, err)
+			}
+			for k, e := range m.Blobs {
+				if crcs[k] != e.CRC32C {
+					return withFile(crcMismatch(k, e, crcs[k]), seg.path)
+				}
+			}
+			if err := valid(); err != nil {
+				return err
+			}
+			return hw.commit(crcs)
+		})
 	})
 }
 
