@@ -86,6 +86,8 @@ type Agent struct {
 // New builds the agent of one node: its rings and folders; nothing runs
 // before Run.
 func New(cfg Config) (*Agent, error) {
+	// The last run's warm interpreters that no slot adopts are killed.
+	defer dropWarm(cfg.warm)
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -124,7 +126,12 @@ func New(cfg Config) (*Agent, error) {
 			return nil, err
 		}
 		a.slots = append(a.slots, s)
+		if sp := cfg.warm[l]; sp != nil {
+			s.adopt(sp)
+			delete(cfg.warm, l)
+		}
 	}
+	a.cfg.warm = nil
 	a.applySwitch(a.initialSwitch())
 	return a, nil
 }
@@ -161,6 +168,10 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.wg.Wait()
 	}()
 	g.Go(func() error { srv.serve(gctx); return nil })
+	if a.cfg.spare() {
+		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d is a spare of job %s: it runs no rank, keeps warm interpreters and the replicas it is sent, and takes the place of the first node of the job lost\n", a.cfg.NodeRank, a.cfg.Job)
+		a.ckpts.holdReplicas(gctx)
+	}
 	// Each rank's interpreter imports torch while the node joins the job
 	// (the store, the manager, the first rendezvous), so that its first
 	// process starts warm, as its restarts do: seconds saved at every
@@ -210,6 +221,9 @@ func (a *Agent) Run(ctx context.Context) error {
 		result = a.terminate(ctx)
 	case <-ctx.Done():
 		result = ctx.Err()
+	}
+	if r, ok := result.(*Resized); ok && a.terminating() == 0 {
+		r.warm = a.warmSpares() // the next run starts its ranks from them
 	}
 	a.shutdown()
 	cancel()
@@ -261,7 +275,7 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 		return fmt.Errorf("agent: the last run's recovery state: %w", err)
 	}
 	m, err := taskd.NewManager(taskd.ManagerConfig{
-		Job: a.controlJob(), Listen: a.cfg.ManagerListen, Nodes: a.cfg.Nodes, ProcsPerNode: a.cfg.ProcsPerNode,
+		Job: a.controlJob(), Listen: a.cfg.ManagerListen, Nodes: a.cfg.Nodes, ProcsPerNode: a.cfg.ProcsPerNode, SpareNodes: a.cfg.SpareNodes,
 		Security: a.cfg.Security, StateDir: stateDir,
 		HeartbeatInterval: interval, HeartbeatDeadline: deadline,
 		Handlers:     []taskd.Handler{job.handler()},
@@ -379,6 +393,7 @@ func (a *Agent) slotEnded() {
 	if !a.done.CompareAndSwap(false, true) {
 		return
 	}
+	a.tellSpares(jobFinished)
 	// A worker serveWorkers registers from now on sees done and leaves.
 	for _, s := range a.slots {
 		s.mu.Lock()
@@ -389,7 +404,7 @@ func (a *Agent) slotEnded() {
 			w.Close()
 		}
 	}
-	a.incident.finish("the job finished")
+	a.incident.finish(jobFinished)
 	a.once.Do(func() { close(a.finished) })
 }
 
@@ -449,7 +464,7 @@ func (a *Agent) stopAll(reason string) {
 	if a.mgr != nil && a.cfg.Nodes > 1 {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		if _, err := a.mgr.Broadcast(ctx, taskd.AllWorkers(), kindStop, []byte(reason)); err != nil {
+		if _, err := a.mgr.Broadcast(ctx, taskd.Target{All: true, Nodes: a.spares()}, kindStop, []byte(reason)); err != nil {
 			a.log.Warn("agent: not every node was told to stop", "err", err)
 		}
 	}
@@ -531,7 +546,8 @@ func (a *Agent) watchSlowness(ctx context.Context) {
 // hangConfig is the watchdog configuration of rank.
 func (a *Agent) hangConfig(rank int, onFault func(hang.Fault)) hang.Config {
 	// hang labels its metrics with the rank itself.
-	c := hang.Config{Rank: rank, World: a.world, Timeout: a.cfg.CollectiveTimeout, OnFault: onFault,
+	// A spare's ranks (which run nothing) follow the job's.
+	c := hang.Config{Rank: rank, World: max(a.world, rank+1), Timeout: a.cfg.CollectiveTimeout, OnFault: onFault,
 		Logger: a.log, Registerer: a.cfg.Registerer}
 	if a.cfg.CollectiveTimeout == 0 {
 		c.LearnTimeouts = true

@@ -148,6 +148,10 @@ func TestConfigValidate(t *testing.T) {
 		{func(c *Config) { c.HeartbeatDeadline = -time.Second }, "HeartbeatDeadline"},
 		{func(c *Config) { c.GracePeriod = -time.Second }, "GracePeriod"},
 		{func(c *Config) { c.Module, c.NoPython = true, true }, "Module"},
+		{func(c *Config) { c.Nodes, c.SpareNodes = 2, -1 }, "SpareNodes"},
+		{func(c *Config) { c.SpareNodes = 1 }, "SpareNodes"},
+		{func(c *Config) { c.Nodes, c.SpareNodes, c.Manager = 2, 1, "h:1" }, "SpareNodes"},
+		{func(c *Config) { c.Nodes, c.SpareNodes, c.NodeRank = 2, 1, 3 }, "NodeRank"},
 	} {
 		c := ok
 		tc.edit(&c)

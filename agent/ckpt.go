@@ -176,7 +176,11 @@ func (c *checkpoints) openLocked(sh *shard, rank int, dir string, bytes int64) e
 	if h, err := readSegmentHeader(c.segmentPath(rank)); err == nil {
 		half = max(half, h.HalfSize)
 	}
-	cfg := ckpt.OwnerConfig{ShmDir: a.cfg.ShmDir, Name: c.segmentName(), Shards: []int{rank}, NumShards: a.world,
+	numShards := a.world
+	if a.cfg.spare() {
+		numShards = (a.cfg.Nodes + a.cfg.SpareNodes) * a.cfg.ProcsPerNode // its own ranks follow the job's
+	}
+	cfg := ckpt.OwnerConfig{ShmDir: a.cfg.ShmDir, Name: c.segmentName(), Shards: []int{rank}, NumShards: numShards,
 		Capacity: half, Dir: dir, PollInterval: 20 * time.Millisecond, Workers: 1,
 		Registerer: wrapRank(a.cfg.Registerer, rank), Logger: a.log.With("rank", rank)}
 	if c.replicating() {
@@ -444,6 +448,21 @@ func (c *checkpoints) domainsOf(peers map[int]string) map[string]string {
 	return out
 }
 
+// holdReplicas, on a spare node, starts the owners of its local ranks,
+// which run no rank, so that they serve the replicas the job's nodes
+// send them.
+func (c *checkpoints) holdReplicas(ctx context.Context) {
+	if !c.replicating() {
+		return
+	}
+	c.run(ctx)
+	for _, s := range c.a.slots {
+		if _, _, err := c.segment(s.rank, "", 1); err != nil {
+			c.a.log.Warn("agent: a spare holds no replicas", "rank", s.rank, "err", err)
+		}
+	}
+}
+
 // replicating reports whether the node's ranks send replicas to other
 // nodes and keep theirs.
 func (c *checkpoints) replicating() bool { return c.a.cfg.Nodes > 1 && c.a.cfg.Replicas > 0 }
@@ -476,6 +495,15 @@ func (c *checkpoints) peersOf(rank int) map[string]string {
 func (c *checkpoints) replicaHoldings() map[int][]int64 {
 	if !c.replicating() {
 		return nil
+	}
+	// A node that took a lost node's place holds replicas before its ranks
+	// have segments: its first rank's owner, made now, reads them.
+	if held, _ := filepath.Glob(filepath.Join(c.a.cfg.ShmDir, c.segmentName()+"-replica-*")); len(held) > 0 {
+		if o, err := c.owner(c.a.slots[0].rank); o == nil && err == nil {
+			if _, _, err := c.segment(c.a.slots[0].rank, "", 1); err != nil {
+				c.a.log.Warn("agent: the replicas held here are not read", "err", err)
+			}
+		}
 	}
 	out := map[int][]int64{}
 	for _, s := range c.a.slots {

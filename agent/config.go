@@ -35,6 +35,15 @@ type Config struct {
 	// manager is node 0's.
 	MinNodes    int
 	JoinTimeout time.Duration
+	// SpareNodes are nodes beyond the job's, node ranks Nodes to
+	// Nodes+SpareNodes-1 (Nodes being the MAX of an elastic job): a spare
+	// runs no rank, keeps warm interpreters and the replicas the job's
+	// nodes send it, and takes a lost node's place as soon as node 0's
+	// manager declares the node lost, instead of the job waiting
+	// NodeTimeout for a replacement. Its run then ends with a *Resized
+	// naming the node rank it takes (the job's shape unchanged). A spare
+	// needs node 0's manager.
+	SpareNodes int
 	// Restarts is the restart count the ranks start with: a job that goes
 	// on resized counts on (Resized.Next sets it). The restart budget
 	// counts the restarts after it. Generation is how many times an
@@ -142,6 +151,8 @@ type Config struct {
 
 	Registerer prometheus.Registerer // nil: no metrics
 	Logger     *slog.Logger          // nil: silent
+
+	warm map[int]*spareProc // the last run's warm interpreters, by local rank (Resized.Next)
 }
 
 // errConfig is wrapped by every configuration error.
@@ -159,8 +170,14 @@ func (c Config) Validate() error {
 		return bad("Command", c.Command, "name the script (or, with NoPython, the program) each rank runs")
 	case c.Nodes < 0:
 		return bad("Nodes", c.Nodes, "negative")
-	case c.NodeRank < 0 || c.NodeRank >= max(c.Nodes, 1):
-		return bad("NodeRank", c.NodeRank, fmt.Sprintf("outside [0, %d)", max(c.Nodes, 1)))
+	case c.SpareNodes < 0:
+		return bad("SpareNodes", c.SpareNodes, "negative")
+	case c.SpareNodes > 0 && c.Nodes < 2:
+		return bad("SpareNodes", c.SpareNodes, "a spare takes a lost node's place, and a job of one node ends with its node 0: give Nodes at least 2")
+	case c.SpareNodes > 0 && c.Manager != "":
+		return bad("SpareNodes", c.SpareNodes, "node 0's manager hands a lost node's place to a spare: drop Manager")
+	case c.NodeRank < 0 || c.NodeRank >= max(c.Nodes, 1)+c.SpareNodes:
+		return bad("NodeRank", c.NodeRank, fmt.Sprintf("outside [0, %d)", max(c.Nodes, 1)+c.SpareNodes))
 	case c.MinNodes < 0 || c.MinNodes > max(c.Nodes, 1):
 		return bad("MinNodes", c.MinNodes, fmt.Sprintf("outside [1, Nodes = %d]", max(c.Nodes, 1)))
 	case c.MinNodes > 0 && c.MinNodes < c.Nodes && c.Manager != "":
@@ -235,6 +252,9 @@ func (c *Config) setDefaults() {
 func (c *Config) heartbeats() (interval, deadline time.Duration) {
 	return c.HeartbeatDeadline / 6, c.HeartbeatDeadline
 }
+
+// spare reports whether this node is one of the job's spare nodes.
+func (c *Config) spare() bool { return c.NodeRank >= c.Nodes }
 
 // world is the number of ranks of the job.
 func (c *Config) world() int { return c.Nodes * c.ProcsPerNode }

@@ -37,7 +37,12 @@
 //   - in an elastic job (Config.MinNodes below Nodes), starts with the
 //     nodes there once MinNodes are, and goes on with the nodes left when
 //     nodes are lost and not replaced: Run returns a *Resized, and the
-//     caller runs the node's agent again with Resized.Next.
+//     caller runs the node's agent again with Resized.Next;
+//   - on a spare node (Config.SpareNodes), runs no rank but keeps warm
+//     interpreters and the replicas the job's nodes send it, and takes a
+//     lost node's place as soon as node 0's manager declares it lost: Run
+//     returns a *Resized naming that node, and the next run starts the
+//     node's ranks from the interpreters this one kept warm.
 //
 // The job's decisions are kept pure, time and events in and actions out,
 // with processes, sockets and segments at their edges: who is lost and

@@ -47,12 +47,13 @@ type jobCheckpoints struct {
 
 	mu      sync.Mutex
 	core    *jobCore
+	spares  handout
 	mgr     *taskd.Manager // learned from the handler's calls
 	changed chan struct{}  // closed and replaced when a report comes
 }
 
 func newJobCheckpoints(nodes int, local *Agent, log *slog.Logger) *jobCheckpoints {
-	j := &jobCheckpoints{local: local, log: log, core: newJobCore(nodes), changed: make(chan struct{})}
+	j := &jobCheckpoints{local: local, log: log, core: newJobCore(nodes), spares: handout{handed: map[int]int{}, said: map[int]bool{}}, changed: make(chan struct{})}
 	j.hangs.j = j
 	return j
 }
@@ -122,7 +123,7 @@ func (j *jobCheckpoints) LoadNewest(ctx context.Context) (int64, error) {
 	if plan.step < 0 || len(plan.replica)+len(plan.disk) > 0 {
 		line := fmt.Sprintf("the job resumes from step %d", plan.step)
 		if len(plan.replica) > 0 {
-			line += fmt.Sprintf(", ranks %v from replicas in other nodes' memory", plan.replica)
+			line += fmt.Sprintf(", ranks %v from replicas in memory", plan.replica)
 		}
 		if len(plan.disk) > 0 {
 			line += fmt.Sprintf(", ranks %v from disk", plan.disk)
@@ -237,7 +238,7 @@ func (j *jobCheckpoints) PersistNewest(ctx context.Context) (int64, error) {
 	// An elastic job goes on without the lost nodes, from what the nodes
 	// left hold in memory, whether or not their step committed.
 	if a := j.local; a != nil && a.elastic() && len(lost) > 0 {
-		live := liveNodes(m)
+		live := liveNodes(m, 0, j.core.nodes)
 		why := resizeWhy(j.core.nodes, live, a.cfg.ProcsPerNode, fmt.Sprintf("were lost and no node took their place within --node-timeout %v", a.cfg.NodeTimeout))
 		rm, whyNot := shrink(j.core.nodes, a.cfg.MinNodes, live, a.cfg.Topology, j.addrs(), a.slots[0].restarts()+1, a.cfg.Generation+1, why)
 		if whyNot == "" {
@@ -264,7 +265,17 @@ func (j *jobCheckpoints) handler() taskd.Handler {
 		j.mu.Lock()
 		j.mgr = m
 		j.mu.Unlock()
-		if ev.Kind != taskd.EventMessage {
+		switch {
+		case ev.Kind == taskd.EventFault && ev.Fault.Kind == taskd.FaultLost:
+			j.nodeLost(ctx, m, ev.Fault.Position.Node)
+			return nil
+		case ev.Kind == taskd.EventRegistered && ev.Role == taskd.RoleWorker:
+			j.registered(ctx, m, ev.Position.Node)
+			return nil
+		case ev.Kind == taskd.EventLeft && ev.Role == taskd.RoleWorker:
+			j.spareGone(ctx, m, ev.Position.Node, ev.Departure.Left)
+			return nil
+		case ev.Kind != taskd.EventMessage:
 			return nil
 		}
 		switch ev.Message.Kind {
@@ -275,6 +286,17 @@ func (j *jobCheckpoints) handler() taskd.Handler {
 			}
 			if h.Node != ev.Position.Node {
 				return fmt.Errorf("%s from %v speaks for node %d", kindHello, ev.Position, h.Node)
+			}
+			if a := j.local; a != nil && h.Shape != a.jobShape() {
+				// A node of another shape would run ranks of another world.
+				why := fmt.Sprintf("node %d was started with %s, the job's node 0 with %s: give every node, spares too, the same", h.Node, h.Shape, a.jobShape())
+				fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; it is stopped\n", why)
+				go func() {
+					if _, err := m.Broadcast(context.WithoutCancel(ctx), taskd.NodeWorkers(h.Node), kindStop, []byte(why)); err != nil {
+						j.log.Warn("agent: a node of another shape was not told to stop", "node", h.Node, "err", err)
+					}
+				}()
+				return nil
 			}
 			j.mu.Lock()
 			peers, changed := j.core.hello(h)

@@ -25,6 +25,21 @@ type nodeHello struct {
 	Ranks    []int  `json:"ranks"`
 	Replicas string `json:"replicas,omitempty"` // host:port, "" when it serves none
 	Instance string `json:"instance"`           // the agent's, new at each start
+	// The job's shape as the node was given it: node 0 ends a node given
+	// another (a node started as one of the job's at a spare's place, say).
+	Shape shape `json:"shape"`
+}
+
+// shape is the job's shape as a node's configuration gives it.
+type shape struct {
+	Nodes        int `json:"nodes"`
+	SpareNodes   int `json:"spare_nodes,omitempty"`
+	ProcsPerNode int `json:"procs_per_node"`
+}
+
+// String is the shape as faultline-run's flags give it.
+func (s shape) String() string {
+	return fmt.Sprintf("--nnodes %d --spare-nodes %d --nproc-per-node %d", s.Nodes, s.SpareNodes, s.ProcsPerNode)
 }
 
 // heldReport is what a node's agent says it holds in round: the steps

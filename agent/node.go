@@ -92,6 +92,18 @@ func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
 		}
 	case kindStop:
 		go a.stopNode(string(m.Payload))
+	case kindTakeover:
+		var t takeoverMsg
+		if err := json.Unmarshal(m.Payload, &t); err != nil {
+			return fmt.Errorf("agent: %s: %w", kindTakeover, err)
+		}
+		if a.firstOf(kindTakeover, fmt.Sprint(t.Node)) {
+			a.takeOver(t)
+		}
+	case kindJobEnded:
+		if a.firstOf(kindJobEnded, "ended") {
+			a.jobEnded(string(m.Payload))
+		}
 	}
 	return nil
 }
@@ -163,7 +175,7 @@ func (a *Agent) announce(ctx context.Context) {
 	for i, s := range a.slots {
 		ranks[i] = s.rank
 	}
-	b, _ := json.Marshal(nodeHello{Node: a.cfg.NodeRank, Ranks: ranks, Replicas: a.ckpts.replicaAddr(), Instance: a.instance})
+	b, _ := json.Marshal(nodeHello{Node: a.cfg.NodeRank, Ranks: ranks, Replicas: a.ckpts.replicaAddr(), Instance: a.instance, Shape: a.jobShape()})
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	w := newNodeWatch(a.cfg.NodeRank, a.cfg.NodeTimeout, a.cfg.HeartbeatDeadline, time.Now())
@@ -184,6 +196,10 @@ func (a *Agent) announce(ctx context.Context) {
 				fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s\n", act.why)
 			case nodeGiveUpAction:
 				fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; this node's ranks end\n", act.why)
+				if a.cfg.spare() {
+					a.stopNode(act.why)
+					return
+				}
 				// What the node holds of the others (replicas) goes to
 				// disk with its own shards: the next run resumes from
 				// that step.

@@ -38,10 +38,15 @@ type Resized struct {
 	// Generation counts the job's shapes: the next run's Config.Generation.
 	Generation int
 	Why        string // what changed: the nodes lost, or missing at the start
+
+	warm map[int]*spareProc // the run's warm interpreters, for the next
 }
 
 // Error says how the job goes on, and why.
 func (r *Resized) Error() string {
+	if r.From == r.To && r.Node >= r.From {
+		return fmt.Sprintf("agent: spare node %d takes the place of node %d: %s", r.Node, r.NodeRank, r.Why)
+	}
 	return fmt.Sprintf("agent: the job goes on with %s instead of %d, this one as node %d (was %d): %s", nodesWord(r.To), r.From, r.NodeRank, r.Node, r.Why)
 }
 
@@ -49,6 +54,7 @@ func (r *Resized) Error() string {
 // on: c with the job's new shape and restart count.
 func (r *Resized) Next(c Config) Config {
 	c.Nodes, c.NodeRank, c.Restarts, c.Generation = r.To, r.NodeRank, r.Restarts, r.Generation
+	c.warm, r.warm = r.warm, nil // the warm interpreters go to one run
 	return c
 }
 
@@ -152,11 +158,14 @@ func (j *jobCheckpoints) addrs() map[int]string {
 	return j.core.peers()
 }
 
-// liveNodes returns the nodes of which a worker is registered with m.
-func liveNodes(m *taskd.Manager) []int {
+// liveNodes returns the nodes in [from, to) of which a worker is
+// registered with m: the job's nodes are [0, Config.Nodes), its spares
+// the ones after.
+func liveNodes(m *taskd.Manager, from, to int) []int {
 	var live []int
 	for _, mi := range m.Members() {
-		if mi.Role == taskd.RoleWorker && !slices.Contains(live, mi.Position.Node) {
+		n := mi.Position.Node
+		if mi.Role == taskd.RoleWorker && n >= from && n < to && !slices.Contains(live, n) {
 			live = append(live, mi.Position.Node)
 		}
 	}
@@ -171,9 +180,13 @@ func (a *Agent) elastic() bool { return a.cfg.MinNodes < a.cfg.Nodes }
 // and takes it itself: every node ends its run with a *Resized once
 // recovery stops its ranks (or stopAll, at the start).
 func (a *Agent) resize(ctx context.Context, m resizeMsg) error {
+	// The live spares stay spares, numbered after the job's nodes.
+	for i, s := range liveNodes(a.mgr, a.cfg.Nodes, a.cfg.Nodes+a.cfg.SpareNodes) {
+		m.Ranks[s] = m.To + i
+	}
 	a.takeResize(m)
 	b, _ := json.Marshal(m)
-	ds, err := a.mgr.Broadcast(ctx, taskd.AllWorkers(), kindResize, b)
+	ds, err := a.mgr.Broadcast(ctx, taskd.Target{All: true, Nodes: a.spares()}, kindResize, b)
 	if err != nil {
 		return fmt.Errorf("agent: tell the nodes that the job goes on with %d nodes: %w", m.To, err)
 	}
@@ -286,7 +299,7 @@ func (a *Agent) awaitNodes(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		live := liveNodes(a.mgr)
+		live := liveNodes(a.mgr, 0, a.cfg.Nodes)
 		switch {
 		case len(live) == a.cfg.Nodes:
 			a.startShape(ctx)
@@ -337,18 +350,82 @@ func (a *Agent) startShape(ctx context.Context) {
 	}
 }
 
+// promoteReplicas gives each local rank that holds no step, in a job that
+// goes on resized, the newest step of a replica held here of a rank of
+// the same local rank: its own (a spare that took a lost node's place
+// holds its ranks' state so until they resume), or, the state of a
+// data-parallel job being every rank's, another node's, as the shrink
+// takes each rank's state from its node's rank of the same local rank.
+func (c *checkpoints) promoteReplicas() {
+	ctx, cancel := context.WithTimeout(context.Background(), persistTimeout)
+	defer cancel()
+	per := c.a.cfg.ProcsPerNode
+	for _, s := range c.a.slots {
+		if steps, _, _ := c.heldSteps(s.rank); len(steps) > 0 {
+			continue
+		}
+		names, _ := filepath.Glob(filepath.Join(c.a.cfg.ShmDir, c.segmentName()+"-replica-*"))
+		if len(names) == 0 {
+			return
+		}
+		if _, _, err := c.segment(s.rank, "", 1); err != nil {
+			c.a.log.Warn("agent: no replica taken in for a local rank", "rank", s.rank, "err", err)
+			continue
+		}
+		o, err := c.owner(s.rank)
+		if o == nil || err != nil {
+			continue
+		}
+		held, _, err := o.Replicas()
+		if err != nil {
+			continue
+		}
+		from, step := -1, int64(-1)
+		for r, steps := range held {
+			if r%per != s.local || len(steps) == 0 {
+				continue
+			}
+			if st := slices.Max(steps); from < 0 || r == s.rank && from != s.rank || st > step && from != s.rank {
+				from, step = r, st
+			}
+		}
+		if from < 0 {
+			continue
+		}
+		if err := o.Adopt(ctx, s.rank, from, step); err != nil {
+			c.a.log.Warn("agent: no replica taken in for a local rank", "rank", s.rank, "replica_of", from, "step", step, "err", err)
+			continue
+		}
+		c.a.log.Info("agent: a local rank's state taken in from a replica held here", "rank", s.rank, "replica_of", from, "step", step)
+	}
+}
+
 // renumber, at the end of a run that goes on resized, gives each local
 // rank's segment its rank's new number, so that the ranks resume from
 // what they hold in memory, and drops the replicas of the old numbers.
+// A spare's segments hold nothing (it ran no rank): they go. A spare
+// that takes a lost node's place keeps the replicas it holds, of ranks
+// whose numbers stay: those of the node it becomes among them.
 func (c *checkpoints) renumber(r *Resized) error {
+	if r.Generation != c.a.cfg.Generation && !c.a.cfg.spare() {
+		c.promoteReplicas()
+	}
 	c.close()
 	per := c.a.cfg.ProcsPerNode
 	var errs []error
 	for _, s := range c.a.slots {
-		to := r.NodeRank*per + s.local
-		if err := ckpt.RenameShard(c.a.cfg.ShmDir, c.segmentName(), s.rank, to); err != nil && !errors.Is(err, os.ErrNotExist) {
+		var err error
+		if c.a.cfg.spare() {
+			err = os.Remove(c.segmentPath(s.rank))
+		} else {
+			err = ckpt.RenameShard(c.a.cfg.ShmDir, c.segmentName(), s.rank, r.NodeRank*per+s.local)
+		}
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, err)
 		}
+	}
+	if r.Generation == c.a.cfg.Generation {
+		return errors.Join(errs...) // a takeover: the job's ranks keep their numbers
 	}
 	replicas, _ := filepath.Glob(filepath.Join(c.a.cfg.ShmDir, c.segmentName()+"-replica-*"))
 	for _, name := range replicas {

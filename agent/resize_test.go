@@ -80,6 +80,14 @@ func TestResizedNext(t *testing.T) {
 	if err := c.Validate(); err != nil {
 		t.Fatal(err)
 	}
+	// A spare that takes node 1's place: the job's shape stays.
+	r = &Resized{From: 2, To: 2, Node: 2, NodeRank: 1, Why: "node 1 was lost; spare node 2 takes its place"}
+	if c := r.Next(Config{Job: "j", Command: []string{"x"}, Nodes: 2, SpareNodes: 1, NodeRank: 2}); c.Nodes != 2 || c.NodeRank != 1 || c.SpareNodes != 1 || c.spare() {
+		t.Fatalf("a takeover's Next = %+v", c)
+	}
+	if got := r.Error(); !strings.Contains(got, "spare node 2 takes the place of node 1") {
+		t.Errorf("a takeover says %q", got)
+	}
 	for _, bad := range []Config{
 		{Job: "j", Command: []string{"x"}, Nodes: 2, MinNodes: 3},
 		{Job: "j", Command: []string{"x"}, Nodes: 3, MinNodes: 2, Manager: "h:1"},

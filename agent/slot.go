@@ -5,12 +5,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -80,6 +82,11 @@ type rankProc struct {
 	state    *os.ProcessState
 	expected bool // the agent killed it: its exit is no fault
 	hello    bool // it said hello: its faulthandler dumps on stackSignal
+	// owner is the slot whose process it is, and out and errOut take its
+	// output to that slot's: a warm spare moves to the slot of the node's
+	// next run (Resized).
+	owner       atomic.Pointer[slot]
+	out, errOut *relay
 }
 
 func newSlot(a *Agent, local int) (*slot, error) {
@@ -250,13 +257,15 @@ func (s *slot) forget() {
 // of its own, killed with the agent, its output prefixed. own makes it
 // the slot's before its exit is watched.
 func (s *slot) launch(cmd *exec.Cmd, own func(*rankProc)) (*rankProc, error) {
-	cmd.Stdout, cmd.Stderr = s.out, s.errOut
+	out, errOut := &relay{w: s.out}, &relay{w: s.errOut}
+	cmd.Stdout, cmd.Stderr = out, errOut
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	cmd.WaitDelay = time.Second
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
-	p := &rankProc{cmd: cmd, pid: cmd.Process.Pid, started: time.Now(), done: make(chan struct{})}
+	p := &rankProc{cmd: cmd, pid: cmd.Process.Pid, started: time.Now(), done: make(chan struct{}), out: out, errOut: errOut}
+	p.owner.Store(s)
 	own(p)
 	go func() {
 		// Whatever the process started ends with it, however it ended (a
@@ -268,7 +277,7 @@ func (s *slot) launch(cmd *exec.Cmd, own func(*rankProc)) (*rankProc, error) {
 		_ = cmd.Wait()
 		p.state = cmd.ProcessState
 		close(p.done)
-		s.exited(p)
+		p.owner.Load().exited(p)
 	}()
 	return p, nil
 }
@@ -552,6 +561,10 @@ func (s *slot) serveWorkers(ctx context.Context) {
 		s.mu.Unlock()
 		err = w.Run(ctx)
 		w.Close()
+		if errors.Is(err, taskd.ErrPosition) {
+			s.a.stopNode(fmt.Sprintf("the job's manager refuses rank %d of node %d (%v): give every node, spares too, the job's --nnodes, --spare-nodes and --nproc-per-node", s.rank, s.a.cfg.NodeRank, err))
+			return
+		}
 		if !errors.Is(err, taskd.ErrEvicted) {
 			return
 		}
@@ -560,6 +573,25 @@ func (s *slot) serveWorkers(ctx context.Context) {
 }
 
 // Lines of output from the ranks.
+
+// relay writes to the writer it is set to.
+type relay struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (r *relay) set(w io.Writer) {
+	r.mu.Lock()
+	r.w = w
+	r.mu.Unlock()
+}
+
+func (r *relay) Write(p []byte) (int, error) {
+	r.mu.Lock()
+	w := r.w
+	r.mu.Unlock()
+	return w.Write(p)
+}
 
 // lineWriter writes whole lines to w, each with prefix, so that ranks'
 // lines do not interleave.

@@ -84,6 +84,43 @@ func (sp *spareProc) run(ctx context.Context, env map[string]string, c Config, o
 	return nil
 }
 
+// warmSpares takes the slots' warm spares that are ready (imported torch
+// and waiting), by local rank, for the node's next run (Resized.Next),
+// whose slots adopt them instead of importing torch again.
+func (a *Agent) warmSpares() map[int]*spareProc {
+	out := map[int]*spareProc{}
+	for _, s := range a.slots {
+		s.mu.Lock()
+		if sp := s.spare; sp != nil {
+			select {
+			case conn := <-sp.ready:
+				sp.ready <- conn // put back: ready holds one
+				s.spare, out[s.local] = nil, sp
+			default: // still importing: it goes with the run
+			}
+		}
+		s.mu.Unlock()
+	}
+	return out
+}
+
+// adopt makes sp, a warm spare of the last run of the node, the slot's.
+func (s *slot) adopt(sp *spareProc) {
+	sp.p.owner.Store(s)
+	sp.p.out.set(s.out)
+	sp.p.errOut.set(s.errOut)
+	s.mu.Lock()
+	s.spare = sp
+	s.mu.Unlock()
+}
+
+// dropWarm kills warm spares that no slot adopted.
+func dropWarm(warm map[int]*spareProc) {
+	for _, sp := range warm {
+		sp.p.owner.Load().killProc(sp.p)
+	}
+}
+
 // offer takes in a spare's "spare" request: its connection waits there
 // until the spare is handed a rank.
 func (s *slot) offer(pid int, conn net.Conn) bool {

@@ -49,6 +49,8 @@ func (t trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 	state := s.state
 	s.mu.Unlock()
 	switch {
+	case s.a.cfg.spare():
+		return nil // a spare runs no rank until it takes a node's place
 	case state == slotRunning && r.Step < 0 && len(r.Restarted) == 0:
 		return nil
 	case state == slotDone && r.Strategy == "":

@@ -176,6 +176,11 @@ func run(ctx context.Context, opts options, sigs <-chan os.Signal) error {
 			// Taken as the run ended: the job ends here, its ranks stopped
 			// and their segments kept (renumbered) for a run started again.
 			glob := filepath.Join(cmp.Or(cfg.ShmDir, "/dev/shm"), "faultline-"+cfg.Job+"-*")
+			if rz.From == rz.To {
+				// A spare that was to take a lost node's place.
+				fmt.Fprintf(os.Stderr, "faultline-run: kept the replicas %s that spare node %d holds of node %d's ranks; remove them unless a node %d is started here (rm %s)\n", glob, rz.Node, rz.NodeRank, rz.NodeRank, glob)
+				return fmt.Errorf("%w by %s as this spare was to take node %d's place", agent.ErrTerminated, unix.SignalName(sig), rz.NodeRank)
+			}
 			fmt.Fprintf(os.Stderr, "faultline-run: kept the checkpoint segments %s, renumbered for the job's new shape; remove them unless the job is run again (rm %s)\n", glob, glob)
 			return fmt.Errorf("%w by %s as the job went on with %d nodes", agent.ErrTerminated, unix.SignalName(sig), rz.To)
 		}
@@ -237,6 +242,7 @@ func parse(args []string) (options, error) {
 		joinTimeout = fs.Duration("join-timeout", 30*time.Second, "an elastic job's wait for more nodes, up to MAX, once MIN are there")
 		nproc       = fs.String("nproc-per-node", "1", "ranks on this node: a number, auto or cpu")
 		nodeRank    = fs.Int("node-rank", 0, "this node's rank")
+		spareNodes  = fs.Int("spare-nodes", 0, "nodes beyond --nnodes (its MAX) that run no rank, keep warm interpreters and the replicas they are sent, and take a lost node's place at once: started with --node-rank NNODES and up")
 		masterAddr  = fs.String("master-addr", "127.0.0.1", "address of node 0 (rank 0's store, the manager)")
 		masterPort  = fs.Int("master-port", 29500, "port of rank 0's store; the manager listens on the next one")
 		maxRestarts = fs.Int("max-restarts", 0, "restarts of the job's ranks allowed")
@@ -279,7 +285,7 @@ func parse(args []string) (options, error) {
 	*cfg = agent.Config{Command: cmd, NodeRank: *nodeRank, MasterAddr: *masterAddr, MasterPort: *masterPort,
 		MaxRestarts: *maxRestarts, NoPython: *noPython, Module: *module, Python: *pythonExe, CollectiveTimeout: *collTimeout,
 		Out: *out, Manager: *manager, NoSpares: *noSpares, GracePeriod: *grace, HeartbeatDeadline: *heartbeat,
-		NodeTimeout: *nodeTimeout, Replicas: *replicas, ReplicaPort: *replicaPort, JoinTimeout: *joinTimeout}
+		NodeTimeout: *nodeTimeout, Replicas: *replicas, ReplicaPort: *replicaPort, JoinTimeout: *joinTimeout, SpareNodes: *spareNodes}
 	var err error
 	if cfg.MinNodes, cfg.Nodes, err = parseNodes(*nnodes); err != nil {
 		return opts, err
@@ -290,8 +296,21 @@ func parse(args []string) (options, error) {
 	if cfg.MinNodes < cfg.Nodes && *manager != "" {
 		return opts, fmt.Errorf("%w: --nnodes %s with --manager: an elastic job's manager is node 0's faultline-run, whose shape changes with the job's; drop --manager, or give a fixed --nnodes", errUsage, *nnodes)
 	}
-	if *nodeRank < 0 || *nodeRank >= cfg.Nodes {
-		return opts, fmt.Errorf("%w: --node-rank %d: outside [0, %d) for --nnodes %s", errUsage, *nodeRank, cfg.Nodes, *nnodes)
+	switch {
+	case *standalone && *spareNodes != 0:
+		return opts, fmt.Errorf("%w: --standalone with --spare-nodes: a standalone job is one node; drop --spare-nodes", errUsage)
+	case *spareNodes < 0:
+		return opts, fmt.Errorf("%w: --spare-nodes %d: negative", errUsage, *spareNodes)
+	case *spareNodes > 0 && cfg.Nodes < 2:
+		return opts, fmt.Errorf("%w: --spare-nodes %d with --nnodes %s: a spare takes the place of a lost node other than node 0, whose loss ends the job; give a job of at least 2 nodes", errUsage, *spareNodes, *nnodes)
+	case *spareNodes > 0 && *manager != "":
+		return opts, fmt.Errorf("%w: --spare-nodes with --manager: node 0's faultline-run hands a lost node's place to a spare; drop --manager", errUsage)
+	case *nodeRank < 0 || *nodeRank >= cfg.Nodes+*spareNodes:
+		spares := ""
+		if *spareNodes > 0 {
+			spares = fmt.Sprintf(" and --spare-nodes %d", *spareNodes)
+		}
+		return opts, fmt.Errorf("%w: --node-rank %d: outside [0, %d) for --nnodes %s%s", errUsage, *nodeRank, cfg.Nodes+*spareNodes, *nnodes, spares)
 	}
 	if cfg.ProcsPerNode, err = parseNproc(*nproc); err != nil {
 		return opts, err

@@ -115,7 +115,7 @@ func TestNodeLostFromReplicas(t *testing.T) {
 		}
 	}
 	<-n1.done
-	if !strings.Contains(n0.errText(), "ranks [2 3] from replicas in other nodes' memory") {
+	if !strings.Contains(n0.errText(), "ranks [2 3] from replicas in memory") {
 		t.Errorf("node 0 does not say that ranks 2 and 3 resume from replicas:\n%s", n0.errText())
 	}
 	for _, l := range strings.Split(n1b.stdout(), "\n") {
