@@ -46,7 +46,8 @@ func shmDir(b *testing.B) string {
 
 // BenchmarkSpan times `with faultline.span("forward"): pass` in Python
 // with the ring's switch on (drained here, as the agent does) and off,
-// beside a time.perf_counter_ns() pair measured in the same rounds.
+// beside a time.perf_counter_ns() pair measured in the same rounds, and
+// the floor of a span written in Python (x-pair-floor).
 // Targets: x-pair-on <= 8, x-pair-off <= 3.
 func BenchmarkSpan(b *testing.B) {
 	py := requirePython(b, false)
@@ -82,7 +83,7 @@ func BenchmarkSpan(b *testing.B) {
 	}()
 	defer func() { cancel(); wg.Wait() }()
 
-	var r struct{ Pair, On, Off float64 }
+	var r struct{ Pair, On, Off, Floor float64 }
 	for b.Loop() {
 		runBench(b, py, pyEnv(pkg), &r, "testdata/bench_span.py", on.Path(), off.Path())
 	}
@@ -91,6 +92,9 @@ func BenchmarkSpan(b *testing.B) {
 	b.ReportMetric(r.Off, "ns/span-off")
 	b.ReportMetric(r.On/r.Pair, "x-pair-on")
 	b.ReportMetric(r.Off/r.Pair, "x-pair-off")
+	// The floor of any span written in Python: the call of span(), the
+	// with statement's two calls and the two clock reads.
+	b.ReportMetric(r.Floor/r.Pair, "x-pair-floor")
 	if on.Dropped() != 0 {
 		b.Fatalf("%d records dropped: the figures would flatter the producer", on.Dropped())
 	}
