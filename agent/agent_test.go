@@ -100,7 +100,9 @@ func TestRunFinishes(t *testing.T) {
 // TestRunRestarts: a rank that fails once is restarted together with the
 // other rank, within the budget; the incident says so.
 func TestRunRestarts(t *testing.T) {
-	a, out, dir := shellAgent(t, 2, 2, `if [ "$RANK" = 1 ] && [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exit 7; fi; sleep 0.2; echo "done $RANK after $TORCHELASTIC_RESTART_COUNT"`)
+	// Rank 0's first process waits to be stopped: one that finished first,
+	// on a loaded machine, would leave the job nothing to restart it into.
+	a, out, dir := shellAgent(t, 2, 2, `if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then [ "$RANK" = 1 ] && exit 7; sleep 60; fi; echo "done $RANK after $TORCHELASTIC_RESTART_COUNT"`)
 	if err := run(t, a); err != nil {
 		t.Fatalf("%v\n%s", err, output(t, out))
 	}
