@@ -169,7 +169,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	}()
 	g.Go(func() error { srv.serve(gctx); return nil })
 	if a.cfg.spare() {
-		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d is a spare of job %s: it runs no rank, keeps warm interpreters and the replicas it is sent, and takes the place of the first node of the job lost\n", a.cfg.NodeRank, a.cfg.Job)
+		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d is a spare of job %s: it runs no rank, keeps warm interpreters and the replicas it is sent, and takes the place of a node of the job that is lost\n", a.cfg.NodeRank, a.cfg.Job)
 		a.ckpts.holdReplicas(gctx)
 	}
 	// Each rank's interpreter imports torch while the node joins the job

@@ -38,11 +38,13 @@ type Config struct {
 	// SpareNodes are nodes beyond the job's, node ranks Nodes to
 	// Nodes+SpareNodes-1 (Nodes being the MAX of an elastic job): a spare
 	// runs no rank, keeps warm interpreters and the replicas the job's
-	// nodes send it, and takes a lost node's place as soon as node 0's
-	// manager declares the node lost, instead of the job waiting
-	// NodeTimeout for a replacement. Its run then ends with a *Resized
-	// naming the node rank it takes (the job's shape unchanged). A spare
-	// needs node 0's manager.
+	// nodes send it, and takes a lost node's place once node 0's manager
+	// declares the node lost (and a heartbeat interval more, for the nodes
+	// lost with it), instead of the job waiting NodeTimeout for a
+	// replacement. Its run then ends with a *Resized naming the node rank
+	// it takes (the job's shape unchanged), whose Next keeps its warm
+	// interpreters for the next run: run it, or they are killed when the
+	// program exits. A spare needs node 0's manager.
 	SpareNodes int
 	// Restarts is the restart count the ranks start with: a job that goes
 	// on resized counts on (Resized.Next sets it). The restart budget

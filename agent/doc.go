@@ -40,7 +40,7 @@
 //     caller runs the node's agent again with Resized.Next;
 //   - on a spare node (Config.SpareNodes), runs no rank but keeps warm
 //     interpreters and the replicas the job's nodes send it, and takes a
-//     lost node's place as soon as node 0's manager declares it lost: Run
+//     lost node's place once node 0's manager declares it lost: Run
 //     returns a *Resized naming that node, and the next run starts the
 //     node's ranks from the interpreters this one kept warm.
 //

@@ -19,15 +19,17 @@ import (
 // their loss is no fault. Each keeps warm interpreters, and holds the
 // replicas the job's nodes send it as they send them to any node (it
 // says hello with its replica address). When node 0's manager declares a
-// node of the job lost, node 0 hands the node's place to the first live
-// spare (kindTakeover): the spare ends its run with a *Resized naming
-// that node rank, and runs again as the node, registering its ranks as
+// node of the job lost, node 0 waits a heartbeat interval for the nodes
+// lost with it, then hands each lost node's place to a live spare, those
+// that hold a lost node's replicas to that node first (kindTakeover): the
+// spare ends its run with a *Resized naming that node rank, and runs again as the node, registering its ranks as
 // any replacement does, at once rather than after an operator started
 // one. Its ranks resume from the replicas of the lost node's ranks, held
 // in its own memory when the lost node sent them there.
 
 // Down, to a spare node: take the place of a lost node (takeoverMsg).
-// Down, to the spare nodes: the job finished or stopped (the reason).
+// Down, to the spare nodes: the job finished (kindStop tells them it
+// stopped).
 const (
 	kindTakeover = "faultline-run/takeover"
 	kindJobEnded = "faultline-run/job-ended"
@@ -122,10 +124,17 @@ func (j *jobCheckpoints) nodeLost(ctx context.Context, m *taskd.Manager, node in
 // not handed one (pairSpares), telling each spare; it says on node 0's
 // output which node waits with no spare live.
 func (j *jobCheckpoints) handOut(ctx context.Context, m *taskd.Manager) {
+	if ctx.Err() != nil {
+		return // the manager, and the run it served, ended
+	}
 	a := j.local
 	live := liveNodes(m, a.cfg.Nodes, a.cfg.Nodes+a.cfg.SpareNodes)
+	back := liveNodes(m, 0, a.cfg.Nodes)
 	j.mu.Lock()
 	h := &j.spares
+	// A node declared lost that is live again (it was cut off, not lost)
+	// keeps its place.
+	h.waiting = slices.DeleteFunc(h.waiting, func(n int) bool { return slices.Contains(back, n) })
 	given := slices.Collect(maps.Values(h.handed))
 	free := slices.DeleteFunc(live, func(s int) bool { return slices.Contains(given, s) })
 	// A node's replicas go where PickPeers sends them among the nodes that
@@ -165,11 +174,21 @@ func (j *jobCheckpoints) handOut(ctx context.Context, m *taskd.Manager) {
 		b, _ := json.Marshal(takeoverMsg{Node: n, Spare: s})
 		// Sent on its own: a handler must not wait for the workers.
 		go func() {
-			ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+			bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 			defer cancel()
-			if _, err := m.Broadcast(ctx, taskd.NodeWorkers(s), kindTakeover, b); err != nil {
-				j.log.Warn("agent: a spare node was not told to take a lost node's place", "node", n, "spare", s, "err", err)
+			ds, err := m.Broadcast(bctx, taskd.NodeWorkers(s), kindTakeover, b)
+			if err == nil && slices.ContainsFunc(ds, func(d taskd.Delivery) bool { return d.Err == nil }) {
+				return
 			}
+			// No worker of the spare took it: the place goes to another.
+			j.log.Warn("agent: a spare node was not told to take a lost node's place", "node", n, "spare", s, "err", err)
+			j.mu.Lock()
+			if h.handed[n] == s {
+				delete(h.handed, n)
+				h.waiting = append(h.waiting, n)
+			}
+			j.mu.Unlock()
+			j.handOut(ctx, m)
 		}()
 	}
 	go func() {
@@ -182,15 +201,16 @@ func (j *jobCheckpoints) handOut(ctx context.Context, m *taskd.Manager) {
 }
 
 // takeoverWait bounds how long a spare that left to take a place may
-// take to register as that node before the place goes to another.
-const takeoverWait = 30 * time.Second
+// take to register as that node before the place goes to another: 30 s,
+// or half the node timeout, within which the job gives up on the node.
+func (a *Agent) takeoverWait() time.Duration { return min(30*time.Second, a.cfg.NodeTimeout/2) }
 
 // spareGone, on the manager's side, forgets the replica address of node,
 // a spare that left (on purpose: left) or was lost, and tells the job's
 // nodes: the last one sends its replicas to the next node instead,
 // rather than to none. A place it was handed and has not taken goes to
-// another spare: at once when it was lost, after takeoverWait when it
-// left (to take it, or ended).
+// another spare: a moment after it was lost (settle), after takeoverWait
+// when it left (to take it, or ended).
 func (j *jobCheckpoints) spareGone(ctx context.Context, m *taskd.Manager, node int, left bool) {
 	a := j.local
 	if a == nil || node < a.cfg.Nodes || node >= a.cfg.Nodes+a.cfg.SpareNodes {
@@ -210,7 +230,7 @@ func (j *jobCheckpoints) spareGone(ctx context.Context, m *taskd.Manager, node i
 		return again
 	}
 	if left {
-		time.AfterFunc(takeoverWait, func() {
+		time.AfterFunc(a.takeoverWait(), func() {
 			if untaken() {
 				j.handOut(ctx, m)
 			}
@@ -265,8 +285,8 @@ func (a *Agent) takeOver(t takeoverMsg) {
 	go a.stopNode(why) // the broadcast waits for this to return
 }
 
-// tellSpares, on node 0, tells the spare nodes that the job ended: they
-// end too, as the job did (ok: finished).
+// tellSpares, on node 0, tells the spare nodes that the job ended, why
+// being jobFinished when its ranks finished: they end too, as it did.
 func (a *Agent) tellSpares(why string) {
 	if a.mgr == nil || a.cfg.SpareNodes == 0 {
 		return
