@@ -392,11 +392,16 @@ func (c *checkpoints) promoteReplicas() {
 		if from < 0 {
 			continue
 		}
-		if err := o.Adopt(ctx, s.rank, from, step); err != nil {
-			c.a.log.Warn("agent: no replica taken in for a local rank", "rank", s.rank, "replica_of", from, "step", step, "err", err)
-			continue
+		// Both halves' steps, the older first: should a rank of the job
+		// not hold the newest, the one before may be every rank's.
+		steps := slices.Sorted(slices.Values(held[from]))
+		for _, st := range steps[max(len(steps)-2, 0):] {
+			if err := o.Adopt(ctx, s.rank, from, st); err != nil {
+				c.a.log.Warn("agent: no replica taken in for a local rank", "rank", s.rank, "replica_of", from, "step", st, "err", err)
+				continue
+			}
+			c.a.log.Info("agent: a local rank's state taken in from a replica held here", "rank", s.rank, "replica_of", from, "step", st)
 		}
-		c.a.log.Info("agent: a local rank's state taken in from a replica held here", "rank", s.rank, "replica_of", from, "step", step)
 	}
 }
 

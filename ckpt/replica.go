@@ -429,6 +429,20 @@ func (o *Owner) replicaSlot(shard int) *replicaSlot {
 	return s
 }
 
+// dropReplica removes the copy of shard held here.
+func (o *Owner) dropReplica(shard int) {
+	slot := o.replicaSlot(shard)
+	slot.mu.Lock()
+	defer slot.mu.Unlock()
+	if slot.seg != nil {
+		slot.seg.close()
+		slot.seg = nil
+	}
+	if err := os.Remove(ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		o.log.Warn("ckpt: a replica of a shard now local not removed", "shard", shard, "err", err)
+	}
+}
+
 // replicaSeg returns the segment holding the copy of a peer's shard, or
 // an error wrapping errNoReplica.
 func (o *Owner) replicaSeg(slot *replicaSlot, shard int) (*segment, error) {

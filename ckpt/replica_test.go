@@ -754,7 +754,7 @@ func TestAdopt(t *testing.T) {
 
 // TestRestoreFromReplicaHeld: node c holds a replica of shard 0, which it
 // now owns too (a spare that took node a's place): Restore serves shard
-// 0's step from that replica, with no peer to ask.
+// 0's step from that replica, with no peer to ask, and drops the copy.
 func TestRestoreFromReplicaHeld(t *testing.T) {
 	ctx := context.Background()
 	tb := newTestBlobs(100 << 10)
@@ -771,6 +771,9 @@ func TestRestoreFromReplicaHeld(t *testing.T) {
 	rep, err := c.o.Restore(ctx, 0, 3)
 	if err != nil || rep.Tier != TierReplica {
 		t.Fatalf("Restore = %+v, %v; want step 3 from the replica held here", rep, err)
+	}
+	if _, err := os.Stat(ReplicaPath(c.o.cfg.ShmDir, c.o.cfg.Name, 0)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the replica, now the shard's own, is still held: %v", err)
 	}
 	ck, _, err := c.o.Load(ctx, 0)
 	if err != nil || ck.Step != 3 {

@@ -76,6 +76,9 @@ func (o *Owner) Restore(ctx context.Context, shard int, step int64) (rep LoadRep
 	// the replicas the lost node sent it.
 	switch err := o.restoreLocalReplica(shard, shard, step); {
 	case err == nil:
+		// The segment holds the shard now: the copy would only take memory,
+		// and outlive the steps it was made of.
+		o.dropReplica(shard)
 		return served(TierReplica)
 	case !errors.Is(err, errNoReplica):
 		refuse(TierReplica, err)
