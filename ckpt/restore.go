@@ -168,6 +168,9 @@ func (o *Owner) restoreReplica(ctx context.Context, addr string, shard int, step
 // from another's state. The error wraps ErrNoStep when no intact copy of
 // from at step is held here.
 func (o *Owner) Adopt(ctx context.Context, shard, from int, step int64) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	err := o.restoreLocalReplica(shard, from, step)
 	if errors.Is(err, errNoReplica) {
 		return fmt.Errorf("ckpt: adopt shard %d's step %d into shard %d: %w: %w", from, step, shard, ErrNoStep, err)
@@ -191,35 +194,10 @@ func (o *Owner) restoreLocalReplica(shard, from int, step int64) error {
 			return err
 		}
 		return seg.read(i, false, func(m layout.StepMeta, half []byte, valid func() error) error {
-			names, sizes := make([]string, len(m.Blobs)), make([]int64, len(m.Blobs))
-			for k, e := range m.Blobs {
-				names[k], sizes[k] = e.Name, e.Size
-			}
-			meta := layout.PlaceBlobs(step, names, sizes)
-			to, err := t.open(meta.End())
-			if err != nil {
-				return err
-			}
-			hw, err := to.begin(meta)
-			if err != nil {
-				return err
-			}
-			crcs, err := readBlobs(hw, func(k int) io.Reader {
+			return t.copyStep(step, m.Blobs, func(k int) io.Reader {
 				e := m.Blobs[k]
 				return bytes.NewReader(half[e.Offset : e.Offset+e.Size])
-			})
-			if err != nil {
-				return fmt.Errorf("ckpt: read %s: %w", seg.path, err)
-			}
-			for k, e := range m.Blobs {
-				if crcs[k] != e.CRC32C {
-					return withFile(crcMismatch(k, e, crcs[k]), seg.path)
-				}
-			}
-			if err := valid(); err != nil {
-				return err
-			}
-			return hw.commit(crcs)
+			}, seg.path, valid)
 		})
 	})
 }
@@ -259,31 +237,44 @@ func (o *Owner) restoreDisk(shard int, step int64) (err error) {
 	} else if fi.Size() != man.Size {
 		return &layout.ParseError{File: name, Offset: -1, Field: "size", Msg: fmt.Sprintf("file is %d bytes, manifest says %d (truncated?)", fi.Size(), man.Size)}
 	}
-	names, sizes := make([]string, len(man.Blobs)), make([]int64, len(man.Blobs))
-	for k, e := range man.Blobs {
+	return o.restoreInto(shard, func(t *restoreTarget) error {
+		return t.copyStep(step, man.Blobs, func(k int) io.Reader { return io.NewSectionReader(f, man.Blobs[k].Offset, man.Blobs[k].Size) }, name, nil)
+	})
+}
+
+// copyStep writes step, of blobs (their names, sizes and CRC32C), read
+// from src (src(k) for blob k), into t's segment, checking each blob's
+// CRC as it arrives; file names the source in errors. valid, when not
+// nil, is asked last whether the source still held the step.
+func (t *restoreTarget) copyStep(step int64, blobs []layout.BlobEntry, src func(k int) io.Reader, file string, valid func() error) error {
+	names, sizes := make([]string, len(blobs)), make([]int64, len(blobs))
+	for k, e := range blobs {
 		names[k], sizes[k] = e.Name, e.Size
 	}
 	meta := layout.PlaceBlobs(step, names, sizes)
-	return o.restoreInto(shard, func(t *restoreTarget) error {
-		to, err := t.open(meta.End())
-		if err != nil {
+	to, err := t.open(meta.End())
+	if err != nil {
+		return err
+	}
+	hw, err := to.begin(meta)
+	if err != nil {
+		return err
+	}
+	crcs, err := readBlobs(hw, src)
+	if err != nil {
+		return fmt.Errorf("ckpt: read %s: %w", file, err)
+	}
+	for k, e := range blobs {
+		if crcs[k] != e.CRC32C {
+			return withFile(crcMismatch(k, e, crcs[k]), file)
+		}
+	}
+	if valid != nil {
+		if err := valid(); err != nil {
 			return err
 		}
-		hw, err := to.begin(meta)
-		if err != nil {
-			return err
-		}
-		crcs, err := readBlobs(hw, func(k int) io.Reader { return io.NewSectionReader(f, man.Blobs[k].Offset, man.Blobs[k].Size) })
-		if err != nil {
-			return fmt.Errorf("ckpt: read %s: %w", name, err)
-		}
-		for k, e := range man.Blobs {
-			if crcs[k] != e.CRC32C {
-				return withFile(crcMismatch(k, e, crcs[k]), name)
-			}
-		}
-		return hw.commit(crcs)
-	})
+	}
+	return hw.commit(crcs)
 }
 
 // readBlobs reads each blob of the save hw from the reader src gives for
