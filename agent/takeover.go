@@ -188,7 +188,7 @@ func (j *jobCheckpoints) handOut(ctx context.Context, m *taskd.Manager) {
 				h.waiting = append(h.waiting, n)
 			}
 			j.mu.Unlock()
-			j.handOut(ctx, m)
+			time.AfterFunc(a.settle(), func() { j.handOut(ctx, m) })
 		}()
 	}
 	go func() {
