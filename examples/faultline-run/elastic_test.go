@@ -24,6 +24,21 @@ func resumedFrom(out string) int {
 	return st
 }
 
+// earliestResumed returns the oldest step that a line of out says a rank
+// resumed from, and whether one does.
+func earliestResumed(out string) (int, bool) {
+	st, found := 0, false
+	for _, l := range strings.Split(out, "\n") {
+		if i := strings.Index(l, "resumed from step "); i >= 0 {
+			n, _ := strconv.Atoi(strings.TrimSpace(l[i+len("resumed from step "):]))
+			if !found || n < st {
+				st, found = n, true
+			}
+		}
+	}
+	return st, found
+}
+
 // TestElasticShrink: a job of 3 nodes of 2 ranks started with --nnodes
 // 2:3 loses node 1, whole, and no node takes its place within
 // --node-timeout: nodes 0 and 2 go on as a job of 2 (node 2 as node 1,
