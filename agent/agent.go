@@ -76,6 +76,8 @@ type Agent struct {
 
 	done atomic.Bool // every rank of the node finished
 
+	grows growHolds // the job taking in nodes: the faults it holds
+
 	shape     chan struct{} // closed once the ranks may start (see shaped)
 	shapeOnce sync.Once
 	runCtx    context.Context // Run's: what deferred starts run under
@@ -168,9 +170,25 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.wg.Wait()
 	}()
 	g.Go(func() error { srv.serve(gctx); return nil })
-	if a.cfg.spare() {
+	switch {
+	case a.cfg.joining:
+		warm := ""
+		if !a.cfg.NoPython && !a.cfg.NoSpares {
+			warm = ", keeps warm interpreters,"
+		}
+		fmt.Fprintf(a.cfg.Stderr, "faultline-run: the node started as --node-rank %d waits to join job %s, which went on without it: it runs no rank%s until the job takes it in, at its next restart point, or has it take a lost node's place\n", a.cfg.launchRank, a.controlJob(), warm)
+	case a.cfg.spare():
 		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d is a spare of job %s: it runs no rank, keeps warm interpreters and the replicas it is sent, and takes the place of a node of the job that is lost\n", a.cfg.NodeRank, a.cfg.Job)
 		a.ckpts.holdReplicas(gctx)
+	case a.cfg.grown != nil:
+		// The ranks of the nodes that joined take their state from this
+		// node's segments: they serve it from the start.
+		a.ckpts.run(gctx)
+		for _, s := range a.slots {
+			if _, err := a.ckpts.owner(s.rank); err != nil {
+				a.log.Warn("agent: a rank's segment does not serve the nodes that joined", "rank", s.rank, "err", err)
+			}
+		}
 	}
 	// Each rank's interpreter imports torch while the node joins the job
 	// (the store, the manager, the first rendezvous), so that its first
@@ -206,6 +224,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	g.Go(func() error { a.awaitManager(gctx); return nil })
 	g.Go(func() error { a.announce(gctx); return nil })
 	g.Go(func() error { a.awaitNodes(gctx); return nil })
+	g.Go(func() error { a.watchJoiners(gctx); return nil })
 	var result error
 	select {
 	case <-a.finished:
@@ -274,8 +293,12 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	if err := os.Remove(filepath.Join(stateDir, "orchestration.json")); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("agent: the last run's recovery state: %w", err)
 	}
+	spares := a.cfg.SpareNodes
+	if a.cfg.growable() {
+		spares = 2*a.cfg.joinBase() - a.cfg.Nodes // and the nodes waiting to join
+	}
 	m, err := taskd.NewManager(taskd.ManagerConfig{
-		Job: a.controlJob(), Listen: a.cfg.ManagerListen, Nodes: a.cfg.Nodes, ProcsPerNode: a.cfg.ProcsPerNode, SpareNodes: a.cfg.SpareNodes,
+		Job: a.controlJob(), Listen: a.cfg.ManagerListen, Nodes: a.cfg.Nodes, ProcsPerNode: a.cfg.ProcsPerNode, SpareNodes: spares,
 		Security: a.cfg.Security, StateDir: stateDir,
 		HeartbeatInterval: interval, HeartbeatDeadline: deadline,
 		Handlers:     []taskd.Handler{job.handler()},
@@ -348,8 +371,8 @@ func (a *Agent) awaitManager(ctx context.Context) {
 		s.mu.Unlock()
 		if w == nil || !w.Connected() {
 			also := ""
-			if a.elastic() {
-				also = "; or the job went on without this node (an elastic job takes in a node that comes after it started, or after it went on with fewer, only when it is started again)"
+			if a.cfg.growable() {
+				also = " (a node that comes after an elastic job went on without it finds it by the manager's answer, and waits to join it)"
 			}
 			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d's ranks wait for the job's manager at %s (job %q): not registered after 15s; check --master-addr, --master-port, --rdzv-id and the token on every node%s\n",
 				a.cfg.NodeRank, a.mgrAddr, a.controlJob(), also)
@@ -461,7 +484,7 @@ func (a *Agent) stopJob(reason string) {
 }
 
 func (a *Agent) stopAll(reason string) {
-	if a.mgr != nil && a.cfg.Nodes > 1 {
+	if a.mgr != nil && (a.cfg.Nodes > 1 || a.cfg.growable()) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		if _, err := a.mgr.Broadcast(ctx, taskd.Target{All: true, Nodes: a.spares()}, kindStop, []byte(reason)); err != nil {

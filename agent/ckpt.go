@@ -183,7 +183,7 @@ func (c *checkpoints) openLocked(sh *shard, rank int, dir string, bytes int64) e
 	cfg := ckpt.OwnerConfig{ShmDir: a.cfg.ShmDir, Name: c.segmentName(), Shards: []int{rank}, NumShards: numShards,
 		Capacity: half, Dir: dir, PollInterval: 20 * time.Millisecond, Workers: 1,
 		Registerer: wrapRank(a.cfg.Registerer, rank), Logger: a.log.With("rank", rank)}
-	if c.replicating() {
+	if c.serving() {
 		cfg.Node, cfg.Replicas, cfg.ReplicaKey = strconv.Itoa(a.cfg.NodeRank), a.cfg.Replicas, c.replicaKey()
 		cfg.ListenAddr = net.JoinHostPort(c.host(), strconv.Itoa(a.cfg.ReplicaPort+c.local(rank)))
 		cfg.Peers = c.peersOf(rank)
@@ -464,8 +464,18 @@ func (c *checkpoints) holdReplicas(ctx context.Context) {
 }
 
 // replicating reports whether the node's ranks send replicas to other
-// nodes and keep theirs.
-func (c *checkpoints) replicating() bool { return c.a.cfg.Nodes > 1 && c.a.cfg.Replicas > 0 }
+// nodes and keep theirs: a node waiting to join the job holds none.
+func (c *checkpoints) replicating() bool {
+	return c.a.cfg.Nodes > 1 && c.a.cfg.Replicas > 0 && !c.a.cfg.joining
+}
+
+// serving reports whether the node's owners serve peers: the replicas,
+// and in an elastic job the ranks' own steps, which the ranks of a node
+// that joins the job take their state from (Config.Replicas negative
+// sends no replica even so).
+func (c *checkpoints) serving() bool {
+	return c.replicating() || c.a.cfg.Nodes > 1 && c.a.cfg.growable() && !c.a.cfg.joining
+}
 
 // local is rank's index among the node's ranks.
 func (c *checkpoints) local(rank int) int { return rank - c.a.cfg.NodeRank*c.a.cfg.ProcsPerNode }
@@ -535,7 +545,7 @@ func (c *checkpoints) replicaHoldings() map[int][]int64 {
 // replicaAddr is the address of the node's first replica server (its
 // k-th rank's owner listens k ports above), "" when it serves none.
 func (c *checkpoints) replicaAddr() string {
-	if !c.replicating() {
+	if !c.serving() {
 		return ""
 	}
 	return net.JoinHostPort(c.host(), strconv.Itoa(c.a.cfg.ReplicaPort))
@@ -925,6 +935,20 @@ func (c *checkpoints) load(ctx context.Context, s *slot, pid int, dir string, at
 	if err != nil {
 		return ans, err
 	}
+	if g := c.a.cfg.grown; g != nil && g.from >= 0 && want == g.step {
+		// A rank of a node that joined the job: the state of the rank of
+		// its local rank on node from, a data-parallel job's every rank's.
+		from := g.from*c.a.cfg.ProcsPerNode + s.local
+		if err := c.adopt(ctx, o, s.rank, from, want); err != nil {
+			ans.Reasons = append(ans.Reasons, err.Error())
+			return ans, nil
+		}
+		h, why := c.findHalf(s.rank, want)
+		if h < 0 {
+			return ans, fmt.Errorf("step %d adopted into %s from rank %d, then not found there: %s", want, path, from, why)
+		}
+		return loadAnswer{Step: want, Tier: string(ckpt.TierReplica), Path: path, Half: h, Reasons: ans.Reasons}, nil
+	}
 	rep, err := o.Restore(ctx, s.rank, want)
 	for _, e := range rep.Refused {
 		if e.Tier != ckpt.TierMemory {
@@ -942,6 +966,31 @@ func (c *checkpoints) load(ctx context.Context, s *slot, pid int, dir string, at
 		return ans, fmt.Errorf("step %d restored into %s from %s, then not found there: %s", want, path, rep.Tier, why)
 	}
 	return loadAnswer{Step: want, Tier: string(rep.Tier), Path: path, Half: h, Reasons: ans.Reasons}, nil
+}
+
+// adoptWait bounds how long a rank of a node that joined the job waits
+// for a peer to serve the state it takes: the peers' owners open as their
+// node's run starts, and a rank whose step is on disk only restores it
+// first.
+const adoptWait = 2 * time.Minute
+
+// adopt makes rank's segment hold step of rank from, fetched from the
+// peers, trying again until one serves it or adoptWait has passed.
+func (c *checkpoints) adopt(ctx context.Context, o *ckpt.Owner, rank, from int, step int64) error {
+	ctx, cancel := context.WithTimeout(ctx, adoptWait)
+	defer cancel()
+	for {
+		err := o.Adopt(ctx, rank, from, step)
+		if err == nil {
+			c.a.log.Info("agent: a rank of a node that joined took its state from another", "rank", rank, "from", from, "step", step)
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("rank %d's step %d, which this rank of a node that joined the job takes its state from, was not served within %v: %w", from, step, adoptWait, err)
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
 }
 
 // heldSteps returns the steps rank holds intact in memory, newest first,

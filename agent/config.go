@@ -31,8 +31,12 @@ type Config struct {
 	// after JoinTimeout more (default 30s) for the others, and goes on
 	// with fewer, whole nodes, when nodes are lost and none takes their
 	// place within NodeTimeout, down to MinNodes: Run then returns a
-	// *Resized. Default Nodes: the membership is fixed. An elastic job's
-	// manager is node 0's.
+	// *Resized. A node that comes after (lost and back, or new, with any
+	// NodeRank) waits to join the job and is taken in at its next restart
+	// point, up to Nodes: once the nodes that came bring the job to
+	// Nodes, or JoinTimeout after the last came, at its ranks' next save;
+	// Run returns a *Resized on every node then too. Default Nodes: the
+	// membership is fixed. An elastic job's manager is node 0's.
 	MinNodes    int
 	JoinTimeout time.Duration
 	// SpareNodes are nodes beyond the job's, node ranks Nodes to
@@ -155,6 +159,11 @@ type Config struct {
 	Logger     *slog.Logger          // nil: silent
 
 	warm map[int]*spareProc // the last run's warm interpreters, by local rank (Resized.Next)
+	// Carried from run to run of an elastic job by Resized.Next:
+	maxNodes   int     // the job's MAX: Nodes at its launch, which it grows back to
+	launchRank int     // NodeRank at the launch: a node waiting to join is known by it
+	joining    bool    // the node waits to join the job, running no rank (see Resized.Joining)
+	grown      *growth // the first start of a run after the job took in nodes
 }
 
 // errConfig is wrapped by every configuration error.
@@ -178,8 +187,8 @@ func (c Config) Validate() error {
 		return bad("SpareNodes", c.SpareNodes, "a spare takes a lost node's place, and a job of one node ends with its node 0: give Nodes at least 2")
 	case c.SpareNodes > 0 && c.Manager != "":
 		return bad("SpareNodes", c.SpareNodes, "node 0's manager hands a lost node's place to a spare: drop Manager")
-	case c.NodeRank < 0 || c.NodeRank >= max(c.Nodes, 1)+c.SpareNodes:
-		return bad("NodeRank", c.NodeRank, fmt.Sprintf("outside [0, %d)", max(c.Nodes, 1)+c.SpareNodes))
+	case c.NodeRank < 0 || c.NodeRank >= c.positions():
+		return bad("NodeRank", c.NodeRank, fmt.Sprintf("outside [0, %d)", c.positions()))
 	case c.MinNodes < 0 || c.MinNodes > max(c.Nodes, 1):
 		return bad("MinNodes", c.MinNodes, fmt.Sprintf("outside [1, Nodes = %d]", max(c.Nodes, 1)))
 	case c.MinNodes > 0 && c.MinNodes < c.Nodes && c.Manager != "":
@@ -216,6 +225,9 @@ func (c Config) Validate() error {
 
 func (c *Config) setDefaults() {
 	c.Nodes = max(c.Nodes, 1)
+	if c.maxNodes == 0 { // the job's first run
+		c.maxNodes, c.launchRank = c.Nodes, c.NodeRank
+	}
 	c.ProcsPerNode = max(c.ProcsPerNode, 1)
 	if c.MinNodes == 0 {
 		c.MinNodes = c.Nodes
@@ -255,8 +267,28 @@ func (c *Config) heartbeats() (interval, deadline time.Duration) {
 	return c.HeartbeatDeadline / 6, c.HeartbeatDeadline
 }
 
-// spare reports whether this node is one of the job's spare nodes.
+// spare reports whether this node runs no rank: one of the job's spare
+// nodes, or a node that waits to join it.
 func (c *Config) spare() bool { return c.NodeRank >= c.Nodes }
+
+// growable reports whether the job may take in nodes: an elastic one,
+// up to its MAX.
+func (c *Config) growable() bool { return c.MinNodes < c.maxNodes }
+
+// joinBase is the first of the positions at which nodes wait to join an
+// elastic job: past its MAX nodes and spares, so that no shape of the job
+// reaches them. A node waits at joinBase plus its launch rank, which no
+// other node has.
+func (c *Config) joinBase() int { return c.maxNodes + c.SpareNodes }
+
+// positions bounds the node ranks of the job's control plane: its nodes,
+// its spares, and in an elastic job the nodes waiting to join it.
+func (c *Config) positions() int {
+	if c.joining {
+		return 2 * c.joinBase()
+	}
+	return max(c.Nodes, 1) + c.SpareNodes
+}
 
 // world is the number of ranks of the job.
 func (c *Config) world() int { return c.Nodes * c.ProcsPerNode }

@@ -37,7 +37,11 @@
 //   - in an elastic job (Config.MinNodes below Nodes), starts with the
 //     nodes there once MinNodes are, and goes on with the nodes left when
 //     nodes are lost and not replaced: Run returns a *Resized, and the
-//     caller runs the node's agent again with Resized.Next;
+//     caller runs the node's agent again with Resized.Next; a node that
+//     comes to the job after it went on without it (lost and back, or
+//     new) finds it by the manager's answer, waits to join it, and is
+//     taken in at the job's next restart point, up to its MAX, again
+//     through a *Resized on every node;
 //   - on a spare node (Config.SpareNodes), runs no rank but keeps warm
 //     interpreters and the replicas the job's nodes send it, and takes a
 //     lost node's place once node 0's manager declares it lost: Run
@@ -50,7 +54,7 @@
 // side) and nodeWatch (a node's side: when it is apart from the manager,
 // gives up on it, or was replaced); which step every rank resumes from
 // and which node holds which replica are jobCore's; how the job goes on
-// with fewer nodes is shrink's.
+// with fewer nodes is shrink's, and when it takes in nodes growCore's.
 //
 // The protocol between a rank and its agent: the agent's unix socket
 // (FAULTLINE_AGENT, JSON lines: hello, groups, segment, saved, wait,

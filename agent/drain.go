@@ -181,7 +181,7 @@ func (s *slot) onHang(f hang.Fault) {
 // rank they single out as hung (the rank that is not where the others
 // are), which starts the recovery.
 func (a *Agent) hangFault(s *slot, f hang.Fault) {
-	if a.terminating() != 0 {
+	if a.terminating() != 0 || a.growing() {
 		return // the ranks are ending: their collectives fail with their peers
 	}
 	now := time.Now()

@@ -81,6 +81,12 @@ func (a *Agent) onMessage(ctx context.Context, m taskd.Message) error {
 		return err
 	case kindShaped:
 		a.takeShape()
+	case kindGrow:
+		var g growMsg
+		if err := json.Unmarshal(m.Payload, &g); err != nil {
+			return fmt.Errorf("agent: %s: %w", kindGrow, err)
+		}
+		return a.takeGrow(g)
 	case kindResize:
 		var r resizeMsg
 		if err := json.Unmarshal(m.Payload, &r); err != nil {
@@ -180,13 +186,19 @@ func (a *Agent) announce(ctx context.Context) {
 	defer t.Stop()
 	w := newNodeWatch(a.cfg.NodeRank, a.cfg.NodeTimeout, a.cfg.HeartbeatDeadline, time.Now())
 	for {
-		connected, taken := false, false
+		connected, taken, other := false, false, ""
 		for _, s := range a.slots {
 			s.mu.Lock()
 			sw := s.worker
 			s.mu.Unlock()
 			connected = connected || sw != nil && sw.Connected()
 			taken = taken || sw != nil && sw.Taken()
+			if sw != nil && other == "" {
+				other = sw.OtherJob()
+			}
+		}
+		if other != "" && a.otherJob(other) {
+			return
 		}
 		for _, act := range w.tick(time.Now(), connected, taken) {
 			switch act.kind {

@@ -62,6 +62,9 @@ func (w *nodeWatch) tick(now time.Time, connected, taken bool) []nodeAction {
 	switch apart := now.Sub(w.apartSince); {
 	case connected:
 		w.apartSince, w.warned, w.joined = now, false, true
+	case apart > limit && taken:
+		return append(acts, nodeAction{kind: nodeGiveUpAction,
+			why: fmt.Sprintf("node %d has not joined the job for %v (--node-timeout %v): another live node's workers hold its ranks", w.node, apart.Round(time.Second), w.nodeTimeout)})
 	case apart > limit:
 		return append(acts, nodeAction{kind: nodeGiveUpAction,
 			why: fmt.Sprintf("node %d has not reached the job's manager for %v (--node-timeout %v): node 0, which runs it, is lost, or this node cannot reach it or is refused", w.node, apart.Round(time.Second), w.nodeTimeout)})
@@ -72,9 +75,13 @@ func (w *nodeWatch) tick(now time.Time, connected, taken bool) []nodeAction {
 	}
 	// Fenced: the job replaced this node while it was cut off or stalled,
 	// and another agent's workers hold its ranks past a heartbeat
-	// deadline (not a registration racing this node's reconnection).
+	// deadline (not a registration racing this node's reconnection). A
+	// node that has not joined is none that was replaced: it is the
+	// replacement, come before the node it replaces was declared lost,
+	// which it waits for as for the manager (a live node's duplicate gives
+	// up so).
 	switch {
-	case !taken:
+	case !taken || !w.joined:
 		w.takenSince = time.Time{}
 	case w.takenSince.IsZero():
 		w.takenSince = now

@@ -71,6 +71,17 @@ func TestNodeWatch(t *testing.T) {
 			{at: 12 * time.Second, connected: true, taken: true},
 			{at: 13 * time.Second, connected: true, taken: true, want: "fenced", why: "node 1 was replaced: another agent's workers have held its ranks for 11s"},
 		}},
+		{"a replacement come before the node it replaces was declared lost waits for that", []seen{
+			{at: time.Second, taken: true},
+			{at: 12 * time.Second, taken: true, want: "warn"},
+			{at: 60 * time.Second, taken: true},
+			{at: 61 * time.Second, connected: true, helloOK: true, want: "hello"},
+		}},
+		{"a live node's duplicate gives up as one apart", []seen{
+			{at: time.Second, taken: true},
+			{at: 12 * time.Second, taken: true, want: "warn"},
+			{at: storeTimeout + time.Second, taken: true, want: "give up", why: "node 1 has not joined the job for 2m1s (--node-timeout 30s): another live node's workers hold its ranks"},
+		}},
 		{"a registration racing its reconnection is not a fence", []seen{
 			{at: time.Second, connected: true, helloOK: true, want: "hello"},
 			{at: 2 * time.Second, connected: true, taken: true},

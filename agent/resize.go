@@ -37,15 +37,27 @@ type Resized struct {
 	Restarts int // the restart count the ranks go on with
 	// Generation counts the job's shapes: the next run's Config.Generation.
 	Generation int
-	Why        string // what changed: the nodes lost, or missing at the start
+	Why        string // what changed: the nodes lost, or missing at the start, or come
+	// Joining says that the job went on without this node, in a shape of
+	// its own (Generation): the next run waits to join it, running no
+	// rank, until the job takes it in at its next restart point (a
+	// *Resized whose NodeRank is this node's place in the grown job) or
+	// ends. From and To are 0.
+	Joining bool
 
-	warm map[int]*spareProc // the run's warm interpreters, for the next
+	warm  map[int]*spareProc // the run's warm interpreters, for the next
+	grown *growth            // how the next run's ranks start, when the job took in nodes
 }
 
 // Error says how the job goes on, and why.
 func (r *Resized) Error() string {
-	if r.From == r.To && r.Node >= r.From {
+	switch {
+	case r.Joining:
+		return fmt.Sprintf("agent: node %d waits to join the job: %s", r.Node, r.Why)
+	case r.From == r.To && r.Node >= r.From:
 		return fmt.Sprintf("agent: spare node %d takes the place of node %d: %s", r.Node, r.NodeRank, r.Why)
+	case r.From < r.To && r.Node >= r.From:
+		return fmt.Sprintf("agent: this node joins the job as node %d of %d: %s", r.NodeRank, r.To, r.Why)
 	}
 	return fmt.Sprintf("agent: the job goes on with %s instead of %d, this one as node %d (was %d): %s", nodesWord(r.To), r.From, r.NodeRank, r.Node, r.Why)
 }
@@ -53,7 +65,14 @@ func (r *Resized) Error() string {
 // Next returns the configuration of the node's agent in the job that goes
 // on: c with the job's new shape and restart count.
 func (r *Resized) Next(c Config) Config {
-	c.Nodes, c.NodeRank, c.Restarts, c.Generation = r.To, r.NodeRank, r.Restarts, r.Generation
+	if c.maxNodes == 0 { // after the job's first run
+		c.maxNodes, c.launchRank = max(c.Nodes, 1), c.NodeRank
+	}
+	if !r.Joining {
+		c.Nodes = r.To
+	}
+	c.NodeRank, c.Restarts, c.Generation = r.NodeRank, r.Restarts, r.Generation
+	c.joining, c.grown = r.Joining, r.grown
 	c.warm, r.warm = r.warm, nil // the warm interpreters go to one run
 	return c
 }
@@ -69,10 +88,18 @@ type resizeMsg struct {
 	Ranks      map[int]int `json:"ranks"`
 	Restarts   int         `json:"restarts"`
 	Generation int         `json:"generation"`
-	// Now: the ranks have not started (the job's first shape was not
-	// complete): every node ends its run at once.
+	// Now: every node ends its run at once (the ranks have not started:
+	// the job's first shape was not complete; or the job took in nodes
+	// and its ranks are stopped).
 	Now bool   `json:"now,omitempty"`
 	Why string `json:"why"`
+	// Grow: the job took in nodes. Every rank resumes from Step (-1: from
+	// the start), and the ranks of each node named in Adopt (by its rank
+	// before) take their state from those of the same local rank on the
+	// node it names (by its rank after).
+	Grow  bool        `json:"grow,omitempty"`
+	Step  int64       `json:"step,omitempty"`
+	Adopt map[int]int `json:"adopt,omitempty"`
 }
 
 // shrink plans the job's going on with the nodes in live, of nodes, when
@@ -180,9 +207,15 @@ func (a *Agent) elastic() bool { return a.cfg.MinNodes < a.cfg.Nodes }
 // and takes it itself: every node ends its run with a *Resized once
 // recovery stops its ranks (or stopAll, at the start).
 func (a *Agent) resize(ctx context.Context, m resizeMsg) error {
-	// The live spares stay spares, numbered after the job's nodes.
+	// The live spares stay spares, numbered after the job's nodes; the
+	// nodes waiting to join that it does not take in wait on.
 	for i, s := range liveNodes(a.mgr, a.cfg.Nodes, a.cfg.Nodes+a.cfg.SpareNodes) {
 		m.Ranks[s] = m.To + i
+	}
+	for _, n := range a.joiners() {
+		if _, ok := m.Ranks[n]; !ok {
+			m.Ranks[n] = n
+		}
 	}
 	a.takeResize(m)
 	b, _ := json.Marshal(m)
@@ -211,7 +244,19 @@ func (a *Agent) takeResize(m resizeMsg) {
 	if !ok {
 		return // not in the job that goes on: it stops
 	}
-	a.resized = &Resized{From: m.From, To: m.To, Node: a.cfg.NodeRank, NodeRank: to, Restarts: m.Restarts, Generation: m.Generation, Why: m.Why}
+	r := &Resized{From: m.From, To: m.To, Node: a.cfg.NodeRank, NodeRank: to, Restarts: m.Restarts, Generation: m.Generation, Why: m.Why}
+	switch {
+	case a.cfg.growable() && to >= a.cfg.joinBase():
+		// It waits on to join the job's new shape.
+		r.From, r.To, r.Joining = 0, 0, true
+	case m.Grow && to < m.To:
+		from, ok := m.Adopt[a.cfg.NodeRank]
+		if !ok {
+			from = -1
+		}
+		r.grown = &growth{step: m.Step, from: from}
+	}
+	a.resized = r
 	a.log.Warn("agent: the job goes on with other nodes", "nodes", m.To, "was", m.From, "node_rank", to, "why", m.Why)
 }
 
@@ -408,11 +453,13 @@ func (c *checkpoints) promoteReplicas() {
 // renumber, at the end of a run that goes on resized, gives each local
 // rank's segment its rank's new number, so that the ranks resume from
 // what they hold in memory, and drops the replicas of the old numbers.
-// A spare's segments hold nothing (it ran no rank): they go. A spare
-// that takes a lost node's place keeps the replicas it holds, of ranks
-// whose numbers stay: those of the node it becomes among them.
+// A spare's segments hold nothing (it ran no rank): they go, and so do
+// those of a node the job went on without (Resized.Joining), older than
+// what the job resumed from. A spare that takes a lost node's place keeps
+// the replicas it holds, of ranks whose numbers stay: those of the node
+// it becomes among them.
 func (c *checkpoints) renumber(r *Resized) error {
-	if r.Generation != c.a.cfg.Generation && !c.a.cfg.spare() {
+	if r.Generation != c.a.cfg.Generation && !c.a.cfg.spare() && !r.Joining {
 		c.promoteReplicas()
 	}
 	c.close()
@@ -420,7 +467,7 @@ func (c *checkpoints) renumber(r *Resized) error {
 	var errs []error
 	for _, s := range c.a.slots {
 		var err error
-		if c.a.cfg.spare() {
+		if c.a.cfg.spare() || r.Joining {
 			err = os.Remove(c.segmentPath(s.rank))
 		} else {
 			err = ckpt.RenameShard(c.a.cfg.ShmDir, c.segmentName(), s.rank, r.NodeRank*per+s.local)

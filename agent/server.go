@@ -201,6 +201,9 @@ func (srv *server) do(ctx context.Context, pid int, req *request) (map[string]an
 		switch req.Op {
 		case "saved":
 			a.incident.saved(s.rank, step)
+			s.mu.Lock()
+			s.saved = max(s.saved, step)
+			s.mu.Unlock()
 		case "abandoned":
 			a.ckpts.abandon(s, step, req.What)
 		case "wait":

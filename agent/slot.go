@@ -60,6 +60,7 @@ type slot struct {
 	spare    *spareProc
 	starts   int   // processes started: the restart count is starts-1
 	lastStep int64 // the last step its ring says it completed, -1 before
+	saved    int64 // the newest step its rank said it saved, -1 before
 	resume   int64 // the step agreed at its last start, -1 none
 	waiting  bool  // a first start waits for the job's shape (deferStart)
 	deferred int64 // and resumes from this step
@@ -81,6 +82,7 @@ type rankProc struct {
 	done     chan struct{} // closed once reaped
 	state    *os.ProcessState
 	expected bool // the agent killed it: its exit is no fault
+	heldExit bool // it exited while a grow held the node's faults (releaseGrow judges it)
 	hello    bool // it said hello: its faulthandler dumps on stackSignal
 	// owner is the slot whose process it is, and out and errOut take its
 	// output to that slot's: a warm spare moves to the slot of the node's
@@ -92,7 +94,7 @@ type rankProc struct {
 func newSlot(a *Agent, local int) (*slot, error) {
 	rank := a.cfg.NodeRank*a.cfg.ProcsPerNode + local
 	s := &slot{a: a, local: local, rank: rank, lastStep: -1, resume: -1, starts: a.cfg.Restarts, opens: map[uint64]openRange{}, timings: map[uint64]hang.Timing{}, ops: map[string]*hang.Op{},
-		noted: map[string]bool{}, ports: map[uint16]bool{}}
+		noted: map[string]bool{}, ports: map[uint16]bool{}, saved: -1}
 	s.ringPath = filepath.Join(a.cfg.ShmDir, fmt.Sprintf("faultline-%s-ring-%d", a.cfg.Job, rank))
 	var err error
 	if s.ring, err = CreateRing(s.ringPath, ringBytes); err != nil {
@@ -341,13 +343,16 @@ func waitExited(pid int) {
 
 // exited takes in the exit of p: a rank's process or a spare.
 func (s *slot) exited(p *rankProc) {
-	terminating := s.a.terminating() != 0
+	terminating, growing := s.a.terminating() != 0, s.a.growing()
 	s.mu.Lock()
 	if s.spare != nil && s.spare.p == p {
 		s.spare = nil // died unused
 	}
 	current := s.proc == p
 	expected := p.expected || s.closed || terminating
+	if current && !expected && growing {
+		p.heldExit, expected = true, true
+	}
 	if current && !expected {
 		if p.state.Success() {
 			s.state = slotDone
@@ -470,6 +475,18 @@ func (s *slot) stop(reason, dir string) *hang.Dump {
 	}
 	s.mu.Unlock()
 	return d
+}
+
+// freeze stops the slot's running process where it is (SIGSTOP to its
+// process group): it neither saves nor sees its peers end until it is
+// killed.
+func (s *slot) freeze() {
+	s.mu.Lock()
+	p, state := s.proc, s.state
+	s.mu.Unlock()
+	if p != nil && state == slotRunning {
+		_ = syscall.Kill(-p.pid, syscall.SIGSTOP)
+	}
 }
 
 // killGroup kills the process group that pid leads: a rank and whatever

@@ -39,18 +39,28 @@ const (
 type takeoverMsg struct {
 	Node  int `json:"node"`  // the lost node
 	Spare int `json:"spare"` // the spare that takes its place
+	// Nodes is the job's nodes now: a node waiting to join an elastic
+	// job, which takes a lost node's place as a spare does, knows only
+	// the job's MAX.
+	Nodes int `json:"nodes"`
 }
 
-// jobShape is the job's shape as this node was given it.
+// jobShape is the job's shape as this node was given it at its launch.
 func (a *Agent) jobShape() shape {
-	return shape{Nodes: a.cfg.Nodes, SpareNodes: a.cfg.SpareNodes, ProcsPerNode: a.cfg.ProcsPerNode}
+	return shape{Nodes: a.cfg.maxNodes, SpareNodes: a.cfg.SpareNodes, ProcsPerNode: a.cfg.ProcsPerNode}
 }
 
-// spares returns the node ranks of the job's spare nodes.
+// spares returns the node ranks at which nodes run no rank: the job's
+// spare nodes, and the nodes waiting to join an elastic job.
 func (a *Agent) spares() []int {
 	var out []int
 	for n := a.cfg.Nodes; n < a.cfg.Nodes+a.cfg.SpareNodes; n++ {
 		out = append(out, n)
+	}
+	if a.cfg.growable() {
+		for n := a.cfg.joinBase(); n < 2*a.cfg.joinBase(); n++ {
+			out = append(out, n)
+		}
 	}
 	return out
 }
@@ -106,7 +116,7 @@ func (a *Agent) settle() time.Duration {
 // hands out the spares a moment later.
 func (j *jobCheckpoints) nodeLost(ctx context.Context, m *taskd.Manager, node int) {
 	a := j.local
-	if a == nil || a.cfg.SpareNodes == 0 || node <= 0 || node >= j.core.nodes {
+	if a == nil || len(a.spares()) == 0 || node <= 0 || node >= j.core.nodes {
 		return
 	}
 	j.mu.Lock()
@@ -128,7 +138,9 @@ func (j *jobCheckpoints) handOut(ctx context.Context, m *taskd.Manager) {
 		return // the manager, and the run it served, ended
 	}
 	a := j.local
-	live := liveNodes(m, a.cfg.Nodes, a.cfg.Nodes+a.cfg.SpareNodes)
+	// The spares first; then the nodes waiting to join, which hold no
+	// replica.
+	live := append(liveNodes(m, a.cfg.Nodes, a.cfg.Nodes+a.cfg.SpareNodes), a.joiners()...)
 	back := liveNodes(m, 0, a.cfg.Nodes)
 	j.mu.Lock()
 	h := &j.spares
@@ -140,7 +152,7 @@ func (j *jobCheckpoints) handOut(ctx context.Context, m *taskd.Manager) {
 	// A node's replicas go where PickPeers sends them among the nodes that
 	// said hello: the spare holds a lost node's if it is among them.
 	var known []string
-	for n := range j.core.hellos {
+	for n := range j.core.peers() {
 		known = append(known, strconv.Itoa(n))
 	}
 	domains := a.ckpts.domainsOf(j.core.peers())
@@ -171,7 +183,7 @@ func (j *jobCheckpoints) handOut(ctx context.Context, m *taskd.Manager) {
 	for _, n := range slices.Sorted(maps.Keys(pairs)) {
 		s := pairs[n]
 		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d is lost; spare node %d takes its place\n", n, s)
-		b, _ := json.Marshal(takeoverMsg{Node: n, Spare: s})
+		b, _ := json.Marshal(takeoverMsg{Node: n, Spare: s, Nodes: a.cfg.Nodes})
 		// Sent on its own: a handler must not wait for the workers.
 		go func() {
 			bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
@@ -213,7 +225,7 @@ func (a *Agent) takeoverWait() time.Duration { return min(30*time.Second, a.cfg.
 // when it left (to take it, or ended).
 func (j *jobCheckpoints) spareGone(ctx context.Context, m *taskd.Manager, node int, left bool) {
 	a := j.local
-	if a == nil || node < a.cfg.Nodes || node >= a.cfg.Nodes+a.cfg.SpareNodes {
+	if a == nil || node < a.cfg.Nodes || !slices.Contains(a.spares(), node) {
 		return
 	}
 	untaken := func() bool {
@@ -272,15 +284,24 @@ func (j *jobCheckpoints) registered(ctx context.Context, m *taskd.Manager, node 
 	}
 }
 
-// takeOver, on a spare node, ends its run to run again as the lost node.
+// takeOver, on a spare node (or one waiting to join), ends its run to run
+// again as the lost node.
 func (a *Agent) takeOver(t takeoverMsg) {
-	if !a.cfg.spare() || t.Spare != a.cfg.NodeRank || t.Node < 0 || t.Node >= a.cfg.Nodes {
+	nodes := a.cfg.Nodes
+	if a.cfg.joining {
+		nodes = t.Nodes
+	}
+	if !a.cfg.spare() || t.Spare != a.cfg.NodeRank || t.Node < 0 || t.Node >= nodes {
 		a.log.Warn("agent: a takeover that is not this node's", "node", t.Node, "spare", t.Spare)
 		return
 	}
-	why := fmt.Sprintf("node %d was lost; spare node %d takes its place", t.Node, a.cfg.NodeRank)
+	who := fmt.Sprintf("spare node %d", a.cfg.NodeRank)
+	if a.cfg.joining {
+		who = a.joinerName(a.cfg.NodeRank) + ", which waited to join the job,"
+	}
+	why := fmt.Sprintf("node %d was lost; %s takes its place", t.Node, who)
 	fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s\n", why)
-	a.takeResize(resizeMsg{From: a.cfg.Nodes, To: a.cfg.Nodes, Ranks: map[int]int{a.cfg.NodeRank: t.Node},
+	a.takeResize(resizeMsg{From: nodes, To: nodes, Ranks: map[int]int{a.cfg.NodeRank: t.Node},
 		Restarts: a.cfg.Restarts, Generation: a.cfg.Generation, Why: why})
 	go a.stopNode(why) // the broadcast waits for this to return
 }
@@ -288,7 +309,7 @@ func (a *Agent) takeOver(t takeoverMsg) {
 // tellSpares, on node 0, tells the spare nodes that the job ended, why
 // being jobFinished when its ranks finished: they end too, as it did.
 func (a *Agent) tellSpares(why string) {
-	if a.mgr == nil || a.cfg.SpareNodes == 0 {
+	if a.mgr == nil || len(a.spares()) == 0 {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

@@ -48,6 +48,9 @@ func (t trainer) Resume(ctx context.Context, r taskd.ResumeRequest) error {
 	s.mu.Lock()
 	state := s.state
 	s.mu.Unlock()
+	if g := s.a.cfg.grown; g != nil && state == slotIdle && r.Step < 0 {
+		r.Step = g.step // the job that took in nodes resumes from the step it agreed on
+	}
 	switch {
 	case s.a.cfg.spare():
 		return nil // a spare runs no rank until it takes a node's place

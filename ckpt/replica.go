@@ -369,6 +369,9 @@ func (o *Owner) handle(conn net.Conn) (err error) {
 		return err
 	}
 	defer o.ops.RUnlock()
+	if seg, ok := o.segs[q.shard]; ok && q.op == opGet {
+		return o.serveOwn(c, seg, q)
+	}
 	slot := o.replicaSlot(q.shard)
 	slot.mu.Lock()
 	defer slot.mu.Unlock()
@@ -411,6 +414,44 @@ func (o *Owner) handle(conn net.Conn) (err error) {
 		}
 		return nil
 	}
+}
+
+// serveOwn answers a get of a shard this owner holds, from its own
+// segment: a peer whose shard goes on from this one's state (Adopt) asks
+// for it so. The half is sealed first if need be, and a save that takes
+// it meanwhile ends the transfer, which the peer then gives up
+// (ErrSuperseded).
+func (o *Owner) serveOwn(c io.ReadWriter, seg *segment, q replicaReq) error {
+	i := -1
+	held, _ := o.intactHalves(q.shard)
+	for _, h := range held {
+		if q.step < 0 || h.Step == q.step {
+			i = h.Half
+			break
+		}
+	}
+	if i < 0 {
+		err := fmt.Errorf("%w of shard %d at step %d here: its segment holds %v", errNoReplica, q.shard, q.step, held)
+		writeMsg(c, statusError, []byte(err.Error()))
+		return err
+	}
+	if err := o.sealHalf(context.Background(), seg, i, nil); err != nil {
+		writeMsg(c, statusError, []byte(err.Error()))
+		return err
+	}
+	if err := writeMsg(c, statusOK, nil); err != nil {
+		return err
+	}
+	bw := bufio.NewWriterSize(c, 1<<20)
+	_, n, err := sendStep(bw, seg, i, q.step, true)
+	if err == nil {
+		err = bw.Flush()
+	}
+	o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
+	if err != nil {
+		return fmt.Errorf("%s: send: %w", q, err)
+	}
+	return nil
 }
 
 type replicaSlot struct {

@@ -752,6 +752,38 @@ func TestAdopt(t *testing.T) {
 	}
 }
 
+// TestAdoptFromPeer: node j's shard 2 goes on from shard 0's state,
+// which no replica here holds: Adopt asks the peers, and node a serves
+// step 2 of its own shard 0 from its segment (sealing the save first); a
+// step a no longer holds is ErrNoStep, naming what each peer holds.
+func TestAdoptFromPeer(t *testing.T) {
+	ctx := context.Background()
+	tb := newTestBlobs(100 << 10)
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, NumShards: 3, Capacity: 4 << 20, ListenAddr: "127.0.0.1:0", Replicas: -1}, 1)
+	for step := int64(1); step <= 3; step++ {
+		if err := a.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	running(t, a.o)
+	j := newNode(t, OwnerConfig{Node: "j", Shards: []int{2}, NumShards: 3,
+		Peers: map[string]string{"a": a.o.Addr().String(), "j": "127.0.0.1:1"}}, 1)
+	if err := j.o.Adopt(ctx, 2, 0, 3); err != nil {
+		t.Fatal(err)
+	}
+	ck, _, err := j.o.Load(ctx, 2)
+	if err != nil || ck.Step != 3 {
+		t.Fatalf("shard 2 after adopting shard 0's step 3 from a peer: %v, %v", ck, err)
+	}
+	if err := tb.check(ck); err != nil {
+		t.Fatal(err)
+	}
+	err = j.o.Adopt(ctx, 2, 0, 1) // a's halves hold steps 2 and 3
+	if !errors.Is(err, ErrNoStep) || !strings.Contains(err.Error(), "peer a") || !strings.Contains(err.Error(), "step 1") {
+		t.Fatalf("Adopt(step 1) = %v, want ErrNoStep naming peer a", err)
+	}
+}
+
 // TestRestoreFromReplicaHeld: node c holds a replica of shard 0, which it
 // now owns too (a spare that took node a's place): Restore serves shard
 // 0's step from that replica, with no peer to ask, and drops the copy.

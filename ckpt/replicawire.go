@@ -33,7 +33,9 @@ import (
 //	           (a proof that does not hold, no such replica)
 //	put        the client sends a step frame; the server answers with a
 //	           message, empty or the error
-//	get        the server sends a step frame
+//	get        the server sends a step frame: of the shard's own segment
+//	           when the shard is one of its own (a peer that adopts its
+//	           state), else of the replica of the shard it holds
 //
 //	message    u8 status (0 ok, 1 error, 2 refused: another key or
 //	           version), 3 bytes 0, u32 length, then the body or the

@@ -89,7 +89,7 @@ func (o *Owner) Restore(ctx context.Context, shard int, step int64) (rep LoadRep
 		var errs []error
 		for _, p := range ps.order {
 			addr := ps.addrs[p]
-			err := o.restoreReplica(ctx, addr, shard, step)
+			err := o.restoreReplica(ctx, addr, shard, shard, step)
 			if err == nil {
 				return served(TierReplica)
 			}
@@ -148,11 +148,11 @@ func (o *Owner) restoreMemory(ctx context.Context, shard int, step int64) (seale
 	return false, errors.Join(append([]error{fmt.Errorf("%s holds no step %d intact (it holds %v)", seg.path, step, steps)}, why...)...)
 }
 
-// restoreReplica writes the replica of shard at step that the server at
-// addr holds into shard's segment.
-func (o *Owner) restoreReplica(ctx context.Context, addr string, shard int, step int64) error {
+// restoreReplica writes the copy of shard from at step that the server
+// at addr holds (a replica, or its own segment) into shard's segment.
+func (o *Owner) restoreReplica(ctx context.Context, addr string, shard, from int, step int64) error {
 	return o.restoreInto(shard, func(t *restoreTarget) error {
-		m, err := o.getReplica(ctx, addr, shard, step, t.open)
+		m, err := o.getReplica(ctx, addr, from, step, t.open)
 		if err != nil {
 			o.m.replicaFailures.Inc()
 			return err
@@ -162,20 +162,41 @@ func (o *Owner) restoreReplica(ctx context.Context, addr string, shard int, step
 	})
 }
 
-// Adopt writes step of shard from, which this owner holds as a replica,
-// into the segment of shard, its own: for a job whose shards are alike
-// (data-parallel, every rank's state the model's), where a shard goes on
-// from another's state. The error wraps ErrNoStep when no intact copy of
-// from at step is held here.
+// Adopt writes step of shard from into the segment of shard, its own:
+// for a job whose shards are alike (data-parallel, every rank's state the
+// model's), where a shard goes on from another's state, as the ranks of a
+// node that joins a job do. The copy of from held here as a replica comes
+// first; else the peers are asked (PickPeers's order), each of which
+// serves from's step from its own segment, when from is its shard, or
+// from the replica of it it holds. Every CRC is checked as the bytes
+// arrive, as in Restore. The error wraps ErrNoStep when no intact copy of
+// from at step is held here or by a peer.
 func (o *Owner) Adopt(ctx context.Context, shard, from int, step int64) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	err := o.restoreLocalReplica(shard, from, step)
-	if errors.Is(err, errNoReplica) {
-		return fmt.Errorf("ckpt: adopt shard %d's step %d into shard %d: %w: %w", from, step, shard, ErrNoStep, err)
+	if step < 0 {
+		return fmt.Errorf("ckpt: adopt shard %d's step %d into shard %d: the step is negative", from, step, shard)
 	}
-	return err
+	err := o.restoreLocalReplica(shard, from, step)
+	if err == nil || !errors.Is(err, errNoReplica) {
+		return err
+	}
+	errs := []error{err}
+	ps := o.peers.Load()
+	for _, p := range ps.order {
+		addr := ps.addrs[p]
+		err := o.restoreReplica(ctx, addr, shard, from, step)
+		if err == nil {
+			o.log.Info("ckpt: adopted a peer's shard", "shard", shard, "from", from, "step", step, "peer", p)
+			return nil
+		}
+		errs = append(errs, fmt.Errorf("peer %s (%s): %w", p, addr, err))
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	return fmt.Errorf("ckpt: adopt shard %d's step %d into shard %d: %w: %w", from, step, shard, ErrNoStep, errors.Join(errs...))
 }
 
 // restoreLocalReplica writes step of the copy of shard from that this

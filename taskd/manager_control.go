@@ -21,7 +21,7 @@ type managerControl struct {
 
 func (s *managerControl) checkJob(job string) error {
 	if job != s.m.cfg.Job {
-		return status.Errorf(codes.NotFound, "taskd: unknown job %q (this manager serves %q)", job, s.m.cfg.Job)
+		return unknownJob(job, "manager", s.m.cfg.Job)
 	}
 	return nil
 }

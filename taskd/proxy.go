@@ -546,7 +546,7 @@ type proxyControl struct {
 
 func (s *proxyControl) checkJob(job string) error {
 	if job != s.p.cfg.Job {
-		return status.Errorf(codes.NotFound, "taskd: unknown job %q (this proxy serves %q)", job, s.p.cfg.Job)
+		return unknownJob(job, "proxy", s.p.cfg.Job)
 	}
 	return nil
 }

@@ -121,6 +121,7 @@ type Worker struct {
 
 	connected atomic.Bool
 	taken     atomic.Bool // the manager answered the last registration: another live instance holds the rank
+	otherJob  atomic.Pointer[string]
 	finished  atomic.Bool
 	lifecycle
 }
@@ -213,6 +214,18 @@ func (w *Worker) Connected() bool { return w.connected.Load() }
 // is false again once a registration succeeds.
 func (w *Worker) Taken() bool { return w.taken.Load() }
 
+// OtherJob returns the job the upstream serves when it refused this
+// worker's last registration as one of a job it does not serve (a job
+// that went on under another name, an elastic job's new shape, without
+// this worker), and "" otherwise: "" again once a registration succeeds.
+// The worker keeps registering under its own job.
+func (w *Worker) OtherJob() string {
+	if p := w.otherJob.Load(); p != nil {
+		return *p
+	}
+	return ""
+}
+
 // Pending returns how many reports wait for the manager's acknowledgement.
 func (w *Worker) Pending() int { return w.up.queue.len() }
 
@@ -298,6 +311,9 @@ func (w *Worker) serve(ctx context.Context) error {
 			bo.Reset()
 		}
 		wait := bo.NextBackOff()
+		if served, ok := servedJob(err); ok {
+			w.otherJob.Store(&served)
+		}
 		if status.Code(err) == codes.AlreadyExists {
 			w.taken.Store(true)
 			w.met.refused.Inc()
@@ -465,6 +481,7 @@ func (w *Worker) session(ctx context.Context) error {
 	}
 	w.connected.Store(true)
 	w.taken.Store(false)
+	w.otherJob.Store(nil)
 	defer w.connected.Store(false)
 	w.log.Debug("taskd: registered", "upstream", w.cfg.Upstream)
 	g, gctx := errgroup.WithContext(sctx)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -97,62 +98,44 @@ func TestElasticShrink(t *testing.T) {
 }
 
 // resizedReference returns the weights of train.py run without a fault
-// on ranks ranks to step at, then on ranks2 from that step's checkpoint
-// to steps (with at -1, on ranks2 only).
+// on ranks ranks to step at, then on ranks2 from that step to steps (with
+// at -1, on ranks2 only).
 func resizedReference(t testing.TB, ranks, ranks2, at, steps int) string {
+	t.Helper()
+	if at < 0 {
+		return phasedReference(t, part{ranks2, steps - 1})
+	}
+	return phasedReference(t, part{ranks, at}, part{ranks2, steps - 1})
+}
+
+// part is a run of an elastic job's reference: on ranks ranks, to step
+// upTo.
+type part struct{ ranks, upTo int }
+
+// phasedReference returns the weights of train.py run without a fault
+// in parts, each on its ranks from the state in which the last ended
+// (--save-state, then --init) to its step.
+func phasedReference(t testing.TB, parts ...part) string {
 	t.Helper()
 	dir := t.TempDir()
 	w := filepath.Join(dir, "weights")
-	id := "reference-" + randomHex(3)
-	// The first run commits its last step, the second resumes from it.
-	type run struct {
-		procs, steps int
-		disk         string
-	}
-	runs := []run{{ranks, at + 1, "1"}, {ranks2, steps, "10"}}
-	if at < 0 {
-		runs = runs[1:]
-	}
-	for _, run := range runs {
-		j := start(t, filepath.Join(dir, "out"), []string{"--standalone", "--nproc-per-node", strconv.Itoa(run.procs), "--no-spares", "--rdzv-id", id},
-			"--steps", strconv.Itoa(run.steps), "--disk-every", run.disk, "--ckpt", filepath.Join(dir, "ckpt"), "--weights", w)
-		if err := j.wait(3 * time.Minute); err != nil {
-			t.Fatalf("the run without faults on %d ranks: %v\nstderr:\n%s", run.procs, err, j.errText())
+	state := ""
+	for i, p := range parts {
+		args := []string{"--steps", strconv.Itoa(p.upTo + 1), "--ckpt", filepath.Join(dir, "ckpt-"+strconv.Itoa(i)), "--weights", w}
+		if state != "" {
+			args = append(args, "--init", state)
 		}
-		if run.steps == steps && resumedFrom(j.stdout()) != at {
-			t.Fatalf("the reference's run on %d ranks did not resume from step %d:\n%s", ranks2, at, j.stdout())
+		state = filepath.Join(dir, "state-"+strconv.Itoa(i))
+		args = append(args, "--save-state", state)
+		j := start(t, filepath.Join(dir, "out-"+strconv.Itoa(i)), []string{"--standalone", "--nproc-per-node", strconv.Itoa(p.ranks), "--no-spares", "--rdzv-id", "reference-" + randomHex(3)}, args...)
+		if err := j.wait(3 * time.Minute); err != nil {
+			t.Fatalf("the run without faults on %d ranks to step %d: %v\nstderr:\n%s", p.ranks, p.upTo, err, j.errText())
+		}
+		if i > 0 && resumedFrom(j.stdout()) != parts[i-1].upTo {
+			t.Fatalf("the reference's run on %d ranks did not resume from step %d:\n%s", p.ranks, parts[i-1].upTo, j.stdout())
 		}
 	}
 	return readHash(t, w)
-}
-
-// TestElasticStartsWithMin: of a job started with --nnodes 2:3, only
-// nodes 0 and 1 come: once --join-timeout has passed with MIN nodes
-// there, the job runs on those two, and ends with the weights of the
-// same script run on 2 ranks.
-func TestElasticStartsWithMin(t *testing.T) {
-	t.Parallel() // hosts of their own
-	c := newCluster(t, 2, 1)
-	args := []string{"--steps", "20", "--weights", filepath.Join(c.dir, "weights")}
-	flags := []string{"--nnodes", "2:3", "--join-timeout", "2s"}
-	jobs := []*job{c.start(0, c.f.Hosts[0], flags, args...), c.start(1, c.f.Hosts[1], flags, args...)}
-	for i, j := range jobs {
-		if err := j.wait(3 * time.Minute); err != nil {
-			t.Fatalf("node %d: %v\nstdout:\n%s\nstderr:\n%s", i, err, j.stdout(), j.errText())
-		}
-	}
-	if want := "nodes [2] did not join within --join-timeout 2s; the job goes on with 2 nodes of 3 (world 3 → 2)"; !strings.Contains(jobs[0].errText(), want) {
-		t.Errorf("node 0 does not say %q:\n%s", want, jobs[0].errText())
-	}
-	// The ranks started once, in the world they trained in.
-	for i, j := range jobs {
-		if strings.Contains(j.stdout(), " of 3\n") || strings.Count(j.stdout(), "starting rank") != 1 {
-			t.Errorf("node %d's rank did not start once, in a world of 2:\n%s", i, j.stdout())
-		}
-	}
-	if got, want := readHash(t, filepath.Join(c.dir, "weights")), resizedReference(t, 2, 2, -1, 20); got != want {
-		t.Fatalf("weights of the job that started with 2 nodes of 3: %s; on 2 ranks: %s", got, want)
-	}
 }
 
 // BenchmarkElasticShrink times a job going on with fewer nodes: from the
@@ -221,5 +204,105 @@ func TestElasticReplaced(t *testing.T) {
 	}
 	if got, want := readHash(t, filepath.Join(c.dir, "weights")), resizedReference(t, 3, 3, -1, 40); got != want {
 		t.Fatalf("weights after node 1 was replaced: %s; without the fault: %s", got, want)
+	}
+}
+
+// TestElasticGrow: a job of 3 nodes of 2 ranks started with --nnodes 2:3
+// loses node 1, whole, and goes on with nodes 0 and 2; then node 1 comes
+// back, on a new host, started as it was. It finds the job under its new
+// shape's name, waits to join it, and the job takes it in at the next
+// step its ranks save: every rank stops, and the job goes on with 3 nodes
+// from that step, the new node's ranks 4 and 5 with the state of ranks 0
+// and 1. It finishes with the weights of the same script run on 6 ranks
+// to the step the shrink resumed from, on 4 to the step of the grow, and
+// on 6 from there.
+func TestElasticGrow(t *testing.T) {
+	t.Parallel() // hosts of their own
+	c := newCluster(t, 3, 2)
+	c.spares = true
+	args := []string{"--steps", "60", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
+	flags := []string{"--nnodes", "2:3", "--max-restarts", "3", "--heartbeat-deadline", "3s", "--node-timeout", "4s", "--join-timeout", "2s", "--collective-timeout", "60s"}
+	jobs := make([]*job, 3)
+	for i := range jobs {
+		jobs[i] = c.start(i, c.f.Hosts[i], flags, args...)
+	}
+	jobs[0].waitLine("[rank0]: step 15 loss", 3*time.Minute)
+	c.f.Hosts[1].Kill()
+	jobs[0].waitLine("[rank0]: resumed from step", 3*time.Minute)
+	<-jobs[1].done
+	shrunk := resumedFrom(jobs[0].stdout())
+	came := time.Now()
+	jobs[1] = c.start(1, c.f.AddHost(), flags, args...)
+	joined := jobs[1].waitLine("[rank4]: resumed from step", 3*time.Minute)
+	t.Logf("from node 1's start to its ranks resumed in the grown job: %v", joined.Sub(came).Round(time.Millisecond))
+	for i, j := range jobs {
+		if err := j.wait(3 * time.Minute); err != nil {
+			t.Fatalf("node %d: %v\nstdout:\n%s\nstderr:\n%s", i, err, j.stdout(), j.errText())
+		}
+	}
+	grown := resumedFrom(jobs[1].stdout())
+	want := fmt.Sprintf("the nodes started as --node-rank [1] joined; the job goes on with 3 nodes of 3 (world 4 → 6), from step %d", grown)
+	if !strings.Contains(jobs[0].errText(), want) {
+		t.Errorf("node 0 does not say %q:\n%s", want, jobs[0].errText())
+	}
+	if want := "waits to join job " + c.id + "-g1"; !strings.Contains(jobs[1].errText(), want) {
+		t.Errorf("the node that came back does not say %q:\n%s", want, jobs[1].errText())
+	}
+	// Every rank of the grown job resumed from one step, and no rank had
+	// gone past the step after it.
+	for i, ranks := range [][]int{{0, 1}, {4, 5}, {2, 3}} {
+		for _, r := range ranks {
+			if line := fmt.Sprintf("[rank%d]: resumed from step %d", r, grown); !strings.Contains(jobs[i].stdout(), line) {
+				t.Errorf("node %d does not say %q:\n%s", i, line, jobs[i].stdout())
+			}
+		}
+	}
+	out := jobs[0].stdout()
+	if i := strings.Index(out, fmt.Sprintf("[rank0]: step %d loss", grown+2)); i >= 0 && i < strings.LastIndex(out, "[rank0]: resumed from step") {
+		t.Errorf("the ranks had done step %d before the job went on from step %d: steps were lost\n%s", grown+2, grown, jobs[0].stdout())
+	}
+	if got, want := readHash(t, filepath.Join(c.dir, "weights")), phasedReference(t, part{6, shrunk}, part{4, grown}, part{6, 59}); got != want {
+		t.Fatalf("weights after the job went on with 2 nodes from step %d and with 3 from step %d: %s; on 6, 4 and 6 ranks so: %s", shrunk, grown, got, want)
+	}
+}
+
+// TestElasticStartsWithMin: of a job started with --nnodes 2:3, only
+// nodes 0 and 1 come: once --join-timeout has passed with MIN nodes
+// there, the job runs on those two, its ranks started once, in a world of
+// 2. Then node 2 comes. It waits to join, and the job takes it in at the
+// next step its ranks save, and finishes on 3 nodes with the weights of
+// the same script run on 2 ranks to that step and on 3 from it.
+func TestElasticStartsWithMin(t *testing.T) {
+	t.Parallel() // hosts of their own
+	c := newCluster(t, 3, 1)
+	args := []string{"--steps", "80", "--step-ms", "100", "--weights", filepath.Join(c.dir, "weights")}
+	flags := []string{"--nnodes", "2:3", "--join-timeout", "2s", "--max-restarts", "1", "--collective-timeout", "60s"}
+	jobs := []*job{c.start(0, c.f.Hosts[0], flags, args...), c.start(1, c.f.Hosts[1], flags, args...)}
+	jobs[0].waitLine("[rank0]: step 10 loss", 3*time.Minute)
+	if want := "nodes [2] did not join within --join-timeout 2s; the job goes on with 2 nodes of 3 (world 3 → 2)"; !strings.Contains(jobs[0].errText(), want) {
+		t.Errorf("node 0 does not say %q:\n%s", want, jobs[0].errText())
+	}
+	// The ranks started once, in the world they trained in.
+	for i, j := range jobs {
+		if strings.Contains(j.stdout(), " of 3\n") || strings.Count(j.stdout(), "starting rank") != 1 {
+			t.Errorf("node %d's rank did not start once, in a world of 2:\n%s", i, j.stdout())
+		}
+	}
+	jobs = append(jobs, c.start(2, c.f.Hosts[2], flags, args...))
+	for i, j := range jobs {
+		if err := j.wait(3 * time.Minute); err != nil {
+			t.Fatalf("node %d: %v\nstdout:\n%s\nstderr:\n%s", i, err, j.stdout(), j.errText())
+		}
+	}
+	grown := resumedFrom(jobs[2].stdout())
+	if grown < 10 || !strings.Contains(jobs[0].stdout(), fmt.Sprintf("[rank0]: resumed from step %d", grown)) {
+		t.Fatalf("the job did not go on from one step after step 10 with node 2 (node 2 resumed from %d):\n%s\n%s", grown, jobs[0].stdout(), jobs[2].stdout())
+	}
+	want := fmt.Sprintf("the nodes started as --node-rank [2] joined; the job goes on with 3 nodes of 3 (world 2 → 3), from step %d", grown)
+	if !strings.Contains(jobs[0].errText(), want) {
+		t.Errorf("node 0 does not say %q:\n%s", want, jobs[0].errText())
+	}
+	if got, want := readHash(t, filepath.Join(c.dir, "weights")), phasedReference(t, part{2, grown}, part{3, 79}); got != want {
+		t.Fatalf("weights of the job that took in node 2 at step %d: %s; on 2 ranks to that step, then on 3: %s", grown, got, want)
 	}
 }

@@ -55,7 +55,10 @@
 //	                          with fewer nodes, down to MIN, where lost nodes are not replaced within
 //	                          --node-timeout: the nodes left are renumbered in their order and each
 //	                          launcher runs its node again in the new shape, the ranks resuming from
-//	                          the newest step they hold in memory
+//	                          the newest step they hold in memory. A node started after, with the job's
+//	                          flags and any --node-rank, waits to join it, and the job takes in the
+//	                          nodes that came, up to MAX, at the next step its ranks save once they
+//	                          bring it to MAX or --join-timeout after the last came
 //	--replicas K              how many other nodes hold a copy of each rank's newest memory step (default 1
 //	                          with several nodes; -1: none); --replica-port P is the first of the node's
 //	                          replica servers' ports, one per local rank
@@ -172,10 +175,14 @@ func run(ctx context.Context, opts options, sigs <-chan os.Signal) error {
 		if !errors.As(err, &rz) {
 			return err
 		}
+		joins := rz.Joining || rz.From < rz.To && rz.Node >= rz.From // a node that waits to join, or joins
 		if sig != 0 {
 			// Taken as the run ended: the job ends here, its ranks stopped
 			// and their segments kept (renumbered) for a run started again.
 			glob := filepath.Join(cmp.Or(cfg.ShmDir, "/dev/shm"), "faultline-"+cfg.Job+"-*")
+			if joins {
+				return fmt.Errorf("%w by %s as this node was to join the job", agent.ErrTerminated, unix.SignalName(sig))
+			}
 			if rz.From == rz.To {
 				// A spare that was to take a lost node's place.
 				fmt.Fprintf(os.Stderr, "faultline-run: kept the replicas %s that spare node %d holds of node %d's ranks; remove them unless a node %d is started here (rm %s)\n", glob, rz.Node, rz.NodeRank, rz.NodeRank, glob)
@@ -184,7 +191,13 @@ func run(ctx context.Context, opts options, sigs <-chan os.Signal) error {
 			fmt.Fprintf(os.Stderr, "faultline-run: kept the checkpoint segments %s, renumbered for the job's new shape; remove them unless the job is run again (rm %s)\n", glob, glob)
 			return fmt.Errorf("%w by %s as the job went on with %d nodes", agent.ErrTerminated, unix.SignalName(sig), rz.To)
 		}
-		fmt.Fprintf(os.Stderr, "faultline-run: node %d goes on as node %d of %d: %s\n", rz.Node, rz.NodeRank, rz.To, rz.Why)
+		switch {
+		case rz.Joining: // the next run says that it waits
+		case joins:
+			fmt.Fprintf(os.Stderr, "faultline-run: this node joins the job as node %d of %d: %s\n", rz.NodeRank, rz.To, rz.Why)
+		default:
+			fmt.Fprintf(os.Stderr, "faultline-run: node %d goes on as node %d of %d: %s\n", rz.Node, rz.NodeRank, rz.To, rz.Why)
+		}
 		cfg = rz.Next(cfg)
 	}
 }
@@ -239,7 +252,7 @@ func parse(args []string) (options, error) {
 	var (
 		standalone  = fs.Bool("standalone", false, "a job of one node on this machine, on a free port")
 		nnodes      = fs.String("nnodes", "1", "number of nodes, N or MIN:MAX (elastic: the job starts with MIN to MAX nodes and goes on with fewer, down to MIN, when nodes are lost)")
-		joinTimeout = fs.Duration("join-timeout", 30*time.Second, "an elastic job's wait for more nodes, up to MAX, once MIN are there")
+		joinTimeout = fs.Duration("join-timeout", 30*time.Second, "an elastic job's wait for more nodes, up to MAX, once MIN are there, and for more once a node came to join it")
 		nproc       = fs.String("nproc-per-node", "1", "ranks on this node: a number, auto or cpu")
 		nodeRank    = fs.Int("node-rank", 0, "this node's rank")
 		spareNodes  = fs.Int("spare-nodes", 0, "nodes beyond --nnodes (its MAX) that run no rank, keep warm interpreters and the replicas they are sent, and take a lost node's place at once: started with --node-rank NNODES and up")

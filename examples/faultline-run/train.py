@@ -18,6 +18,13 @@ rank SIGKILLs itself at step S of the first run), --hang-rank R
 (its forward takes --slow-ms longer). --weights FILE has rank 0 write the
 final weights' SHA-256 there.
 
+--init FILE starts from a state that torch.save wrote (the dict the job
+checkpoints: model, optimizer, step), as from a pretrained checkpoint,
+instead of the newest step the job holds; --save-state FILE has rank 0
+write the final state so. A job run in parts with them, each on as many
+ranks as a job that changed its world had in that part, is the
+reference of an elastic run.
+
 --baseline trains without faultline, checkpointing with torch.save every
 --disk-every steps, as a torchrun job would: the side-by-side comparison of
 recovery times runs it under torch.distributed.run.
@@ -48,6 +55,8 @@ def parse():
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-ms", type=float, default=50)
     p.add_argument("--weights", default="")
+    p.add_argument("--init", default="", help="start from this torch.save'd state instead of the job's newest step")
+    p.add_argument("--save-state", default="", help="rank 0 torch.saves the final state here")
     p.add_argument("--bucket-cap-mb", type=float, default=0, help="DDP's bucket size, its first bucket's too")
     p.add_argument("--baseline", action="store_true")
     p.add_argument("--state-mb", type=float, default=0, help="a buffer of this size saved with the state, as a large model's")
@@ -91,7 +100,7 @@ def main():
     ballast = torch.zeros(int(args.state_mb * (1 << 18))) if args.state_mb else None
 
     start = 0
-    state = ckpt.load_checkpoint()
+    state = torch.load(args.init) if args.init else ckpt.load_checkpoint()
     if state:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -130,6 +139,10 @@ def main():
                     ckpt.save_checkpoint(step, state, storage_type=ft.StorageType.DISK if disk else ft.StorageType.MEMORY)
         print(f"step {step} loss {loss.item():.6f}", flush=True)
 
+    if rank == 0 and args.save_state:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": args.steps - 1}
+        torch.save(state, args.save_state + ".tmp")
+        os.replace(args.save_state + ".tmp", args.save_state)
     if rank == 0 and args.weights:
         h = hashlib.sha256()
         for name, t in model.state_dict().items():
