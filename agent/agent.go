@@ -180,15 +180,6 @@ func (a *Agent) Run(ctx context.Context) error {
 	case a.cfg.spare():
 		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d is a spare of job %s: it runs no rank, keeps warm interpreters and the replicas it is sent, and takes the place of a node of the job that is lost\n", a.cfg.NodeRank, a.cfg.Job)
 		a.ckpts.holdReplicas(gctx)
-	case a.cfg.grown != nil:
-		// The ranks of the nodes that joined take their state from this
-		// node's segments: they serve it from the start.
-		a.ckpts.run(gctx)
-		for _, s := range a.slots {
-			if _, err := a.ckpts.owner(s.rank); err != nil {
-				a.log.Warn("agent: a rank's segment does not serve the nodes that joined", "rank", s.rank, "err", err)
-			}
-		}
 	}
 	// Each rank's interpreter imports torch while the node joins the job
 	// (the store, the manager, the first rendezvous), so that its first
@@ -254,6 +245,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	// keeps them under the ranks' new numbers.
 	var r *Resized
 	if errors.As(result, &r) {
+		a.ckpts.mu.Lock()
+		r.dir = a.ckpts.dir // the next run knows the job's folder before its ranks name it
+		a.ckpts.mu.Unlock()
 		if err := a.ckpts.renumber(r); err != nil {
 			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d: the ranks' segments were not all renumbered, so not every rank resumes from its memory (the job agrees on a step every rank holds, on disk or none): %v\n", a.cfg.NodeRank, err)
 		}
@@ -278,6 +272,9 @@ func (a *Agent) startManager(ctx context.Context, g *errgroup.Group) error {
 	}
 	a.policy = policy
 	job := newJobCheckpoints(a.cfg.Nodes, a, a.log)
+	if g := a.cfg.grown; g != nil {
+		job.core.adopters = g.adopters
+	}
 	a.job = job
 	interval, deadline := a.cfg.heartbeats()
 	// The manager lives and dies with this launcher: a recovery the last
@@ -369,13 +366,14 @@ func (a *Agent) awaitManager(ctx context.Context) {
 		s.mu.Lock()
 		w := s.worker
 		s.mu.Unlock()
-		if w == nil || !w.Connected() {
-			also := ""
-			if a.cfg.growable() {
-				also = " (a node that comes after an elastic job went on without it finds it by the manager's answer, and waits to join it)"
-			}
-			fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d's ranks wait for the job's manager at %s (job %q): not registered after 15s; check --master-addr, --master-port, --rdzv-id and the token on every node%s\n",
-				a.cfg.NodeRank, a.mgrAddr, a.controlJob(), also)
+		switch {
+		case w != nil && w.Taken():
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s's ranks wait to register with the job's manager at %s: another live node's workers hold them, a node this one replaces, say, not yet declared lost (--heartbeat-deadline %v)\n",
+				a.name(), a.mgrAddr, a.cfg.HeartbeatDeadline)
+			return
+		case w == nil || !w.Connected():
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s's ranks wait for the job's manager at %s (job %q): not registered after 15s; check --master-addr, --master-port, --rdzv-id and the token on every node\n",
+				a.name(), a.mgrAddr, a.controlJob())
 			return
 		}
 	}
@@ -522,6 +520,11 @@ func (a *Agent) Close() error {
 }
 
 func (a *Agent) cleanup() {
+	a.grows.mu.Lock()
+	if a.grows.expiry != nil {
+		a.grows.expiry.Stop()
+	}
+	a.grows.mu.Unlock()
 	for _, s := range a.slots {
 		s.close()
 	}

@@ -45,6 +45,7 @@ type checkpoints struct {
 	starts  map[int]int64  // the step of each start with none agreed, by start count
 	loaded  map[int]loader // by rank: its process that loaded once
 	peers   map[int]string // every node's replica address, by node
+	known   chan struct{}  // closed once peers names another node than this one
 	// domains is each node's access switch, where Config.Topology names
 	// its host (by node, as the owners key their peers).
 	domains map[string]string
@@ -72,7 +73,10 @@ type shard struct {
 }
 
 func newCheckpoints(a *Agent) (*checkpoints, error) {
-	c := &checkpoints{a: a, ctx: context.Background(), shards: map[int]*shard{}, starts: map[int]int64{}, loaded: map[int]loader{}}
+	c := &checkpoints{a: a, ctx: context.Background(), shards: map[int]*shard{}, starts: map[int]int64{}, loaded: map[int]loader{},
+		known: make(chan struct{})}
+	// The folder the last run of the node knew, until a rank names one.
+	c.dir, c.adopted = a.cfg.ckptDir, a.cfg.ckptDir != ""
 	c.reg = promreg.New(a.cfg.Registerer, "agent: Config.Registerer")
 	c.abandoned = promauto.With(c.reg).NewCounterVec(prometheus.CounterOpts{
 		Name: "faultline_agent_async_saves_abandoned_total",
@@ -410,6 +414,13 @@ func (c *checkpoints) setPeers(peers map[int]string) {
 	c.mu.Lock()
 	c.peers, c.domains = peers, domains
 	shards := maps.Clone(c.shards)
+	if len(peers) > 1 || len(peers) == 1 && peers[c.a.cfg.NodeRank] == "" {
+		select {
+		case <-c.known:
+		default:
+			close(c.known)
+		}
+	}
 	c.mu.Unlock()
 	for rank, sh := range shards {
 		sh.mu.Lock()
@@ -935,25 +946,25 @@ func (c *checkpoints) load(ctx context.Context, s *slot, pid int, dir string, at
 	if err != nil {
 		return ans, err
 	}
-	if g := c.a.cfg.grown; g != nil && g.from >= 0 && want == g.step {
-		// A rank of a node that joined the job: the state of the rank of
-		// its local rank on node from, a data-parallel job's every rank's.
-		from := g.from*c.a.cfg.ProcsPerNode + s.local
-		if err := c.adopt(ctx, o, s.rank, from, want); err != nil {
-			ans.Reasons = append(ans.Reasons, err.Error())
-			return ans, nil
-		}
-		h, why := c.findHalf(s.rank, want)
-		if h < 0 {
-			return ans, fmt.Errorf("step %d adopted into %s from rank %d, then not found there: %s", want, path, from, why)
-		}
-		return loadAnswer{Step: want, Tier: string(ckpt.TierReplica), Path: path, Half: h, Reasons: ans.Reasons}, nil
-	}
+	// A node that replaces a lost one, or joins, fetches from the peers it
+	// learns of once it said hello: not before.
+	c.awaitPeers(ctx)
 	rep, err := o.Restore(ctx, s.rank, want)
 	for _, e := range rep.Refused {
 		if e.Tier != ckpt.TierMemory {
 			ans.Reasons = append(ans.Reasons, e.Error())
 		}
+	}
+	if g := c.a.cfg.grown; errors.Is(err, ckpt.ErrNoStep) && g != nil && g.from >= 0 {
+		// A rank of a node that joined the job, with no copy of its own
+		// of the step: the state of the rank of its local rank on node
+		// from, a data-parallel job's every rank's. A rank that cannot
+		// have it fails, saying why, rather than start the job over.
+		from := g.from*c.a.cfg.ProcsPerNode + s.local
+		if err := c.adopt(ctx, o, s.rank, from, want); err != nil {
+			return ans, err
+		}
+		rep.Tier, err = ckpt.TierReplica, nil
 	}
 	if err != nil {
 		if errors.Is(err, ckpt.ErrNoStep) {
@@ -966,6 +977,27 @@ func (c *checkpoints) load(ctx context.Context, s *slot, pid int, dir string, at
 		return ans, fmt.Errorf("step %d restored into %s from %s, then not found there: %s", want, path, rep.Tier, why)
 	}
 	return loadAnswer{Step: want, Tier: string(rep.Tier), Path: path, Half: h, Reasons: ans.Reasons}, nil
+}
+
+// peersWait bounds how long a rank waits, before it fetches a step from
+// the other nodes, for its node to learn their replica servers (node 0
+// sends them once the node said hello).
+const peersWait = 30 * time.Second
+
+// awaitPeers waits until the node knows another node's replica server,
+// in a job that has them, for up to peersWait.
+func (c *checkpoints) awaitPeers(ctx context.Context) {
+	if !c.serving() {
+		return
+	}
+	t := time.NewTimer(peersWait)
+	defer t.Stop()
+	select {
+	case <-c.known:
+	case <-t.C:
+		c.a.log.Warn("agent: no other node's replica server known; fetching from none", "waited", peersWait)
+	case <-ctx.Done():
+	}
 }
 
 // adoptWait bounds how long a rank of a node that joined the job waits
@@ -987,7 +1019,7 @@ func (c *checkpoints) adopt(ctx context.Context, o *ckpt.Owner, rank, from int, 
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("rank %d's step %d, which this rank of a node that joined the job takes its state from, was not served within %v: %w", from, step, adoptWait, err)
+			return fmt.Errorf("rank %d of a node that joined the job takes the state of rank %d, whose step %d no node served within %v (check that this node reaches the other nodes' replica servers, --replica-port): %w", rank, from, step, adoptWait, err)
 		case <-time.After(200 * time.Millisecond):
 		}
 	}

@@ -32,8 +32,8 @@ type Config struct {
 	// with fewer, whole nodes, when nodes are lost and none takes their
 	// place within NodeTimeout, down to MinNodes: Run then returns a
 	// *Resized. A node that comes after (lost and back, or new, with any
-	// NodeRank) waits to join the job and is taken in at its next restart
-	// point, up to Nodes: once the nodes that came bring the job to
+	// NodeRank but 0) waits to join the job and is taken in at its next
+	// restart point, up to Nodes: once the nodes that came bring the job to
 	// Nodes, or JoinTimeout after the last came, at its ranks' next save;
 	// Run returns a *Resized on every node then too. Default Nodes: the
 	// membership is fixed. An elastic job's manager is node 0's.
@@ -164,6 +164,7 @@ type Config struct {
 	launchRank int     // NodeRank at the launch: a node waiting to join is known by it
 	joining    bool    // the node waits to join the job, running no rank (see Resized.Joining)
 	grown      *growth // the first start of a run after the job took in nodes
+	ckptDir    string  // the job's checkpoint folder as the last run knew it, before a rank names it
 }
 
 // errConfig is wrapped by every configuration error.
@@ -183,7 +184,7 @@ func (c Config) Validate() error {
 		return bad("Nodes", c.Nodes, "negative")
 	case c.SpareNodes < 0:
 		return bad("SpareNodes", c.SpareNodes, "negative")
-	case c.SpareNodes > 0 && c.Nodes < 2:
+	case c.SpareNodes > 0 && max(c.Nodes, c.maxNodes) < 2: // an elastic job's runs keep their spares down to 1 node
 		return bad("SpareNodes", c.SpareNodes, "a spare takes a lost node's place, and a job of one node ends with its node 0: give Nodes at least 2")
 	case c.SpareNodes > 0 && c.Manager != "":
 		return bad("SpareNodes", c.SpareNodes, "node 0's manager hands a lost node's place to a spare: drop Manager")

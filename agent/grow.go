@@ -56,10 +56,13 @@ const (
 // growth is how the ranks of a run after the job took in nodes start:
 // every rank from step (-1: none every rank held), and the ranks of a
 // node that joined with the state of the rank of the same local rank on
-// node from (-1: their own).
+// node from (-1: their own), whenever they hold no copy of their own of
+// the step the job resumes from. adopters is every node that joined, and
+// its from: node 0's manager plans each resume of the run with them.
 type growth struct {
-	step int64
-	from int
+	step     int64
+	from     int
+	adopters map[int]int
 }
 
 // growCore is node 0's side of the nodes that come to join the job, kept
@@ -180,6 +183,20 @@ func (a *Agent) joinerName(n int) string {
 	return fmt.Sprintf("the node started as --node-rank %d", n-a.cfg.joinBase())
 }
 
+// nodeName names the node at position n, as its operator knows it.
+func (a *Agent) nodeName(n int) string {
+	if a.cfg.growable() && n >= a.cfg.joinBase() {
+		return a.joinerName(n) + " (waiting to join)"
+	}
+	if n >= a.cfg.Nodes {
+		return fmt.Sprintf("spare node %d", n)
+	}
+	return fmt.Sprintf("node %d", n)
+}
+
+// name names this node, as its operator knows it.
+func (a *Agent) name() string { return a.nodeName(a.cfg.NodeRank) }
+
 // joiners returns the positions of the nodes waiting to join the job that
 // said hello to node 0 (so with the job's shape).
 func (a *Agent) joiners() []int {
@@ -280,8 +297,13 @@ func (a *Agent) grow(ctx context.Context, joiners []int) bool {
 	}
 	step, err := a.job.LoadNewest(ctx)
 	if err != nil {
-		a.log.Warn("agent: the step the grown job resumes from", "err", err)
-		step = -1
+		// The job goes on as it was: its ranks thaw where they froze.
+		fmt.Fprintf(a.cfg.Stderr, "faultline-run: the job does not take in %s now: the step it would resume from is unknown: %v; it tries again\n", names(joiners, a.joinerName), err)
+		a.releaseGrow(round)
+		if err := tell(growRelease); err != nil {
+			a.log.Warn("agent: not every node was told that the job goes on as it was", "err", err)
+		}
+		return false
 	}
 	per := a.cfg.ProcsPerNode
 	to := a.cfg.Nodes + len(joiners)
@@ -315,15 +337,28 @@ func (a *Agent) grow(ctx context.Context, joiners []int) bool {
 // held, its ranks' exits and failed collectives are no faults (the ranks
 // are about to be stopped, here and on the other nodes).
 type growHolds struct {
-	mu    sync.Mutex
-	round string
+	mu     sync.Mutex
+	round  string
+	expiry *time.Timer // releases a hold that nothing ended
 }
+
+// holdTTL bounds a hold that no resize or release ends (node 0 lost as
+// the job was taking in nodes, or its release lost): the node's ranks
+// thaw, and their faults count again.
+const holdTTL = 2 * time.Minute
 
 // holdGrow holds the node's faults for round.
 func (a *Agent) holdGrow(round string) {
 	a.grows.mu.Lock()
+	defer a.grows.mu.Unlock()
+	if a.grows.round == round {
+		return
+	}
+	if a.grows.expiry != nil {
+		a.grows.expiry.Stop()
+	}
 	a.grows.round = round
-	a.grows.mu.Unlock()
+	a.grows.expiry = time.AfterFunc(holdTTL, func() { a.releaseGrow(round) })
 }
 
 // growing reports whether a grow holds the node's faults.
@@ -333,16 +368,21 @@ func (a *Agent) growing() bool {
 	return a.grows.round != ""
 }
 
-// releaseGrow ends round's hold: the job goes on as it was, and an exit
-// held meanwhile is taken in now as the fault it is.
+// releaseGrow ends round's hold: the job goes on as it was, its ranks
+// thawed where they froze, and an exit held meanwhile is taken in now as
+// the fault it is.
 func (a *Agent) releaseGrow(round string) {
 	a.grows.mu.Lock()
-	if a.grows.round != round {
+	if a.grows.round != round || a.resizedTo() != nil {
 		a.grows.mu.Unlock()
 		return
 	}
 	a.grows.round = ""
+	a.grows.expiry.Stop()
 	a.grows.mu.Unlock()
+	for _, s := range a.slots {
+		s.thaw()
+	}
 	for _, s := range a.slots {
 		s.mu.Lock()
 		p := s.proc
@@ -416,12 +456,13 @@ func (a *Agent) otherJob(served string) bool {
 	a.mu.Lock()
 	first := a.resized == nil
 	if first {
-		a.resized = &Resized{Joining: true, Node: a.cfg.NodeRank, NodeRank: a.cfg.joinBase() + a.cfg.launchRank, Restarts: a.cfg.Restarts, Generation: g, Why: why}
+		a.resized = &Resized{Joining: true, Waited: a.cfg.joining, Node: a.cfg.NodeRank, NodeRank: a.cfg.joinBase() + a.cfg.launchRank,
+			Restarts: a.cfg.Restarts, Generation: g, Why: why, name: a.name()}
 	}
 	a.mu.Unlock()
 	if first {
 		a.log.Warn("agent: the job went on without this node; it waits to join it", "job", served)
-		go a.stopNode(why)
+		a.stopNode(why)
 	}
 	return true
 }

@@ -166,8 +166,9 @@ func TestResizedNextJoining(t *testing.T) {
 		t.Fatalf("the waiting run: spare %v, joinBase %d, growable %v, positions %d", n.spare(), n.joinBase(), n.growable(), n.positions())
 	}
 	// The job takes it in as node 2 of 3.
-	g := &Resized{From: 2, To: 3, Node: 5, NodeRank: 2, Generation: 2, Restarts: 3, grown: &growth{step: 41, from: 0}}
-	if !strings.Contains(g.Error(), "this node joins the job as node 2 of 3") {
+	g := &Resized{From: 2, To: 3, Node: 5, NodeRank: 2, Generation: 2, Restarts: 3, Waited: true, grown: &growth{step: 41, from: 0},
+		name: "the node started as --node-rank 1 (waiting to join)"}
+	if !strings.Contains(g.Error(), "the node started as --node-rank 1 (waiting to join) joins the job as node 2 of 3") {
 		t.Errorf("the grow's error: %v", g)
 	}
 	n = g.Next(n)
@@ -240,7 +241,7 @@ func TestElasticGrows(t *testing.T) {
 	if r := <-rs0; r.From != 1 || r.To != 2 || r.NodeRank != 0 || r.Generation != 2 || r.Restarts != 1 || r.grown == nil {
 		t.Fatalf("node 0 as the job took in node 1: %v (%+v)", r, r)
 	}
-	if r := <-rs1; r.From != 1 || r.To != 2 || r.NodeRank != 1 || r.Generation != 2 || r.grown == nil || r.grown.from != 0 {
+	if r := <-rs1; r.From != 1 || r.To != 2 || r.NodeRank != 1 || r.Generation != 2 || !r.Waited || r.grown == nil || r.grown.from != 0 {
 		t.Fatalf("node 1 as the job took it in: %v (%+v)", r, r)
 	}
 	for range 2 {
@@ -280,4 +281,29 @@ func freePortRange(t *testing.T, n int) int {
 	}
 	t.Fatalf("no %d free ports in a row", n)
 	return 0
+}
+
+// TestPlanAdopters: in the run after node 2 joined a job of 2 nodes of 2
+// ranks, its ranks 4 and 5 hold nothing of their own yet (their first
+// load failed): a recovery resumes the job from the newest step node 0's
+// ranks 0 and 1 hold, which ranks 4 and 5 take, rather than start over;
+// once they hold steps of their own, those count.
+func TestPlanAdopters(t *testing.T) {
+	c := newJobCore(3)
+	c.adopters = map[int]int{2: 0}
+	c.startRound("r")
+	c.report(heldReport{Round: "r", Node: 0, Ranks: map[int][]int64{0: {9, 8}, 1: {9, 8}}, Replicas: map[int][]int64{2: {9}, 3: {9}}})
+	c.report(heldReport{Round: "r", Node: 1, Ranks: map[int][]int64{2: {9, 8}, 3: {9, 8}}})
+	c.report(heldReport{Round: "r", Node: 2, Ranks: map[int][]int64{4: {}, 5: {}}})
+	plan, _, why := c.plan(nil, time.Second)
+	if plan.step != 9 || !slices.Equal(plan.replica, []int{4, 5}) {
+		t.Fatalf("plan = %+v (%s), want step 9, ranks 4 and 5 from node 0's", plan, why)
+	}
+	c.startRound("r2")
+	c.report(heldReport{Round: "r2", Node: 0, Ranks: map[int][]int64{0: {11, 10}, 1: {11, 10}}})
+	c.report(heldReport{Round: "r2", Node: 1, Ranks: map[int][]int64{2: {11, 10}, 3: {11, 10}}})
+	c.report(heldReport{Round: "r2", Node: 2, Ranks: map[int][]int64{4: {10}, 5: {10}}})
+	if plan, _, why := c.plan(nil, time.Second); plan.step != 10 || len(plan.replica) != 0 {
+		t.Fatalf("plan = %+v (%s), want step 10, every rank from its memory", plan, why)
+	}
 }

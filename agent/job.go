@@ -239,7 +239,12 @@ func (j *jobCheckpoints) PersistNewest(ctx context.Context) (int64, error) {
 	// left hold in memory, whether or not their step committed.
 	if a := j.local; a != nil && a.elastic() && len(lost) > 0 {
 		live := liveNodes(m, 0, j.core.nodes)
-		why := resizeWhy(j.core.nodes, live, a.cfg.ProcsPerNode, fmt.Sprintf("were lost and no node took their place within --node-timeout %v", a.cfg.NodeTimeout))
+		what := fmt.Sprintf("were lost and no node took their place within --node-timeout %v", a.cfg.NodeTimeout)
+		if _, spent := (trainer{a.slots[0]}).budgetSpent(); spent {
+			// A node taking their place would restart every rank.
+			what = fmt.Sprintf("were lost with the restart budget spent (--max-restarts %d), so that no node takes their place", a.cfg.MaxRestarts)
+		}
+		why := resizeWhy(j.core.nodes, live, a.cfg.ProcsPerNode, what)
 		rm, whyNot := shrink(j.core.nodes, a.cfg.MinNodes, live, a.cfg.Topology, j.addrs(), a.slots[0].restarts()+1, a.cfg.Generation+1, why)
 		if whyNot == "" {
 			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s\n", why)
@@ -289,7 +294,7 @@ func (j *jobCheckpoints) handler() taskd.Handler {
 			}
 			if a := j.local; a != nil && h.Shape != a.jobShape() {
 				// A node of another shape would run ranks of another world.
-				why := fmt.Sprintf("node %d was started with %s, the job's node 0 with %s: give every node, spares too, the same", h.Node, h.Shape, a.jobShape())
+				why := fmt.Sprintf("%s was started with %s, the job's node 0 with %s: give every node, spares too, the same", a.nodeName(h.Node), h.Shape, a.jobShape())
 				fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; it is stopped\n", why)
 				go func() {
 					if _, err := m.Broadcast(context.WithoutCancel(ctx), taskd.NodeWorkers(h.Node), kindStop, []byte(why)); err != nil {

@@ -72,6 +72,10 @@ type jobCore struct {
 	// committed is the newest step committed so.
 	durable   map[int64]map[int]layout.ShardRef
 	committed int64
+	// adopters are the nodes that joined the job in its last resize, by
+	// node, and the node whose ranks' state theirs take while they hold
+	// none of their own (growth.adopters).
+	adopters map[int]int
 }
 
 // durableShard is what a node says when one of its shards of a step is
@@ -237,6 +241,17 @@ func (c *jobCore) plan(local *heldReport, waited time.Duration) (resumePlan, int
 		ranks[i] = i
 	}
 	h.nodeOf = func(rank int) int { return rank / perNode }
+	// A rank of a node that joined, holding nothing of its own yet, loads
+	// the state of the rank of its local rank on its source node, from that
+	// one's memory or a replica of it: a data-parallel job's every rank's.
+	for n, src := range c.adopters {
+		for l := range perNode {
+			r, from := n*perNode+l, src*perNode+l
+			if len(h.memory[r])+len(h.replica[r]) == 0 {
+				h.replica[r] = slices.Concat(h.memory[from], h.replica[from])
+			}
+		}
+	}
 	plan, whyNot := h.choose(ranks)
 	if whyNot != "" {
 		why = append(why, whyNot)

@@ -184,7 +184,7 @@ func (a *Agent) announce(ctx context.Context) {
 	b, _ := json.Marshal(nodeHello{Node: a.cfg.NodeRank, Ranks: ranks, Replicas: a.ckpts.replicaAddr(), Instance: a.instance, Shape: a.jobShape()})
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
-	w := newNodeWatch(a.cfg.NodeRank, a.cfg.NodeTimeout, a.cfg.HeartbeatDeadline, time.Now())
+	w := newNodeWatch(a.name(), a.cfg.NodeTimeout, a.cfg.HeartbeatDeadline, time.Now())
 	for {
 		connected, taken, other := false, false, ""
 		for _, s := range a.slots {
@@ -228,8 +228,8 @@ func (a *Agent) announce(ctx context.Context) {
 				a.stopNode(act.why)
 				return
 			case nodeFencedAction:
-				// Another agent's workers hold its ranks: it must not
-				// touch the job again.
+				// Another agent's workers hold its ranks, or it never
+				// joined: it must not touch the job.
 				fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s; this node's ranks end\n", act.why)
 				a.stopNode(act.why)
 				return

@@ -14,7 +14,7 @@ import (
 // replaced and must not touch the job again. The manager's side (which
 // node is lost, which to wait for) is taskd's orchestration core.
 type nodeWatch struct {
-	node        int
+	node        string        // how the messages name the node
 	nodeTimeout time.Duration // --node-timeout
 	heartbeat   time.Duration // the heartbeat deadline
 
@@ -30,7 +30,7 @@ const (
 	nodeHelloAction  nodeActionKind = iota // send the hello (and report the result with helloSent)
 	nodeWarnAction                         // say why: the node is apart from the manager and waits
 	nodeGiveUpAction                       // persist what the node holds, its replicas too, and end its ranks: why
-	nodeFencedAction                       // end the node's ranks, touching nothing: why
+	nodeFencedAction                       // end the node's ranks, touching nothing: why (replaced, or never joined)
 )
 
 // nodeAction is one thing the agent does.
@@ -39,7 +39,7 @@ type nodeAction struct {
 	why  string
 }
 
-func newNodeWatch(node int, nodeTimeout, heartbeat time.Duration, now time.Time) *nodeWatch {
+func newNodeWatch(node string, nodeTimeout, heartbeat time.Duration, now time.Time) *nodeWatch {
 	return &nodeWatch{node: node, nodeTimeout: nodeTimeout, heartbeat: heartbeat, apartSince: now}
 }
 
@@ -53,25 +53,36 @@ func (w *nodeWatch) tick(now time.Time, connected, taken bool) []nodeAction {
 	case !connected:
 		w.said = false // a manager that took over, or restarted, learns the nodes anew
 	}
-	// A node not yet joined may have started well before node 0: it waits
-	// at least as long as for the store.
-	limit := w.nodeTimeout
+	// A node not yet joined may have started well before node 0, or node
+	// 0 be starting its store and manager again (a run after a resize):
+	// it waits at least as long as for the store.
+	limit, also := w.nodeTimeout, ""
+	if !w.joined && storeTimeout > limit {
+		limit, also = storeTimeout, ", as long as node 0's store may take to start"
+	}
+	// One that has not joined holds nothing of the job's: it ends touching
+	// nothing.
+	end := nodeGiveUpAction
 	if !w.joined {
-		limit = max(limit, storeTimeout)
+		end = nodeFencedAction
 	}
 	switch apart := now.Sub(w.apartSince); {
 	case connected:
 		w.apartSince, w.warned, w.joined = now, false, true
 	case apart > limit && taken:
-		return append(acts, nodeAction{kind: nodeGiveUpAction,
-			why: fmt.Sprintf("node %d has not joined the job for %v (--node-timeout %v): another live node's workers hold its ranks", w.node, apart.Round(time.Second), w.nodeTimeout)})
+		return append(acts, nodeAction{kind: end,
+			why: fmt.Sprintf("%s has not joined the job for %v (--node-timeout %v): another live node's workers hold its ranks", w.node, apart.Round(time.Second), w.nodeTimeout)})
 	case apart > limit:
-		return append(acts, nodeAction{kind: nodeGiveUpAction,
-			why: fmt.Sprintf("node %d has not reached the job's manager for %v (--node-timeout %v): node 0, which runs it, is lost, or this node cannot reach it or is refused", w.node, apart.Round(time.Second), w.nodeTimeout)})
+		return append(acts, nodeAction{kind: end,
+			why: fmt.Sprintf("%s has not reached the job's manager for %v (--node-timeout %v): node 0, which runs it, is lost, or this node cannot reach it or is refused", w.node, apart.Round(time.Second), w.nodeTimeout)})
+	case apart > w.heartbeat && !w.warned && taken:
+		w.warned = true
+		acts = append(acts, nodeAction{kind: nodeWarnAction,
+			why: fmt.Sprintf("%s has not joined the job for %v: another node's workers hold its ranks, a node it replaces, say, not yet declared lost; it waits up to %v%s (--node-timeout %v)", w.node, apart.Round(time.Second), limit, also, w.nodeTimeout)})
 	case apart > w.heartbeat && !w.warned:
 		w.warned = true
 		acts = append(acts, nodeAction{kind: nodeWarnAction,
-			why: fmt.Sprintf("node %d has not reached the job's manager for %v; it waits up to %v (--node-timeout %v)", w.node, apart.Round(time.Second), limit, w.nodeTimeout)})
+			why: fmt.Sprintf("%s has not reached the job's manager for %v; it waits up to %v%s (--node-timeout %v)", w.node, apart.Round(time.Second), limit, also, w.nodeTimeout)})
 	}
 	// Fenced: the job replaced this node while it was cut off or stalled,
 	// and another agent's workers hold its ranks past a heartbeat
@@ -87,7 +98,7 @@ func (w *nodeWatch) tick(now time.Time, connected, taken bool) []nodeAction {
 		w.takenSince = now
 	case now.Sub(w.takenSince) > w.heartbeat:
 		acts = append(acts, nodeAction{kind: nodeFencedAction,
-			why: fmt.Sprintf("node %d was replaced: another agent's workers have held its ranks for %v", w.node, now.Sub(w.takenSince).Round(time.Second))})
+			why: fmt.Sprintf("%s was replaced: another agent's workers have held its ranks for %v", w.node, now.Sub(w.takenSince).Round(time.Second))})
 	}
 	return acts
 }

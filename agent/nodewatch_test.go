@@ -43,10 +43,10 @@ func TestNodeWatch(t *testing.T) {
 			{at: 3 * time.Second, connected: true, helloOK: true, want: "hello"},
 		}},
 		{"not yet joined, it waits as long as for the store", []seen{
-			{at: 11 * time.Second, want: "warn", why: "waits up to 2m0s (--node-timeout 30s)"},
+			{at: 11 * time.Second, want: "warn", why: "waits up to 2m0s, as long as node 0's store may take to start (--node-timeout 30s)"},
 			{at: 31 * time.Second},
 			{at: storeTimeout},
-			{at: storeTimeout + time.Second, want: "give up", why: "node 1 has not reached the job's manager for 2m1s (--node-timeout 30s)"},
+			{at: storeTimeout + time.Second, want: "fenced", why: "node 1 has not reached the job's manager for 2m1s (--node-timeout 30s)"},
 		}},
 		{"joined, then apart past --node-timeout: it gives up", []seen{
 			{at: time.Second, connected: true, helloOK: true, want: "hello"},
@@ -77,10 +77,10 @@ func TestNodeWatch(t *testing.T) {
 			{at: 60 * time.Second, taken: true},
 			{at: 61 * time.Second, connected: true, helloOK: true, want: "hello"},
 		}},
-		{"a live node's duplicate gives up as one apart", []seen{
+		{"a live node's duplicate ends, touching nothing", []seen{
 			{at: time.Second, taken: true},
-			{at: 12 * time.Second, taken: true, want: "warn"},
-			{at: storeTimeout + time.Second, taken: true, want: "give up", why: "node 1 has not joined the job for 2m1s (--node-timeout 30s): another live node's workers hold its ranks"},
+			{at: 12 * time.Second, taken: true, want: "warn", why: "another node's workers hold its ranks"},
+			{at: storeTimeout + time.Second, taken: true, want: "fenced", why: "node 1 has not joined the job for 2m1s (--node-timeout 30s): another live node's workers hold its ranks"},
 		}},
 		{"a registration racing its reconnection is not a fence", []seen{
 			{at: time.Second, connected: true, helloOK: true, want: "hello"},
@@ -92,7 +92,7 @@ func TestNodeWatch(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			start := time.Unix(1_000_000, 0)
-			w := newNodeWatch(1, nodeTimeout, heartbeat, start)
+			w := newNodeWatch("node 1", nodeTimeout, heartbeat, start)
 			for _, s := range tc.ticks {
 				acts := w.tick(start.Add(s.at), s.connected, s.taken)
 				var got []string

@@ -44,22 +44,35 @@ type Resized struct {
 	// *Resized whose NodeRank is this node's place in the grown job) or
 	// ends. From and To are 0.
 	Joining bool
+	// Waited says that this node waited to join the job in the run that
+	// ended: it ran no rank and holds no replica.
+	Waited bool
 
+	name  string             // this node, as its operator knows it
 	warm  map[int]*spareProc // the run's warm interpreters, for the next
 	grown *growth            // how the next run's ranks start, when the job took in nodes
+	dir   string             // the job's checkpoint folder, as the run knew it
 }
 
 // Error says how the job goes on, and why.
 func (r *Resized) Error() string {
+	name := r.name
+	switch {
+	case name != "":
+	case r.From == r.To && r.Node >= r.From:
+		name = fmt.Sprintf("spare node %d", r.Node)
+	default:
+		name = fmt.Sprintf("node %d", r.Node)
+	}
 	switch {
 	case r.Joining:
-		return fmt.Sprintf("agent: node %d waits to join the job: %s", r.Node, r.Why)
+		return fmt.Sprintf("agent: %s waits to join the job: %s", name, r.Why)
+	case r.Waited && r.From < r.To:
+		return fmt.Sprintf("agent: %s joins the job as node %d of %d: %s", name, r.NodeRank, r.To, r.Why)
 	case r.From == r.To && r.Node >= r.From:
-		return fmt.Sprintf("agent: spare node %d takes the place of node %d: %s", r.Node, r.NodeRank, r.Why)
-	case r.From < r.To && r.Node >= r.From:
-		return fmt.Sprintf("agent: this node joins the job as node %d of %d: %s", r.NodeRank, r.To, r.Why)
+		return fmt.Sprintf("agent: %s takes the place of node %d: %s", name, r.NodeRank, r.Why)
 	}
-	return fmt.Sprintf("agent: the job goes on with %s instead of %d, this one as node %d (was %d): %s", nodesWord(r.To), r.From, r.NodeRank, r.Node, r.Why)
+	return fmt.Sprintf("agent: the job goes on with %s instead of %d, %s as node %d: %s", nodesWord(r.To), r.From, name, r.NodeRank, r.Why)
 }
 
 // Next returns the configuration of the node's agent in the job that goes
@@ -72,7 +85,7 @@ func (r *Resized) Next(c Config) Config {
 		c.Nodes = r.To
 	}
 	c.NodeRank, c.Restarts, c.Generation = r.NodeRank, r.Restarts, r.Generation
-	c.joining, c.grown = r.Joining, r.grown
+	c.joining, c.grown, c.ckptDir = r.Joining, r.grown, r.dir
 	c.warm, r.warm = r.warm, nil // the warm interpreters go to one run
 	return c
 }
@@ -244,7 +257,8 @@ func (a *Agent) takeResize(m resizeMsg) {
 	if !ok {
 		return // not in the job that goes on: it stops
 	}
-	r := &Resized{From: m.From, To: m.To, Node: a.cfg.NodeRank, NodeRank: to, Restarts: m.Restarts, Generation: m.Generation, Why: m.Why}
+	r := &Resized{From: m.From, To: m.To, Node: a.cfg.NodeRank, NodeRank: to, Restarts: m.Restarts, Generation: m.Generation, Why: m.Why,
+		Waited: a.cfg.joining, name: a.name()}
 	switch {
 	case a.cfg.growable() && to >= a.cfg.joinBase():
 		// It waits on to join the job's new shape.
@@ -254,7 +268,10 @@ func (a *Agent) takeResize(m resizeMsg) {
 		if !ok {
 			from = -1
 		}
-		r.grown = &growth{step: m.Step, from: from}
+		r.grown = &growth{step: m.Step, from: from, adopters: map[int]int{}}
+		for n, src := range m.Adopt {
+			r.grown.adopters[m.Ranks[n]] = src
+		}
 	}
 	a.resized = r
 	a.log.Warn("agent: the job goes on with other nodes", "nodes", m.To, "was", m.From, "node_rank", to, "why", m.Why)

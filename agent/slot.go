@@ -83,6 +83,7 @@ type rankProc struct {
 	state    *os.ProcessState
 	expected bool // the agent killed it: its exit is no fault
 	heldExit bool // it exited while a grow held the node's faults (releaseGrow judges it)
+	frozen   bool // stopped where it was (SIGSTOP) while the job takes in nodes
 	hello    bool // it said hello: its faulthandler dumps on stackSignal
 	// owner is the slot whose process it is, and out and errOut take its
 	// output to that slot's: a warm spare moves to the slot of the node's
@@ -379,8 +380,8 @@ func (s *slot) exited(p *rankProc) {
 	msg := fmt.Sprintf("rank %d (pid %d) exited with code %d", s.rank, p.pid, code)
 	attrs := map[string]string{"pid": strconv.Itoa(p.pid)}
 	if sig != 0 {
-		msg = fmt.Sprintf("rank %d (pid %d) was killed by %s", s.rank, p.pid, unix.SignalName(sig))
-		attrs["signal"] = unix.SignalName(sig)
+		msg = fmt.Sprintf("rank %d (pid %d) was killed by %s", s.rank, p.pid, signalName(sig))
+		attrs["signal"] = signalName(sig)
 	}
 	f := taskd.Fault{Kind: taskd.FaultProcessExit, Position: taskd.Position{Node: s.a.cfg.NodeRank, Rank: s.rank}, Code: code,
 		Message: msg, Attrs: attrs, Time: now}
@@ -410,6 +411,16 @@ func (s *slot) report(f taskd.Fault) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// signalName names sig as the shell does, or by its number where it has
+// no name (a real-time signal: the agent's stackSignal, once a rank's
+// interpreter stopped handling it as it exited).
+func signalName(sig syscall.Signal) string {
+	if n := unix.SignalName(sig); n != "" {
+		return n
+	}
+	return fmt.Sprintf("signal %d", int(sig))
 }
 
 // exitOf returns the exit code of a process state as a shell reports it
@@ -482,10 +493,19 @@ func (s *slot) stop(reason, dir string) *hang.Dump {
 // killed.
 func (s *slot) freeze() {
 	s.mu.Lock()
-	p, state := s.proc, s.state
-	s.mu.Unlock()
-	if p != nil && state == slotRunning {
-		_ = syscall.Kill(-p.pid, syscall.SIGSTOP)
+	defer s.mu.Unlock()
+	if p := s.proc; p != nil && s.state == slotRunning && !p.frozen {
+		p.frozen = syscall.Kill(-p.pid, syscall.SIGSTOP) == nil
+	}
+}
+
+// thaw lets a process freeze stopped go on.
+func (s *slot) thaw() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p := s.proc; p != nil && p.frozen {
+		p.frozen = false
+		_ = syscall.Kill(-p.pid, syscall.SIGCONT)
 	}
 }
 

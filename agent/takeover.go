@@ -182,7 +182,7 @@ func (j *jobCheckpoints) handOut(ctx context.Context, m *taskd.Manager) {
 	pb, _ := json.Marshal(peers)
 	for _, n := range slices.Sorted(maps.Keys(pairs)) {
 		s := pairs[n]
-		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d is lost; spare node %d takes its place\n", n, s)
+		fmt.Fprintf(a.cfg.Stderr, "faultline-run: node %d is lost; %s takes its place\n", n, a.nodeName(s))
 		b, _ := json.Marshal(takeoverMsg{Node: n, Spare: s, Nodes: a.cfg.Nodes})
 		// Sent on its own: a handler must not wait for the workers.
 		go func() {
@@ -295,11 +295,7 @@ func (a *Agent) takeOver(t takeoverMsg) {
 		a.log.Warn("agent: a takeover that is not this node's", "node", t.Node, "spare", t.Spare)
 		return
 	}
-	who := fmt.Sprintf("spare node %d", a.cfg.NodeRank)
-	if a.cfg.joining {
-		who = a.joinerName(a.cfg.NodeRank) + ", which waited to join the job,"
-	}
-	why := fmt.Sprintf("node %d was lost; %s takes its place", t.Node, who)
+	why := fmt.Sprintf("node %d was lost; %s takes its place", t.Node, a.name())
 	fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s\n", why)
 	a.takeResize(resizeMsg{From: nodes, To: nodes, Ranks: map[int]int{a.cfg.NodeRank: t.Node},
 		Restarts: a.cfg.Restarts, Generation: a.cfg.Generation, Why: why})

@@ -51,6 +51,14 @@ func (a *Agent) terminate(ctx context.Context) error {
 	sig, at := a.termSig, a.termAt
 	a.mu.Unlock()
 	name := unix.SignalName(sig)
+	if a.cfg.spare() {
+		// A spare, or a node waiting to join: no rank, nothing to persist.
+		for _, s := range a.slots {
+			s.dropSpare()
+		}
+		fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s: %s ends, running no rank\n", name, a.name())
+		return fmt.Errorf("%w by %s", ErrTerminated, name)
+	}
 	grace := a.cfg.GracePeriod
 	ranksGrace := grace - grace/4
 
@@ -135,7 +143,7 @@ func (a *Agent) persistNewest(ctx context.Context) string {
 func exitWords(rank int, p *rankProc) string {
 	code, sig := exitOf(p.state)
 	if sig != 0 {
-		return fmt.Sprintf("rank %d ended by %s", rank, unix.SignalName(sig))
+		return fmt.Sprintf("rank %d ended by %s", rank, signalName(sig))
 	}
 	return fmt.Sprintf("rank %d exited with code %d", rank, code)
 }

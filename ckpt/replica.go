@@ -400,20 +400,26 @@ func (o *Owner) handle(conn net.Conn) (err error) {
 			writeMsg(c, statusError, []byte(err.Error()))
 			return err
 		}
-		if err := writeMsg(c, statusOK, nil); err != nil {
-			return err
-		}
-		bw := bufio.NewWriterSize(c, 1<<20)
-		_, n, err := sendStep(bw, seg, i, q.step, false)
-		if err == nil {
-			err = bw.Flush()
-		}
-		o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
-		if err != nil {
-			return fmt.Errorf("%s: send: %w", q, err)
-		}
-		return nil
+		return o.serveHalf(c, seg, i, q, false)
 	}
+}
+
+// serveHalf answers a get with half i of seg, which holds the step asked
+// for; yield as sendStep's.
+func (o *Owner) serveHalf(c io.Writer, seg *segment, i int, q replicaReq, yield bool) error {
+	if err := writeMsg(c, statusOK, nil); err != nil {
+		return err
+	}
+	bw := bufio.NewWriterSize(c, 1<<20)
+	_, n, err := sendStep(bw, seg, i, q.step, yield)
+	if err == nil {
+		err = bw.Flush()
+	}
+	o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
+	if err != nil {
+		return fmt.Errorf("%s: send: %w", q, err)
+	}
+	return nil
 }
 
 // serveOwn answers a get of a shard this owner holds, from its own
@@ -439,19 +445,7 @@ func (o *Owner) serveOwn(c io.ReadWriter, seg *segment, q replicaReq) error {
 		writeMsg(c, statusError, []byte(err.Error()))
 		return err
 	}
-	if err := writeMsg(c, statusOK, nil); err != nil {
-		return err
-	}
-	bw := bufio.NewWriterSize(c, 1<<20)
-	_, n, err := sendStep(bw, seg, i, q.step, true)
-	if err == nil {
-		err = bw.Flush()
-	}
-	o.m.replicaBytes.WithLabelValues("sent").Add(float64(n))
-	if err != nil {
-		return fmt.Errorf("%s: send: %w", q, err)
-	}
-	return nil
+	return o.serveHalf(c, seg, i, q, true)
 }
 
 type replicaSlot struct {

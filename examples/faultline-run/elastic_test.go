@@ -306,3 +306,115 @@ func TestElasticStartsWithMin(t *testing.T) {
 		t.Fatalf("weights of the job that took in node 2 at step %d: %s; on 2 ranks to that step, then on 3: %s", grown, got, want)
 	}
 }
+
+// BenchmarkElasticGrow times a job taking in a node: from the moment a
+// third node is started (train.py at 100 ms a step, one rank a node, on
+// hosts apart, started at points spread over step 51 of a job that runs
+// on 2 nodes of --nnodes 2:3) to the job, on 3 nodes, back at the step
+// after the newest one done before it stopped for the new node. Beside
+// it, in the same run, torchrun --nnodes 2:3 (c10d rendezvous, torch.save
+// every 10 steps to a folder the hosts share) on the same hosts, whose
+// agents restart every worker when they see a node waiting. Run it with
+//
+//	go test -run '^$' -bench ElasticGrow -benchtime 2x ./examples/faultline-run/
+func BenchmarkElasticGrow(b *testing.B) {
+	needTorchrun(b)
+	args := []string{"--steps", "90", "--step-ms", "100"}
+	var r recoveries
+	for i := range b.N {
+		into := time.Duration((float64(i) + 0.5) / float64(b.N) * float64(100*time.Millisecond))
+		c := newCluster(b, 3, 1)
+		c.spares = true
+		flags := []string{"--nnodes", "2:3", "--join-timeout", "3s", "--max-restarts", "3"}
+		n0 := c.start(0, c.f.Hosts[0], flags, args...)
+		c.start(1, c.f.Hosts[1], flags, args...)
+		d, redone := nodeJoins(c, n0, into, func() { c.start(2, c.f.Hosts[2], flags, args...) })
+		r.fl, r.flLost = r.fl+d, r.flLost+redone
+
+		c = newCluster(b, 3, 1)
+		conf := ",last_call_timeout=3"
+		t0 := c.torchrun(c.f.Hosts[0], "2:3", conf, args...)
+		c.torchrun(c.f.Hosts[1], "2:3", conf, args...)
+		d, redone = nodeJoins(c, t0, into, func() { c.torchrun(c.f.Hosts[2], "2:3", conf, args...) })
+		r.tr, r.trLost = r.tr+d, r.trLost+redone
+	}
+	r.report(b)
+}
+
+// nodeJoins starts a node a time into after node 0's job n0 is past step
+// 50, and returns the time from that start to n0's first line, once
+// resumed, of the step after the newest one done before the restart that
+// took the node in, and the steps done before that were trained again.
+func nodeJoins(c *cluster, n0 *job, into time.Duration, start func()) (time.Duration, int) {
+	c.t.Helper()
+	n0.waitLine("step 50 loss", 5*time.Minute)
+	time.Sleep(into)
+	began := time.Now()
+	start()
+	for deadline := time.Now().Add(5 * time.Minute); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		done, resumed := -1, -1 // each look reads the lines from the first
+		var back time.Time
+		n0.mu.Lock()
+		for _, l := range n0.lines {
+			var st int
+			i := strings.Index(l.text, "step ")
+			switch {
+			case resumed < 0 && strings.Contains(l.text, "resumed from step ") && l.at.After(began):
+				fmt.Sscanf(l.text[strings.Index(l.text, "resumed from step "):], "resumed from step %d", &resumed)
+			case resumed < 0:
+				if _, err := fmt.Sscanf(l.text[max(i, 0):], "step %d loss", &st); i >= 0 && err == nil {
+					done = max(done, st)
+				}
+			case strings.Contains(l.text, fmt.Sprintf("step %d loss", max(done, resumed)+1)):
+				back = l.at
+			}
+			if !back.IsZero() {
+				break
+			}
+		}
+		n0.mu.Unlock()
+		if !back.IsZero() {
+			return back.Sub(began), max(done-resumed, 0)
+		}
+	}
+	c.t.Fatalf("the job did not take in the node:\n%s\n%s", n0.stdout(), n0.errText())
+	return 0, 0
+}
+
+// TestElasticWaitingNodeTakesPlace: a job of --nnodes 2:4 runs on nodes
+// 0 and 1, and node 2 comes to join it; before the job takes it in, node
+// 1 is SIGKILLed. Node 2 takes node 1's place as a spare would, its rank
+// resuming from the replica of node 1's in node 0's memory, and the job
+// finishes on 2 nodes with the weights of the same script run on 2 ranks
+// without the fault.
+func TestElasticWaitingNodeTakesPlace(t *testing.T) {
+	t.Parallel() // hosts of their own
+	c := newCluster(t, 3, 1)
+	args := []string{"--steps", "80", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
+	flags := []string{"--nnodes", "2:4", "--join-timeout", "10s", "--max-restarts", "3", "--heartbeat-deadline", "3s",
+		"--node-timeout", "1m", "--collective-timeout", "60s"}
+	jobs := []*job{c.start(0, c.f.Hosts[0], flags, args...), c.start(1, c.f.Hosts[1], flags, args...)}
+	jobs[0].waitLine("[rank0]: step 5 loss", 3*time.Minute)
+	jobs = append(jobs, c.start(2, c.f.Hosts[2], flags, args...))
+	for deadline := time.Now().Add(time.Minute); !strings.Contains(jobs[0].errText(), "came to join the job"); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("node 0 does not say that node 2 came:\n%s", jobs[0].errText())
+		}
+	}
+	c.f.Hosts[1].Kill()
+	<-jobs[1].done
+	for _, i := range []int{0, 2} {
+		if err := jobs[i].wait(3 * time.Minute); err != nil {
+			t.Fatalf("node %d: %v\nstdout:\n%s\nstderr:\n%s", i, err, jobs[i].stdout(), jobs[i].errText())
+		}
+	}
+	if want := "node 1 is lost; the node started as --node-rank 2 (waiting to join) takes its place"; !strings.Contains(jobs[0].errText(), want) {
+		t.Errorf("node 0 does not say %q:\n%s", want, jobs[0].errText())
+	}
+	if st := resumedFrom(jobs[2].stdout()); st < 5 {
+		t.Errorf("node 2's rank resumed from step %d, not from where node 1 was:\n%s", st, jobs[2].stdout())
+	}
+	if got, want := readHash(t, filepath.Join(c.dir, "weights")), resizedReference(t, 2, 2, -1, 80); got != want {
+		t.Fatalf("weights after node 2 took node 1's place: %s; without the fault: %s", got, want)
+	}
+}

@@ -56,8 +56,8 @@
 //	                          --node-timeout: the nodes left are renumbered in their order and each
 //	                          launcher runs its node again in the new shape, the ranks resuming from
 //	                          the newest step they hold in memory. A node started after, with the job's
-//	                          flags and any --node-rank, waits to join it, and the job takes in the
-//	                          nodes that came, up to MAX, at the next step its ranks save once they
+//	                          flags and any --node-rank but 0, waits to join it, and the job takes in
+//	                          the nodes that came, up to MAX, at the next step its ranks save once they
 //	                          bring it to MAX or --join-timeout after the last came
 //	--replicas K              how many other nodes hold a copy of each rank's newest memory step (default 1
 //	                          with several nodes; -1: none); --replica-port P is the first of the node's
@@ -175,13 +175,12 @@ func run(ctx context.Context, opts options, sigs <-chan os.Signal) error {
 		if !errors.As(err, &rz) {
 			return err
 		}
-		joins := rz.Joining || rz.From < rz.To && rz.Node >= rz.From // a node that waits to join, or joins
 		if sig != 0 {
 			// Taken as the run ended: the job ends here, its ranks stopped
 			// and their segments kept (renumbered) for a run started again.
 			glob := filepath.Join(cmp.Or(cfg.ShmDir, "/dev/shm"), "faultline-"+cfg.Job+"-*")
-			if joins {
-				return fmt.Errorf("%w by %s as this node was to join the job", agent.ErrTerminated, unix.SignalName(sig))
+			if rz.Joining || rz.Waited {
+				return fmt.Errorf("%w by %s as this node waited to join the job", agent.ErrTerminated, unix.SignalName(sig))
 			}
 			if rz.From == rz.To {
 				// A spare that was to take a lost node's place.
@@ -193,8 +192,8 @@ func run(ctx context.Context, opts options, sigs <-chan os.Signal) error {
 		}
 		switch {
 		case rz.Joining: // the next run says that it waits
-		case joins:
-			fmt.Fprintf(os.Stderr, "faultline-run: this node joins the job as node %d of %d: %s\n", rz.NodeRank, rz.To, rz.Why)
+		case rz.Waited: // it joins, or takes a lost node's place
+			fmt.Fprintf(os.Stderr, "faultline-run: %s\n", strings.TrimPrefix(rz.Error(), "agent: "))
 		default:
 			fmt.Fprintf(os.Stderr, "faultline-run: node %d goes on as node %d of %d: %s\n", rz.Node, rz.NodeRank, rz.To, rz.Why)
 		}
