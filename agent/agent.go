@@ -367,6 +367,10 @@ func (a *Agent) awaitManager(ctx context.Context) {
 		w := s.worker
 		s.mu.Unlock()
 		switch {
+		case w != nil && w.OtherJob() != "":
+			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s's ranks wait for the job's manager at %s: it serves job %q, not %q; give every node the same --rdzv-id\n",
+				a.name(), a.mgrAddr, w.OtherJob(), a.controlJob())
+			return
 		case w != nil && w.Taken():
 			fmt.Fprintf(a.cfg.Stderr, "faultline-run: %s's ranks wait to register with the job's manager at %s: another live node's workers hold them, a node this one replaces, say, not yet declared lost (--heartbeat-deadline %v)\n",
 				a.name(), a.mgrAddr, a.cfg.HeartbeatDeadline)
