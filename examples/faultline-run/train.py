@@ -193,7 +193,12 @@ class TorchSaveCheckpointer:
                 step = int(f.read())
         except FileNotFoundError:
             return {}
-        return torch.load(os.path.join(self.folder, f"step-{step}-rank-{self.rank}.pt"))
+        path = os.path.join(self.folder, f"step-{step}-rank-{self.rank}.pt")
+        if not os.path.exists(path):
+            # A rank the job did not have when it saved (it grew since):
+            # a data-parallel job's every rank holds the model.
+            path = os.path.join(self.folder, f"step-{step}-rank-0.pt")
+        return torch.load(path)
 
 
 if __name__ == "__main__":
