@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -369,39 +370,43 @@ func (o *Owner) handle(conn net.Conn) (err error) {
 		return err
 	}
 	defer o.ops.RUnlock()
-	if seg, ok := o.segs[q.shard]; ok && q.op == opGet {
-		return o.serveOwn(c, seg, q)
+	if q.op == opGet {
+		if seg, ok := o.segs[q.shard]; ok {
+			return o.serveOwn(c, seg, q)
+		}
+		return o.serveCopy(c, q)
 	}
 	slot := o.replicaSlot(q.shard)
 	slot.mu.Lock()
-	defer slot.mu.Unlock()
-	switch q.op {
-	case opPut:
-		markBulk(conn)
-		if err := writeMsg(c, statusOK, nil); err != nil {
-			return err
-		}
-		m, err := o.receiveReplica(bufio.NewReaderSize(c, 1<<20), slot, q)
-		if err != nil {
-			o.m.replicaFailures.Inc()
-			if errors.Is(err, layout.ErrCorrupt) {
-				o.m.crcFailures.Inc()
-			}
-			err = fmt.Errorf("receive shard %d step %d: %w", q.shard, q.step, err)
-			writeMsg(c, statusError, []byte(err.Error()))
-			return err
-		}
-		o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
-		o.log.Debug("ckpt: replica received", "shard", q.shard, "step", m.Step, "bytes", m.DataSize())
-		return writeMsg(c, statusOK, nil)
-	default: // opGet
-		seg, i, err := o.intactReplica(slot, q.shard, q.step)
-		if err != nil {
-			writeMsg(c, statusError, []byte(err.Error()))
-			return err
-		}
-		return o.serveHalf(c, seg, i, q, false)
+	defer o.unlockSlot(slot, q.shard)
+	markBulk(conn)
+	if err := writeMsg(c, statusOK, nil); err != nil {
+		return err
 	}
+	m, err := o.receiveReplica(bufio.NewReaderSize(c, 1<<20), slot, q)
+	if err != nil {
+		o.m.replicaFailures.Inc()
+		if errors.Is(err, layout.ErrCorrupt) {
+			o.m.crcFailures.Inc()
+		}
+		err = fmt.Errorf("receive shard %d step %d: %w", q.shard, q.step, err)
+		writeMsg(c, statusError, []byte(err.Error()))
+		return err
+	}
+	o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
+	o.log.Debug("ckpt: replica received", "shard", q.shard, "step", m.Step, "bytes", m.DataSize())
+	return writeMsg(c, statusOK, nil)
+}
+
+// serveCopy answers a get of a peer's shard from the copy held here.
+func (o *Owner) serveCopy(c io.Writer, q replicaReq) error {
+	seg, i, err := o.openCopy(q.shard, q.step)
+	if err != nil {
+		writeMsg(c, statusError, []byte(err.Error()))
+		return err
+	}
+	defer seg.close()
+	return o.serveHalf(c, seg, i, q, false)
 }
 
 // serveHalf answers a get with half i of seg, which holds the step asked
@@ -449,8 +454,18 @@ func (o *Owner) serveOwn(c io.ReadWriter, seg *segment, q replicaReq) error {
 }
 
 type replicaSlot struct {
-	mu  sync.Mutex // one transfer at a time
-	seg *segment
+	mu   sync.Mutex // one transfer at a time
+	seg  *segment
+	drop atomic.Bool // the copy is to be removed: its shard is local now
+}
+
+// unlockSlot unlocks slot, removing the copy of shard when that was asked
+// for while the slot was held.
+func (o *Owner) unlockSlot(slot *replicaSlot, shard int) {
+	slot.mu.Unlock()
+	if slot.drop.Load() {
+		o.dropReplica(shard)
+	}
 }
 
 func (o *Owner) replicaSlot(shard int) *replicaSlot {
@@ -464,11 +479,19 @@ func (o *Owner) replicaSlot(shard int) *replicaSlot {
 	return s
 }
 
-// dropReplica removes the copy of shard held here.
+// dropReplica removes the copy of shard held here, or has the transfer
+// that holds the slot remove it as it ends: a restore does not wait on
+// a put (see openCopy).
 func (o *Owner) dropReplica(shard int) {
 	slot := o.replicaSlot(shard)
-	slot.mu.Lock()
+	slot.drop.Store(true)
+	if !slot.mu.TryLock() {
+		return
+	}
 	defer slot.mu.Unlock()
+	if !slot.drop.Swap(false) {
+		return
+	}
 	if slot.seg != nil {
 		slot.seg.close()
 		slot.seg = nil
@@ -508,6 +531,41 @@ func (o *Owner) intactReplica(slot *replicaSlot, shard int, step int64) (*segmen
 	if err != nil {
 		return nil, 0, err
 	}
+	return o.intactHalf(seg, shard, step)
+}
+
+// openCopy is intactReplica through a mapping of the copy of its own,
+// which the caller closes, rather than the slot's: a reader takes no
+// transfer's turn. A put of the shard meanwhile writes the half not
+// being read (see segment.begin), and a larger copy that replaces the
+// file leaves this mapping whole; so a restore never waits on a put,
+// one from a node cut off mid-transfer, say, which holds its slot until
+// its I/O timeout.
+func (o *Owner) openCopy(shard int, step int64) (*segment, int, error) {
+	path := ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard)
+	seg, err := openSegment(path, false)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, 0, fmt.Errorf("%w of shard %d here", errNoReplica, shard)
+	}
+	if err != nil {
+		return nil, 0, err
+	}
+	if seg.hdr.Shard != shard || seg.hdr.Flags&layout.FlagReplica == 0 {
+		seg.close()
+		return nil, 0, fmt.Errorf("%w of shard %d here: %s holds shard %d with flags %d", errNoReplica, shard, path, seg.hdr.Shard, seg.hdr.Flags)
+	}
+	s, i, err := o.intactHalf(seg, shard, step)
+	if err != nil {
+		seg.close()
+		return nil, 0, err
+	}
+	return s, i, nil
+}
+
+// intactHalf returns seg and its half that holds shard's newest step at
+// step (-1: any) whose every CRC holds, or an error wrapping errNoReplica
+// that says why there is none.
+func (o *Owner) intactHalf(seg *segment, shard int, step int64) (*segment, int, error) {
 	var held []int64
 	var why []error
 	for _, i := range seg.newest() {
@@ -680,7 +738,7 @@ func (o *Owner) PersistReplica(ctx context.Context, shard int, step int64) (man 
 	defer o.ops.RUnlock()
 	slot := o.replicaSlot(shard)
 	slot.mu.Lock()
-	defer slot.mu.Unlock()
+	defer o.unlockSlot(slot, shard)
 	seg, i, err := o.intactReplica(slot, shard, step)
 	if err != nil {
 		return layout.ShardManifest{}, fmt.Errorf("ckpt: persist the replica of shard %d: %w: %w", shard, ErrNoStep, err)

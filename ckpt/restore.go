@@ -207,13 +207,11 @@ func (o *Owner) restoreLocalReplica(shard, from int, step int64) error {
 		return fmt.Errorf("%w of shard %d here", errNoReplica, from)
 	}
 	return o.restoreInto(shard, func(t *restoreTarget) error {
-		slot := o.replicaSlot(from)
-		slot.mu.Lock()
-		defer slot.mu.Unlock()
-		seg, i, err := o.intactReplica(slot, from, step)
+		seg, i, err := o.openCopy(from, step)
 		if err != nil {
 			return err
 		}
+		defer seg.close()
 		return seg.read(i, false, func(m layout.StepMeta, half []byte, valid func() error) error {
 			return t.copyStep(step, m.Blobs, func(k int) io.Reader {
 				e := m.Blobs[k]

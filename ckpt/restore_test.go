@@ -3,6 +3,7 @@ package ckpt
 import (
 	"bufio"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"maps"
@@ -268,40 +269,7 @@ func TestOwnerCloseMidTransfer(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// A put of step 4 that stops after its meta.
-	conn, err := net.Dial("tcp", b.o.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	br, bw := bufio.NewReader(conn), bufio.NewWriter(conn)
-	if err := clientHandshake(br, bw, nil, replicaReq{op: opPut, shard: 0, step: 4}); err != nil {
-		t.Fatal(err)
-	}
-	if err := a.ws[0].Save(ctx, 4, tb.step(4)...); err != nil {
-		t.Fatal(err)
-	}
-	seg := a.o.segs[0]
-	if err := a.o.Seal(ctx, 0); err != nil {
-		t.Fatal(err)
-	}
-	m, _ := seg.metaOK(seg.newest()[0])
-	mb, _ := m.MarshalBinary()
-	bw.Write([]byte{byte(len(mb)), byte(len(mb) >> 8), byte(len(mb) >> 16), byte(len(mb) >> 24)})
-	bw.Write(mb)
-	bw.Write(make([]byte, 1000))
-	if err := bw.Flush(); err != nil {
-		t.Fatal(err)
-	}
-	// The server is receiving once the slot is taken: wait for that.
-	waitFor(t, "the stalled transfer to begin", func() bool {
-		slot := b.o.replicaSlot(0)
-		if slot.mu.TryLock() {
-			slot.mu.Unlock()
-			return false
-		}
-		return true
-	})
+	stallPut(t, b.o, a, tb, 4)
 	if err := b.o.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -320,6 +288,109 @@ func TestOwnerCloseMidTransfer(t *testing.T) {
 	b.ws[0].Close()
 	a.ws[0].Close()
 	a.o.Close()
+}
+
+// stallPut has to receive, from node from (one shard), a put of step that
+// stops after its meta and a few bytes, as one from a node cut off
+// mid-transfer does, and returns the connection once to's slot is
+// taken; the test closes it, or its end does.
+func stallPut(t *testing.T, to *Owner, from *node, tb *testBlobs, step int64) net.Conn {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := net.Dial("tcp", to.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	br, bw := bufio.NewReader(conn), bufio.NewWriter(conn)
+	shard := from.o.cfg.Shards[0]
+	if err := clientHandshake(br, bw, nil, replicaReq{op: opPut, shard: shard, step: step}); err != nil {
+		t.Fatal(err)
+	}
+	if err := from.ws[0].Save(ctx, step, tb.step(step)...); err != nil {
+		t.Fatal(err)
+	}
+	seg := from.o.segs[shard]
+	if err := from.o.Seal(ctx, shard); err != nil {
+		t.Fatal(err)
+	}
+	m, _ := seg.metaOK(seg.newest()[0])
+	mb, _ := m.MarshalBinary()
+	bw.Write(binary.LittleEndian.AppendUint32(nil, uint32(len(mb))))
+	bw.Write(mb)
+	bw.Write(make([]byte, 1000))
+	if err := bw.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	// The server is receiving once the slot is taken: wait for that.
+	waitFor(t, "the stalled transfer to begin", func() bool {
+		slot := to.replicaSlot(shard)
+		if slot.mu.TryLock() {
+			slot.mu.Unlock()
+			return false
+		}
+		return true
+	})
+	return conn
+}
+
+// TestRestoreBesideStalledPut: node a is cut off while it sends its
+// shard's step 4 to b, which holds step 3 of it; a's replacement
+// restores step 3 from b at once, not after b's I/O timeout ends the
+// stalled put.
+func TestRestoreBesideStalledPut(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tb := newTestBlobs(4 << 10)
+	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, ListenAddr: "127.0.0.1:0", IOTimeout: time.Hour}, 1)
+	running(t, b.o)
+	peers := map[string]string{"a": "", "b": b.o.Addr().String()}
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Peers: peers}, 1)
+	if err := a.ws[0].Save(ctx, 3, tb.step(3)...); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.o.Replicate(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	stallPut(t, b.o, a, tb, 4)
+	a2 := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Peers: peers}, 1)
+	if rep, err := a2.o.Restore(ctx, 0, 3); err != nil || rep.Tier != TierReplica {
+		t.Fatalf("Restore beside a stalled put = %s, %v", rep, err)
+	}
+	checkLoaded(t, a2.ws[0], tb, 3)
+}
+
+// TestRestoreFromReplicaHeldBesideStalledPut: node c, which took node
+// a's place, restores shard 0 from the replica a sent it while a's
+// last put to it stalls, and drops the copy once that put ends.
+func TestRestoreFromReplicaHeldBesideStalledPut(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tb := newTestBlobs(4 << 10)
+	c := newNode(t, OwnerConfig{Node: "c", Shards: []int{0}, NumShards: 2, ListenAddr: "127.0.0.1:0", IOTimeout: time.Hour}, 1)
+	running(t, c.o)
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, NumShards: 2,
+		Peers: map[string]string{"a": "127.0.0.1:1", "c": c.o.Addr().String()}}, 1)
+	if err := a.ws[0].Save(ctx, 3, tb.step(3)...); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.o.Replicate(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	conn := stallPut(t, c.o, a, tb, 4)
+	if rep, err := c.o.Restore(ctx, 0, 3); err != nil || rep.Tier != TierReplica {
+		t.Fatalf("Restore beside a stalled put = %+v, %v; want step 3 from the replica held here", rep, err)
+	}
+	checkLoaded(t, c.ws[0], tb, 3)
+	path := ReplicaPath(c.o.cfg.ShmDir, c.o.cfg.Name, 0)
+	if _, err := os.Stat(path); err != nil {
+		t.Fatalf("the copy went while the put into it went on: %v", err)
+	}
+	conn.Close()
+	waitFor(t, "the copy, the shard's own now, to go with the put's end", func() bool {
+		_, err := os.Stat(path)
+		return errors.Is(err, os.ErrNotExist)
+	})
 }
 
 // childNode is a node agent and its trainer: it saves steps 1 to

@@ -194,7 +194,9 @@ func TestPartitionLong(t *testing.T) {
 	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
 	c := newCluster(t, 2, 2)
 	c.sharedDisk = true
-	args := []string{"--steps", "60", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
+	// Steps enough that the old node, back, finds the job still running:
+	// with its manager gone, it would wait --node-timeout for it.
+	args := []string{"--steps", "300", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
 	flags := []string{"--max-restarts", "3", "--heartbeat-deadline", "3s", "--collective-timeout", "5s"}
 	n0 := c.start(0, c.f.Hosts[0], flags, args...)
 	n1 := c.start(1, c.f.Hosts[1], flags, args...)
@@ -212,7 +214,7 @@ func TestPartitionLong(t *testing.T) {
 	if err := n1.wait(time.Minute); err == nil {
 		t.Errorf("the old node 1 ended as if it had finished the job:\n%s", n1.errText())
 	}
-	if got, want := readHash(t, filepath.Join(c.dir, "weights")), reference(t, "--steps", "60"); got != want {
+	if got, want := readHash(t, filepath.Join(c.dir, "weights")), reference(t, "--steps", "300"); got != want {
 		t.Fatalf("weights after node 1 was cut off and replaced %s, without it %s", got, want)
 	}
 }
