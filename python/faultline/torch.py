@@ -30,6 +30,7 @@ asked, and loaded tensors are bitwise the saved ones, on the CPU.
 """
 
 import atexit
+import contextlib
 import enum
 import functools
 import inspect
@@ -235,6 +236,19 @@ class _TimedWork:
 
     def __getattr__(self, name):
         return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def _untimed():
+    """Runs the collectives within untimed: the agreement of a load, where
+    a rank waits for its peers' loads (a restore from disk may take
+    minutes), which the agent bounds itself, is no collective that hangs."""
+    was = getattr(_inside, "on", False)
+    _inside.on = True
+    try:
+        yield
+    finally:
+        _inside.on = was
 
 
 def _wrap(name, fn):
@@ -890,7 +904,9 @@ class Checkpointer:
         ranks then check with a collective that they all loaded the same
         step, and, should nodes that each chose on their own disagree (a
         node's disk folder lost, say), all load the newest step every rank
-        holds, or start over, with a RuntimeWarning that says so. A later call (a rollback without a restart, after a loss
+        holds, or start over, with a RuntimeWarning that says so (that
+        collective is not timed as a hang: a rank in it waits for the
+        others' loads, a restore from disk say). A later call (a rollback without a restart, after a loss
         spike) loads the newest step that every rank holds intact, in
         memory or committed on disk: every rank must call it then, since
         the ranks agree on the step with a collective (all_gather_object on
@@ -930,7 +946,8 @@ class Checkpointer:
             # rank of the job got the same step, or the ranks would train
             # on from different ones.
             every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, got)
+            with _untimed():
+                dist.all_gather_object(every, got)
             if len(set(every)) > 1:
                 step = self._agree()
                 warnings.warn(
@@ -982,7 +999,8 @@ class Checkpointer:
             world = dist.get_world_size()
             if world > 1:
                 every = [None] * world
-                dist.all_gather_object(every, sorted(mine))
+                with _untimed():
+                    dist.all_gather_object(every, sorted(mine))
                 mine = set.intersection(*(set(e) for e in every))
         elif world > 1:
             raise RuntimeError(

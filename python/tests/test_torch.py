@@ -133,6 +133,15 @@ class TorchTest(unittest.TestCase):
         self.assertTrue(all(x["domain"] == 1 for x in recs))
         self.assertEqual(json.loads(starts[4]["name"])["count"], "0")
 
+    def test_a_loads_agreement_is_untimed(self):
+        # A rank in it waits for its peers' loads, not for a collective.
+        with ft._untimed():
+            dist.all_gather_object([None], 41)
+            dist.barrier()
+        self.assertEqual(self.r.read(), [])
+        dist.barrier()
+        self.assertEqual([x["type"] for x in self.r.read()], [CSTART, CEND])
+
     def test_async_collectives_end_when_done(self):
         w = dist.all_reduce(torch.ones(3), async_op=True)
         w.wait()
