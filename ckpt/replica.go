@@ -534,16 +534,18 @@ func (o *Owner) intactReplica(slot *replicaSlot, shard int, step int64) (*segmen
 	return o.intactHalf(seg, shard, step)
 }
 
-// openCopy is intactReplica through a mapping of the copy of its own,
-// which the caller closes, rather than the slot's: a reader takes no
-// transfer's turn. A put of the shard meanwhile writes the half not
-// being read (see segment.begin), and a larger copy that replaces the
-// file leaves this mapping whole; so a restore never waits on a put,
-// one from a node cut off mid-transfer, say, which holds its slot until
-// its I/O timeout.
+// openCopy is intactReplica through a read-only mapping of the copy of
+// its own, which the caller closes, rather than the slot's: a reader
+// takes no transfer's turn, so a restore never waits on a put (one from
+// a node cut off mid-transfer, say, holds its slot until its I/O
+// timeout). A put meanwhile writes the half not holding the newest step
+// (segment.begin), or over the half read, which the reader sees
+// (ErrSuperseded): a read-only mapping pins nothing, so no reader keeps
+// a put out, nor leaves a pin behind when it dies. A larger copy that
+// replaces the file leaves this mapping whole.
 func (o *Owner) openCopy(shard int, step int64) (*segment, int, error) {
 	path := ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard)
-	seg, err := openSegment(path, false)
+	seg, err := openSegment(path, true)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, 0, fmt.Errorf("%w of shard %d here", errNoReplica, shard)
 	}
@@ -585,6 +587,9 @@ func (o *Owner) intactHalf(seg *segment, shard int, step int64) (*segment, int, 
 	at := ""
 	if step >= 0 {
 		at = fmt.Sprintf(" at step %d", step)
+	}
+	if len(why) == 0 {
+		return nil, 0, fmt.Errorf("%w of shard %d%s here (intact: steps %v)", errNoReplica, shard, at, held)
 	}
 	return nil, 0, fmt.Errorf("%w of shard %d%s here (intact: steps %v): %w", errNoReplica, shard, at, held, errors.Join(why...))
 }

@@ -394,6 +394,9 @@ func holdHalf(seg *segment, i int, yield bool) (*halfHold, error) {
 func (h *halfHold) pinWord() *uint32 { return h.seg.u32(h.seg.halfBase(h.i) + layout.OffPin) }
 
 func (h *halfHold) pin() {
+	if h.seg.ro {
+		return // a reader of a copy gives way to every put (openCopy)
+	}
 	atomic.AddUint32(h.pinWord(), 1)
 	h.pinned = true
 }

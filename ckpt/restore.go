@@ -206,18 +206,32 @@ func (o *Owner) restoreLocalReplica(shard, from int, step int64) error {
 	if _, err := os.Stat(ReplicaPath(o.cfg.ShmDir, o.cfg.Name, from)); err != nil {
 		return fmt.Errorf("%w of shard %d here", errNoReplica, from)
 	}
-	return o.restoreInto(shard, func(t *restoreTarget) error {
-		seg, i, err := o.openCopy(from, step)
-		if err != nil {
-			return err
+	fill := func(t *restoreTarget) error { return o.copyFromCopy(t, from, step) }
+	err := o.restoreInto(shard, fill)
+	if errors.Is(err, ErrSuperseded) {
+		// A put wrote over the half found: the step may be in the other
+		// one now.
+		err = o.restoreInto(shard, fill)
+	}
+	return err
+}
+
+// copyFromCopy copies step of the copy of shard from held here into t.
+func (o *Owner) copyFromCopy(t *restoreTarget, from int, step int64) error {
+	seg, i, err := o.openCopy(from, step)
+	if err != nil {
+		return err
+	}
+	defer seg.close()
+	return seg.read(i, false, func(m layout.StepMeta, half []byte, valid func() error) error {
+		if m.Step != step {
+			// A put wrote over the half between openCopy and read.
+			return fmt.Errorf("%w: %s half %d holds step %d now, not %d", ErrSuperseded, seg.path, i, m.Step, step)
 		}
-		defer seg.close()
-		return seg.read(i, false, func(m layout.StepMeta, half []byte, valid func() error) error {
-			return t.copyStep(step, m.Blobs, func(k int) io.Reader {
-				e := m.Blobs[k]
-				return bytes.NewReader(half[e.Offset : e.Offset+e.Size])
-			}, seg.path, valid)
-		})
+		return t.copyStep(step, m.Blobs, func(k int) io.Reader {
+			e := m.Blobs[k]
+			return bytes.NewReader(half[e.Offset : e.Offset+e.Size])
+		}, seg.path, valid)
 	})
 }
 

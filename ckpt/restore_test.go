@@ -13,9 +13,12 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/faultline-ml/faultline/ckpt/layout"
 	"go.uber.org/goleak"
 )
 
@@ -391,6 +394,103 @@ func TestRestoreFromReplicaHeldBesideStalledPut(t *testing.T) {
 		_, err := os.Stat(path)
 		return errors.Is(err, os.ErrNotExist)
 	})
+}
+
+// TestCopyReadBesidePuts: node a saves step after step and puts each to
+// b, while c gets the step before the newest from b's copy and b adopts
+// it into its own shard from the copy: whatever a get or an adopt
+// serves is bitwise the step it says, however the puts overtake it.
+func TestCopyReadBesidePuts(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	tb := newTestBlobs(2 << 10)
+	b := newNode(t, OwnerConfig{Node: "b", Shards: []int{1}, ListenAddr: "127.0.0.1:0", IOTimeout: 5 * time.Second}, 1)
+	running(t, b.o)
+	addr := b.o.Addr().String()
+	a := newNode(t, OwnerConfig{Node: "a", Shards: []int{0}, Peers: map[string]string{"a": "", "b": addr}}, 1)
+	c := newNode(t, OwnerConfig{Node: "c", Shards: []int{2}}, 1)
+	scratch, err := createSegment(filepath.Join(shmDir(t), "scratch"), 0, 0, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer scratch.close()
+
+	var latest atomic.Int64
+	var served atomic.Int64
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		defer close(done)
+		for s := int64(1); s <= 80; s++ {
+			if err := a.ws[0].Save(ctx, s, tb.step(s)...); err != nil {
+				t.Error(err)
+				return
+			}
+			if err := a.o.Replicate(ctx, 0); err == nil {
+				latest.Store(s)
+			}
+		}
+	})
+	// each runs read(step) until the puts end; read returns the step it
+	// served, or an error when the copy no longer held it.
+	each := func(read func(step int64) (*Checkpoint, error)) {
+		tb := newTestBlobs(2 << 10) // one of its own: step writes its cache
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			l := latest.Load()
+			if l < 2 {
+				time.Sleep(time.Millisecond)
+				continue
+			}
+			ck, err := read(l - 1)
+			if err != nil {
+				continue // overtaken: the copy holds newer steps
+			}
+			if ck.Step != l-1 {
+				t.Errorf("asked for step %d, served step %d", l-1, ck.Step)
+			} else if err := tb.check(ck); err != nil {
+				t.Errorf("served: %v", err)
+			}
+			served.Add(1)
+		}
+	}
+	wg.Go(func() {
+		each(func(step int64) (*Checkpoint, error) {
+			if _, err := c.o.getReplica(ctx, addr, 0, step, func(int64) (*segment, error) { return scratch, nil }); err != nil {
+				return nil, err
+			}
+			ck, _, err := scratch.loadHalf(scratch.newest()[0], 1, nil, false)
+			return ck, err
+		})
+	})
+	wg.Go(func() {
+		each(func(step int64) (*Checkpoint, error) {
+			if err := b.o.Adopt(ctx, 1, 0, step); err != nil {
+				return nil, err
+			}
+			return b.ws[0].Load(ctx)
+		})
+	})
+	wg.Wait()
+	if served.Load() == 0 {
+		t.Fatal("no get or adopt was served")
+	}
+	// No reader pins a copy: none keeps a put out, or leaves a pin when
+	// it dies.
+	cp, err := openSegment(ReplicaPath(b.o.cfg.ShmDir, b.o.cfg.Name, 0), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cp.close()
+	for i := range 2 {
+		if p := *cp.u32(cp.halfBase(i) + layout.OffPin); p != 0 {
+			t.Errorf("half %d of the copy is pinned %d times after its readers ended", i, p)
+		}
+	}
 }
 
 // childNode is a node agent and its trainer: it saves steps 1 to
