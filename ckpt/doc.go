@@ -101,7 +101,11 @@
 // what an agent tells the job's manager so that it knows which node holds
 // which shard's step. SetPeers changes the peers while Run runs (a node
 // replaced on a new address), and Run then sends each shard's newest step
-// to the peers it now picks.
+// to the peers it now picks. A copy is served, or restored from, while a
+// put into it runs: its reader maps it read-only and pins nothing, so a
+// put from a node cut off mid-transfer, which holds the copy until its
+// I/O timeout, keeps no restore waiting, and a put that writes over the
+// step being read ends that read (ErrSuperseded).
 //
 // Every transfer starts with a handshake in which each side proves, over
 // the other's fresh nonce, that it holds OwnerConfig.ReplicaKey
