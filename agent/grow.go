@@ -382,8 +382,6 @@ func (a *Agent) releaseGrow(round string) {
 	a.grows.mu.Unlock()
 	for _, s := range a.slots {
 		s.thaw()
-	}
-	for _, s := range a.slots {
 		s.mu.Lock()
 		p := s.proc
 		held := p != nil && p.heldExit

@@ -531,7 +531,11 @@ func (o *Owner) intactReplica(slot *replicaSlot, shard int, step int64) (*segmen
 	if err != nil {
 		return nil, 0, err
 	}
-	return o.intactHalf(seg, shard, step)
+	i, err := o.intactHalf(seg, shard, step)
+	if err != nil {
+		return nil, 0, err
+	}
+	return seg, i, nil
 }
 
 // openCopy is intactReplica through a read-only mapping of the copy of
@@ -544,30 +548,46 @@ func (o *Owner) intactReplica(slot *replicaSlot, shard int, step int64) (*segmen
 // a put out, nor leaves a pin behind when it dies. A larger copy that
 // replaces the file leaves this mapping whole.
 func (o *Owner) openCopy(shard int, step int64) (*segment, int, error) {
-	path := ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard)
-	seg, err := openSegment(path, true)
+	seg, err := openCopyFile(ReplicaPath(o.cfg.ShmDir, o.cfg.Name, shard), shard)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, 0, fmt.Errorf("%w of shard %d here", errNoReplica, shard)
 	}
+	if errors.Is(err, errNotCopy) {
+		return nil, 0, fmt.Errorf("%w of shard %d here: %w", errNoReplica, shard, err)
+	}
 	if err != nil {
 		return nil, 0, err
+	}
+	i, err := o.intactHalf(seg, shard, step)
+	if err != nil {
+		seg.close()
+		return nil, 0, err
+	}
+	return seg, i, nil
+}
+
+// errNotCopy is the error of a file at a copy's path that holds no copy
+// of its shard.
+var errNotCopy = errors.New("another file at the copy's path")
+
+// openCopyFile maps the copy of shard at path read-only, an error
+// wrapping errNotCopy when the file holds another shard, or no copy.
+func openCopyFile(path string, shard int) (*segment, error) {
+	seg, err := openSegment(path, true)
+	if err != nil {
+		return nil, err
 	}
 	if seg.hdr.Shard != shard || seg.hdr.Flags&layout.FlagReplica == 0 {
 		seg.close()
-		return nil, 0, fmt.Errorf("%w of shard %d here: %s holds shard %d with flags %d", errNoReplica, shard, path, seg.hdr.Shard, seg.hdr.Flags)
+		return nil, fmt.Errorf("%w: %s holds shard %d with flags %d", errNotCopy, path, seg.hdr.Shard, seg.hdr.Flags)
 	}
-	s, i, err := o.intactHalf(seg, shard, step)
-	if err != nil {
-		seg.close()
-		return nil, 0, err
-	}
-	return s, i, nil
+	return seg, nil
 }
 
-// intactHalf returns seg and its half that holds shard's newest step at
+// intactHalf returns the half of seg that holds shard's newest step at
 // step (-1: any) whose every CRC holds, or an error wrapping errNoReplica
 // that says why there is none.
-func (o *Owner) intactHalf(seg *segment, shard int, step int64) (*segment, int, error) {
+func (o *Owner) intactHalf(seg *segment, shard int, step int64) (int, error) {
 	var held []int64
 	var why []error
 	for _, i := range seg.newest() {
@@ -580,7 +600,7 @@ func (o *Owner) intactHalf(seg *segment, shard int, step int64) (*segment, int, 
 			continue
 		}
 		if step < 0 || m.Step == step {
-			return seg, i, nil
+			return i, nil
 		}
 		held = append(held, m.Step)
 	}
@@ -589,9 +609,9 @@ func (o *Owner) intactHalf(seg *segment, shard int, step int64) (*segment, int, 
 		at = fmt.Sprintf(" at step %d", step)
 	}
 	if len(why) == 0 {
-		return nil, 0, fmt.Errorf("%w of shard %d%s here (intact: steps %v)", errNoReplica, shard, at, held)
+		return 0, fmt.Errorf("%w of shard %d%s here (intact: steps %v)", errNoReplica, shard, at, held)
 	}
-	return nil, 0, fmt.Errorf("%w of shard %d%s here (intact: steps %v): %w", errNoReplica, shard, at, held, errors.Join(why...))
+	return 0, fmt.Errorf("%w of shard %d%s here (intact: steps %v): %w", errNoReplica, shard, at, held, errors.Join(why...))
 }
 
 // replicaIntact checks every CRC of half i of seg, a copy of shard whose
@@ -694,14 +714,11 @@ func (o *Owner) Replicas() (held map[int][]int64, why []error, err error) {
 // intact, newest first, and why its other halves hold none.
 func (o *Owner) replicaSteps(path string, shard int) (steps []int64, why []error) {
 	// A mapping of its own: a transfer may replace the slot's meanwhile.
-	seg, err := openSegment(path, true)
+	seg, err := openCopyFile(path, shard)
 	if err != nil {
 		return nil, []error{fmt.Errorf("replica of shard %d: %w", shard, err)}
 	}
 	defer seg.close()
-	if seg.hdr.Shard != shard || seg.hdr.Flags&layout.FlagReplica == 0 {
-		return nil, []error{fmt.Errorf("replica of shard %d: %s holds shard %d with flags %d", shard, path, seg.hdr.Shard, seg.hdr.Flags)}
-	}
 	for _, i := range seg.newest() {
 		m, ok := seg.metaOK(i)
 		if !ok {

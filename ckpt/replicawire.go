@@ -343,7 +343,9 @@ const yieldPoll = time.Millisecond
 // of being skipped; it takes the pin again once the other half is free,
 // if no writer took this one meanwhile. It looks at each chunk sent, and
 // every yieldPoll besides, so that a stalled peer does not hold the pin.
-// A writer that took the half makes the transfer ErrSuperseded.
+// A writer that took the half makes the transfer ErrSuperseded. A
+// read-only mapping (a copy's reader, openCopy) pins nothing: every
+// writer may take its half.
 type halfHold struct {
 	seg   *segment
 	i     int

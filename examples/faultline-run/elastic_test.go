@@ -351,34 +351,8 @@ func nodeJoins(c *cluster, n0 *job, into time.Duration, start func()) (time.Dura
 	time.Sleep(into)
 	began := time.Now()
 	start()
-	for deadline := time.Now().Add(5 * time.Minute); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		done, resumed := -1, -1 // each look reads the lines from the first
-		var back time.Time
-		n0.mu.Lock()
-		for _, l := range n0.lines {
-			var st int
-			i := strings.Index(l.text, "step ")
-			switch {
-			case resumed < 0 && strings.Contains(l.text, "resumed from step ") && l.at.After(began):
-				fmt.Sscanf(l.text[strings.Index(l.text, "resumed from step "):], "resumed from step %d", &resumed)
-			case resumed < 0:
-				if _, err := fmt.Sscanf(l.text[max(i, 0):], "step %d loss", &st); i >= 0 && err == nil {
-					done = max(done, st)
-				}
-			case strings.Contains(l.text, fmt.Sprintf("step %d loss", max(done, resumed)+1)):
-				back = l.at
-			}
-			if !back.IsZero() {
-				break
-			}
-		}
-		n0.mu.Unlock()
-		if !back.IsZero() {
-			return back.Sub(began), max(done-resumed, 0)
-		}
-	}
-	c.t.Fatalf("the job did not take in the node:\n%s\n%s", n0.stdout(), n0.errText())
-	return 0, 0
+	back, redone := backAfter(c, n0, began, true, "a node came to join it")
+	return back.Sub(began), redone
 }
 
 // TestElasticWaitingNodeTakesPlace: a job of --nnodes 2:4 runs on nodes

@@ -356,24 +356,33 @@ func nodeLost(c *cluster, n0 *job, into time.Duration, replace func(*testkit.Hos
 	c.f.Hosts[1].Kill()
 	time.Sleep(3 * time.Second)
 	replace(c.f.AddHost())
-	var done, resumed int
-	var back time.Time
-	for deadline := time.Now().Add(5 * time.Minute); back.IsZero(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			c.t.Fatalf("the job is not back after the node's loss:\n%s\n%s", n0.stdout(), n0.errText())
-		}
-		done, resumed = -1, -1 // each look reads the lines from the first
+	back, lost := backAfter(c, n0, killed, false, "the node's loss")
+	// A step node 1 finished between the kill's start and its processes'
+	// end may be resumed from: none is lost then.
+	return back.Sub(killed), lost
+}
+
+// backAfter waits until n0, resumed from a restart after since, prints
+// the line of the step after the newest one it had done, and returns
+// when, with the steps done that were trained again. A step is done when
+// n0 printed it before since or, with doneUntilResume (the job trained on
+// meanwhile), before it resumed.
+func backAfter(c *cluster, n0 *job, since time.Time, doneUntilResume bool, after string) (time.Time, int) {
+	c.t.Helper()
+	for deadline := time.Now().Add(5 * time.Minute); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		done, resumed := -1, -1 // each look reads the lines from the first
+		var back time.Time
 		n0.mu.Lock()
 		for _, l := range n0.lines {
 			var st int
 			i := strings.Index(l.text, "step ")
 			switch {
-			case l.at.Before(killed):
+			case resumed < 0 && l.at.After(since) && strings.Contains(l.text, "resumed from step "):
+				fmt.Sscanf(l.text[strings.Index(l.text, "resumed from step "):], "resumed from step %d", &resumed)
+			case resumed < 0 && (doneUntilResume || l.at.Before(since)):
 				if _, err := fmt.Sscanf(l.text[max(i, 0):], "step %d loss", &st); i >= 0 && err == nil {
 					done = max(done, st)
 				}
-			case strings.Contains(l.text, "resumed from step "):
-				fmt.Sscanf(l.text[strings.Index(l.text, "resumed from step "):], "resumed from step %d", &resumed)
 			case resumed >= 0 && strings.Contains(l.text, fmt.Sprintf("step %d loss", max(done, resumed)+1)):
 				back = l.at
 			}
@@ -382,10 +391,12 @@ func nodeLost(c *cluster, n0 *job, into time.Duration, replace func(*testkit.Hos
 			}
 		}
 		n0.mu.Unlock()
+		if !back.IsZero() {
+			return back, max(done-resumed, 0)
+		}
 	}
-	// A step node 1 finished between the kill's start and its processes'
-	// end may be resumed from: none is lost then.
-	return back.Sub(killed), max(done-resumed, 0)
+	c.t.Fatalf("the job is not back after %s:\n%s\n%s", after, n0.stdout(), n0.errText())
+	return time.Time{}, 0
 }
 
 // TestNodeZeroLost: the shape the docs recommend for clusters, the
