@@ -15,7 +15,7 @@ import (
 // sensJob is a job of the sensitivity table: its slow rank (-1: none),
 // by how much, from which step.
 type sensJob struct {
-	source string // "gen 2%", "gen 5%", "real"
+	source string // "gen 2%", "gen 5%", "real cpu", "real dev"
 	name   string
 	dir    string
 	rank   int
@@ -40,13 +40,15 @@ var sensConfigs = []struct {
 // generated jobs (8 data-parallel ranks, every duration with 2, 5 or 15%
 // noise, outlier steps; healthy ones plain, with a phase change and with
 // a job-wide slowdown) and on real PyTorch jobs (testdata/ddp.py: 4 gloo
-// ranks sharing this machine's cores), with the default configuration
-// and with MindCluster's gate; it prints the table (-v), each finding
-// with the figures that convicted it, and the spread of healthy ranks'
-// compute over their peers' over 10 steps: the noise a slowdown must
-// rise above. A slow generated rank of 20% or more is found within 10
-// steps of its onset with noise of 2%, and no generated healthy job
-// gives a finding. The real jobs run unless -short (about a minute).
+// ranks computing on this machine's shared cores, or on a device modelled
+// as a wait; see sensReal), with the default configuration and with
+// MindCluster's gate; it prints the table (-v), each finding with the
+// figures that convicted it, and the spread of healthy ranks' compute
+// over their peers' over 10 steps: the noise a slowdown must rise above.
+// A slow rank of 20% or more is found within 10 steps of its onset in
+// generated jobs with 2% noise and in real jobs computing on a device,
+// and no healthy job but those sharing the cores gives a finding. The
+// real jobs run unless -short (about 100 s).
 func TestSensitivity(t *testing.T) {
 	jobs := sensGenerated(t)
 	if !testing.Short() {
@@ -99,19 +101,24 @@ func TestSensitivity(t *testing.T) {
 			if j.source == "gen 2%" && j.factor > 0 && ci == 1 && hit != (j.factor >= 1.4) {
 				t.Errorf("%s with JobGate: rank %d computing ×%g found %v, want %v", j.name, j.rank, j.factor, hit, j.factor >= 1.4)
 			}
-			if j.source == "gen 2%" && j.factor >= 1.2 && ci == 0 && (cl.found == 0 || slices.Max(cl.steps) > 10) {
+			// A rank 20% slower is found within 10 steps where the noise
+			// leaves room for it: generated jobs with 2% noise, and real
+			// jobs whose compute is on a device. Real jobs that compute
+			// on the cores their four ranks share are reported, not
+			// judged: their healthy ranks stray as far as the slowdown
+			// (the table's spread; TestRealDDPJob judges them with its
+			// margins).
+			judged := j.source == "gen 2%" || j.source == "real dev"
+			if judged && j.factor >= 1.2 && ci == 0 && (!hit || cl.steps[len(cl.steps)-1] > 10) {
 				t.Errorf("%s: rank %d computing ×%g from step %d not found within 10 steps: %+v", j.name, j.rank, j.factor, j.onset, r.Findings)
 			}
-			// Real jobs are reported, not judged: four ranks sharing two
-			// cores with other work make whatever figures the load
-			// makes (TestRealDDPJob judges them with its margins).
-			if j.rank < 0 && ci == 0 && j.source != "real" && len(r.Findings) > 0 {
+			if j.rank < 0 && ci == 0 && j.source != "real cpu" && len(r.Findings) > 0 {
 				t.Errorf("%s (%s, healthy): findings %+v", j.name, j.source, r.Findings)
 			}
 		}
 	}
 	var out strings.Builder
-	fmt.Fprintf(&out, "%-7s %-8s %4s | %-28s | %-28s\n", "jobs", "slowdown", "n", "default: found, steps, false", "JobGate: found, steps, false")
+	fmt.Fprintf(&out, "%-8s %-8s %4s | %-28s | %-28s\n", "jobs", "slowdown", "n", "default: found, steps, false", "JobGate: found, steps, false")
 	for _, k := range keys {
 		c := table[k]
 		slow := "healthy"
@@ -129,14 +136,14 @@ func TestSensitivity(t *testing.T) {
 			}
 			return fmt.Sprintf("%d/%-3d %-16s %d", cl.found, cl.jobs, steps, cl.false)
 		}
-		fmt.Fprintf(&out, "%-7s %-8s %4d | %-28s | %-28s\n", k.source, slow, c[0].jobs, cellText(c[0]), cellText(c[1]))
+		fmt.Fprintf(&out, "%-8s %-8s %4d | %-28s | %-28s\n", k.source, slow, c[0].jobs, cellText(c[0]), cellText(c[1]))
 	}
 	out.WriteString("\nhealthy ranks' median compute over 10 steps, over their peers' (the noise a slowdown must rise above):\n")
 	for _, k := range keys {
 		if xs := spread[k.source]; k.factor == 0 && len(xs) > 0 {
 			slices.Sort(xs)
 			q := func(p float64) float64 { return xs[int(p*float64(len(xs)-1))] }
-			fmt.Fprintf(&out, "%-7s min %.2f  p5 %.2f  p50 %.2f  p95 %.2f  max %.2f  (%d windows)\n", k.source, xs[0], q(.05), q(.5), q(.95), xs[len(xs)-1], len(xs))
+			fmt.Fprintf(&out, "%-8s min %.2f  p5 %.2f  p50 %.2f  p95 %.2f  max %.2f  (%d windows)\n", k.source, xs[0], q(.05), q(.5), q(.95), xs[len(xs)-1], len(xs))
 		}
 	}
 	t.Logf("steps to detection: the finding's DetectedStep less the onset (step %d of %d)\n%s\nfindings (default configuration, and every false one):\n%s",
@@ -216,7 +223,20 @@ func sensGenerated(t *testing.T) []sensJob {
 	return jobs
 }
 
-// sensReal runs the real jobs of the table.
+// sensDevice are the flags of a "real dev" job: a forward of 30 ms on
+// the device (its backward takes twice as long), and layers and batches
+// small enough that the cores' share of its compute is a few percent, as
+// with an accelerator.
+var sensDevice = []string{"--device-ms", "30", "--batch", "8", "--width", "64"}
+
+// sensReal runs the real jobs of the table, 4 gloo ranks of
+// testdata/ddp.py each: "real cpu" computes on this machine's cores,
+// which the four ranks share (a slow rank sleeps as long again as its
+// layers took, times the factor less one); "real dev" computes, as on an
+// accelerator, on a device modelled as a wait of sensDeviceMS in forward
+// and twice that in backward (sensDevice), which the slow rank's factor
+// stretches with the rest of its compute, while its data loading,
+// autograd, DDP and gloo run on the cores.
 func sensReal(t *testing.T) []sensJob {
 	python := findTorchPython()
 	if python == "" {
@@ -225,14 +245,21 @@ func sensReal(t *testing.T) []sensJob {
 	}
 	root := t.TempDir()
 	var jobs []sensJob
-	for i, f := range []float64{0, 1.2, 0, 1.4, 1.8} {
-		j := realJob{name: "healthy-" + strconv.Itoa(i)}
+	add := func(source string, i int, f float64, args ...string) {
+		j := realJob{name: strings.ReplaceAll(source, " ", "-") + "-healthy-" + strconv.Itoa(i)}
 		rank := -1
 		if f > 0 {
 			rank = 1 + i%3
-			j = slowRealJob("slow-"+strconv.FormatFloat(f, 'f', -1, 64), rank, f, -1, 0)
+			j = slowRealJob(strings.ReplaceAll(source, " ", "-")+"-slow-"+strconv.FormatFloat(f, 'f', -1, 64)+"-"+strconv.Itoa(i), rank, f, -1, 0)
 		}
-		jobs = append(jobs, sensJob{source: "real", name: j.name, dir: runRealJob(t, python, root, j), rank: rank, factor: f, onset: realOnset})
+		j.args = append(j.args, args...)
+		jobs = append(jobs, sensJob{source: source, name: j.name, dir: runRealJob(t, python, root, j), rank: rank, factor: f, onset: realOnset})
+	}
+	for i, f := range []float64{0, 1.2, 0, 1.4, 1.8} {
+		add("real cpu", i, f)
+	}
+	for i, f := range []float64{0, 1.1, 1.2, 0, 1.2, 1.4} {
+		add("real dev", i, f, sensDevice...)
 	}
 	return jobs
 }

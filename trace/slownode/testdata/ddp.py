@@ -2,6 +2,7 @@
 MindCluster's record format, for the tests of package slownode.
 
     python3 ddp.py --root DIR --job NAME [--world 4] [--steps 80]
+                   [--batch 32] [--width 256] [--device-ms MS]
                    [--slow-rank R --slow-from S --slow-factor F]
                    [--slow-io R --slow-io-from S --slow-io-factor F]
 
@@ -14,6 +15,12 @@ on, as a throttled device would; a slow loader takes --slow-io-factor
 times as long to load each batch, as a throttled disk would. Both scale
 with what the batch or the layers took, so that a machine whose load
 stretches every rank's figures stretches the slowdown alike.
+
+With --device-ms, the model's compute also runs on a modelled device: its
+forward waits MS milliseconds and its backward twice as long, as a host
+waits for an accelerator's kernels, which the ranks do not share as they
+share this machine's cores; a slow rank's factor then stretches those
+waits too.
 """
 
 import argparse
@@ -95,32 +102,41 @@ class Samples(torch.utils.data.Dataset):
 
 
 class Slow(torch.autograd.Function):
-    """Identity whose forward and backward wait as long again as the
-    layers they follow took, times factor-1: a device that slowed down."""
+    """Identity whose forward and backward take the device's time
+    (box["device"] seconds, twice that in backward: the kernels of an
+    accelerator the host waits for) and, on a slow rank, factor times
+    all of it, the layers' work on the cores included: a device that
+    slowed down."""
 
     @staticmethod
     def forward(ctx, x, box):
         ctx.box = box
-        if box["factor"] > 1:
-            time.sleep(box["fwd"] * (box["factor"] - 1))
+        wait = _wait(box)
+        if wait > 0:
+            time.sleep(wait)
         return x
 
     @staticmethod
     def backward(ctx, g):
-        box = ctx.box
-        if box["factor"] > 1:
-            time.sleep(box["fwd"] * 2 * (box["factor"] - 1))
+        wait = 2 * _wait(ctx.box)
+        if wait > 0:
+            time.sleep(wait)
         return g, None
 
 
+def _wait(box):
+    """What a forward waits for beyond its layers' work on the cores."""
+    return box["device"] * box["factor"] + box["fwd"] * (box["factor"] - 1)
+
+
 class Net(torch.nn.Module):
-    def __init__(self, box):
+    def __init__(self, box, width):
         super().__init__()
         self.box = box
         self.body = torch.nn.Sequential(
-            torch.nn.Linear(256, 256), torch.nn.ReLU(),
-            torch.nn.Linear(256, 256), torch.nn.ReLU(),
-            torch.nn.Linear(256, 10))
+            torch.nn.Linear(256, width), torch.nn.ReLU(),
+            torch.nn.Linear(width, width), torch.nn.ReLU(),
+            torch.nn.Linear(width, 10))
 
     def forward(self, x):
         t = time.perf_counter()
@@ -133,8 +149,8 @@ def worker(rank, a, port):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=a.world)
     torch.manual_seed(0)
-    box = {"factor": 1.0, "fwd": 0.0}
-    model = DDP(Net(box), bucket_cap_mb=0.25)
+    box = {"factor": 1.0, "fwd": 0.0, "device": a.device_ms / 1000}
+    model = DDP(Net(box, a.width), bucket_cap_mb=0.25)
     dots = Dots(rank)
 
     def hook(state, bucket):
@@ -183,6 +199,8 @@ def main():
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--device-ms", type=float, default=0)
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-from", type=int, default=0)
     p.add_argument("--slow-factor", type=float, default=1.0)
