@@ -47,7 +47,8 @@ func shmDir(b *testing.B) string {
 // BenchmarkSpan times `with faultline.span("forward"): pass` in Python
 // with the ring's switch on (drained here, as the agent does) and off,
 // beside a time.perf_counter_ns() pair measured in the same rounds, and
-// the floor of a span written in Python (x-pair-floor).
+// the floor of a span written in Python (x-pair-floor), and of one that
+// writes its records (x-pair-floor-write).
 // Targets: x-pair-on <= 8, x-pair-off <= 3.
 func BenchmarkSpan(b *testing.B) {
 	py := requirePython(b, false)
@@ -83,7 +84,7 @@ func BenchmarkSpan(b *testing.B) {
 	}()
 	defer func() { cancel(); wg.Wait() }()
 
-	var r struct{ Pair, On, Off, Floor float64 }
+	var r struct{ Pair, On, Off, Floor, FloorWrite float64 }
 	for b.Loop() {
 		runBench(b, py, pyEnv(pkg), &r, "testdata/bench_span.py", on.Path(), off.Path())
 	}
@@ -95,6 +96,9 @@ func BenchmarkSpan(b *testing.B) {
 	// The floor of any span written in Python: the call of span(), the
 	// with statement's two calls and the two clock reads.
 	b.ReportMetric(r.Floor/r.Pair, "x-pair-floor")
+	// And of one that also writes the range's records: the same and one
+	// pack of them, into a buffer of its own.
+	b.ReportMetric(r.FloorWrite/r.Pair, "x-pair-floor-write")
 	if on.Dropped() != 0 {
 		b.Fatalf("%d records dropped: the figures would flatter the producer", on.Dropped())
 	}

@@ -3,11 +3,13 @@
 usage: bench_span.py RING_ON RING_OFF
 Times `with faultline.span("forward"): pass` with the ring's switch on and
 off, beside a time.perf_counter_ns() pair and the least a Python span can
-cost (a context manager that reads the clock twice), in interleaved rounds, and
+cost (a context manager that reads the clock twice; and one that also packs
+the two records), in interleaved rounds, and
 prints the best round of each in nanoseconds as JSON.
 """
 
 import json
+import struct
 import sys
 import time
 
@@ -51,6 +53,36 @@ def floor():
     return (p() - t0) / N
 
 
+_REC = struct.Struct(_ring._RECORD + "8s" + _ring._RECORD[1:])
+_BUF = bytearray(_REC.size)
+
+
+class _FloorWrite:
+    """The least a Python span that writes its records can be: _Floor that
+    also packs a range's two records (as span() packs them) into a buffer,
+    with no ring, reservation or index to keep."""
+
+    __slots__ = ("t",)
+
+    def __enter__(self):
+        self.t = time.time_ns()
+        return self
+
+    def __exit__(self, *exc):
+        _REC.pack_into(_BUF, 0, 1, self.t, 2, 3, b"forward", 4,
+                       time.time_ns(), 2, 3)
+
+
+def floor_write():
+    p = time.perf_counter_ns
+    f = _FloorWrite
+    t0 = p()
+    for _ in range(N):
+        with f():
+            pass
+    return (p() - t0) / N
+
+
 def spans():
     p = time.perf_counter_ns
     span = faultline.span
@@ -63,10 +95,11 @@ def spans():
 
 def main():
     on, off = sys.argv[1], sys.argv[2]
-    best = {"pair": [], "on": [], "off": [], "floor": []}
+    best = {"pair": [], "on": [], "off": [], "floor": [], "floorwrite": []}
     for _ in range(ROUNDS):
         best["pair"].append(pair())
         best["floor"].append(floor())
+        best["floorwrite"].append(floor_write())
         _ring.attach(on)
         best["on"].append(spans())
         _ring.attach(off)
