@@ -126,7 +126,10 @@
 // seeds (about a minute). Where python3 has torch (Debian's
 // python3-torch), TestRealDDPJob runs testdata/ddp.py, a 4-rank
 // data-parallel PyTorch job on gloo that writes its dotting in this
-// format, healthy and with a slow rank and a slow data loader.
+// format, healthy and with a slow rank and a slow data loader;
+// TestSensitivity prints how soon a slow rank is found (-v), on generated
+// jobs and on real ones computing on the shared cores or on a device
+// modelled as a wait (ddp.py --device-ms), with and without JobGate.
 // FAULTLINE_SLOWNODE_CALIBRATE=1 prints how each threshold trades false
 // findings for missed ones on both kinds of job (see Config's defaults).
 // The benchmarks (go test -bench .) generate a 1024-rank, 200-step job.
