@@ -58,9 +58,10 @@ _BUF = bytearray(_REC.size)
 
 
 class _FloorWrite:
-    """The least a Python span that writes its records can be: _Floor that
-    also packs a range's two records (as span() packs them) into a buffer,
-    with no ring, reservation or index to keep."""
+    """The least a Python span that writes its records can be: a context
+    manager that reads time.time_ns on entering and leaving, as span()
+    does, and packs a range's two records (constant ids and thread) into a
+    buffer, with no ring, reservation or index to keep."""
 
     __slots__ = ("t",)
 

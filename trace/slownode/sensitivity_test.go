@@ -47,8 +47,8 @@ var sensConfigs = []struct {
 // over their peers' over 10 steps: the noise a slowdown must rise above.
 // A slow rank of 20% or more is found within 10 steps of its onset in
 // generated jobs with 2% noise and in real jobs computing on a device,
-// and no healthy job but those sharing the cores gives a finding. The
-// real jobs run unless -short (about 100 s).
+// and, with the default configuration, no healthy job but those sharing
+// the cores gives a finding. The real jobs run unless -short (about 80 s).
 func TestSensitivity(t *testing.T) {
 	jobs := sensGenerated(t)
 	if !testing.Short() {
@@ -233,8 +233,8 @@ var sensDevice = []string{"--device-ms", "30", "--batch", "8", "--width", "64"}
 // testdata/ddp.py each: "real cpu" computes on this machine's cores,
 // which the four ranks share (a slow rank sleeps as long again as its
 // layers took, times the factor less one); "real dev" computes, as on an
-// accelerator, on a device modelled as a wait of sensDeviceMS in forward
-// and twice that in backward (sensDevice), which the slow rank's factor
+// accelerator, on a device modelled as a wait of 30 ms in forward and
+// twice that in backward (sensDevice), which the slow rank's factor
 // stretches with the rest of its compute, while its data loading,
 // autograd, DDP and gloo run on the cores.
 func sensReal(t *testing.T) []sensJob {

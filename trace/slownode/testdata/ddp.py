@@ -105,8 +105,8 @@ class Slow(torch.autograd.Function):
     """Identity whose forward and backward take the device's time
     (box["device"] seconds, twice that in backward: the kernels of an
     accelerator the host waits for) and, on a slow rank, factor times
-    all of it, the layers' work on the cores included: a device that
-    slowed down."""
+    all of it, the layers' work on the cores included (that of backward
+    taken as twice forward's): a device that slowed down."""
 
     @staticmethod
     def forward(ctx, x, box):
