@@ -43,9 +43,9 @@ class _Floor:
         time.perf_counter_ns()
 
 
-def floor():
+def floor(f=_Floor):
+    """Times `with f(): pass`."""
     p = time.perf_counter_ns
-    f = _Floor
     t0 = p()
     for _ in range(N):
         with f():
@@ -74,16 +74,6 @@ class _FloorWrite:
                        time.time_ns(), 2, 3)
 
 
-def floor_write():
-    p = time.perf_counter_ns
-    f = _FloorWrite
-    t0 = p()
-    for _ in range(N):
-        with f():
-            pass
-    return (p() - t0) / N
-
-
 def spans():
     p = time.perf_counter_ns
     span = faultline.span
@@ -100,7 +90,7 @@ def main():
     for _ in range(ROUNDS):
         best["pair"].append(pair())
         best["floor"].append(floor())
-        best["floorwrite"].append(floor_write())
+        best["floorwrite"].append(floor(_FloorWrite))
         _ring.attach(on)
         best["on"].append(spans())
         _ring.attach(off)

@@ -246,11 +246,12 @@ func sensReal(t *testing.T) []sensJob {
 	root := t.TempDir()
 	var jobs []sensJob
 	add := func(source string, i int, f float64, args ...string) {
-		j := realJob{name: strings.ReplaceAll(source, " ", "-") + "-healthy-" + strconv.Itoa(i)}
+		prefix := strings.ReplaceAll(source, " ", "-")
+		j := realJob{name: prefix + "-healthy-" + strconv.Itoa(i)}
 		rank := -1
 		if f > 0 {
 			rank = 1 + i%3
-			j = slowRealJob(strings.ReplaceAll(source, " ", "-")+"-slow-"+strconv.FormatFloat(f, 'f', -1, 64)+"-"+strconv.Itoa(i), rank, f, -1, 0)
+			j = slowRealJob(prefix+"-slow-"+strconv.FormatFloat(f, 'f', -1, 64)+"-"+strconv.Itoa(i), rank, f, -1, 0)
 		}
 		j.args = append(j.args, args...)
 		jobs = append(jobs, sensJob{source: source, name: j.name, dir: runRealJob(t, python, root, j), rank: rank, factor: f, onset: realOnset})
