@@ -389,7 +389,8 @@ class Pending:
                 table += nb + bytes(_align(len(nb), 8) - len(nb))
             crcs = b + STEP_HEADER + self.table_size
             seg.mv[b + STEP_HEADER:crcs] = table
-            seg.mv[crcs:crcs + 4 * len(self.names)] = bytes(4 * len(self.names))
+            n = 4 * len(self.names)
+            seg.mv[crcs:crcs + n] = bytes(n)
             head = _STEP.pack(self.seq, self.step, time.time_ns(),
                               len(self.names), self.table_size)
             seg.mv[b + 16:b + 48] = head

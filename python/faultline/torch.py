@@ -38,6 +38,7 @@ import itertools
 import json
 import os
 import threading
+import time
 import warnings
 import weakref
 
@@ -59,8 +60,10 @@ _ITEMSIZE = {dt: torch.empty(0, dtype=dt).element_size() for dt in _DTYPES}
 
 WORLD = "default_pg"
 
-_labels = {}   # process group -> kind ("dp", "tp", ...)
-_names = {}    # process group -> communicator name
+# By weak references: a destroyed group's threads end with it.
+_labels = weakref.WeakKeyDictionary()  # process group -> "dp", "tp", ...
+_names = weakref.WeakKeyDictionary()   # process group -> communicator name
+_unnamed = itertools.count()
 
 
 def _c10d():
@@ -87,10 +90,13 @@ def group_name(group=None):
     names = getattr(c, "_pg_names", None)
     if names is None:
         names = getattr(getattr(c, "_world", None), "pg_names", {})
-    n = names.get(group) or f"pg_{len(_names)}"
+    n = names.get(group) or f"pg_{next(_unnamed)}"
     if n.isdigit():
         n = f"group_{n}"
-    _names[group] = n
+    try:
+        _names[group] = n
+    except TypeError:  # not a process group torch made
+        pass
     return n
 
 
@@ -101,7 +107,11 @@ def label_group(group, kind):
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"faultline.torch.label_group: kind {kind!r}: want a "
                          "non-empty string such as 'tp' or 'dp'")
-    _labels[group if group is not None else _world()] = kind
+    try:
+        _labels[group if group is not None else _world()] = kind
+    except TypeError:
+        raise TypeError(f"faultline.torch.label_group: group {group!r}: want "
+                        "a process group") from None
     _send_groups()
 
 
@@ -188,6 +198,83 @@ def _error_text(e):
     return f"{type(e).__name__}: {e}"
 
 
+# A thread of torch's that asks for the GIL once the interpreter is
+# finalizing aborts the process ("terminate called without an active
+# exception"): gloo's, as it runs or drops faultline's callback on a
+# future that completed (the main thread went on at once: the last step of
+# a DDP job, then its exit), or as it retires a collective and frees a
+# tensor the main thread let go of (a tensor of Python's). At exit, while
+# the interpreter is whole, _threads_at_exit waits for both.
+#
+# _held: the futures faultline attached a callback to, by a weak reference
+# to the callback, until torch lets go of it.
+_held = {}
+os.register_at_fork(after_in_child=_held.clear)  # no thread of torch's there
+
+
+def _release(ref):
+    _held.pop(ref, None)
+
+
+def _then(fut, fn):
+    """fut.then(fn), fn tracked until torch lets go of it (_held)."""
+    child = fut.then(fn)
+    _held[weakref.ref(fn, _release)] = fut
+    return child
+
+
+def _on_done(fut, fn):
+    """fut.add_done_callback(fn), fn tracked as _then tracks it."""
+    fut.add_done_callback(fn)
+    _held[weakref.ref(fn, _release)] = fut
+
+
+def _runnable_threads():
+    """How many of this process's other threads are running or ready to
+    run (Linux: /proc/self/task); 0 where that cannot be read."""
+    me = threading.get_native_id()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    n = 0
+    for t in tids:
+        if t == str(me):
+            continue
+        try:
+            with open(f"/proc/self/task/{t}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # ended
+            continue
+        n += stat[stat.rindex(b")") + 2:][:1] == b"R"
+    return n
+
+
+@atexit.register
+def _threads_at_exit(timeout=30.0, settle=2.0):
+    """Waits, at most timeout seconds, for torch's threads to run and let go
+    of faultline's callbacks, those of collectives in flight too (the
+    process group, freed as the interpreter finalizes, would wait for them
+    then); and then, at most settle seconds, until no other thread of the
+    process is ready to run: one preempted as it retired a collective."""
+    deadline = time.monotonic() + timeout
+    while _held:
+        if time.monotonic() > deadline:
+            n = sum(not f.done() for f in list(_held.values()))
+            warnings.warn(f"faultline: {len(_held)} callbacks on collectives "
+                          f"({n} in flight) not done after {timeout:g} s at "
+                          "exit: the process may abort as it finalizes",
+                          RuntimeWarning)
+            return
+        time.sleep(0.001)  # lets a thread of torch's take the GIL
+    # Twice in a row: a thread that waits for the GIL, which this one holds
+    # as it reads /proc, sleeps; it takes the GIL in the next sleep.
+    deadline, quiet = time.monotonic() + settle, 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(0.002)  # the GIL and the CPU to whoever waits for them
+        quiet = 0 if _runnable_threads() else quiet + 1
+
+
 def _timed(work, rid):
     """Writes the end (or error) of an async collective when it completes."""
     def done(fut):
@@ -199,7 +286,7 @@ def _timed(work, rid):
             _ring.collective_end(rid)
 
     try:
-        work.get_future().add_done_callback(done)
+        _on_done(work.get_future(), done)
         return work
     except (RuntimeError, AttributeError):
         return _TimedWork(work, rid)  # a Work without a future
@@ -468,13 +555,17 @@ class _HookState:
                         g.copy_(flat[off:off + g.numel()].view_as(g))
                         off += g.numel()
             except Exception as e:  # noqa: BLE001 (DDP's wait raises it)
+                # Without its traceback: the futures would hold this frame,
+                # and with it done, in a cycle through torch that no
+                # collection breaks.
+                e = e.with_traceback(None)
                 for _, _, _, f in held:
                     f.set_exception(e)
                 return
             for buf, _, _, f in held:
                 f.set_result(buf)
 
-        torch.futures.collect_all(futs).add_done_callback(done)
+        _on_done(torch.futures.collect_all(futs), done)
 
 
 def _ready(ready, tick, i, grad):
@@ -503,7 +594,7 @@ def _all_reduce(group, name, t):
         _ring.collective_end(rid)
         return t
 
-    return work.get_future().then(done)
+    return _then(work.get_future(), done)
 
 
 def _all_reduce_bucket(state, bucket):
@@ -544,7 +635,7 @@ def _timed_user_hook(state, bucket):
         _ring.collective_end(rid)
         return v
 
-    return fut.then(done)
+    return _then(fut, done)
 
 
 def _install_ddp_hook():
@@ -906,13 +997,14 @@ class Checkpointer:
         node's disk folder lost, say), all load the newest step every rank
         holds, or start over, with a RuntimeWarning that says so (that
         collective is not timed as a hang: a rank in it waits for the
-        others' loads, a restore from disk say). A later call (a rollback without a restart, after a loss
-        spike) loads the newest step that every rank holds intact, in
-        memory or committed on disk: every rank must call it then, since
-        the ranks agree on the step with a collective (all_gather_object on
-        the default process group); a job of several ranks without
-        torch.distributed initialised gets a RuntimeError. A tensor saved
-        at several key paths (tied weights) is one tensor at all of them.
+        others' loads, a restore from disk say). A later call (a rollback
+        without a restart, after a loss spike) loads the newest step that
+        every rank holds intact, in memory or committed on disk: every rank
+        must call it then, since the ranks agree on the step with a
+        collective (all_gather_object on the default process group); a job
+        of several ranks without torch.distributed initialised gets a
+        RuntimeError. A tensor saved at several key paths (tied weights) is
+        one tensor at all of them.
 
         into, a state of the same shape ({"model": model.state_dict(),
         ...}), has each saved tensor copied into the tensor at its key path

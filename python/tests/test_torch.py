@@ -2,6 +2,8 @@
 hook, process groups and the stack dump, in a world of one gloo rank here
 and of two in child processes."""
 
+import gc
+import hashlib
 import json
 import os
 import shutil
@@ -10,9 +12,11 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import unittest
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -110,6 +114,54 @@ class TorchTest(unittest.TestCase):
         dist.all_reduce(torch.ones(2), group=pg)
         recs = self.r.read()
         self.assertEqual(json.loads(recs[0]["name"])["groupName"], name)
+        with self.assertRaisesRegex(TypeError, "want a process group"):
+            ft.label_group("tp", "tp")
+        # faultline keeps no destroyed group, nor its threads, alive.
+        ref = weakref.ref(pg)
+        dist.destroy_process_group(pg)
+        del pg
+        gc.collect()
+        self.assertIsNone(ref())
+
+    def test_exit_waits_for_threads_ready_to_run(self):
+        # A thread that works without the GIL (pbkdf2), as one of gloo's
+        # does as it retires a collective, is waited for, settle at most.
+        def work(n, out):
+            hashlib.pbkdf2_hmac("sha256", b"key", b"salt", n)
+            out.append(time.monotonic())
+
+        for settle, n in ((60, 1_000_000), (0.05, 4_000_000)):
+            out = []
+            t = threading.Thread(target=work, args=(n, out))
+            t.start()
+            self.addCleanup(t.join)
+            deadline = time.monotonic() + 10
+            while not ft._runnable_threads():
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.001)
+            ft._threads_at_exit(timeout=1, settle=settle)
+            returned = time.monotonic()
+            if settle == 60:
+                t.join()
+                self.assertLess(out[0], returned)
+            else:
+                self.assertTrue(t.is_alive())
+
+    def test_callbacks_are_tracked_until_released(self):
+        fut = torch.futures.Future()
+        ft._on_done(fut, lambda f: None)
+
+        def tracked():
+            return any(v is fut for v in list(ft._held.values()))
+
+        self.assertTrue(tracked())
+        pid = os.fork()
+        if pid == 0:  # a child has no thread of torch's to wait for
+            os._exit(int(tracked()))
+        self.assertEqual(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), 0)
+        self.assertTrue(tracked())
+        fut.set_result(None)  # runs the callback here, and drops it
+        self.assertFalse(tracked())
 
     def test_collectives_are_timed(self):
         t = torch.arange(6, dtype=torch.float32)
@@ -272,6 +324,144 @@ class TorchTest(unittest.TestCase):
         self.assertIn("test_torch.py", text)
 
 
+def run_ranks(d, agent, script, world, timeout, **env):
+    """Runs script as world gloo ranks in child processes, with their rings
+    in d (ring-RANK) and the agent's socket; returns their exit codes and
+    what they wrote to stderr."""
+    path = os.path.join(d, "rank.py")
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(script))
+    procs = []
+    for rank in range(world):
+        ring = make_ring(os.path.join(d, f"ring-{rank}"), 1 << 20)
+        with open(os.path.join(d, f"stderr-{rank}"), "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, path], stderr=err, env=dict(
+                    os.environ, PYTHONPATH=PACKAGE + os.pathsep + HERE,
+                    RANK=str(rank), WORLD_SIZE=str(world),
+                    FAULTLINE_AGENT=agent.sock, FAULTLINE_RING=ring,
+                    STORE=os.path.join(d, "store"), OUT=d, **env)))
+    rcs = [p.wait(timeout=timeout) for p in procs]
+    errs = []
+    for rank in range(world):
+        with open(os.path.join(d, f"stderr-{rank}")) as f:
+            errs.append(f.read())
+    return rcs, errs
+
+
+class ExitTest(unittest.TestCase):
+    """A rank exits whole while a thread of gloo's still runs faultline's
+    callbacks on collectives that completed: the main thread, which waited
+    for their futures, went on at once, as after a DDP job's last step. A
+    thread that asks for the GIL once the interpreter is finalizing aborts
+    the process; faultline waits for its callbacks at exit."""
+
+    def run_job(self, script):
+        d = tempfile.mkdtemp(prefix="faultline-exit-")
+        agent = FakeAgent()
+        self.addCleanup(shutil.rmtree, d)
+        self.addCleanup(agent.close)
+        rcs, errs = run_ranks(d, agent, script, 2, 120)
+        return d, rcs, errs
+
+    def test_exit_while_a_callback_runs(self):
+        for name, script in EXIT_SCRIPTS.items():
+            with self.subTest(name):
+                d, rcs, errs = self.run_job(script)
+                self.assertEqual(rcs, [0, 0], errs)
+                for rank in (0, 1):
+                    self.assertNotIn("faultline:", errs[rank])  # in time
+                    r = RingReader(os.path.join(d, f"ring-{rank}"))
+                    self.addCleanup(r.close)
+                    recs = [x["type"] for x in r.read()]
+                    if name == "then":  # an untimed all_reduce
+                        with open(os.path.join(d, f"then-{rank}")) as f:
+                            self.assertEqual(f.read(), "ran")
+                        self.assertEqual(recs, [], rank)
+                    else:
+                        self.assertEqual(recs, [CSTART, CEND], rank)
+
+    def test_a_failed_first_step_leaves_no_callback(self):
+        # Rank 1 is gone after DDP's first broadcast, so rank 0's reduce of
+        # the held buckets fails: the error reaches DDP's futures, and the
+        # callback that set it is let go of, as every other.
+        d, rcs, errs = self.run_job(FAIL_SCRIPT)
+        self.assertEqual(rcs, [0, 3], errs)
+        self.assertNotIn("faultline:", errs[0])
+        with open(os.path.join(d, "out-0.json")) as f:
+            out = json.load(f)
+        self.assertTrue(out["raised"])
+        self.assertEqual(out["held"], [])
+
+
+EXIT_HEAD = """
+import os, time
+import torch, torch.distributed as dist
+import faultline.torch as ft
+from faultline import _ring
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"],
+                        rank=rank, world_size=2)
+ft.init()
+"""
+
+# Each job a callback of its own, the one waited for at exit: on an async
+# collective (Work.get_future().add_done_callback), and a then (the DDP
+# hook's).
+EXIT_SCRIPTS = {"add_done_callback": EXIT_HEAD + """
+end = _ring.collective_end
+
+
+def slow_end(rid):  # the callback's thread is away, the GIL released
+    time.sleep(0.3)
+    end(rid)
+
+
+_ring.collective_end = slow_end
+dist.all_reduce(torch.ones(1), async_op=True).get_future().wait()
+""", "then": EXIT_HEAD + """
+def slow_then(path):  # a closure, as faultline's: torch alone holds it
+    def done(fut):
+        time.sleep(0.3)
+        with open(path, "w") as f:
+            f.write("ran")
+    return done
+
+
+fut = ft._originals["all_reduce"](torch.ones(1), async_op=True).get_future()
+ft._then(fut, slow_then(os.path.join(os.environ["OUT"], "then-%d" % rank)))
+fut.wait()
+"""}
+
+FAIL_SCRIPT = """
+import datetime, gc, json, os
+import torch, torch.distributed as dist
+import faultline.torch as ft
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"],
+                        rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+ft.init()
+if rank == 1:
+    ft._all_reduce = lambda *a: os._exit(3)
+torch.manual_seed(0)
+ddp = torch.nn.parallel.DistributedDataParallel(
+    torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
+try:
+    ddp(torch.randn(4, 8)).sum().backward()
+    raised = False
+except RuntimeError:
+    raised = True
+ft._threads_at_exit(timeout=10)
+gc.collect()
+with open(os.path.join(os.environ["OUT"], "out-0.json"), "w") as f:
+    json.dump({"raised": raised, "held": [
+        r().__qualname__ for r in list(ft._held) if r() is not None]}, f)
+"""
+
+
 class TwoRanksTest(unittest.TestCase):
     """Two gloo ranks in child processes: DDP's gradients under faultline's
     hook are the same on both, the first iteration takes rank 0's order of
@@ -282,20 +472,8 @@ class TwoRanksTest(unittest.TestCase):
         d = tempfile.mkdtemp(prefix="faultline-two-")
         agent = FakeAgent()
         try:
-            script = os.path.join(d, "rank.py")
-            with open(script, "w") as f:
-                f.write(textwrap.dedent(RANK_SCRIPT))
-            procs = []
-            for rank in (0, 1):
-                ring = make_ring(os.path.join(d, f"ring-{rank}"), 1 << 20)
-                env = dict(os.environ, PYTHONPATH=PACKAGE + os.pathsep + HERE,
-                           RANK=str(rank), WORLD_SIZE="2",
-                           FAULTLINE_AGENT=agent.sock, FAULTLINE_RING=ring,
-                           STORE=os.path.join(d, "store"), OUT=d)
-                procs.append(subprocess.Popen([sys.executable, script],
-                                              env=env))
-            for p in procs:
-                self.assertEqual(p.wait(timeout=120), 0)
+            rcs, errs = run_ranks(d, agent, RANK_SCRIPT, 2, 120)
+            self.assertEqual(rcs, [0, 0], errs)
             outs = []
             for r in (0, 1):
                 with open(os.path.join(d, f"out-{r}.json")) as f:
@@ -366,20 +544,9 @@ class ResumeLayoutTest(unittest.TestCase):
         d = tempfile.mkdtemp(prefix="faultline-layout-")
         agent = FakeAgent()
         try:
-            script = os.path.join(d, "rank.py")
-            with open(script, "w") as f:
-                f.write(textwrap.dedent(LAYOUT_SCRIPT))
-            procs = []
-            for rank in range(4):
-                ring = make_ring(os.path.join(d, f"ring-{rank}"), 1 << 20)
-                env = dict(os.environ, PYTHONPATH=PACKAGE + os.pathsep + HERE,
-                           RANK=str(rank), WORLD_SIZE="4", OMP_NUM_THREADS="1",
-                           FAULTLINE_AGENT=agent.sock, FAULTLINE_RING=ring,
-                           STORE=os.path.join(d, "store"), OUT=d)
-                procs.append(subprocess.Popen([sys.executable, script],
-                                              env=env))
-            for p in procs:
-                self.assertEqual(p.wait(timeout=300), 0)
+            rcs, errs = run_ranks(d, agent, LAYOUT_SCRIPT, 4, 300,
+                                  OMP_NUM_THREADS="1")
+            self.assertEqual(rcs, [0] * 4, errs)
             outs = []
             for r in range(4):
                 with open(os.path.join(d, f"out-{r}.json")) as f:
