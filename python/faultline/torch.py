@@ -70,6 +70,13 @@ def _c10d():
     return dist.distributed_c10d
 
 
+def _non_member():
+    """What new_group gives a rank that is not in the group (torch 1.13: a
+    plain object)."""
+    return getattr(dist.GroupMember, "NON_GROUP_MEMBER",
+                   _non_member)  # else what no group is
+
+
 def _world():
     try:
         return _c10d()._get_default_group()
@@ -82,6 +89,8 @@ def group_name(group=None):
     parallel_group.json give it: "default_pg" for the world group."""
     if group is None or group is _world():
         return WORLD
+    if group is _non_member():
+        return "non_group_member"
     try:
         return _names[group]
     except (KeyError, TypeError):
@@ -103,12 +112,19 @@ def group_name(group=None):
 def label_group(group, kind):
     """Says which parallelism a process group serves ("tp", "pp", "dp",
     ...), as the analysis groups peers by it; the world group is "dp"
-    unless labelled. Sends the groups to the agent again."""
+    unless labelled. Sends the groups to the agent again; on a rank that is
+    not in the group it does nothing."""
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"faultline.torch.label_group: kind {kind!r}: want a "
                          "non-empty string such as 'tp' or 'dp'")
+    if group is _non_member():
+        return  # this rank is none of the group's
+    g = group if group is not None else _world()
+    if g is None:
+        raise RuntimeError("faultline.torch.label_group: torch.distributed "
+                           "is not initialised: no world group to label")
     try:
-        _labels[group if group is not None else _world()] = kind
+        _labels[g] = kind
     except TypeError:
         raise TypeError(f"faultline.torch.label_group: group {group!r}: want "
                         "a process group") from None
@@ -126,8 +142,7 @@ def _groups():
     world = _world()
     out = {}
     for pg, m in list(ranks.items()):
-        if pg is None or pg is getattr(dist.GroupMember, "NON_GROUP_MEMBER",
-                                       None):
+        if pg is None or pg is _non_member():
             continue
         try:
             me = dist.get_rank(pg)
@@ -204,11 +219,16 @@ def _error_text(e):
 # future that completed (the main thread went on at once: the last step of
 # a DDP job, then its exit), or as it retires a collective and frees a
 # tensor the main thread let go of (a tensor of Python's). At exit, while
-# the interpreter is whole, _threads_at_exit waits for both.
+# the interpreter is whole, _threads_at_exit waits for faultline's
+# callbacks and, briefly, for threads that are ready to run. Callbacks of
+# the user's own are not tracked, nor work started by atexit handlers that
+# run after this one (those registered before faultline.torch was
+# imported).
 #
 # _held: the futures faultline attached a callback to, by a weak reference
 # to the callback, until torch lets go of it.
 _held = {}
+_initialised = False  # init() ran: torch.distributed in use
 os.register_at_fork(after_in_child=_held.clear)  # no thread of torch's there
 
 
@@ -252,21 +272,26 @@ def _runnable_threads():
 
 @atexit.register
 def _threads_at_exit(timeout=30.0, settle=2.0):
-    """Waits, at most timeout seconds, for torch's threads to run and let go
-    of faultline's callbacks, those of collectives in flight too (the
-    process group, freed as the interpreter finalizes, would wait for them
-    then); and then, at most settle seconds, until no other thread of the
-    process is ready to run: one preempted as it retired a collective."""
+    """Waits for torch's threads to run and let go of faultline's callbacks:
+    as long as a collective is in flight (its process group, freed as the
+    interpreter finalizes, would wait for it then; the group's timeout
+    bounds it), timeout seconds for callbacks of collectives that
+    completed. Then, in a process that used torch.distributed, at most
+    settle seconds until no other thread is ready to run: one preempted as
+    it retired a collective."""
     deadline = time.monotonic() + timeout
     while _held:
-        if time.monotonic() > deadline:
-            n = sum(not f.done() for f in list(_held.values()))
+        if not all(f.done() for f in list(_held.values())):
+            deadline = time.monotonic() + timeout
+        elif time.monotonic() > deadline:
             warnings.warn(f"faultline: {len(_held)} callbacks on collectives "
-                          f"({n} in flight) not done after {timeout:g} s at "
-                          "exit: the process may abort as it finalizes",
+                          f"not let go of {timeout:g} s after they completed, "
+                          "at exit: the process may abort as it finalizes",
                           RuntimeWarning)
-            return
+            break
         time.sleep(0.001)  # lets a thread of torch's take the GIL
+    if not (_initialised or dist.is_available() and dist.is_initialized()):
+        return
     # Twice in a row: a thread that waits for the GIL, which this one holds
     # as it reads /proc, sleeps; it takes the GIL in the next sleep.
     deadline, quiet = time.monotonic() + settle, 0
@@ -700,6 +725,8 @@ def init():
     Without FAULTLINE_AGENT it installs nothing, says once what that turns
     off, and returns FAULTLINE_RESUME_STEP (default -1).
     """
+    global _initialised
+    _initialised = True
     resume = faultline.init()
     if _agent.client() is None:
         return resume

@@ -116,6 +116,11 @@ class TorchTest(unittest.TestCase):
         self.assertEqual(json.loads(recs[0]["name"])["groupName"], name)
         with self.assertRaisesRegex(TypeError, "want a process group"):
             ft.label_group("tp", "tp")
+        # What new_group gives a rank outside the group: one name, no label.
+        other = dist.GroupMember.NON_GROUP_MEMBER
+        ft.label_group(other, "tp")
+        self.assertEqual({ft.group_name(other) for _ in range(3)},
+                         {"non_group_member"})
         # faultline keeps no destroyed group, nor its threads, alive.
         ref = weakref.ref(pg)
         dist.destroy_process_group(pg)
@@ -146,6 +151,35 @@ class TorchTest(unittest.TestCase):
                 self.assertLess(out[0], returned)
             else:
                 self.assertTrue(t.is_alive())
+
+    def test_exit_waits_for_collectives_in_flight(self):
+        # Past the timeout, which bounds only callbacks of completed ones.
+        fut = torch.futures.Future()
+        ft._on_done(fut, lambda f: None)
+        threading.Timer(0.3, fut.set_result, (None,)).start()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            ft._threads_at_exit(timeout=0.05, settle=0)
+        self.assertTrue(fut.done())
+        self.assertEqual([str(x.message) for x in w], [])
+
+    def test_exit_says_which_callbacks_it_left(self):
+        ft._threads_at_exit(settle=0)  # the other tests' callbacks gone
+        fut = torch.futures.Future()
+        fut.set_result(None)
+
+        def kept(f):  # a callback torch let go of, kept alive here
+            pass
+
+        ft._on_done(fut, kept)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            ft._threads_at_exit(timeout=0.05, settle=0)
+        del kept
+        self.assertFalse(any(v is fut for v in list(ft._held.values())))
+        self.assertEqual(len(w), 1)
+        self.assertIn("1 callbacks on collectives not let go of 0.05 s after "
+                      "they completed", str(w[0].message))
 
     def test_callbacks_are_tracked_until_released(self):
         fut = torch.futures.Future()
