@@ -231,7 +231,8 @@ func TestFirstLoadsAgree(t *testing.T) {
 		jobs := []*job{c.start(0, c.f.Hosts[0], nil, args...), c.start(1, c.f.Hosts[1], nil, args...)}
 		for i, j := range jobs {
 			if err := j.wait(3 * time.Minute); err != nil {
-				t.Fatalf("node %d: %v\nstderr:\n%s", i, err, j.errText())
+				jobs[1-i].wait(3 * time.Minute) // the other's side of it too
+				t.Fatalf("node %d: %v\nnode 0's stderr:\n%s\nnode 1's stderr:\n%s", i, err, jobs[0].errText(), jobs[1].errText())
 			}
 		}
 		return jobs
