@@ -73,8 +73,7 @@ def _c10d():
 def _non_member():
     """What new_group gives a rank that is not in the group (torch 1.13: a
     plain object)."""
-    return getattr(dist.GroupMember, "NON_GROUP_MEMBER",
-                   _non_member)  # else what no group is
+    return getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
 
 
 def _world():
@@ -89,7 +88,7 @@ def group_name(group=None):
     parallel_group.json give it: "default_pg" for the world group."""
     if group is None or group is _world():
         return WORLD
-    if group is _non_member():
+    if group is _non_member():  # None is the world, above
         return "non_group_member"
     try:
         return _names[group]
@@ -117,7 +116,7 @@ def label_group(group, kind):
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"faultline.torch.label_group: kind {kind!r}: want a "
                          "non-empty string such as 'tp' or 'dp'")
-    if group is _non_member():
+    if group is not None and group is _non_member():
         return  # this rank is none of the group's
     g = group if group is not None else _world()
     if g is None:
@@ -236,17 +235,21 @@ def _release(ref):
     _held.pop(ref, None)
 
 
+def _track(fut, fn):
+    _held[weakref.ref(fn, _release)] = fut
+
+
 def _then(fut, fn):
     """fut.then(fn), fn tracked until torch lets go of it (_held)."""
     child = fut.then(fn)
-    _held[weakref.ref(fn, _release)] = fut
+    _track(fut, fn)
     return child
 
 
 def _on_done(fut, fn):
     """fut.add_done_callback(fn), fn tracked as _then tracks it."""
     fut.add_done_callback(fn)
-    _held[weakref.ref(fn, _release)] = fut
+    _track(fut, fn)
 
 
 def _runnable_threads():
@@ -266,7 +269,8 @@ def _runnable_threads():
                 stat = f.read()
         except OSError:  # ended
             continue
-        n += stat[stat.rindex(b")") + 2:][:1] == b"R"
+        if stat[stat.rindex(b")") + 2:][:1] == b"R":  # the state, after comm
+            n += 1
     return n
 
 

@@ -358,10 +358,15 @@ class TorchTest(unittest.TestCase):
         self.assertIn("test_torch.py", text)
 
 
-def run_ranks(d, agent, script, world, timeout, **env):
-    """Runs script as world gloo ranks in child processes, with their rings
-    in d (ring-RANK) and the agent's socket; returns their exit codes and
-    what they wrote to stderr."""
+def run_ranks(test, script, world, timeout, **env):
+    """Runs script as world gloo ranks in child processes, in a folder of
+    their own with their rings (ring-RANK) and a FakeAgent, both removed
+    when test ends; returns the folder, the agent, the ranks' exit codes
+    and what they wrote to stderr."""
+    d = tempfile.mkdtemp(prefix="faultline-ranks-")
+    test.addCleanup(shutil.rmtree, d)
+    agent = FakeAgent()
+    test.addCleanup(agent.close)
     path = os.path.join(d, "rank.py")
     with open(path, "w") as f:
         f.write(textwrap.dedent(script))
@@ -380,7 +385,7 @@ def run_ranks(d, agent, script, world, timeout, **env):
     for rank in range(world):
         with open(os.path.join(d, f"stderr-{rank}")) as f:
             errs.append(f.read())
-    return rcs, errs
+    return d, agent, rcs, errs
 
 
 class ExitTest(unittest.TestCase):
@@ -390,18 +395,10 @@ class ExitTest(unittest.TestCase):
     thread that asks for the GIL once the interpreter is finalizing aborts
     the process; faultline waits for its callbacks at exit."""
 
-    def run_job(self, script):
-        d = tempfile.mkdtemp(prefix="faultline-exit-")
-        agent = FakeAgent()
-        self.addCleanup(shutil.rmtree, d)
-        self.addCleanup(agent.close)
-        rcs, errs = run_ranks(d, agent, script, 2, 120)
-        return d, rcs, errs
-
     def test_exit_while_a_callback_runs(self):
         for name, script in EXIT_SCRIPTS.items():
             with self.subTest(name):
-                d, rcs, errs = self.run_job(script)
+                d, _, rcs, errs = run_ranks(self, script, 2, 120)
                 self.assertEqual(rcs, [0, 0], errs)
                 for rank in (0, 1):
                     self.assertNotIn("faultline:", errs[rank])  # in time
@@ -419,7 +416,7 @@ class ExitTest(unittest.TestCase):
         # Rank 1 is gone after DDP's first broadcast, so rank 0's reduce of
         # the held buckets fails: the error reaches DDP's futures, and the
         # callback that set it is let go of, as every other.
-        d, rcs, errs = self.run_job(FAIL_SCRIPT)
+        d, _, rcs, errs = run_ranks(self, FAIL_SCRIPT, 2, 120)
         self.assertEqual(rcs, [0, 3], errs)
         self.assertNotIn("faultline:", errs[0])
         with open(os.path.join(d, "out-0.json")) as f:
@@ -503,30 +500,24 @@ class TwoRanksTest(unittest.TestCase):
     rank's records and groups come out right."""
 
     def test_two_ranks(self):
-        d = tempfile.mkdtemp(prefix="faultline-two-")
-        agent = FakeAgent()
-        try:
-            rcs, errs = run_ranks(d, agent, RANK_SCRIPT, 2, 120)
-            self.assertEqual(rcs, [0, 0], errs)
-            outs = []
-            for r in (0, 1):
-                with open(os.path.join(d, f"out-{r}.json")) as f:
-                    outs.append(json.load(f))
-            self.assertEqual(outs[0]["grads"], outs[1]["grads"])
-            self.assertEqual(outs[0]["weights"], outs[1]["weights"])
-            for r, out in enumerate(outs):
-                self.assertEqual(out["ops"][:2], ["broadcast", "allreduce"])
-                self.assertGreater(out["hook_buckets"], 0)
-                self.assertEqual(out["groups"]["default_pg"]["global_ranks"],
-                                 [0, 1])
-                self.assertEqual(out["groups"]["default_pg"]["group_rank"], r)
-                self.assertEqual(out["pair"]["global_ranks"], [0, 1])
-            groups = [r["groups"] for r in agent.requests
-                      if r["op"] == "groups"]
-            self.assertTrue(any(len(g) == 2 for g in groups))
-        finally:
-            agent.close()
-            shutil.rmtree(d)
+        d, agent, rcs, errs = run_ranks(self, RANK_SCRIPT, 2, 120)
+        self.assertEqual(rcs, [0, 0], errs)
+        outs = []
+        for r in (0, 1):
+            with open(os.path.join(d, f"out-{r}.json")) as f:
+                outs.append(json.load(f))
+        self.assertEqual(outs[0]["grads"], outs[1]["grads"])
+        self.assertEqual(outs[0]["weights"], outs[1]["weights"])
+        for r, out in enumerate(outs):
+            self.assertEqual(out["ops"][:2], ["broadcast", "allreduce"])
+            self.assertGreater(out["hook_buckets"], 0)
+            self.assertEqual(out["groups"]["default_pg"]["global_ranks"],
+                             [0, 1])
+            self.assertEqual(out["groups"]["default_pg"]["group_rank"], r)
+            self.assertEqual(out["pair"]["global_ranks"], [0, 1])
+        groups = [r["groups"] for r in agent.requests
+                  if r["op"] == "groups"]
+        self.assertTrue(any(len(g) == 2 for g in groups))
 
 
 RANK_SCRIPT = """
@@ -575,36 +566,30 @@ class ResumeLayoutTest(unittest.TestCase):
     job would tell a different layout apart."""
 
     def test_a_resumed_step_is_reduced_in_the_rebuilt_layout(self):
-        d = tempfile.mkdtemp(prefix="faultline-layout-")
-        agent = FakeAgent()
-        try:
-            rcs, errs = run_ranks(d, agent, LAYOUT_SCRIPT, 4, 300,
-                                  OMP_NUM_THREADS="1")
-            self.assertEqual(rcs, [0] * 4, errs)
-            outs = []
-            for r in range(4):
-                with open(os.path.join(d, f"out-{r}.json")) as f:
-                    outs.append(json.load(f))
-            for r, out in enumerate(outs):
-                self.assertEqual(out["warnings"], [], r)
-                for name, c in out["configs"].items():
-                    self.assertEqual(c["whole"], outs[0]["configs"][name]
-                                     ["whole"], (r, name))
-                    self.assertEqual(c["resumed"], c["whole"], (r, name))
-                    if name == "find_unused_parameters":
-                        self.assertIsNone(c["layout"])  # never rebuilt
-                    else:
-                        self.assertGreater(len(c["layout"]), 2, name)
-                        self.assertEqual(c["layout"], c["rebuilt"], name)
-                    self.assertTrue(c["steady"], name)
-                control = out["control"]
-                self.assertNotEqual(control["resumed"], control["whole"],
-                                    "the buckets as they come resume "
-                                    "bitwise too: the test would not tell "
-                                    "layouts apart")
-        finally:
-            agent.close()
-            shutil.rmtree(d)
+        d, _, rcs, errs = run_ranks(self, LAYOUT_SCRIPT, 4, 300,
+                                    OMP_NUM_THREADS="1")
+        self.assertEqual(rcs, [0] * 4, errs)
+        outs = []
+        for r in range(4):
+            with open(os.path.join(d, f"out-{r}.json")) as f:
+                outs.append(json.load(f))
+        for r, out in enumerate(outs):
+            self.assertEqual(out["warnings"], [], r)
+            for name, c in out["configs"].items():
+                self.assertEqual(c["whole"], outs[0]["configs"][name]
+                                 ["whole"], (r, name))
+                self.assertEqual(c["resumed"], c["whole"], (r, name))
+                if name == "find_unused_parameters":
+                    self.assertIsNone(c["layout"])  # never rebuilt
+                else:
+                    self.assertGreater(len(c["layout"]), 2, name)
+                    self.assertEqual(c["layout"], c["rebuilt"], name)
+                self.assertTrue(c["steady"], name)
+            control = out["control"]
+            self.assertNotEqual(control["resumed"], control["whole"],
+                                "the buckets as they come resume "
+                                "bitwise too: the test would not tell "
+                                "layouts apart")
 
 
 LAYOUT_SCRIPT = """
