@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/faultline-ml/faultline/internal/freeport"
 	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd"
 )
@@ -216,12 +217,11 @@ func TestManagerApart(t *testing.T) {
 // other nodes reach it whichever address of this host MasterAddr names.
 func TestManagerListensEverywhere(t *testing.T) {
 	host := testkit.HostAddr(t)
-	l, err := net.Listen("tcp", ":0")
+	port, err := freeport.Find(2)
 	if err != nil {
 		t.Fatal(err)
 	}
-	port := l.Addr().(*net.TCPAddr).Port
-	l.Close()
+	port++ // the manager's: the store's is the one before
 	dir := t.TempDir()
 	a, err := New(Config{Job: "listen", MasterAddr: "127.0.0.1", MasterPort: port - 1,
 		Command: []string{"sh", "-c", `while [ ! -e "$WORK/go" ]; do sleep 0.02; done`}, NoPython: true,

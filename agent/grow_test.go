@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/faultline-ml/faultline/internal/freeport"
 	"github.com/faultline-ml/faultline/internal/testkit"
 	"github.com/faultline-ml/faultline/taskd"
 )
@@ -190,7 +190,10 @@ func TestResizedNextJoining(t *testing.T) {
 // with the restart count on by one.
 func TestElasticGrows(t *testing.T) {
 	dir := t.TempDir()
-	port := freePortRange(t, 8)
+	port, err := freeport.Find(8)
+	if err != nil {
+		t.Fatal(err)
+	}
 	cfg := func(node int) Config {
 		shm := filepath.Join(dir, "shm"+strconv.Itoa(node))
 		if err := os.MkdirAll(shm, 0o755); err != nil {
@@ -255,32 +258,6 @@ func TestElasticGrows(t *testing.T) {
 	if got, want := strings.Join(lines, "\n"), "0 1 0\n0 2 1\n1 2 1"; got != want {
 		t.Fatalf("the ranks saw %q, want %q", got, want)
 	}
-}
-
-// freePortRange returns a port p such that p to p+n-1 are free on
-// loopback.
-func freePortRange(t *testing.T, n int) int {
-	t.Helper()
-	for range 100 {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		p := l.Addr().(*net.TCPAddr).Port
-		l.Close()
-		free := p+n <= 65535
-		for i := 1; free && i < n; i++ {
-			l, err := net.Listen("tcp", ":"+strconv.Itoa(p+i))
-			if free = err == nil; free {
-				l.Close()
-			}
-		}
-		if free {
-			return p
-		}
-	}
-	t.Fatalf("no %d free ports in a row", n)
-	return 0
 }
 
 // TestPlanAdopters: in the run after node 2 joined a job of 2 nodes of 2

@@ -7,10 +7,12 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/faultline-ml/faultline/internal/freeport"
 	"github.com/faultline-ml/faultline/taskd"
 )
 
@@ -45,12 +47,11 @@ exit 3`)
 // why, rather than restart node 0's ranks to wait for ever for node 1's.
 func TestRestartRefusedWithoutFinishedNode(t *testing.T) {
 	sec := taskd.Security{Token: "0123456789abcdef0123456789abcdef", Insecure: true}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := freeport.Find(1)
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := l.Addr().String()
-	l.Close()
+	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
 	dir := t.TempDir()
 	left := filepath.Join(dir, "node1-left")
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)

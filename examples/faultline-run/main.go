@@ -112,6 +112,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/faultline-ml/faultline/agent"
+	"github.com/faultline-ml/faultline/internal/freeport"
 	"github.com/faultline-ml/faultline/taskd"
 	"github.com/faultline-ml/faultline/topology"
 	"github.com/faultline-ml/faultline/trace"
@@ -356,12 +357,12 @@ func parse(args []string) (options, error) {
 			return opts, fmt.Errorf("%w: --standalone with --nnodes %s: a standalone job is one node; drop the range", errUsage, *nnodes)
 		}
 		cfg.Nodes, cfg.MinNodes, cfg.NodeRank, cfg.MasterAddr = 1, 1, 0, "127.0.0.1"
-		if cfg.MasterPort, err = freePorts(); err != nil {
+		if cfg.MasterPort, err = freeport.Find(1); err != nil {
 			return opts, err
 		}
-		// No one looks for the manager at a port chosen at random: one of
+		// No one looks for the manager at a port chosen in advance: one of
 		// the kernel's choosing, which no other program can take between
-		// a check and the bind.
+		// a check and the bind. The store's is passed to the ranks.
 		cfg.ManagerListen = "127.0.0.1:0"
 	}
 	cfg.Job = *runID
@@ -447,25 +448,6 @@ func parseNproc(s string) (int, error) {
 		return 0, fmt.Errorf("%w: --nproc-per-node %q: give a positive number, auto or cpu", errUsage, s)
 	}
 	return n, nil
-}
-
-// freePorts finds a port p such that p and p+1 are free on loopback: the
-// ranks' store and the manager.
-func freePorts() (int, error) {
-	for range 50 {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return 0, err
-		}
-		p := l.Addr().(*net.TCPAddr).Port
-		l2, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(p+1)))
-		l.Close()
-		if err == nil {
-			l2.Close()
-			return p, nil
-		}
-	}
-	return 0, errors.New("no two adjacent free ports on 127.0.0.1")
 }
 
 // security is the control plane's: a job of one node whose manager runs

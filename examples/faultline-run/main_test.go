@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/faultline-ml/faultline/agent"
+	"github.com/faultline-ml/faultline/internal/freeport"
 	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
@@ -35,6 +36,11 @@ var (
 // torchPython is the interpreter that has torch: Debian's, which the
 // python3 first on PATH may not be.
 const torchPython = "/usr/bin/python3"
+
+// freePorts returns the first of 16 ports in a row that are free, for a
+// job's store, its manager and the replica servers of up to 14 ranks a
+// host, which the tests' jobs find at --master-port and above.
+func freePorts() (int, error) { return freeport.Find(16) }
 
 func needTorch(t testing.TB) {
 	t.Helper()

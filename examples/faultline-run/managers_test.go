@@ -6,10 +6,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/faultline-ml/faultline/internal/freeport"
 	"github.com/faultline-ml/faultline/internal/testkit"
 )
 
@@ -60,15 +62,11 @@ func TestManagersApart(t *testing.T) {
 	}
 	t.Setenv("TASKD_TOKEN", randomHex(16))
 	id := "apart-" + randomHex(3)
-	var addrs []string
-	for range 2 {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		addrs = append(addrs, l.Addr().String())
-		l.Close()
+	mp, err := freeport.Find(2)
+	if err != nil {
+		t.Fatal(err)
 	}
+	addrs := []string{net.JoinHostPort("127.0.0.1", strconv.Itoa(mp)), net.JoinHostPort("127.0.0.1", strconv.Itoa(mp+1))}
 	var mgrs []*manager
 	for i, addr := range addrs {
 		mgrs = append(mgrs, startManager(t, mgrBin, fmt.Sprintf("manager-%d", i), "--agents", "--insecure", "--job", id,

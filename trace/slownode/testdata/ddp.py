@@ -26,7 +26,7 @@ waits too.
 import argparse
 import json
 import os
-import socket
+import tempfile
 import threading
 import time
 
@@ -145,9 +145,9 @@ class Net(torch.nn.Module):
         return Slow.apply(h, self.box)
 
 
-def worker(rank, a, port):
+def worker(rank, a, store):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=a.world)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=a.world)
     torch.manual_seed(0)
     box = {"factor": 1.0, "fwd": 0.0, "device": a.device_ms / 1000}
     model = DDP(Net(box, a.width), bucket_cap_mb=0.25)
@@ -208,11 +208,10 @@ def main():
     p.add_argument("--slow-io-from", type=int, default=0)
     p.add_argument("--slow-io-factor", type=float, default=1.0)
     a = p.parse_args()
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    mp.start_processes(worker, args=(a, port), nprocs=a.world, start_method="fork")
+    # A file store: no port to choose and lose to another process.
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(worker, args=(a, os.path.join(d, "store")),
+                           nprocs=a.world, start_method="fork")
 
 
 if __name__ == "__main__":
