@@ -376,14 +376,7 @@ func (o *Owner) handle(conn net.Conn) (err error) {
 		}
 		return o.serveCopy(c, q)
 	}
-	slot := o.replicaSlot(q.shard)
-	slot.mu.Lock()
-	defer o.unlockSlot(slot, q.shard)
-	markBulk(conn)
-	if err := writeMsg(c, statusOK, nil); err != nil {
-		return err
-	}
-	m, err := o.receiveReplica(bufio.NewReaderSize(c, 1<<20), slot, q)
+	m, err := o.takeReplica(conn, c, q)
 	if err != nil {
 		o.m.replicaFailures.Inc()
 		if errors.Is(err, layout.ErrCorrupt) {
@@ -396,6 +389,21 @@ func (o *Owner) handle(conn net.Conn) (err error) {
 	o.m.replicaBytes.WithLabelValues("received").Add(float64(m.DataSize()))
 	o.log.Debug("ckpt: replica received", "shard", q.shard, "step", m.Step, "bytes", m.DataSize())
 	return writeMsg(c, statusOK, nil)
+}
+
+// takeReplica takes the copy a peer puts, holding the slot until it is
+// written and no longer: the peer is answered once the slot is free, so
+// a restore that follows the put's return finds it free and removes the
+// copy then (dropReplica), rather than leave that to the put.
+func (o *Owner) takeReplica(conn net.Conn, c io.ReadWriter, q replicaReq) (layout.StepMeta, error) {
+	slot := o.replicaSlot(q.shard)
+	slot.mu.Lock()
+	defer o.unlockSlot(slot, q.shard)
+	markBulk(conn)
+	if err := writeMsg(c, statusOK, nil); err != nil {
+		return layout.StepMeta{}, err
+	}
+	return o.receiveReplica(bufio.NewReaderSize(c, 1<<20), slot, q)
 }
 
 // serveCopy answers a get of a peer's shard from the copy held here.
