@@ -24,7 +24,9 @@ const (
 // the fault that stands for it and the evidence that chose it:
 //
 //  1. a collective error naming a peer's address points at the local
-//     rank that held it (and one that names a third rank's points on):
+//     rank that held it, or, where none did, at the one local rank whose
+//     end of a connection with the erring rank had closed (and one that
+//     names a third rank's points on):
 //     the rank pointed at last is the cause, through its own exit when it
 //     had one, else its own first fault, else itself (kind peer);
 //  2. else a rank that exited (with a code, or killed by a signal)
@@ -71,7 +73,7 @@ func blame(faults []IncidentFault) (IncidentFault, string) {
 		if *f.PeerRank == f.Rank {
 			continue
 		}
-		chain := []string{fmt.Sprintf("rank %d's collective error names %s, a socket of rank %d", f.Rank, f.Peer, *f.PeerRank)}
+		chain := []string{fmt.Sprintf("rank %d's collective error names %s, %s", f.Rank, f.Peer, heldBy(f))}
 		seen := map[int]bool{f.Rank: true}
 		at, by := *f.PeerRank, f.Rank
 		for !seen[at] {
@@ -80,7 +82,7 @@ func blame(faults []IncidentFault) (IncidentFault, string) {
 			if !ok {
 				break
 			}
-			chain = append(chain, fmt.Sprintf("whose own names %s, a socket of rank %d", g.Peer, *g.PeerRank))
+			chain = append(chain, fmt.Sprintf("whose own names %s, %s", g.Peer, heldBy(g)))
 			at, by = *g.PeerRank, g.Rank
 		}
 		why := strings.Join(chain, ", ")
@@ -122,6 +124,15 @@ func blame(faults []IncidentFault) (IncidentFault, string) {
 	return first, why
 }
 
+// heldBy says how f's peer rank was found from the address its error
+// names.
+func heldBy(f IncidentFault) string {
+	if f.PeerClosed != "" {
+		return fmt.Sprintf("which no rank held; of rank %d's connections with this node's ranks, only rank %d's end (port %s) had closed", f.Rank, *f.PeerRank, f.PeerClosed)
+	}
+	return fmt.Sprintf("a socket of rank %d", *f.PeerRank)
+}
+
 // peerPattern finds an address in brackets with a port, as gloo's errors
 // name a peer ("Connection closed by peer [127.0.0.1]:14772").
 var peerPattern = regexp.MustCompile(`\[([0-9A-Fa-f.:]+)\]:(\d{1,5})`)
@@ -152,25 +163,32 @@ func peerPorts(port uint16) []uint16 {
 	return []uint16{port}
 }
 
-// socketPorts returns the local ports of the sockets in table (the text
-// of /proc/<pid>/net/tcp or tcp6) whose inodes are in inodes. A line it
+// tcpSocket is a TCP socket of a rank's process, as notePorts saw it.
+type tcpSocket struct {
+	inode         string
+	local, remote uint16 // ports
+}
+
+// tcpSockets returns the sockets in table (the text of
+// /proc/<pid>/net/tcp or tcp6) whose inodes are in inodes. A line it
 // cannot read is skipped.
-func socketPorts(table []byte, inodes map[string]bool) []uint16 {
-	var ports []uint16
+func tcpSockets(table []byte, inodes map[string]bool) []tcpSocket {
+	port := func(addr string) (uint16, bool) {
+		_, hex, ok := strings.Cut(addr, ":")
+		p, err := strconv.ParseUint(hex, 16, 16)
+		return uint16(p), ok && err == nil
+	}
+	var socks []tcpSocket
 	for i, line := range bytes.Split(table, []byte("\n")) {
 		fields := strings.Fields(string(line))
 		if i == 0 || len(fields) < 10 || !inodes[fields[9]] {
 			continue
 		}
-		_, hex, ok := strings.Cut(fields[1], ":")
-		if !ok {
-			continue
+		local, ok1 := port(fields[1])
+		remote, ok2 := port(fields[2])
+		if ok1 && ok2 {
+			socks = append(socks, tcpSocket{inode: fields[9], local: local, remote: remote})
 		}
-		p, err := strconv.ParseUint(hex, 16, 16)
-		if err != nil {
-			continue
-		}
-		ports = append(ports, uint16(p))
 	}
-	return ports
+	return socks
 }

@@ -1,7 +1,9 @@
 package agent
 
 import (
+	"net"
 	"net/netip"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -22,6 +24,11 @@ func TestBlame(t *testing.T) {
 	naming := func(r, ms int, peer string, held *int) IncidentFault {
 		f := opErr(r, ms)
 		f.Peer, f.PeerRank = peer, held
+		return f
+	}
+	closing := func(r, ms int, peer string, closed int, port string) IncidentFault {
+		f := naming(r, ms, peer, rank(closed))
+		f.PeerClosed = port
 		return f
 	}
 	hung := IncidentFault{Kind: "hang", Rank: 2, Message: "hang", Time: at(0)}
@@ -53,6 +60,10 @@ func TestBlame(t *testing.T) {
 			"rank 0's collective error names 127.0.0.1:1, a socket of rank 1, whose own names 127.0.0.1:2, a socket of rank 2"},
 		{"a cycle of errors ends", []IncidentFault{naming(0, 0, "127.0.0.1:1", rank(1)), naming(1, 5, "127.0.0.1:2", rank(0))}, naming(0, 0, "127.0.0.1:1", rank(1)),
 			"rank 0's collective error names 127.0.0.1:1, a socket of rank 1, whose own names 127.0.0.1:2, a socket of rank 0"},
+		{"the error names an address no rank held, and a connection's closed end names the rank",
+			[]IncidentFault{closing(0, 0, "127.0.0.1:45468", 1, "40968")},
+			IncidentFault{Kind: "peer", Rank: 1, Message: "rank 1: rank 0's collective failed on its connection to it", Time: at(0)},
+			"rank 0's collective error names 127.0.0.1:45468, which no rank held; of rank 0's connections with this node's ranks, only rank 1's end (port 40968) had closed"},
 		{"an address of another node", []IncidentFault{naming(0, 0, "10.0.0.9:4000", nil)}, naming(0, 0, "10.0.0.9:4000", nil),
 			"the first fault seen; rank 0's error names 10.0.0.9:4000, which no rank of this node held: the cause may be on another node"},
 		{"a hang is left to the stacks", []IncidentFault{hung, exit(1, 7, 10)}, hung,
@@ -107,10 +118,74 @@ const procTCP = `  sl  local_address rem_address   st tx_queue rx_queue tr tm->w
    3: garbage
 `
 
-func TestSocketPorts(t *testing.T) {
-	got := socketPorts([]byte(procTCP), map[string]bool{"5505": true, "5523": true})
-	if !cmp.Equal(got, []uint16{0xDA7B, 0xB439}) {
-		t.Errorf("socketPorts = %v", got)
+func TestTCPSockets(t *testing.T) {
+	got := tcpSockets([]byte(procTCP), map[string]bool{"5505": true, "5523": true})
+	want := []tcpSocket{{inode: "5505", local: 0xDA7B}, {inode: "5523", local: 0xB439, remote: 0xBE38}}
+	if d := cmp.Diff(want, got, cmp.AllowUnexported(tcpSocket{})); d != "" {
+		t.Errorf("tcpSockets (-want +got):\n%s", d)
+	}
+}
+
+// TestClosedPeer: of rank 0's connections with two local ranks, the one
+// whose far end closes names its rank, and the port of that end; two
+// closed ends name none. Real loopback connections, all in this process,
+// stand for the ranks'.
+func TestClosedPeer(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	// connect returns both ends of a new connection: rank 0's, its peer's.
+	connect := func() (net.Conn, net.Conn) {
+		c, err := net.Dial("tcp", l.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		d, err := l.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close(); d.Close() })
+		return c, d
+	}
+	to1, at1 := connect()
+	to2, at2 := connect()
+	a := &Agent{cfg: Config{ProcsPerNode: 3}}
+	for r := range 3 {
+		a.slots = append(a.slots, &slot{rank: r, proc: &rankProc{pid: os.Getpid()}})
+	}
+	note := func(s *slot, c net.Conn) {
+		inodes := socketInodes(os.Getpid())
+		b, err := os.ReadFile("/proc/self/net/tcp")
+		if err != nil {
+			t.Skipf("no /proc/self/net/tcp: %v", err)
+		}
+		local, remote := uint16(c.LocalAddr().(*net.TCPAddr).Port), uint16(c.RemoteAddr().(*net.TCPAddr).Port)
+		for _, k := range tcpSockets(b, inodes) {
+			if k.local == local && k.remote == remote {
+				s.socks = append(s.socks, k)
+			}
+		}
+		if len(s.socks) == 0 {
+			t.Fatalf("no socket %d -> %d of this process in /proc/self/net/tcp", local, remote)
+		}
+	}
+	note(a.slots[0], to1)
+	note(a.slots[0], to2)
+	note(a.slots[1], at1)
+	note(a.slots[2], at2)
+	if r, _ := a.closedPeer(0); r != -1 {
+		t.Fatalf("closedPeer with every end open = rank %d", r)
+	}
+	at1.Close()
+	port := uint16(to1.RemoteAddr().(*net.TCPAddr).Port)
+	if r, p := a.closedPeer(0); r != 1 || p != port {
+		t.Fatalf("closedPeer = rank %d, port %d; want rank 1, port %d", r, p, port)
+	}
+	at2.Close()
+	if r, _ := a.closedPeer(0); r != -1 {
+		t.Fatalf("closedPeer with two ranks' ends closed = rank %d, want none", r)
 	}
 }
 
@@ -128,11 +203,17 @@ func FuzzPeerAddr(f *testing.F) {
 	})
 }
 
-func FuzzSocketPorts(f *testing.F) {
+func FuzzTCPSockets(f *testing.F) {
 	f.Add([]byte(procTCP), "5505")
 	f.Fuzz(func(t *testing.T, table []byte, inode string) {
-		if got := socketPorts(table, map[string]bool{inode: true}); len(got) > strings.Count(string(table), "\n")+1 {
-			t.Fatalf("%d ports from %d lines", len(got), strings.Count(string(table), "\n")+1)
+		got := tcpSockets(table, map[string]bool{inode: true})
+		if len(got) > strings.Count(string(table), "\n")+1 {
+			t.Fatalf("%d sockets from %d lines", len(got), strings.Count(string(table), "\n")+1)
+		}
+		for _, k := range got {
+			if k.inode != inode {
+				t.Fatalf("socket %+v, not of inode %q", k, inode)
+			}
 		}
 	})
 }

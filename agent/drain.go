@@ -196,6 +196,11 @@ func (a *Agent) hangFault(s *slot, f hang.Fault) {
 			tf.Attrs[attrPeer] = addr.String()
 			if r := a.rankOfPeer(addr, s.rank); r >= 0 {
 				tf.Attrs[attrPeerRank] = strconv.Itoa(r)
+			} else if localAddr(addr.Addr()) {
+				if r, port := a.closedPeer(s.rank); r >= 0 {
+					tf.Attrs[attrPeerRank] = strconv.Itoa(r)
+					tf.Attrs[attrPeerClosed] = strconv.Itoa(int(port))
+				}
 			}
 		}
 		if a.incident.fault(tf, now) {
@@ -233,16 +238,42 @@ func (a *Agent) hangFault(s *slot, f hang.Fault) {
 	}
 }
 
-// notePorts notes the TCP ports that pid, the slot's process, holds now:
-// once it is gone, a peer's error naming one of them still points at it.
+// notePorts notes the TCP sockets that pid, the slot's process, holds
+// now: once it is gone, a peer's error naming one of their ports still
+// points at it.
 func (s *slot) notePorts(pid int) {
-	if pid == 0 {
+	inodes := socketInodes(pid)
+	if len(inodes) == 0 {
 		return
+	}
+	var socks []tcpSocket
+	for _, table := range []string{"tcp", "tcp6"} {
+		if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, table)); err == nil {
+			socks = append(socks, tcpSockets(b, inodes)...)
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.proc == nil || s.proc.pid != pid {
+		return
+	}
+	for _, k := range socks {
+		if !slices.ContainsFunc(s.socks, func(o tcpSocket) bool { return o.inode == k.inode }) {
+			s.socks = append(s.socks, k)
+		}
+	}
+}
+
+// socketInodes returns the inodes of the sockets pid holds open; none
+// when it is gone.
+func socketInodes(pid int) map[string]bool {
+	if pid == 0 {
+		return nil
 	}
 	fds := fmt.Sprintf("/proc/%d/fd", pid)
 	ents, err := os.ReadDir(fds)
 	if err != nil {
-		return
+		return nil
 	}
 	inodes := map[string]bool{}
 	for _, e := range ents {
@@ -251,41 +282,77 @@ func (s *slot) notePorts(pid int) {
 			inodes[strings.TrimSuffix(ino, "]")] = true
 		}
 	}
-	var ports []uint16
-	for _, table := range []string{"tcp", "tcp6"} {
-		if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, table)); err == nil {
-			ports = append(ports, socketPorts(b, inodes)...)
-		}
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.proc == nil || s.proc.pid != pid {
-		return
-	}
-	for _, p := range ports {
-		s.ports[p] = true
-	}
+	return inodes
 }
 
 // rankOfPeer returns the local rank other than rank whose process held
-// addr, as its ports were noted; -1 when none did, or addr is not this
+// addr, as its sockets were noted; -1 when none did, or addr is not this
 // host's.
 func (a *Agent) rankOfPeer(addr netip.AddrPort, rank int) int {
 	if !localAddr(addr.Addr()) {
 		return -1
 	}
+	ports := peerPorts(addr.Port())
 	for _, s := range a.slots {
 		if s.rank == rank {
 			continue
 		}
 		s.mu.Lock()
-		held := slices.ContainsFunc(peerPorts(addr.Port()), func(p uint16) bool { return s.ports[p] })
+		held := slices.ContainsFunc(s.socks, func(k tcpSocket) bool { return slices.Contains(ports, k.local) })
 		s.mu.Unlock()
 		if held {
 			return s.rank
 		}
 	}
 	return -1
+}
+
+// closedPeer returns the one local rank whose end of a connection with
+// rank's process (both ends as they were noted) is closed now, and the
+// port of that end; -1 when no end or more than one is. gloo names at
+// times, for the peer of a connection the peer made, the address the
+// peer listened on for it, which the peer closed once connected: the
+// connection itself still tells whose end went first.
+func (a *Agent) closedPeer(rank int) (int, uint16) {
+	own := a.slotOf(rank)
+	if own == nil {
+		return -1, 0
+	}
+	own.mu.Lock()
+	mine := slices.Clone(own.socks)
+	own.mu.Unlock()
+	found, port := -1, uint16(0)
+	for _, s := range a.slots {
+		if s.rank == rank {
+			continue
+		}
+		s.mu.Lock()
+		pid := 0
+		if s.proc != nil {
+			pid = s.proc.pid
+		}
+		var ends []tcpSocket // s's ends of rank's connections
+		for _, k := range s.socks {
+			if slices.ContainsFunc(mine, func(m tcpSocket) bool { return m.local == k.remote && m.remote == k.local }) {
+				ends = append(ends, k)
+			}
+		}
+		s.mu.Unlock()
+		if len(ends) == 0 {
+			continue
+		}
+		open := socketInodes(pid)
+		for _, k := range ends {
+			if open[k.inode] {
+				continue
+			}
+			if found >= 0 && found != s.rank {
+				return -1, 0
+			}
+			found, port = s.rank, k.local
+		}
+	}
+	return found, port
 }
 
 // localAddr reports whether ip is this host's.

@@ -65,7 +65,7 @@ type slot struct {
 	waiting  bool  // a first start waits for the job's shape (deferStart)
 	deferred int64 // and resumes from this step
 	worker   *taskd.Worker
-	ports    map[uint16]bool        // TCP ports its process held (see notePorts)
+	socks    []tcpSocket            // TCP sockets its process held (see notePorts)
 	drainMu  sync.Mutex             // the ring's reader, and the maps below
 	opens    map[uint64]openRange   // ranges in flight, by ring id
 	timings  map[uint64]hang.Timing // collectives in flight, by ring id
@@ -95,7 +95,7 @@ type rankProc struct {
 func newSlot(a *Agent, local int) (*slot, error) {
 	rank := a.cfg.NodeRank*a.cfg.ProcsPerNode + local
 	s := &slot{a: a, local: local, rank: rank, lastStep: -1, resume: -1, starts: a.cfg.Restarts, opens: map[uint64]openRange{}, timings: map[uint64]hang.Timing{}, ops: map[string]*hang.Op{},
-		noted: map[string]bool{}, ports: map[uint16]bool{}, saved: -1}
+		noted: map[string]bool{}, saved: -1}
 	s.ringPath = filepath.Join(a.cfg.ShmDir, fmt.Sprintf("faultline-%s-ring-%d", a.cfg.Job, rank))
 	var err error
 	if s.ring, err = CreateRing(s.ringPath, ringBytes); err != nil {
@@ -214,7 +214,7 @@ func (s *slot) start(ctx context.Context, resume int64) error {
 		}
 		s.proc, s.state, s.resume = p, slotRunning, resume
 		s.starts = restart + 1
-		clear(s.ports)
+		s.socks = nil
 		s.mu.Unlock()
 	}
 	var p *rankProc

@@ -8,9 +8,12 @@ import (
 )
 
 // TestRootCause: rank 1 ends its connections and exits 7 a moment
-// later; rank 0's all-reduce fails first, naming rank 1's address. The
-// incident and the final message blame rank 1, and the incident says
-// which evidence chose it.
+// later; rank 0's all-reduce fails first, naming rank 1's address: its
+// end of their connection, or (when rank 1 made the connection, now and
+// then) the address it listened on for it, which it no longer holds,
+// and then their connection's closed end names it. The incident and the
+// final message blame rank 1, and the incident says which evidence
+// chose it.
 func TestRootCause(t *testing.T) {
 	needTorch(t)
 	dir := t.TempDir()
@@ -24,7 +27,8 @@ func TestRootCause(t *testing.T) {
 		t.Fatalf("incidents: %+v", in)
 	}
 	c := in[0]
-	if c.Fault.Rank != 1 || !strings.Contains(c.Evidence, "a socket of rank 1") {
+	t.Logf("incident: %s: %s", c.Fault.Message, c.Evidence)
+	if c.Fault.Rank != 1 || !strings.Contains(c.Evidence, "a socket of rank 1") && !strings.Contains(c.Evidence, "only rank 1's end (port ") {
 		t.Errorf("the incident blames %+v, by %q; want rank 1, by the address rank 0's error names", c.Fault, c.Evidence)
 	}
 	if !strings.Contains(j.errText(), "incident 1: rank 1") || !strings.Contains(j.errText(), "the last fault: rank 1") {
