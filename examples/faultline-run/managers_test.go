@@ -56,17 +56,15 @@ func TestManagersApart(t *testing.T) {
 	if out, err := exec.Command("go", "build", "-o", mgrBin, "../taskd-manager").CombinedOutput(); err != nil {
 		t.Fatalf("go build ../taskd-manager: %v\n%s", err, out)
 	}
-	port, err := freePorts()
+	// The job's 16 ports (see freePorts), then the two managers': asked
+	// for at once, as none of them is held until its server binds it.
+	port, err := freeport.Find(18)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Setenv("TASKD_TOKEN", randomHex(16))
 	id := "apart-" + randomHex(3)
-	mp, err := freeport.Find(2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	addrs := []string{net.JoinHostPort("127.0.0.1", strconv.Itoa(mp)), net.JoinHostPort("127.0.0.1", strconv.Itoa(mp+1))}
+	addrs := []string{net.JoinHostPort("127.0.0.1", strconv.Itoa(port+16)), net.JoinHostPort("127.0.0.1", strconv.Itoa(port+17))}
 	var mgrs []*manager
 	for i, addr := range addrs {
 		mgrs = append(mgrs, startManager(t, mgrBin, fmt.Sprintf("manager-%d", i), "--agents", "--insecure", "--job", id,

@@ -1,6 +1,6 @@
-// Package freeport finds ports that a program may bind a moment later:
-// a run of ports, free on every address, taken at random from outside the
-// kernel's ephemeral range. A port the kernel hands out for ":0" is one it
+// Package freeport finds TCP ports that a program may bind a moment
+// later: a run of ports, free on every address, taken at random from
+// outside the kernel's ephemeral range and its reserved ports. A port the kernel hands out for ":0" is one it
 // may give to any outgoing connection of any process as soon as the
 // listener closes, so a program that checks it and binds it later (a
 // launcher that passes a port to its children, a test that starts a

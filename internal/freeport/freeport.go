@@ -9,13 +9,20 @@ import (
 	"strings"
 )
 
-// lowest is the first port Find considers: below it lie the ports that
-// services are given by number.
-const lowest = 10000
+// Find looks among [lowest, highest] below the ephemeral range and
+// [its end + 1, 65535] above it: below lowest lie the ports services are
+// given by number, and from 30000 to 32767 Kubernetes' NodePorts, which
+// kube-proxy may answer on a node's loopback.
+const (
+	lowest  = 10000
+	highest = 29999
+)
 
-// Find returns a port p such that p to p+n-1 were free on every address
-// when it looked: from outside the kernel's ephemeral range where there is
-// room, from the kernel's choice where there is none.
+// Find returns a port p such that p to p+n-1 were free for TCP on every
+// address when it looked. It holds none of them: a caller that needs
+// several ports asks for them in one call. They come from outside the
+// kernel's ephemeral range and its reserved ports where there is room,
+// from the kernel's choice where there is none.
 func Find(n int) (int, error) {
 	if n < 1 || n > 1000 {
 		return 0, fmt.Errorf("freeport: %d ports in a row: give 1 to 1000", n)
@@ -26,15 +33,22 @@ func Find(n int) (int, error) {
 			lo, hi = l, h
 		}
 	}
-	var spans [][2]int // the first and last port of room outside it
-	for _, s := range [][2]int{{lowest, lo - 1}, {hi + 1, 65535}} {
+	var reserved [][2]int
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_reserved_ports"); err == nil {
+		reserved, _ = parseReserved(string(b))
+	}
+	// The first ports a run may start at, in spans of room.
+	var starts [][2]int
+	room := 0
+	for _, s := range [][2]int{{lowest, min(highest, lo-1)}, {hi + 1, 65535}} {
 		if s[1]-s[0]+1 >= 10*n {
-			spans = append(spans, s)
+			starts = append(starts, [2]int{s[0], s[1] - n + 1})
+			room += s[1] - n + 1 - s[0] + 1
 		}
 	}
 	for range 200 {
-		var p int
-		if len(spans) == 0 {
+		p := 0
+		if room == 0 {
 			l, err := net.Listen("tcp", ":0")
 			if err != nil {
 				return 0, fmt.Errorf("freeport: %w", err)
@@ -42,14 +56,30 @@ func Find(n int) (int, error) {
 			p = l.Addr().(*net.TCPAddr).Port
 			l.Close()
 		} else {
-			s := spans[rand.IntN(len(spans))]
-			p = s[0] + rand.IntN(s[1]-s[0]+2-n)
+			i := rand.IntN(room)
+			for _, s := range starts {
+				if i <= s[1]-s[0] {
+					p = s[0] + i
+					break
+				}
+				i -= s[1] - s[0] + 1
+			}
 		}
-		if p+n-1 <= 65535 && free(p, n) {
+		if p+n-1 <= 65535 && !overlaps(reserved, p, p+n-1) && free(p, n) {
 			return p, nil
 		}
 	}
 	return 0, fmt.Errorf("freeport: no %d free ports in a row in 200 tries", n)
+}
+
+// overlaps says whether [lo, hi] meets one of ranges.
+func overlaps(ranges [][2]int, lo, hi int) bool {
+	for _, r := range ranges {
+		if lo <= r[1] && r[0] <= hi {
+			return true
+		}
+	}
+	return false
 }
 
 // free says whether p to p+n-1 can each be bound on every address.
@@ -82,4 +112,27 @@ func parseRange(s string) (lo, hi int, ok bool) {
 		return 0, 0, false
 	}
 	return lo, hi, true
+}
+
+// parseReserved reads ip_local_reserved_ports: ports and ranges of them
+// ("8080,20000-29999"), or nothing.
+func parseReserved(s string) ([][2]int, error) {
+	s = strings.TrimSpace(s)
+	if s == "" {
+		return nil, nil
+	}
+	var ranges [][2]int
+	for _, item := range strings.Split(s, ",") {
+		a, b, isRange := strings.Cut(item, "-")
+		if !isRange {
+			b = a
+		}
+		lo, err1 := strconv.Atoi(a)
+		hi, err2 := strconv.Atoi(b)
+		if err1 != nil || err2 != nil || lo < 0 || lo > hi || hi > 65535 {
+			return nil, fmt.Errorf("freeport: ip_local_reserved_ports: %q is no port or range of ports", item)
+		}
+		ranges = append(ranges, [2]int{lo, hi})
+	}
+	return ranges, nil
 }
