@@ -127,8 +127,8 @@ func blame(faults []IncidentFault) (IncidentFault, string) {
 // heldBy says how f's peer rank was found from the address its error
 // names.
 func heldBy(f IncidentFault) string {
-	if f.PeerClosed != "" {
-		return fmt.Sprintf("which no rank held; of rank %d's connections with this node's ranks, only rank %d's end (port %s) had closed", f.Rank, *f.PeerRank, f.PeerClosed)
+	if f.PeerClosedPort != 0 {
+		return fmt.Sprintf("which no rank of this node held; of rank %d's connections with this node's ranks, only rank %d's end (port %d) was closed when the error came", f.Rank, *f.PeerRank, f.PeerClosedPort)
 	}
 	return fmt.Sprintf("a socket of rank %d", *f.PeerRank)
 }

@@ -26,9 +26,9 @@ func TestBlame(t *testing.T) {
 		f.Peer, f.PeerRank = peer, held
 		return f
 	}
-	closing := func(r, ms int, peer string, closed int, port string) IncidentFault {
+	closing := func(r, ms int, peer string, closed, port int) IncidentFault {
 		f := naming(r, ms, peer, rank(closed))
-		f.PeerClosed = port
+		f.PeerClosedPort = port
 		return f
 	}
 	hung := IncidentFault{Kind: "hang", Rank: 2, Message: "hang", Time: at(0)}
@@ -61,9 +61,9 @@ func TestBlame(t *testing.T) {
 		{"a cycle of errors ends", []IncidentFault{naming(0, 0, "127.0.0.1:1", rank(1)), naming(1, 5, "127.0.0.1:2", rank(0))}, naming(0, 0, "127.0.0.1:1", rank(1)),
 			"rank 0's collective error names 127.0.0.1:1, a socket of rank 1, whose own names 127.0.0.1:2, a socket of rank 0"},
 		{"the error names an address no rank held, and a connection's closed end names the rank",
-			[]IncidentFault{closing(0, 0, "127.0.0.1:45468", 1, "40968")},
+			[]IncidentFault{closing(0, 0, "127.0.0.1:45468", 1, 40968)},
 			IncidentFault{Kind: "peer", Rank: 1, Message: "rank 1: rank 0's collective failed on its connection to it", Time: at(0)},
-			"rank 0's collective error names 127.0.0.1:45468, which no rank held; of rank 0's connections with this node's ranks, only rank 1's end (port 40968) had closed"},
+			"rank 0's collective error names 127.0.0.1:45468, which no rank of this node held; of rank 0's connections with this node's ranks, only rank 1's end (port 40968) was closed when the error came"},
 		{"an address of another node", []IncidentFault{naming(0, 0, "10.0.0.9:4000", nil)}, naming(0, 0, "10.0.0.9:4000", nil),
 			"the first fault seen; rank 0's error names 10.0.0.9:4000, which no rank of this node held: the cause may be on another node"},
 		{"a hang is left to the stacks", []IncidentFault{hung, exit(1, 7, 10)}, hung,
@@ -126,16 +126,22 @@ func TestTCPSockets(t *testing.T) {
 	}
 }
 
-// TestClosedPeer: of rank 0's connections with two local ranks, the one
-// whose far end closes names its rank, and the port of that end; two
-// closed ends name none. Real loopback connections, all in this process,
-// stand for the ranks'.
+// TestClosedPeer: of rank 0's connections with this node's ranks, the
+// one whose far end closes names its rank and the port of that end;
+// closed ends of two ranks name none, nor does a closed end of rank 0's
+// connection with a rank of another agent on the host (a subgroup rank 1
+// and rank 0 destroyed earlier must not take the blame for it); a rank
+// whose process is gone has every end closed. Real loopback connections,
+// all in this process, stand for the ranks'.
 func TestClosedPeer(t *testing.T) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.Close()
+	if _, err := os.Stat("/proc/self/net/tcp"); err != nil {
+		t.Skipf("no /proc/self/net/tcp: %v", err)
+	}
 	// connect returns both ends of a new connection: rank 0's, its peer's.
 	connect := func() (net.Conn, net.Conn) {
 		c, err := net.Dial("tcp", l.Addr().String())
@@ -149,43 +155,68 @@ func TestClosedPeer(t *testing.T) {
 		t.Cleanup(func() { c.Close(); d.Close() })
 		return c, d
 	}
-	to1, at1 := connect()
-	to2, at2 := connect()
-	a := &Agent{cfg: Config{ProcsPerNode: 3}}
-	for r := range 3 {
-		a.slots = append(a.slots, &slot{rank: r, proc: &rankProc{pid: os.Getpid()}})
-	}
 	note := func(s *slot, c net.Conn) {
-		inodes := socketInodes(os.Getpid())
+		t.Helper()
 		b, err := os.ReadFile("/proc/self/net/tcp")
 		if err != nil {
-			t.Skipf("no /proc/self/net/tcp: %v", err)
+			t.Fatal(err)
 		}
 		local, remote := uint16(c.LocalAddr().(*net.TCPAddr).Port), uint16(c.RemoteAddr().(*net.TCPAddr).Port)
-		for _, k := range tcpSockets(b, inodes) {
+		n := len(s.socks)
+		for _, k := range tcpSockets(b, socketInodes(os.Getpid())) {
 			if k.local == local && k.remote == remote {
 				s.socks = append(s.socks, k)
 			}
 		}
-		if len(s.socks) == 0 {
+		if len(s.socks) == n {
 			t.Fatalf("no socket %d -> %d of this process in /proc/self/net/tcp", local, remote)
 		}
 	}
-	note(a.slots[0], to1)
-	note(a.slots[0], to2)
-	note(a.slots[1], at1)
-	note(a.slots[2], at2)
+	// agent has ranks 0 to 2 with connections 0-1 and 0-2, and one of
+	// rank 0 with a rank no slot holds.
+	agent := func() (a *Agent, to1, at1, to2, at2, toOther net.Conn) {
+		a = &Agent{cfg: Config{ProcsPerNode: 3}}
+		for r := range 3 {
+			a.slots = append(a.slots, &slot{rank: r, proc: &rankProc{pid: os.Getpid()}})
+		}
+		to1, at1 = connect()
+		to2, at2 = connect()
+		toOther, _ = connect()
+		note(a.slots[0], to1)
+		note(a.slots[0], to2)
+		note(a.slots[0], toOther)
+		note(a.slots[1], at1)
+		note(a.slots[2], at2)
+		return a, to1, at1, to2, at2, toOther
+	}
+	port := func(c net.Conn) uint16 { return uint16(c.LocalAddr().(*net.TCPAddr).Port) }
+
+	a, to1, at1, _, at2, _ := agent()
 	if r, _ := a.closedPeer(0); r != -1 {
 		t.Fatalf("closedPeer with every end open = rank %d", r)
 	}
 	at1.Close()
-	port := uint16(to1.RemoteAddr().(*net.TCPAddr).Port)
-	if r, p := a.closedPeer(0); r != 1 || p != port {
-		t.Fatalf("closedPeer = rank %d, port %d; want rank 1, port %d", r, p, port)
+	to1.Close() // gloo closes the erring rank's end on the error
+	if r, p := a.closedPeer(0); r != 1 || p != port(at1) {
+		t.Fatalf("closedPeer = rank %d, port %d; want rank 1, port %d", r, p, port(at1))
 	}
 	at2.Close()
 	if r, _ := a.closedPeer(0); r != -1 {
 		t.Fatalf("closedPeer with two ranks' ends closed = rank %d, want none", r)
+	}
+
+	a, to1, at1, _, _, toOther := agent()
+	to1.Close()
+	at1.Close()
+	toOther.Close()
+	if r, _ := a.closedPeer(0); r != -1 {
+		t.Fatalf("closedPeer with rank 0's connection elsewhere closed = rank %d, want none", r)
+	}
+
+	a, _, _, _, _, _ = agent()
+	a.slots[2].proc = nil
+	if r, _ := a.closedPeer(0); r != 2 {
+		t.Fatalf("closedPeer with rank 2's process gone = rank %d, want 2", r)
 	}
 }
 

@@ -199,7 +199,7 @@ func (a *Agent) hangFault(s *slot, f hang.Fault) {
 			} else if localAddr(addr.Addr()) {
 				if r, port := a.closedPeer(s.rank); r >= 0 {
 					tf.Attrs[attrPeerRank] = strconv.Itoa(r)
-					tf.Attrs[attrPeerClosed] = strconv.Itoa(int(port))
+					tf.Attrs[attrPeerClosedPort] = strconv.Itoa(int(port))
 				}
 			}
 		}
@@ -309,19 +309,27 @@ func (a *Agent) rankOfPeer(addr netip.AddrPort, rank int) int {
 
 // closedPeer returns the one local rank whose end of a connection with
 // rank's process (both ends as they were noted) is closed now, and the
-// port of that end; -1 when no end or more than one is. gloo names at
-// times, for the peer of a connection the peer made, the address the
-// peer listened on for it, which the peer closed once connected: the
-// connection itself still tells whose end went first.
+// port of that end; -1 when no rank's end is, or more than one rank's.
+// gloo names at times, for a connection the peer made, the address the
+// peer had listened on and closed before it connected, which no table
+// holds; the connection's own ends still say which peer let go. While
+// rank runs, its own closed ends are the connections that failed (gloo
+// closes a pair on its error) and any it closed before: each must be one
+// with the rank found, else the failure may be with a rank of another
+// agent on this host.
 func (a *Agent) closedPeer(rank int) (int, uint16) {
 	own := a.slotOf(rank)
 	if own == nil {
 		return -1, 0
 	}
 	own.mu.Lock()
-	mine := slices.Clone(own.socks)
+	mine, ownPid := slices.Clone(own.socks), 0
+	if own.proc != nil {
+		ownPid = own.proc.pid
+	}
 	own.mu.Unlock()
 	found, port := -1, uint16(0)
+	var with []tcpSocket // rank's ends of its connections with found
 	for _, s := range a.slots {
 		if s.rank == rank {
 			continue
@@ -331,10 +339,10 @@ func (a *Agent) closedPeer(rank int) (int, uint16) {
 		if s.proc != nil {
 			pid = s.proc.pid
 		}
-		var ends []tcpSocket // s's ends of rank's connections
+		var ends, theirs []tcpSocket // s's ends of rank's connections, and rank's
 		for _, k := range s.socks {
-			if slices.ContainsFunc(mine, func(m tcpSocket) bool { return m.local == k.remote && m.remote == k.local }) {
-				ends = append(ends, k)
+			if i := slices.IndexFunc(mine, func(m tcpSocket) bool { return m.local == k.remote && m.remote == k.local }); i >= 0 {
+				ends, theirs = append(ends, k), append(theirs, mine[i])
 			}
 		}
 		s.mu.Unlock()
@@ -349,7 +357,14 @@ func (a *Agent) closedPeer(rank int) (int, uint16) {
 			if found >= 0 && found != s.rank {
 				return -1, 0
 			}
-			found, port = s.rank, k.local
+			found, port, with = s.rank, k.local, theirs
+		}
+	}
+	if open := socketInodes(ownPid); found >= 0 && len(open) > 0 {
+		for _, m := range mine {
+			if m.remote != 0 && !open[m.inode] && !slices.Contains(with, m) {
+				return -1, 0
+			}
 		}
 	}
 	return found, port

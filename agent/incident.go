@@ -74,32 +74,32 @@ type IncidentFault struct {
 	Time    time.Time `json:"time"`
 	// Peer is the address the fault's error names, as it names it (a
 	// collective that failed on its connection to a peer); PeerRank is the
-	// rank of this node that held it, absent when none did. Where none
-	// held it, PeerClosed is the port of PeerRank's end of a connection
-	// with the fault's rank, the one such end found closed (see
-	// closedPeer).
-	Peer       string `json:"peer,omitempty"`
-	PeerRank   *int   `json:"peer_rank,omitempty"`
-	PeerClosed string `json:"peer_closed,omitempty"`
+	// rank of this node it points at, absent when none: the one that held
+	// the address, or, where none held it, the one whose end of a
+	// connection with the fault's rank was the one found closed, at the
+	// port PeerClosedPort (see closedPeer).
+	Peer           string `json:"peer,omitempty"`
+	PeerRank       *int   `json:"peer_rank,omitempty"`
+	PeerClosedPort int    `json:"peer_closed_port,omitempty"`
 }
 
 // incidentFault is f as an incident records it.
 func incidentFault(f taskd.Fault) IncidentFault {
-	r := IncidentFault{Kind: string(f.Kind), Rank: f.Position.Rank, Code: f.Code, Message: f.Message, Time: f.Time, Peer: f.Attrs[attrPeer],
-		PeerClosed: f.Attrs[attrPeerClosed]}
+	r := IncidentFault{Kind: string(f.Kind), Rank: f.Position.Rank, Code: f.Code, Message: f.Message, Time: f.Time, Peer: f.Attrs[attrPeer]}
 	if n, err := strconv.Atoi(f.Attrs[attrPeerRank]); err == nil {
 		r.PeerRank = &n
 	}
+	r.PeerClosedPort, _ = strconv.Atoi(f.Attrs[attrPeerClosedPort])
 	return r
 }
 
 // Attributes of a reported fault whose error names a peer.
 const (
 	attrPeer     = "peer"      // the address, as the error names it
-	attrPeerRank = "peer_rank" // the rank of the reporting node that held it
-	// the port of the peer rank's end of a connection that it closed,
-	// where no rank held the address
-	attrPeerClosed = "peer_closed"
+	attrPeerRank = "peer_rank" // the rank of the reporting node it points at
+	// where no rank held the address: the port of that rank's end of a
+	// connection with the fault's rank, found closed
+	attrPeerClosedPort = "peer_closed_port"
 )
 
 // incidents keeps the node's open incident and writes each as it ends.
