@@ -221,9 +221,8 @@ func TestManagerListensEverywhere(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	port++ // the manager's: the store's is the one before
 	dir := t.TempDir()
-	a, err := New(Config{Job: "listen", MasterAddr: "127.0.0.1", MasterPort: port - 1,
+	a, err := New(Config{Job: "listen", MasterAddr: "127.0.0.1", MasterPort: port,
 		Command: []string{"sh", "-c", `while [ ! -e "$WORK/go" ]; do sleep 0.02; done`}, NoPython: true,
 		Out: filepath.Join(dir, "out"), ShmDir: dir, Security: taskd.Security{Token: "0123456789abcdef0123456789abcdef", Insecure: true},
 		Env: append(os.Environ(), "WORK="+dir), Stdout: os.Stderr, Stderr: os.Stderr})
@@ -233,7 +232,7 @@ func TestManagerListensEverywhere(t *testing.T) {
 	defer a.Close()
 	errc := make(chan error, 1)
 	go func() { errc <- run(t, a) }()
-	addr := net.JoinHostPort(host, strconv.Itoa(port))
+	addr := net.JoinHostPort(host, strconv.Itoa(port+1)) // the manager's, after the store's
 	testkit.WaitFor(t, "the manager at "+addr, func() bool {
 		c, err := net.Dial("tcp", addr)
 		if err == nil {

@@ -194,10 +194,10 @@ func (a *Agent) hangFault(s *slot, f hang.Fault) {
 			Attrs: map[string]string{"op": f.Op, "group": f.Group}}
 		if addr, ok := peerAddr(f.String()); ok {
 			tf.Attrs[attrPeer] = addr.String()
-			if r := a.rankOfPeer(addr, s.rank); r >= 0 {
-				tf.Attrs[attrPeerRank] = strconv.Itoa(r)
-			} else if localAddr(addr.Addr()) {
-				if r, port := a.closedPeer(s.rank); r >= 0 {
+			if localAddr(addr.Addr()) { // else a rank of another node's
+				if r := a.rankOfPeer(addr.Port(), s.rank); r >= 0 {
+					tf.Attrs[attrPeerRank] = strconv.Itoa(r)
+				} else if r, port := a.closedPeer(s.rank); r >= 0 {
 					tf.Attrs[attrPeerRank] = strconv.Itoa(r)
 					tf.Attrs[attrPeerClosedPort] = strconv.Itoa(int(port))
 				}
@@ -286,13 +286,10 @@ func socketInodes(pid int) map[string]bool {
 }
 
 // rankOfPeer returns the local rank other than rank whose process held
-// addr, as its sockets were noted; -1 when none did, or addr is not this
-// host's.
-func (a *Agent) rankOfPeer(addr netip.AddrPort, rank int) int {
-	if !localAddr(addr.Addr()) {
-		return -1
-	}
-	ports := peerPorts(addr.Port())
+// port, as an error names it (see peerPorts), by the sockets noted; -1
+// when none did.
+func (a *Agent) rankOfPeer(port uint16, rank int) int {
+	ports := peerPorts(port)
 	for _, s := range a.slots {
 		if s.rank == rank {
 			continue

@@ -27,20 +27,11 @@ func Find(n int) (int, error) {
 	if n < 1 || n > 1000 {
 		return 0, fmt.Errorf("freeport: %d ports in a row: give 1 to 1000", n)
 	}
-	lo, hi := 32768, 60999 // Linux's default
-	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
-		if l, h, ok := parseRange(string(b)); ok {
-			lo, hi = l, h
-		}
-	}
-	var reserved [][2]int
-	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_reserved_ports"); err == nil {
-		reserved, _ = parseReserved(string(b))
-	}
+	lo, hi, reserved := kernelRanges()
 	// The first ports a run may start at, in spans of room.
 	var starts [][2]int
 	room := 0
-	for _, s := range [][2]int{{lowest, min(highest, lo-1)}, {hi + 1, 65535}} {
+	for _, s := range outside(lo, hi) {
 		if s[1]-s[0]+1 >= 10*n {
 			starts = append(starts, [2]int{s[0], s[1] - n + 1})
 			room += s[1] - n + 1 - s[0] + 1
@@ -70,6 +61,27 @@ func Find(n int) (int, error) {
 		}
 	}
 	return 0, fmt.Errorf("freeport: no %d free ports in a row in 200 tries", n)
+}
+
+// kernelRanges returns the kernel's ephemeral range (Linux's default
+// where it cannot be read) and its reserved ports.
+func kernelRanges() (lo, hi int, reserved [][2]int) {
+	lo, hi = 32768, 60999
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if l, h, ok := parseRange(string(b)); ok {
+			lo, hi = l, h
+		}
+	}
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_reserved_ports"); err == nil {
+		reserved, _ = parseReserved(string(b))
+	}
+	return lo, hi, reserved
+}
+
+// outside returns the spans Find looks in, around the ephemeral range
+// [lo, hi]; a span may be empty (its end before its start).
+func outside(lo, hi int) [][2]int {
+	return [][2]int{{lowest, min(highest, lo-1)}, {hi + 1, 65535}}
 }
 
 // overlaps says whether [lo, hi] meets one of ranges.

@@ -3,7 +3,6 @@ package freeport
 import (
 	"fmt"
 	"net"
-	"os"
 	"strconv"
 	"testing"
 
@@ -16,26 +15,17 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // TestFind: the ports found are free and, where the ephemeral range
 // leaves room, outside it and off the reserved ports.
 func TestFind(t *testing.T) {
-	lo, hi := -1, -1
-	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
-		l, h, ok := parseRange(string(b))
-		if !ok {
-			t.Fatalf("ip_local_port_range %q", b)
-		}
-		if l-lowest >= 80 || 65535-h >= 80 {
-			lo, hi = l, h
-		}
-	}
-	var reserved [][2]int
-	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_reserved_ports"); err == nil {
-		reserved, _ = parseReserved(string(b))
+	lo, hi, reserved := kernelRanges()
+	room := false
+	for _, s := range outside(lo, hi) {
+		room = room || s[1]-s[0]+1 >= 80
 	}
 	for range 20 {
 		p, err := Find(8)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if lo >= 0 && p+7 >= lo && p <= hi {
+		if room && p+7 >= lo && p <= hi {
 			t.Fatalf("ports %d to %d overlap the ephemeral range %d to %d", p, p+7, lo, hi)
 		}
 		if overlaps(reserved, p, p+7) {
