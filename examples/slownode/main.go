@@ -7,6 +7,7 @@
 //	         [--relative-threshold 0.15] [--min-effect 0.02] [--nsigma 3]
 //	         [--consecutive 3] [--cluster-distance 1.3] [--normal-steps 15]
 //	         [--degradation 0.3] [--window 8] [--silent-steps 100]
+//	         [--job-gate]
 //
 // Without --follow it reads every rank folder to its end and prints one
 // verdict. With --follow it keeps tailing the files and prints a new
@@ -21,7 +22,10 @@
 //
 // The threshold flags set the fields of slownode.Config of the same
 // meaning (see its documentation for how each default was chosen); 0
-// keeps the default.
+// keeps the default. --job-gate examines the ranks only at steps where
+// the job's step time is degraded, as MindCluster's FD-OL does; without
+// it a rank slower than its peers is found however little it moves the
+// job's step time.
 package main
 
 import (
@@ -63,6 +67,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	follow := fs.Bool("follow", false, "keep tailing the files and print each new verdict")
 	poll := fs.Duration("poll", slownode.DefaultPollInterval, "with --follow, how often to look for new records")
 	quiet := fs.Bool("quiet", false, "no progress on standard error")
+	jobGate := fs.Bool("job-gate", false, "judge ranks only at steps whose job step time is degraded (--degradation, --nsigma), as MindCluster's FD-OL does")
 	var cfg slownode.Config
 	thresholds := []struct {
 		name, field, usage string
@@ -101,7 +106,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "slownode: --format %q: want text, json or html\n", *format)
 		return exitUsage
 	}
-	cfg.RanksPerNode, cfg.PollInterval = *rpn, *poll
+	cfg.RanksPerNode, cfg.PollInterval, cfg.JobGate = *rpn, *poll, *jobGate
 	if *rankTable != "" {
 		b, err := os.ReadFile(*rankTable)
 		if err == nil {

@@ -3,8 +3,10 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -20,7 +22,11 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // writeJob writes 8 ranks × 40 steps in two tensor-parallel groups of
 // four; rank 5 computes 50% slower from step 20 and its peers wait.
-func writeJob(t *testing.T) string {
+func writeJob(t *testing.T) string { return writeJobSlow(t, 150) }
+
+// writeJobSlow is writeJob with rank 5 computing slow ms a step, against
+// its peers' 100 to 102, from step 20.
+func writeJobSlow(t *testing.T, slow uint64) string {
 	t.Helper()
 	job := filepath.Join(t.TempDir(), "job")
 	const ms = uint64(1e6)
@@ -52,9 +58,9 @@ func writeJob(t *testing.T) string {
 		for n := range 40 {
 			compute, slowest := 100+uint64(r%3), uint64(102)
 			if n >= 20 && r >= 4 { // rank 5's group waits for it
-				slowest = 150
+				slowest = slow
 				if r == 5 {
-					compute = 150
+					compute = slow
 				}
 			}
 			start := t0 + uint64(n)*200*ms
@@ -179,15 +185,48 @@ func TestThresholdFlags(t *testing.T) {
 	}
 	for _, tc := range []struct{ args []string }{
 		{[]string{"--min-effect", "1.5"}},
+		{[]string{"--job-gate=maybe"}},
 		{[]string{"--cluster-distance", "0.9"}},
 		{[]string{"--consecutive", "-1"}},
 		{[]string{"--nsigma", "abc"}},
 	} {
 		var out, errb bytes.Buffer
 		code := run(context.Background(), append([]string{"--dir", job}, tc.args...), &out, &errb)
-		if code != exitUsage || !strings.Contains(errb.String(), strings.TrimLeft(tc.args[0], "-")) ||
+		name, _, _ := strings.Cut(strings.TrimLeft(tc.args[0], "-"), "=")
+		if code != exitUsage || !strings.Contains(errb.String(), name) ||
 			strings.Contains(errb.String(), "Config.") {
 			t.Errorf("%v: exit %d, %q; want exit %d naming the flag", tc.args, code, errb.String(), exitUsage)
+		}
+	}
+}
+
+// TestJobGate: rank 5 computing 20% slower moves the job's step time
+// (the median over the 8 ranks) by 8%, under DegradationPercentage: found
+// by default, not with --job-gate (MindCluster's FD-OL), which finds the
+// 80% slowdown that moves it by 35%.
+func TestJobGate(t *testing.T) {
+	for _, tc := range []struct {
+		slow  uint64
+		args  []string
+		found bool
+	}{
+		{120, nil, true},
+		{120, []string{"--job-gate"}, false},
+		{180, []string{"--job-gate"}, true},
+	} {
+		var out, errb bytes.Buffer
+		args := append([]string{"--dir", writeJobSlow(t, tc.slow), "--quiet", "--format", "json"}, tc.args...)
+		if code := run(context.Background(), args, &out, &errb); code != exitOK {
+			t.Fatalf("%v: exit %d: %s", args, code, errb.String())
+		}
+		var r struct {
+			SlowCalculateRanks []int `json:"slowCalculateRanks"`
+		}
+		if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+			t.Fatalf("%v: %v", tc.args, err)
+		}
+		if found := slices.Equal(r.SlowCalculateRanks, []int{5}); found != tc.found {
+			t.Errorf("rank 5 at %d ms, %v: slowCalculateRanks %v, want rank 5 found %v", tc.slow, tc.args, r.SlowCalculateRanks, tc.found)
 		}
 	}
 }

@@ -66,7 +66,10 @@ type Config struct {
 	DegradationPercentage float64
 	NSigma                float64
 	// Consecutive is how many anomalous steps in a row make a finding,
-	// and how many normal ones clear it. Default 3.
+	// and how many normal ones clear it: steps whose subject is back
+	// under MinEffect, or within half of RelativeThreshold (or of
+	// ClusterMeanDistance's margin), the whole of it from Window less
+	// Consecutive steps after the last anomalous one. Default 3.
 	Consecutive int
 	// JobGate, when set, blames ranks and communicators only at steps
 	// whose job step time exceeds the time detector's bound (above), as
@@ -91,7 +94,9 @@ type Config struct {
 	// worth a page. Default 0.02.
 	MinEffect float64
 	// Window is how many recent steps per rank the evidence and the
-	// scores are computed over. Default 8.
+	// scores are computed over; less Consecutive, how long after its last
+	// anomalous step a finding clears only within half the margin (see
+	// Consecutive). Default 8.
 	Window int
 	// SilentSteps: a rank whose last step is this many steps behind the
 	// job's latest is silent (it stopped writing); it is reported as

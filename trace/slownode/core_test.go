@@ -251,6 +251,68 @@ func TestRecoveryClearsFinding(t *testing.T) {
 	}
 }
 
+// TestFindingClearsOnlyWhenBackWithinHalfTheMargins finds rank 3
+// computing 20% more than its 7 peers; then it computes 12% more, under
+// RelativeThreshold (15%) but above half of it, three steps in four, as
+// a rank 20% slow does on the steps its noise dips: it stays found.
+// Recovered partway, 10% above its peers and never flagged, it clears
+// within Window steps; and after a relapse, back to its peers' time, it
+// clears after Consecutive steps.
+func TestFindingClearsOnlyWhenBackWithinHalfTheMargins(t *testing.T) {
+	d, err := New(Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	step := func(n int64, slow float64) {
+		for r := range 8 {
+			c := 100 * (1 + 0.01*float64(r%3-1))
+			if r == 3 {
+				c *= slow
+			}
+			d.AddStep(r, Step{Number: n, Time: 130 * time.Millisecond, Compute: time.Duration(c * float64(time.Millisecond)), Have: FigStep | FigCompute})
+		}
+	}
+	found := func() bool { return slices.Equal(d.Result().SlowCalculateRanks, []int{3}) }
+	for n := range int64(30) {
+		step(n, 1)
+	}
+	for n := int64(30); n < 36; n++ {
+		step(n, 1.2)
+	}
+	if !found() {
+		t.Fatalf("20%% slower: slow ranks %v, want [3]", d.Result().SlowCalculateRanks)
+	}
+	for n := int64(36); n < 60; n++ {
+		step(n, []float64{1.12, 1.12, 1.12, 1.2}[n%4])
+		if !found() {
+			t.Fatalf("12%% slower but each fourth step, step %d: slow ranks %v, want [3]", n, d.Result().SlowCalculateRanks)
+		}
+	}
+	n := int64(60)
+	for ; found(); n++ {
+		if n == 60+DefaultWindow {
+			t.Fatalf("10%% slower since step 60: still found at step %d: %+v", n, d.Result().Findings)
+		}
+		step(n, 1.1)
+	}
+	for m := n + 6; n < m; n++ {
+		step(n, 1.2)
+	}
+	if !found() {
+		t.Fatalf("20%% slower again: slow ranks %v, want [3]", d.Result().SlowCalculateRanks)
+	}
+	for m := n + 2; n < m; n++ {
+		step(n, 1)
+	}
+	if r := d.Result(); r.IsSlow != 1 {
+		t.Fatal("cleared after two normal steps; want three")
+	}
+	step(n, 1)
+	if r := d.Result(); r.IsSlow != 0 {
+		t.Fatalf("back to its peers' time: still slow: %+v", r.Findings)
+	}
+}
+
 // noisyJob is a 4-rank job whose compute jumps from step to step, every
 // rank alike, as that of ranks sharing their cores with other work does:
 // the job goes round pattern, and its ranks differ by a few percent. It

@@ -64,13 +64,17 @@
 // its stage, with no member to blame, is slow; a host is slow when all
 // its ranks are. Lateness that a slow communicator, link or data loading
 // explains is not blamed on compute. Consecutive anomalous steps make a
-// finding (one outlier step does not) and as many normal ones clear it. A
-// step counts neither way where most of a stage stood apart from the rest
-// (no healthy ranks to compare with) and the subject is above the stage's
-// median, or where the subject is still above its peers by
-// RelativeThreshold though not by NSigma of the noise (which, where ranks
-// share their cores with other work, is as large as a slowdown); but a
-// run of anomalous steps must fit in twice Consecutive steps.
+// finding (one outlier step does not) and as many normal ones clear it:
+// back within half the margin while the finding was flagged in the last
+// Window-Consecutive steps (a rank 20% slow whose noise dips under the
+// threshold for a step or two keeps its finding), within the margin
+// after that (a subject that recovered partway clears). A step counts
+// neither way where most of a stage stood apart from the rest (no
+// healthy ranks to compare with) and the subject is above the stage's
+// median, or where the subject is still above its peers by that margin
+// though not by NSigma of the noise (which, where ranks share their cores
+// with other work, is as large as a slowdown); but a run of anomalous
+// steps must fit in twice Consecutive steps.
 //
 // MindCluster's time detector runs on the job's step time: a baseline of
 // the first NormalSteps steps (their median, and σ from their median

@@ -334,13 +334,13 @@ func (d *Detector) attribute(rw *row) {
 // run of one building up). It reports whether a finding is active or
 // building up.
 //
-// A subject still above its peers by the relative threshold and effect,
-// though not by NSigma of the noise, does not look normal: where ranks
-// share their cores with other work the noise is as large as a slowdown,
-// and many steps of a slow rank are such. Like a step with no healthy
-// peers to compare with, such a step counts neither way: it neither
-// clears a finding nor breaks a run, which must still fit in twice
-// Consecutive steps.
+// A subject still above its peers by the relative threshold (half of it
+// for an active finding flagged lately) and effect, though not by NSigma
+// of the noise, does not look normal: where ranks share their cores with
+// other work the noise is as large as a slowdown, and many steps of a
+// slow rank are such. Like a step with no healthy peers to compare with, such a
+// step counts neither way: it neither clears a finding nor breaks a run,
+// which must still fit in twice Consecutive steps.
 func (d *Detector) settle(rw *row, effect float64) bool {
 	s := rw.step
 	anyPending := false
@@ -359,6 +359,15 @@ func (d *Detector) settle(rw *row, effect float64) bool {
 		threshold := d.cfg.RelativeThreshold
 		if k.kind == kindDomain {
 			threshold = d.cfg.ClusterMeanDistance - 1 // as flagDomains tests it
+		}
+		if f.active && s-f.flaggedAt < int64(d.cfg.Window-d.cfg.Consecutive) {
+			// Hysteresis: a rank 20% slow whose noise dips under the
+			// threshold for a few steps is still that rank, so an active
+			// finding flagged lately clears only on steps back within
+			// half the margin. One no longer flagged (a subject that
+			// recovered partway) clears as it came, within Window steps
+			// of its last anomalous one.
+			threshold /= 2
 		}
 		if v > ref*(1+threshold) && v-ref >= effect {
 			continue // still above its peers: neither slow nor healthy
