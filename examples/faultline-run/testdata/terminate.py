@@ -23,7 +23,10 @@ stopping = False
 def on_term(sig, frame):
     global stopping
     stopping = True
-    print(f"rank {dist.get_rank()} got signal {sig}", flush=True)
+    # One write of the whole line, past sys.stdout's buffer: the handler
+    # may run while the loop's print has written its text and not yet
+    # its newline.
+    os.write(1, f"rank {dist.get_rank()} got signal {sig}\n".encode())
 
 
 def main():
