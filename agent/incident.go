@@ -385,7 +385,7 @@ func (in *incidents) closeLocked() {
 // resumedFrom says where an incident's ranks resumed from.
 func resumedFrom(c *Incident) string {
 	if c.ResumedStep < 0 {
-		return "from the start (no checkpoint)"
+		return "from the start (no step held by every rank)"
 	}
 	return fmt.Sprintf("from step %d (%s)", c.ResumedStep, orNone(c.Tier))
 }

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -29,5 +30,24 @@ func TestFaultOfARestartedRank(t *testing.T) {
 	}
 	if in.n != 2 {
 		t.Fatalf("incidents opened: %d, want 2", in.n)
+	}
+}
+
+// TestIncidentOfAStartOver: a rank told to load a step from disk that
+// then starts over, its peers holding no such step, makes the incident
+// say the job resumed from the start, not from the step first loaded.
+func TestIncidentOfAStartOver(t *testing.T) {
+	a, _, _ := shellAgent(t, 1, 3, `exit 0`)
+	in := a.incident
+	now := time.Now()
+	in.step(0, 39, now)
+	in.fault(taskd.Fault{Kind: taskd.FaultProcessExit, Position: taskd.Position{Rank: 0}, Code: 3, Time: now}, now)
+	in.restarted(0, -1, now)
+	in.loaded(0, 29, "disk")
+	in.loaded(0, -1, "none")
+	c := in.current()
+	in.step(0, 39, now.Add(time.Second))
+	if want := "recovered: resumed from the start (no step held by every rank), back at step 39"; !strings.HasPrefix(c.Outcome, want) {
+		t.Fatalf("outcome %q, want it to begin %q", c.Outcome, want)
 	}
 }

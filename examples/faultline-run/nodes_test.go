@@ -255,6 +255,34 @@ func TestFirstLoadsAgree(t *testing.T) {
 	}
 }
 
+// TestNodeLostStartsOver: node 1 of a job without replicas is SIGKILLed
+// whole, its disk folder gone with it, and a new node 1 comes on another
+// host. Node 0's ranks hold their steps on disk, node 1's hold none, so
+// every rank starts over, and node 0's incident says so rather than name
+// the step its rank first loaded.
+func TestNodeLostStartsOver(t *testing.T) {
+	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
+	c := newCluster(t, 3, 1)
+	args := []string{"--steps", "40", "--step-ms", "50", "--weights", filepath.Join(c.dir, "weights")}
+	flags := []string{"--replicas", "-1", "--max-restarts", "3", "--heartbeat-deadline", "3s", "--collective-timeout", "60s"}
+	n0, n1 := c.start(0, c.f.Hosts[0], flags, args...), c.start(1, c.f.Hosts[1], flags, args...)
+	n0.waitLine("[rank0]: step 25 loss", 3*time.Minute)
+	c.f.Hosts[1].Kill()
+	<-n1.done
+	n1b := c.start(1, c.f.Hosts[2], flags, args...)
+	for i, j := range []*job{n0, n1b} {
+		if err := j.wait(3 * time.Minute); err != nil {
+			t.Fatalf("node %d: %v\nstderr:\n%s", i, err, j.errText())
+		}
+	}
+	if want := "recovered: resumed from the start (no step held by every rank)"; !strings.Contains(n0.errText(), want) {
+		t.Errorf("node 0 does not say %q:\n%s", want, n0.errText())
+	}
+	if got, want := readHash(t, filepath.Join(c.dir, "weights")), resizedReference(t, 2, 2, -1, 40); got != want {
+		t.Fatalf("weights after the job started over %s, without the fault %s", got, want)
+	}
+}
+
 // BenchmarkNodeLost measures, on hosts apart, the time from a whole node's
 // SIGKILL to the job back at the step where it died, the replacement
 // started on a new host 3 s after the kill: under faultline-run (memory

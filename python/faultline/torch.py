@@ -1056,7 +1056,7 @@ class Checkpointer:
         if _loaded:
             step = self._agree()
             if step < 0:
-                return {}
+                return self._start_over(req)
             req["step"] = step
         resp = self._client.call(req, timeout=600)
         first, _loaded = not _loaded, True
@@ -1081,7 +1081,7 @@ class Checkpointer:
                        "so the job starts over"), RuntimeWarning,
                     stacklevel=2)
                 if step < 0:
-                    return {}
+                    return self._start_over(req)
                 req["step"] = step
                 resp = self._client.call(req, timeout=600)
                 got = resp.get("step", -1)
@@ -1108,6 +1108,12 @@ class Checkpointer:
             raise RuntimeError(f"faultline: the step in half {half} of "
                                f"{seg.path} was overwritten while it loaded")
         return state
+
+    def _start_over(self, req):
+        """Tells the agent that this rank starts over, so that what it
+        reports of the recovery names no step the rank did not load."""
+        self._client.call(dict(req, step=-1), timeout=600)
+        return {}
 
     def _agree(self):
         """The newest step every rank of the job holds intact (in memory,

@@ -190,6 +190,15 @@ class CheckpointTest(unittest.TestCase):
     def test_no_checkpoint_is_an_empty_dict(self):
         self.assertEqual(self.ckpt.load_checkpoint(), {})
 
+    def test_a_start_over_is_told_to_the_agent(self):
+        # The agent reports what its ranks resumed from: a rank that
+        # starts over, no step being held by every rank, says so with a
+        # load of step -1, not leaving the agent with its first answer.
+        self.assertEqual(self.ckpt.load_checkpoint(), {})
+        self.assertEqual(self.ckpt.load_checkpoint(), {})
+        loads = [r for r in self.agent.requests if r["op"] == "load"]
+        self.assertEqual([r.get("step") for r in loads], [None, -1])
+
     def test_refused_before_anything_is_written(self):
         self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(3)}))
         with warnings.catch_warnings():
