@@ -112,6 +112,24 @@ func (a *Agent) settle() time.Duration {
 	return interval + 200*time.Millisecond
 }
 
+// silentFor returns how long to wait before handing out the spares, 0
+// for not at all: a heartbeat interval while a job node (below nodes, not
+// among those known lost) still registered has not beaten for two of
+// them, unless it has been silent past the deadline plus an interval, by
+// when it would have been declared lost.
+func silentFor(members []taskd.MemberInfo, nodes int, lost []int, now time.Time, interval, deadline time.Duration) time.Duration {
+	for _, mi := range members {
+		n := mi.Position.Node
+		if mi.Role != taskd.RoleWorker || n >= nodes || slices.Contains(lost, n) || mi.LastSeen.IsZero() {
+			continue
+		}
+		if quiet := now.Sub(mi.LastSeen); quiet > 2*interval && quiet < deadline+interval {
+			return interval
+		}
+	}
+	return 0
+}
+
 // nodeLost, on the manager's side, notes that node was declared lost and
 // hands out the spares a moment later.
 func (j *jobCheckpoints) nodeLost(ctx context.Context, m *taskd.Manager, node int) {
@@ -138,6 +156,19 @@ func (j *jobCheckpoints) handOut(ctx context.Context, m *taskd.Manager) {
 		return // the manager, and the run it served, ended
 	}
 	a := j.local
+	interval, deadline := a.cfg.heartbeats()
+	j.mu.Lock()
+	lost := append(slices.Clone(j.spares.waiting), slices.Collect(maps.Keys(j.spares.handed))...)
+	j.mu.Unlock()
+	if wait := silentFor(m.Members(), a.cfg.Nodes, lost, time.Now(), interval, deadline); wait > 0 {
+		// Another node of the job has not beaten since about when the lost
+		// one stopped: on a loaded machine, nodes that died together are
+		// declared lost further apart than settle. Its verdict (lost, or
+		// a beat) comes within the deadline; the spares wait for it, so
+		// that each goes to the node whose replicas it holds.
+		time.AfterFunc(wait, func() { j.handOut(ctx, m) })
+		return
+	}
 	// The spares first; then the nodes waiting to join, which hold no
 	// replica.
 	live := append(liveNodes(m, a.cfg.Nodes, a.cfg.Nodes+a.cfg.SpareNodes), a.joiners()...)

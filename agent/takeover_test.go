@@ -2,8 +2,11 @@ package agent
 
 import (
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/faultline-ml/faultline/taskd"
 )
 
 // TestPairSpares: a spare goes first to the lost node whose replicas it
@@ -25,6 +28,33 @@ func TestPairSpares(t *testing.T) {
 	} {
 		if got := pairSpares(c.waiting, c.free, ring); !cmp.Equal(got, c.want) {
 			t.Errorf("%s: pairSpares(%v, %v) = %v, want %v", c.name, c.waiting, c.free, got, c.want)
+		}
+	}
+}
+
+// TestSilentFor: the spares wait while a job node not yet declared lost
+// has been silent since about the first loss, and not for a spare, a
+// node known lost, a node that beats, or one silent past its deadline.
+func TestSilentFor(t *testing.T) {
+	now := time.Now()
+	interval, deadline := time.Second, 6*time.Second
+	worker := func(node int, quiet time.Duration) taskd.MemberInfo {
+		return taskd.MemberInfo{Role: taskd.RoleWorker, Position: taskd.Position{Node: node}, LastSeen: now.Add(-quiet)}
+	}
+	for _, tc := range []struct {
+		name    string
+		members []taskd.MemberInfo
+		want    time.Duration
+	}{
+		{"every node beats", []taskd.MemberInfo{worker(0, 0), worker(1, interval), worker(2, 2*interval)}, 0},
+		{"a node silent since the loss", []taskd.MemberInfo{worker(0, 0), worker(2, 4*interval)}, interval},
+		{"a node known lost", []taskd.MemberInfo{worker(0, 0), worker(1, 4*interval)}, 0},
+		{"a silent spare", []taskd.MemberInfo{worker(0, 0), worker(3, 4*interval)}, 0},
+		{"past the deadline", []taskd.MemberInfo{worker(0, 0), worker(2, deadline+interval)}, 0},
+		{"a proxy", []taskd.MemberInfo{worker(0, 0), {Role: taskd.RoleProxy, Position: taskd.Position{Node: 2}, LastSeen: now.Add(-4 * interval)}}, 0},
+	} {
+		if got := silentFor(tc.members, 3, []int{1}, now, interval, deadline); got != tc.want {
+			t.Errorf("%s: wait %v, want %v", tc.name, got, tc.want)
 		}
 	}
 }
