@@ -219,6 +219,29 @@ func TestPartitionLong(t *testing.T) {
 	}
 }
 
+// TestLastDiskStepCommits: the ranks of a job of two nodes, a disk
+// folder each, leave at once after their last save, a DISK one: each
+// agent persists it after its ranks are gone, and every folder commits
+// it all the same, which the job's manager has the nodes do once every
+// shard is durable.
+func TestLastDiskStepCommits(t *testing.T) {
+	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
+	c := newCluster(t, 2, 1)
+	args := []string{"--steps", "10", "--exit-at-once", "--state-mb", "64"}
+	jobs := []*job{c.start(0, c.f.Hosts[0], nil, args...), c.start(1, c.f.Hosts[1], nil, args...)}
+	for i, j := range jobs {
+		if err := j.wait(3 * time.Minute); err != nil {
+			t.Fatalf("node %d: %v\nstderr:\n%s", i, err, j.errText())
+		}
+	}
+	for i, h := range c.f.Hosts {
+		dir := filepath.Join(c.dir, "ckpt-"+h.Name)
+		if steps, err := ckpt.CommittedSteps(dir); err != nil || !slices.Contains(steps, 9) {
+			t.Errorf("node %d's folder %s commits steps %v (%v), not the last DISK step, 9:\n%s", i, dir, steps, err, jobs[i].errText())
+		}
+	}
+}
+
 // TestFirstLoadsAgree: a job of two nodes with a checkpoint folder each
 // runs to its end, then node 1's folder is lost, and the job is run again:
 // node 0 alone holds the last DISK step, and every rank starts over

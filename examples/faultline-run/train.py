@@ -16,7 +16,10 @@ Faults to show recovery and diagnosis: --kill-rank R --kill-step S (the
 rank SIGKILLs itself at step S of the first run), --hang-rank R
 --hang-step S (the rank blocks before the step's all-reduce), --slow-rank R
 (its forward takes --slow-ms longer). --weights FILE has rank 0 write the
-final weights' SHA-256 there.
+final weights' SHA-256 there. --exit-at-once has each rank leave with
+os._exit(0) right after it (no barrier, no destroy_process_group), as a
+script that just ends: the agent sees its ranks gone a moment after their
+last save.
 
 --init FILE starts from a state that torch.save wrote (the dict the job
 checkpoints: model, optimizer, step), as from a pretrained checkpoint,
@@ -55,6 +58,7 @@ def parse():
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-ms", type=float, default=50)
     p.add_argument("--weights", default="")
+    p.add_argument("--exit-at-once", action="store_true")
     p.add_argument("--init", default="", help="start from this torch.save'd state instead of the job's newest step")
     p.add_argument("--save-state", default="", help="rank 0 torch.saves the final state here")
     p.add_argument("--bucket-cap-mb", type=float, default=0, help="DDP's bucket size, its first bucket's too")
@@ -150,6 +154,8 @@ def main():
             h.update(t.detach().contiguous().numpy().tobytes())
         with open(args.weights, "w") as f:
             f.write(h.hexdigest() + "\n")
+    if args.exit_at_once:
+        os._exit(0)
     dist.barrier()
     dist.destroy_process_group()
 
