@@ -232,23 +232,6 @@ func (a *Agent) Run(ctx context.Context) error {
 	case <-ctx.Done():
 		result = ctx.Err()
 	}
-	if a.nodeFinished() {
-		if result == nil {
-			// The workers stay while the last steps persist and commit;
-			// a signal ends the wait.
-			sctx, stop := context.WithCancel(ctx)
-			go func() {
-				select {
-				case <-a.term:
-					stop()
-				case <-sctx.Done():
-				}
-			}()
-			a.ckpts.settle(sctx)
-			stop()
-		}
-		a.finishWorkers()
-	}
 	if r, ok := result.(*Resized); ok && a.terminating() == 0 {
 		r.warm = a.warmSpares() // the next run starts its ranks from them
 	}
@@ -436,14 +419,7 @@ func (a *Agent) slotEnded() {
 		return
 	}
 	a.tellSpares(jobFinished)
-	a.incident.finish(jobFinished)
-	a.once.Do(func() { close(a.finished) })
-}
-
-// finishWorkers has the node's workers leave the job's manager finished.
-// A worker serveWorkers registers once the node finished sees it and
-// leaves.
-func (a *Agent) finishWorkers() {
+	// A worker serveWorkers registers from now on sees done and leaves.
 	for _, s := range a.slots {
 		s.mu.Lock()
 		w := s.worker
@@ -453,6 +429,8 @@ func (a *Agent) finishWorkers() {
 			w.Close()
 		}
 	}
+	a.incident.finish(jobFinished)
+	a.once.Do(func() { close(a.finished) })
 }
 
 // nodeFinished reports whether every rank of the node finished.

@@ -38,9 +38,6 @@ type checkpoints struct {
 	mu  sync.Mutex
 	ctx context.Context // the owners run on it
 	dir string          // the job's checkpoint folder; "" until a rank names one
-	// durable is the newest step a local shard of was made durable with
-	// the job's committer (a job of several nodes), -1 for none.
-	durable int64
 	// adopted: dir is the folder the other nodes name, taken before the
 	// node's ranks named one.
 	adopted bool
@@ -76,7 +73,7 @@ type shard struct {
 }
 
 func newCheckpoints(a *Agent) (*checkpoints, error) {
-	c := &checkpoints{a: a, ctx: context.Background(), durable: -1, shards: map[int]*shard{}, starts: map[int]int64{}, loaded: map[int]loader{},
+	c := &checkpoints{a: a, ctx: context.Background(), shards: map[int]*shard{}, starts: map[int]int64{}, loaded: map[int]loader{},
 		known: make(chan struct{})}
 	// The folder the last run of the node knew, until a rank names one.
 	c.dir, c.adopted = a.cfg.ckptDir, a.cfg.ckptDir != ""
@@ -797,32 +794,6 @@ func (c *checkpoints) flush(ctx context.Context) {
 		fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: not every checkpoint asked for reached the disk: %v; newest committed step: %d\n", err, c.diskStep())
 	case time.Since(start) > time.Second:
 		fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: checkpoints persisted in %v; newest committed step: %d\n", time.Since(start).Round(time.Millisecond), c.diskStep())
-	}
-}
-
-// settle, as the node's ranks finished the job, persists what they asked
-// for while the node's workers still reach the job's manager, and waits
-// until the newest step durable here is committed: with a folder per
-// node, the manager has every node commit a step once all its shards are
-// durable, on whichever node, and a node whose workers left hears of it
-// no more. It waits twice as long as its own persists took, a minute at
-// least: the other nodes' persists of the step take about as long.
-func (c *checkpoints) settle(ctx context.Context) {
-	start := time.Now()
-	c.flush(ctx)
-	c.mu.Lock()
-	step := c.durable
-	c.mu.Unlock()
-	if step < 0 {
-		return
-	}
-	limit := max(time.Minute, 2*time.Since(start))
-	if _, err := c.wait(ctx, step, time.Second); err == nil {
-		return
-	}
-	fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: node %d: step %d is durable here; waiting up to %v for the job to commit it once every node's shards of it are\n", c.a.cfg.NodeRank, step, limit.Round(time.Second))
-	if _, err := c.wait(ctx, step, limit); err != nil {
-		fmt.Fprintf(c.a.cfg.Stderr, "faultline-run: node %d: %v: not every node's shards of it were durable by then (a save skipped, a persist failed or slower)\n", c.a.cfg.NodeRank, err)
 	}
 }
 

@@ -9,7 +9,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"testing/synctest"
 	"time"
 
 	"github.com/faultline-ml/faultline/ckpt"
@@ -200,30 +199,5 @@ func TestReplicasGoToAnotherSwitch(t *testing.T) {
 	}
 	if (&checkpoints{a: &Agent{log: slog.New(slog.DiscardHandler)}}).domainsOf(peers) != nil {
 		t.Error("domains without a topology")
-	}
-}
-
-// TestSettleSaysWhatIsNotCommitted: a step durable here that the job
-// does not commit (another node's shards of it never became durable) is
-// waited for a minute, then named with the step the folder commits.
-func TestSettleSaysWhatIsNotCommitted(t *testing.T) {
-	a, out, _ := shellAgent(t, 1, 0, `exit 0`)
-	dir := t.TempDir()
-	a.ckpts.mu.Lock()
-	a.ckpts.dir, a.ckpts.durable = dir, 9
-	a.ckpts.mu.Unlock()
-	synctest.Test(t, func(t *testing.T) {
-		start := time.Now()
-		a.ckpts.settle(context.Background())
-		if waited := time.Since(start); waited != time.Minute+time.Second {
-			t.Errorf("waited %v, want a second, then a minute", waited)
-		}
-	})
-	got := output(t, out)
-	for _, want := range []string{"node 0: step 9 is durable here; waiting up to 1m0s for the job to commit it",
-		"node 0: step 9 not committed on disk within 1m0s (newest committed: -1)"} {
-		if !strings.Contains(got, want) {
-			t.Errorf("no %q in:\n%s", want, got)
-		}
 	}
 }

@@ -27,11 +27,6 @@ type jobCommitter struct {
 // tells the manager that m's shard is durable.
 func (j *jobCommitter) ShardDurable(ctx context.Context, m layout.ShardManifest) error {
 	err := j.local.ShardDurable(ctx, m)
-	if err == nil {
-		j.c.mu.Lock()
-		j.c.durable = max(j.c.durable, m.Step)
-		j.c.mu.Unlock()
-	}
 	name := filepath.Join(layout.StepDir(j.local.Dir, m.Step), layout.ShardManifestFile(m.Shard))
 	b, rerr := os.ReadFile(name)
 	if rerr != nil {

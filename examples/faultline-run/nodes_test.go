@@ -220,10 +220,11 @@ func TestPartitionLong(t *testing.T) {
 }
 
 // TestLastDiskStepCommits: the ranks of a job of two nodes, a disk
-// folder each, leave at once after their last save, a DISK one: each
-// agent persists it after its ranks are gone, and every folder commits
-// it all the same, which the job's manager has the nodes do once every
-// shard is durable.
+// folder each, exit right after their last save, a DISK one of 64 MiB,
+// which their agents persist after the save returned. The job's manager
+// has the nodes commit it once every node's shard is durable; a node
+// whose ranks had all left would not hear of it, so each rank waits at
+// exit until it is committed, and every folder commits it.
 func TestLastDiskStepCommits(t *testing.T) {
 	t.Parallel() // hosts of their own: two jobs at once share only the CPUs
 	c := newCluster(t, 2, 1)

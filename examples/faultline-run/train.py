@@ -16,10 +16,10 @@ Faults to show recovery and diagnosis: --kill-rank R --kill-step S (the
 rank SIGKILLs itself at step S of the first run), --hang-rank R
 --hang-step S (the rank blocks before the step's all-reduce), --slow-rank R
 (its forward takes --slow-ms longer). --weights FILE has rank 0 write the
-final weights' SHA-256 there. --exit-at-once has each rank leave with
-os._exit(0) right after it (no barrier, no destroy_process_group), as a
-script that just ends: the agent sees its ranks gone a moment after their
-last save.
+final weights' SHA-256 there. --exit-at-once has each rank exit right after
+it: no barrier, no destroy_process_group, its exit hooks run and the
+interpreter's finalization skipped (os._exit), so that it is gone a
+moment after its last save.
 
 --init FILE starts from a state that torch.save wrote (the dict the job
 checkpoints: model, optimizer, step), as from a pretrained checkpoint,
@@ -34,6 +34,7 @@ recovery times runs it under torch.distributed.run.
 """
 
 import argparse
+import atexit
 import hashlib
 import os
 import signal
@@ -155,6 +156,7 @@ def main():
         with open(args.weights, "w") as f:
             f.write(h.hexdigest() + "\n")
     if args.exit_at_once:
+        atexit._run_exitfuncs()
         os._exit(0)
     dist.barrier()
     dist.destroy_process_group()

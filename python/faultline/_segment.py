@@ -234,7 +234,7 @@ class Segment:
         sizes[i] bytes) at that file offset. Returns (seq, half), or None
         when the halves it could write are held (pinned by the agent, or
         holding a step to persist): the save is skipped and the previous
-        step stays. Raises TooSmall when the step does not fit, and
+        step stays (one to persist waits instead). Raises TooSmall when the step does not fit, and
         PersistTimeout (see begin).
 
         It holds the shared lock of lock() throughout, so that a grow of
@@ -255,25 +255,39 @@ class Segment:
         """Claims the half a save of step writes, and returns the save in
         progress (Pending), whose blobs the caller writes at
         pending.base + pending.offsets[i] before it calls finish or abort;
-        None when the save is skipped (both halves held). The shared lock
+        None when the save is skipped (both halves held; not with persist,
+        below). The shared lock
         of lock() is held until then. Raises TooSmall when the step does
         not fit.
 
         With persist (the step is to be persisted), it first waits for the
         agent to be done with the persist asked for before, so that every
-        step asked for is persisted; PersistTimeout when that takes longer
-        than persist_wait seconds."""
+        step asked for is persisted, then, where both halves are held, for
+        one to be free: such a step is one the job is to outlast, and its
+        ranks wait at exit for every rank's to commit. PersistTimeout when
+        either takes longer than persist_wait seconds."""
         if persist:
             self.wait_persisted()
-        self.lock()
-        try:
-            p = self._begin(step, names, sizes)
-        except BaseException:
+        wait, deadline = 0.001, time.monotonic() + self.persist_wait
+        while True:
+            self.lock()
+            try:
+                p = self._begin(step, names, sizes)
+            except BaseException:
+                self.unlock()
+                raise
+            if p is not None:
+                return p
             self.unlock()
-            raise
-        if p is None:
-            self.unlock()
-        return p
+            if not persist:
+                return None
+            if time.monotonic() > deadline:
+                raise PersistTimeout(
+                    f"segment {self.path}: both halves still held by the "
+                    f"agent after {self.persist_wait:g} s (a replica copy "
+                    "or a restore reading them)")
+            time.sleep(wait)
+            wait = min(2 * wait, 0.05)
 
     def _begin(self, step, names, sizes):
         table_size, offsets, end = layout(names, sizes)

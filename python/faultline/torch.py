@@ -37,6 +37,7 @@ import inspect
 import itertools
 import json
 import os
+import sys
 import threading
 import time
 import warnings
@@ -828,18 +829,25 @@ class Checkpointer:
         self.checkpoint_dir = (os.path.abspath(os.fspath(checkpoint_dir))
                                if checkpoint_dir else "")
         self._seg = None
-        self._persisted = None  # the newest step saved with DISK
+        # The newest step saved with DISK, which the exit hook waits for:
+        # this Checkpointer, a local of the training function, may be
+        # gone by then.
+        self._last_disk = _LastDisk(self._client)
         self._stages = {}       # device -> pinned staging buffers
         self._pending = None    # the save in flight (blocking=False)
         self._skipped = []      # the steps of saves skipped since the last
-        atexit.register(_wait_at_exit, weakref.ref(self))
+        atexit.register(_wait_at_exit, weakref.ref(self), self._last_disk)
 
     def save_checkpoint(self, step, state_dict,
                         storage_type=StorageType.MEMORY, blocking=True,
                         allow_pickle=False):
         """Saves state_dict as step; returns True when saved, False when
         skipped because the agent is reading the half this save would write
-        (the previous step stays).
+        (the previous step stays; a save with StorageType.DISK waits for the
+        agent instead). At exit the process waits until its newest save
+        with StorageType.DISK is committed on disk (every rank's shard of it
+        durable), saying so after a second; os._exit skips that wait, so
+        call wait_latest_checkpoint before it.
 
         With blocking=False the call returns as soon as the save began: its
         tensors of up to 64 KiB (BatchNorm's running statistics, an
@@ -1015,7 +1023,9 @@ class Checkpointer:
     def _saved(self, step, persist):
         self._client.call({"op": "saved", "step": step, "persist": persist})
         if persist:
-            self._persisted = step
+            self._last_disk.step = step
+            if self._seg is not None:
+                self._last_disk.limit = self._seg.persist_wait
 
     def load_checkpoint(self, into=None, allow_pickle=False):
         """Returns the state_dict of the newest step the job agrees on,
@@ -1144,10 +1154,10 @@ class Checkpointer:
         seconds or when the agent reports it failed (with a warning that
         says why)."""
         self.wait()
-        if self._persisted is None:
+        if self._last_disk.step is None:
             return True
         try:
-            self._client.call({"op": "wait", "step": self._persisted,
+            self._client.call({"op": "wait", "step": self._last_disk.step,
                                "timeout_s": timeout}, timeout=timeout + 30)
         except _agent.AgentError as e:
             warnings.warn(str(e), RuntimeWarning, stacklevel=2)
@@ -1419,14 +1429,44 @@ def _in_main_thread(fn):
         return False
 
 
-def _wait_at_exit(ref):
-    c = ref()
-    if c is not None and c._pending is not None:
-        try:
+class _LastDisk:
+    """The newest step a Checkpointer saved with StorageType.DISK (None:
+    none), its agent and how long the exit hook waits for it."""
+
+    __slots__ = ("client", "step", "limit")
+
+    def __init__(self, client):
+        self.client, self.step, self.limit = client, None, 600.0
+
+
+def _wait_at_exit(ref, last):
+    """Ends the save in flight of a Checkpointer still alive, then waits
+    until the newest save with StorageType.DISK is committed: the agent
+    persists it after the save returned, and in a job of several nodes
+    with a folder each, the nodes commit a step once every node's shards
+    of it are durable, which a node whose ranks all left hears of no
+    more. It says so when that takes over a second, and gives up after
+    the segment's persist_wait, as a save waits for a persist before it."""
+    try:
+        c = ref()
+        if c is not None and c._pending is not None:
             c.wait()
-        except Exception as e:  # the agent may be gone as the process exits
-            warnings.warn(f"faultline: the save in flight at exit: {e}",
-                          RuntimeWarning)
+        if last.step is None:
+            return
+        try:
+            last.client.call({"op": "wait", "step": last.step,
+                              "timeout_s": 1}, timeout=31)
+            return
+        except _agent.AgentError:
+            pass
+        print(f"faultline: waiting up to {last.limit:g} s at exit for step "
+              f"{last.step}, saved with StorageType.DISK, to be committed on "
+              "disk (every rank's shard of it durable)", file=sys.stderr,
+              flush=True)
+        last.client.call({"op": "wait", "step": last.step,
+                          "timeout_s": last.limit}, timeout=last.limit + 30)
+    except Exception as e:  # the agent may be gone as the process exits
+        warnings.warn(f"faultline: at exit: {e}", RuntimeWarning)
 
 
 DdpCheckpointer = Checkpointer

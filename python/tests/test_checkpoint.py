@@ -2,11 +2,16 @@
 loaded back bitwise, and the inputs it refuses."""
 
 import collections
+import contextlib
+import functools
+import io
 import json
 import math
 import os
 import random
 import struct
+import threading
+import time
 import types
 import unittest
 import warnings
@@ -98,6 +103,7 @@ class CheckpointTest(unittest.TestCase):
         del os.environ["FAULTLINE_AGENT"]
         faultline._reset()
         self.agent.close()
+        self.ckpt._last_disk.step = None  # for the exit hook: the agent is gone
 
     def roundtrip(self, state, step=1):
         self.assertTrue(self.ckpt.save_checkpoint(step, state))
@@ -298,6 +304,57 @@ class CheckpointTest(unittest.TestCase):
         seg.u32[pin] = 0
         self.assertEqual(self.ckpt.load_checkpoint()["w"].tolist(), [1.0] * 3)
         self.assertTrue(self.ckpt.save_checkpoint(2, {"w": torch.zeros(3)}))
+
+    def test_a_disk_save_waits_for_a_busy_half(self):
+        # A step asked to outlast the job is not skipped: its save waits
+        # for the agent to let go of the half.
+        self.assertTrue(self.ckpt.save_checkpoint(1, {"w": torch.ones(3)}))
+        seg = self.ckpt._seg
+        pin = (seg.base(seg.target()) + 4) // 4
+        seg.u32[pin] = 1
+        threading.Timer(0.2, seg.u32.__setitem__, (pin, 0)).start()
+        t0 = time.monotonic()
+        self.assertTrue(self.ckpt.save_checkpoint(
+            2, {"w": torch.zeros(3)}, storage_type=ft.StorageType.DISK))
+        self.assertGreaterEqual(time.monotonic() - t0, 0.2)
+        pins = [(seg.base(i) + 4) // 4 for i in (0, 1)]
+        for p in pins:
+            seg.u32[p] = 1
+        seg.persist_wait = 0.1
+        with self.assertWarnsRegex(RuntimeWarning, "both halves still held"):
+            self.assertFalse(self.ckpt.save_checkpoint(
+                3, {"w": torch.zeros(3)}, storage_type=ft.StorageType.DISK))
+        for p in pins:
+            seg.u32[p] = 0
+        self.assertEqual(self.ckpt.load_checkpoint()["w"].tolist(), [0.0] * 3)
+
+    def test_exit_waits_for_the_last_disk_step(self):
+        # At exit a rank waits for its newest DISK step to commit: in a
+        # job of several nodes, the last one commits once every node's
+        # shards are durable, which a node whose ranks left hears no more.
+        # The Checkpointer, a local of the training function, is gone by
+        # then: the hook holds what it waits for apart.
+        exit_hook = functools.partial(ft._wait_at_exit, lambda: None, self.ckpt._last_disk)
+        exit_hook()
+        self.assertEqual([r for r in self.agent.requests if r["op"] == "wait"], [])
+        self.assertTrue(self.ckpt.save_checkpoint(
+            5, {"w": torch.ones(3)}, storage_type=ft.StorageType.DISK))
+        self.agent.committed = 5
+        exit_hook()
+        waits = [r for r in self.agent.requests if r["op"] == "wait"]
+        self.assertEqual([(r["step"], r["timeout_s"]) for r in waits], [(5, 1)])
+        self.agent.committed = 4
+        self.ckpt._seg.persist_wait = 2
+        self.assertTrue(self.ckpt.save_checkpoint(
+            5, {"w": torch.ones(3)}, storage_type=ft.StorageType.DISK))
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), \
+                self.assertWarnsRegex(RuntimeWarning, "step 5 not committed"):
+            exit_hook()
+        self.assertIn("waiting up to 2 s at exit for step 5", err.getvalue())
+        waits = [r for r in self.agent.requests if r["op"] == "wait"]
+        self.assertEqual([(r["step"], r["timeout_s"]) for r in waits[1:]], [(5, 1), (5, 2)])
+        self.assertEqual(self.ckpt._last_disk.limit, 2)
 
     def test_disk_asks_the_agent_to_persist(self):
         self.agent.persists = False
