@@ -1105,7 +1105,28 @@ func (c *checkpoints) startStep(gen int) int64 {
 	return st
 }
 
-// wait waits until step (or a newer one) is committed on disk.
+// persistFailure returns why the newest persist a local rank asked for
+// failed, nil when none did.
+func (c *checkpoints) persistFailure() error {
+	c.mu.Lock()
+	shards := maps.Clone(c.shards)
+	c.mu.Unlock()
+	for rank, sh := range shards {
+		sh.mu.Lock()
+		o := sh.owner
+		sh.mu.Unlock()
+		if o == nil {
+			continue
+		}
+		if err := o.PersistFailure(rank); err != nil {
+			return fmt.Errorf("rank %d's persist here failed: %w", rank, err)
+		}
+	}
+	return nil
+}
+
+// wait waits until step (or a newer one) is committed on disk, or a
+// local rank's persist fails.
 func (c *checkpoints) wait(ctx context.Context, step int64, timeout time.Duration) (int64, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -1114,6 +1135,9 @@ func (c *checkpoints) wait(ctx context.Context, step int64, timeout time.Duratio
 	for {
 		if got := c.diskStep(); got >= step {
 			return got, nil
+		}
+		if err := c.persistFailure(); err != nil {
+			return c.diskStep(), fmt.Errorf("step %d cannot commit: %w", step, err)
 		}
 		select {
 		case <-ctx.Done():

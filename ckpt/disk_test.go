@@ -297,6 +297,50 @@ func TestFlush(t *testing.T) {
 	})
 }
 
+// TestPersistFailure: a persist that fails (the folder is a file) is
+// told by PersistFailure, naming the shard and the cause, until a later
+// persist of the shard succeeds.
+func TestPersistFailure(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	nd := newNode(t, OwnerConfig{Dir: dir}, 1)
+	if err := nd.o.PersistFailure(0); err != nil {
+		t.Fatalf("PersistFailure before any persist: %v", err)
+	}
+	if err := os.RemoveAll(dir); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(dir, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	nd.saveAll(t, 3)
+	if err := nd.ws[0].Persist(ctx, 3); err != nil {
+		t.Fatal(err)
+	}
+	if err := nd.o.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := nd.o.PersistFailure(0); err == nil || !strings.Contains(err.Error(), "shard 0") || !strings.Contains(err.Error(), dir) {
+		t.Fatalf("PersistFailure after a persist into a file = %v, want shard 0 and %s named", err, dir)
+	}
+	if err := os.Remove(dir); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	nd.saveAll(t, 4)
+	if err := nd.ws[0].Persist(ctx, 4); err != nil {
+		t.Fatal(err)
+	}
+	if err := nd.o.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := nd.o.PersistFailure(0); err != nil {
+		t.Fatalf("PersistFailure after a persist that succeeded: %v", err)
+	}
+}
+
 func TestLoadPreference(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()

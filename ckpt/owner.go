@@ -179,6 +179,7 @@ type Owner struct {
 	verified   sync.Map // halfKey -> halfVersion: the version of a half whose CRCs held
 	sent       sync.Map // shard -> sentSeqs: the saves peers took last
 	lagging    sync.Map // shard -> true: its replicas do not keep up with its saves (noteLag)
+	failed     sync.Map // shard -> error: the persist Run took up last failed (PersistFailure)
 }
 
 // NewOwner creates (or reopens, keeping their steps) the segments of
@@ -506,17 +507,29 @@ func (o *Owner) Persist(ctx context.Context, shard int) (layout.ShardManifest, e
 // free to write over it). The step persisted is the one asked for, never
 // a newer one: a job commits the steps its ranks asked for.
 func (o *Owner) persistRequest(ctx context.Context, shard int, req uint64) {
+	o.failed.Delete(shard)
 	_, err := o.persistHalf(ctx, shard, func(m layout.StepMeta) bool { return m.Seq == req }, fmt.Sprintf("of save %d (the one asked for)", req))
 	if ctx.Err() != nil {
 		return // the next owner finds the request and persists it
 	}
 	if err != nil {
 		o.log.Error("ckpt: persist failed", "shard", shard, "seq", req, "err", err)
+		o.failed.Store(shard, fmt.Errorf("ckpt: the persist of shard %d's save %d: %w", shard, req, err))
 	}
 	if err := o.acquire(); err == nil {
 		o.segs[shard].donePersist(req)
 		o.ops.RUnlock()
 	}
+}
+
+// PersistFailure returns why the newest persist of shard that its writer
+// asked for and the owner took up failed, nil when it succeeded or is
+// under way: a caller waiting for the step to commit need not wait on.
+func (o *Owner) PersistFailure(shard int) error {
+	if err, ok := o.failed.Load(shard); ok {
+		return err.(error)
+	}
+	return nil
 }
 
 // Flush returns once the owner is done with every persist its writers

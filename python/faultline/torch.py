@@ -829,14 +829,22 @@ class Checkpointer:
         self.checkpoint_dir = (os.path.abspath(os.fspath(checkpoint_dir))
                                if checkpoint_dir else "")
         self._seg = None
-        # The newest step saved with DISK, which the exit hook waits for:
-        # this Checkpointer, a local of the training function, may be
-        # gone by then.
-        self._last_disk = _LastDisk(self._client)
+        # The save in flight and the newest step saved with DISK, which
+        # the exit hook ends and waits for: this Checkpointer, a local of
+        # the training function, may be gone by then.
+        self._out = _Outstanding(self._client)
         self._stages = {}       # device -> pinned staging buffers
-        self._pending = None    # the save in flight (blocking=False)
         self._skipped = []      # the steps of saves skipped since the last
-        atexit.register(_wait_at_exit, weakref.ref(self), self._last_disk)
+        atexit.register(_wait_at_exit, self._out)
+
+    @property
+    def _pending(self):
+        """The save in flight (blocking=False), None when there is none."""
+        return self._out.pending
+
+    @_pending.setter
+    def _pending(self, a):
+        self._out.pending = a
 
     def save_checkpoint(self, step, state_dict,
                         storage_type=StorageType.MEMORY, blocking=True,
@@ -986,19 +994,7 @@ class Checkpointer:
         (unless it was kept or abandoned already, as soon as its copy was
         done). Returns True when it was kept, False when abandoned, None
         when no save was in flight."""
-        a, self._pending = self._pending, None
-        if a is None:
-            return None
-        kept = a.end()
-        if kept:
-            self._saved(a.pending.step, a.persist)
-        else:
-            warnings.warn(f"faultline: the save of step {a.pending.step} "
-                          f"(blocking=False) was abandoned: {a.why}",
-                          RuntimeWarning, stacklevel=2)
-            self._client.call({"op": "abandoned", "step": a.pending.step,
-                               "what": a.why})
-        return kept
+        return self._out.end(stacklevel=3)
 
     def _skip(self, step):
         # Said at the first of a run of skipped saves, and their count
@@ -1021,11 +1017,9 @@ class Checkpointer:
                           stacklevel=3)
 
     def _saved(self, step, persist):
-        self._client.call({"op": "saved", "step": step, "persist": persist})
-        if persist:
-            self._last_disk.step = step
-            if self._seg is not None:
-                self._last_disk.limit = self._seg.persist_wait
+        if self._seg is not None:
+            self._out.limit = self._seg.persist_wait
+        self._out.saved(step, persist)
 
     def load_checkpoint(self, into=None, allow_pickle=False):
         """Returns the state_dict of the newest step the job agrees on,
@@ -1154,10 +1148,10 @@ class Checkpointer:
         seconds or when the agent reports it failed (with a warning that
         says why)."""
         self.wait()
-        if self._last_disk.step is None:
+        if self._out.step is None:
             return True
         try:
-            self._client.call({"op": "wait", "step": self._last_disk.step,
+            self._client.call({"op": "wait", "step": self._out.step,
                                "timeout_s": timeout}, timeout=timeout + 30)
         except _agent.AgentError as e:
             warnings.warn(str(e), RuntimeWarning, stacklevel=2)
@@ -1429,44 +1423,73 @@ def _in_main_thread(fn):
         return False
 
 
-class _LastDisk:
-    """The newest step a Checkpointer saved with StorageType.DISK (None:
-    none), its agent and how long the exit hook waits for it."""
-
-    __slots__ = ("client", "step", "limit")
+class _Outstanding:
+    """What a Checkpointer leaves for the process's exit: its save in
+    flight (blocking=False) and the newest step it saved with
+    StorageType.DISK (None: none), with its agent."""
 
     def __init__(self, client):
-        self.client, self.step, self.limit = client, None, 600.0
+        self.client, self.pending, self.step = client, None, None
+        self.limit = 600.0  # the segment's persist_wait
+        self.pid = os.getpid()
+
+    def saved(self, step, persist):
+        self.client.call({"op": "saved", "step": step, "persist": persist})
+        if persist:
+            self.step = step
+
+    def end(self, stacklevel):
+        """Checkpointer.wait."""
+        a, self.pending = self.pending, None
+        if a is None:
+            return None
+        kept = a.end()
+        if kept:
+            self.saved(a.pending.step, a.persist)
+        else:
+            warnings.warn(f"faultline: the save of step {a.pending.step} "
+                          f"(blocking=False) was abandoned: {a.why}",
+                          RuntimeWarning, stacklevel=stacklevel)
+            self.client.call({"op": "abandoned", "step": a.pending.step,
+                              "what": a.why})
+        return kept
 
 
-def _wait_at_exit(ref, last):
-    """Ends the save in flight of a Checkpointer still alive, then waits
-    until the newest save with StorageType.DISK is committed: the agent
-    persists it after the save returned, and in a job of several nodes
-    with a folder each, the nodes commit a step once every node's shards
-    of it are durable, which a node whose ranks all left hears of no
-    more. It says so when that takes over a second, and gives up after
-    the segment's persist_wait, as a save waits for a persist before it."""
+def _wait_at_exit(out):
+    """Ends the save in flight, then waits until the newest save with
+    StorageType.DISK is committed: the agent persists it after the save
+    returned, and in a job of several nodes with a folder each, the nodes
+    commit a step once every node's shards of it are durable, which a
+    node whose ranks all left hears of no more. It says so when that takes
+    over a second, and gives up after the segment's persist_wait, as a
+    save waits for a persist before it, or as soon as the agent says this
+    node's persist of it failed."""
+    if os.getpid() != out.pid:
+        return  # a forked child's exit: the parent's saves are its own
     try:
-        c = ref()
-        if c is not None and c._pending is not None:
-            c.wait()
-        if last.step is None:
+        out.end(stacklevel=2)
+        if out.step is None:
             return
         try:
-            last.client.call({"op": "wait", "step": last.step,
-                              "timeout_s": 1}, timeout=31)
+            out.client.call({"op": "wait", "step": out.step,
+                             "timeout_s": 1}, timeout=31)
             return
-        except _agent.AgentError:
-            pass
-        print(f"faultline: waiting up to {last.limit:g} s at exit for step "
-              f"{last.step}, saved with StorageType.DISK, to be committed on "
+        except _agent.AgentError as e:
+            if "not committed" not in str(e):
+                raise  # the agent gone, or this node's persist failed
+        print(f"faultline: waiting up to {out.limit:g} s at exit for step "
+              f"{out.step}, saved with StorageType.DISK, to be committed on "
               "disk (every rank's shard of it durable)", file=sys.stderr,
               flush=True)
-        last.client.call({"op": "wait", "step": last.step,
-                          "timeout_s": last.limit}, timeout=last.limit + 30)
+        out.client.call({"op": "wait", "step": out.step,
+                         "timeout_s": out.limit}, timeout=out.limit + 30)
+    except KeyboardInterrupt:
+        print(f"faultline: interrupted at exit: step {out.step} may not be "
+              "committed on disk", file=sys.stderr, flush=True)
     except Exception as e:  # the agent may be gone as the process exits
-        warnings.warn(f"faultline: at exit: {e}", RuntimeWarning)
+        what = "" if out.step is None else \
+            f", step {out.step} may not be committed on disk"
+        print(f"faultline: at exit{what}: {e}", file=sys.stderr, flush=True)
 
 
 DdpCheckpointer = Checkpointer

@@ -103,7 +103,7 @@ class CheckpointTest(unittest.TestCase):
         del os.environ["FAULTLINE_AGENT"]
         faultline._reset()
         self.agent.close()
-        self.ckpt._last_disk.step = None  # for the exit hook: the agent is gone
+        self.ckpt._out.step = None  # for the exit hook: the agent is gone
 
     def roundtrip(self, state, step=1):
         self.assertTrue(self.ckpt.save_checkpoint(step, state))
@@ -334,7 +334,7 @@ class CheckpointTest(unittest.TestCase):
         # shards are durable, which a node whose ranks left hears no more.
         # The Checkpointer, a local of the training function, is gone by
         # then: the hook holds what it waits for apart.
-        exit_hook = functools.partial(ft._wait_at_exit, lambda: None, self.ckpt._last_disk)
+        exit_hook = functools.partial(ft._wait_at_exit, self.ckpt._out)
         exit_hook()
         self.assertEqual([r for r in self.agent.requests if r["op"] == "wait"], [])
         self.assertTrue(self.ckpt.save_checkpoint(
@@ -348,13 +348,42 @@ class CheckpointTest(unittest.TestCase):
         self.assertTrue(self.ckpt.save_checkpoint(
             5, {"w": torch.ones(3)}, storage_type=ft.StorageType.DISK))
         err = io.StringIO()
-        with contextlib.redirect_stderr(err), \
-                self.assertWarnsRegex(RuntimeWarning, "step 5 not committed"):
+        with contextlib.redirect_stderr(err):
             exit_hook()
         self.assertIn("waiting up to 2 s at exit for step 5", err.getvalue())
+        self.assertIn("at exit, step 5 may not be committed on disk: "
+                      "faultline agent: op wait: step 5 not committed",
+                      err.getvalue())
         waits = [r for r in self.agent.requests if r["op"] == "wait"]
         self.assertEqual([(r["step"], r["timeout_s"]) for r in waits[1:]], [(5, 1), (5, 2)])
-        self.assertEqual(self.ckpt._last_disk.limit, 2)
+
+    def test_exit_ends_the_save_in_flight(self):
+        # A DISK save with blocking=False at the last step, its
+        # Checkpointer gone by exit: the hook ends it, tells the agent and
+        # waits for that step, not the DISK step before it.
+        self.agent.committed = 9
+        self.assertTrue(self.ckpt.save_checkpoint(
+            9, {"w": torch.ones(3)}, storage_type=ft.StorageType.DISK))
+        self.assertTrue(self.ckpt.save_checkpoint(
+            19, {"w": torch.ones(1 << 16)}, storage_type=ft.StorageType.DISK,
+            blocking=False))
+        out = self.ckpt._out
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            ft._wait_at_exit(out)
+        saved = [(r["step"], r["persist"]) for r in self.agent.requests if r["op"] == "saved"]
+        self.assertEqual(saved, [(9, True), (19, True)])
+        waits = [r["step"] for r in self.agent.requests if r["op"] == "wait"]
+        self.assertEqual(waits[0], 19)
+        self.assertIsNone(out.pending)
+
+    def test_a_forked_child_leaves_the_wait_to_its_parent(self):
+        self.assertTrue(self.ckpt.save_checkpoint(
+            5, {"w": torch.ones(3)}, storage_type=ft.StorageType.DISK))
+        out = self.ckpt._out
+        out.pid = -1  # as in a child forked after the save
+        ft._wait_at_exit(out)
+        self.assertEqual([r for r in self.agent.requests if r["op"] == "wait"], [])
 
     def test_disk_asks_the_agent_to_persist(self):
         self.agent.persists = False
