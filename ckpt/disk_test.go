@@ -304,6 +304,16 @@ func TestPersistFailure(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
 	nd := newNode(t, OwnerConfig{Dir: dir}, 1)
+	persist := func(step int64) {
+		t.Helper()
+		nd.saveAll(t, step)
+		if err := nd.ws[0].Persist(ctx, step); err != nil {
+			t.Fatal(err)
+		}
+		if err := nd.o.Flush(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if err := nd.o.PersistFailure(0); err != nil {
 		t.Fatalf("PersistFailure before any persist: %v", err)
 	}
@@ -313,13 +323,7 @@ func TestPersistFailure(t *testing.T) {
 	if err := os.WriteFile(dir, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	nd.saveAll(t, 3)
-	if err := nd.ws[0].Persist(ctx, 3); err != nil {
-		t.Fatal(err)
-	}
-	if err := nd.o.Flush(ctx); err != nil {
-		t.Fatal(err)
-	}
+	persist(3)
 	if err := nd.o.PersistFailure(0); err == nil || !strings.Contains(err.Error(), "shard 0") || !strings.Contains(err.Error(), dir) {
 		t.Fatalf("PersistFailure after a persist into a file = %v, want shard 0 and %s named", err, dir)
 	}
@@ -329,13 +333,7 @@ func TestPersistFailure(t *testing.T) {
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	nd.saveAll(t, 4)
-	if err := nd.ws[0].Persist(ctx, 4); err != nil {
-		t.Fatal(err)
-	}
-	if err := nd.o.Flush(ctx); err != nil {
-		t.Fatal(err)
-	}
+	persist(4)
 	if err := nd.o.PersistFailure(0); err != nil {
 		t.Fatalf("PersistFailure after a persist that succeeded: %v", err)
 	}

@@ -234,8 +234,8 @@ class Segment:
         sizes[i] bytes) at that file offset. Returns (seq, half), or None
         when the halves it could write are held (pinned by the agent, or
         holding a step to persist): the save is skipped and the previous
-        step stays (one to persist waits instead). Raises TooSmall when the step does not fit, and
-        PersistTimeout (see begin).
+        step stays (one to persist waits instead). Raises TooSmall when the
+        step does not fit, and PersistTimeout (see begin).
 
         It holds the shared lock of lock() throughout, so that a grow of
         the segment waits for it and no save lands in a replaced file.
@@ -256,9 +256,8 @@ class Segment:
         progress (Pending), whose blobs the caller writes at
         pending.base + pending.offsets[i] before it calls finish or abort;
         None when the save is skipped (both halves held; not with persist,
-        below). The shared lock
-        of lock() is held until then. Raises TooSmall when the step does
-        not fit.
+        below). The shared lock of lock() is held until then. Raises
+        TooSmall when the step does not fit.
 
         With persist (the step is to be persisted), it first waits for the
         agent to be done with the persist asked for before, so that every

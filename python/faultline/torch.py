@@ -1151,8 +1151,7 @@ class Checkpointer:
         if self._out.step is None:
             return True
         try:
-            self._client.call({"op": "wait", "step": self._out.step,
-                               "timeout_s": timeout}, timeout=timeout + 30)
+            self._out.committed(timeout)
         except _agent.AgentError as e:
             warnings.warn(str(e), RuntimeWarning, stacklevel=2)
             return False
@@ -1438,6 +1437,12 @@ class _Outstanding:
         if persist:
             self.step = step
 
+    def committed(self, timeout):
+        """Waits up to timeout seconds for the agent to have step
+        committed on disk; AgentError when it is not."""
+        self.client.call({"op": "wait", "step": self.step,
+                          "timeout_s": timeout}, timeout=timeout + 30)
+
     def end(self, stacklevel):
         """Checkpointer.wait."""
         a, self.pending = self.pending, None
@@ -1471,8 +1476,7 @@ def _wait_at_exit(out):
         if out.step is None:
             return
         try:
-            out.client.call({"op": "wait", "step": out.step,
-                             "timeout_s": 1}, timeout=31)
+            out.committed(1)
             return
         except _agent.AgentError as e:
             if "not committed" not in str(e):
@@ -1481,8 +1485,7 @@ def _wait_at_exit(out):
               f"{out.step}, saved with StorageType.DISK, to be committed on "
               "disk (every rank's shard of it durable)", file=sys.stderr,
               flush=True)
-        out.client.call({"op": "wait", "step": out.step,
-                         "timeout_s": out.limit}, timeout=out.limit + 30)
+        out.committed(out.limit)
     except KeyboardInterrupt:
         print(f"faultline: interrupted at exit: step {out.step} may not be "
               "committed on disk", file=sys.stderr, flush=True)

@@ -338,9 +338,9 @@ func (d *Detector) attribute(rw *row) {
 // for an active finding flagged lately) and effect, though not by NSigma
 // of the noise, does not look normal: where ranks share their cores with
 // other work the noise is as large as a slowdown, and many steps of a
-// slow rank are such. Like a step with no healthy peers to compare with, such a
-// step counts neither way: it neither clears a finding nor breaks a run,
-// which must still fit in twice Consecutive steps.
+// slow rank are such. Like a step with no healthy peers to compare with,
+// such a step counts neither way: it neither clears a finding nor breaks
+// a run, which must still fit in twice Consecutive steps.
 func (d *Detector) settle(rw *row, effect float64) bool {
 	s := rw.step
 	anyPending := false
