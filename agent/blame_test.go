@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"math/bits"
 	"net"
 	"net/netip"
 	"os"
@@ -54,6 +55,11 @@ func TestBlame(t *testing.T) {
 			[]IncidentFault{naming(0, 0, "127.0.0.1:14772", rank(1))},
 			IncidentFault{Kind: "peer", Rank: 1, Message: "rank 1: rank 0's collective failed on its connection to it", Time: at(0)},
 			"rank 0's collective error names 127.0.0.1:14772, a socket of rank 1"},
+		// Rank 2 was killed; gloo named its closed listener, whose port
+		// rank 0 then held (the agent stopping it by the error).
+		{"an exit outweighs an address of a rank without a fault",
+			[]IncidentFault{exit(2, 137, 0), naming(3, 20, "127.0.0.1:42192", rank(0)), opErr(1, 20)}, exit(2, 137, 0),
+			"rank 2 ended without a failed collective of its own; the collective errors of ranks [1 3] follow from its end (rank 3's collective error names 127.0.0.1:42192, a socket of rank 0, which has no fault of its own)"},
 		{"the address outweighs an exit elsewhere", []IncidentFault{exit(3, 2, 0), naming(0, 10, "127.0.0.1:1", rank(1)), opErr(1, 20)}, opErr(1, 20),
 			"rank 0's collective error names 127.0.0.1:1, a socket of rank 1"},
 		{"errors naming peers are followed to the last", []IncidentFault{naming(0, 0, "127.0.0.1:1", rank(1)), naming(1, 5, "127.0.0.1:2", rank(2)), exit(2, 9, 9)}, exit(2, 9, 9),
@@ -133,7 +139,8 @@ func TestTCPSockets(t *testing.T) {
 // and rank 0 destroyed earlier must not take the blame for it); a rank
 // whose process is gone has every end closed. Real loopback connections,
 // all in this process, stand for the ranks'.
-func TestClosedPeer(t *testing.T) {
+// TestPeerFromSockets: closedPeer and rankOfPeer on real sockets.
+func TestPeerFromSockets(t *testing.T) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -217,6 +224,20 @@ func TestClosedPeer(t *testing.T) {
 	a.slots[2].proc = nil
 	if r, _ := a.closedPeer(0); r != 2 {
 		t.Fatalf("closedPeer with rank 2's process gone = rank %d, want 2", r)
+	}
+
+	// An error naming a port rank 1 holds open names a port the kernel
+	// handed out again, not rank 1; once rank 1's end closes, it does.
+	a, _, at1, _, _, _ = agent()
+	if r := a.rankOfPeer(port(at1), 0); r != -1 {
+		t.Fatalf("rankOfPeer of a port rank 1 holds open = rank %d, want none", r)
+	}
+	at1.Close()
+	if r := a.rankOfPeer(port(at1), 0); r != 1 {
+		t.Fatalf("rankOfPeer of a port rank 1 closed = rank %d, want 1", r)
+	}
+	if r := a.rankOfPeer(bits.ReverseBytes16(port(at1)), 0); r != 1 {
+		t.Fatalf("rankOfPeer of that port's bytes swapped = rank %d, want 1", r)
 	}
 }
 

@@ -286,8 +286,11 @@ func socketInodes(pid int) map[string]bool {
 }
 
 // rankOfPeer returns the local rank other than rank whose process held
-// port, as an error names it (see peerPorts), by the sockets noted; -1
-// when none did.
+// port, as an error names it (see peerPorts), by the sockets noted, and
+// holds it no longer; -1 when none did. A socket still open on port did
+// not fail the connection: the port is one the kernel handed out again
+// (gloo names at times a listener its peer closed, whose port a third
+// rank may hold by the error).
 func (a *Agent) rankOfPeer(port uint16, rank int) int {
 	ports := peerPorts(port)
 	for _, s := range a.slots {
@@ -295,9 +298,22 @@ func (a *Agent) rankOfPeer(port uint16, rank int) int {
 			continue
 		}
 		s.mu.Lock()
-		held := slices.ContainsFunc(s.socks, func(k tcpSocket) bool { return slices.Contains(ports, k.local) })
+		var held []tcpSocket
+		for _, k := range s.socks {
+			if slices.Contains(ports, k.local) {
+				held = append(held, k)
+			}
+		}
+		pid := 0
+		if s.proc != nil {
+			pid = s.proc.pid
+		}
 		s.mu.Unlock()
-		if held {
+		if len(held) == 0 {
+			continue
+		}
+		open := socketInodes(pid)
+		if slices.ContainsFunc(held, func(k tcpSocket) bool { return !open[k.inode] }) {
 			return s.rank
 		}
 	}

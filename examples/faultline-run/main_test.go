@@ -332,8 +332,8 @@ func killRank(t *testing.T, args ...string) {
 	if got := readHash(t, w); got != ref {
 		t.Fatalf("weights after the recovery %s, without the fault %s", got, ref)
 	}
-	t.Logf("recovered in %.2fs: stopped %v, restarted %v, loaded %v, first step %v after the kill",
-		c.RecoverySeconds, c.Stopped.Sub(c.FaultTime), c.Restarted.Sub(c.FaultTime), c.Loaded.Sub(c.FaultTime), c.FirstStep.Sub(c.FaultTime))
+	t.Logf("blamed rank %d by %q; recovered in %.2fs: stopped %v, restarted %v, loaded %v, first step %v after the kill",
+		c.Fault.Rank, c.Evidence, c.RecoverySeconds, c.Stopped.Sub(c.FaultTime), c.Restarted.Sub(c.FaultTime), c.Loaded.Sub(c.FaultTime), c.FirstStep.Sub(c.FaultTime))
 }
 
 // TestHang: a rank blocked before an all-reduce is detected within the
