@@ -3,7 +3,6 @@ package agent
 import (
 	"bytes"
 	"fmt"
-	"maps"
 	"math/bits"
 	"net/netip"
 	"regexp"
@@ -25,12 +24,12 @@ const (
 // the fault that stands for it and the evidence that chose it:
 //
 //  1. a collective error naming a peer's address points at the local
-//     rank that held it, or, where none did, at the one local rank whose
+//     rank at the far end of the erring rank's connection to it (see
+//     rankOfPeer), or, where none is, at the one local rank whose
 //     end of a connection with the erring rank had closed (and one that
 //     names a third rank's points on):
 //     the rank pointed at last is the cause, through its own exit when it
-//     had one, else its own first fault, else (where no rank exited as
-//     in 2) itself (kind peer);
+//     had one, else its own first fault, else itself (kind peer);
 //  2. else a rank that exited (with a code, or killed by a signal)
 //     without a failed collective of its own beats the collective errors,
 //     which follow from its death: the first such exit;
@@ -91,18 +90,28 @@ func blame(faults []IncidentFault) (IncidentFault, string) {
 		if g, ok := own(at); ok {
 			return g, why
 		}
-		if g, exited := exitFirst(faults); exited != "" {
-			// A rank that died explains the errors better than one with
-			// no fault, which the agent may have stopped already.
-			return g, fmt.Sprintf("%s (%s, which has no fault of its own)", exited, why)
-		}
 		return IncidentFault{Kind: kindPeer, Rank: at, Time: f.Time,
 			Message: fmt.Sprintf("rank %d: rank %d's collective failed on its connection to it", at, by)}, why
 	}
 
 	// 2. An exit beats the collective errors of its peers.
-	if g, why := exitFirst(faults); why != "" {
-		return g, why
+	failed := map[int]bool{}
+	for _, f := range faults {
+		if f.Kind == string(taskd.FaultOpError) {
+			failed[f.Rank] = true
+		}
+	}
+	if len(failed) > 0 {
+		for _, f := range faults {
+			if f.Kind == string(taskd.FaultProcessExit) && !failed[f.Rank] {
+				var ranks []int
+				for r := range failed {
+					ranks = append(ranks, r)
+				}
+				slices.Sort(ranks)
+				return f, fmt.Sprintf("rank %d ended without a failed collective of its own; the collective errors of ranks %v follow from its end", f.Rank, ranks)
+			}
+		}
 	}
 
 	// 3. The first fault.
@@ -114,28 +123,6 @@ func blame(faults []IncidentFault) (IncidentFault, string) {
 		why += "; " + remote
 	}
 	return first, why
-}
-
-// exitFirst returns the first exit among faults of a rank without a
-// failed collective of its own, where some rank's collective failed, and
-// why it is the cause; "" where there is none.
-func exitFirst(faults []IncidentFault) (IncidentFault, string) {
-	failed := map[int]bool{}
-	for _, f := range faults {
-		if f.Kind == string(taskd.FaultOpError) {
-			failed[f.Rank] = true
-		}
-	}
-	if len(failed) == 0 {
-		return IncidentFault{}, ""
-	}
-	for _, f := range faults {
-		if f.Kind == string(taskd.FaultProcessExit) && !failed[f.Rank] {
-			ranks := slices.Sorted(maps.Keys(failed))
-			return f, fmt.Sprintf("rank %d ended without a failed collective of its own; the collective errors of ranks %v follow from its end", f.Rank, ranks)
-		}
-	}
-	return IncidentFault{}, ""
 }
 
 // heldBy says how f's peer rank was found from the address its error

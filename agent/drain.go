@@ -285,39 +285,56 @@ func socketInodes(pid int) map[string]bool {
 	return inodes
 }
 
-// rankOfPeer returns the local rank other than rank whose process held
-// port, as an error names it (see peerPorts), by the sockets noted, and
-// holds it no longer; -1 when none did. A socket still open on port did
-// not fail the connection: the port is one the kernel handed out again
-// (gloo names at times a listener its peer closed, whose port a third
-// rank may hold by the error).
+// rankOfPeer returns the local rank other than rank at the far end of
+// rank's connection to port, as an error names it (see peerPorts): the
+// rank whose noted socket is that connection's other end, ends matched
+// exactly, so that a port another rank holds by chance (or holds in the
+// reading of the port not meant) names no one. Where both readings find
+// a rank, the one whose end is closed now is taken; -1 when none is
+// found, or it stays ambiguous.
 func (a *Agent) rankOfPeer(port uint16, rank int) int {
-	ports := peerPorts(port)
-	for _, s := range a.slots {
-		if s.rank == rank {
-			continue
-		}
-		s.mu.Lock()
-		var held []tcpSocket
-		for _, k := range s.socks {
-			if slices.Contains(ports, k.local) {
-				held = append(held, k)
+	own := a.slotOf(rank)
+	if own == nil {
+		return -1
+	}
+	own.mu.Lock()
+	mine := slices.Clone(own.socks)
+	own.mu.Unlock()
+	type end struct {
+		rank  int
+		inode string
+		pid   int
+	}
+	var found []end
+	for _, p := range peerPorts(port) {
+		for _, m := range mine {
+			if m.remote != p {
+				continue
+			}
+			for _, s := range a.slots {
+				if s.rank == rank {
+					continue
+				}
+				s.mu.Lock()
+				i := slices.IndexFunc(s.socks, func(k tcpSocket) bool { return k.local == m.remote && k.remote == m.local })
+				if i >= 0 && !slices.ContainsFunc(found, func(e end) bool { return e.rank == s.rank }) {
+					e := end{rank: s.rank, inode: s.socks[i].inode}
+					if s.proc != nil {
+						e.pid = s.proc.pid
+					}
+					found = append(found, e)
+				}
+				s.mu.Unlock()
 			}
 		}
-		pid := 0
-		if s.proc != nil {
-			pid = s.proc.pid
-		}
-		s.mu.Unlock()
-		if len(held) == 0 {
-			continue
-		}
-		open := socketInodes(pid)
-		if slices.ContainsFunc(held, func(k tcpSocket) bool { return !open[k.inode] }) {
-			return s.rank
-		}
 	}
-	return -1
+	if len(found) > 1 {
+		found = slices.DeleteFunc(found, func(e end) bool { return socketInodes(e.pid)[e.inode] })
+	}
+	if len(found) != 1 {
+		return -1
+	}
+	return found[0].rank
 }
 
 // closedPeer returns the one local rank whose end of a connection with
