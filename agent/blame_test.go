@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -132,7 +133,9 @@ func TestTCPSockets(t *testing.T) {
 // closed ends of two ranks name none, nor does a closed end of rank 0's
 // connection with a rank of another agent on the host (a subgroup rank 1
 // and rank 0 destroyed earlier must not take the blame for it); a rank
-// whose process is gone has every end closed. Real loopback connections,
+// whose process is gone has every end closed. rankOfPeer finds the far
+// end of rank 0's connection to the port named, not a socket that holds
+// the port (or its other reading) by chance. Real loopback connections,
 // all in this process, stand for the ranks'.
 func TestPeerFromSockets(t *testing.T) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -251,7 +254,8 @@ func TestPeerFromSockets(t *testing.T) {
 	_, at2 = dial(a.slots[2])
 	p2 := port(at2)
 	decoy := tcpSocket{inode: "1", local: bits.ReverseBytes16(p2), remote: 1}
-	a.slots[1].socks = append(a.slots[1].socks, decoy)
+	// And one on rank 2's very port, of a connection elsewhere, closed.
+	a.slots[1].socks = append(a.slots[1].socks, decoy, tcpSocket{inode: "3", local: p2, remote: 2})
 	if r := a.rankOfPeer(port(at1), 0); r != 1 {
 		t.Fatalf("rankOfPeer of rank 1's end = rank %d, want 1", r)
 	}
@@ -264,13 +268,32 @@ func TestPeerFromSockets(t *testing.T) {
 	// Where rank 0 has a connection in each reading, the end closed now
 	// is the one that failed; with both closed, neither is named.
 	a.slots[0].socks = append(a.slots[0].socks, tcpSocket{inode: "2", local: 1, remote: decoy.local})
-	a.slots[1].socks[len(a.slots[1].socks)-1].remote = 1
+	a.slots[1].socks[len(a.slots[1].socks)-2].remote = 1
 	if r := a.rankOfPeer(p2, 0); r != 1 {
 		t.Fatalf("rankOfPeer with rank 1's end closed in one reading, rank 2's open in the other = rank %d, want 1", r)
 	}
 	at2.Close()
 	if r := a.rankOfPeer(p2, 0); r != -1 {
 		t.Fatalf("rankOfPeer with ends closed in both readings = rank %d, want none", r)
+	}
+
+	// A new note drops the ends closed since the last.
+	a.slots[1].notePorts(os.Getpid())
+	if slices.ContainsFunc(a.slots[1].socks, func(k tcpSocket) bool { return k.inode == decoy.inode }) {
+		t.Errorf("notePorts kept a closed end: %+v", a.slots[1].socks)
+	}
+	if !slices.ContainsFunc(a.slots[1].socks, func(k tcpSocket) bool { return k.local == port(at1) }) {
+		t.Errorf("notePorts lost an open end: %+v", a.slots[1].socks)
+	}
+
+	// Where rank 0's end was not noted, the one rank whose socket on the
+	// port is closed stands for it; one open on it does not.
+	a.slots[0].socks = nil
+	if r := a.rankOfPeer(p2, 0); r != 2 {
+		t.Fatalf("rankOfPeer with rank 0's end not noted, rank 2's closed = rank %d, want 2", r)
+	}
+	if r := a.rankOfPeer(port(at1), 0); r != -1 {
+		t.Fatalf("rankOfPeer with rank 0's end not noted, rank 1's open = rank %d, want none", r)
 	}
 }
 

@@ -239,8 +239,10 @@ func (a *Agent) hangFault(s *slot, f hang.Fault) {
 }
 
 // notePorts notes the TCP sockets that pid, the slot's process, holds
-// now: once it is gone, a peer's error naming one of their ports still
-// points at it.
+// now, in place of those noted before: once it is gone, its ends of its
+// connections still say whom a peer's error names. Ends closed since the
+// last note are of connections ended before (a destroyed group), whose
+// ports the kernel may have handed out again.
 func (s *slot) notePorts(pid int) {
 	inodes := socketInodes(pid)
 	if len(inodes) == 0 {
@@ -257,11 +259,7 @@ func (s *slot) notePorts(pid int) {
 	if s.proc == nil || s.proc.pid != pid {
 		return
 	}
-	for _, k := range socks {
-		if !slices.ContainsFunc(s.socks, func(o tcpSocket) bool { return o.inode == k.inode }) {
-			s.socks = append(s.socks, k)
-		}
-	}
+	s.socks = socks
 }
 
 // socketInodes returns the inodes of the sockets pid holds open; none
@@ -289,9 +287,11 @@ func socketInodes(pid int) map[string]bool {
 // rank's connection to port, as an error names it (see peerPorts): the
 // rank whose noted socket is that connection's other end, ends matched
 // exactly, so that a port another rank holds by chance (or holds in the
-// reading of the port not meant) names no one. Where both readings find
-// a rank, the one whose end is closed now is taken; -1 when none is
-// found, or it stays ambiguous.
+// reading of the port not meant) names no one. Where several ranks are
+// found (one in each reading), the one rank whose end is closed now is
+// taken. Where rank's end was not noted (the connection failed before
+// the drain saw its group start), the one rank that held port on a
+// socket closed now stands for it. -1 when none is found, or several.
 func (a *Agent) rankOfPeer(port uint16, rank int) int {
 	own := a.slotOf(rank)
 	if own == nil {
@@ -300,41 +300,46 @@ func (a *Agent) rankOfPeer(port uint16, rank int) int {
 	own.mu.Lock()
 	mine := slices.Clone(own.socks)
 	own.mu.Unlock()
-	type end struct {
-		rank  int
-		inode string
-		pid   int
+	ports := peerPorts(port)
+	exact := slices.ContainsFunc(mine, func(m tcpSocket) bool { return slices.Contains(ports, m.remote) })
+	// far reports whether k is the other end of rank's connection: ends
+	// matched, or by its local port alone where rank's end is not noted.
+	far := func(k tcpSocket) bool {
+		if !exact {
+			return slices.Contains(ports, k.local)
+		}
+		return slices.ContainsFunc(mine, func(m tcpSocket) bool {
+			return slices.Contains(ports, m.remote) && k.local == m.remote && k.remote == m.local
+		})
 	}
-	var found []end
-	for _, p := range peerPorts(port) {
-		for _, m := range mine {
-			if m.remote != p {
-				continue
-			}
-			for _, s := range a.slots {
-				if s.rank == rank {
-					continue
-				}
-				s.mu.Lock()
-				i := slices.IndexFunc(s.socks, func(k tcpSocket) bool { return k.local == m.remote && k.remote == m.local })
-				if i >= 0 && !slices.ContainsFunc(found, func(e end) bool { return e.rank == s.rank }) {
-					e := end{rank: s.rank, inode: s.socks[i].inode}
-					if s.proc != nil {
-						e.pid = s.proc.pid
-					}
-					found = append(found, e)
-				}
-				s.mu.Unlock()
-			}
+	var found, closed []int // ranks with such an end; with one closed now
+	for _, s := range a.slots {
+		if s.rank == rank {
+			continue
+		}
+		s.mu.Lock()
+		ends := slices.DeleteFunc(slices.Clone(s.socks), func(k tcpSocket) bool { return !far(k) })
+		pid := 0
+		if s.proc != nil {
+			pid = s.proc.pid
+		}
+		s.mu.Unlock()
+		if len(ends) == 0 {
+			continue
+		}
+		found = append(found, s.rank)
+		open := socketInodes(pid)
+		if slices.ContainsFunc(ends, func(k tcpSocket) bool { return !open[k.inode] }) {
+			closed = append(closed, s.rank)
 		}
 	}
-	if len(found) > 1 {
-		found = slices.DeleteFunc(found, func(e end) bool { return socketInodes(e.pid)[e.inode] })
+	switch {
+	case exact && len(found) == 1:
+		return found[0]
+	case len(closed) == 1:
+		return closed[0]
 	}
-	if len(found) != 1 {
-		return -1
-	}
-	return found[0].rank
+	return -1
 }
 
 // closedPeer returns the one local rank whose end of a connection with
