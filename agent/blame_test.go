@@ -5,7 +5,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -134,8 +133,8 @@ func TestTCPSockets(t *testing.T) {
 // connection with a rank of another agent on the host (a subgroup rank 1
 // and rank 0 destroyed earlier must not take the blame for it); a rank
 // whose process is gone has every end closed. rankOfPeer finds the far
-// end of rank 0's connection to the port named, not a socket that holds
-// the port (or its other reading) by chance. Real loopback connections,
+// end of rank 0's failed connection to the port named, not a socket
+// that holds the port (or its other reading) by chance. Real loopback connections,
 // all in this process, stand for the ranks'.
 func TestPeerFromSockets(t *testing.T) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -223,11 +222,9 @@ func TestPeerFromSockets(t *testing.T) {
 		t.Fatalf("closedPeer with rank 2's process gone = rank %d, want 2", r)
 	}
 
-	// rankOfPeer follows rank 0's own connection to the port named: a
-	// port rank 1 holds by chance (here the other reading of the port
-	// rank 2's end has, as in a CI run once) names no one.
-	// Each rank listens on its own port, as gloo's ranks do.
-	dial := func(s *slot) (net.Conn, net.Conn) {
+	// rankOfPeer follows rank 0's own connection to the port named. Each
+	// rank listens on its own port, as gloo's ranks do.
+	dial := func(a *Agent, s *slot) (net.Conn, net.Conn) {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
@@ -246,51 +243,57 @@ func TestPeerFromSockets(t *testing.T) {
 		note(s, d)
 		return c, d
 	}
-	a = &Agent{cfg: Config{ProcsPerNode: 3}}
-	for r := range 3 {
-		a.slots = append(a.slots, &slot{rank: r, proc: &rankProc{pid: os.Getpid()}})
+	ranks := func() *Agent {
+		a := &Agent{cfg: Config{ProcsPerNode: 3}}
+		for r := range 3 {
+			a.slots = append(a.slots, &slot{rank: r, proc: &rankProc{pid: os.Getpid()}})
+		}
+		return a
 	}
-	_, at1 = dial(a.slots[1])
-	_, at2 = dial(a.slots[2])
-	p2 := port(at2)
-	decoy := tcpSocket{inode: "1", local: bits.ReverseBytes16(p2), remote: 1}
-	// And one on rank 2's very port, of a connection elsewhere, closed.
-	a.slots[1].socks = append(a.slots[1].socks, decoy, tcpSocket{inode: "3", local: p2, remote: 2})
-	if r := a.rankOfPeer(port(at1), 0); r != 1 {
-		t.Fatalf("rankOfPeer of rank 1's end = rank %d, want 1", r)
+	a = ranks()
+	c1, at1 := dial(a, a.slots[1])
+	c2, at2 := dial(a, a.slots[2])
+	p1, p2 := port(at1), port(at2)
+	if r := a.rankOfPeer(p1, 0); r != -1 {
+		t.Fatalf("rankOfPeer of a connection open at both ends = rank %d, want none", r)
 	}
-	if r := a.rankOfPeer(p2, 0); r != 2 {
-		t.Fatalf("rankOfPeer of rank 2's end, rank 1 holding its bytes swapped = rank %d, want 2", r)
+	// As in a CI run once: rank 1 holds rank 2's port in the other
+	// reading (here closed), and rank 2's very port on a connection
+	// elsewhere; neither is rank 0's connection.
+	a.slots[1].socks = append(a.slots[1].socks,
+		tcpSocket{inode: "1", local: bits.ReverseBytes16(p2), remote: 1},
+		tcpSocket{inode: "2", local: p2, remote: 2})
+	c2.Close() // gloo closes the erring rank's end on the error
+	for _, q := range []uint16{p2, bits.ReverseBytes16(p2)} {
+		if r := a.rankOfPeer(q, 0); r != 2 {
+			t.Fatalf("rankOfPeer(%d) of rank 2's end with rank 1's decoys = rank %d, want 2", q, r)
+		}
 	}
-	if r := a.rankOfPeer(bits.ReverseBytes16(p2), 0); r != 2 {
-		t.Fatalf("rankOfPeer of rank 2's end printed swapped = rank %d, want 2", r)
+	// rank 0's connection to rank 1 fails too, rank 1's end closing.
+	c1.Close()
+	at1.Close()
+	if r := a.rankOfPeer(p1, 0); r != 1 {
+		t.Fatalf("rankOfPeer of rank 1's closed end = rank %d, want 1", r)
 	}
-	// Where rank 0 has a connection in each reading, the end closed now
-	// is the one that failed; with both closed, neither is named.
-	a.slots[0].socks = append(a.slots[0].socks, tcpSocket{inode: "2", local: 1, remote: decoy.local})
-	a.slots[1].socks[len(a.slots[1].socks)-2].remote = 1
-	if r := a.rankOfPeer(p2, 0); r != 1 {
-		t.Fatalf("rankOfPeer with rank 1's end closed in one reading, rank 2's open in the other = rank %d, want 1", r)
-	}
-	at2.Close()
+	// A failed connection to another rank in each reading names neither.
+	a.slots[0].socks = append(a.slots[0].socks, tcpSocket{inode: "3", local: 7, remote: bits.ReverseBytes16(p2)})
+	a.slots[1].socks = append(a.slots[1].socks, tcpSocket{inode: "4", local: bits.ReverseBytes16(p2), remote: 7})
 	if r := a.rankOfPeer(p2, 0); r != -1 {
-		t.Fatalf("rankOfPeer with ends closed in both readings = rank %d, want none", r)
+		t.Fatalf("rankOfPeer with a failed connection in each reading = rank %d, want none", r)
 	}
 
-	// A new note drops the ends closed since the last.
-	a.slots[1].notePorts(os.Getpid())
-	if slices.ContainsFunc(a.slots[1].socks, func(k tcpSocket) bool { return k.inode == decoy.inode }) {
-		t.Errorf("notePorts kept a closed end: %+v", a.slots[1].socks)
-	}
-	if !slices.ContainsFunc(a.slots[1].socks, func(k tcpSocket) bool { return k.local == port(at1) }) {
-		t.Errorf("notePorts lost an open end: %+v", a.slots[1].socks)
-	}
-
-	// Where rank 0's end was not noted, the one rank whose socket on the
-	// port is closed stands for it; one open on it does not.
+	// Where rank 0 has no end to the port noted, the one rank holding it
+	// (in either reading) on a socket closed now stands for it; one open
+	// on it does not.
+	a = ranks()
+	_, at1 = dial(a, a.slots[1])
+	_, at2 = dial(a, a.slots[2])
 	a.slots[0].socks = nil
-	if r := a.rankOfPeer(p2, 0); r != 2 {
-		t.Fatalf("rankOfPeer with rank 0's end not noted, rank 2's closed = rank %d, want 2", r)
+	at2.Close()
+	for _, q := range []uint16{port(at2), bits.ReverseBytes16(port(at2))} {
+		if r := a.rankOfPeer(q, 0); r != 2 {
+			t.Fatalf("rankOfPeer(%d) with rank 0's end not noted, rank 2's closed = rank %d, want 2", q, r)
+		}
 	}
 	if r := a.rankOfPeer(port(at1), 0); r != -1 {
 		t.Fatalf("rankOfPeer with rank 0's end not noted, rank 1's open = rank %d, want none", r)

@@ -239,10 +239,8 @@ func (a *Agent) hangFault(s *slot, f hang.Fault) {
 }
 
 // notePorts notes the TCP sockets that pid, the slot's process, holds
-// now, in place of those noted before: once it is gone, its ends of its
-// connections still say whom a peer's error names. Ends closed since the
-// last note are of connections ended before (a destroyed group), whose
-// ports the kernel may have handed out again.
+// now, beside those noted before: once it is gone, or has closed them,
+// its ends of its connections still say whom a peer's error names.
 func (s *slot) notePorts(pid int) {
 	inodes := socketInodes(pid)
 	if len(inodes) == 0 {
@@ -259,7 +257,11 @@ func (s *slot) notePorts(pid int) {
 	if s.proc == nil || s.proc.pid != pid {
 		return
 	}
-	s.socks = socks
+	for _, k := range socks {
+		if !slices.ContainsFunc(s.socks, func(o tcpSocket) bool { return o.inode == k.inode }) {
+			s.socks = append(s.socks, k)
+		}
+	}
 }
 
 // socketInodes returns the inodes of the sockets pid holds open; none
@@ -284,62 +286,59 @@ func socketInodes(pid int) map[string]bool {
 }
 
 // rankOfPeer returns the local rank other than rank at the far end of
-// rank's connection to port, as an error names it (see peerPorts): the
-// rank whose noted socket is that connection's other end, ends matched
-// exactly, so that a port another rank holds by chance (or holds in the
-// reading of the port not meant) names no one. Where several ranks are
-// found (one in each reading), the one rank whose end is closed now is
-// taken. Where rank's end was not noted (the connection failed before
-// the drain saw its group start), the one rank that held port on a
-// socket closed now stands for it. -1 when none is found, or several.
+// rank's failed connection to port, as an error names it (see
+// peerPorts), by the sockets noted: rank's ends whose remote port is a
+// reading of port, and the ranks' ends matching them both ways, so that
+// a port another rank holds by chance names no one. A connection open at
+// both ends did not fail (gloo closes its end on the error), so a match
+// counts only where either end is closed now. Where rank has no end to
+// either reading (the connection failed before the drain saw its group
+// start), a rank holding a reading of port on a socket closed now stands
+// for it. -1 when no rank is found, or several.
 func (a *Agent) rankOfPeer(port uint16, rank int) int {
 	own := a.slotOf(rank)
 	if own == nil {
 		return -1
 	}
-	own.mu.Lock()
-	mine := slices.Clone(own.socks)
-	own.mu.Unlock()
 	ports := peerPorts(port)
-	exact := slices.ContainsFunc(mine, func(m tcpSocket) bool { return slices.Contains(ports, m.remote) })
-	// far reports whether k is the other end of rank's connection: ends
-	// matched, or by its local port alone where rank's end is not noted.
-	far := func(k tcpSocket) bool {
-		if !exact {
-			return slices.Contains(ports, k.local)
+	own.mu.Lock()
+	mine, ownPid := slices.Clone(own.socks), 0
+	if own.proc != nil {
+		ownPid = own.proc.pid
+	}
+	own.mu.Unlock()
+	mine = slices.DeleteFunc(mine, func(m tcpSocket) bool { return !slices.Contains(ports, m.remote) })
+	mineOpen := socketInodes(ownPid)
+	// far reports whether k, open by open, is a far end that counts.
+	far := func(k tcpSocket, open map[string]bool) bool {
+		if len(mine) == 0 {
+			return slices.Contains(ports, k.local) && !open[k.inode]
 		}
 		return slices.ContainsFunc(mine, func(m tcpSocket) bool {
-			return slices.Contains(ports, m.remote) && k.local == m.remote && k.remote == m.local
+			return k.local == m.remote && k.remote == m.local && (!open[k.inode] || !mineOpen[m.inode])
 		})
 	}
-	var found, closed []int // ranks with such an end; with one closed now
+	found := -1
 	for _, s := range a.slots {
 		if s.rank == rank {
 			continue
 		}
 		s.mu.Lock()
-		ends := slices.DeleteFunc(slices.Clone(s.socks), func(k tcpSocket) bool { return !far(k) })
-		pid := 0
+		theirs, pid := slices.Clone(s.socks), 0
 		if s.proc != nil {
 			pid = s.proc.pid
 		}
 		s.mu.Unlock()
-		if len(ends) == 0 {
+		open := socketInodes(pid)
+		if !slices.ContainsFunc(theirs, func(k tcpSocket) bool { return far(k, open) }) {
 			continue
 		}
-		found = append(found, s.rank)
-		open := socketInodes(pid)
-		if slices.ContainsFunc(ends, func(k tcpSocket) bool { return !open[k.inode] }) {
-			closed = append(closed, s.rank)
+		if found >= 0 {
+			return -1
 		}
+		found = s.rank
 	}
-	switch {
-	case exact && len(found) == 1:
-		return found[0]
-	case len(closed) == 1:
-		return closed[0]
-	}
-	return -1
+	return found
 }
 
 // closedPeer returns the one local rank whose end of a connection with
