@@ -1,7 +1,9 @@
 package taskd
 
 import (
+	"errors"
 	"testing"
+	"time"
 
 	"github.com/faultline-ml/faultline/internal/testkit"
 )
@@ -26,5 +28,25 @@ func TestOtherJob(t *testing.T) {
 	}
 	if direct.Connected() || viaProxy.Connected() {
 		t.Error("a worker of another job is connected")
+	}
+}
+
+// TestRetryWait: a refusal for another job is asked again soon, with the
+// backoff started over; other errors wait longer each time.
+func TestRetryWait(t *testing.T) {
+	bo := newBackoff(50*time.Millisecond, 5*time.Second)
+	other := errors.New("connection refused")
+	var last time.Duration
+	for range 8 {
+		last = retryWait(bo, other)
+	}
+	if last < time.Second {
+		t.Fatalf("after 8 failures the wait is %v; want the backoff grown past 1s", last)
+	}
+	if got := retryWait(bo, unknownJob("job-1-g2", "manager", "job-1-g1")); got != otherJobRetry {
+		t.Errorf("wait after a refusal for another job = %v, want %v", got, otherJobRetry)
+	}
+	if got := retryWait(bo, other); got > 60*time.Millisecond {
+		t.Errorf("wait after the next failure = %v; want the backoff started over (50ms ± 20%%)", got)
 	}
 }

@@ -313,7 +313,7 @@ func (p *Proxy) runUpstream(ctx context.Context) error {
 		if time.Since(start) > 2*p.cfg.ReconnectMax {
 			bo.Reset()
 		}
-		wait := bo.NextBackOff()
+		wait := retryWait(bo, err)
 		p.log.Info("taskd: manager connection lost; registering again", "err", err, "in", wait)
 		select {
 		case <-ctx.Done():

@@ -310,7 +310,7 @@ func (w *Worker) serve(ctx context.Context) error {
 		if time.Since(start) > 2*w.cfg.ReconnectMax {
 			bo.Reset()
 		}
-		wait := bo.NextBackOff()
+		wait := retryWait(bo, err)
 		if served, ok := servedJob(err); ok {
 			w.otherJob.Store(&served)
 		}

@@ -190,6 +190,11 @@ func TestElasticReplaced(t *testing.T) {
 	for i := range jobs {
 		jobs[i] = c.start(i, c.f.Hosts[i], flags, args...)
 	}
+	t.Cleanup(func() {
+		if t.Failed() { // what the other nodes saw, for a failure that names one
+			t.Logf("node 0's stderr:\n%s\nnode 2's stderr:\n%s", jobs[0].errText(), jobs[2].errText())
+		}
+	})
 	jobs[0].waitLine("[rank0]: step 15 loss", 3*time.Minute)
 	c.f.Hosts[1].Kill()
 	<-jobs[1].done
@@ -226,6 +231,11 @@ func TestElasticGrow(t *testing.T) {
 	for i := range jobs {
 		jobs[i] = c.start(i, c.f.Hosts[i], flags, args...)
 	}
+	t.Cleanup(func() {
+		if t.Failed() { // what the other nodes saw, for a failure that names one
+			t.Logf("node 0's stderr:\n%s\nnode 2's stderr:\n%s", jobs[0].errText(), jobs[2].errText())
+		}
+	})
 	jobs[0].waitLine("[rank0]: step 15 loss", 3*time.Minute)
 	c.f.Hosts[1].Kill()
 	jobs[0].waitLine("[rank0]: resumed from step", 3*time.Minute)
