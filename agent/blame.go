@@ -168,6 +168,9 @@ func peerPorts(port uint16) []uint16 {
 type tcpSocket struct {
 	inode         string
 	local, remote uint16 // ports
+	// first is the number of the slot's note that first saw it, gone
+	// that of the first that did not (0 while held): see slot.note.
+	first, gone int
 }
 
 // tcpSockets returns the sockets in table (the text of

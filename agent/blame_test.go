@@ -5,6 +5,8 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -297,6 +299,116 @@ func TestPeerFromSockets(t *testing.T) {
 	}
 	if r := a.rankOfPeer(port(at1), 0); r != -1 {
 		t.Fatalf("rankOfPeer with rank 0's end not noted, rank 1's open = rank %d, want none", r)
+	}
+}
+
+// TestPeerFromNotes: ends noted over several notes, as a rank that makes
+// and ends groups leaves them. Sockets with made-up inodes are closed;
+// the ranks' process is this one.
+func TestPeerFromNotes(t *testing.T) {
+	ranks := func() *Agent {
+		a := &Agent{cfg: Config{ProcsPerNode: 3}}
+		for r := range 3 {
+			a.slots = append(a.slots, &slot{rank: r, proc: &rankProc{pid: os.Getpid()}})
+		}
+		return a
+	}
+	const q = 45000
+	for _, old := range []uint16{q, bits.ReverseBytes16(q)} {
+		// Rank 0's connection with rank 1 ended with a group; the port went
+		// to rank 0's new connection with a rank whose end was not noted.
+		a := ranks()
+		a.slots[0].note([]tcpSocket{{inode: "a", local: 40001, remote: old}})
+		a.slots[1].note([]tcpSocket{{inode: "b", local: old, remote: 40001}})
+		if r := a.rankOfPeer(q, 0); r != 1 {
+			t.Fatalf("rankOfPeer of rank 0's one connection, closed, with rank 1 = %d, want 1", r)
+		}
+		a.slots[0].note([]tcpSocket{{inode: "c", local: 40002, remote: q}})
+		if r := a.rankOfPeer(q, 0); r != -1 {
+			t.Fatalf("rankOfPeer(%d) with rank 1's end (port %d) of a connection ended before = rank %d, want none", q, old, r)
+		}
+	}
+
+	// Rank 0 noted no end to the port: rank 1's socket on it stands for
+	// it only where rank 1 did not let go of it and go on.
+	a := ranks()
+	a.slots[1].note([]tcpSocket{{inode: "s", local: bits.ReverseBytes16(q), remote: 29500}})
+	if r := a.rankOfPeer(q, 0); r != 1 {
+		t.Fatalf("rankOfPeer with rank 1's socket on the port closed = %d, want 1", r)
+	}
+	a.slots[1].note([]tcpSocket{{inode: "t", local: 40100, remote: 29500}})
+	if r := a.rankOfPeer(q, 0); r != -1 {
+		t.Fatalf("rankOfPeer with rank 1's socket on the port closed before its last note = %d, want none", r)
+	}
+	// closedPeer passes over such an end too.
+	a = ranks()
+	a.slots[0].note([]tcpSocket{{inode: "m", local: 40001, remote: 40002}})
+	a.slots[1].note([]tcpSocket{{inode: "k", local: 40002, remote: 40001}})
+	a.slots[0].proc = nil
+	if r, _ := a.closedPeer(0); r != 1 {
+		t.Fatalf("closedPeer with rank 1's end closed = %d, want 1", r)
+	}
+	a.slots[1].note([]tcpSocket{{inode: "t", local: 40100, remote: 29500}})
+	if r, _ := a.closedPeer(0); r != -1 {
+		t.Fatalf("closedPeer with rank 1's end closed before its last note = %d, want none", r)
+	}
+
+	// Once rank 0's process is gone, its connection with rank 1, open at
+	// rank 1's end, did not fail.
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	c, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	d, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	p0, p1 := uint16(c.LocalAddr().(*net.TCPAddr).Port), uint16(d.LocalAddr().(*net.TCPAddr).Port)
+	b, err := os.ReadFile("/proc/self/net/tcp")
+	if err != nil {
+		t.Skipf("no /proc/self/net/tcp: %v", err)
+	}
+	var mine, theirs []tcpSocket
+	for _, k := range tcpSockets(b, socketInodes(os.Getpid())) {
+		switch {
+		case k.local == p0 && k.remote == p1:
+			mine = append(mine, k)
+		case k.local == p1 && k.remote == p0:
+			theirs = append(theirs, k)
+		}
+	}
+	if len(mine) != 1 || len(theirs) != 1 {
+		t.Fatalf("ends %d -> %d in /proc/self/net/tcp: %v and %v", p0, p1, mine, theirs)
+	}
+	a = ranks()
+	a.slots[0].note(mine)
+	a.slots[1].note(theirs)
+	a.slots[0].proc = nil
+	if r := a.rankOfPeer(p1, 0); r != -1 {
+		t.Fatalf("rankOfPeer, rank 0 gone, of its connection open at rank 1's end = %d, want none", r)
+	}
+	d.Close()
+	if r := a.rankOfPeer(p1, 0); r != 1 {
+		t.Fatalf("rankOfPeer, rank 0 gone, of its connection closed at rank 1's end = %d, want 1", r)
+	}
+
+	// A job that makes and ends connections as it goes keeps maxGone of
+	// the ended ones, and every one it holds.
+	s := &slot{}
+	held := tcpSocket{inode: "held", local: 1, remote: 2}
+	for i := range 3 * maxGone {
+		s.note([]tcpSocket{held, {inode: strconv.Itoa(i), local: 3, remote: 4}})
+	}
+	if len(s.socks) != maxGone+2 || !slices.ContainsFunc(s.socks, func(k tcpSocket) bool { return k.inode == "held" }) {
+		t.Fatalf("after %d notes, %d sockets noted (held kept: %v); want %d", 3*maxGone, len(s.socks),
+			slices.ContainsFunc(s.socks, func(k tcpSocket) bool { return k.inode == "held" }), maxGone+2)
 	}
 }
 

@@ -1,9 +1,11 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"net/netip"
 	"os"
@@ -257,11 +259,52 @@ func (s *slot) notePorts(pid int) {
 	if s.proc == nil || s.proc.pid != pid {
 		return
 	}
-	for _, k := range socks {
-		if !slices.ContainsFunc(s.socks, func(o tcpSocket) bool { return o.inode == k.inode }) {
+	s.note(socks)
+}
+
+// maxGone bounds the sockets noted that their process has closed since:
+// a job that makes and ends groups as it goes keeps the latest.
+const maxGone = 1024
+
+// note adds open, the sockets the slot's process holds now, to those
+// noted, stamped with this note's number; a socket noted before and not
+// held now is stamped gone at it. s.mu is held.
+func (s *slot) note(open []tcpSocket) {
+	s.notes++
+	held := make(map[string]bool, len(open))
+	for _, k := range open {
+		held[k.inode] = true
+	}
+	known := make(map[string]bool, len(s.socks))
+	gone := 0
+	for i := range s.socks {
+		k := &s.socks[i]
+		known[k.inode] = true
+		if k.gone == 0 && !held[k.inode] {
+			k.gone = s.notes
+		}
+		if k.gone != 0 {
+			gone++
+		}
+	}
+	for _, k := range open {
+		if !known[k.inode] {
+			k.first = s.notes
 			s.socks = append(s.socks, k)
 		}
 	}
+	if gone > maxGone {
+		slices.SortStableFunc(s.socks, func(a, b tcpSocket) int { return cmp.Compare(goneOrder(a), goneOrder(b)) })
+		s.socks = slices.Delete(s.socks, 0, gone-maxGone)
+	}
+}
+
+// goneOrder sorts the sockets closed earliest first, those held last.
+func goneOrder(k tcpSocket) int {
+	if k.gone == 0 {
+		return math.MaxInt
+	}
+	return k.gone
 }
 
 // socketInodes returns the inodes of the sockets pid holds open; none
@@ -291,10 +334,13 @@ func socketInodes(pid int) map[string]bool {
 // reading of port, and the ranks' ends matching them both ways, so that
 // a port another rank holds by chance names no one. A connection open at
 // both ends did not fail (gloo closes its end on the error), so a match
-// counts only where either end is closed now. Where rank has no end to
-// either reading (the connection failed before the drain saw its group
-// start), a rank holding a reading of port on a socket closed now stands
-// for it. -1 when no rank is found, or several.
+// counts only where either end is closed now (the far end, once rank's
+// process is gone), and of rank's ends to port, an end closed before a
+// later one was noted is of an earlier connection. Where rank has no end
+// to either reading (the connection failed before the drain saw its
+// group start), a rank holding a reading of port on a socket closed now,
+// and not closed before its last note, stands for it. -1 when no rank is
+// found, or several.
 func (a *Agent) rankOfPeer(port uint16, rank int) int {
 	own := a.slotOf(rank)
 	if own == nil {
@@ -308,14 +354,25 @@ func (a *Agent) rankOfPeer(port uint16, rank int) int {
 	}
 	own.mu.Unlock()
 	mine = slices.DeleteFunc(mine, func(m tcpSocket) bool { return !slices.Contains(ports, m.remote) })
+	// An end rank closed before it held a later one to the port was of
+	// an earlier connection: the port went to the later one's peer.
+	newest := 0
+	for _, m := range mine {
+		newest = max(newest, m.first)
+	}
+	mine = slices.DeleteFunc(mine, func(m tcpSocket) bool { return m.gone != 0 && m.gone <= newest })
+	// Once rank's process is gone every end of its looks closed: only the
+	// far end closed then counts.
 	mineOpen := socketInodes(ownPid)
+	alive := len(mineOpen) > 0
 	// far reports whether k, open by open, is a far end that counts.
 	far := func(k tcpSocket, open map[string]bool) bool {
 		if len(mine) == 0 {
-			return slices.Contains(ports, k.local) && !open[k.inode]
+			// Not an end its rank let go of and went on (see note).
+			return slices.Contains(ports, k.local) && !open[k.inode] && k.gone == 0
 		}
 		return slices.ContainsFunc(mine, func(m tcpSocket) bool {
-			return k.local == m.remote && k.remote == m.local && (!open[k.inode] || !mineOpen[m.inode])
+			return k.local == m.remote && k.remote == m.local && (!open[k.inode] || alive && !mineOpen[m.inode])
 		})
 	}
 	found := -1
@@ -344,6 +401,8 @@ func (a *Agent) rankOfPeer(port uint16, rank int) int {
 // closedPeer returns the one local rank whose end of a connection with
 // rank's process (both ends as they were noted) is closed now, and the
 // port of that end; -1 when no rank's end is, or more than one rank's.
+// An end its rank closed before its last note is one it let go of and
+// went on: it names no one.
 // gloo names at times, for a connection the peer made, the address the
 // peer had listened on and closed before it connected, which no table
 // holds; the connection's own ends still say which peer let go. While
@@ -385,8 +444,8 @@ func (a *Agent) closedPeer(rank int) (int, uint16) {
 		}
 		open := socketInodes(pid)
 		for _, k := range ends {
-			if open[k.inode] {
-				continue
+			if open[k.inode] || k.gone != 0 {
+				continue // open, or let go of by a rank that went on
 			}
 			if found >= 0 && found != s.rank {
 				return -1, 0

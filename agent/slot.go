@@ -66,6 +66,7 @@ type slot struct {
 	deferred int64 // and resumes from this step
 	worker   *taskd.Worker
 	socks    []tcpSocket            // TCP sockets its process held (see notePorts)
+	notes    int                    // notes of socks taken
 	drainMu  sync.Mutex             // the ring's reader, and the maps below
 	opens    map[uint64]openRange   // ranges in flight, by ring id
 	timings  map[uint64]hang.Timing // collectives in flight, by ring id
