@@ -32,21 +32,47 @@ func TestOtherJob(t *testing.T) {
 }
 
 // TestRetryWait: a refusal for another job is asked again soon, with the
-// backoff started over; other errors wait longer each time.
+// backoff started over once, for otherJobWindow; other errors, and those
+// refusals after the window, wait longer each time.
 func TestRetryWait(t *testing.T) {
-	bo := newBackoff(50*time.Millisecond, 5*time.Second)
+	r := newRetry(50*time.Millisecond, 5*time.Second)
 	other := errors.New("connection refused")
+	refused := unknownJob("job-1-g2", "manager", "job-1-g1")
 	var last time.Duration
 	for range 8 {
-		last = retryWait(bo, other)
+		last = r.wait(other, t0)
 	}
 	if last < time.Second {
 		t.Fatalf("after 8 failures the wait is %v; want the backoff grown past 1s", last)
 	}
-	if got := retryWait(bo, unknownJob("job-1-g2", "manager", "job-1-g1")); got != otherJobRetry {
-		t.Errorf("wait after a refusal for another job = %v, want %v", got, otherJobRetry)
+	fast := func(d time.Duration) bool { return d >= otherJobRetry*8/10 && d <= otherJobRetry*12/10 }
+	if got := r.wait(refused, t0); !fast(got) {
+		t.Errorf("wait after a refusal for another job = %v, want %v ± 20%%", got, otherJobRetry)
 	}
-	if got := retryWait(bo, other); got > 60*time.Millisecond {
+	if got := r.wait(other, t0); got > 60*time.Millisecond {
 		t.Errorf("wait after the next failure = %v; want the backoff started over (50ms ± 20%%)", got)
+	}
+	// Refusals mixed with other failures start the backoff over only once.
+	for i := range 8 {
+		if got := r.wait(refused, t0.Add(time.Duration(i)*time.Second)); !fast(got) {
+			t.Fatalf("wait after refusal %d within the window = %v, want %v ± 20%%", i+2, got, otherJobRetry)
+		}
+		last = r.wait(other, t0.Add(time.Duration(i)*time.Second))
+	}
+	if last < time.Second {
+		t.Fatalf("after 9 failures between the refusals the wait is %v; want the backoff grown past 1s", last)
+	}
+	// A server that still serves another job after the window is asked
+	// as after any failure.
+	for i := range 8 {
+		last = r.wait(refused, t0.Add(otherJobWindow+time.Duration(i)*time.Second))
+	}
+	if last < 4*time.Second {
+		t.Fatalf("wait after refusals past the window = %v; want the backoff at its bound, 5s ± 20%%", last)
+	}
+	// A session that lasted starts both over.
+	r.lasted()
+	if got := r.wait(refused, t0.Add(time.Hour)); !fast(got) {
+		t.Errorf("wait after a refusal, after a session that lasted = %v, want %v ± 20%%", got, otherJobRetry)
 	}
 }

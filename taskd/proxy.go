@@ -299,7 +299,7 @@ func (p *Proxy) leave() {
 }
 
 func (p *Proxy) runUpstream(ctx context.Context) error {
-	bo := newBackoff(50*time.Millisecond, p.cfg.ReconnectMax)
+	retry := newRetry(50*time.Millisecond, p.cfg.ReconnectMax)
 	sessions := 0
 	for {
 		start := time.Now()
@@ -311,9 +311,9 @@ func (p *Proxy) runUpstream(ctx context.Context) error {
 			return nil
 		}
 		if time.Since(start) > 2*p.cfg.ReconnectMax {
-			bo.Reset()
+			retry.lasted()
 		}
-		wait := retryWait(bo, err)
+		wait := retry.wait(err, time.Now())
 		p.log.Info("taskd: manager connection lost; registering again", "err", err, "in", wait)
 		select {
 		case <-ctx.Done():

@@ -292,7 +292,7 @@ const closeGrace = time.Second
 // ends (nil), the instance is evicted (ErrEvicted) or its position is
 // refused (ErrPosition).
 func (w *Worker) serve(ctx context.Context) error {
-	bo := newBackoff(50*time.Millisecond, w.cfg.ReconnectMax)
+	retry := newRetry(50*time.Millisecond, w.cfg.ReconnectMax)
 	for {
 		start := time.Now()
 		err := w.session(ctx)
@@ -308,9 +308,9 @@ func (w *Worker) serve(ctx context.Context) error {
 			return err
 		}
 		if time.Since(start) > 2*w.cfg.ReconnectMax {
-			bo.Reset()
+			retry.lasted()
 		}
-		wait := retryWait(bo, err)
+		wait := retry.wait(err, time.Now())
 		if served, ok := servedJob(err); ok {
 			w.otherJob.Store(&served)
 		}
