@@ -329,6 +329,25 @@ func TestPeerFromNotes(t *testing.T) {
 		}
 	}
 
+	// Rank 0's connection with rank 1 ended before rank 0's last note;
+	// the port went to rank 2, and rank 0's end of the connection that
+	// failed was not noted: rank 1's old end names no one, rank 2's may.
+	for _, noted2 := range []bool{false, true} {
+		a := ranks()
+		a.slots[0].note([]tcpSocket{{inode: "a", local: 40001, remote: q}})
+		a.slots[1].note([]tcpSocket{{inode: "b", local: q, remote: 40001}})
+		a.slots[0].note([]tcpSocket{{inode: "x", local: 40003, remote: 29500}})
+		a.slots[0].note([]tcpSocket{{inode: "x", local: 40003, remote: 29500}}) // with the failing group's start
+		want := -1
+		if noted2 {
+			a.slots[2].note([]tcpSocket{{inode: "c", local: q, remote: 40005}})
+			want = 2
+		}
+		if r := a.rankOfPeer(q, 0); r != want {
+			t.Fatalf("rankOfPeer with rank 1's end of a connection ended before rank 0's last note (rank 2's end noted: %v) = %d, want %d", noted2, r, want)
+		}
+	}
+
 	// Rank 0 noted no end to the port: rank 1's socket on it stands for
 	// it only where rank 1 did not let go of it and go on.
 	a := ranks()
@@ -353,13 +372,28 @@ func TestPeerFromNotes(t *testing.T) {
 		t.Fatalf("closedPeer with rank 1's end closed before its last note = %d, want none", r)
 	}
 
-	// Once rank 0's process is gone, its connection with rank 1, open at
-	// rank 1's end, did not fail.
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	// Rank 0, running, ended a group with rank 2 before its last note;
+	// its end of that connection, closed since, does not hide rank 1's
+	// end of the one that failed.
+	l, err := net.Listen("tcp", "127.0.0.1:0") // rank 0's process holds a socket
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.Close()
+	a = ranks()
+	a.slots[0].note([]tcpSocket{{inode: "e", local: 40010, remote: 40011}})
+	a.slots[2].note([]tcpSocket{{inode: "f", local: 40011, remote: 40010}})
+	a.slots[0].note([]tcpSocket{{inode: "x", local: 40003, remote: 29500}})
+	a.slots[2].note([]tcpSocket{{inode: "y", local: 40004, remote: 29500}})
+	a.slots[0].note([]tcpSocket{{inode: "x", local: 40003, remote: 29500}, {inode: "m", local: 42000, remote: 42001}})
+	a.slots[1].note([]tcpSocket{{inode: "k", local: 42001, remote: 42000}})
+	a.slots[0].socks = slices.DeleteFunc(a.slots[0].socks, func(k tcpSocket) bool { return k.inode == "x" }) // of no slot
+	if r, p := a.closedPeer(0); r != 1 || p != 42001 {
+		t.Fatalf("closedPeer with rank 0's end of a group ended before = rank %d, port %d; want rank 1, port 42001", r, p)
+	}
+
+	// Once rank 0's process is gone, its connection with rank 1, open at
+	// rank 1's end, did not fail.
 	c, err := net.Dial("tcp", l.Addr().String())
 	if err != nil {
 		t.Fatal(err)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"math"
 	"net"
 	"net/netip"
@@ -250,9 +251,17 @@ func (s *slot) notePorts(pid int) {
 	}
 	var socks []tcpSocket
 	for _, table := range []string{"tcp", "tcp6"} {
-		if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, table)); err == nil {
-			socks = append(socks, tcpSockets(b, inodes)...)
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, table))
+		if errors.Is(err, fs.ErrNotExist) && table == "tcp6" {
+			continue // no IPv6 on this host
 		}
+		if err != nil {
+			return // a note of part would stamp the rest gone
+		}
+		socks = append(socks, tcpSockets(b, inodes)...)
+	}
+	if len(socketInodes(pid)) == 0 {
+		return // it ended while noted: its sockets were not closed one by one
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -348,19 +357,27 @@ func (a *Agent) rankOfPeer(port uint16, rank int) int {
 	}
 	ports := peerPorts(port)
 	own.mu.Lock()
-	mine, ownPid := slices.Clone(own.socks), 0
+	mine, notes, ownPid := slices.Clone(own.socks), own.notes, 0
 	if own.proc != nil {
 		ownPid = own.proc.pid
 	}
 	own.mu.Unlock()
 	mine = slices.DeleteFunc(mine, func(m tcpSocket) bool { return !slices.Contains(ports, m.remote) })
-	// An end rank closed before it held a later one to the port was of
-	// an earlier connection: the port went to the later one's peer.
+	// An end rank closed before its last note, or before it held a later
+	// one to the port, was of an earlier connection: the port went to
+	// another's peer since, and its own far end names no one.
 	newest := 0
 	for _, m := range mine {
 		newest = max(newest, m.first)
 	}
-	mine = slices.DeleteFunc(mine, func(m tcpSocket) bool { return m.gone != 0 && m.gone <= newest })
+	var stale []tcpSocket
+	mine = slices.DeleteFunc(mine, func(m tcpSocket) bool {
+		if m.gone != 0 && (m.gone < notes || m.gone <= newest) {
+			stale = append(stale, m)
+			return true
+		}
+		return false
+	})
 	// Once rank's process is gone every end of its looks closed: only the
 	// far end closed then counts.
 	mineOpen := socketInodes(ownPid)
@@ -369,7 +386,8 @@ func (a *Agent) rankOfPeer(port uint16, rank int) int {
 	far := func(k tcpSocket, open map[string]bool) bool {
 		if len(mine) == 0 {
 			// Not an end its rank let go of and went on (see note).
-			return slices.Contains(ports, k.local) && !open[k.inode] && k.gone == 0
+			return slices.Contains(ports, k.local) && !open[k.inode] && k.gone == 0 &&
+				!slices.ContainsFunc(stale, func(m tcpSocket) bool { return k.local == m.remote && k.remote == m.local })
 		}
 		return slices.ContainsFunc(mine, func(m tcpSocket) bool {
 			return k.local == m.remote && k.remote == m.local && (!open[k.inode] || alive && !mineOpen[m.inode])
@@ -416,7 +434,7 @@ func (a *Agent) closedPeer(rank int) (int, uint16) {
 		return -1, 0
 	}
 	own.mu.Lock()
-	mine, ownPid := slices.Clone(own.socks), 0
+	mine, notes, ownPid := slices.Clone(own.socks), own.notes, 0
 	if own.proc != nil {
 		ownPid = own.proc.pid
 	}
@@ -455,7 +473,9 @@ func (a *Agent) closedPeer(rank int) (int, uint16) {
 	}
 	if open := socketInodes(ownPid); found >= 0 && len(open) > 0 {
 		for _, m := range mine {
-			if m.remote != 0 && !open[m.inode] && !slices.Contains(with, m) {
+			// An end closed before rank's last note is of a group ended
+			// before, not of this failure.
+			if m.remote != 0 && !open[m.inode] && (m.gone == 0 || m.gone == notes) && !slices.Contains(with, m) {
 				return -1, 0
 			}
 		}
