@@ -32,8 +32,9 @@ func TestOtherJob(t *testing.T) {
 }
 
 // TestRetryWait: a refusal for another job is asked again soon, with the
-// backoff started over once, for otherJobWindow; other errors, and those
-// refusals after the window, wait longer each time.
+// backoff started over once, for otherJobWindow after the first since the
+// last registration; other errors, and those refusals after the window,
+// wait longer each time.
 func TestRetryWait(t *testing.T) {
 	r := newRetry(50*time.Millisecond, 5*time.Second)
 	other := errors.New("connection refused")
@@ -70,9 +71,21 @@ func TestRetryWait(t *testing.T) {
 	if last < 4*time.Second {
 		t.Fatalf("wait after refusals past the window = %v; want the backoff at its bound, 5s ± 20%%", last)
 	}
-	// A session that lasted starts both over.
-	r.lasted()
+	// Only a session that registered ends the run of refusals.
+	r.ended(false, true)
+	if got := r.wait(refused, t0.Add(time.Hour)); fast(got) {
+		t.Errorf("wait after a refusal, after a long session that did not register = %v, want the backoff's", got)
+	}
+	r.ended(true, false)
 	if got := r.wait(refused, t0.Add(time.Hour)); !fast(got) {
-		t.Errorf("wait after a refusal, after a session that lasted = %v, want %v ± 20%%", got, otherJobRetry)
+		t.Errorf("wait after a refusal, after a session that registered = %v, want %v ± 20%%", got, otherJobRetry)
+	}
+	// One that lasted too starts the backoff over.
+	for range 8 {
+		r.wait(other, t0)
+	}
+	r.ended(true, true)
+	if got := r.wait(other, t0); got > 60*time.Millisecond {
+		t.Errorf("wait after a session that lasted = %v; want the backoff started over (50ms ± 20%%)", got)
 	}
 }

@@ -302,7 +302,7 @@ func (p *Proxy) runUpstream(ctx context.Context) error {
 	retry := newRetry(50*time.Millisecond, p.cfg.ReconnectMax)
 	sessions := 0
 	for {
-		start := time.Now()
+		start, n := time.Now(), sessions
 		err := p.upSession(ctx, &sessions)
 		p.mu.Lock()
 		p.upReady = false
@@ -310,9 +310,7 @@ func (p *Proxy) runUpstream(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
-		if time.Since(start) > 2*p.cfg.ReconnectMax {
-			retry.lasted()
-		}
+		retry.ended(sessions > n, time.Since(start) > 2*p.cfg.ReconnectMax)
 		wait := retry.wait(err, time.Now())
 		p.log.Info("taskd: manager connection lost; registering again", "err", err, "in", wait)
 		select {

@@ -34,7 +34,7 @@ const (
 // retry paces registrations after failures.
 type retry struct {
 	bo    *backoff.ExponentialBackOff
-	since time.Time // the first refusal for another job since the last session that lasted
+	since time.Time // the first refusal for another job since the last registration
 }
 
 // newRetry returns a retry whose backoff runs from initial to max.
@@ -42,10 +42,16 @@ func newRetry(initial, max time.Duration) *retry {
 	return &retry{bo: newBackoff(initial, max)}
 }
 
-// lasted starts over after a session that lasted.
-func (r *retry) lasted() {
-	r.bo.Reset()
-	r.since = time.Time{}
+// ended takes in a session that ended: one that registered ends a run of
+// refusals for another job, and one that lasted too starts the backoff
+// over.
+func (r *retry) ended(registered, lasted bool) {
+	if registered {
+		r.since = time.Time{}
+		if lasted {
+			r.bo.Reset()
+		}
+	}
 }
 
 // wait returns the wait before registering again after err, at now: about

@@ -284,6 +284,13 @@ func (w *Worker) Run(ctx context.Context) error {
 	return err
 }
 
+// registrations returns how many times the worker registered.
+func (w *Worker) registrations() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.registered
+}
+
 // closeGrace bounds how long a worker that stops waits for a trainer call
 // in progress, and then how long it spends sending what is queued.
 const closeGrace = time.Second
@@ -294,7 +301,7 @@ const closeGrace = time.Second
 func (w *Worker) serve(ctx context.Context) error {
 	retry := newRetry(50*time.Millisecond, w.cfg.ReconnectMax)
 	for {
-		start := time.Now()
+		start, n := time.Now(), w.registrations()
 		err := w.session(ctx)
 		if ctx.Err() != nil {
 			return nil
@@ -307,9 +314,7 @@ func (w *Worker) serve(ctx context.Context) error {
 			w.log.Error("taskd: the manager refuses this worker's position", "err", err)
 			return err
 		}
-		if time.Since(start) > 2*w.cfg.ReconnectMax {
-			retry.lasted()
-		}
+		retry.ended(w.registrations() > n, time.Since(start) > 2*w.cfg.ReconnectMax)
 		wait := retry.wait(err, time.Now())
 		if served, ok := servedJob(err); ok {
 			w.otherJob.Store(&served)
