@@ -348,9 +348,20 @@ func TestPeerFromNotes(t *testing.T) {
 		}
 	}
 
+	// Rank 0 ended a group with rank 1 just before its last note, and rank
+	// 1 noted again since: both ends were let go of, and name no one.
+	a := ranks()
+	a.slots[0].note([]tcpSocket{{inode: "a", local: 40001, remote: q}})
+	a.slots[1].note([]tcpSocket{{inode: "b", local: q, remote: 40001}})
+	a.slots[0].note([]tcpSocket{{inode: "x", local: 40003, remote: 29500}})
+	a.slots[1].note([]tcpSocket{{inode: "y", local: 40004, remote: 29500}})
+	if r := a.rankOfPeer(q, 0); r != -1 {
+		t.Fatalf("rankOfPeer with both ends of a connection let go of before a note = %d, want none", r)
+	}
+
 	// Rank 0 noted no end to the port: rank 1's socket on it stands for
 	// it only where rank 1 did not let go of it and go on.
-	a := ranks()
+	a = ranks()
 	a.slots[1].note([]tcpSocket{{inode: "s", local: bits.ReverseBytes16(q), remote: 29500}})
 	if r := a.rankOfPeer(q, 0); r != 1 {
 		t.Fatalf("rankOfPeer with rank 1's socket on the port closed = %d, want 1", r)
@@ -390,6 +401,19 @@ func TestPeerFromNotes(t *testing.T) {
 	a.slots[0].socks = slices.DeleteFunc(a.slots[0].socks, func(k tcpSocket) bool { return k.inode == "x" }) // of no slot
 	if r, p := a.closedPeer(0); r != 1 || p != 42001 {
 		t.Fatalf("closedPeer with rank 0's end of a group ended before = rank %d, port %d; want rank 1, port 42001", r, p)
+	}
+
+	// Rank 0's connection with rank 1 ended before its last note, rank 1
+	// taking none since; rank 0's end of the connection that failed was
+	// not noted: rank 1's end names no one.
+	a = ranks()
+	a.slots[0].note([]tcpSocket{{inode: "a", local: 40001, remote: 40002}})
+	a.slots[1].note([]tcpSocket{{inode: "b", local: 40002, remote: 40001}})
+	a.slots[0].note([]tcpSocket{{inode: "x", local: 40003, remote: 29500}})
+	a.slots[0].note([]tcpSocket{{inode: "x", local: 40003, remote: 29500}})
+	a.slots[0].socks = slices.DeleteFunc(a.slots[0].socks, func(k tcpSocket) bool { return k.inode == "x" })
+	if r, _ := a.closedPeer(0); r != -1 {
+		t.Fatalf("closedPeer with rank 1's end of a connection ended before rank 0's last note = rank %d, want none", r)
 	}
 
 	// Once rank 0's process is gone, its connection with rank 1, open at

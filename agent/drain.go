@@ -390,7 +390,9 @@ func (a *Agent) rankOfPeer(port uint16, rank int) int {
 				!slices.ContainsFunc(stale, func(m tcpSocket) bool { return k.local == m.remote && k.remote == m.local })
 		}
 		return slices.ContainsFunc(mine, func(m tcpSocket) bool {
-			return k.local == m.remote && k.remote == m.local && (!open[k.inode] || alive && !mineOpen[m.inode])
+			// Not both ends let go of before a note: an ended group's.
+			return k.local == m.remote && k.remote == m.local && (!open[k.inode] || alive && !mineOpen[m.inode]) &&
+				(m.gone == 0 || k.gone == 0)
 		})
 	}
 	found := -1
@@ -452,7 +454,9 @@ func (a *Agent) closedPeer(rank int) (int, uint16) {
 		}
 		var ends, theirs []tcpSocket // s's ends of rank's connections, and rank's
 		for _, k := range s.socks {
-			if i := slices.IndexFunc(mine, func(m tcpSocket) bool { return m.local == k.remote && m.remote == k.local }); i >= 0 {
+			if i := slices.IndexFunc(mine, func(m tcpSocket) bool {
+				return m.local == k.remote && m.remote == k.local && (m.gone == 0 || m.gone == notes)
+			}); i >= 0 {
 				ends, theirs = append(ends, k), append(theirs, mine[i])
 			}
 		}
