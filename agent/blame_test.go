@@ -148,42 +148,12 @@ func TestPeerFromSockets(t *testing.T) {
 		t.Skipf("no /proc/self/net/tcp: %v", err)
 	}
 	// connect returns both ends of a new connection: rank 0's, its peer's.
-	connect := func() (net.Conn, net.Conn) {
-		c, err := net.Dial("tcp", l.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		d, err := l.Accept()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close(); d.Close() })
-		return c, d
-	}
-	note := func(s *slot, c net.Conn) {
-		t.Helper()
-		b, err := os.ReadFile("/proc/self/net/tcp")
-		if err != nil {
-			t.Fatal(err)
-		}
-		local, remote := uint16(c.LocalAddr().(*net.TCPAddr).Port), uint16(c.RemoteAddr().(*net.TCPAddr).Port)
-		n := len(s.socks)
-		for _, k := range tcpSockets(b, socketInodes(os.Getpid())) {
-			if k.local == local && k.remote == remote {
-				s.socks = append(s.socks, k)
-			}
-		}
-		if len(s.socks) == n {
-			t.Fatalf("no socket %d -> %d of this process in /proc/self/net/tcp", local, remote)
-		}
-	}
+	connect := func() (net.Conn, net.Conn) { return loopback(t, l) }
+	note := func(s *slot, c net.Conn) { s.socks = append(s.socks, ownEnd(t, c)) }
 	// agent has ranks 0 to 2 with connections 0-1 and 0-2, and one of
 	// rank 0 with a rank no slot holds.
 	agent := func() (a *Agent, to1, at1, to2, at2, toOther net.Conn) {
-		a = &Agent{cfg: Config{ProcsPerNode: 3}}
-		for r := range 3 {
-			a.slots = append(a.slots, &slot{rank: r, proc: &rankProc{pid: os.Getpid()}})
-		}
+		a = threeRanks()
 		to1, at1 = connect()
 		to2, at2 = connect()
 		toOther, _ = connect()
@@ -232,27 +202,12 @@ func TestPeerFromSockets(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer l.Close()
-		c, err := net.Dial("tcp", l.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		d, err := l.Accept()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close(); d.Close() })
+		c, d := loopback(t, l)
 		note(a.slots[0], c)
 		note(s, d)
 		return c, d
 	}
-	ranks := func() *Agent {
-		a := &Agent{cfg: Config{ProcsPerNode: 3}}
-		for r := range 3 {
-			a.slots = append(a.slots, &slot{rank: r, proc: &rankProc{pid: os.Getpid()}})
-		}
-		return a
-	}
-	a = ranks()
+	a = threeRanks()
 	c1, at1 := dial(a, a.slots[1])
 	c2, at2 := dial(a, a.slots[2])
 	p1, p2 := port(at1), port(at2)
@@ -287,7 +242,7 @@ func TestPeerFromSockets(t *testing.T) {
 	// Where rank 0 has no end to the port noted, the one rank holding it
 	// (in either reading) on a socket closed now stands for it; one open
 	// on it does not.
-	a = ranks()
+	a = threeRanks()
 	_, at1 = dial(a, a.slots[1])
 	_, at2 = dial(a, a.slots[2])
 	a.slots[0].socks = nil
@@ -306,18 +261,14 @@ func TestPeerFromSockets(t *testing.T) {
 // and ends groups leaves them. Sockets with made-up inodes are closed;
 // the ranks' process is this one.
 func TestPeerFromNotes(t *testing.T) {
-	ranks := func() *Agent {
-		a := &Agent{cfg: Config{ProcsPerNode: 3}}
-		for r := range 3 {
-			a.slots = append(a.slots, &slot{rank: r, proc: &rankProc{pid: os.Getpid()}})
-		}
-		return a
+	if _, err := os.Stat("/proc/self/net/tcp"); err != nil {
+		t.Skipf("no /proc/self/net/tcp: %v", err)
 	}
 	const q = 45000
 	for _, old := range []uint16{q, bits.ReverseBytes16(q)} {
 		// Rank 0's connection with rank 1 ended with a group; the port went
 		// to rank 0's new connection with a rank whose end was not noted.
-		a := ranks()
+		a := threeRanks()
 		a.slots[0].note([]tcpSocket{{inode: "a", local: 40001, remote: old}})
 		a.slots[1].note([]tcpSocket{{inode: "b", local: old, remote: 40001}})
 		if r := a.rankOfPeer(q, 0); r != 1 {
@@ -333,7 +284,7 @@ func TestPeerFromNotes(t *testing.T) {
 	// the port went to rank 2, and rank 0's end of the connection that
 	// failed was not noted: rank 1's old end names no one, rank 2's may.
 	for _, noted2 := range []bool{false, true} {
-		a := ranks()
+		a := threeRanks()
 		a.slots[0].note([]tcpSocket{{inode: "a", local: 40001, remote: q}})
 		a.slots[1].note([]tcpSocket{{inode: "b", local: q, remote: 40001}})
 		a.slots[0].note([]tcpSocket{{inode: "x", local: 40003, remote: 29500}})
@@ -350,7 +301,7 @@ func TestPeerFromNotes(t *testing.T) {
 
 	// Rank 0 ended a group with rank 1 just before its last note, and rank
 	// 1 noted again since: both ends were let go of, and name no one.
-	a := ranks()
+	a := threeRanks()
 	a.slots[0].note([]tcpSocket{{inode: "a", local: 40001, remote: q}})
 	a.slots[1].note([]tcpSocket{{inode: "b", local: q, remote: 40001}})
 	a.slots[0].note([]tcpSocket{{inode: "x", local: 40003, remote: 29500}})
@@ -361,7 +312,7 @@ func TestPeerFromNotes(t *testing.T) {
 
 	// Rank 0 noted no end to the port: rank 1's socket on it stands for
 	// it only where rank 1 did not let go of it and go on.
-	a = ranks()
+	a = threeRanks()
 	a.slots[1].note([]tcpSocket{{inode: "s", local: bits.ReverseBytes16(q), remote: 29500}})
 	if r := a.rankOfPeer(q, 0); r != 1 {
 		t.Fatalf("rankOfPeer with rank 1's socket on the port closed = %d, want 1", r)
@@ -371,7 +322,7 @@ func TestPeerFromNotes(t *testing.T) {
 		t.Fatalf("rankOfPeer with rank 1's socket on the port closed before its last note = %d, want none", r)
 	}
 	// closedPeer passes over such an end too.
-	a = ranks()
+	a = threeRanks()
 	a.slots[0].note([]tcpSocket{{inode: "m", local: 40001, remote: 40002}})
 	a.slots[1].note([]tcpSocket{{inode: "k", local: 40002, remote: 40001}})
 	a.slots[0].proc = nil
@@ -391,7 +342,7 @@ func TestPeerFromNotes(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	a = ranks()
+	a = threeRanks()
 	a.slots[0].note([]tcpSocket{{inode: "e", local: 40010, remote: 40011}})
 	a.slots[2].note([]tcpSocket{{inode: "f", local: 40011, remote: 40010}})
 	a.slots[0].note([]tcpSocket{{inode: "x", local: 40003, remote: 29500}})
@@ -406,7 +357,7 @@ func TestPeerFromNotes(t *testing.T) {
 	// Rank 0's connection with rank 1 ended before its last note, rank 1
 	// taking none since; rank 0's end of the connection that failed was
 	// not noted: rank 1's end names no one.
-	a = ranks()
+	a = threeRanks()
 	a.slots[0].note([]tcpSocket{{inode: "a", local: 40001, remote: 40002}})
 	a.slots[1].note([]tcpSocket{{inode: "b", local: 40002, remote: 40001}})
 	a.slots[0].note([]tcpSocket{{inode: "x", local: 40003, remote: 29500}})
@@ -418,36 +369,11 @@ func TestPeerFromNotes(t *testing.T) {
 
 	// Once rank 0's process is gone, its connection with rank 1, open at
 	// rank 1's end, did not fail.
-	c, err := net.Dial("tcp", l.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	d, err := l.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	p0, p1 := uint16(c.LocalAddr().(*net.TCPAddr).Port), uint16(d.LocalAddr().(*net.TCPAddr).Port)
-	b, err := os.ReadFile("/proc/self/net/tcp")
-	if err != nil {
-		t.Skipf("no /proc/self/net/tcp: %v", err)
-	}
-	var mine, theirs []tcpSocket
-	for _, k := range tcpSockets(b, socketInodes(os.Getpid())) {
-		switch {
-		case k.local == p0 && k.remote == p1:
-			mine = append(mine, k)
-		case k.local == p1 && k.remote == p0:
-			theirs = append(theirs, k)
-		}
-	}
-	if len(mine) != 1 || len(theirs) != 1 {
-		t.Fatalf("ends %d -> %d in /proc/self/net/tcp: %v and %v", p0, p1, mine, theirs)
-	}
-	a = ranks()
-	a.slots[0].note(mine)
-	a.slots[1].note(theirs)
+	c, d := loopback(t, l)
+	p1 := uint16(d.LocalAddr().(*net.TCPAddr).Port)
+	a = threeRanks()
+	a.slots[0].note([]tcpSocket{ownEnd(t, c)})
+	a.slots[1].note([]tcpSocket{ownEnd(t, d)})
 	a.slots[0].proc = nil
 	if r := a.rankOfPeer(p1, 0); r != -1 {
 		t.Fatalf("rankOfPeer, rank 0 gone, of its connection open at rank 1's end = %d, want none", r)
@@ -468,6 +394,48 @@ func TestPeerFromNotes(t *testing.T) {
 		t.Fatalf("after %d notes, %d sockets noted (held kept: %v); want %d", 3*maxGone, len(s.socks),
 			slices.ContainsFunc(s.socks, func(k tcpSocket) bool { return k.inode == "held" }), maxGone+2)
 	}
+}
+
+// threeRanks returns an agent of ranks 0 to 2, their process this one.
+func threeRanks() *Agent {
+	a := &Agent{cfg: Config{ProcsPerNode: 3}}
+	for r := range 3 {
+		a.slots = append(a.slots, &slot{rank: r, proc: &rankProc{pid: os.Getpid()}})
+	}
+	return a
+}
+
+// loopback returns both ends of a new connection to l, closed at the
+// test's end.
+func loopback(t *testing.T, l net.Listener) (net.Conn, net.Conn) {
+	t.Helper()
+	c, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close(); d.Close() })
+	return c, d
+}
+
+// ownEnd returns c's socket as /proc/self/net/tcp shows it.
+func ownEnd(t *testing.T, c net.Conn) tcpSocket {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/net/tcp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	local, remote := uint16(c.LocalAddr().(*net.TCPAddr).Port), uint16(c.RemoteAddr().(*net.TCPAddr).Port)
+	for _, k := range tcpSockets(b, socketInodes(os.Getpid())) {
+		if k.local == local && k.remote == remote {
+			return k
+		}
+	}
+	t.Fatalf("no socket %d -> %d of this process in /proc/self/net/tcp", local, remote)
+	return tcpSocket{}
 }
 
 func FuzzPeerAddr(f *testing.F) {

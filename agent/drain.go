@@ -308,6 +308,10 @@ func (s *slot) note(open []tcpSocket) {
 	}
 }
 
+// closedBefore reports whether the socket was seen closed at a note of
+// its slot's before note n.
+func (k tcpSocket) closedBefore(n int) bool { return k.gone != 0 && k.gone < n }
+
 // goneOrder sorts the sockets closed earliest first, those held last.
 func goneOrder(k tcpSocket) int {
 	if k.gone == 0 {
@@ -372,7 +376,7 @@ func (a *Agent) rankOfPeer(port uint16, rank int) int {
 	}
 	var stale []tcpSocket
 	mine = slices.DeleteFunc(mine, func(m tcpSocket) bool {
-		if m.gone != 0 && (m.gone < notes || m.gone <= newest) {
+		if m.closedBefore(notes) || m.closedBefore(newest+1) {
 			stale = append(stale, m)
 			return true
 		}
@@ -421,15 +425,15 @@ func (a *Agent) rankOfPeer(port uint16, rank int) int {
 // closedPeer returns the one local rank whose end of a connection with
 // rank's process (both ends as they were noted) is closed now, and the
 // port of that end; -1 when no rank's end is, or more than one rank's.
-// An end its rank closed before its last note is one it let go of and
-// went on: it names no one.
 // gloo names at times, for a connection the peer made, the address the
 // peer had listened on and closed before it connected, which no table
 // holds; the connection's own ends still say which peer let go. While
 // rank runs, its own closed ends are the connections that failed (gloo
-// closes a pair on its error) and any it closed before: each must be one
-// with the rank found, else the failure may be with a rank of another
-// agent on this host.
+// closes a pair on its error) and any it closed since its last note:
+// each must be one with the rank found, else the failure may be with a
+// rank of another agent on this host. An end closed before its rank's
+// last note was let go of by a rank that went on: it names no one, and
+// is no connection that failed.
 func (a *Agent) closedPeer(rank int) (int, uint16) {
 	own := a.slotOf(rank)
 	if own == nil {
@@ -455,7 +459,7 @@ func (a *Agent) closedPeer(rank int) (int, uint16) {
 		var ends, theirs []tcpSocket // s's ends of rank's connections, and rank's
 		for _, k := range s.socks {
 			if i := slices.IndexFunc(mine, func(m tcpSocket) bool {
-				return m.local == k.remote && m.remote == k.local && (m.gone == 0 || m.gone == notes)
+				return m.local == k.remote && m.remote == k.local && !m.closedBefore(notes)
 			}); i >= 0 {
 				ends, theirs = append(ends, k), append(theirs, mine[i])
 			}
@@ -479,7 +483,7 @@ func (a *Agent) closedPeer(rank int) (int, uint16) {
 		for _, m := range mine {
 			// An end closed before rank's last note is of a group ended
 			// before, not of this failure.
-			if m.remote != 0 && !open[m.inode] && (m.gone == 0 || m.gone == notes) && !slices.Contains(with, m) {
+			if m.remote != 0 && !open[m.inode] && !m.closedBefore(notes) && !slices.Contains(with, m) {
 				return -1, 0
 			}
 		}

@@ -50,7 +50,8 @@ var sensConfigs = []struct {
 // (judged where its records show the slowdown asked for: on a loaded
 // machine the shared cores stretch every rank's host work and dilute
 // it), and, with the default configuration, no healthy job but those
-// sharing the cores gives a finding. The real jobs run unless -short (about 80 s).
+// sharing the cores gives a finding. The real jobs run unless -short
+// (about 80 s).
 func TestSensitivity(t *testing.T) {
 	jobs := sensGenerated(t)
 	if !testing.Short() {
